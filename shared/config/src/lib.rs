@@ -1,0 +1,1 @@
+//! Every flag and environment variable of every Tandem role.

@@ -1,0 +1,2 @@
+//! The Tandem inference engine: model files, tokenizer and chat templates, the paged KV cache
+//! with prefix reuse and block events, the scheduler, the sampler and the compute backends.
