@@ -1,2 +1,5 @@
 //! The Tandem inference engine: model files, tokenizer and chat templates, the paged KV cache
 //! with prefix reuse and block events, the scheduler, the sampler and the compute backends.
+
+pub mod kv;
+pub mod sampler;

@@ -1,0 +1,111 @@
+//! Block hashing compatible with Dynamo's KV router (`lib/kv-router/src/protocols.rs`).
+//!
+//! Two hashes exist per full block:
+//! - the *local* hash (`tokens_hash` in events, `LocalBlockHash` in Dynamo): XXH3-64 with seed
+//!   1337 over the block's tokens as little-endian `u32` bytes. It depends only on the block's
+//!   own tokens.
+//! - the *sequence* hash (`block_hash` in events): chains the local hashes so that it identifies
+//!   the whole prefix up to and including the block: `seq[0] = local[0]`,
+//!   `seq[i] = xxh3_64_with_seed(le(seq[i-1]) ++ le(local[i]), 1337)`.
+//!
+//! Only full blocks are hashed: a trailing partial block has no hash, because its contents
+//! are still changing and could never be matched by another request's full block.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The seed Dynamo uses for every KV hash.
+pub const XXH3_SEED: u64 = 1337;
+
+/// Hash of one block's tokens alone.
+pub fn local_block_hash(tokens: &[u32]) -> u64 {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, XXH3_SEED)
+}
+
+/// Local hashes of every full block of `tokens`; the trailing partial block is dropped.
+pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    tokens
+        .chunks_exact(block_size)
+        .map(local_block_hash)
+        .collect()
+}
+
+/// Sequence hash of a block given its parent's sequence hash (None for the first block).
+pub fn chain_hash(parent: Option<u64>, local: u64) -> u64 {
+    match parent {
+        None => local,
+        Some(p) => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&p.to_le_bytes());
+            bytes[8..].copy_from_slice(&local.to_le_bytes());
+            xxh3_64_with_seed(&bytes, XXH3_SEED)
+        }
+    }
+}
+
+/// Sequence hashes from a list of local hashes.
+pub fn sequence_hashes(locals: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(locals.len());
+    let mut parent = None;
+    for &l in locals {
+        let h = chain_hash(parent, l);
+        out.push(h);
+        parent = Some(h);
+    }
+    out
+}
+
+/// Both hashes of every full block of `tokens`: `(local, sequence)` pairs.
+pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<(u64, u64)> {
+    let locals = local_block_hashes(tokens, block_size);
+    let seqs = sequence_hashes(&locals);
+    locals.into_iter().zip(seqs).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Known values computed independently with Python's `xxhash` package:
+    //   xxhash.xxh3_64_intdigest(struct.pack('<4I', 1,2,3,4), seed=1337)
+    //   xxhash.xxh3_64_intdigest(struct.pack('<QQ', a, b), seed=1337)
+    const H1234: u64 = 14643705804678351452;
+    const H5678: u64 = 16777012769546811212;
+    const CHAIN: u64 = 4945711292740353085;
+    const H0_31: u64 = 5756925433886871916;
+
+    #[test]
+    fn local_hash_matches_python_xxhash() {
+        assert_eq!(local_block_hash(&[1, 2, 3, 4]), H1234);
+        assert_eq!(local_block_hash(&[5, 6, 7, 8]), H5678);
+        let toks: Vec<u32> = (0..32).collect();
+        assert_eq!(local_block_hash(&toks), H0_31);
+    }
+
+    #[test]
+    fn chained_hash_matches_python_xxhash() {
+        let hs = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4);
+        assert_eq!(hs, vec![(H1234, H1234), (H5678, CHAIN)]);
+    }
+
+    #[test]
+    fn partial_blocks_are_not_hashed() {
+        assert!(block_hashes(&[1, 2, 3], 4).is_empty());
+        assert_eq!(local_block_hashes(&[1, 2, 3, 4, 5], 4).len(), 1);
+        assert!(local_block_hashes(&[1, 2], 0).is_empty());
+    }
+
+    #[test]
+    fn sequence_hash_depends_on_prefix() {
+        let a = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
+        let b = block_hashes(&[9, 9, 9, 9, 5, 6, 7, 8], 4);
+        assert_eq!(a[1].0, b[1].0, "same tokens, same local hash");
+        assert_ne!(a[1].1, b[1].1, "different prefix, different sequence hash");
+    }
+}

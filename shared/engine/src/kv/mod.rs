@@ -1,0 +1,4 @@
+//! The paged KV cache.
+pub mod block_manager;
+pub mod events;
+pub mod hash;

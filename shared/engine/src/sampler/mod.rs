@@ -1,0 +1,277 @@
+//! Token sampling: penalties, masking, temperature, top-k / top-p / min-p filtering, seeded
+//! draws and logprobs.
+//!
+//! Order of operations for one step (the vLLM order):
+//! 1. repetition, frequency and presence penalties on the raw logits;
+//! 2. until `min_tokens` are generated, EOS and stop token ids are masked to -inf;
+//! 3. greedy: argmax. Otherwise divide by the temperature, then keep the top-k, then the
+//!    smallest top-p nucleus, then drop tokens below `min_p * p_max`, and draw from what is
+//!    left, renormalised, with the sequence's own [`Rng`].
+//!
+//! **Logprobs** are the log-softmax of the logits after steps 1–2 and the temperature (the
+//! distribution the draw is made from before the truncating filters), so they are finite for
+//! every token and sum to one over the vocabulary. For greedy requests no temperature applies.
+//!
+//! Each draw consumes exactly one `f64` from the sequence's RNG, so the RNG position is simply
+//! the number of sampled tokens and can be exported with the rest of [`SamplerState`].
+
+pub mod params;
+pub mod rng;
+pub mod stop;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub use params::SamplingParams;
+pub use rng::Rng;
+pub use stop::{StopFeed, StopMatcher};
+
+/// The mutable per-sequence sampling state, exported with a request so another engine can
+/// continue it exactly.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplerState {
+    pub rng: Rng,
+    /// How often each token occurs in the output (for frequency / presence penalties).
+    pub output_counts: BTreeMap<u32, u32>,
+}
+
+impl SamplerState {
+    pub fn new(seed: u64, index: u64) -> Self {
+        Self {
+            rng: Rng::for_stream(seed, index),
+            output_counts: BTreeMap::new(),
+        }
+    }
+
+    pub fn record(&mut self, token: u32) {
+        *self.output_counts.entry(token).or_insert(0) += 1;
+    }
+
+    pub fn num_generated(&self) -> usize {
+        self.output_counts.values().map(|&c| c as usize).sum()
+    }
+}
+
+/// The chosen token's log-probability and the top alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// The most likely tokens, most likely first: `(token, logprob)`.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One sampled token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// What the sampler needs to know about the sequence beyond its state.
+pub struct SampleContext<'a> {
+    /// Prompt and output tokens so far (for the repetition penalty).
+    pub all_tokens: &'a [u32],
+    /// Tokens masked while fewer than `min_tokens` were generated (EOS and stop ids).
+    pub eos_token_ids: &'a [u32],
+}
+
+/// Applies the penalties of `params` in place.
+fn apply_penalties(
+    logits: &mut [f32],
+    params: &SamplingParams,
+    state: &SamplerState,
+    all_tokens: &[u32],
+) {
+    if params.repetition_penalty != 1.0 {
+        let mut seen = vec![false; logits.len()];
+        for &t in all_tokens {
+            if let Some(s) = seen.get_mut(t as usize) {
+                if !*s {
+                    *s = true;
+                    let l = &mut logits[t as usize];
+                    if *l > 0.0 {
+                        *l /= params.repetition_penalty;
+                    } else {
+                        *l *= params.repetition_penalty;
+                    }
+                }
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        for (&t, &c) in &state.output_counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.frequency_penalty * c as f32 + params.presence_penalty;
+            }
+        }
+    }
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    logits.iter().map(|&l| (l as f64 - lse) as f32).collect()
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &l) in logits.iter().enumerate() {
+        // Strict comparison keeps the lowest id among ties; NaN never wins.
+        if l > logits[best] || logits[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn top_logprobs(lp: &[f32], k: usize) -> Vec<(u32, f32)> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+    let k = k.min(idx.len());
+    let cmp = |a: &u32, b: &u32| {
+        lp[*b as usize]
+            .total_cmp(&lp[*a as usize])
+            .then(a.cmp(b))
+    };
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx.into_iter().map(|t| (t, lp[t as usize])).collect()
+}
+
+/// Samples one token from one row of logits.
+pub fn sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    state: &mut SamplerState,
+    ctx: &SampleContext<'_>,
+) -> Sampled {
+    let mut l = logits.to_vec();
+    apply_penalties(&mut l, params, state, ctx.all_tokens);
+    if state.num_generated() < params.min_tokens {
+        for &t in ctx.eos_token_ids.iter().chain(&params.stop_token_ids) {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let token = if params.is_greedy() {
+        argmax(&l)
+    } else {
+        let inv_t = 1.0 / params.temperature;
+        for x in l.iter_mut() {
+            *x *= inv_t;
+        }
+        draw(&l, params, &mut state.rng)
+    };
+    let logprob = params.logprobs.map(|k| {
+        let lp = log_softmax(&l);
+        TokenLogprob {
+            token,
+            logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+            top: top_logprobs(&lp, k),
+        }
+    });
+    state.record(token);
+    Sampled { token, logprob }
+}
+
+/// Draws a token for a backend that returned no logits (the simulator): uniform over the
+/// vocabulary from the sequence's RNG, so it is still reproducible from the seed.
+pub fn sample_without_logits(
+    vocab_size: usize,
+    state: &mut SamplerState,
+) -> Sampled {
+    let token = state.rng.below(vocab_size.max(1) as u64) as u32;
+    state.record(token);
+    Sampled {
+        token,
+        logprob: None,
+    }
+}
+
+/// Draws from temperature-scaled logits after the truncating filters.
+fn draw(scaled: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
+    let max = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let u = rng.next_f64();
+    if !max.is_finite() {
+        // Everything masked: nothing sensible to draw; fall back to the lowest id.
+        return 0;
+    }
+    let filtered = params.top_k > 0 || params.top_p < 1.0 || params.min_p > 0.0;
+    if !filtered {
+        // Inverse CDF in token-id order over the full vocabulary.
+        let probs: Vec<f64> = scaled.iter().map(|&x| ((x - max) as f64).exp()).collect();
+        return pick(&probs, (0..scaled.len() as u32).collect::<Vec<_>>().as_slice(), u);
+    }
+    let mut cand: Vec<u32> = (0..scaled.len() as u32)
+        .filter(|&i| scaled[i as usize] > f32::NEG_INFINITY)
+        .collect();
+    let cmp = |a: &u32, b: &u32| {
+        scaled[*b as usize]
+            .total_cmp(&scaled[*a as usize])
+            .then(a.cmp(b))
+    };
+    if params.top_k > 0 && params.top_k < cand.len() {
+        cand.select_nth_unstable_by(params.top_k - 1, cmp);
+        cand.truncate(params.top_k);
+    }
+    cand.sort_by(cmp);
+    let mut probs: Vec<f64> = cand
+        .iter()
+        .map(|&i| ((scaled[i as usize] - max) as f64).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    if params.top_p < 1.0 {
+        // Smallest prefix whose mass reaches top_p; always at least one token.
+        let target = params.top_p as f64 * total;
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if acc >= target {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+        cand.truncate(keep);
+    }
+    if params.min_p > 0.0 {
+        // probs[0] is the largest; relative threshold, so no renormalisation needed first.
+        let thr = params.min_p as f64 * probs[0];
+        let keep = probs.iter().take_while(|&&p| p >= thr).count().max(1);
+        probs.truncate(keep);
+        cand.truncate(keep);
+    }
+    pick(&probs, &cand, u)
+}
+
+/// Inverse-CDF pick of `ids[i]` with unnormalised weights `probs[i]` for uniform `u`.
+fn pick(probs: &[f64], ids: &[u32], u: f64) -> u32 {
+    let total: f64 = probs.iter().sum();
+    let target = u * total;
+    let mut acc = 0.0;
+    let mut last = ids[0];
+    for (p, &id) in probs.iter().zip(ids) {
+        if *p <= 0.0 {
+            continue;
+        }
+        acc += p;
+        last = id;
+        if target < acc {
+            return id;
+        }
+    }
+    last
+}
+
+#[cfg(test)]
+mod tests;
