@@ -1,0 +1,71 @@
+//! The edge shared by every binary's `main`: parse the process's own arguments and
+//! environment, print errors and `--help` the way a user expects, log warnings, and honour
+//! `--print-config` / `--dump-config-to`.
+
+use crate::error::ConfigError;
+use crate::worker::{Role, WorkerConfig};
+use crate::RouterConfig;
+use std::io::Write;
+
+/// Prints to stdout, ignoring a closed pipe (`... --print-config | head`).
+fn print_stdout(text: &str) {
+    let _ = writeln!(std::io::stdout().lock(), "{text}");
+}
+
+fn exit_with(err: ConfigError, bin: &str) -> ! {
+    if let ConfigError::Cli(e) = err {
+        e.exit();
+    }
+    let code = err.exit_code();
+    eprintln!("{bin}: error: {err}");
+    std::process::exit(code);
+}
+
+/// Parses a worker's config from the process, or exits. Returns `None` after
+/// `--print-config` printed the config (the caller should exit 0).
+pub fn worker_config_or_exit(role: Role) -> Option<WorkerConfig> {
+    let args: Vec<String> = std::env::args().collect();
+    let cfg = crate::parse_worker(role, &args, &crate::process_env)
+        .unwrap_or_else(|e| exit_with(e, role.binary()));
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
+    if cfg.print_config {
+        print_stdout(&cfg.to_json());
+        return None;
+    }
+    if let Err(e) = cfg.dump_if_requested() {
+        exit_with(e, role.binary());
+    }
+    Some(cfg)
+}
+
+/// Parses the router's config from the process, or exits; `None` after `--print-config`.
+pub fn router_config_or_exit() -> Option<RouterConfig> {
+    let args: Vec<String> = std::env::args().collect();
+    let cfg = crate::parse_router(&args, &crate::process_env)
+        .unwrap_or_else(|e| exit_with(e, "tandem-router"));
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
+    if cfg.print_config {
+        print_stdout(
+            &serde_json::to_string_pretty(&cfg)
+                .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}")),
+        );
+        return None;
+    }
+    if let Some(path) = &cfg.runtime.dump_config_to {
+        let json = serde_json::to_string_pretty(&cfg).unwrap_or_default();
+        if let Err(source) = std::fs::write(path, json) {
+            exit_with(
+                ConfigError::Io {
+                    path: path.clone(),
+                    source,
+                },
+                "tandem-router",
+            );
+        }
+    }
+    Some(cfg)
+}

@@ -1,0 +1,305 @@
+//! The table of every flag. Names, env vars, defaults and choices follow the TensorRT-LLM
+//! worker of Dynamo (seed page `trtllm-config-reference`, notes §2.2–2.4); Tandem-specific
+//! values (discovery `file`, event plane `direct`, gRPC request plane, the built-in tiny
+//! model) are the ones DESIGN.md sets.
+
+use crate::spec::{FlagSpec, Group::*, Kind::*, Scope};
+
+pub const MODALITIES: &[&str] = &["text", "multimodal", "video_diffusion", "image_diffusion"];
+pub const DISAGGREGATION_MODES: &[&str] = &[
+    "agg",
+    "pd",
+    "prefill",
+    "decode",
+    "encode",
+    "prefill_and_decode",
+];
+pub const TOOL_CALL_PARSERS: &[&str] = &[
+    "hermes",
+    "nemotron_deci",
+    "llama3_json",
+    "mistral",
+    "phi4",
+    "pythonic",
+    "harmony",
+    "deepseek_v3",
+    "deepseek_v3_1",
+    "deepseek_v3_2",
+    "qwen3_coder",
+    "jamba",
+    "minimax_m2",
+    "glm47",
+    "kimi_k2",
+    "default",
+    "nemotron_nano",
+];
+pub const REASONING_PARSERS: &[&str] = &[
+    "deepseek_r1",
+    "basic",
+    "gpt_oss",
+    "qwen3",
+    "nemotron_deci",
+    "kimi",
+    "kimi_k25",
+    "step3",
+    "mistral",
+    "granite",
+    "nemotron_nano",
+    "nemotron3",
+    "glm45",
+];
+
+const INT1: crate::spec::Kind = Int { min: 1 };
+
+/// Every flag of every role, in `--help` order.
+pub static FLAGS: &[FlagSpec] = &[
+    // ---- Model loading
+    FlagSpec::new("model-path", Str, ModelLoading,
+        "Path to a local Hugging Face model folder (or a hub id when online) to serve.")
+        .aliases(&["model"]).env("DYN_TRTLLM_MODEL")
+        .default_note("the built-in tiny model (generated locally, no download)"),
+    FlagSpec::new("served-model-name", Str, ModelLoading,
+        "Name to serve the model under in the API; derived from the model path when unset.")
+        .env("DYN_TRTLLM_SERVED_MODEL_NAME"),
+    FlagSpec::new("load-format", Str, ModelLoading,
+        "Model weight loading format; `auto` detects it from the files.")
+        .env("DYN_TRTLLM_LOAD_FORMAT").default("auto"),
+    FlagSpec::new("model-loader-extra-config", Str, ModelLoading,
+        "JSON object passed as extra configuration to the model loader.")
+        .env("DYN_TRTLLM_MODEL_LOADER_EXTRA_CONFIG").default(""),
+    // ---- Parallelism
+    FlagSpec::new("tensor-parallel-size", INT1, Parallelism,
+        "Tensor parallelism degree (GPUs each layer's weights are split across).")
+        .env("DYN_TRTLLM_TENSOR_PARALLEL_SIZE").default("1"),
+    FlagSpec::new("pipeline-parallel-size", INT1, Parallelism,
+        "Pipeline parallelism degree (stages the layers are distributed over).")
+        .env("DYN_TRTLLM_PIPELINE_PARALLEL_SIZE").default("1"),
+    FlagSpec::new("expert-parallel-size", INT1, Parallelism,
+        "Expert parallelism degree for mixture-of-experts models; unset means none.")
+        .env("DYN_TRTLLM_EXPERT_PARALLEL_SIZE"),
+    FlagSpec::new("enable-attention-dp", Bool, Parallelism,
+        "Attention data parallelism (attention_dp_size = tensor_parallel_size).")
+        .env("DYN_TRTLLM_ENABLE_ATTENTION_DP").default("false"),
+    FlagSpec::new("conversation-affinity", Bool, Parallelism,
+        "Route each conversation to one attention-DP rank.")
+        .env("DYN_ENGINE_CONV_AFFINITY").default("false"),
+    FlagSpec::new("conversation-affinity-dp-rank-source", Choice(&["engine", "dynamo"]), Parallelism,
+        "Who picks the attention-DP rank under conversation affinity.")
+        .env("DYN_ENGINE_CONV_AFFINITY_DP_RANK_SOURCE").default("engine"),
+    FlagSpec::new("gpus-per-node", INT1, Parallelism,
+        "Number of GPUs per node; inferred from the system when unset.")
+        .env("DYN_TRTLLM_GPUS_PER_NODE"),
+    // ---- Batch and sequence limits
+    FlagSpec::new("max-batch-size", INT1, BatchAndSequenceLimits,
+        "Maximum number of requests scheduled in one forward pass (published as max_num_seqs).")
+        .env("DYN_TRTLLM_MAX_BATCH_SIZE").default("2048"),
+    FlagSpec::new("max-num-tokens", INT1, BatchAndSequenceLimits,
+        "Maximum number of batched tokens in one forward pass (published as max_num_batched_tokens).")
+        .env("DYN_TRTLLM_MAX_NUM_TOKENS").default("8192"),
+    FlagSpec::new("max-seq-len", INT1, BatchAndSequenceLimits,
+        "Maximum total length (prompt + output) of one request; deduced from the model when unset.")
+        .env("DYN_TRTLLM_MAX_SEQ_LEN"),
+    FlagSpec::new("max-beam-width", INT1, BatchAndSequenceLimits,
+        "Maximum number of beams for beam search; 1 means no beam search.")
+        .env("DYN_TRTLLM_MAX_BEAM_WIDTH").default("1"),
+    // ---- KV cache and events
+    FlagSpec::new("kv-block-size", INT1, KvCacheAndEvents,
+        "Tokens per KV cache block; also the router's hashing granularity.")
+        .env("DYN_TRTLLM_KV_BLOCK_SIZE").default("32"),
+    FlagSpec::new("free-gpu-memory-fraction", Float, KvCacheAndEvents,
+        "Fraction of free accelerator memory (after weights) for the KV cache pool, in (0, 1].")
+        .env("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION").default("0.9"),
+    FlagSpec::new("publish-kv-events", Bool, KvCacheAndEvents,
+        "Publish KV cache block events for KV-aware routing and disaggregated transfer.")
+        .env("DYN_TRTLLM_PUBLISH_KV_EVENTS").default("false")
+        .deprecated(&["publish-events-and-metrics"], Some("DYN_TRTLLM_PUBLISH_EVENTS_AND_METRICS")),
+    // ---- Engine args passthrough
+    FlagSpec::new("extra-engine-args", Path, EngineArgsPassthrough,
+        "YAML file of engine options, deep-merged over the flags (see docs/config.md).")
+        .env("DYN_TRTLLM_EXTRA_ENGINE_ARGS").default(""),
+    FlagSpec::new("override-engine-args", Str, EngineArgsPassthrough,
+        "JSON or Python dict literal deep-merged over the YAML; excludes --trtllm.* flags.")
+        .env("DYN_TRTLLM_OVERRIDE_ENGINE_ARGS").default(""),
+    FlagSpec::new("strict-engine-args", Bool, EngineArgsPassthrough,
+        "Treat unknown engine option keys as errors instead of warnings.")
+        .env("DYN_TRTLLM_STRICT_ENGINE_ARGS").default("false"),
+    // ---- Disaggregation and multimodal
+    FlagSpec::new("disaggregation-mode", Choice(DISAGGREGATION_MODES), DisaggregationAndMultimodal,
+        "Worker role: agg (prefill+decode), pd (decode that may prefill itself), prefill, decode, encode. \
+         The legacy prefill_and_decode maps to agg.")
+        .env("DYN_TRTLLM_DISAGGREGATION_MODE").default_note("fixed by the binary (tandem-decode: decode)"),
+    FlagSpec::new("enable-multimodal", Bool, DisaggregationAndMultimodal,
+        "Enable multimodal (vision-language) request processing.")
+        .env("DYN_TRTLLM_ENABLE_MULTIMODAL").default("false"),
+    FlagSpec::new("modality", Choice(MODALITIES), DisaggregationAndMultimodal,
+        "Modality of the served model.")
+        .env("DYN_TRTLLM_MODALITY").default("text"),
+    FlagSpec::new("encode-endpoint", Str, DisaggregationAndMultimodal,
+        "dyn://namespace.component.endpoint of the encode worker in an EPD topology.")
+        .env("DYN_TRTLLM_ENCODE_ENDPOINT").default(""),
+    FlagSpec::new("allowed-local-media-path", Path, DisaggregationAndMultimodal,
+        "Local directory the model may read media files from.")
+        .env("DYN_TRTLLM_ALLOWED_LOCAL_MEDIA_PATH").default(""),
+    FlagSpec::new("max-file-size-mb", INT1, DisaggregationAndMultimodal,
+        "Maximum size in MB of downloaded images or embedding files.")
+        .env("DYN_TRTLLM_MAX_FILE_SIZE_MB").default("50"),
+    FlagSpec::new("frontend-decoding", Bool, DisaggregationAndMultimodal,
+        "Decode images in the router and ship them to the worker over the KV transport.")
+        .env("DYN_TRTLLM_FRONTEND_DECODING").default("false"),
+    // ---- Guided decoding
+    FlagSpec::new("guided-decoding-backend", Choice(&["xgrammar", "llguidance"]), GuidedDecoding,
+        "Backend for guided (structured) decoding; disabled when unset.")
+        .env("DYN_TRTLLM_GUIDED_DECODING_BACKEND"),
+    // ---- Diffusion
+    FlagSpec::new("quant-algo",
+        Choice(&["FP8", "FP8_BLOCK_SCALES", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL"]),
+        Diffusion, "Quantization algorithm for diffusion models; none when unset.")
+        .env("DYN_TRTLLM_QUANT_ALGO"),
+    FlagSpec::new("quant-dynamic", Bool, Diffusion,
+        "Quantize BF16 weights on the fly while loading.")
+        .env("DYN_TRTLLM_QUANT_DYNAMIC").default("true"),
+    FlagSpec::new("enable-teacache", Bool, Diffusion,
+        "TeaCache: reuse transformer hidden states across timesteps.")
+        .env("DYN_TRTLLM_ENABLE_TEACACHE").default("false"),
+    FlagSpec::new("teacache-use-ret-steps", Bool, Diffusion,
+        "Use retention steps to choose which timesteps TeaCache caches.")
+        .env("DYN_TRTLLM_TEACACHE_USE_RET_STEPS").default("true"),
+    FlagSpec::new("teacache-thresh", Float, Diffusion,
+        "TeaCache similarity threshold.")
+        .env("DYN_TRTLLM_TEACACHE_THRESH").default("0.2"),
+    FlagSpec::new("torch-dtype", Choice(&["bfloat16", "float16", "float32"]), Diffusion,
+        "Data type for diffusion model loading.")
+        .env("DYN_TRTLLM_TORCH_DTYPE").default("bfloat16"),
+    FlagSpec::new("revision", Str, Diffusion,
+        "Hub revision (branch, tag or commit) of the diffusion model.")
+        .env("DYN_TRTLLM_REVISION"),
+    FlagSpec::new("disable-torch-compile", Bool, Diffusion,
+        "Run the diffusion transformer eagerly instead of compiled.")
+        .env("DYN_TRTLLM_DISABLE_TORCH_COMPILE").default("false"),
+    FlagSpec::new("enable-fullgraph", Bool, Diffusion,
+        "Compile the whole diffusion graph without breaks.")
+        .env("DYN_TRTLLM_ENABLE_FULLGRAPH").default("false"),
+    FlagSpec::new("enable-cuda-graph", Bool, Diffusion,
+        "Capture diffusion transformer forward passes as CUDA graphs.")
+        .env("DYN_TRTLLM_ENABLE_CUDA_GRAPH").default("false"),
+    FlagSpec::new("attn-backend", Choice(&["VANILLA", "TRTLLM"]), Diffusion,
+        "Attention backend of the diffusion transformer.")
+        .env("DYN_TRTLLM_ATTN_BACKEND").default("VANILLA"),
+    FlagSpec::new("dit-ulysses-size", INT1, Diffusion,
+        "Ulysses sequence-parallel degree of the diffusion transformer.")
+        .env("DYN_TRTLLM_DIT_ULYSSES_SIZE").default("1"),
+    FlagSpec::new("dit-ring-size", INT1, Diffusion,
+        "Ring-attention parallel degree of the diffusion transformer.")
+        .env("DYN_TRTLLM_DIT_RING_SIZE").default("1"),
+    FlagSpec::new("dit-cfg-size", INT1, Diffusion,
+        "Classifier-free-guidance parallel degree of the diffusion transformer.")
+        .env("DYN_TRTLLM_DIT_CFG_SIZE").default("1"),
+    FlagSpec::new("enable-layerwise-nvtx-marker", Bool, Diffusion,
+        "Per-layer NVTX ranges in the diffusion forward pass.")
+        .env("DYN_TRTLLM_ENABLE_LAYERWISE_NVTX_MARKER").default("false"),
+    FlagSpec::new("skip-warmup", Bool, Diffusion,
+        "Skip the warm-up inference pass at start-up.")
+        .env("DYN_TRTLLM_SKIP_WARMUP").default("false"),
+    // ---- Diffusion request defaults
+    FlagSpec::new("default-height", INT1, DiffusionRequestDefaults,
+        "Default output height in pixels.")
+        .env("DYN_TRTLLM_DEFAULT_HEIGHT").default("480"),
+    FlagSpec::new("default-width", INT1, DiffusionRequestDefaults,
+        "Default output width in pixels.")
+        .env("DYN_TRTLLM_DEFAULT_WIDTH").default("832"),
+    FlagSpec::new("default-num-inference-steps", INT1, DiffusionRequestDefaults,
+        "Default number of denoising steps.")
+        .env("DYN_TRTLLM_DEFAULT_NUM_INFERENCE_STEPS").default("50"),
+    FlagSpec::new("default-guidance-scale", Float, DiffusionRequestDefaults,
+        "Default classifier-free guidance scale.")
+        .env("DYN_TRTLLM_DEFAULT_GUIDANCE_SCALE").default("5.0"),
+    FlagSpec::new("default-num-frames", INT1, DiffusionRequestDefaults,
+        "Default number of video frames.")
+        .env("DYN_TRTLLM_DEFAULT_NUM_FRAMES").default("81"),
+    FlagSpec::new("default-num-images-per-prompt", INT1, DiffusionRequestDefaults,
+        "Default number of images per prompt.")
+        .env("DYN_TRTLLM_DEFAULT_NUM_IMAGES_PER_PROMPT").default("1"),
+    // ---- Router
+    FlagSpec::new("http-host", Str, Router, "Address the OpenAI HTTP API binds to.")
+        .env("DYN_HTTP_HOST").default("0.0.0.0").scope(Scope::Router),
+    FlagSpec::new("http-port", Int { min: 1 }, Router, "Port of the OpenAI HTTP API.")
+        .env("DYN_HTTP_PORT").default("8000").scope(Scope::Router),
+    // ---- Runtime (every process)
+    FlagSpec::new("namespace", Str, Runtime,
+        "Namespace of this deployment; DYN_NAMESPACE_WORKER_SUFFIX appends -SUFFIX on workers.")
+        .env("DYN_NAMESPACE").default("dynamo").scope(Scope::All),
+    FlagSpec::new("endpoint", Str, Runtime,
+        "dyn://namespace.component.endpoint this worker serves; derived from the role when unset.")
+        .env("DYN_ENDPOINT"),
+    FlagSpec::new("discovery-backend", Choice(&["mem", "file", "etcd"]), Runtime,
+        "Service discovery: file (one machine, no server), etcd (leases), mem (in-process only).")
+        .env("DYN_DISCOVERY_BACKEND").default("file").scope(Scope::All),
+    FlagSpec::new("file-kv-root", Path, Runtime,
+        "Root folder of the file discovery backend.")
+        .env("DYN_FILE_KV").default_note("$TMPDIR/tandem_store_kv").scope(Scope::All),
+    FlagSpec::new("etcd-endpoints", List, Runtime,
+        "etcd endpoints for --discovery-backend etcd (comma-separated).")
+        .env("ETCD_ENDPOINTS").default("http://localhost:2379").scope(Scope::All),
+    FlagSpec::new("request-plane", Choice(&["grpc"]), Runtime,
+        "Transport for requests and control messages between processes.")
+        .env("DYN_REQUEST_PLANE").default("grpc").scope(Scope::All),
+    FlagSpec::new("event-plane", Choice(&["direct", "nats"]), Runtime,
+        "KV event transport: direct (router subscribes to each worker over gRPC) or nats.")
+        .env("DYN_EVENT_PLANE").default("direct").scope(Scope::All),
+    FlagSpec::new("nats-server", Str, Runtime,
+        "NATS server URL for --event-plane nats.")
+        .env("NATS_SERVER").default("nats://localhost:4222").scope(Scope::All),
+    FlagSpec::new("connector", List, Runtime,
+        "KV connector; at most one of: none, kvbm.")
+        .env("DYN_CONNECTOR").default(""),
+    FlagSpec::new("dyn-tool-call-parser", Choice(TOOL_CALL_PARSERS), Runtime,
+        "Tool-call parser applied to model output.")
+        .env("DYN_TOOL_CALL_PARSER"),
+    FlagSpec::new("dyn-reasoning-parser", Choice(REASONING_PARSERS), Runtime,
+        "Reasoning parser applied to model output.")
+        .env("DYN_REASONING_PARSER"),
+    FlagSpec::new("exclude-tools-when-tool-choice-none", Bool, Runtime,
+        "Drop tools from the prompt when tool_choice is none.")
+        .env("DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE").default("true"),
+    FlagSpec::new("custom-jinja-template", Path, Runtime,
+        "Chat template file overriding the model's own (~ and $VARS are expanded).")
+        .env("DYN_CUSTOM_JINJA_TEMPLATE"),
+    FlagSpec::new("endpoint-types", List, Runtime,
+        "API endpoint types to register: chat, completions, or none.")
+        .aliases(&["dyn-endpoint-types"]).env("DYN_ENDPOINT_TYPES").default("chat,completions"),
+    FlagSpec::new("dump-config-to", Path, Runtime,
+        "Write the resolved config and engine options as JSON to this file at start-up.")
+        .env("DYN_DUMP_CONFIG_TO").scope(Scope::All),
+    FlagSpec::new("multimodal-embedding-cache-capacity-gb", Float, Runtime,
+        "Capacity of the multimodal embedding cache in GB; 0 disables it.")
+        .env("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB").default("0"),
+    FlagSpec::new("output-modalities", List, Runtime,
+        "Output modalities of the served model.")
+        .env("DYN_OUTPUT_MODALITIES").default("text"),
+    FlagSpec::new("media-output-fs-url", Str, Runtime,
+        "Where generated media are written.")
+        .env("DYN_MEDIA_OUTPUT_FS_URL").default_note("file://$TMPDIR/dynamo_media"),
+    FlagSpec::new("media-output-http-url", Str, Runtime,
+        "Public URL prefix of generated media.")
+        .env("DYN_MEDIA_OUTPUT_HTTP_URL"),
+    FlagSpec::new("engine-request-limit", INT1, Runtime,
+        "Worker-side limit of concurrent requests before rejection; unlimited when unset.")
+        .env("DYN_ENGINE_REQUEST_LIMIT"),
+    FlagSpec::new("print-config", Bool, Runtime,
+        "Print the resolved config and engine options as JSON and exit.")
+        .default("false").scope(Scope::All),
+];
+
+/// Looks a flag up by its canonical name.
+pub fn spec(name: &str) -> Option<&'static FlagSpec> {
+    FLAGS.iter().find(|f| f.name == name)
+}
+
+/// The flags a process of the given scope accepts.
+pub fn flags_for(scope: Scope) -> impl Iterator<Item = &'static FlagSpec> {
+    FLAGS.iter().filter(move |f| match scope {
+        Scope::All => f.scope == Scope::All,
+        Scope::Worker => f.scope == Scope::All || f.scope == Scope::Worker,
+        Scope::Router => f.scope == Scope::All || f.scope == Scope::Router,
+    })
+}

@@ -1,0 +1,256 @@
+//! Entry points: turn a command line and an environment into a validated config.
+
+use crate::error::ConfigError;
+use crate::options_build;
+use crate::resolve::{resolve, EnvLookup, Resolved};
+use crate::runtime::RuntimeConfig;
+use crate::spec::Scope;
+use crate::worker::*;
+use serde::Serialize;
+
+fn about(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "Tandem prefill worker: computes prompts and pushes their KV blocks to decode workers.",
+        Role::Decode => "Tandem decode worker: generates tokens (aggregated with --disaggregation-mode agg, or pd).",
+        Role::Encode => "Tandem encode worker: turns multimodal inputs into embeddings.",
+    }
+}
+
+/// The clap command of a worker binary (for `--help` and the docs generator).
+pub fn worker_command(role: Role) -> clap::Command {
+    crate::cli::command(role.binary(), about(role), Scope::Worker)
+}
+
+/// The clap command of the router.
+pub fn router_command() -> clap::Command {
+    crate::cli::command(
+        "tandem-router",
+        "Tandem router: OpenAI-compatible HTTP API with KV-aware routing.",
+        Scope::Router,
+    )
+}
+
+/// Parses and validates a worker's configuration. `args` starts with the program name.
+pub fn parse_worker(
+    role: Role,
+    args: &[String],
+    env: EnvLookup<'_>,
+) -> Result<WorkerConfig, ConfigError> {
+    let resolved = resolve(worker_command(role), Scope::Worker, args, env)?;
+    let cfg = worker_from_resolved(role, &resolved, env)?;
+    crate::validate::validate(&cfg, &resolved)?;
+    crate::validate::reject_unimplemented(&cfg, &resolved)?;
+    Ok(cfg)
+}
+
+fn worker_from_resolved(
+    role: Role,
+    resolved: &Resolved,
+    env: EnvLookup<'_>,
+) -> Result<WorkerConfig, ConfigError> {
+    let g = Get(resolved);
+    let mut warnings = resolved.warnings.clone();
+    let disaggregation_mode = disaggregation_mode(role, resolved, &mut warnings)?;
+    let model_loader_extra_config = match g.opt_string("model-loader-extra-config")? {
+        None => None,
+        Some(text) => match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(v @ serde_json::Value::Object(_)) => Some(v),
+            _ => {
+                return Err(ConfigError::InvalidValue {
+                    origin: resolved.origin("model-loader-extra-config"),
+                    value: text,
+                    reason: "must be a JSON object".into(),
+                })
+            }
+        },
+    };
+    let encode_endpoint = match g.opt_string("encode-endpoint")? {
+        None => None,
+        Some(text) => Some(
+            crate::endpoint::EndpointAddr::parse(&text).map_err(|reason| {
+                ConfigError::InvalidValue {
+                    origin: resolved.origin("encode-endpoint"),
+                    value: text,
+                    reason,
+                }
+            })?,
+        ),
+    };
+    // --enable-multimodal and --modality multimodal imply each other (Dynamo's rule).
+    let mut modality = g.string("modality")?;
+    let mut enable_multimodal = g.bool("enable-multimodal")?;
+    if enable_multimodal && modality == "text" {
+        modality = "multimodal".into();
+    }
+    if modality == "multimodal" {
+        enable_multimodal = true;
+    }
+    let built = options_build::build(resolved)?;
+    warnings.extend(built.warnings);
+    let runtime = RuntimeConfig::from_resolved(resolved, true, env)?;
+    let connectors = &runtime.connector;
+    if connectors.len() > 1 {
+        return Err(ConfigError::InvalidValue {
+            origin: resolved.origin("connector"),
+            value: connectors.join(","),
+            reason: "at most one connector may be given".into(),
+        });
+    }
+    if let Some(bad) = connectors
+        .iter()
+        .find(|c| !matches!(c.as_str(), "none" | "kvbm"))
+    {
+        return Err(ConfigError::InvalidValue {
+            origin: resolved.origin("connector"),
+            value: bad.clone(),
+            reason: "expected none or kvbm".into(),
+        });
+    }
+    for t in &runtime.endpoint_types {
+        if !matches!(t.as_str(), "chat" | "completions" | "none") {
+            return Err(ConfigError::InvalidValue {
+                origin: resolved.origin("endpoint-types"),
+                value: t.clone(),
+                reason: "expected chat, completions or none".into(),
+            });
+        }
+    }
+    Ok(WorkerConfig {
+        role,
+        model: ModelLoading {
+            model_path: g.opt_string("model-path")?,
+            served_model_name: g.opt_string("served-model-name")?,
+            load_format: g.string("load-format")?,
+            model_loader_extra_config,
+        },
+        parallelism: Parallelism {
+            tensor_parallel_size: g.u32("tensor-parallel-size")?,
+            pipeline_parallel_size: g.u32("pipeline-parallel-size")?,
+            expert_parallel_size: g.opt_u32("expert-parallel-size")?,
+            enable_attention_dp: g.bool("enable-attention-dp")?,
+            conversation_affinity: g.bool("conversation-affinity")?,
+            conversation_affinity_dp_rank_source: g
+                .string("conversation-affinity-dp-rank-source")?,
+            gpus_per_node: g.opt_u32("gpus-per-node")?,
+        },
+        limits: Limits {
+            max_batch_size: g.u32("max-batch-size")?,
+            max_num_tokens: g.u32("max-num-tokens")?,
+            max_seq_len: g.opt_u32("max-seq-len")?,
+            max_beam_width: g.u32("max-beam-width")?,
+        },
+        kv_cache: KvCache {
+            kv_block_size: g.u32("kv-block-size")?,
+            free_gpu_memory_fraction: g.f64("free-gpu-memory-fraction")?,
+            publish_kv_events: g.bool("publish-kv-events")?,
+        },
+        engine_args: EngineArgs {
+            extra_engine_args: g.opt_string("extra-engine-args")?.map(Into::into),
+            override_engine_args: g.opt_string("override-engine-args")?,
+            strict_engine_args: g.bool("strict-engine-args")?,
+        },
+        disaggregation: Disaggregation {
+            disaggregation_mode,
+            enable_multimodal,
+            modality,
+            encode_endpoint,
+            allowed_local_media_path: g.opt_string("allowed-local-media-path")?.map(Into::into),
+            max_file_size_mb: g.u32("max-file-size-mb")?,
+            frontend_decoding: g.bool("frontend-decoding")?,
+        },
+        guided_decoding_backend: g.opt_string("guided-decoding-backend")?,
+        diffusion: Diffusion {
+            quant_algo: g.opt_string("quant-algo")?,
+            quant_dynamic: g.bool("quant-dynamic")?,
+            enable_teacache: g.bool("enable-teacache")?,
+            teacache_use_ret_steps: g.bool("teacache-use-ret-steps")?,
+            teacache_thresh: g.f64("teacache-thresh")?,
+            torch_dtype: g.string("torch-dtype")?,
+            revision: g.opt_string("revision")?,
+            disable_torch_compile: g.bool("disable-torch-compile")?,
+            enable_fullgraph: g.bool("enable-fullgraph")?,
+            enable_cuda_graph: g.bool("enable-cuda-graph")?,
+            attn_backend: g.string("attn-backend")?,
+            dit_ulysses_size: g.u32("dit-ulysses-size")?,
+            dit_ring_size: g.u32("dit-ring-size")?,
+            dit_cfg_size: g.u32("dit-cfg-size")?,
+            enable_layerwise_nvtx_marker: g.bool("enable-layerwise-nvtx-marker")?,
+            skip_warmup: g.bool("skip-warmup")?,
+            default_height: g.u32("default-height")?,
+            default_width: g.u32("default-width")?,
+            default_num_inference_steps: g.u32("default-num-inference-steps")?,
+            default_guidance_scale: g.f64("default-guidance-scale")?,
+            default_num_frames: g.u32("default-num-frames")?,
+            default_num_images_per_prompt: g.u32("default-num-images-per-prompt")?,
+        },
+        runtime,
+        engine: built.options,
+        print_config: g.bool("print-config")?,
+        warnings,
+    })
+}
+
+/// The router's configuration (its own flags land with the serving issue).
+#[derive(Clone, Debug, Serialize)]
+pub struct RouterConfig {
+    pub http_host: String,
+    pub http_port: u16,
+    pub runtime: RuntimeConfig,
+    #[serde(skip)]
+    pub print_config: bool,
+    #[serde(skip)]
+    pub warnings: Vec<String>,
+}
+
+pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig, ConfigError> {
+    let resolved = resolve(router_command(), Scope::Router, args, env)?;
+    let g = Get(&resolved);
+    let port = g.u32("http-port")?;
+    let http_port = u16::try_from(port).map_err(|_| ConfigError::InvalidValue {
+        origin: resolved.origin("http-port"),
+        value: port.to_string(),
+        reason: "must be a TCP port (1-65535)".into(),
+    })?;
+    Ok(RouterConfig {
+        http_host: g.string("http-host")?,
+        http_port,
+        runtime: RuntimeConfig::from_resolved(&resolved, false, env)?,
+        print_config: g.bool("print-config")?,
+        warnings: resolved.warnings.clone(),
+    })
+}
+
+impl WorkerConfig {
+    /// The resolved config and engine options as pretty JSON (`--print-config`).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+
+    /// Writes the JSON to `--dump-config-to`, if given.
+    pub fn dump_if_requested(&self) -> Result<(), ConfigError> {
+        if let Some(path) = &self.runtime.dump_config_to {
+            std::fs::write(path, self.to_json()).map_err(|source| ConfigError::Io {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The endpoint this worker serves: `--endpoint`, else `dyn://{ns}.{component}.generate`.
+    pub fn endpoint(&self) -> crate::endpoint::EndpointAddr {
+        if let Some(e) = &self.runtime.endpoint {
+            return e.clone();
+        }
+        let component = match self.disaggregation.disaggregation_mode {
+            DisaggregationMode::Prefill => "prefill",
+            DisaggregationMode::Encode => "encode",
+            _ => "backend",
+        };
+        crate::endpoint::EndpointAddr {
+            namespace: self.runtime.namespace.clone(),
+            component: component.into(),
+            endpoint: "generate".into(),
+        }
+    }
+}
