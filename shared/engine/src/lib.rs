@@ -3,3 +3,5 @@
 
 pub mod kv;
 pub mod sampler;
+pub mod scheduler;
+pub mod sequence;

@@ -1,0 +1,123 @@
+//! One sequence (one choice of one request) as the scheduler and the engine loop see it.
+//!
+//! `tokens` holds the prompt followed by the generated tokens; `num_computed` of them have their
+//! KV in the cache. A sequence is in prefill while more than one token is uncomputed, and in
+//! decode when only its last sampled token is. Preemption by recompute simply sets
+//! `num_computed` back to zero and releases the blocks: the tokens, the sampler state and the
+//! stop matcher are kept, so the recomputed sequence continues exactly where it was.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::kv::block_manager::BlockTable;
+use crate::sampler::{SamplerState, SamplingParams, StopMatcher};
+
+pub type SeqId = u64;
+
+/// Why a sequence ended (OpenAI `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` or `max_seq_len` reached.
+    Length,
+    /// Aborted by the caller.
+    Abort,
+    /// Exported to another engine, which continues it.
+    Migrated,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+    Finished(FinishReason),
+}
+
+/// Incremental detokenization of one sequence (implemented over the tokenizer by the engine's
+/// caller). Must only return complete UTF-8 text.
+pub trait TokenDecoder: Send {
+    /// Text newly made complete by `token`.
+    fn push(&mut self, token: u32) -> String;
+}
+
+pub struct Sequence {
+    pub id: SeqId,
+    pub request_id: Arc<str>,
+    /// Choice index within the request (for `n > 1`).
+    pub index: usize,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Generation stops after this many tokens (resolved from `max_tokens` / `max_seq_len`).
+    pub max_tokens: usize,
+    pub num_computed: usize,
+    /// Prompt tokens served from the prefix cache at first admission (for usage).
+    pub cached_prompt_tokens: Option<usize>,
+    pub table: BlockTable,
+    pub status: SeqStatus,
+    /// FCFS order: smaller is older.
+    pub arrival: u64,
+    pub params: Arc<SamplingParams>,
+    pub sampler: SamplerState,
+    pub stop: StopMatcher,
+    pub decoder: Option<Box<dyn TokenDecoder>>,
+    pub num_preemptions: u32,
+}
+
+impl Sequence {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: SeqId,
+        request_id: Arc<str>,
+        index: usize,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        arrival: u64,
+        params: Arc<SamplingParams>,
+        sampler: SamplerState,
+    ) -> Self {
+        let stop = StopMatcher::new(&params.stop);
+        Self {
+            id,
+            request_id,
+            index,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            max_tokens,
+            num_computed: 0,
+            cached_prompt_tokens: None,
+            table: BlockTable::default(),
+            status: SeqStatus::Waiting,
+            arrival,
+            params,
+            sampler,
+            stop,
+            decoder: None,
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Tokens whose KV still has to be computed before the next token can be sampled.
+    pub fn uncomputed(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+
+    /// Largest total length this sequence can reach.
+    pub fn max_total_len(&self) -> usize {
+        self.prompt_len + self.max_tokens
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status, SeqStatus::Finished(_))
+    }
+}
