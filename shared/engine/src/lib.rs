@@ -1,7 +1,12 @@
 //! The Tandem inference engine: model files, tokenizer and chat templates, the paged KV cache
 //! with prefix reuse and block events, the scheduler, the sampler and the compute backends.
 
+pub mod backend;
+pub mod error;
 pub mod kv;
+pub mod model;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod tiny;
+pub mod tokenizer;

@@ -2,3 +2,4 @@
 pub mod block_manager;
 pub mod events;
 pub mod hash;
+pub mod layout;

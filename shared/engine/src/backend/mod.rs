@@ -1,0 +1,53 @@
+//! The compute backend: runs the model over a batch of sequences against a paged KV pool.
+//! The CPU backend lives in [`cpu`]; the CUDA backend and the simulator's time-only backend
+//! implement the same trait.
+
+pub mod cpu;
+pub mod cpu_ops;
+
+use crate::error::EngineError;
+use crate::kv::layout::KvLayout;
+
+/// Which logits a sequence wants back from a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// None (a prefill chunk that is not the last).
+    None,
+    /// Only the last token's row (to sample the next token).
+    Last,
+    /// One row per input token (teacher-forced checks, prompt logprobs).
+    All,
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    /// The new tokens to run this step (a prefill chunk, or 1 decode token).
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions `< start_pos` are already in the KV cache.
+    pub start_pos: usize,
+    /// Physical block ids covering positions `0..start_pos + tokens.len()`.
+    pub block_table: &'a [u32],
+    pub logits: LogitsMode,
+}
+
+/// The result of a step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepOutput {
+    /// Per sequence: rows (0 for `None`, 1 for `Last`, `tokens.len()` for `All`), each
+    /// `vocab_size` long.
+    pub logits: Vec<Vec<Vec<f32>>>,
+}
+
+/// A model runner over a paged KV pool laid out as [`KvLayout`] describes.
+pub trait Backend: Send {
+    fn layout(&self) -> &KvLayout;
+    fn num_blocks(&self) -> usize;
+    fn vocab_size(&self) -> usize;
+    /// Runs one step: writes the new tokens' K/V into their blocks and returns the asked logits.
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError>;
+    /// The concatenation of whole blocks, in layout byte order.
+    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError>;
+    /// Writes whole blocks (as [`Backend::export_blocks`] returns them) into `blocks`.
+    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError>;
+}

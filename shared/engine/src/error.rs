@@ -1,0 +1,64 @@
+//! The engine's error type. Every error that comes from a file names the file, and every
+//! tensor problem names the tensor, so that a broken model folder can be fixed from the message.
+
+use std::path::PathBuf;
+
+/// Errors of the engine. Variants are grouped by the module that raises them.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A file or folder could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The model path does not exist or is not a folder.
+    #[error("model path {0} does not exist or is not a folder")]
+    ModelPathMissing(PathBuf),
+    /// A file that a model folder needs is absent.
+    #[error("model folder {folder} lacks {file}")]
+    MissingFile { folder: PathBuf, file: String },
+    /// A JSON file (config, generation config, tokenizer config, index) is malformed.
+    #[error("{path}: {message}")]
+    BadFile { path: PathBuf, message: String },
+    /// `config.json` names an architecture this engine does not run.
+    #[error("{path}: unsupported architecture {architecture:?} (supported: Qwen3ForCausalLM)")]
+    UnknownArchitecture { path: PathBuf, architecture: String },
+    /// A tensor is missing, has the wrong shape or dtype, or its data is unreadable.
+    #[error("{path}: tensor {tensor}: {message}")]
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        message: String,
+    },
+    /// The tokenizer could not be loaded or failed on an input.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The chat template could not be compiled or rendered.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// Fetching the tokenizer files into the cache failed.
+    #[error("fetching the tokenizer files: {0}")]
+    Fetch(String),
+    /// Two KV layouts differ; the first differing field is named.
+    #[error("KV layout mismatch in {field}: ours {ours}, theirs {theirs}")]
+    LayoutMismatch {
+        field: &'static str,
+        ours: String,
+        theirs: String,
+    },
+    /// A backend call got an input it cannot run (bad block id, too few blocks, wrong sizes).
+    #[error("invalid backend input: {0}")]
+    InvalidInput(String),
+}
+
+impl EngineError {
+    /// Wraps an I/O error with the path it concerns.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! Model folders: config, weights, tokenizer, chat template and generation defaults, loaded
+//! together into a [`LoadedModel`].
+
+pub mod config;
+pub mod generation_config;
+pub mod qwen3;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::EngineError;
+use crate::tokenizer::{tokenizer_hash, ChatTemplate, Tokenizer};
+pub use config::ModelConfig;
+pub use generation_config::GenerationConfig;
+pub use qwen3::Qwen3Weights;
+pub use weights::Weights;
+
+/// What [`LoadedModel::load`] loads.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Convert the weights for compute. Off for processes that only tokenize (a router):
+    /// the checkpoint is then only mapped to compute the model identity.
+    pub weights: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { weights: true }
+    }
+}
+
+/// Everything of a model folder the engine uses.
+pub struct LoadedModel {
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    /// f32 compute weights, shared by every backend made from this model.
+    /// Empty (no layers) when loaded with `LoadOptions { weights: false }`.
+    pub weights: Arc<Qwen3Weights>,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub generation_config: GenerationConfig,
+    /// Identity of the model: sha256 of config.json and the weights' identity; part of the
+    /// KV layout descriptor.
+    pub model_id: String,
+    /// Identity of tokenizer.json and the chat template, for the model card.
+    pub tokenizer_hash: String,
+    pub weights_loaded: bool,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("path", &self.path)
+            .field("config", &self.config)
+            .field("model_id", &self.model_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadedModel {
+    /// Loads a Hugging Face model folder. Errors name the file (and the tensor) at fault.
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self, EngineError> {
+        if !path.is_dir() {
+            return Err(EngineError::ModelPathMissing(path.to_path_buf()));
+        }
+        tracing::info!(path = %path.display(), "loading model");
+        let config = ModelConfig::load(path)?;
+        let mapped = Weights::load(path)?;
+        let tokenizer = Tokenizer::load(path)?;
+        let chat_template = ChatTemplate::load(path)?;
+        let generation_config = GenerationConfig::load(path)?;
+        let weights = if opts.weights {
+            Qwen3Weights::load(&config, &mapped)?
+        } else {
+            Qwen3Weights {
+                embed: vec![],
+                layers: vec![],
+                norm: vec![],
+                lm_head: None,
+            }
+        };
+        let mut h = Sha256::new();
+        h.update(&config.raw);
+        h.update(mapped.identity().as_bytes());
+        let model_id = weights::hex(&h.finalize());
+        let tokenizer_hash = tokenizer_hash(&tokenizer, chat_template.as_ref());
+        tracing::info!(model_id = %model_id, "model loaded");
+        Ok(LoadedModel {
+            path: path.to_path_buf(),
+            config,
+            weights: Arc::new(weights),
+            tokenizer,
+            chat_template,
+            generation_config,
+            model_id,
+            tokenizer_hash,
+            weights_loaded: opts.weights,
+        })
+    }
+
+    /// EOS ids: generation_config.json's, else the template's `eos_token`.
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        if !self.generation_config.eos_token_ids.is_empty() {
+            return self.generation_config.eos_token_ids.clone();
+        }
+        self.chat_template
+            .as_ref()
+            .and_then(|t| t.eos_token.as_deref())
+            .and_then(|t| self.tokenizer.token_to_id(t))
+            .into_iter()
+            .collect()
+    }
+}
