@@ -115,7 +115,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
     ("model-loader-extra-config", "model loader options"),
     ("tensor-parallel-size", "tensor parallelism"),
     ("pipeline-parallel-size", "pipeline parallelism"),
-    ("expert-parallel-size", "expert parallelism"),
     ("enable-attention-dp", "attention data parallelism"),
     (
         "conversation-affinity",
