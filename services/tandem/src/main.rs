@@ -1,1 +1,53 @@
-fn main() {}
+//! `tandem`: the all-in-one command line. For now it has the model tools.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tandem", version, about = "Tandem LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Model tools.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Write the built-in tiny Qwen3-architecture model (deterministic weights, the real Qwen3
+    /// tokenizer) into OUT_DIR.
+    Tiny {
+        /// Folder to write (created if absent).
+        out_dir: PathBuf,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Model {
+            command: ModelCommand::Tiny { out_dir },
+        } => {
+            tandem_engine::tiny::write_tiny_model(&out_dir)
+                .with_context(|| format!("writing the tiny model to {}", out_dir.display()))?;
+            println!("tiny model written to {}", out_dir.display());
+        }
+    }
+    Ok(())
+}
