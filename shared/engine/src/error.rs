@@ -51,6 +51,30 @@ pub enum EngineError {
     /// A backend call got an input it cannot run (bad block id, too few blocks, wrong sizes).
     #[error("invalid backend input: {0}")]
     InvalidInput(String),
+    /// A request the engine refuses (bad parameters, too long for `max_seq_len`, ...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// A request id that is already in use.
+    #[error("request {0:?} is already running")]
+    DuplicateRequest(String),
+    /// A request id the engine does not know (finished, aborted or never submitted).
+    #[error("unknown request {0:?}")]
+    UnknownRequest(String),
+    /// Not enough KV blocks for an import or a reservation.
+    #[error("out of KV blocks: need {needed}, {available} available")]
+    OutOfBlocks { needed: usize, available: usize },
+    /// An exported request state that cannot be imported (inconsistent sizes, n > 1, ...).
+    #[error("bad request snapshot: {0}")]
+    BadSnapshot(String),
+    /// An engine configuration that cannot work with its backend.
+    #[error("engine config: {0}")]
+    Config(String),
+    /// The backend failed during a step.
+    #[error("backend: {0}")]
+    Backend(String),
+    /// The engine thread has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
 }
 
 impl EngineError {

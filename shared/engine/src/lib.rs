@@ -2,9 +2,11 @@
 //! with prefix reuse and block events, the scheduler, the sampler and the compute backends.
 
 pub mod backend;
+pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;
+pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;

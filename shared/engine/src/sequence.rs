@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::kv::block_manager::BlockTable;
 use crate::sampler::{SamplerState, SamplingParams, StopMatcher};
+use crate::tokenizer::incremental::IncrementalDecoder;
 
 pub type SeqId = u64;
 
@@ -36,13 +37,6 @@ pub enum SeqStatus {
     Finished(FinishReason),
 }
 
-/// Incremental detokenization of one sequence (implemented over the tokenizer by the engine's
-/// caller). Must only return complete UTF-8 text.
-pub trait TokenDecoder: Send {
-    /// Text newly made complete by `token`.
-    fn push(&mut self, token: u32) -> String;
-}
-
 pub struct Sequence {
     pub id: SeqId,
     pub request_id: Arc<str>,
@@ -62,7 +56,8 @@ pub struct Sequence {
     pub params: Arc<SamplingParams>,
     pub sampler: SamplerState,
     pub stop: StopMatcher,
-    pub decoder: Option<Box<dyn TokenDecoder>>,
+    /// Incremental detokenizer over the generated tokens (None when the engine has no tokenizer).
+    pub decoder: Option<IncrementalDecoder>,
     pub num_preemptions: u32,
 }
 

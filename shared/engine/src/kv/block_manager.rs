@@ -15,8 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::events::{
-    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
-    KvEventPublisher,
+    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, KvEventPublisher,
 };
 use super::hash::{chain_hash, local_block_hash};
 
@@ -278,12 +277,11 @@ impl BlockManager {
             } else {
                 self.parent_of_first(tokens, &stored)
             };
-            self.events
-                .emit(KvCacheEventData::Stored(KvCacheStoreData {
-                    parent_hash: first_parent,
-                    start_position: None,
-                    blocks: stored,
-                }));
+            self.events.emit(KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: first_parent,
+                start_position: None,
+                blocks: stored,
+            }));
         }
     }
 
@@ -394,7 +392,11 @@ mod tests {
         match &ev[0].data {
             KvCacheEventData::Stored(s) => {
                 assert_eq!(s.parent_hash, None);
-                let got: Vec<_> = s.blocks.iter().map(|b| (b.tokens_hash, b.block_hash)).collect();
+                let got: Vec<_> = s
+                    .blocks
+                    .iter()
+                    .map(|b| (b.tokens_hash, b.block_hash))
+                    .collect();
                 assert_eq!(got, hs);
             }
             other => panic!("unexpected {other:?}"),
@@ -476,7 +478,13 @@ mod tests {
         let (mut m, _rx) = mgr(2, 2, true);
         let mut t = BlockTable::default();
         let err = m.ensure_capacity(&mut t, 5).unwrap_err();
-        assert_eq!(err, OutOfBlocks { needed: 3, available: 2 });
+        assert_eq!(
+            err,
+            OutOfBlocks {
+                needed: 3,
+                available: 2
+            }
+        );
         assert!(t.is_empty());
         assert_eq!(m.stats().free, 2);
     }

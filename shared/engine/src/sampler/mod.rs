@@ -133,11 +133,7 @@ fn top_logprobs(lp: &[f32], k: usize) -> Vec<(u32, f32)> {
     }
     let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
     let k = k.min(idx.len());
-    let cmp = |a: &u32, b: &u32| {
-        lp[*b as usize]
-            .total_cmp(&lp[*a as usize])
-            .then(a.cmp(b))
-    };
+    let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, cmp);
         idx.truncate(k);
@@ -185,10 +181,7 @@ pub fn sample(
 
 /// Draws a token for a backend that returned no logits (the simulator): uniform over the
 /// vocabulary from the sequence's RNG, so it is still reproducible from the seed.
-pub fn sample_without_logits(
-    vocab_size: usize,
-    state: &mut SamplerState,
-) -> Sampled {
+pub fn sample_without_logits(vocab_size: usize, state: &mut SamplerState) -> Sampled {
     let token = state.rng.below(vocab_size.max(1) as u64) as u32;
     state.record(token);
     Sampled {
@@ -209,7 +202,11 @@ fn draw(scaled: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     if !filtered {
         // Inverse CDF in token-id order over the full vocabulary.
         let probs: Vec<f64> = scaled.iter().map(|&x| ((x - max) as f64).exp()).collect();
-        return pick(&probs, (0..scaled.len() as u32).collect::<Vec<_>>().as_slice(), u);
+        return pick(
+            &probs,
+            (0..scaled.len() as u32).collect::<Vec<_>>().as_slice(),
+            u,
+        );
     }
     let mut cand: Vec<u32> = (0..scaled.len() as u32)
         .filter(|&i| scaled[i as usize] > f32::NEG_INFINITY)

@@ -34,6 +34,8 @@ pub struct SamplingParams {
     pub min_tokens: usize,
     pub max_tokens: Option<usize>,
     pub logprobs: Option<usize>,
+    /// Leave special tokens out of the decoded text.
+    pub skip_special_tokens: bool,
 }
 
 impl Default for SamplingParams {
@@ -54,6 +56,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             max_tokens: None,
             logprobs: None,
+            skip_special_tokens: true,
         }
     }
 }

@@ -74,7 +74,12 @@ fn greedy_is_argmax_with_lowest_id_on_ties() {
         all_tokens: &[],
         eos_token_ids: &[],
     };
-    let s = sample(&[1.0, 3.0, 3.0, 2.0], &SamplingParams::greedy(), &mut st, &ctx);
+    let s = sample(
+        &[1.0, 3.0, 3.0, 2.0],
+        &SamplingParams::greedy(),
+        &mut st,
+        &ctx,
+    );
     assert_eq!(s.token, 1);
 }
 
@@ -118,8 +123,26 @@ fn exported_state_continues_identically() {
     let mut st2: SamplerState = serde_json::from_str(&json).unwrap();
     let mut toks2 = toks.clone();
     for _ in 0..20 {
-        let a = sample(&l, &p, &mut st, &SampleContext { all_tokens: &toks, eos_token_ids: &[] }).token;
-        let b = sample(&l, &p, &mut st2, &SampleContext { all_tokens: &toks2, eos_token_ids: &[] }).token;
+        let a = sample(
+            &l,
+            &p,
+            &mut st,
+            &SampleContext {
+                all_tokens: &toks,
+                eos_token_ids: &[],
+            },
+        )
+        .token;
+        let b = sample(
+            &l,
+            &p,
+            &mut st2,
+            &SampleContext {
+                all_tokens: &toks2,
+                eos_token_ids: &[],
+            },
+        )
+        .token;
         assert_eq!(a, b);
         toks.push(a);
         toks2.push(b);
@@ -157,7 +180,11 @@ fn min_tokens_masks_eos_and_stop_ids() {
     };
     assert_eq!(sample(&l, &p, &mut st, &ctx).token, 2);
     assert_eq!(sample(&l, &p, &mut st, &ctx).token, 2);
-    assert_eq!(sample(&l, &p, &mut st, &ctx).token, 0, "masking ends at min_tokens");
+    assert_eq!(
+        sample(&l, &p, &mut st, &ctx).token,
+        0,
+        "masking ends at min_tokens"
+    );
 }
 
 #[test]

@@ -1,0 +1,368 @@
+//! The async engine API used by workers and the simulator.
+//!
+//! [`Engine::start`] moves a backend onto a dedicated OS thread (the compute loop, see
+//! [`core`]) and returns a cloneable [`EngineHandle`]. The handle talks to the thread over a
+//! channel; each request's outputs come back on its own [`RequestStream`]. When idle, the
+//! thread blocks on its command channel (no spinning); it ends when every handle and stream is
+//! dropped, or on [`EngineHandle::shutdown`].
+//!
+//! Every handle method queues its command when it is called, not when its future is first
+//! polled, so commands reach the engine in call order.
+//!
+//! KV events are published by the block manager through a [`KvEventPublisher`] that the
+//! handle shares, so subscribing or dumping never waits for a step.
+
+mod core;
+#[cfg(test)]
+mod tests;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{broadcast, mpsc as tmpsc, oneshot};
+
+use self::core::{Command, Core};
+use crate::backend::Backend;
+use crate::error::EngineError;
+use crate::kv::block_manager::BlockStats;
+use crate::kv::events::{KvCacheEvent, KvEventPublisher, KvStoredDump, ReplayGap};
+use crate::kv::layout::KvLayout;
+pub use crate::request::{
+    FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, StopReason, Usage,
+};
+pub use crate::scheduler::CapacitySchedulerPolicy;
+use crate::tokenizer::Tokenizer;
+
+/// Engine options. Field names mirror TensorRT-LLM's LLM API options of the same meaning
+/// (`max_batch_size`, `max_num_tokens`, `max_seq_len`, `enable_chunked_prefill`,
+/// `kv_cache_config.{tokens_per_block → kv_block_size, enable_block_reuse,
+/// event_buffer_max_size}`, `scheduler_config.capacity_scheduler_policy`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Most sequences running at once.
+    pub max_batch_size: usize,
+    /// Most new tokens computed in one step (prefill chunks + one per decoding sequence).
+    pub max_num_tokens: usize,
+    /// Longest sequence (prompt + generated); longer requests are refused at submission.
+    pub max_seq_len: usize,
+    pub enable_chunked_prefill: bool,
+    /// Tokens per KV block; 0 takes the backend's. Must equal the backend layout's.
+    pub kv_block_size: usize,
+    /// KV blocks the engine may use; 0 takes all of the backend's. See
+    /// [`EngineConfig::num_blocks_for_max_tokens`] for `kv_cache_config.max_tokens`.
+    pub num_blocks: usize,
+    pub enable_block_reuse: bool,
+    /// KV events kept for replay by late subscribers.
+    pub event_buffer_max_size: usize,
+    pub capacity_scheduler_policy: CapacitySchedulerPolicy,
+    /// End-of-sequence ids (from `generation_config.json`).
+    pub eos_token_ids: Vec<u32>,
+    /// Data-parallel rank stamped on KV events.
+    pub dp_rank: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_size: 256,
+            max_num_tokens: 8192,
+            max_seq_len: 4096,
+            enable_chunked_prefill: true,
+            kv_block_size: 0,
+            num_blocks: 0,
+            enable_block_reuse: true,
+            event_buffer_max_size: 1024,
+            capacity_scheduler_policy: CapacitySchedulerPolicy::GuaranteedNoEvict,
+            eos_token_ids: Vec::new(),
+            dp_rank: 0,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Blocks for `kv_cache_config.max_tokens` (rounded down: a partial block is useless).
+    pub fn num_blocks_for_max_tokens(max_tokens: usize, block_size: usize) -> usize {
+        max_tokens.checked_div(block_size).unwrap_or(0)
+    }
+}
+
+/// A snapshot of the engine's load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub requests: usize,
+    pub blocks: BlockStats,
+    pub steps: u64,
+    pub preemptions: u64,
+    pub last_event_id: u64,
+}
+
+pub struct Engine;
+
+impl Engine {
+    /// Starts the compute thread over `backend`. Without a tokenizer, outputs carry token ids
+    /// only and stop strings are refused.
+    pub fn start(
+        backend: Box<dyn Backend>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        mut config: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
+        let layout = backend.layout().clone();
+        if config.kv_block_size == 0 {
+            config.kv_block_size = layout.block_size;
+        }
+        if config.kv_block_size != layout.block_size {
+            return Err(EngineError::Config(format!(
+                "kv_block_size {} differs from the backend's block size {}",
+                config.kv_block_size, layout.block_size
+            )));
+        }
+        if config.num_blocks == 0 {
+            config.num_blocks = backend.num_blocks();
+        }
+        if config.num_blocks > backend.num_blocks() {
+            return Err(EngineError::Config(format!(
+                "num_blocks {} exceeds the backend's pool of {}",
+                config.num_blocks,
+                backend.num_blocks()
+            )));
+        }
+        for (name, v) in [
+            ("max_batch_size", config.max_batch_size),
+            ("max_num_tokens", config.max_num_tokens),
+            ("max_seq_len", config.max_seq_len),
+            ("num_blocks", config.num_blocks),
+        ] {
+            if v == 0 {
+                return Err(EngineError::Config(format!("{name} must be > 0")));
+            }
+        }
+        let events = KvEventPublisher::new(config.event_buffer_max_size, config.dp_rank);
+        let (tx, rx) = mpsc::channel();
+        let core = Core::new(backend, tokenizer, config.clone(), events.clone());
+        std::thread::Builder::new()
+            .name("tandem-engine".into())
+            .spawn(move || core.run(rx))
+            .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
+        Ok(EngineHandle {
+            tx,
+            info: Arc::new(Info { config, layout }),
+            events,
+            next_key: Arc::new(AtomicU64::new(1)),
+        })
+    }
+}
+
+struct Info {
+    config: EngineConfig,
+    layout: KvLayout,
+}
+
+/// A cloneable handle on a running engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    info: Arc<Info>,
+    events: KvEventPublisher,
+    next_key: Arc<AtomicU64>,
+}
+
+impl EngineHandle {
+    /// The configuration in force (defaults resolved).
+    pub fn config(&self) -> &EngineConfig {
+        &self.info.config
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.info.layout
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        self.tx.send(cmd).map_err(|_| EngineError::Stopped)
+    }
+
+    /// Sends a command now (so commands keep the order of the calls, even before the
+    /// returned future is polled) and awaits its reply.
+    fn call<T: Send + 'static>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> impl Future<Output = Result<T, EngineError>> + Send + 'static {
+        let (tx, rx) = oneshot::channel();
+        let sent = self.send(make(tx));
+        async move {
+            sent?;
+            rx.await.map_err(|_| EngineError::Stopped)
+        }
+    }
+
+    /// Queues a request; its outputs arrive on the returned stream. Refused with a clear
+    /// error when it cannot run (bad parameters, prompt + max_tokens over `max_seq_len`,
+    /// more blocks than the pool, duplicate id).
+    pub fn submit(
+        &self,
+        request: Request,
+    ) -> impl Future<Output = Result<RequestStream, EngineError>> + Send + 'static {
+        let n = request.params.n;
+        let request_id = request.request_id.clone();
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let (out_tx, out_rx) = tmpsc::unbounded_channel();
+        let ack = self.call(move |ack| Command::Submit {
+            request,
+            key,
+            out: out_tx,
+            ack,
+        });
+        let tx = self.tx.clone();
+        async move {
+            ack.await??;
+            Ok(RequestStream::new(request_id, key, n, out_rx, tx))
+        }
+    }
+
+    /// Aborts a request: each live choice ends with finish reason `abort` and its blocks are
+    /// freed. Unknown ids are ignored.
+    pub fn abort(&self, request_id: &str) {
+        let _ = self.send(Command::Abort {
+            request_id: request_id.to_owned(),
+        });
+    }
+
+    pub fn stats(&self) -> impl Future<Output = Result<EngineStats, EngineError>> + Send + 'static {
+        self.call(Command::Stats)
+    }
+
+    /// Live KV events from now on.
+    pub fn subscribe_events(&self) -> broadcast::Receiver<KvCacheEvent> {
+        self.events.subscribe()
+    }
+
+    /// Buffered events from `event_id` on, then the live stream.
+    pub fn subscribe_events_from(
+        &self,
+        event_id: u64,
+    ) -> Result<(Vec<KvCacheEvent>, broadcast::Receiver<KvCacheEvent>), ReplayGap> {
+        self.events.subscribe_from(event_id)
+    }
+
+    /// Every stored block, then the live stream after the dump's `last_event_id`.
+    pub fn dump_stored_blocks(&self) -> (KvStoredDump, broadcast::Receiver<KvCacheEvent>) {
+        self.events.dump()
+    }
+
+    /// Takes a request (n = 1) out of this engine with its KV blocks and sampling state. Its
+    /// stream here ends with finish reason `migrated`; [`EngineHandle::import`] on another
+    /// engine continues it exactly.
+    pub fn export(
+        &self,
+        request_id: &str,
+    ) -> impl Future<Output = Result<RequestSnapshot, EngineError>> + Send + 'static
+    {
+        let request_id = request_id.to_owned();
+        let reply = self.call(move |reply| Command::Export { request_id, reply });
+        async move { reply.await? }
+    }
+
+    /// Continues an exported request here. Refused when the layouts differ.
+    pub fn import(
+        &self,
+        snapshot: RequestSnapshot,
+    ) -> impl Future<Output = Result<RequestStream, EngineError>> + Send + 'static {
+        let request_id = snapshot.state.request_id.clone();
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let (out_tx, out_rx) = tmpsc::unbounded_channel();
+        let ack = self.call(move |ack| Command::Import {
+            snapshot: Box::new(snapshot),
+            key,
+            out: out_tx,
+            ack,
+        });
+        let tx = self.tx.clone();
+        async move {
+            ack.await??;
+            Ok(RequestStream::new(request_id, key, 1, out_rx, tx))
+        }
+    }
+
+    /// Drops every cached block and publishes `Cleared`; refused while requests run.
+    pub fn clear_cache(&self) -> impl Future<Output = Result<(), EngineError>> + Send + 'static {
+        let reply = self.call(Command::ClearCache);
+        async move { reply.await? }
+    }
+
+    /// Stops the engine thread; live requests end with finish reason `abort`.
+    pub fn shutdown(&self) {
+        let _ = self.send(Command::Shutdown);
+    }
+}
+
+/// The outputs of one request (all its choices, interleaved). Dropping it before the end
+/// aborts the request.
+pub struct RequestStream {
+    request_id: String,
+    key: u64,
+    remaining: usize,
+    rx: tmpsc::UnboundedReceiver<RequestOutput>,
+    tx: mpsc::Sender<Command>,
+}
+
+impl RequestStream {
+    fn new(
+        request_id: String,
+        key: u64,
+        n: usize,
+        rx: tmpsc::UnboundedReceiver<RequestOutput>,
+        tx: mpsc::Sender<Command>,
+    ) -> Self {
+        Self {
+            request_id,
+            key,
+            remaining: n,
+            rx,
+            tx,
+        }
+    }
+
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
+    /// The next output, or None once every choice has finished.
+    pub async fn next(&mut self) -> Option<RequestOutput> {
+        if self.remaining == 0 {
+            return None;
+        }
+        match self.rx.recv().await {
+            Some(o) => {
+                if o.finish_reason.is_some() {
+                    self.remaining -= 1;
+                }
+                Some(o)
+            }
+            None => {
+                self.remaining = 0;
+                None
+            }
+        }
+    }
+
+    /// Every remaining output, in order.
+    pub async fn collect(mut self) -> Vec<RequestOutput> {
+        let mut v = Vec::new();
+        while let Some(o) = self.next().await {
+            v.push(o);
+        }
+        v
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if self.remaining > 0 {
+            let _ = self.tx.send(Command::AbortKey(self.key));
+        }
+    }
+}

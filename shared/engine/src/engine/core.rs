@@ -1,0 +1,654 @@
+//! The engine thread: owns the backend and the scheduler, turns commands into state changes
+//! and runs steps (schedule → forward → sample → emit) while there is work.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+use super::{EngineConfig, EngineStats};
+use crate::backend::{Backend, LogitsMode, SeqInput};
+use crate::error::EngineError;
+use crate::kv::block_manager::BlockManager;
+use crate::kv::events::KvEventPublisher;
+use crate::request::{
+    FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, StopReason, Usage,
+};
+use crate::sampler::{
+    sample, sample_without_logits, Rng, SampleContext, SamplerState, SamplingParams, TokenLogprob,
+};
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::sequence::{SeqId, Sequence};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+
+type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+
+pub(crate) enum Command {
+    Submit {
+        request: Request,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+        ack: Reply<()>,
+    },
+    Abort {
+        request_id: String,
+    },
+    /// Abort by stream key (a dropped stream), so a reused request id is never hit.
+    AbortKey(u64),
+    Stats(oneshot::Sender<EngineStats>),
+    Export {
+        request_id: String,
+        reply: Reply<RequestSnapshot>,
+    },
+    Import {
+        snapshot: Box<RequestSnapshot>,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+        ack: Reply<()>,
+    },
+    ClearCache(Reply<()>),
+    Shutdown,
+}
+
+struct Entry {
+    key: u64,
+    seqs: Vec<SeqId>,
+    out: tmpsc::UnboundedSender<RequestOutput>,
+}
+
+pub(crate) struct Core {
+    backend: Box<dyn Backend>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    cfg: EngineConfig,
+    sched: Scheduler,
+    events: KvEventPublisher,
+    reqs: HashMap<String, Entry>,
+    seq_req: HashMap<SeqId, String>,
+    next_seq: SeqId,
+    next_arrival: u64,
+    steps: u64,
+    preemptions: u64,
+}
+
+fn output(request_id: &str, index: usize) -> RequestOutput {
+    RequestOutput {
+        request_id: request_id.to_owned(),
+        index,
+        token_ids: Vec::new(),
+        text: String::new(),
+        logprobs: Vec::new(),
+        finish_reason: None,
+        stop_reason: None,
+        usage: None,
+        error: None,
+    }
+}
+
+fn usage(seq: &Sequence) -> Usage {
+    Usage {
+        prompt_tokens: seq.prompt_len,
+        completion_tokens: seq.num_generated(),
+        cached_tokens: seq.cached_prompt_tokens.unwrap_or(0),
+    }
+}
+
+impl Core {
+    pub(crate) fn new(
+        backend: Box<dyn Backend>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        cfg: EngineConfig,
+        events: KvEventPublisher,
+    ) -> Self {
+        let blocks = BlockManager::new(
+            cfg.num_blocks,
+            cfg.kv_block_size,
+            cfg.enable_block_reuse,
+            events.clone(),
+        );
+        let sched = Scheduler::new(
+            SchedulerConfig {
+                max_batch_size: cfg.max_batch_size,
+                max_num_tokens: cfg.max_num_tokens,
+                enable_chunked_prefill: cfg.enable_chunked_prefill,
+                policy: cfg.capacity_scheduler_policy,
+            },
+            blocks,
+        );
+        Self {
+            backend,
+            tokenizer,
+            cfg,
+            sched,
+            events,
+            reqs: HashMap::new(),
+            seq_req: HashMap::new(),
+            next_seq: 1,
+            next_arrival: 0,
+            steps: 0,
+            preemptions: 0,
+        }
+    }
+
+    pub(crate) fn run(mut self, rx: Receiver<Command>) {
+        loop {
+            // Block while idle; otherwise take what has arrived and go on stepping.
+            if self.sched.is_idle() {
+                match rx.recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            self.abort_all();
+                            return;
+                        }
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        if self.sched.is_idle() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            if !self.sched.is_idle() && !self.step() {
+                // Work exists but nothing can be scheduled (cannot happen with admission
+                // checks, but never spin): wait for a command to change the situation.
+                match rx.recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        self.abort_all();
+    }
+
+    /// Returns false on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit {
+                request,
+                key,
+                out,
+                ack,
+            } => {
+                let _ = ack.send(self.submit(request, key, out));
+            }
+            Command::Abort { request_id } => self.abort(&request_id),
+            Command::AbortKey(key) => {
+                let id = self
+                    .reqs
+                    .iter()
+                    .find(|(_, e)| e.key == key)
+                    .map(|(id, _)| id.clone());
+                if let Some(id) = id {
+                    self.abort(&id);
+                }
+            }
+            Command::Stats(reply) => {
+                let _ = reply.send(self.stats());
+            }
+            Command::Export { request_id, reply } => {
+                let _ = reply.send(self.export(&request_id));
+            }
+            Command::Import {
+                snapshot,
+                key,
+                out,
+                ack,
+            } => {
+                let _ = ack.send(self.import(*snapshot, key, out));
+            }
+            Command::ClearCache(reply) => {
+                let r = self.sched.blocks_mut().clear_cache().map_err(|n| {
+                    EngineError::InvalidRequest(format!(
+                        "cannot clear the KV cache while {n} blocks are in use"
+                    ))
+                });
+                let _ = reply.send(r);
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.sched.num_running(),
+            waiting: self.sched.num_waiting(),
+            requests: self.reqs.len(),
+            blocks: self.sched.block_stats(),
+            steps: self.steps,
+            preemptions: self.preemptions,
+            last_event_id: self.events.last_event_id(),
+        }
+    }
+
+    /// Checks a request against the engine's limits; returns the resolved max_tokens.
+    fn validate(
+        &self,
+        request_id: &str,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<usize, EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if self.reqs.contains_key(request_id) {
+            return Err(EngineError::DuplicateRequest(request_id.to_owned()));
+        }
+        params.validate().map_err(EngineError::InvalidRequest)?;
+        if prompt.is_empty() {
+            return bad("the prompt is empty".into());
+        }
+        let vocab = self.backend.vocab_size();
+        if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!("token id {t} is outside the vocabulary ({vocab})"));
+        }
+        if !params.stop.is_empty() && self.tokenizer.is_none() {
+            return bad("stop strings need a tokenizer, and this engine has none".into());
+        }
+        let max_seq_len = self.cfg.max_seq_len;
+        if prompt.len() >= max_seq_len {
+            return bad(format!(
+                "the prompt has {} tokens; max_seq_len is {max_seq_len}, leaving no room to \
+                 generate",
+                prompt.len()
+            ));
+        }
+        let max_tokens = params.max_tokens.unwrap_or(max_seq_len - prompt.len());
+        if prompt.len() + max_tokens > max_seq_len {
+            return bad(format!(
+                "prompt ({} tokens) + max_tokens ({max_tokens}) = {} exceeds max_seq_len \
+                 ({max_seq_len})",
+                prompt.len(),
+                prompt.len() + max_tokens
+            ));
+        }
+        let need = self.sched.blocks().blocks_for(prompt.len() + max_tokens);
+        if need > self.cfg.num_blocks {
+            return bad(format!(
+                "prompt + max_tokens needs {need} KV blocks; the pool has {}",
+                self.cfg.num_blocks
+            ));
+        }
+        if !self.cfg.enable_chunked_prefill && prompt.len() > self.cfg.max_num_tokens {
+            return bad(format!(
+                "the prompt ({} tokens) exceeds max_num_tokens ({}) and chunked prefill is off",
+                prompt.len(),
+                self.cfg.max_num_tokens
+            ));
+        }
+        Ok(max_tokens)
+    }
+
+    fn new_decoder(&self, params: &SamplingParams) -> Option<IncrementalDecoder> {
+        self.tokenizer
+            .as_ref()
+            .map(|_| IncrementalDecoder::new(params.skip_special_tokens))
+    }
+
+    fn submit(
+        &mut self,
+        req: Request,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+    ) -> Result<(), EngineError> {
+        let max_tokens = self.validate(&req.request_id, &req.prompt, &req.params)?;
+        let seed = req.params.seed.unwrap_or_else(Rng::random_seed);
+        let params = Arc::new(req.params);
+        let rid: Arc<str> = Arc::from(req.request_id.as_str());
+        let mut seqs = Vec::with_capacity(params.n);
+        for index in 0..params.n {
+            let id = self.next_seq;
+            self.next_seq += 1;
+            self.next_arrival += 1;
+            let mut seq = Sequence::new(
+                id,
+                rid.clone(),
+                index,
+                req.prompt.clone(),
+                max_tokens,
+                self.next_arrival,
+                params.clone(),
+                SamplerState::new(seed, index as u64),
+            );
+            seq.decoder = self.new_decoder(&params);
+            self.sched.add(seq);
+            self.seq_req.insert(id, req.request_id.clone());
+            seqs.push(id);
+        }
+        self.reqs.insert(req.request_id, Entry { key, seqs, out });
+        Ok(())
+    }
+
+    /// Ends one sequence: removes it, releases its blocks and sends its last output.
+    fn finish(&mut self, id: SeqId, reason: FinishReason, mut last: RequestOutput) {
+        let Some(rid) = self.seq_req.remove(&id) else {
+            return;
+        };
+        if let Some(seq) = self.sched.remove(id, reason) {
+            last.finish_reason = Some(reason);
+            last.usage = Some(usage(&seq));
+        }
+        let mut gone = false;
+        if let Some(e) = self.reqs.get_mut(&rid) {
+            e.seqs.retain(|&s| s != id);
+            let _ = e.out.send(last);
+            gone = e.seqs.is_empty();
+        }
+        if gone {
+            self.reqs.remove(&rid);
+        }
+    }
+
+    fn abort(&mut self, request_id: &str) {
+        self.fail(request_id, None);
+    }
+
+    /// Ends every choice of a request with `abort` (and an error message, if any).
+    fn fail(&mut self, request_id: &str, error: Option<String>) {
+        let Some(e) = self.reqs.get(request_id) else {
+            return;
+        };
+        for id in e.seqs.clone() {
+            let index = self.sched.get(id).map(|s| s.index).unwrap_or(0);
+            let mut o = output(request_id, index);
+            o.error = error.clone();
+            self.finish(id, FinishReason::Abort, o);
+        }
+    }
+
+    fn abort_all(&mut self) {
+        let ids: Vec<String> = self.reqs.keys().cloned().collect();
+        for id in ids {
+            self.fail(&id, Some("the engine is shutting down".into()));
+        }
+    }
+
+    /// One step. Returns false when nothing could be scheduled.
+    fn step(&mut self) -> bool {
+        let sch = self.sched.schedule();
+        self.preemptions += sch.preempted.len() as u64;
+        if sch.seqs.is_empty() {
+            return false;
+        }
+        self.steps += 1;
+        let result = {
+            let inputs: Vec<SeqInput<'_>> = sch
+                .seqs
+                .iter()
+                .filter_map(|p| {
+                    let s = self.sched.get(p.id)?;
+                    Some(SeqInput {
+                        tokens: &s.tokens[p.start..p.start + p.len],
+                        start_pos: p.start,
+                        block_table: s.table.ids(),
+                        logits: if p.sample {
+                            LogitsMode::Last
+                        } else {
+                            LogitsMode::None
+                        },
+                    })
+                })
+                .collect();
+            self.backend.forward(&inputs)
+        };
+        let out = match result {
+            Ok(o) => o,
+            Err(e) => {
+                // The batch's KV is in an unknown state: fail its requests, keep serving others.
+                tracing::error!("engine step failed: {e}");
+                let msg = e.to_string();
+                let rids: Vec<String> = sch
+                    .seqs
+                    .iter()
+                    .filter_map(|p| self.seq_req.get(&p.id).cloned())
+                    .collect();
+                for rid in rids {
+                    self.fail(&rid, Some(msg.clone()));
+                }
+                return true;
+            }
+        };
+        for (i, p) in sch.seqs.iter().enumerate() {
+            self.sched.mark_computed(p);
+            if p.sample {
+                // A backend without logits (the simulator) returns no row: the token is then
+                // drawn from the sequence's RNG, still reproducible from the seed.
+                let row = out
+                    .logits
+                    .get(i)
+                    .and_then(|rows| rows.last())
+                    .filter(|r| !r.is_empty())
+                    .map(|r| r.as_slice());
+                self.sample_and_emit(p.id, row);
+            }
+        }
+        true
+    }
+
+    fn sample_and_emit(&mut self, id: SeqId, row: Option<&[f32]>) {
+        let vocab = self.backend.vocab_size();
+        let eos = &self.cfg.eos_token_ids;
+        let tokenizer = self.tokenizer.clone();
+        let Some(seq) = self.sched.get_mut(id) else {
+            return;
+        };
+        let params = seq.params.clone();
+        let sampled = match row {
+            Some(r) => {
+                let ctx = SampleContext {
+                    all_tokens: &seq.tokens,
+                    eos_token_ids: eos,
+                };
+                sample(r, &params, &mut seq.sampler, &ctx)
+            }
+            None => sample_without_logits(vocab, &mut seq.sampler),
+        };
+        let tok = sampled.token;
+        seq.tokens.push(tok);
+        let mut o = output(&seq.request_id, seq.index);
+        o.token_ids.push(tok);
+        o.logprobs.extend::<Option<TokenLogprob>>(sampled.logprob);
+
+        let mut finish = None;
+        if eos.contains(&tok) && !params.ignore_eos {
+            finish = Some(FinishReason::Stop);
+            o.stop_reason = Some(StopReason::Eos(tok));
+        } else if params.stop_token_ids.contains(&tok) {
+            finish = Some(FinishReason::Stop);
+            o.stop_reason = Some(StopReason::TokenId(tok));
+        }
+        if let (None, Some(dec), Some(tk)) = (finish, seq.decoder.as_mut(), tokenizer.as_deref()) {
+            let delta = dec.push(tk, tok).unwrap_or_else(|e| {
+                tracing::warn!("detokenizing token {tok}: {e}");
+                String::new()
+            });
+            let f = seq.stop.feed(&delta);
+            o.text = f.emit;
+            if let Some(m) = f.matched {
+                finish = Some(FinishReason::Stop);
+                o.stop_reason = Some(StopReason::String(m));
+            }
+        }
+        if finish.is_none() && seq.num_generated() >= seq.max_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() && !matches!(o.stop_reason, Some(StopReason::String(_))) {
+            // Release held-back text: the incomplete tail of the detokenizer, then whatever
+            // the stop matcher kept as a possible (now never completed) stop string.
+            if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), tokenizer.as_deref()) {
+                if let Ok(rest) = dec.flush(tk) {
+                    let f = seq.stop.feed(&rest);
+                    o.text.push_str(&f.emit);
+                }
+            }
+            o.text.push_str(&seq.stop.flush());
+        }
+        match finish {
+            Some(reason) => self.finish(id, reason, o),
+            None => {
+                let rid = seq.request_id.clone();
+                let sent = self
+                    .reqs
+                    .get(&*rid)
+                    .map(|e| e.out.send(o).is_ok())
+                    .unwrap_or(false);
+                if !sent {
+                    // Nobody listens any more: stop spending compute on it.
+                    self.abort(&rid);
+                }
+            }
+        }
+    }
+
+    fn export(&mut self, request_id: &str) -> Result<RequestSnapshot, EngineError> {
+        let e = self
+            .reqs
+            .get(request_id)
+            .ok_or_else(|| EngineError::UnknownRequest(request_id.to_owned()))?;
+        if e.seqs.len() != 1 {
+            return Err(EngineError::BadSnapshot(format!(
+                "request {request_id:?} has {} live choices; only n = 1 can be exported",
+                e.seqs.len()
+            )));
+        }
+        let id = e.seqs[0];
+        let mut seq = self
+            .sched
+            .take(id)
+            .ok_or_else(|| EngineError::UnknownRequest(request_id.to_owned()))?;
+        let nblocks = self.sched.blocks().blocks_for(seq.num_computed);
+        let kv = match self.backend.export_blocks(&seq.table.ids()[..nblocks]) {
+            Ok(kv) => kv,
+            Err(err) => {
+                // Leave the request running here.
+                self.sched.add(seq);
+                return Err(err);
+            }
+        };
+        let state = SequenceState {
+            request_id: request_id.to_owned(),
+            index: seq.index,
+            params: (*seq.params).clone(),
+            tokens: seq.tokens.clone(),
+            prompt_len: seq.prompt_len,
+            max_tokens: seq.max_tokens,
+            num_computed: seq.num_computed,
+            cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
+            sampler: seq.sampler.clone(),
+            stop: seq.stop.clone(),
+        };
+        self.sched.blocks_mut().release(&mut seq.table);
+        self.seq_req.remove(&id);
+        if let Some(e) = self.reqs.remove(request_id) {
+            let mut o = output(request_id, seq.index);
+            o.finish_reason = Some(FinishReason::Migrated);
+            o.usage = Some(usage(&seq));
+            let _ = e.out.send(o);
+        }
+        Ok(RequestSnapshot {
+            layout: self.backend.layout().clone(),
+            state,
+            kv,
+        })
+    }
+
+    fn import(
+        &mut self,
+        snap: RequestSnapshot,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+    ) -> Result<(), EngineError> {
+        self.backend.layout().check_compatible(&snap.layout)?;
+        let st = snap.state;
+        let bad = |m: &str| Err(EngineError::BadSnapshot(m.to_owned()));
+        if st.prompt_len == 0 || st.prompt_len > st.tokens.len() {
+            return bad("prompt_len is 0 or beyond the tokens");
+        }
+        if st.num_computed >= st.tokens.len() {
+            return bad("num_computed must leave the last token to compute");
+        }
+        if st.params.n != 1 && st.index >= st.params.n {
+            return bad("choice index out of range");
+        }
+        let max_tokens = self.validate(&st.request_id, &st.tokens[..st.prompt_len], &st.params)?;
+        if st.max_tokens > max_tokens || st.tokens.len() - st.prompt_len > st.max_tokens {
+            return bad("max_tokens does not fit this engine or is already exceeded");
+        }
+        let vocab = self.backend.vocab_size();
+        if st.tokens.iter().any(|&t| t as usize >= vocab) {
+            return bad("a token id is outside the vocabulary");
+        }
+        let bm = self.sched.blocks_mut();
+        let nblocks = bm.blocks_for(st.num_computed);
+        let want = nblocks * snap.layout.block_bytes();
+        if snap.kv.len() != want {
+            return Err(EngineError::BadSnapshot(format!(
+                "KV data has {} bytes; {nblocks} blocks need {want}",
+                snap.kv.len()
+            )));
+        }
+        let id = self.next_seq;
+        self.next_seq += 1;
+        self.next_arrival += 1;
+        let params = Arc::new(st.params);
+        let mut seq = Sequence::new(
+            id,
+            Arc::from(st.request_id.as_str()),
+            st.index,
+            st.tokens,
+            st.max_tokens,
+            self.next_arrival,
+            params.clone(),
+            st.sampler,
+        );
+        seq.prompt_len = st.prompt_len;
+        seq.stop = st.stop;
+        let bm = self.sched.blocks_mut();
+        bm.ensure_capacity(&mut seq.table, st.num_computed)
+            .map_err(|e| EngineError::OutOfBlocks {
+                needed: e.needed,
+                available: e.available,
+            })?;
+        if let Err(e) = self.backend.import_blocks(seq.table.ids(), &snap.kv) {
+            self.sched.blocks_mut().release(&mut seq.table);
+            return Err(e);
+        }
+        seq.num_computed = st.num_computed;
+        seq.cached_prompt_tokens = Some(st.num_computed.min(st.prompt_len));
+        self.sched
+            .blocks_mut()
+            .commit_computed(&mut seq.table, &seq.tokens, st.num_computed);
+        // The detokenizer's state is a function of the generated ids: replay them.
+        seq.decoder = self.new_decoder(&params);
+        if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), self.tokenizer.as_deref()) {
+            for &t in &seq.tokens[seq.prompt_len..] {
+                let _ = dec.push(tk, t);
+            }
+        }
+        self.sched.add(seq);
+        self.seq_req.insert(id, st.request_id.clone());
+        self.reqs.insert(
+            st.request_id,
+            Entry {
+                key,
+                seqs: vec![id],
+                out,
+            },
+        );
+        Ok(())
+    }
+}

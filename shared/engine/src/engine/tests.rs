@@ -1,0 +1,572 @@
+//! Engine tests over a deterministic stand-in backend whose logits depend on every (token,
+//! position) pair *read back from its paged KV pool*: a wrong block table, a lost block or a
+//! bad export/import changes the output, so equality with a solo run checks all of them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::backend::{LogitsMode, SeqInput, StepOutput};
+use crate::kv::events::KvCacheEventData;
+use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
+use crate::sampler::SamplingParams;
+
+const VOCAB: usize = 64;
+const EOS: u32 = 63;
+const T: Duration = Duration::from_secs(60);
+
+struct TestBackend {
+    layout: KvLayout,
+    num_blocks: usize,
+    pool: Vec<u8>,
+    /// Tokens computed, over all steps.
+    computed: Arc<AtomicUsize>,
+    /// Return no logits rows, like the simulator.
+    no_logits: bool,
+    /// When set, every step first takes one permit: the test decides how far the engine runs.
+    gate: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+impl TestBackend {
+    fn new(block_size: usize, num_blocks: usize) -> Self {
+        let layout = KvLayout {
+            version: LAYOUT_VERSION,
+            model_id: "test-backend".into(),
+            dtype: KvDtype::F32,
+            block_size,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 2,
+        };
+        let pool = vec![0; layout.block_bytes() * num_blocks];
+        Self {
+            layout,
+            num_blocks,
+            pool,
+            computed: Arc::new(AtomicUsize::new(0)),
+            no_logits: false,
+            gate: None,
+        }
+    }
+
+    /// A backend that runs one step per permit sent on the returned channel.
+    fn gated(block_size: usize, num_blocks: usize) -> (Self, std::sync::mpsc::Sender<()>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut b = Self::new(block_size, num_blocks);
+        b.gate = Some(rx);
+        (b, tx)
+    }
+
+    fn slot(&self, table: &[u32], pos: usize) -> Result<usize, EngineError> {
+        let bs = self.layout.block_size;
+        let block = *table
+            .get(pos / bs)
+            .ok_or_else(|| EngineError::InvalidInput(format!("no block for position {pos}")))?;
+        if block as usize >= self.num_blocks {
+            return Err(EngineError::InvalidInput(format!(
+                "block {block} out of range"
+            )));
+        }
+        Ok(self.layout.offset(block as usize, 0, KvPart::K) + (pos % bs) * 8)
+    }
+
+    fn read(&self, off: usize) -> u32 {
+        u32::from_le_bytes(self.pool[off..off + 4].try_into().unwrap())
+    }
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51afd7ed558ccd);
+    x ^= x >> 33;
+    x
+}
+
+impl Backend for TestBackend {
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
+        if let Some(g) = &self.gate {
+            g.recv_timeout(T)
+                .map_err(|_| EngineError::InvalidInput("test gate closed or timed out".into()))?;
+        }
+        let mut logits = Vec::new();
+        for s in batch {
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let off = self.slot(s.block_table, s.start_pos + i)?;
+                self.pool[off..off + 4].copy_from_slice(&t.to_le_bytes());
+                self.pool[off + 4..off + 8]
+                    .copy_from_slice(&((s.start_pos + i) as u32 + 1).to_le_bytes());
+            }
+            self.computed.fetch_add(s.tokens.len(), Ordering::Relaxed);
+            if s.logits == LogitsMode::None || self.no_logits {
+                logits.push(Vec::new());
+                continue;
+            }
+            let end = s.start_pos + s.tokens.len();
+            let mut h = 0u64;
+            for pos in 0..end {
+                let off = self.slot(s.block_table, pos)?;
+                if self.read(off + 4) != pos as u32 + 1 {
+                    return Err(EngineError::InvalidInput(format!("KV missing at {pos}")));
+                }
+                h = mix(h ^ (self.read(off) as u64) ^ ((pos as u64) << 32));
+            }
+            let row: Vec<f32> = (0..VOCAB as u64)
+                .map(|j| (mix(h ^ (j * 0x9E37_79B9)) % 1000) as f32 / 200.0)
+                .collect();
+            logits.push(vec![row]);
+        }
+        Ok(StepOutput { logits })
+    }
+    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
+        let bb = self.layout.block_bytes();
+        let mut v = Vec::new();
+        for &b in blocks {
+            let o = b as usize * bb;
+            v.extend_from_slice(&self.pool[o..o + bb]);
+        }
+        Ok(v)
+    }
+    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
+        let bb = self.layout.block_bytes();
+        if data.len() != blocks.len() * bb {
+            return Err(EngineError::InvalidInput("size".into()));
+        }
+        for (i, &b) in blocks.iter().enumerate() {
+            let o = b as usize * bb;
+            self.pool[o..o + bb].copy_from_slice(&data[i * bb..(i + 1) * bb]);
+        }
+        Ok(())
+    }
+}
+
+fn config(num_blocks: usize) -> EngineConfig {
+    EngineConfig {
+        max_batch_size: 8,
+        max_num_tokens: 32,
+        max_seq_len: 256,
+        num_blocks,
+        eos_token_ids: vec![EOS],
+        capacity_scheduler_policy: CapacitySchedulerPolicy::MaxUtilization,
+        ..EngineConfig::default()
+    }
+}
+
+fn start(block_size: usize, num_blocks: usize, cfg: EngineConfig) -> EngineHandle {
+    Engine::start(
+        Box::new(TestBackend::new(block_size, num_blocks)),
+        None,
+        cfg,
+    )
+    .unwrap()
+}
+
+fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
+    Request {
+        request_id: id.into(),
+        prompt,
+        params,
+    }
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (seed * 7 + i * 3) % 60 + 1)
+        .collect()
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    }
+}
+
+fn sampled(max_tokens: usize, seed: u64) -> SamplingParams {
+    SamplingParams {
+        max_tokens: Some(max_tokens),
+        seed: Some(seed),
+        temperature: 0.8,
+        top_p: 0.9,
+        top_k: 20,
+        repetition_penalty: 1.2,
+        frequency_penalty: 0.3,
+        presence_penalty: 0.2,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+fn tokens(outs: &[RequestOutput]) -> Vec<u32> {
+    outs.iter()
+        .flat_map(|o| o.token_ids.iter().copied())
+        .collect()
+}
+
+async fn run(h: &EngineHandle, r: Request) -> Vec<RequestOutput> {
+    let s = h.submit(r).await.unwrap();
+    tokio::time::timeout(T, s.collect()).await.unwrap()
+}
+
+async fn wait_idle(h: &EngineHandle) -> EngineStats {
+    // Finishing is processed before the last output is sent, so one round trip suffices.
+    tokio::time::timeout(T, h.stats()).await.unwrap().unwrap()
+}
+
+#[tokio::test]
+async fn concurrent_requests_under_preemption_match_solo_runs() {
+    let solo = start(4, 64, config(64));
+    let mut want = Vec::new();
+    for i in 0..6 {
+        let p = if i % 2 == 0 {
+            greedy(20)
+        } else {
+            sampled(20, i)
+        };
+        want.push(tokens(
+            &run(&solo, req("x", prompt(i as u32, 10 + i as usize), p)).await,
+        ));
+    }
+    // 12 blocks of 4 tokens: each request grows to ~8 blocks, so they preempt each other.
+    let h = start(4, 12, config(12));
+    let mut streams = Vec::new();
+    for i in 0..6 {
+        let p = if i % 2 == 0 {
+            greedy(20)
+        } else {
+            sampled(20, i)
+        };
+        streams.push(
+            h.submit(req(&format!("r{i}"), prompt(i as u32, 10 + i as usize), p))
+                .await
+                .unwrap(),
+        );
+    }
+    for (i, s) in streams.into_iter().enumerate() {
+        let outs = tokio::time::timeout(T, s.collect()).await.unwrap();
+        assert_eq!(tokens(&outs), want[i], "request {i}");
+        let last = outs.last().unwrap();
+        assert_eq!(last.finish_reason, Some(FinishReason::Length));
+        assert_eq!(last.usage.unwrap().completion_tokens, 20);
+    }
+    let st = wait_idle(&h).await;
+    assert!(st.preemptions > 0, "the pool was meant to force preemption");
+    assert_eq!((st.running, st.waiting, st.requests), (0, 0, 0));
+    assert_eq!(st.blocks.referenced, 0);
+    assert_eq!(st.blocks.cached + st.blocks.free, 12);
+}
+
+#[tokio::test]
+async fn guaranteed_no_evict_also_completes() {
+    let cfg = EngineConfig {
+        capacity_scheduler_policy: CapacitySchedulerPolicy::GuaranteedNoEvict,
+        ..config(12)
+    };
+    let h = start(4, 12, cfg);
+    let mut streams = Vec::new();
+    for i in 0..4 {
+        streams.push(
+            h.submit(req(&format!("r{i}"), prompt(i, 12), greedy(16)))
+                .await
+                .unwrap(),
+        );
+    }
+    for s in streams {
+        let outs = tokio::time::timeout(T, s.collect()).await.unwrap();
+        assert_eq!(tokens(&outs).len(), 16);
+    }
+    let st = wait_idle(&h).await;
+    assert_eq!(st.preemptions, 0);
+    assert_eq!(st.blocks.referenced, 0);
+}
+
+#[tokio::test]
+async fn limits_are_clear_errors() {
+    let h = start(
+        4,
+        16,
+        EngineConfig {
+            max_seq_len: 32,
+            ..config(16)
+        },
+    );
+    let e = h
+        .submit(req("a", prompt(0, 20), greedy(20)))
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("exceeds max_seq_len"), "{e}");
+    let e = h.submit(req("b", vec![], greedy(2))).await.err().unwrap();
+    assert!(matches!(e, EngineError::InvalidRequest(_)));
+    let e = h
+        .submit(req("c", vec![999], greedy(2)))
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("vocabulary"));
+    let stop = SamplingParams {
+        stop: vec!["x".into()],
+        ..greedy(2)
+    };
+    assert!(h.submit(req("d", prompt(0, 3), stop)).await.is_err());
+    // Within max_seq_len but larger than the whole pool: refused, never admitted to hang.
+    let small = start(
+        4,
+        2,
+        EngineConfig {
+            max_seq_len: 64,
+            ..config(2)
+        },
+    );
+    let e = small
+        .submit(req("e", prompt(0, 4), greedy(10)))
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("KV blocks"), "{e}");
+    let (gb, permits) = TestBackend::gated(4, 16);
+    let g = Engine::start(Box::new(gb), None, config(16)).unwrap();
+    let _keep = g
+        .submit(req("dup", prompt(0, 3), greedy(28)))
+        .await
+        .unwrap();
+    let second = g.submit(req("dup", prompt(0, 3), greedy(2)));
+    permits.send(()).unwrap();
+    let e = tokio::time::timeout(T, second).await.unwrap().err().unwrap();
+    assert!(matches!(e, EngineError::DuplicateRequest(_)));
+}
+
+#[tokio::test]
+async fn abort_and_dropped_streams_free_blocks() {
+    let (gb, permits) = TestBackend::gated(4, 64);
+    let h = Engine::start(Box::new(gb), None, config(64)).unwrap();
+    let mut s = h.submit(req("a", prompt(1, 9), greedy(200))).await.unwrap();
+    permits.send(()).unwrap();
+    let first = tokio::time::timeout(T, s.next()).await.unwrap().unwrap();
+    assert_eq!(first.token_ids.len(), 1);
+    // The abort lands before or after the engine's second step, depending on timing.
+    h.abort("a");
+    permits.send(()).unwrap();
+    let rest = tokio::time::timeout(T, s.collect()).await.unwrap();
+    assert!(rest.len() <= 2);
+    let last = rest.last().unwrap();
+    assert_eq!(last.finish_reason, Some(FinishReason::Abort));
+    assert_eq!(last.usage.unwrap().completion_tokens, rest.len());
+    let mut s2 = h.submit(req("b", prompt(2, 9), greedy(200))).await.unwrap();
+    permits.send(()).unwrap();
+    tokio::time::timeout(T, s2.next()).await.unwrap().unwrap();
+    drop(s2);
+    let stats = h.stats();
+    permits.send(()).unwrap();
+    let st = tokio::time::timeout(T, stats).await.unwrap().unwrap();
+    assert_eq!((st.requests, st.running, st.blocks.referenced), (0, 0, 0));
+}
+
+#[tokio::test]
+async fn eos_stop_ids_and_n_choices() {
+    let h = start(4, 64, config(64));
+    // Find the greedy continuation, then stop on its third token.
+    let outs = run(&h, req("g", prompt(3, 5), greedy(8))).await;
+    let toks = tokens(&outs);
+    let p = SamplingParams {
+        stop_token_ids: vec![toks[2]],
+        ..greedy(8)
+    };
+    let outs = run(&h, req("s", prompt(3, 5), p)).await;
+    let last = outs.last().unwrap();
+    assert_eq!(tokens(&outs), toks[..3].to_vec());
+    assert_eq!(last.finish_reason, Some(FinishReason::Stop));
+    assert_eq!(last.stop_reason, Some(StopReason::TokenId(toks[2])));
+    // min_tokens masks the stop id for the first 3 tokens.
+    let p = SamplingParams {
+        stop_token_ids: vec![toks[2]],
+        min_tokens: 3,
+        ..greedy(8)
+    };
+    let outs = run(&h, req("m", prompt(3, 5), p)).await;
+    assert!(tokens(&outs).len() > 3);
+    // n = 3 seeded: reproducible, choices independent.
+    let p = SamplingParams {
+        n: 3,
+        ..sampled(12, 42)
+    };
+    let a = run(&h, req("n1", prompt(4, 6), p.clone())).await;
+    let b = run(&h, req("n2", prompt(4, 6), p)).await;
+    let per = |outs: &[RequestOutput], i| {
+        tokens(
+            &outs
+                .iter()
+                .filter(|o| o.index == i)
+                .cloned()
+                .collect::<Vec<_>>(),
+        )
+    };
+    for i in 0..3 {
+        assert_eq!(per(&a, i), per(&b, i));
+        assert_eq!(per(&a, i).len(), 12);
+    }
+    assert!(per(&a, 0) != per(&a, 1) || per(&a, 1) != per(&a, 2));
+    assert_eq!(a.iter().filter(|o| o.finish_reason.is_some()).count(), 3);
+}
+
+#[tokio::test]
+async fn prefix_reuse_reports_cached_tokens_and_events() {
+    let h = start(4, 64, config(64));
+    let mut ev = h.subscribe_events();
+    let p = prompt(5, 10);
+    let a = run(&h, req("a", p.clone(), greedy(3))).await;
+    let b = run(&h, req("b", p.clone(), greedy(3))).await;
+    assert_eq!(tokens(&a), tokens(&b));
+    assert_eq!(a.last().unwrap().usage.unwrap().cached_tokens, 0);
+    assert_eq!(b.last().unwrap().usage.unwrap().cached_tokens, 8);
+    let first = ev.try_recv().unwrap();
+    assert_eq!(first.event_id, 1);
+    match first.data {
+        KvCacheEventData::Stored(s) => {
+            let want = crate::kv::hash::block_hashes(&p, 4);
+            assert_eq!(s.parent_hash, None);
+            assert_eq!(s.blocks[0].block_hash, want[0].1);
+            assert_eq!(s.blocks[1].tokens_hash, want[1].0);
+        }
+        other => panic!("{other:?}"),
+    }
+    let (dump, _) = h.dump_stored_blocks();
+    assert!(dump.blocks.len() >= 2);
+    h.clear_cache().await.unwrap();
+    let (dump, _) = h.dump_stored_blocks();
+    assert!(dump.blocks.is_empty());
+}
+
+async fn continue_elsewhere(params: SamplingParams, after: usize) {
+    let p = prompt(9, 11);
+    let reference = start(4, 64, config(64));
+    let want = tokens(&run(&reference, req("r", p.clone(), params.clone())).await);
+
+    // One step per permit: `after` steps give `after` tokens; the export lands before or
+    // after the next step, so the snapshot holds `after` or `after + 1` tokens.
+    let (ab, permits) = TestBackend::gated(4, 64);
+    let a = Engine::start(Box::new(ab), None, config(64)).unwrap();
+    let mut s = a.submit(req("r", p, params)).await.unwrap();
+    for _ in 0..after {
+        permits.send(()).unwrap();
+    }
+    let mut got = Vec::new();
+    while got.len() < after {
+        let o = tokio::time::timeout(T, s.next()).await.unwrap().unwrap();
+        got.extend(o.token_ids);
+    }
+    let export = a.export("r");
+    permits.send(()).unwrap();
+    let snap = tokio::time::timeout(T, export).await.unwrap().unwrap();
+    let generated = snap.state.tokens.len() - snap.state.prompt_len;
+    assert!(generated == after || generated == after + 1);
+    let rest = tokio::time::timeout(T, s.collect()).await.unwrap();
+    got.extend(tokens(&rest));
+    assert_eq!(
+        rest.last().unwrap().finish_reason,
+        Some(FinishReason::Migrated)
+    );
+    assert_eq!(snap.state.tokens[snap.state.prompt_len..], got[..]);
+    assert_eq!(wait_idle(&a).await.blocks.referenced, 0);
+
+    let b_backend = TestBackend::new(4, 64);
+    let computed = b_backend.computed.clone();
+    let b = Engine::start(Box::new(b_backend), None, config(64)).unwrap();
+    let already = got.len();
+    let s = b.import(snap).await.unwrap();
+    let outs = tokio::time::timeout(T, s.collect()).await.unwrap();
+    got.extend(tokens(&outs));
+    assert_eq!(got, want);
+    // The importer computed only the generated tail, none of the prompt.
+    assert_eq!(computed.load(Ordering::Relaxed), want.len() - already);
+    assert!(outs.last().unwrap().usage.unwrap().cached_tokens == 11);
+}
+
+#[tokio::test]
+async fn export_import_continues_greedy_exactly() {
+    continue_elsewhere(greedy(24), 5).await;
+}
+
+#[tokio::test]
+async fn export_import_continues_seeded_sampling_with_penalties() {
+    continue_elsewhere(sampled(24, 1234), 7).await;
+}
+
+#[tokio::test]
+async fn import_refuses_a_different_layout() {
+    let (ab, permits) = TestBackend::gated(4, 64);
+    let a = Engine::start(Box::new(ab), None, config(64)).unwrap();
+    let _s = a.submit(req("r", prompt(1, 6), greedy(50))).await.unwrap();
+    let export = a.export("r");
+    permits.send(()).unwrap();
+    let snap = tokio::time::timeout(T, export).await.unwrap().unwrap();
+    assert_eq!(snap.kv.len() % snap.layout.block_bytes(), 0);
+    let b = start(8, 64, config(64));
+    let e = b.import(snap.clone()).await.err().unwrap();
+    assert!(
+        matches!(
+            e,
+            EngineError::LayoutMismatch {
+                field: "block_size",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut bad = snap;
+    bad.kv.push(0);
+    let c = start(4, 64, config(64));
+    assert!(matches!(
+        c.import(bad).await,
+        Err(EngineError::BadSnapshot(_))
+    ));
+    assert_eq!(wait_idle(&c).await.blocks.referenced, 0);
+}
+
+#[tokio::test]
+async fn backend_without_logits_draws_from_the_seed() {
+    let mk = || {
+        let mut b = TestBackend::new(4, 16);
+        b.no_logits = true;
+        Engine::start(Box::new(b), None, config(16)).unwrap()
+    };
+    let p = SamplingParams {
+        seed: Some(5),
+        ..greedy(10)
+    };
+    let a = tokens(&run(&mk(), req("a", prompt(1, 4), p.clone())).await);
+    let b = tokens(&run(&mk(), req("a", prompt(1, 4), p)).await);
+    assert_eq!(a.len(), 10);
+    assert_eq!(a, b);
+}
+
+#[tokio::test]
+async fn chunked_prefill_off_and_stats() {
+    let cfg = EngineConfig {
+        enable_chunked_prefill: false,
+        max_num_tokens: 16,
+        ..config(64)
+    };
+    let h = start(4, 64, cfg);
+    let e = h
+        .submit(req("long", prompt(0, 20), greedy(2)))
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("chunked prefill is off"));
+    let outs = run(&h, req("ok", prompt(0, 16), greedy(4))).await;
+    assert_eq!(tokens(&outs).len(), 4);
+    let st = h.stats().await.unwrap();
+    assert!(st.steps >= 4);
+    assert_eq!(st.blocks.total, 64);
+}

@@ -1,0 +1,87 @@
+//! What goes into the engine (a request), what comes out (a stream of outputs), and the state
+//! of a request exported to another engine instance.
+
+use serde::{Deserialize, Serialize};
+
+use crate::kv::layout::KvLayout;
+use crate::sampler::{SamplerState, SamplingParams, StopMatcher, TokenLogprob};
+pub use crate::sequence::FinishReason;
+
+/// A tokenized request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// Unique among the engine's live requests.
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// Token counts of one choice, sent with its last output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache (or from an import) rather than
+    /// being computed here.
+    pub cached_tokens: usize,
+}
+
+/// One increment of one choice of a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestOutput {
+    pub request_id: String,
+    /// Choice index (`0..n`).
+    pub index: usize,
+    /// New tokens (usually one).
+    pub token_ids: Vec<u32>,
+    /// New text: always valid UTF-8 and never part of a stop string; may be empty while text
+    /// is held back.
+    pub text: String,
+    /// One entry per new token when logprobs were asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set on the choice's last output.
+    pub finish_reason: Option<FinishReason>,
+    /// The stop string or stop token id that ended the choice, when one did.
+    pub stop_reason: Option<StopReason>,
+    /// Set on the choice's last output.
+    pub usage: Option<Usage>,
+    /// Set when the engine failed the request (the finish reason is then `abort`).
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Eos(u32),
+    TokenId(u32),
+    String(String),
+}
+
+/// Everything about one in-flight sequence that another engine needs to continue it exactly:
+/// tokens so far, how many have KV (shipped beside it), the sampler's RNG and penalty counts,
+/// and the held-back text of a partial stop-string match. The incremental detokenizer is
+/// rebuilt from the generated tokens, which determine it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SequenceState {
+    pub request_id: String,
+    pub index: usize,
+    pub params: SamplingParams,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    /// Leading tokens whose KV is in the exported blocks.
+    pub num_computed: usize,
+    pub cached_prompt_tokens: usize,
+    pub sampler: SamplerState,
+    pub stop: StopMatcher,
+}
+
+/// An exported request: its state, the layout its KV was written in, and the KV bytes of
+/// `ceil(num_computed / block_size)` blocks in layout order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestSnapshot {
+    pub layout: KvLayout,
+    pub state: SequenceState,
+    pub kv: Vec<u8>,
+}
