@@ -1,0 +1,632 @@
+//! Radix index of which worker holds which KV blocks.
+//!
+//! Nodes are keyed by the *local* hash of a block (its own tokens), so a path from the root
+//! spells a token prefix block by block and is shared by every worker that caches that prefix.
+//! Each worker also has a lookup from its *external* block hash (the engine's id, carried in
+//! events) to the node, because removals and `parent_hash` refer to blocks by that id.
+//!
+//! Nodes live in an arena (`Vec<Node>` with a free list, `u32` indices) instead of
+//! `Rc<RefCell<_>>`: no reference counting, no interior mutability, the whole index is `Send`
+//! and can sit behind a `Mutex`/`RwLock`, and a lookup is a couple of cache-friendly loads.
+//!
+//! Invariant: a worker's blocks are *prefix-closed*. A worker is only added to a node whose
+//! parent it already holds, and removing a block from a worker also removes every descendant
+//! that worker holds (they could never be matched again: a match must be contiguous from the
+//! first block). Hence along any path the worker sets shrink monotonically, every non-root node
+//! has at least one worker, and an emptied node has an emptied subtree that can be freed at once.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap;
+
+use crate::protocols::{
+    ExternalBlockHash, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
+    OverlapScores, StoredBlock, WorkerId,
+};
+
+const ROOT: u32 = 0;
+const NO_PARENT: u32 = u32::MAX;
+/// Up to this many children are kept in a small vector scanned linearly; most nodes have one.
+const FEW_CHILDREN: usize = 8;
+
+/// An event the index could not (fully) apply. The event is still consumed: the worker's
+/// state for the affected blocks is simply unknown to the router, which only costs matches.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TreeError {
+    #[error(
+        "worker {worker}: {dropped} stored block(s) under parent {parent:#018x}, which the \
+         worker does not hold, were ignored"
+    )]
+    UnknownParent {
+        worker: WorkerId,
+        parent: ExternalBlockHash,
+        dropped: usize,
+    },
+    #[error("radix index is full ({0} nodes)")]
+    Capacity(usize),
+}
+
+enum Children {
+    Few(Vec<(LocalBlockHash, u32)>),
+    Many(Box<FxHashMap<LocalBlockHash, u32>>),
+}
+
+impl Children {
+    fn get(&self, key: LocalBlockHash) -> Option<u32> {
+        match self {
+            Children::Few(v) => v.iter().find(|(k, _)| *k == key).map(|(_, n)| *n),
+            Children::Many(m) => m.get(&key).copied(),
+        }
+    }
+
+    fn insert(&mut self, key: LocalBlockHash, node: u32) {
+        match self {
+            Children::Few(v) if v.len() < FEW_CHILDREN => v.push((key, node)),
+            Children::Few(v) => {
+                let mut m: FxHashMap<LocalBlockHash, u32> = v.drain(..).collect();
+                m.insert(key, node);
+                *self = Children::Many(Box::new(m));
+            }
+            Children::Many(m) => {
+                m.insert(key, node);
+            }
+        }
+    }
+
+    fn remove(&mut self, key: LocalBlockHash) {
+        match self {
+            Children::Few(v) => {
+                if let Some(i) = v.iter().position(|(k, _)| *k == key) {
+                    v.swap_remove(i);
+                }
+            }
+            Children::Many(m) => {
+                m.remove(&key);
+            }
+        }
+    }
+
+    fn push_ids(&self, out: &mut Vec<u32>) {
+        match self {
+            Children::Few(v) => out.extend(v.iter().map(|(_, n)| *n)),
+            Children::Many(m) => out.extend(m.values().copied()),
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        match self {
+            Children::Few(v) => v.len(),
+            Children::Many(m) => m.len(),
+        }
+    }
+}
+
+struct Node {
+    local: LocalBlockHash,
+    parent: u32,
+    depth: u32,
+    children: Children,
+    /// `(worker slot, that worker's external hash of this block)`, sorted by slot. Keeping the
+    /// external hash here lets a cascading removal clean the worker's lookup without a search.
+    workers: Vec<(u32, ExternalBlockHash)>,
+}
+
+impl Node {
+    fn slot_index(&self, slot: u32) -> Result<usize, usize> {
+        self.workers.binary_search_by_key(&slot, |e| e.0)
+    }
+}
+
+struct WorkerEntry {
+    id: WorkerId,
+    blocks: FxHashMap<ExternalBlockHash, u32>,
+}
+
+/// Per-worker block sets in comparable form: worker → `(block_hash, parent_hash, tokens_hash)`.
+/// Workers holding nothing are omitted, so "never seen" and "empty" compare equal.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IndexSnapshot(pub BTreeMap<WorkerId, BTreeSet<(u64, Option<u64>, u64)>>);
+
+impl IndexSnapshot {
+    /// Human-readable differences (empty when equal), for test failure messages.
+    pub fn diff(&self, other: &IndexSnapshot) -> Vec<String> {
+        let mut out = Vec::new();
+        let workers: BTreeSet<_> = self.0.keys().chain(other.0.keys()).collect();
+        let empty = BTreeSet::new();
+        for w in workers {
+            let a = self.0.get(w).unwrap_or(&empty);
+            let b = other.0.get(w).unwrap_or(&empty);
+            let only_a = a.difference(b).count();
+            let only_b = b.difference(a).count();
+            if only_a + only_b > 0 {
+                out.push(format!(
+                    "worker {w}: {only_a} block(s) only on the left, {only_b} only on the right"
+                ));
+            }
+        }
+        out
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.0.values().map(BTreeSet::len).sum()
+    }
+}
+
+/// The radix index. Single-threaded; wrap it in a lock to share it.
+pub struct RadixTree {
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    slots: Vec<Option<WorkerEntry>>,
+    free_slots: Vec<u32>,
+    slot_of: FxHashMap<WorkerId, u32>,
+    // Scratch buffers reused by removals, so steady-state event application does not allocate.
+    stack: Vec<u32>,
+    emptied: Vec<u32>,
+}
+
+impl Default for RadixTree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RadixTree {
+    pub fn new() -> Self {
+        let root = Node {
+            local: 0,
+            parent: NO_PARENT,
+            depth: 0,
+            children: Children::Many(Box::default()),
+            workers: Vec::new(),
+        };
+        Self {
+            nodes: vec![root],
+            free_nodes: Vec::new(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            slot_of: FxHashMap::default(),
+            stack: Vec::new(),
+            emptied: Vec::new(),
+        }
+    }
+
+    /// Applies one event's payload for `worker`; returns how many blocks were added or removed.
+    pub fn apply(&mut self, worker: WorkerId, data: &KvCacheEventData) -> Result<usize, TreeError> {
+        match data {
+            KvCacheEventData::Stored(s) => self.apply_stored(worker, s),
+            KvCacheEventData::Removed(r) => Ok(self.apply_removed(worker, &r.block_hashes)),
+            KvCacheEventData::Cleared => Ok(self.clear_worker(worker)),
+        }
+    }
+
+    /// Adds a chain of blocks below `data.parent_hash` (the root when `None`).
+    pub fn apply_stored(
+        &mut self,
+        worker: WorkerId,
+        data: &KvCacheStoreData,
+    ) -> Result<usize, TreeError> {
+        let slot = self.ensure_slot(worker);
+        let mut parent = match data.parent_hash {
+            None => ROOT,
+            Some(p) => match self.entry(slot).and_then(|e| e.blocks.get(&p)) {
+                Some(&n) => n,
+                None => {
+                    return Err(TreeError::UnknownParent {
+                        worker,
+                        parent: p,
+                        dropped: data.blocks.len(),
+                    })
+                }
+            },
+        };
+        let mut added = 0;
+        for (i, b) in data.blocks.iter().enumerate() {
+            match self.store_one(slot, parent, b) {
+                Ok((node, is_new)) => {
+                    parent = node;
+                    added += usize::from(is_new);
+                }
+                Err(()) => {
+                    return Err(TreeError::UnknownParent {
+                        worker,
+                        parent: data.parent_hash.unwrap_or_default(),
+                        dropped: data.blocks.len() - i,
+                    })
+                }
+            }
+        }
+        if self.nodes.len() > u32::MAX as usize - 1 {
+            return Err(TreeError::Capacity(self.nodes.len()));
+        }
+        Ok(added)
+    }
+
+    /// Stores one block for `slot` under `parent`; returns its node and whether it was new for
+    /// the worker. `Err` when the parent stopped being held (engine id reuse inside the chain).
+    fn store_one(
+        &mut self,
+        slot: u32,
+        parent: u32,
+        b: &KvCacheStoredBlockData,
+    ) -> Result<(u32, bool), ()> {
+        if let Some(&old) = self.entry(slot).and_then(|e| e.blocks.get(&b.block_hash)) {
+            let n = &self.nodes[old as usize];
+            if n.parent == parent && n.local == b.tokens_hash {
+                return Ok((old, false));
+            }
+            // The engine reused this id for other content: the old block is gone.
+            self.remove_cascade(slot, old);
+            if parent != ROOT && self.nodes[parent as usize].slot_index(slot).is_err() {
+                return Err(());
+            }
+        }
+        let child = match self.nodes[parent as usize].children.get(b.tokens_hash) {
+            Some(c) => c,
+            None => self.alloc(parent, b.tokens_hash),
+        };
+        let is_new = match self.nodes[child as usize].slot_index(slot) {
+            Ok(i) => {
+                // Same content under another id: keep one id per (worker, block).
+                let old_ext =
+                    std::mem::replace(&mut self.nodes[child as usize].workers[i].1, b.block_hash);
+                if let Some(e) = self.entry_mut(slot) {
+                    e.blocks.remove(&old_ext);
+                }
+                false
+            }
+            Err(i) => {
+                self.nodes[child as usize]
+                    .workers
+                    .insert(i, (slot, b.block_hash));
+                true
+            }
+        };
+        if let Some(e) = self.entry_mut(slot) {
+            e.blocks.insert(b.block_hash, child);
+        }
+        Ok((child, is_new))
+    }
+
+    /// Removes blocks (and the worker's blocks below them) by external hash. Unknown hashes
+    /// are ignored: after a cascade, a worker's own removal of a child is expected to miss.
+    pub fn apply_removed(&mut self, worker: WorkerId, hashes: &[ExternalBlockHash]) -> usize {
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for h in hashes {
+            if let Some(&node) = self.entry(slot).and_then(|e| e.blocks.get(h)) {
+                removed += self.remove_cascade(slot, node);
+            }
+        }
+        removed
+    }
+
+    /// Drops every block of `worker` but keeps it known. Returns the number of blocks dropped.
+    pub fn clear_worker(&mut self, worker: WorkerId) -> usize {
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            return 0;
+        };
+        let blocks = match self.entry_mut(slot) {
+            Some(e) => std::mem::take(&mut e.blocks),
+            None => return 0,
+        };
+        let n = blocks.len();
+        let mut emptied = std::mem::take(&mut self.emptied);
+        for (_, node) in blocks {
+            let nd = &mut self.nodes[node as usize];
+            if let Ok(i) = nd.slot_index(slot) {
+                nd.workers.remove(i);
+                if nd.workers.is_empty() {
+                    emptied.push(node);
+                }
+            }
+        }
+        self.free_emptied(&mut emptied);
+        self.emptied = emptied;
+        n
+    }
+
+    /// Forgets `worker` entirely (it left discovery). Returns the number of blocks dropped.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> usize {
+        let n = self.clear_worker(worker);
+        if let Some(slot) = self.slot_of.remove(&worker) {
+            self.slots[slot as usize] = None;
+            self.free_slots.push(slot);
+        }
+        n
+    }
+
+    /// For each worker, how many leading blocks of `locals` it holds.
+    pub fn find_matches(&self, locals: &[LocalBlockHash]) -> OverlapScores {
+        let mut scores = FxHashMap::default();
+        let mut cur = match locals.first() {
+            Some(&h) => self.nodes[ROOT as usize].children.get(h),
+            None => None,
+        };
+        let mut depth = 1u32;
+        while let Some(c) = cur {
+            let cn = &self.nodes[c as usize];
+            let next = locals.get(depth as usize).and_then(|&h| cn.children.get(h));
+            match next {
+                Some(n) => {
+                    let nw = &self.nodes[n as usize].workers;
+                    // Worker sets only shrink downwards, so equal sizes mean equal sets and
+                    // nobody stops here; otherwise a merge walk finds who does.
+                    if nw.len() != cn.workers.len() {
+                        let mut j = 0;
+                        for &(slot, _) in &cn.workers {
+                            while j < nw.len() && nw[j].0 < slot {
+                                j += 1;
+                            }
+                            if j >= nw.len() || nw[j].0 != slot {
+                                scores.insert(self.worker_id(slot), depth);
+                            }
+                        }
+                    }
+                    depth += 1;
+                }
+                None => {
+                    for &(slot, _) in &cn.workers {
+                        scores.insert(self.worker_id(slot), depth);
+                    }
+                }
+            }
+            cur = next;
+        }
+        OverlapScores {
+            scores,
+            tree_sizes: self.tree_sizes(),
+        }
+    }
+
+    /// Worker → number of blocks held, for every known worker.
+    pub fn tree_sizes(&self) -> FxHashMap<WorkerId, usize> {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|e| (e.id, e.blocks.len()))
+            .collect()
+    }
+
+    /// Number of blocks `worker` holds.
+    pub fn tree_size(&self, worker: WorkerId) -> usize {
+        self.slot_of
+            .get(&worker)
+            .and_then(|&s| self.entry(s))
+            .map_or(0, |e| e.blocks.len())
+    }
+
+    /// Known workers (including those currently holding nothing).
+    pub fn workers(&self) -> Vec<WorkerId> {
+        self.slots.iter().flatten().map(|e| e.id).collect()
+    }
+
+    /// Live nodes, root excluded.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len() - 1 - self.free_nodes.len()
+    }
+
+    /// The worker's blocks as stored-block records, parents before children (depth order), so
+    /// replaying them into an empty index rebuilds the same state.
+    pub fn dump_blocks(&self, worker: WorkerId) -> Vec<StoredBlock> {
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            return Vec::new();
+        };
+        let Some(entry) = self.entry(slot) else {
+            return Vec::new();
+        };
+        let mut rows: Vec<(u32, u64, u32)> = entry
+            .blocks
+            .iter()
+            .map(|(&ext, &n)| (self.nodes[n as usize].depth, ext, n))
+            .collect();
+        rows.sort_unstable();
+        rows.into_iter()
+            .filter_map(|(_, ext, n)| {
+                let node = &self.nodes[n as usize];
+                let parent_hash = if node.parent == ROOT {
+                    None
+                } else {
+                    let p = &self.nodes[node.parent as usize];
+                    // Always present by the prefix-closed invariant; skip rather than panic.
+                    Some(p.workers[p.slot_index(slot).ok()?].1)
+                };
+                Some(StoredBlock {
+                    parent_hash,
+                    block_hash: ext,
+                    tokens_hash: node.local,
+                })
+            })
+            .collect()
+    }
+
+    /// The worker's blocks as synthetic single-block `Stored` events, in replayable order.
+    pub fn dump_events(&self, worker: WorkerId) -> Vec<KvCacheEventData> {
+        self.dump_blocks(worker)
+            .into_iter()
+            .map(|b| {
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: b.parent_hash,
+                    start_position: None,
+                    blocks: vec![KvCacheStoredBlockData {
+                        block_hash: b.block_hash,
+                        tokens_hash: b.tokens_hash,
+                    }],
+                })
+            })
+            .collect()
+    }
+
+    /// Every worker's blocks in comparable form.
+    pub fn snapshot(&self) -> IndexSnapshot {
+        let mut out = BTreeMap::new();
+        for e in self.slots.iter().flatten() {
+            if e.blocks.is_empty() {
+                continue;
+            }
+            let set = self
+                .dump_blocks(e.id)
+                .into_iter()
+                .map(|b| (b.block_hash, b.parent_hash, b.tokens_hash))
+                .collect();
+            out.insert(e.id, set);
+        }
+        IndexSnapshot(out)
+    }
+
+    /// Checks the structural invariants; for tests and debugging (O(size)).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut lookup_total = 0;
+        for (slot, e) in self.slots.iter().enumerate() {
+            let Some(e) = e else { continue };
+            lookup_total += e.blocks.len();
+            for (&ext, &n) in &e.blocks {
+                let node = &self.nodes[n as usize];
+                match node.slot_index(slot as u32) {
+                    Ok(i) if node.workers[i].1 == ext => {}
+                    _ => return Err(format!("worker {}: lookup {ext:#x} → node {n} stale", e.id)),
+                }
+            }
+        }
+        let free: BTreeSet<u32> = self.free_nodes.iter().copied().collect();
+        let mut entries = 0;
+        for (i, node) in self.nodes.iter().enumerate().skip(1) {
+            if free.contains(&(i as u32)) {
+                continue;
+            }
+            entries += node.workers.len();
+            if node.workers.is_empty() {
+                return Err(format!("node {i} has no worker"));
+            }
+            if !node.workers.windows(2).all(|w| w[0].0 < w[1].0) {
+                return Err(format!("node {i}: workers not sorted"));
+            }
+            let p = &self.nodes[node.parent as usize];
+            if p.children.get(node.local) != Some(i as u32) {
+                return Err(format!("node {i} not linked from its parent"));
+            }
+            if node.parent != ROOT && node.workers.iter().any(|&(s, _)| p.slot_index(s).is_err()) {
+                return Err(format!("node {i}: a worker holds it but not its parent"));
+            }
+        }
+        if entries != lookup_total {
+            return Err(format!("{entries} node entries vs {lookup_total} lookups"));
+        }
+        Ok(())
+    }
+
+    fn worker_id(&self, slot: u32) -> WorkerId {
+        self.entry(slot).map_or(0, |e| e.id)
+    }
+
+    fn entry(&self, slot: u32) -> Option<&WorkerEntry> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    fn entry_mut(&mut self, slot: u32) -> Option<&mut WorkerEntry> {
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    fn ensure_slot(&mut self, worker: WorkerId) -> u32 {
+        if let Some(&s) = self.slot_of.get(&worker) {
+            return s;
+        }
+        let entry = WorkerEntry {
+            id: worker,
+            blocks: FxHashMap::default(),
+        };
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(entry);
+                s
+            }
+            None => {
+                self.slots.push(Some(entry));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.slot_of.insert(worker, slot);
+        slot
+    }
+
+    fn alloc(&mut self, parent: u32, local: LocalBlockHash) -> u32 {
+        let depth = self.nodes[parent as usize].depth + 1;
+        let id = match self.free_nodes.pop() {
+            Some(id) => {
+                let n = &mut self.nodes[id as usize];
+                n.local = local;
+                n.parent = parent;
+                n.depth = depth;
+                id
+            }
+            None => {
+                self.nodes.push(Node {
+                    local,
+                    parent,
+                    depth,
+                    children: Children::Few(Vec::new()),
+                    workers: Vec::new(),
+                });
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.nodes[parent as usize].children.insert(local, id);
+        id
+    }
+
+    /// Removes `slot` from `node` and from every descendant it holds. Returns blocks removed.
+    fn remove_cascade(&mut self, slot: u32, node: u32) -> usize {
+        let mut stack = std::mem::take(&mut self.stack);
+        let mut emptied = std::mem::take(&mut self.emptied);
+        stack.push(node);
+        let mut removed = 0;
+        while let Some(n) = stack.pop() {
+            let nd = &mut self.nodes[n as usize];
+            let Ok(i) = nd.slot_index(slot) else { continue };
+            let (_, ext) = nd.workers.remove(i);
+            if nd.workers.is_empty() {
+                emptied.push(n);
+            }
+            nd.children.push_ids(&mut stack);
+            if let Some(e) = self.slots[slot as usize].as_mut() {
+                e.blocks.remove(&ext);
+            }
+            removed += 1;
+        }
+        self.free_emptied(&mut emptied);
+        self.stack = stack;
+        self.emptied = emptied;
+        removed
+    }
+
+    /// Frees nodes left without workers. By the invariant their subtrees are emptied too (and
+    /// listed), so only the topmost ones need unlinking from a surviving parent.
+    fn free_emptied(&mut self, emptied: &mut Vec<u32>) {
+        for &n in emptied.iter() {
+            let (parent, local) = {
+                let nd = &self.nodes[n as usize];
+                (nd.parent, nd.local)
+            };
+            if parent == ROOT || !self.nodes[parent as usize].workers.is_empty() {
+                self.nodes[parent as usize].children.remove(local);
+            }
+        }
+        for n in emptied.drain(..) {
+            let nd = &mut self.nodes[n as usize];
+            nd.children = Children::Few(Vec::new());
+            nd.parent = NO_PARENT;
+            self.free_nodes.push(n);
+        }
+    }
+
+    #[cfg(test)]
+    fn child_count(&self, node: u32) -> usize {
+        self.nodes[node as usize].children.len()
+    }
+}
+
+#[cfg(test)]
+#[path = "radix_tree_tests.rs"]
+mod tests;

@@ -1,0 +1,276 @@
+//! [`KvRouter`]: the index, the load tracker and the selector behind one thread-safe handle,
+//! which is what the serving layer holds.
+//!
+//! Locks: the index is behind an `RwLock` (events write, lookups read) and is never held
+//! together with the others; selection and AddRequest happen under the sequences lock, so two
+//! concurrent requests never both see a worker as idle and pile onto it.
+
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Instant;
+
+use crate::config::KvRouterConfig;
+use crate::indexer::{ApplyOutcome, IndexerError, KvIndexer, ResyncOutcome};
+use crate::metrics;
+use crate::protocols::{
+    sequence_hashes, KvCacheEvent, KvStoredDump, LocalBlockHash, OverlapScores, RouterEvent,
+    WorkerId,
+};
+use crate::scheduling::{SelectError, SelectOptions, Selection, WorkerInfo, WorkerSelector};
+use crate::sequences::{ActiveSequences, LoadSource, NewRequest, SequenceError, WorkerLoad};
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RouteError {
+    #[error(transparent)]
+    Select(#[from] SelectError),
+    #[error(transparent)]
+    Sequence(#[from] SequenceError),
+}
+
+/// The KV-aware router state of one router process.
+pub struct KvRouter {
+    config: KvRouterConfig,
+    indexer: RwLock<KvIndexer>,
+    sequences: Mutex<ActiveSequences>,
+    selector: Mutex<WorkerSelector>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the data consistent before anything can panic, so a
+    // poisoned lock is still usable; failing all routing after one panic would be worse.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl KvRouter {
+    /// `seed` makes random choices reproducible (tests); `None` in production.
+    pub fn new(config: KvRouterConfig, seed: Option<u64>) -> Self {
+        Self {
+            indexer: RwLock::new(KvIndexer::new()),
+            sequences: Mutex::new(ActiveSequences::new(&config)),
+            selector: Mutex::new(WorkerSelector::new(config.clone(), seed)),
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &KvRouterConfig {
+        &self.config
+    }
+
+    fn index_read(&self) -> RwLockReadGuard<'_, KvIndexer> {
+        self.indexer.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn index_write(&self) -> RwLockWriteGuard<'_, KvIndexer> {
+        self.indexer.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Prefix overlap of a request with every worker.
+    pub fn find_matches(&self, local_hashes: &[LocalBlockHash]) -> OverlapScores {
+        self.index_read().find_matches(local_hashes)
+    }
+
+    /// Chooses a worker without recording the request (e.g. to preview, or when the caller
+    /// tracks load elsewhere).
+    pub fn select(
+        &self,
+        local_hashes: &[LocalBlockHash],
+        isl_tokens: usize,
+        candidates: &[WorkerInfo],
+        opts: &SelectOptions,
+    ) -> Result<Selection, SelectError> {
+        let overlaps = self.find_matches(local_hashes);
+        let seqs = lock(&self.sequences);
+        lock(&self.selector).select(
+            local_hashes,
+            isl_tokens,
+            candidates,
+            &overlaps,
+            &*seqs,
+            opts,
+        )
+    }
+
+    /// Chooses a worker and records the request on it (AddRequest), atomically with respect
+    /// to other routing decisions. Records the KV hit rate and the worker's load gauges.
+    pub fn route(
+        &self,
+        request_id: &str,
+        local_hashes: &[LocalBlockHash],
+        isl_tokens: usize,
+        candidates: &[WorkerInfo],
+        opts: &SelectOptions,
+    ) -> Result<Selection, RouteError> {
+        let overlaps = self.find_matches(local_hashes);
+        let seq_hashes = sequence_hashes(local_hashes);
+        let mut seqs = lock(&self.sequences);
+        let sel = lock(&self.selector).select(
+            local_hashes,
+            isl_tokens,
+            candidates,
+            &overlaps,
+            &*seqs,
+            opts,
+        )?;
+        let block_size = candidates
+            .iter()
+            .find(|w| w.id == sel.worker_id)
+            .map_or(0, |w| w.block_size);
+        seqs.add_request(NewRequest {
+            request_id,
+            worker_id: sel.worker_id,
+            seq_hashes: &seq_hashes,
+            isl_tokens,
+            overlap_blocks: sel.overlap_blocks,
+            block_size,
+        })?;
+        metrics::record_worker_load(sel.worker_id, &seqs.load(sel.worker_id));
+        drop(seqs);
+        metrics::record_kv_hit(sel.overlap_blocks, local_hashes.len(), block_size);
+        Ok(sel)
+    }
+
+    /// First token seen: the request's prefill load ends.
+    pub fn mark_prefill_completed(&self, request_id: &str) -> bool {
+        let mut seqs = lock(&self.sequences);
+        let worker = seqs.worker_of(request_id);
+        let known = seqs.mark_prefill_completed(request_id);
+        if let Some(w) = worker {
+            metrics::record_worker_load(w, &seqs.load(w));
+        }
+        known
+    }
+
+    /// The request ended (finished, failed, cancelled): its load goes.
+    pub fn free(&self, request_id: &str) -> bool {
+        let mut seqs = lock(&self.sequences);
+        let worker = seqs.worker_of(request_id);
+        let known = seqs.free(request_id);
+        if let Some(w) = worker {
+            metrics::record_worker_load(w, &seqs.load(w));
+        }
+        known
+    }
+
+    /// Frees requests older than `active_request_expiry_secs`; call periodically.
+    pub fn expire_stale(&self) -> Vec<String> {
+        lock(&self.sequences).expire_stale(Instant::now())
+    }
+
+    pub fn worker_load(&self, worker: WorkerId) -> WorkerLoad {
+        lock(&self.sequences).load(worker)
+    }
+
+    /// A worker left discovery: drop its blocks and its requests. Returns the freed request ids.
+    pub fn remove_worker(&self, worker: WorkerId) -> Vec<String> {
+        self.index_write().remove_worker(worker);
+        lock(&self.sequences).remove_worker(worker)
+    }
+
+    pub fn apply_event(&self, ev: RouterEvent) -> Result<ApplyOutcome, IndexerError> {
+        self.index_write().apply_event(ev)
+    }
+
+    pub fn apply_replay(
+        &self,
+        worker: WorkerId,
+        events: Vec<KvCacheEvent>,
+    ) -> Result<ResyncOutcome, IndexerError> {
+        self.index_write().apply_replay(worker, events)
+    }
+
+    pub fn apply_dump(&self, worker: WorkerId, dump: &KvStoredDump) -> ResyncOutcome {
+        self.index_write().apply_dump(worker, dump)
+    }
+
+    /// Read access to the index (dumps, snapshots, last event ids).
+    pub fn with_indexer<R>(&self, f: impl FnOnce(&KvIndexer) -> R) -> R {
+        f(&self.index_read())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RouterMode;
+    use crate::protocols::{
+        block_hashes, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
+    };
+
+    fn workers() -> Vec<WorkerInfo> {
+        [1, 2]
+            .map(|id| WorkerInfo {
+                id,
+                total_blocks: 1000,
+                max_num_batched_tokens: 2048,
+                block_size: 4,
+            })
+            .to_vec()
+    }
+
+    fn stored(tokens: &[u32]) -> KvCacheEventData {
+        KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: None,
+            start_position: None,
+            blocks: block_hashes(tokens, 4)
+                .into_iter()
+                .map(|(l, s)| KvCacheStoredBlockData {
+                    block_hash: s,
+                    tokens_hash: l,
+                })
+                .collect(),
+        })
+    }
+
+    fn event(worker: WorkerId, id: u64, data: KvCacheEventData) -> RouterEvent {
+        RouterEvent::new(
+            worker,
+            KvCacheEvent {
+                event_id: id,
+                data,
+                dp_rank: 0,
+            },
+        )
+    }
+
+    #[test]
+    fn routes_to_the_cache_holder_then_follows_eviction() {
+        let cfg = KvRouterConfig {
+            router_mode: RouterMode::Kv,
+            ..Default::default()
+        };
+        let r = KvRouter::new(cfg, Some(1));
+        let prompt: Vec<u32> = (0..64).collect();
+        r.apply_event(event(2, 1, stored(&prompt))).unwrap();
+        let locals = crate::protocols::request_block_hashes(&prompt, 4);
+        let sel = r
+            .route("a", &locals, 64, &workers(), &SelectOptions::default())
+            .unwrap();
+        assert_eq!((sel.worker_id, sel.cached_tokens), (2, 64));
+        assert_eq!(r.worker_load(2).active_requests, 1);
+        assert_eq!(
+            r.route("a", &locals, 64, &workers(), &SelectOptions::default()),
+            Err(RouteError::Sequence(SequenceError::DuplicateRequest(
+                "a".into()
+            )))
+        );
+        assert!(r.mark_prefill_completed("a"));
+        assert!(r.free("a"));
+        assert_eq!(r.worker_load(2), WorkerLoad::default());
+        // The worker evicts the prefix: the next request goes to the emptier worker 1.
+        let first = block_hashes(&prompt, 4)[0].1;
+        r.apply_event(event(
+            2,
+            2,
+            KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: vec![first],
+            }),
+        ))
+        .unwrap();
+        let sel = r
+            .select(&locals, 64, &workers(), &SelectOptions::default())
+            .unwrap();
+        assert_eq!(sel.overlap_blocks, 0);
+        assert_eq!(r.with_indexer(|ix| ix.last_event_id(2)), Some(2));
+        assert!(r.remove_worker(2).is_empty());
+        assert!(r.expire_stale().is_empty());
+    }
+}
