@@ -253,7 +253,7 @@ pub fn cache_dir() -> PathBuf {
 /// into place; a loser of the race drops its copy and uses the winner's.
 pub fn ensure_tiny_model() -> Result<PathBuf, EngineError> {
     let dir = cache_dir().join(format!("tiny-qwen3-v{TINY_MODEL_VERSION}"));
-    build_once(&dir, |tmp| write_tiny_model(tmp))?;
+    build_once(&dir, write_tiny_model)?;
     Ok(dir)
 }
 

@@ -81,17 +81,28 @@ fn unknown_architecture_is_named() {
         |c| c["architectures"] = serde_json::json!(["GPTNeoXForCausalLM"]),
         &[],
     ));
-    assert!(e.contains("GPTNeoXForCausalLM") && e.contains("config.json"), "{e}");
+    assert!(
+        e.contains("GPTNeoXForCausalLM") && e.contains("config.json"),
+        "{e}"
+    );
 }
 
 #[test]
 fn wrong_shapes_name_the_file_and_tensor() {
-    let e = load_err(&variant("shape", |c| c["intermediate_size"] = 96.into(), &[]));
+    let e = load_err(&variant(
+        "shape",
+        |c| c["intermediate_size"] = 96.into(),
+        &[],
+    ));
     assert!(
         e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("model.safetensors"),
         "{e}"
     );
     assert!(e.contains("[128, 64]") && e.contains("[96, 64]"), "{e}");
-    let e = load_err(&variant("untied", |c| c["tie_word_embeddings"] = false.into(), &[]));
+    let e = load_err(&variant(
+        "untied",
+        |c| c["tie_word_embeddings"] = false.into(),
+        &[],
+    ));
     assert!(e.contains("lm_head.weight") && e.contains("missing"), "{e}");
 }

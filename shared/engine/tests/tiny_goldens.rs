@@ -105,10 +105,18 @@ fn check_position(what: &str, ours: &[f32], g: &Position) -> f32 {
     let ds = (std_of(ours) - s).abs() / s;
     assert!(ds <= TOL, "{what}: std differs by {ds} of std");
     let ma = ours.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    assert!((ma - g.max_abs).abs() / s <= TOL, "{what}: max|logit| {ma} vs {}", g.max_abs);
+    assert!(
+        (ma - g.max_abs).abs() / s <= TOL,
+        "{what}: max|logit| {ma} vs {}",
+        g.max_abs
+    );
     for (id, v) in g.top_ids.iter().zip(&g.top_values) {
         let d = (ours[*id as usize] - v).abs() / s;
-        assert!(d <= TOL, "{what}: logit of {id}: {} vs {v} (Δ/std {d})", ours[*id as usize]);
+        assert!(
+            d <= TOL,
+            "{what}: logit of {id}: {} vs {v} (Δ/std {d})",
+            ours[*id as usize]
+        );
         worst = worst.max(d);
     }
     worst.max(ds)
@@ -270,7 +278,11 @@ fn bf16_kv_cache_stays_close() {
             total += 1;
             same += usize::from(argmax(ours) == gp.argmax);
             let d = (ours[gp.top_ids[0] as usize] - gp.top_values[0]).abs() / gp.std;
-            assert!(d < 0.05, "{}: bf16 KV moved the top logit by {d} std", p.name);
+            assert!(
+                d < 0.05,
+                "{}: bf16 KV moved the top logit by {d} std",
+                p.name
+            );
         }
     }
     assert!(same * 10 >= total * 9, "argmax agreed on {same}/{total}");

@@ -101,6 +101,8 @@ fn tokenizer_basics_and_hash() {
     let other = ChatTemplate::new("{{ 1 }}".into(), None, None).expect("compile");
     assert_ne!(h1, tokenizer_hash(&tok, Some(&other)));
     assert_eq!(h1.len(), 64);
-    let e = Tokenizer::load(Path::new("/nonexistent")).unwrap_err().to_string();
+    let e = Tokenizer::load(Path::new("/nonexistent"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("tokenizer.json"), "{e}");
 }

@@ -131,13 +131,14 @@ impl ModelConfig {
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        if num_key_value_heads == 0 || raw.num_attention_heads % num_key_value_heads != 0 {
+        if num_key_value_heads == 0 || !raw.num_attention_heads.is_multiple_of(num_key_value_heads)
+        {
             return Err(bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 raw.num_attention_heads, num_key_value_heads
             )));
         }
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(bad(format!("head_dim {head_dim} must be even and > 0")));
         }
         Ok(ModelConfig {
