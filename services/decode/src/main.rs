@@ -1,8 +1,10 @@
-//! `tandem-decode`: the decode worker. A thin main over the shared crates.
+//! `tandem-decode`: the decode worker (also aggregated with `--disaggregation-mode agg|pd`).
+//! A thin main over the shared worker crate.
 
-use tandem_config::{entry, Role};
+use tandem_config::{entry, DisaggregationMode, Role};
 
-fn main() {
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -11,13 +13,16 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let Some(cfg) = entry::worker_config_or_exit(Role::Decode) else {
-        return;
+        return Ok(());
     };
-    eprintln!(
-        "tandem-decode: configuration is valid ({} mode, endpoint {}), but serving is not \
-         implemented yet: the worker service lands with the serving issue",
-        cfg.disaggregation.disaggregation_mode.name(),
-        cfg.endpoint()
-    );
-    std::process::exit(1);
+    if cfg.disaggregation.disaggregation_mode == DisaggregationMode::Decode {
+        // A decode-only worker needs prefill workers pushing KV into it; that handoff is not
+        // built yet, so refuse rather than serve something else.
+        eprintln!(
+            "tandem-decode: --disaggregation-mode decode needs the prefill→decode KV handoff, which is \
+             not implemented yet; run with --disaggregation-mode agg (aggregated serving)"
+        );
+        std::process::exit(2);
+    }
+    tandem_worker::run(cfg).await
 }

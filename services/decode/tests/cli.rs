@@ -20,7 +20,8 @@ fn stderr(o: &Output) -> String {
 }
 
 fn engine_value(o: &Output, key: &str) -> serde_json::Value {
-    let json: serde_json::Value = serde_json::from_str(&stdout(o)).expect("--print-config prints JSON");
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(o)).expect("--print-config prints JSON");
     json["engine"][key].clone()
 }
 
@@ -29,8 +30,15 @@ fn help_lists_every_seed_page_field() {
     let out = decode(&["--help"], &[]);
     assert!(out.status.success());
     let help = stdout(&out);
-    for spec in tandem_config::flags::FLAGS.iter().filter(|f| f.scope != tandem_config::spec::Scope::Router) {
-        assert!(help.contains(&format!("--{}", spec.name)), "--{} missing", spec.name);
+    for spec in tandem_config::flags::FLAGS
+        .iter()
+        .filter(|f| f.scope != tandem_config::spec::Scope::Router)
+    {
+        assert!(
+            help.contains(&format!("--{}", spec.name)),
+            "--{} missing",
+            spec.name
+        );
     }
 }
 
@@ -46,16 +54,26 @@ fn env_and_cli_precedence_shows_in_print_config() {
 
 #[test]
 fn out_of_range_env_fraction_exits_non_zero_naming_it() {
-    let out = decode(&["--print-config"], &[("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION", "1.5")]);
+    let out = decode(
+        &["--print-config"],
+        &[("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION", "1.5")],
+    );
     assert!(!out.status.success());
     let err = stderr(&out);
-    assert!(err.contains("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION") && err.contains("(0, 1]"), "{err}");
+    assert!(
+        err.contains("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION") && err.contains("(0, 1]"),
+        "{err}"
+    );
 }
 
 #[test]
 fn python_override_deep_merges() {
     let out = decode(
-        &["--override-engine-args", "{'kv_cache_config': {'enable_block_reuse': False}}", "--print-config"],
+        &[
+            "--override-engine-args",
+            "{'kv_cache_config': {'enable_block_reuse': False}}",
+            "--print-config",
+        ],
         &[],
     );
     assert!(out.status.success(), "{}", stderr(&out));
@@ -69,5 +87,8 @@ fn tensor_parallelism_is_not_implemented_yet() {
     let out = decode(&["--tensor-parallel-size", "2"], &[]);
     assert_eq!(out.status.code(), Some(2));
     let err = stderr(&out);
-    assert!(err.contains("--tensor-parallel-size") && err.contains("not implemented yet"), "{err}");
+    assert!(
+        err.contains("--tensor-parallel-size") && err.contains("not implemented yet"),
+        "{err}"
+    );
 }

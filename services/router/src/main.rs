@@ -1,8 +1,9 @@
-//! `tandem-router`: the OpenAI-compatible HTTP router. A thin main over the shared crates.
+//! `tandem-router`: the OpenAI-compatible HTTP router. A thin main over the router library.
 
 use tandem_config::entry;
 
-fn main() {
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -11,12 +12,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let Some(cfg) = entry::router_config_or_exit() else {
-        return;
+        return Ok(());
     };
-    eprintln!(
-        "tandem-router: configuration is valid (would listen on {}:{}), but the HTTP API is not \
-         implemented yet: it lands with the serving issue",
-        cfg.http_host, cfg.http_port
-    );
-    std::process::exit(1);
+    tandem_router::app::run(cfg).await
 }

@@ -50,6 +50,7 @@ pub const REASONING_PARSERS: &[&str] = &[
 ];
 
 const INT1: crate::spec::Kind = Int { min: 1 };
+const INT0: crate::spec::Kind = Int { min: 0 };
 
 /// Every flag of every role, in `--help` order.
 pub static FLAGS: &[FlagSpec] = &[
@@ -224,7 +225,69 @@ pub static FLAGS: &[FlagSpec] = &[
         .env("DYN_HTTP_HOST").default("0.0.0.0").scope(Scope::Router),
     FlagSpec::new("http-port", Int { min: 1 }, Router, "Port of the OpenAI HTTP API.")
         .env("DYN_HTTP_PORT").default("8000").scope(Scope::Router),
+    FlagSpec::new("http-body-limit-mb", INT1, Router,
+        "Largest accepted request body in MiB; larger bodies get 413.")
+        .env("DYN_HTTP_BODY_LIMIT_MB").default("32").scope(Scope::Router),
+    FlagSpec::new("request-timeout-secs", INT1, Router,
+        "Deadline of one request, from arrival to its last token.")
+        .env("DYN_REQUEST_TIMEOUT_SECS").default("600").scope(Scope::Router),
+    FlagSpec::new("sse-idle-timeout-secs", INT1, Router,
+        "A streaming client that reads nothing for this long is dropped (its request aborted).")
+        .env("DYN_SSE_IDLE_TIMEOUT_SECS").default("30").scope(Scope::Router),
+    FlagSpec::new("router-mode",
+        Choice(&["kv", "round-robin", "random", "least-loaded", "power-of-two", "direct"]), Router,
+        "How the router picks a worker. Tandem defaults to kv (Dynamo defaults to round-robin).")
+        .env("DYN_ROUTER_MODE").default("kv").scope(Scope::Router),
+    FlagSpec::new("router-kv-overlap-score-weight", Float, Router,
+        "Weight of prefill blocks against decode blocks in the KV routing cost (>= 0).")
+        .env("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT").default("1.0").scope(Scope::Router),
+    FlagSpec::new("router-temperature", Float, Router,
+        "Softmax temperature over worker costs; 0 picks the cheapest worker.")
+        .env("DYN_ROUTER_TEMPERATURE").default("0.0").scope(Scope::Router),
+    FlagSpec::new("router-kv-events", Bool, Router,
+        "Route on the KV events workers publish.")
+        .env("DYN_ROUTER_USE_KV_EVENTS").default("true").scope(Scope::Router),
+    FlagSpec::new("router-track-active-blocks", Bool, Router,
+        "Count the decode blocks of requests in flight per worker.")
+        .env("DYN_ROUTER_TRACK_ACTIVE_BLOCKS").default("true").scope(Scope::Router),
+    FlagSpec::new("router-assume-kv-reuse", Bool, Router,
+        "Assume blocks shared by requests in flight are stored once.")
+        .env("DYN_ROUTER_ASSUME_KV_REUSE").default("true").scope(Scope::Router),
+    FlagSpec::new("router-track-prefill-tokens", Bool, Router,
+        "Count the prefill tokens of requests in flight per worker.")
+        .env("DYN_ROUTER_TRACK_PREFILL_TOKENS").default("true").scope(Scope::Router),
+    FlagSpec::new("active-decode-blocks-threshold", Float, Router,
+        "A worker whose active decode blocks exceed this fraction of its KV blocks is busy.")
+        .env("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD").default("1.0").scope(Scope::Router),
+    FlagSpec::new("active-prefill-tokens-threshold", INT1, Router,
+        "A worker with more active prefill tokens than this is busy.")
+        .env("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD").default("10000000").scope(Scope::Router),
+    FlagSpec::new("active-prefill-tokens-threshold-frac", Float, Router,
+        "A worker with more active prefill tokens than this times max_num_batched_tokens is busy.")
+        .env("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC").default("10.0").scope(Scope::Router),
+    FlagSpec::new("router-min-initial-workers", INT0, Router,
+        "Wait for this many workers before serving.")
+        .env("DYN_ROUTER_MIN_INITIAL_WORKERS").default("0").scope(Scope::Router),
     // ---- Runtime (every process)
+    FlagSpec::new("rpc-host", Str, Runtime,
+        "Address the worker's gRPC service binds to.")
+        .env("DYN_TCP_RPC_HOST").default("0.0.0.0"),
+    FlagSpec::new("rpc-port", INT0, Runtime,
+        "Port of the worker's gRPC service; 0 picks a free one.")
+        .env("DYN_TCP_RPC_PORT").default("0"),
+    FlagSpec::new("rpc-advertise-host", Str, Runtime,
+        "Host other processes use to reach the gRPC service (behind NAT, in pods); \
+         the bind host, or 127.0.0.1 for a wildcard bind, when unset.")
+        .env("DYN_TCP_RPC_ADVERTISE_HOST"),
+    FlagSpec::new("system-host", Str, Runtime,
+        "Address the worker's /metrics and /health HTTP server binds to.")
+        .env("DYN_SYSTEM_HOST").default("0.0.0.0"),
+    FlagSpec::new("system-port", INT0, Runtime,
+        "Port of the worker's /metrics and /health server; 0 picks a free one.")
+        .env("DYN_SYSTEM_PORT").default("0"),
+    FlagSpec::new("drain-timeout-secs", INT1, Runtime,
+        "On SIGTERM, how long in-flight requests may take to finish after deregistration.")
+        .env("DYN_DRAIN_TIMEOUT_SECS").default("30").scope(Scope::All),
     FlagSpec::new("namespace", Str, Runtime,
         "Namespace of this deployment; DYN_NAMESPACE_WORKER_SUFFIX appends -SUFFIX on workers.")
         .env("DYN_NAMESPACE").default("dynamo").scope(Scope::All),

@@ -23,7 +23,9 @@ pub mod worker;
 
 pub use engine_options::EngineOptions;
 pub use error::ConfigError;
-pub use parse::{parse_router, parse_worker, router_command, worker_command, RouterConfig};
+pub use parse::{
+    parse_router, parse_worker, router_command, worker_command, RouterConfig, RoutingConfig,
+};
 pub use resolve::process_env;
 pub use runtime::RuntimeConfig;
 pub use worker::{DisaggregationMode, Role, WorkerConfig};

@@ -184,22 +184,49 @@ fn worker_from_resolved(
             default_num_images_per_prompt: g.u32("default-num-images-per-prompt")?,
         },
         runtime,
+        network: Network {
+            rpc_host: g.string("rpc-host")?,
+            rpc_port: g.port("rpc-port")?,
+            rpc_advertise_host: g.opt_string("rpc-advertise-host")?,
+            system_host: g.string("system-host")?,
+            system_port: g.port("system-port")?,
+        },
         engine: built.options,
         print_config: g.bool("print-config")?,
         warnings,
     })
 }
 
-/// The router's configuration (its own flags land with the serving issue).
+/// The router's configuration.
 #[derive(Clone, Debug, Serialize)]
 pub struct RouterConfig {
     pub http_host: String,
     pub http_port: u16,
+    pub http_body_limit_mb: u32,
+    pub request_timeout_secs: u32,
+    pub sse_idle_timeout_secs: u32,
+    pub routing: RoutingConfig,
     pub runtime: RuntimeConfig,
     #[serde(skip)]
     pub print_config: bool,
     #[serde(skip)]
     pub warnings: Vec<String>,
+}
+
+/// KV-aware routing settings (Dynamo's `KvRouterConfig` names).
+#[derive(Clone, Debug, Serialize)]
+pub struct RoutingConfig {
+    pub router_mode: String,
+    pub overlap_score_weight: f64,
+    pub router_temperature: f64,
+    pub use_kv_events: bool,
+    pub track_active_blocks: bool,
+    pub assume_kv_reuse: bool,
+    pub track_prefill_tokens: bool,
+    pub active_decode_blocks_threshold: f64,
+    pub active_prefill_tokens_threshold: u32,
+    pub active_prefill_tokens_threshold_frac: f64,
+    pub router_min_initial_workers: u32,
 }
 
 pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig, ConfigError> {
@@ -211,9 +238,38 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
         value: port.to_string(),
         reason: "must be a TCP port (1-65535)".into(),
     })?;
+    let non_negative = |name: &str| -> Result<f64, ConfigError> {
+        let v = g.f64(name)?;
+        if v < 0.0 {
+            return Err(ConfigError::InvalidValue {
+                origin: resolved.origin(name),
+                value: v.to_string(),
+                reason: "must be >= 0".into(),
+            });
+        }
+        Ok(v)
+    };
     Ok(RouterConfig {
         http_host: g.string("http-host")?,
         http_port,
+        http_body_limit_mb: g.u32("http-body-limit-mb")?,
+        request_timeout_secs: g.u32("request-timeout-secs")?,
+        sse_idle_timeout_secs: g.u32("sse-idle-timeout-secs")?,
+        routing: RoutingConfig {
+            router_mode: g.string("router-mode")?,
+            overlap_score_weight: non_negative("router-kv-overlap-score-weight")?,
+            router_temperature: non_negative("router-temperature")?,
+            use_kv_events: g.bool("router-kv-events")?,
+            track_active_blocks: g.bool("router-track-active-blocks")?,
+            assume_kv_reuse: g.bool("router-assume-kv-reuse")?,
+            track_prefill_tokens: g.bool("router-track-prefill-tokens")?,
+            active_decode_blocks_threshold: non_negative("active-decode-blocks-threshold")?,
+            active_prefill_tokens_threshold: g.u32("active-prefill-tokens-threshold")?,
+            active_prefill_tokens_threshold_frac: non_negative(
+                "active-prefill-tokens-threshold-frac",
+            )?,
+            router_min_initial_workers: g.u32("router-min-initial-workers")?,
+        },
         runtime: RuntimeConfig::from_resolved(&resolved, false, env)?,
         print_config: g.bool("print-config")?,
         warnings: resolved.warnings.clone(),

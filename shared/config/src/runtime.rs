@@ -46,6 +46,7 @@ pub struct RuntimeConfig {
     pub media_output_fs_url: String,
     pub media_output_http_url: Option<String>,
     pub engine_request_limit: Option<u32>,
+    pub drain_timeout_secs: u32,
 }
 
 impl RuntimeConfig {
@@ -137,6 +138,7 @@ impl RuntimeConfig {
                 .unwrap_or_else(|| format!("file://{}", tmp.join("dynamo_media").display())),
             media_output_http_url: g.opt_string("media-output-http-url")?,
             engine_request_limit: g.opt_u32("engine-request-limit")?,
+            drain_timeout_secs: g.u32("drain-timeout-secs")?,
         })
     }
 }

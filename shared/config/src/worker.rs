@@ -156,6 +156,16 @@ pub struct Diffusion {
     pub default_num_images_per_prompt: u32,
 }
 
+/// Where the worker listens, and the addresses it advertises to other processes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Network {
+    pub rpc_host: String,
+    pub rpc_port: u16,
+    pub rpc_advertise_host: Option<String>,
+    pub system_host: String,
+    pub system_port: u16,
+}
+
 /// Everything a worker needs, resolved and validated.
 #[derive(Clone, Debug, Serialize)]
 pub struct WorkerConfig {
@@ -169,6 +179,7 @@ pub struct WorkerConfig {
     pub guided_decoding_backend: Option<String>,
     pub diffusion: Diffusion,
     pub runtime: RuntimeConfig,
+    pub network: Network,
     /// The merged engine options: authoritative for every key they hold.
     pub engine: EngineOptions,
     #[serde(skip)]
@@ -229,6 +240,14 @@ impl Get<'_> {
                 Ok((!s.is_empty()).then(|| s.to_string()))
             }
         }
+    }
+    pub fn port(&self, name: &str) -> Result<u16, ConfigError> {
+        let v = self.u32(name)?;
+        u16::try_from(v).map_err(|_| ConfigError::InvalidValue {
+            origin: self.0.origin(name),
+            value: v.to_string(),
+            reason: "must be a TCP port (0-65535)".into(),
+        })
     }
     pub fn list(&self, name: &str) -> Result<Vec<String>, ConfigError> {
         Ok(self

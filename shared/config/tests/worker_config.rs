@@ -8,7 +8,10 @@ use tandem_config::validate::NOT_IMPLEMENTED_FLAGS;
 use tandem_config::{parse_worker, ConfigError, DisaggregationMode, Role, WorkerConfig};
 
 fn parse_env(role: Role, args: &[&str], env: &[(&str, &str)]) -> Result<WorkerConfig, ConfigError> {
-    let env: HashMap<String, String> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let env: HashMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     let mut argv = vec![role.binary().to_string()];
     argv.extend(args.iter().map(|s| s.to_string()));
     parse_worker(role, &argv, &|k: &str| env.get(k).cloned())
@@ -69,24 +72,39 @@ fn issue_examples_cli_beats_env_and_env_beats_default() {
 
 #[test]
 fn free_gpu_memory_fraction_out_of_range_names_the_variable_and_range() {
-    let e = parse_env(Role::Decode, &[], &[("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION", "1.5")])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION") && e.contains("(0, 1]"), "{e}");
+    let e = parse_env(
+        Role::Decode,
+        &[],
+        &[("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION", "1.5")],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("DYN_TRTLLM_FREE_GPU_MEMORY_FRACTION") && e.contains("(0, 1]"),
+        "{e}"
+    );
     for bad in ["0", "-0.1", "1.0001"] {
         let e = err(&["--free-gpu-memory-fraction", bad]);
-        assert!(e.contains("--free-gpu-memory-fraction") && e.contains("(0, 1]"), "{e}");
+        assert!(
+            e.contains("--free-gpu-memory-fraction") && e.contains("(0, 1]"),
+            "{e}"
+        );
     }
     assert!(parse(&["--free-gpu-memory-fraction", "1"]).is_ok());
     let e = err(&["--trtllm.kv_cache_config.free_gpu_memory_fraction", "2"]);
-    assert!(e.contains("kv_cache_config.free_gpu_memory_fraction") && e.contains("(0, 1]"), "{e}");
+    assert!(
+        e.contains("kv_cache_config.free_gpu_memory_fraction") && e.contains("(0, 1]"),
+        "{e}"
+    );
 }
 
 #[test]
 fn python_override_deep_merges_over_flags() {
     let cfg = parse(&[
-        "--free-gpu-memory-fraction", "0.5",
-        "--override-engine-args", "{'kv_cache_config': {'enable_block_reuse': False}}",
+        "--free-gpu-memory-fraction",
+        "0.5",
+        "--override-engine-args",
+        "{'kv_cache_config': {'enable_block_reuse': False}}",
     ])
     .unwrap();
     assert!(!cfg.engine.kv_cache_config.enable_block_reuse);
@@ -95,10 +113,25 @@ fn python_override_deep_merges_over_flags() {
 
 #[test]
 fn yaml_kv_cache_config_merges_with_the_flag_instead_of_discarding_it() {
-    let f = yaml("kv_cache_config:\n  enable_block_reuse: false\n  max_tokens: 4096\nmax_num_tokens: 1024\n");
-    let cfg = parse(&["--free-gpu-memory-fraction", "0.7", "--extra-engine-args", f.as_str()]).unwrap();
+    let f = yaml(
+        "kv_cache_config:\n  enable_block_reuse: false\n  max_tokens: 4096\nmax_num_tokens: 1024\n",
+    );
+    let cfg = parse(&[
+        "--free-gpu-memory-fraction",
+        "0.7",
+        "--extra-engine-args",
+        f.as_str(),
+    ])
+    .unwrap();
     let kv = &cfg.engine.kv_cache_config;
-    assert_eq!((kv.free_gpu_memory_fraction, kv.enable_block_reuse, kv.max_tokens), (0.7, false, Some(4096)));
+    assert_eq!(
+        (
+            kv.free_gpu_memory_fraction,
+            kv.enable_block_reuse,
+            kv.max_tokens
+        ),
+        (0.7, false, Some(4096))
+    );
     assert_eq!(cfg.engine.max_num_tokens, 1024);
 }
 
@@ -106,33 +139,64 @@ fn yaml_kv_cache_config_merges_with_the_flag_instead_of_discarding_it() {
 fn layers_apply_in_order_and_collisions_with_explicit_flags_warn() {
     let f = yaml("max_batch_size: 16\nkv_cache_config: {free_gpu_memory_fraction: 0.6}\n");
     let cfg = parse(&[
-        "--max-batch-size", "8",
-        "--extra-engine-args", f.as_str(),
-        "--override-engine-args", r#"{"max_batch_size": 4}"#,
+        "--max-batch-size",
+        "8",
+        "--extra-engine-args",
+        f.as_str(),
+        "--override-engine-args",
+        r#"{"max_batch_size": 4}"#,
     ])
     .unwrap();
     assert_eq!(cfg.engine.max_batch_size, 4);
     assert_eq!(cfg.engine.kv_cache_config.free_gpu_memory_fraction, 0.6);
-    assert!(cfg.warnings.iter().any(|w| w.contains("max_batch_size") && w.contains("--max-batch-size")), "{:?}", cfg.warnings);
+    assert!(
+        cfg.warnings
+            .iter()
+            .any(|w| w.contains("max_batch_size") && w.contains("--max-batch-size")),
+        "{:?}",
+        cfg.warnings
+    );
     // No warning when the flag was left at its default.
-    assert!(!cfg.warnings.iter().any(|w| w.contains("--free-gpu-memory-fraction")), "{:?}", cfg.warnings);
+    assert!(
+        !cfg.warnings
+            .iter()
+            .any(|w| w.contains("--free-gpu-memory-fraction")),
+        "{:?}",
+        cfg.warnings
+    );
 }
 
 #[test]
 fn dynamic_flags_set_nested_options_and_exclude_override() {
     let cfg = parse(&[
-        "--trtllm.kv_cache_config.enable_block_reuse", "false",
-        "--trtllm.scheduler_config.capacity_scheduler_policy", "MAX_UTILIZATION",
+        "--trtllm.kv_cache_config.enable_block_reuse",
+        "false",
+        "--trtllm.scheduler_config.capacity_scheduler_policy",
+        "MAX_UTILIZATION",
         "--trtllm.kv_cache_config.dtype=bfloat16",
-        "--trtllm.cuda_graph_config.batch_sizes", "None",
+        "--trtllm.cuda_graph_config.batch_sizes",
+        "None",
     ])
     .unwrap();
     assert!(!cfg.engine.kv_cache_config.enable_block_reuse);
-    assert_eq!(cfg.engine.scheduler_config.capacity_scheduler_policy, CapacitySchedulerPolicy::MaxUtilization);
+    assert_eq!(
+        cfg.engine.scheduler_config.capacity_scheduler_policy,
+        CapacitySchedulerPolicy::MaxUtilization
+    );
     assert_eq!(cfg.engine.kv_cache_config.dtype, KvCacheDtype::Bfloat16);
-    let e = err(&["--trtllm.max_batch_size", "4", "--override-engine-args", "{}"]);
+    let e = err(&[
+        "--trtllm.max_batch_size",
+        "4",
+        "--override-engine-args",
+        "{}",
+    ]);
     assert!(e.contains("mutually exclusive"), "{e}");
-    let e = err(&["--trtllm.kv_cache_config", "1", "--trtllm.kv_cache_config.max_tokens", "2"]);
+    let e = err(&[
+        "--trtllm.kv_cache_config",
+        "1",
+        "--trtllm.kv_cache_config.max_tokens",
+        "2",
+    ]);
     assert!(e.contains("conflicts"), "{e}");
     let e = err(&["--trtllm.max_batch_size"]);
     assert!(e.contains("must be followed by a value"), "{e}");
@@ -142,51 +206,99 @@ fn dynamic_flags_set_nested_options_and_exclude_override() {
 
 #[test]
 fn unknown_engine_keys_warn_by_default_and_fail_when_strict() {
-    let cfg = parse(&["--override-engine-args", r#"{"kv_cache_config": {"bogus_key": 1}, "nope": 2}"#]).unwrap();
+    let cfg = parse(&[
+        "--override-engine-args",
+        r#"{"kv_cache_config": {"bogus_key": 1}, "nope": 2}"#,
+    ])
+    .unwrap();
     let w = cfg.warnings.join("\n");
-    assert!(w.contains("kv_cache_config.bogus_key") && w.contains("nope"), "{w}");
-    let e = err(&["--strict-engine-args", "--override-engine-args", r#"{"nope": 2}"#]);
+    assert!(
+        w.contains("kv_cache_config.bogus_key") && w.contains("nope"),
+        "{w}"
+    );
+    let e = err(&[
+        "--strict-engine-args",
+        "--override-engine-args",
+        r#"{"nope": 2}"#,
+    ]);
     assert!(e.contains("nope") && e.contains("strict"), "{e}");
 }
 
 #[test]
 fn wrong_types_name_the_key_path() {
-    let e = err(&["--override-engine-args", r#"{"kv_cache_config": {"enable_block_reuse": "sometimes"}}"#]);
+    let e = err(&[
+        "--override-engine-args",
+        r#"{"kv_cache_config": {"enable_block_reuse": "sometimes"}}"#,
+    ]);
     assert!(e.contains("kv_cache_config.enable_block_reuse"), "{e}");
     let e = err(&["--override-engine-args", r#"{"max_batch_size": -1}"#]);
     assert!(e.contains("max_batch_size"), "{e}");
-    let e = err(&["--override-engine-args", r#"{"scheduler_config": {"capacity_scheduler_policy": "FAST"}}"#]);
-    assert!(e.contains("scheduler_config.capacity_scheduler_policy"), "{e}");
+    let e = err(&[
+        "--override-engine-args",
+        r#"{"scheduler_config": {"capacity_scheduler_policy": "FAST"}}"#,
+    ]);
+    assert!(
+        e.contains("scheduler_config.capacity_scheduler_policy"),
+        "{e}"
+    );
 }
 
 #[test]
 fn files_that_do_not_parse_report_line_and_column() {
     let f = yaml("max_batch_size: 4\nkv_cache_config:\n  enable_block_reuse: [unclosed\n");
     let e = err(&["--extra-engine-args", f.as_str()]);
-    assert!(e.contains(f.as_str()) && e.contains("line") && e.contains("column"), "{e}");
+    assert!(
+        e.contains(f.as_str()) && e.contains("line") && e.contains("column"),
+        "{e}"
+    );
     let e = err(&["--extra-engine-args", "/no/such/file.yaml"]);
     assert!(e.contains("/no/such/file.yaml"), "{e}");
     let f = yaml("- just\n- a list\n");
     assert!(err(&["--extra-engine-args", f.as_str()]).contains("mapping"));
     let e = err(&["--override-engine-args", "{'a': 1,\n 'b': Flase}"]);
-    assert!(e.contains("--override-engine-args") && e.contains("line 2, column 7"), "{e}");
+    assert!(
+        e.contains("--override-engine-args") && e.contains("line 2, column 7"),
+        "{e}"
+    );
 }
 
 #[test]
 fn non_positive_sizes_are_rejected() {
-    for flag in ["--max-batch-size", "--max-num-tokens", "--max-seq-len", "--kv-block-size", "--max-beam-width"] {
+    for flag in [
+        "--max-batch-size",
+        "--max-num-tokens",
+        "--max-seq-len",
+        "--kv-block-size",
+        "--max-beam-width",
+    ] {
         let e = err(&[flag, "0"]);
         assert!(e.contains(flag) && e.contains("positive"), "{e}");
     }
-    let e = err(&["--override-engine-args", r#"{"kv_cache_config": {"max_tokens": 0}}"#]);
-    assert!(e.contains("kv_cache_config.max_tokens") && e.contains("positive"), "{e}");
-    let e = err(&["--override-engine-args", r#"{"cuda_graph_config": {"batch_sizes": [1, 0]}}"#]);
+    let e = err(&[
+        "--override-engine-args",
+        r#"{"kv_cache_config": {"max_tokens": 0}}"#,
+    ]);
+    assert!(
+        e.contains("kv_cache_config.max_tokens") && e.contains("positive"),
+        "{e}"
+    );
+    let e = err(&[
+        "--override-engine-args",
+        r#"{"cuda_graph_config": {"batch_sizes": [1, 0]}}"#,
+    ]);
     assert!(e.contains("cuda_graph_config.batch_sizes"), "{e}");
 }
 
 #[test]
 fn parallel_sizes_that_cannot_fit_the_gpus_are_rejected() {
-    let e = err(&["--gpus-per-node", "4", "--tensor-parallel-size", "3", "--pipeline-parallel-size", "2"]);
+    let e = err(&[
+        "--gpus-per-node",
+        "4",
+        "--tensor-parallel-size",
+        "3",
+        "--pipeline-parallel-size",
+        "2",
+    ]);
     assert!(e.contains("--gpus-per-node") && e.contains("6"), "{e}");
     let e = err(&["--tensor-parallel-size", "4", "--expert-parallel-size", "3"]);
     assert!(e.contains("expert parallel size 3"), "{e}");
@@ -195,12 +307,18 @@ fn parallel_sizes_that_cannot_fit_the_gpus_are_rejected() {
 #[test]
 fn multimodal_with_diffusion_and_bad_endpoints_are_rejected() {
     let e = err(&["--enable-multimodal", "--modality", "video_diffusion"]);
-    assert!(e.contains("--enable-multimodal") && e.contains("video_diffusion"), "{e}");
+    assert!(
+        e.contains("--enable-multimodal") && e.contains("video_diffusion"),
+        "{e}"
+    );
     for bad in ["dyn://a.b", "dyn://a..c", "http://x"] {
         let e = err(&["--endpoint", bad]);
         assert!(e.contains("--endpoint") && e.contains("malformed"), "{e}");
         let e = err(&["--encode-endpoint", bad]);
-        assert!(e.contains("--encode-endpoint") && e.contains("malformed"), "{e}");
+        assert!(
+            e.contains("--encode-endpoint") && e.contains("malformed"),
+            "{e}"
+        );
     }
     let cfg = parse(&["--endpoint", "dyn://ns.comp.gen"]).unwrap();
     assert_eq!(cfg.endpoint().to_string(), "dyn://ns.comp.gen");
@@ -214,19 +332,28 @@ fn every_not_implemented_flag_exits_with_a_message_naming_it() {
         let flag = format!("--{name}");
         match spec.kind {
             tandem_config::spec::Kind::Bool => {
-                if spec.default == Some("true") { vec![format!("--{}", spec.negated())] } else { vec![flag] }
+                if spec.default == Some("true") {
+                    vec![format!("--{}", spec.negated())]
+                } else {
+                    vec![flag]
+                }
             }
             tandem_config::spec::Kind::Int { .. } => vec![flag, "2".into()],
             tandem_config::spec::Kind::Float => vec![flag, "1.5".into()],
             tandem_config::spec::Kind::Choice(c) => {
-                let v = c.iter().find(|v| Some(**v) != spec.default).expect("a non-default choice");
+                let v = c
+                    .iter()
+                    .find(|v| Some(**v) != spec.default)
+                    .expect("a non-default choice");
                 vec![flag, v.to_string()]
             }
             tandem_config::spec::Kind::List => vec![flag, "chat".into()],
             _ => match name {
                 "model-loader-extra-config" => vec![flag, r#"{"gms_read_only": true}"#.into()],
                 "encode-endpoint" => vec![flag, "dyn://ns.encode.generate".into()],
-                "custom-jinja-template" => vec![flag, env!("CARGO_MANIFEST_DIR").to_string() + "/Cargo.toml"],
+                "custom-jinja-template" => {
+                    vec![flag, env!("CARGO_MANIFEST_DIR").to_string() + "/Cargo.toml"]
+                }
                 _ => vec![flag, "x".into()],
             },
         }
@@ -235,17 +362,29 @@ fn every_not_implemented_flag_exits_with_a_message_naming_it() {
     names.extend(
         tandem_config::flags::FLAGS
             .iter()
-            .filter(|s| matches!(s.group, tandem_config::spec::Group::Diffusion | tandem_config::spec::Group::DiffusionRequestDefaults))
+            .filter(|s| {
+                matches!(
+                    s.group,
+                    tandem_config::spec::Group::Diffusion
+                        | tandem_config::spec::Group::DiffusionRequestDefaults
+                )
+            })
             .map(|s| s.name),
     );
     for name in names {
         let args = sample(name);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let e = err(&args);
-        assert!(e.contains("not implemented yet") && e.contains(&format!("--{name}")), "{args:?}: {e}");
+        assert!(
+            e.contains("not implemented yet") && e.contains(&format!("--{name}")),
+            "{args:?}: {e}"
+        );
     }
     let e = err(&["--connector", "kvbm"]);
-    assert!(e.contains("--connector") && e.contains("not implemented yet"), "{e}");
+    assert!(
+        e.contains("--connector") && e.contains("not implemented yet"),
+        "{e}"
+    );
     for (key, value) in [
         ("speculative_config", r#"{"decoding_type": "Eagle"}"#),
         ("lora_config", r#"{"max_lora_rank": 8}"#),
@@ -255,28 +394,61 @@ fn every_not_implemented_flag_exits_with_a_message_naming_it() {
         ("backend", r#""tensorrt""#),
     ] {
         let e = err(&["--override-engine-args", &format!("{{\"{key}\": {value}}}")]);
-        assert!(e.contains(key) && e.contains("not implemented yet"), "{key}: {e}");
+        assert!(
+            e.contains(key) && e.contains("not implemented yet"),
+            "{key}: {e}"
+        );
     }
     assert!(err(&["--tensor-parallel-size", "2"]).contains("not implemented yet"));
     // One expert-parallel rank is no parallelism at all.
     assert!(parse(&["--expert-parallel-size", "1"]).is_ok());
-    let e = err(&["--trtllm.moe_expert_parallel_size", "2", "--trtllm.tensor_parallel_size", "2"]);
+    let e = err(&[
+        "--trtllm.moe_expert_parallel_size",
+        "2",
+        "--trtllm.tensor_parallel_size",
+        "2",
+    ]);
     assert!(e.contains("not implemented yet"), "{e}");
 }
 
 #[test]
 fn roles_fix_or_restrict_the_disaggregation_mode() {
-    assert_eq!(parse(&[]).unwrap().disaggregation.disaggregation_mode, DisaggregationMode::Decode);
-    for (mode, want) in [("agg", DisaggregationMode::Agg), ("pd", DisaggregationMode::Pd), ("decode", DisaggregationMode::Decode)] {
-        assert_eq!(parse(&["--disaggregation-mode", mode]).unwrap().disaggregation.disaggregation_mode, want);
+    assert_eq!(
+        parse(&[]).unwrap().disaggregation.disaggregation_mode,
+        DisaggregationMode::Decode
+    );
+    for (mode, want) in [
+        ("agg", DisaggregationMode::Agg),
+        ("pd", DisaggregationMode::Pd),
+        ("decode", DisaggregationMode::Decode),
+    ] {
+        assert_eq!(
+            parse(&["--disaggregation-mode", mode])
+                .unwrap()
+                .disaggregation
+                .disaggregation_mode,
+            want
+        );
     }
     let cfg = parse(&["--disaggregation-mode", "prefill_and_decode"]).unwrap();
-    assert_eq!(cfg.disaggregation.disaggregation_mode, DisaggregationMode::Agg);
-    assert!(cfg.warnings.iter().any(|w| w.contains("agg") && w.contains("pd")), "{:?}", cfg.warnings);
+    assert_eq!(
+        cfg.disaggregation.disaggregation_mode,
+        DisaggregationMode::Agg
+    );
+    assert!(
+        cfg.warnings
+            .iter()
+            .any(|w| w.contains("agg") && w.contains("pd")),
+        "{:?}",
+        cfg.warnings
+    );
     let e = err(&["--disaggregation-mode", "prefill"]);
     assert!(e.contains("tandem-decode accepts only"), "{e}");
     let p = parse_env(Role::Prefill, &[], &[]).unwrap();
-    assert_eq!(p.disaggregation.disaggregation_mode, DisaggregationMode::Prefill);
+    assert_eq!(
+        p.disaggregation.disaggregation_mode,
+        DisaggregationMode::Prefill
+    );
     assert_eq!(p.endpoint().to_string(), "dyn://dynamo.prefill.generate");
     assert!(parse_env(Role::Prefill, &["--disaggregation-mode", "decode"], &[]).is_err());
     assert!(parse_env(Role::Encode, &["--disaggregation-mode", "agg"], &[]).is_err());
@@ -286,30 +458,57 @@ fn roles_fix_or_restrict_the_disaggregation_mode() {
 fn legacy_publish_flag_and_env_are_accepted_with_a_warning() {
     let cfg = parse(&["--publish-events-and-metrics"]).unwrap();
     assert!(cfg.kv_cache.publish_kv_events);
-    assert!(cfg.warnings.iter().any(|w| w.contains("--publish-events-and-metrics") && w.contains("deprecated")));
+    assert!(cfg
+        .warnings
+        .iter()
+        .any(|w| w.contains("--publish-events-and-metrics") && w.contains("deprecated")));
     let cfg = parse(&["--no-publish-events-and-metrics"]).unwrap();
     assert!(!cfg.kv_cache.publish_kv_events);
-    let cfg = parse_env(Role::Decode, &[], &[("DYN_TRTLLM_PUBLISH_EVENTS_AND_METRICS", "true")]).unwrap();
+    let cfg = parse_env(
+        Role::Decode,
+        &[],
+        &[("DYN_TRTLLM_PUBLISH_EVENTS_AND_METRICS", "true")],
+    )
+    .unwrap();
     assert!(cfg.kv_cache.publish_kv_events);
-    assert!(cfg.warnings.iter().any(|w| w.contains("DYN_TRTLLM_PUBLISH_EVENTS_AND_METRICS")));
+    assert!(cfg
+        .warnings
+        .iter()
+        .any(|w| w.contains("DYN_TRTLLM_PUBLISH_EVENTS_AND_METRICS")));
     // The new variable wins over the old one.
     let cfg = parse_env(
         Role::Decode,
         &[],
-        &[("DYN_TRTLLM_PUBLISH_EVENTS_AND_METRICS", "true"), ("DYN_TRTLLM_PUBLISH_KV_EVENTS", "false")],
+        &[
+            ("DYN_TRTLLM_PUBLISH_EVENTS_AND_METRICS", "true"),
+            ("DYN_TRTLLM_PUBLISH_KV_EVENTS", "false"),
+        ],
     )
     .unwrap();
     assert!(!cfg.kv_cache.publish_kv_events);
-    assert!(parse(&["--model", "/m/qwen"]).unwrap().model.model_path.as_deref() == Some("/m/qwen"));
+    assert!(
+        parse(&["--model", "/m/qwen"])
+            .unwrap()
+            .model
+            .model_path
+            .as_deref()
+            == Some("/m/qwen")
+    );
 }
 
 #[test]
 fn namespace_suffix_served_name_and_print_config() {
-    let cfg = parse_env(Role::Decode, &["--model-path", "/models/Qwen3-0.6B/"], &[("DYN_NAMESPACE_WORKER_SUFFIX", "blue")]).unwrap();
+    let cfg = parse_env(
+        Role::Decode,
+        &["--model-path", "/models/Qwen3-0.6B/"],
+        &[("DYN_NAMESPACE_WORKER_SUFFIX", "blue")],
+    )
+    .unwrap();
     assert_eq!(cfg.runtime.namespace, "dynamo-blue");
     assert_eq!(cfg.served_model_name(), "Qwen3-0.6B");
     assert_eq!(parse(&[]).unwrap().served_model_name(), "tandem-tiny");
-    let json: serde_json::Value = serde_json::from_str(&parse(&["--max-seq-len", "4096"]).unwrap().to_json()).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&parse(&["--max-seq-len", "4096"]).unwrap().to_json()).unwrap();
     assert_eq!(json["engine"]["max_seq_len"], 4096);
     assert_eq!(json["runtime"]["discovery_backend"], "file");
     assert_eq!(json["runtime"]["event_plane"], "direct");
@@ -326,23 +525,39 @@ fn dump_config_to_writes_the_resolved_json() {
     let _ = std::fs::remove_file(&path);
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(json["engine"]["max_num_tokens"], 512);
-    let e = parse(&["--dump-config-to", "/no/such/dir/x.json"]).unwrap().dump_if_requested().unwrap_err();
+    let e = parse(&["--dump-config-to", "/no/such/dir/x.json"])
+        .unwrap()
+        .dump_if_requested()
+        .unwrap_err();
     assert!(e.to_string().contains("/no/such/dir/x.json"));
 }
 
 #[test]
 fn custom_template_must_exist() {
     let e = err(&["--custom-jinja-template", "/no/such/template.jinja"]);
-    assert!(e.contains("--custom-jinja-template") && e.contains("not found"), "{e}");
+    assert!(
+        e.contains("--custom-jinja-template") && e.contains("not found"),
+        "{e}"
+    );
 }
 
 #[test]
 fn router_flags_parse_and_reject_bad_ports() {
-    let argv = |a: &[&str]| -> Vec<String> { std::iter::once("tandem-router").chain(a.iter().copied()).map(String::from).collect() };
+    let argv = |a: &[&str]| -> Vec<String> {
+        std::iter::once("tandem-router")
+            .chain(a.iter().copied())
+            .map(String::from)
+            .collect()
+    };
     let none = |_: &str| None;
     let cfg = tandem_config::parse_router(&argv(&["--http-port", "9000"]), &none).unwrap();
     assert_eq!((cfg.http_host.as_str(), cfg.http_port), ("0.0.0.0", 9000));
-    assert!(tandem_config::parse_router(&argv(&["--http-port", "70000"]), &none).unwrap_err().to_string().contains("1-65535"));
+    assert!(
+        tandem_config::parse_router(&argv(&["--http-port", "70000"]), &none)
+            .unwrap_err()
+            .to_string()
+            .contains("1-65535")
+    );
     // Worker-only flags are not router flags.
     assert!(tandem_config::parse_router(&argv(&["--max-batch-size", "3"]), &none).is_err());
 }

@@ -1,0 +1,121 @@
+//! Turning chat messages into a prompt with the model's chat template.
+
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::models::ModelAssets;
+use crate::openai::ChatCompletionRequest;
+
+/// Validates `messages` and flattens text-only content parts into strings.
+pub fn normalize_messages(messages: &Value) -> Result<Value, ApiError> {
+    let list = messages
+        .as_array()
+        .ok_or_else(|| ApiError::bad_request("`messages` must be an array", Some("messages")))?;
+    if list.is_empty() {
+        return Err(ApiError::bad_request(
+            "`messages` must not be empty",
+            Some("messages"),
+        ));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, msg) in list.iter().enumerate() {
+        let param = format!("messages[{i}]");
+        let obj = msg.as_object().ok_or_else(|| {
+            ApiError::bad_request(format!("`{param}` must be an object"), Some(&param))
+        })?;
+        let role = obj.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::bad_request(format!("`{param}.role` must be a string"), Some(&param))
+        })?;
+        if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
+            return Err(ApiError::bad_request(
+                format!("`{param}.role` {role:?} is not a known role"),
+                Some(&param),
+            ));
+        }
+        let mut obj = obj.clone();
+        match obj.get("content") {
+            None | Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match part.get("type").and_then(Value::as_str) {
+                        Some("text") => text.push_str(part.get("text").and_then(Value::as_str).unwrap_or_default()),
+                        other => {
+                            return Err(ApiError::bad_request(
+                                format!(
+                                    "`{param}.content[{j}]` of type {:?} is not supported: Tandem serves text models only (yet)",
+                                    other.unwrap_or("?")
+                                ),
+                                Some(&param),
+                            ))
+                        }
+                    }
+                }
+                obj.insert("content".into(), Value::String(text));
+            }
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    format!("`{param}.content` must be a string or an array of parts"),
+                    Some(&param),
+                ))
+            }
+        }
+        out.push(Value::Object(obj));
+    }
+    Ok(Value::Array(out))
+}
+
+/// Renders and tokenizes a chat request.
+pub fn chat_prompt(
+    assets: &ModelAssets,
+    req: &ChatCompletionRequest,
+) -> Result<Vec<u32>, ApiError> {
+    let template = assets.template.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this model has no chat template; use /v1/completions", None)
+    })?;
+    match &req.tool_choice {
+        None => {}
+        Some(Value::String(s)) if s == "auto" || s == "none" => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`tool_choice` other than \"auto\" or \"none\" is not supported yet",
+                Some("tool_choice"),
+            ))
+        }
+    }
+    let messages = normalize_messages(&req.messages)?;
+    if let Some(kw) = &req.chat_template_kwargs {
+        if !kw.is_object() {
+            return Err(ApiError::bad_request(
+                "`chat_template_kwargs` must be an object",
+                Some("chat_template_kwargs"),
+            ));
+        }
+    }
+    let tools = match (&req.tools, &req.tool_choice) {
+        (_, Some(Value::String(s))) if s == "none" => None,
+        (Some(t), _) if !t.is_array() => {
+            return Err(ApiError::bad_request(
+                "`tools` must be an array",
+                Some("tools"),
+            ))
+        }
+        (t, _) => t.as_ref(),
+    };
+    let rendered = template
+        .render(&tandem_engine::tokenizer::chat::ChatRequest {
+            messages: &messages,
+            tools,
+            add_generation_prompt: true,
+            extra: req.chat_template_kwargs.as_ref(),
+        })
+        .map_err(|e| {
+            ApiError::bad_request(
+                format!("the chat template failed on these messages: {e}"),
+                Some("messages"),
+            )
+        })?;
+    assets.tokenizer.encode(&rendered, false).map_err(|e| {
+        ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), Some("messages"))
+    })
+}

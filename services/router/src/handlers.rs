@@ -1,0 +1,331 @@
+//! The HTTP handlers: `/v1/chat/completions`, `/v1/completions` and `/v1/models`.
+
+use std::convert::Infallible;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, StreamExt};
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::app::AppState;
+use crate::error::ApiError;
+use crate::generate::{self, GenEvent, UsageTotals};
+use crate::metrics as m;
+use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
+use crate::params;
+use crate::respond::{self, Collected, Kind, Meta};
+
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+pub const WORKER_HEADER: &str = "x-tandem-worker-id";
+
+pub fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 128 && s.chars().all(|c| c.is_ascii_graphic()))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+/// Counts a request in flight until dropped (the end of a stream included).
+struct Inflight {
+    model: String,
+    endpoint: &'static str,
+    started: Instant,
+}
+
+impl Inflight {
+    fn new(model: &str, endpoint: &'static str) -> Self {
+        metrics::gauge!(m::INFLIGHT_REQUESTS, "model" => model.to_string()).increment(1.0);
+        Inflight {
+            model: model.to_string(),
+            endpoint,
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        metrics::gauge!(m::INFLIGHT_REQUESTS, "model" => self.model.clone()).decrement(1.0);
+        metrics::histogram!(m::REQUEST_DURATION_SECONDS, "model" => self.model.clone(), "endpoint" => self.endpoint)
+            .record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+fn count(model: &str, endpoint: &'static str, stream: bool, status: &'static str) {
+    metrics::counter!(m::REQUESTS_TOTAL, "model" => model.to_string(), "endpoint" => endpoint,
+        "request_type" => if stream { "stream" } else { "unary" }, "status" => status)
+    .increment(1);
+}
+
+fn with_headers(mut resp: Response, request_id: &str, worker: Option<u64>) -> Response {
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        resp.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    if let Some(w) = worker {
+        if let Ok(v) = HeaderValue::from_str(&w.to_string()) {
+            resp.headers_mut().insert(WORKER_HEADER, v);
+        }
+    }
+    resp
+}
+
+fn error_response(
+    e: ApiError,
+    request_id: &str,
+    model: &str,
+    endpoint: &'static str,
+    stream: bool,
+) -> Response {
+    tracing::info!(
+        request_id,
+        status = e.status.as_u16(),
+        "request refused: {}",
+        e.message
+    );
+    count(model, endpoint, stream, "error");
+    metrics::counter!("dynamo_frontend_model_rejection_total", "error_type" => e.metric_label())
+        .increment(1);
+    with_headers(e.into_response(), request_id, None)
+}
+
+struct Prepared {
+    meta: Meta,
+    prompt: Vec<u32>,
+    params: tandem_engine::sampler::SamplingParams,
+    stream: bool,
+    include_usage: bool,
+    want_logprobs: bool,
+    view: crate::models::ModelView,
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn prepare_chat(
+    state: &AppState,
+    body: &[u8],
+    rid: &str,
+) -> Result<Prepared, (ApiError, String, bool)> {
+    let req: ChatCompletionRequest = parse_body(body).map_err(|e| (e, String::new(), false))?;
+    let fail = |e: ApiError| (e, req.model.clone(), req.stream);
+    let view = state
+        .registry
+        .view(&req.model)
+        .ok_or_else(|| fail(ApiError::not_found_model(&req.model)))?;
+    if req.stream_options.is_some() && !req.stream {
+        return Err(fail(ApiError::bad_request(
+            "`stream_options` requires `stream: true`",
+            Some("stream_options"),
+        )));
+    }
+    let t = Instant::now();
+    let prompt = crate::chat::chat_prompt(&view.assets, &req).map_err(fail)?;
+    metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
+    let lp = params::chat_logprobs(req.logprobs, req.top_logprobs).map_err(fail)?;
+    let params = params::sampling_params(req.common(), lp).map_err(fail)?;
+    if let Some(user) = &req.user {
+        tracing::info!(request_id = rid, user = %user, "chat request");
+    }
+    Ok(Prepared {
+        meta: Meta {
+            kind: Kind::Chat,
+            id: format!("chatcmpl-{rid}"),
+            model: req.model.clone(),
+            created: now_secs(),
+        },
+        prompt,
+        params,
+        stream: req.stream,
+        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        want_logprobs: lp.is_some(),
+        view,
+    })
+}
+
+fn prepare_completion(
+    state: &AppState,
+    body: &[u8],
+    rid: &str,
+) -> Result<Prepared, (ApiError, String, bool)> {
+    let req: CompletionRequest = parse_body(body).map_err(|e| (e, String::new(), false))?;
+    let fail = |e: ApiError| (e, req.model.clone(), req.stream);
+    for (set, field) in [
+        (req.echo == Some(true), "echo"),
+        (req.best_of.is_some_and(|b| b > 1), "best_of"),
+        (req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix"),
+    ] {
+        if set {
+            return Err(fail(ApiError::bad_request(
+                format!("`{field}` is not supported yet"),
+                Some(field),
+            )));
+        }
+    }
+    let view = state
+        .registry
+        .view(&req.model)
+        .ok_or_else(|| fail(ApiError::not_found_model(&req.model)))?;
+    if req.stream_options.is_some() && !req.stream {
+        return Err(fail(ApiError::bad_request(
+            "`stream_options` requires `stream: true`",
+            Some("stream_options"),
+        )));
+    }
+    let prompt = match &req.prompt {
+        PromptField::Text(t) => view.assets.tokenizer.encode(t, false).map_err(|e| {
+            fail(ApiError::bad_request(
+                format!("cannot tokenize the prompt: {e}"),
+                Some("prompt"),
+            ))
+        })?,
+        PromptField::Tokens(ids) => {
+            let vocab = view.assets.tokenizer.vocab_size() as u32;
+            if let Some(bad) = ids.iter().find(|id| **id >= vocab) {
+                return Err(fail(ApiError::bad_request(
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                    Some("prompt"),
+                )));
+            }
+            ids.clone()
+        }
+        PromptField::Batch(_) => {
+            return Err(fail(ApiError::bad_request(
+                "a batch of prompts is not supported yet; send one prompt per request",
+                Some("prompt"),
+            )))
+        }
+    };
+    let lp = params::completion_logprobs(req.logprobs).map_err(fail)?;
+    let params = params::sampling_params(req.common(), lp).map_err(fail)?;
+    Ok(Prepared {
+        meta: Meta {
+            kind: Kind::Completion,
+            id: format!("cmpl-{rid}"),
+            model: req.model.clone(),
+            created: now_secs(),
+        },
+        prompt,
+        params,
+        stream: req.stream,
+        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        want_logprobs: lp.is_some(),
+        view,
+    })
+}
+
+async fn serve(
+    state: AppState,
+    p: Prepared,
+    rid: String,
+    endpoint: &'static str,
+    received: Instant,
+) -> Response {
+    let model = p.meta.model.clone();
+    metrics::histogram!(m::INPUT_SEQUENCE_TOKENS).record(p.prompt.len() as f64);
+    let inflight = Inflight::new(&model, endpoint);
+    let (rx, routed) =
+        match generate::start(&state, &p.view, &rid, p.prompt, p.params, received).await {
+            Ok(x) => x,
+            Err(e) => return error_response(e, &rid, &model, endpoint, p.stream),
+        };
+    tracing::info!(request_id = %rid, worker = routed.worker_id, cached_tokens = routed.cached_tokens, "routed");
+    let assets = p.view.assets.clone();
+    let meta = p.meta;
+    if p.stream {
+        count(&model, endpoint, true, "success");
+        let include_usage = p.include_usage;
+        let mut seen = std::collections::HashSet::new();
+        let events = ReceiverStream::new(rx).flat_map(move |ev| {
+            let _keep = &inflight;
+            let items: Vec<Result<Event, Infallible>> = match ev {
+                GenEvent::Delta(d) => {
+                    let first = seen.insert(d.index);
+                    vec![Ok(Event::default()
+                        .data(respond::chunk(&meta, &assets, &d, first).to_string()))]
+                }
+                GenEvent::Done(u) => {
+                    let mut v = Vec::new();
+                    if include_usage {
+                        v.push(Ok(
+                            Event::default().data(respond::usage_chunk(&meta, &u).to_string())
+                        ));
+                    }
+                    v.push(Ok(Event::default().data("[DONE]")));
+                    v
+                }
+                GenEvent::Error(e) => vec![
+                    Ok(Event::default().data(e.body().to_string())),
+                    Ok(Event::default().data("[DONE]")),
+                ],
+            };
+            stream::iter(items)
+        });
+        let resp = Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response();
+        return with_headers(resp, &rid, Some(routed.worker_id));
+    }
+    // Non-streaming: if the client goes away, this future is dropped with `rx`, which cancels.
+    let mut rx = rx;
+    let mut collected = Collected::default();
+    let mut usage = UsageTotals::default();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Delta(d) => collected.push(d),
+            GenEvent::Done(u) => usage = u,
+            GenEvent::Error(e) => return error_response(e, &rid, &model, endpoint, false),
+        }
+    }
+    drop(inflight);
+    count(&model, endpoint, false, "success");
+    let body = collected.body(&meta, &assets, &usage, p.want_logprobs);
+    with_headers(Json(body).into_response(), &rid, Some(routed.worker_id))
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let received = Instant::now();
+    let rid = request_id(&headers);
+    match prepare_chat(&state, &body, &rid) {
+        Ok(p) => serve(state, p, rid, "chat_completions", received).await,
+        Err((e, model, stream)) => error_response(e, &rid, &model, "chat_completions", stream),
+    }
+}
+
+pub async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let received = Instant::now();
+    let rid = request_id(&headers);
+    match prepare_completion(&state, &body, &rid) {
+        Ok(p) => serve(state, p, rid, "completions", received).await,
+        Err((e, model, stream)) => error_response(e, &rid, &model, "completions", stream),
+    }
+}
+
+pub async fn list_models(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let data: Vec<_> = state
+        .registry
+        .model_names()
+        .into_iter()
+        .map(|name| json!({"id": name, "object": "model", "created": 0, "owned_by": "tandem"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}

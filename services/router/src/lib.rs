@@ -1,0 +1,19 @@
+//! The Tandem router: the OpenAI-compatible HTTP API in front of the workers. It learns
+//! workers and their tokenizers from discovery, follows their KV events, applies the chat
+//! template, tokenizes, routes with the KV-aware router, streams tokens back as text, and
+//! cancels work when clients go away.
+
+pub mod app;
+pub mod chat;
+pub mod error;
+pub mod events;
+pub mod generate;
+pub mod handlers;
+pub mod metrics;
+pub mod models;
+pub mod openai;
+pub mod params;
+pub mod respond;
+pub mod watcher;
+
+pub use tandem_worker::serve::discovery_options;

@@ -1,0 +1,11 @@
+//! Metric names the router records (Dynamo's, from `tandem-runtime`).
+
+pub use tandem_runtime::metrics::names::frontend::{
+    DISCONNECTED_CLIENTS, INFLIGHT_REQUESTS, INPUT_SEQUENCE_TOKENS,
+    INTER_TOKEN_LATENCY_SECONDS as ITL, MODEL_CANCELLATION_TOTAL as CANCELLATIONS,
+    OUTPUT_SEQUENCE_TOKENS, OUTPUT_TOKENS_TOTAL, REQUESTS_TOTAL, REQUEST_DURATION_SECONDS,
+    TIME_TO_FIRST_TOKEN_SECONDS as TTFT,
+};
+pub use tandem_runtime::metrics::names::router_overhead::{
+    BLOCK_HASHING_MS, SCHEDULING_MS, TOTAL_MS as OVERHEAD_TOTAL_MS,
+};

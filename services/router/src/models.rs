@@ -1,0 +1,198 @@
+//! The models the router serves, learned from discovery: each model's workers (from their
+//! model cards) and its tokenizer and chat template, fetched from a worker over gRPC and
+//! checked against the card's hash. Workers serving one model name with a different tokenizer
+//! are refused loudly.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use tandem_engine::tokenizer::{tokenizer_hash, ChatTemplate, Tokenizer};
+use tandem_protocol::worker::worker_client::WorkerClient;
+use tandem_protocol::worker::ModelFilesRequest;
+use tandem_protocol::ModelCard;
+use tonic::transport::Channel;
+
+pub type Client = WorkerClient<Channel>;
+
+#[derive(Clone)]
+pub struct WorkerEntry {
+    pub card: ModelCard,
+    pub client: Client,
+}
+
+/// What tokenizing for a model needs.
+pub struct ModelAssets {
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    pub hash: String,
+}
+
+pub struct Model {
+    pub name: String,
+    pub assets: Arc<ModelAssets>,
+    pub workers: HashMap<u64, WorkerEntry>,
+}
+
+#[derive(Default)]
+pub struct Registry {
+    models: RwLock<HashMap<String, Model>>,
+    /// worker id → model name, to find a worker on removal.
+    owners: RwLock<HashMap<u64, String>>,
+}
+
+/// A snapshot of one model for a request.
+#[derive(Clone)]
+pub struct ModelView {
+    pub name: String,
+    pub assets: Arc<ModelAssets>,
+    pub workers: Vec<WorkerEntry>,
+}
+
+pub fn connect_lazy(addr: &str) -> anyhow::Result<Client> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .tcp_nodelay(true)
+        .connect_timeout(std::time::Duration::from_secs(3))
+        .connect_lazy();
+    Ok(WorkerClient::new(channel)
+        .max_decoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES)
+        .max_encoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES))
+}
+
+fn cache_root() -> PathBuf {
+    tandem_engine::tiny::cache_dir().join("router-tokenizers")
+}
+
+/// Fetches the tokenizer files from a worker and loads them, checking the hash.
+pub async fn fetch_assets(client: &mut Client, card: &ModelCard) -> anyhow::Result<ModelAssets> {
+    let files = client
+        .get_model_files(ModelFilesRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("GetModelFiles from {}: {}", card.grpc_addr, s.message()))?
+        .into_inner();
+    anyhow::ensure!(
+        files.tokenizer_hash == card.tokenizer_hash,
+        "worker {} sent tokenizer files with hash {} but its card says {}",
+        card.grpc_addr,
+        files.tokenizer_hash,
+        card.tokenizer_hash
+    );
+    let safe_hash: String = card
+        .tokenizer_hash
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .collect();
+    anyhow::ensure!(
+        !safe_hash.is_empty(),
+        "worker {} has an empty tokenizer hash",
+        card.grpc_addr
+    );
+    let dir = cache_root().join(&safe_hash);
+    let tmp = cache_root().join(format!("{safe_hash}.tmp-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&tmp)?;
+    std::fs::write(tmp.join("tokenizer.json"), &files.tokenizer_json)?;
+    if !files.tokenizer_config_json.is_empty() {
+        std::fs::write(
+            tmp.join("tokenizer_config.json"),
+            &files.tokenizer_config_json,
+        )?;
+    }
+    let tokenizer = Tokenizer::load(&tmp)?;
+    let template = ChatTemplate::load(&tmp)?;
+    let hash = tokenizer_hash(&tokenizer, template.as_ref());
+    anyhow::ensure!(
+        hash == card.tokenizer_hash,
+        "tokenizer files from {} hash to {hash}, not the card's {}",
+        card.grpc_addr,
+        card.tokenizer_hash
+    );
+    // Keep one copy per hash for inspection; a concurrent writer may have won the race.
+    if std::fs::rename(&tmp, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    Ok(ModelAssets {
+        tokenizer,
+        template,
+        hash,
+    })
+}
+
+impl Registry {
+    pub fn view(&self, name: &str) -> Option<ModelView> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        models.get(name).map(|m| ModelView {
+            name: m.name.clone(),
+            assets: m.assets.clone(),
+            workers: m.workers.values().cloned().collect(),
+        })
+    }
+
+    pub fn model_names(&self) -> Vec<String> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        let mut names: Vec<String> = models.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.owners.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// The tokenizer already loaded for `card`'s model, if its hash matches.
+    /// `Err` when the model is known with a different tokenizer.
+    pub fn existing_assets(&self, card: &ModelCard) -> Result<Option<Arc<ModelAssets>>, String> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        match models.get(&card.served_model_name) {
+            None => Ok(None),
+            Some(m) if m.assets.hash == card.tokenizer_hash => Ok(Some(m.assets.clone())),
+            Some(m) => Err(format!(
+                "worker {} serves `{}` with tokenizer hash {}, but the other workers of that model \
+                 have {}; refusing it",
+                card.instance_id, card.served_model_name, card.tokenizer_hash, m.assets.hash
+            )),
+        }
+    }
+
+    pub fn add(&self, card: ModelCard, client: Client, assets: Arc<ModelAssets>) {
+        let id = card.instance_id;
+        let name = card.served_model_name.clone();
+        let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
+        let model = models.entry(name.clone()).or_insert_with(|| Model {
+            name: name.clone(),
+            assets,
+            workers: HashMap::new(),
+        });
+        model.workers.insert(id, WorkerEntry { card, client });
+        self.owners
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, name);
+    }
+
+    /// Removes a worker; a model without workers disappears from `/v1/models`.
+    pub fn remove(&self, id: u64) -> bool {
+        let Some(name) = self
+            .owners
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id)
+        else {
+            return false;
+        };
+        let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = models.get_mut(&name) {
+            m.workers.remove(&id);
+            if m.workers.is_empty() {
+                models.remove(&name);
+            }
+        }
+        true
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.owners
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&id)
+    }
+}

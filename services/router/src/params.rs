@@ -1,0 +1,135 @@
+//! From OpenAI request fields to the engine's sampling parameters, with range checks that
+//! name the field.
+
+use tandem_engine::sampler::SamplingParams;
+
+use crate::error::ApiError;
+use crate::openai::CommonFields;
+
+fn bad(field: &str, msg: &str) -> ApiError {
+    ApiError::bad_request(format!("`{field}` {msg}"), Some(field))
+}
+
+/// Largest `n` and `logprobs` accepted (bounded so one request cannot hog a worker).
+pub const MAX_N: i64 = 16;
+pub const MAX_LOGPROBS: i64 = 20;
+
+pub fn sampling_params(
+    c: CommonFields,
+    logprobs: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
+    let mut p = SamplingParams::default();
+    if let Some(v) = c.max_tokens {
+        if v < 1 {
+            return Err(bad("max_tokens", "must be at least 1"));
+        }
+        p.max_tokens = Some(v as usize);
+    }
+    if let Some(t) = c.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(bad("temperature", "must be between 0 and 2"));
+        }
+        p.temperature = t;
+    }
+    if let Some(v) = c.top_p {
+        if !(v > 0.0 && v <= 1.0) {
+            return Err(bad("top_p", "must be in (0, 1]"));
+        }
+        p.top_p = v;
+    }
+    if let Some(k) = c.top_k {
+        // -1 and 0 both mean "off" (vLLM uses -1).
+        if k < -1 {
+            return Err(bad("top_k", "must be -1, 0 (off) or positive"));
+        }
+        p.top_k = k.max(0) as usize;
+    }
+    if let Some(v) = c.min_p {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(bad("min_p", "must be in [0, 1]"));
+        }
+        p.min_p = v;
+    }
+    p.seed = c.seed;
+    if let Some(stop) = c.stop {
+        let stops = stop.into_vec();
+        if stops.len() > 16 {
+            return Err(bad("stop", "may hold at most 16 strings"));
+        }
+        p.stop = stops;
+    }
+    if let Some(n) = c.n {
+        if !(1..=MAX_N).contains(&n) {
+            return Err(bad("n", &format!("must be between 1 and {MAX_N}")));
+        }
+        p.n = n as usize;
+    }
+    for (name, v, slot) in [
+        (
+            "presence_penalty",
+            c.presence_penalty,
+            &mut p.presence_penalty,
+        ),
+        (
+            "frequency_penalty",
+            c.frequency_penalty,
+            &mut p.frequency_penalty,
+        ),
+    ] {
+        if let Some(v) = v {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(bad(name, "must be between -2 and 2"));
+            }
+            *slot = v;
+        }
+    }
+    if let Some(v) = c.repetition_penalty {
+        if !(v > 0.0 && v.is_finite()) {
+            return Err(bad("repetition_penalty", "must be > 0"));
+        }
+        p.repetition_penalty = v;
+    }
+    p.ignore_eos = c.ignore_eos.unwrap_or(false);
+    if let Some(m) = c.min_tokens {
+        if m < 0 {
+            return Err(bad("min_tokens", "must be >= 0"));
+        }
+        if p.max_tokens.is_some_and(|max| m as usize > max) {
+            return Err(bad("min_tokens", "must not exceed max_tokens"));
+        }
+        p.min_tokens = m as usize;
+    }
+    p.stop_token_ids = c.stop_token_ids.unwrap_or_default();
+    if let Some(s) = c.skip_special_tokens {
+        p.skip_special_tokens = s;
+    }
+    p.logprobs = logprobs;
+    p.validate().map_err(|m| ApiError::bad_request(m, None))?;
+    Ok(p)
+}
+
+/// Chat `logprobs: true` + `top_logprobs: k`.
+pub fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match (logprobs.unwrap_or(false), top) {
+        (false, Some(_)) => Err(bad("top_logprobs", "requires `logprobs: true`")),
+        (false, None) => Ok(None),
+        (true, None) => Ok(Some(0)),
+        (true, Some(k)) if (0..=MAX_LOGPROBS).contains(&k) => Ok(Some(k as usize)),
+        (true, Some(_)) => Err(bad(
+            "top_logprobs",
+            &format!("must be between 0 and {MAX_LOGPROBS}"),
+        )),
+    }
+}
+
+/// Completions `logprobs: k`.
+pub fn completion_logprobs(k: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match k {
+        None => Ok(None),
+        Some(k) if (0..=MAX_LOGPROBS).contains(&k) => Ok(Some(k as usize)),
+        Some(_) => Err(bad(
+            "logprobs",
+            &format!("must be between 0 and {MAX_LOGPROBS}"),
+        )),
+    }
+}

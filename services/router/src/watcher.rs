@@ -1,0 +1,81 @@
+//! Follows discovery: adds workers (fetching their model's tokenizer when it is new) and
+//! removes them, keeping the KV index in step.
+
+use std::sync::Arc;
+
+use tandem_config::runtime::EventPlane;
+use tandem_protocol::ModelCard;
+use tandem_runtime::discovery::{Discovery, DiscoveryEvent};
+
+use crate::app::AppState;
+use crate::models::{connect_lazy, fetch_assets};
+
+pub async fn add_worker(state: &AppState, card_json: serde_json::Value) {
+    let card: ModelCard = match serde_json::from_value(card_json) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("ignoring a worker with a malformed model card: {e}");
+            return;
+        }
+    };
+    // Prefill-only workers are not served directly (disaggregation is a later stage).
+    if card.role == "prefill" || card.role == "encode" {
+        return;
+    }
+    let mut client = match connect_lazy(&card.grpc_addr) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(addr = %card.grpc_addr, "ignoring a worker with a bad address: {e}");
+            return;
+        }
+    };
+    let assets = match state.registry.existing_assets(&card) {
+        Ok(Some(a)) => a,
+        Ok(None) => match fetch_assets(&mut client, &card).await {
+            Ok(a) => Arc::new(a),
+            Err(e) => {
+                tracing::error!(
+                    worker = card.instance_id,
+                    "cannot load the tokenizer of `{}`: {e:#}",
+                    card.served_model_name
+                );
+                return;
+            }
+        },
+        Err(msg) => {
+            tracing::error!("{msg}");
+            metrics::counter!("tandem_router_refused_workers_total").increment(1);
+            return;
+        }
+    };
+    let id = card.instance_id;
+    tracing::info!(worker = id, addr = %card.grpc_addr, model = %card.served_model_name, "worker added");
+    state.registry.add(card, client.clone(), assets);
+    if state.config.routing.use_kv_events && state.config.runtime.event_plane == EventPlane::Direct
+    {
+        crate::events::spawn_follower(state.kv.clone(), state.registry.clone(), id, client);
+    }
+}
+
+pub fn remove_worker(state: &AppState, id: u64) {
+    if state.registry.remove(id) {
+        let freed = state.kv.remove_worker(id);
+        tracing::info!(worker = id, freed_requests = freed.len(), "worker removed");
+    }
+}
+
+/// Runs until the watch ends.
+pub async fn run(state: AppState, discovery: Arc<dyn Discovery>) -> anyhow::Result<()> {
+    let mut watch = discovery.watch(&state.config.runtime.namespace).await?;
+    while let Some(event) = watch.recv().await {
+        match event {
+            DiscoveryEvent::Added { instance, card } => {
+                if !state.registry.contains(instance.instance_id) {
+                    add_worker(&state, card).await;
+                }
+            }
+            DiscoveryEvent::Removed { instance_id } => remove_worker(&state, instance_id),
+        }
+    }
+    anyhow::bail!("the discovery watch ended")
+}

@@ -1,0 +1,110 @@
+//! From a validated [`WorkerConfig`] to a running engine: model folder (or the built-in tiny
+//! model), KV pool size and dtype, and the engine's scheduling limits.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tandem_config::engine_options::{CapacitySchedulerPolicy as Policy, KvCacheDtype};
+use tandem_config::WorkerConfig;
+use tandem_engine::backend::cpu::{
+    cpu_kv_blocks_from_memory, CpuBackend, DEFAULT_CPU_KV_CAP_BYTES,
+};
+use tandem_engine::engine::{CapacitySchedulerPolicy, Engine, EngineConfig, EngineHandle};
+use tandem_engine::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
+use tandem_engine::model::{LoadOptions, LoadedModel};
+
+/// A started engine and the model it runs.
+pub struct BuiltEngine {
+    pub engine: EngineHandle,
+    pub model: Arc<LoadedModel>,
+    pub num_blocks: usize,
+}
+
+/// The model folder to load: `--model-path`, or the built-in tiny model (generated on first use).
+pub fn model_folder(cfg: &WorkerConfig) -> anyhow::Result<PathBuf> {
+    match &cfg.model.model_path {
+        Some(p) => Ok(PathBuf::from(p)),
+        None => Ok(tandem_engine::tiny::ensure_tiny_model()?),
+    }
+}
+
+fn kv_dtype(dtype: KvCacheDtype) -> KvDtype {
+    match dtype {
+        // The CPU backend computes in f32; keeping the cache in f32 makes it exact.
+        KvCacheDtype::Auto | KvCacheDtype::Float32 => KvDtype::F32,
+        KvCacheDtype::Bfloat16 => KvDtype::Bf16,
+    }
+}
+
+/// Loads the model and starts the engine with the merged engine options.
+pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<BuiltEngine> {
+    let folder = model_folder(cfg)?;
+    let model = Arc::new(LoadedModel::load(&folder, &LoadOptions::default())?);
+    let opts = &cfg.engine;
+    let block_size = cfg.kv_cache.kv_block_size as usize;
+    let dtype = kv_dtype(opts.kv_cache_config.dtype);
+    let layout = KvLayout {
+        version: LAYOUT_VERSION,
+        model_id: model.model_id.clone(),
+        dtype,
+        block_size,
+        num_layers: model.config.num_hidden_layers,
+        num_kv_heads: model.config.num_key_value_heads,
+        head_dim: model.config.head_dim,
+    };
+    let num_blocks = match opts.kv_cache_config.max_tokens {
+        Some(tokens) => {
+            let blocks = EngineConfig::num_blocks_for_max_tokens(tokens as usize, block_size);
+            anyhow::ensure!(
+                blocks > 0,
+                "kv_cache_config.max_tokens {tokens} is smaller than one block of {block_size} tokens"
+            );
+            blocks
+        }
+        None => cpu_kv_blocks_from_memory(
+            layout.block_bytes(),
+            opts.kv_cache_config.free_gpu_memory_fraction,
+            DEFAULT_CPU_KV_CAP_BYTES,
+        ),
+    };
+    let max_seq_len = opts
+        .max_seq_len
+        .map(|v| v as usize)
+        .unwrap_or(model.config.max_position_embeddings);
+    let backend = CpuBackend::new(&model, dtype, block_size, num_blocks)?;
+    let engine_cfg = EngineConfig {
+        max_batch_size: opts.max_batch_size as usize,
+        max_num_tokens: opts.max_num_tokens as usize,
+        max_seq_len,
+        enable_chunked_prefill: opts.enable_chunked_prefill,
+        kv_block_size: block_size,
+        num_blocks,
+        enable_block_reuse: opts.kv_cache_config.enable_block_reuse,
+        event_buffer_max_size: opts.kv_cache_config.event_buffer_max_size as usize,
+        capacity_scheduler_policy: match opts.scheduler_config.capacity_scheduler_policy {
+            Policy::MaxUtilization => CapacitySchedulerPolicy::MaxUtilization,
+            // STATIC_BATCH is refused by the config crate before we get here.
+            Policy::GuaranteedNoEvict | Policy::StaticBatch => {
+                CapacitySchedulerPolicy::GuaranteedNoEvict
+            }
+        },
+        eos_token_ids: model.eos_token_ids(),
+        dp_rank: 0,
+    };
+    // The engine thread owns its own tokenizer handle; loading twice is cheaper than sharing
+    // the model's (which is not behind an Arc).
+    let tokenizer = Arc::new(tandem_engine::tokenizer::Tokenizer::load(&folder)?);
+    let engine = Engine::start(Box::new(backend), Some(tokenizer), engine_cfg)?;
+    tracing::info!(
+        model = %folder.display(),
+        num_blocks,
+        block_size,
+        max_seq_len,
+        "engine started"
+    );
+    Ok(BuiltEngine {
+        engine,
+        model,
+        num_blocks,
+    })
+}

@@ -1,0 +1,290 @@
+//! The gRPC `Worker` service over a running engine.
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tandem_engine::engine::EngineHandle;
+use tandem_engine::kv::events::KvCacheEvent;
+use tandem_engine::request::{Request, RequestOutput};
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::sequence::FinishReason;
+use tandem_protocol::worker::worker_server::Worker;
+use tandem_protocol::worker::*;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request as GrpcRequest, Response, Status};
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// Files a router needs to tokenize for this worker's model.
+#[derive(Clone, Debug)]
+pub struct ModelFilesSource {
+    pub folder: PathBuf,
+    pub tokenizer_hash: String,
+}
+
+pub struct WorkerService {
+    engine: EngineHandle,
+    files: ModelFilesSource,
+    /// False once the worker is draining: new requests are refused.
+    accepting: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl WorkerService {
+    pub fn new(engine: EngineHandle, files: ModelFilesSource) -> Self {
+        WorkerService {
+            engine,
+            files,
+            accepting: Arc::new(true.into()),
+        }
+    }
+
+    /// A flag that, once cleared, makes `Generate` refuse new requests (drain on SIGTERM).
+    pub fn accepting_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.accepting.clone()
+    }
+}
+
+fn finish_name(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+        FinishReason::Migrated => "migrated",
+    }
+}
+
+fn to_proto(out: RequestOutput) -> GenerateOutput {
+    GenerateOutput {
+        index: out.index as u32,
+        token_ids: out.token_ids,
+        text: out.text,
+        logprobs_json: if out.logprobs.is_empty() {
+            String::new()
+        } else {
+            serde_json::to_string(&out.logprobs).unwrap_or_default()
+        },
+        finish_reason: out
+            .finish_reason
+            .map(finish_name)
+            .unwrap_or_default()
+            .to_string(),
+        stop_reason_json: out
+            .stop_reason
+            .map(|r| serde_json::to_string(&r).unwrap_or_default())
+            .unwrap_or_default(),
+        usage: out.usage.map(|u| Usage {
+            prompt_tokens: u.prompt_tokens as u32,
+            completion_tokens: u.completion_tokens as u32,
+            cached_tokens: u.cached_tokens as u32,
+        }),
+        error: out.error.unwrap_or_default(),
+    }
+}
+
+fn event_to_proto(e: &KvCacheEvent) -> KvEvent {
+    KvEvent {
+        event_id: e.event_id,
+        event_json: serde_json::to_string(e).unwrap_or_default(),
+    }
+}
+
+/// Forwards a broadcast of live events to a gRPC stream, ending it with an error when the
+/// subscriber fell behind (it must then resubscribe from its last id, or take a dump).
+fn forward_events(
+    backlog: Vec<KvCacheEvent>,
+    mut live: broadcast::Receiver<KvCacheEvent>,
+    after: u64,
+) -> BoxStream<KvEvent> {
+    let (tx, rx) = mpsc::channel(256);
+    tokio::spawn(async move {
+        let mut last = after;
+        for e in backlog {
+            last = e.event_id;
+            if tx.send(Ok(event_to_proto(&e))).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            match live.recv().await {
+                Ok(e) if e.event_id <= last => continue,
+                Ok(e) => {
+                    last = e.event_id;
+                    if tx.send(Ok(event_to_proto(&e))).await.is_err() {
+                        return;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    let _ = tx
+                        .send(Err(Status::data_loss(format!(
+                            "subscriber lagged by {n} events after event {last}; resubscribe"
+                        ))))
+                        .await;
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    type GenerateStream = BoxStream<GenerateOutput>;
+    type SubscribeKvEventsStream = BoxStream<KvEvent>;
+
+    async fn generate(
+        &self,
+        request: GrpcRequest<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        if !self.accepting.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Status::unavailable("worker is draining"));
+        }
+        let req = request.into_inner();
+        if req.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is empty"));
+        }
+        let params: SamplingParams = if req.sampling_params_json.is_empty() {
+            SamplingParams::default()
+        } else {
+            serde_json::from_str(&req.sampling_params_json)
+                .map_err(|e| Status::invalid_argument(format!("sampling_params_json: {e}")))?
+        };
+        params.validate().map_err(Status::invalid_argument)?;
+        let request_id = req.request_id.clone();
+        let mut stream = self
+            .engine
+            .submit(Request {
+                request_id: req.request_id,
+                prompt: req.prompt,
+                params,
+            })
+            .await
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (tx, rx) = mpsc::channel(64);
+        let engine = self.engine.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    out = stream.next() => match out {
+                        Some(out) => {
+                            if tx.send(Ok(to_proto(out))).await.is_err() {
+                                break;
+                            }
+                        }
+                        None => return,
+                    },
+                    // The caller cancelled the call: abort at once instead of at the next token.
+                    _ = tx.closed() => break,
+                }
+            }
+            tracing::info!(request_id = %request_id, "client went away; aborting");
+            engine.abort(&request_id);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn abort(
+        &self,
+        request: GrpcRequest<AbortRequest>,
+    ) -> Result<Response<AbortReply>, Status> {
+        self.engine.abort(&request.into_inner().request_id);
+        Ok(Response::new(AbortReply { found: true }))
+    }
+
+    async fn subscribe_kv_events(
+        &self,
+        request: GrpcRequest<SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        match request.into_inner().from_event_id {
+            None => {
+                let live = self.engine.subscribe_events();
+                Ok(Response::new(forward_events(vec![], live, 0)))
+            }
+            Some(from) => match self.engine.subscribe_events_from(from) {
+                Ok((backlog, live)) => Ok(Response::new(forward_events(
+                    backlog,
+                    live,
+                    from.saturating_sub(1),
+                ))),
+                Err(gap) => Err(Status::failed_precondition(format!(
+                    "event {} is no longer buffered (oldest {}); take a dump",
+                    gap.requested, gap.oldest
+                ))),
+            },
+        }
+    }
+
+    async fn dump_kv_blocks(
+        &self,
+        _request: GrpcRequest<DumpKvBlocksRequest>,
+    ) -> Result<Response<KvDump>, Status> {
+        let (dump, _live) = self.engine.dump_stored_blocks();
+        Ok(Response::new(KvDump {
+            last_event_id: dump.last_event_id,
+            dump_json: serde_json::to_string(&dump).map_err(|e| Status::internal(e.to_string()))?,
+        }))
+    }
+
+    async fn health(
+        &self,
+        _request: GrpcRequest<HealthRequest>,
+    ) -> Result<Response<HealthReply>, Status> {
+        let accepting = self.accepting.load(std::sync::atomic::Ordering::SeqCst);
+        let healthy = accepting && self.engine.stats().await.is_ok();
+        let status = if !accepting {
+            "draining"
+        } else if healthy {
+            "ready"
+        } else {
+            "engine stopped"
+        };
+        Ok(Response::new(HealthReply {
+            healthy,
+            status: status.into(),
+        }))
+    }
+
+    async fn load_stats(
+        &self,
+        _request: GrpcRequest<LoadStatsRequest>,
+    ) -> Result<Response<LoadStatsReply>, Status> {
+        let s = self
+            .engine
+            .stats()
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(LoadStatsReply {
+            running: s.running as u32,
+            waiting: s.waiting as u32,
+            total_blocks: s.blocks.total as u32,
+            referenced_blocks: s.blocks.referenced as u32,
+            cached_blocks: s.blocks.cached as u32,
+            free_blocks: s.blocks.free as u32,
+            last_event_id: s.last_event_id,
+            preemptions: s.preemptions,
+        }))
+    }
+
+    async fn get_model_files(
+        &self,
+        _request: GrpcRequest<ModelFilesRequest>,
+    ) -> Result<Response<ModelFiles>, Status> {
+        let read = |name: &str, required: bool| -> Result<String, Status> {
+            match std::fs::read_to_string(self.files.folder.join(name)) {
+                Ok(text) => Ok(text),
+                Err(_) if !required => Ok(String::new()),
+                Err(e) => Err(Status::internal(format!("{name}: {e}"))),
+            }
+        };
+        Ok(Response::new(ModelFiles {
+            tokenizer_json: read("tokenizer.json", true)?,
+            tokenizer_config_json: read("tokenizer_config.json", false)?,
+            generation_config_json: read("generation_config.json", false)?,
+            tokenizer_hash: self.files.tokenizer_hash.clone(),
+        }))
+    }
+}

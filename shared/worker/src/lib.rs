@@ -1,0 +1,14 @@
+//! An engine worker as a service: builds the engine a worker's config asks for, serves it over
+//! the gRPC `Worker` service of `proto/worker.proto`, registers its model card in discovery,
+//! publishes KV events and gauges, and drains on SIGTERM.
+
+pub mod card;
+pub mod engine_setup;
+pub mod grpc;
+pub mod nats;
+pub mod serve;
+pub mod stats;
+
+pub use engine_setup::{build_engine, BuiltEngine};
+pub use grpc::WorkerService;
+pub use serve::run;

@@ -1,0 +1,164 @@
+//! The life of a worker process: build the engine, open the gRPC and status listeners,
+//! register in discovery, serve, and on SIGTERM deregister first, drain, then exit.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tandem_config::runtime::{DiscoveryBackend as CfgBackend, EventPlane};
+use tandem_config::WorkerConfig;
+use tandem_protocol::worker::worker_server::WorkerServer;
+use tandem_runtime::discovery::{self, DiscoveryBackend, DiscoveryOptions, Instance};
+
+use crate::card::model_card;
+use crate::grpc::{ModelFilesSource, WorkerService};
+
+/// The host other processes should dial: the advertise flag, else the bind host, with a
+/// wildcard bind advertised as loopback (right for one machine; set the flag otherwise).
+pub fn advertised(bound: SocketAddr, advertise_host: Option<&str>) -> String {
+    let host = match advertise_host {
+        Some(h) => h.to_string(),
+        None if bound.ip().is_unspecified() => "127.0.0.1".to_string(),
+        None => bound.ip().to_string(),
+    };
+    format!("{host}:{}", bound.port())
+}
+
+pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions {
+    DiscoveryOptions {
+        backend: match rt.discovery_backend {
+            CfgBackend::Mem => DiscoveryBackend::Mem,
+            CfgBackend::File => DiscoveryBackend::File,
+            CfgBackend::Etcd => DiscoveryBackend::Etcd,
+        },
+        file_root: rt.file_kv_root.clone(),
+        etcd_endpoints: rt.etcd_endpoints.clone(),
+        ..DiscoveryOptions::default()
+    }
+}
+
+/// Runs a worker until SIGTERM / SIGINT, then drains.
+pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
+    let metrics_handle = tandem_runtime::metrics::install_recorder()?;
+    let shutdown = tandem_runtime::shutdown::on_signals();
+    let cfg = Arc::new(cfg);
+    let build_cfg = cfg.clone();
+    let built = tokio::task::spawn_blocking(move || crate::build_engine(&build_cfg))
+        .await
+        .context("engine start-up task failed")??;
+
+    let rpc_bind = format!("{}:{}", cfg.network.rpc_host, cfg.network.rpc_port);
+    let listener = tokio::net::TcpListener::bind(&rpc_bind)
+        .await
+        .with_context(|| {
+            format!("cannot bind the gRPC listener on {rpc_bind} (--rpc-host/--rpc-port)")
+        })?;
+    let rpc_bound = listener.local_addr()?;
+    let grpc_addr = advertised(rpc_bound, cfg.network.rpc_advertise_host.as_deref());
+
+    let service = WorkerService::new(
+        built.engine.clone(),
+        ModelFilesSource {
+            folder: built.model.path.clone(),
+            tokenizer_hash: built.model.tokenizer_hash.clone(),
+        },
+    );
+    let accepting = service.accepting_flag();
+    let health_flag = accepting.clone();
+    let status_bind = format!("{}:{}", cfg.network.system_host, cfg.network.system_port);
+    let status_bound = tandem_runtime::metrics::serve_status_until(
+        &status_bind,
+        metrics_handle,
+        Arc::new(move || health_flag.load(Ordering::SeqCst)),
+        shutdown.clone(),
+    )
+    .await
+    .with_context(|| {
+        format!("cannot bind the status server on {status_bind} (--system-host/--system-port)")
+    })?;
+    let http_addr = advertised(status_bound, cfg.network.rpc_advertise_host.as_deref());
+
+    let endpoint = cfg.endpoint();
+    let instance_id = discovery::new_instance_id();
+    let card = model_card(
+        &cfg,
+        &built,
+        instance_id,
+        grpc_addr.clone(),
+        http_addr.clone(),
+    );
+    let store = discovery::connect(&discovery_options(&cfg.runtime)).await?;
+    let registration = store
+        .register(
+            Instance {
+                namespace: endpoint.namespace.clone(),
+                component: endpoint.component.clone(),
+                endpoint: endpoint.endpoint.clone(),
+                instance_id,
+                grpc_addr: grpc_addr.clone(),
+                http_addr: Some(http_addr.clone()),
+                role: card.role.clone(),
+            },
+            serde_json::to_value(&card)?,
+        )
+        .await
+        .context("cannot register in discovery")?;
+
+    if cfg.runtime.event_plane == EventPlane::Nats {
+        crate::nats::spawn_publisher(&cfg, &endpoint, instance_id, built.engine.clone()).await?;
+    }
+    crate::stats::spawn_gauges(built.engine.clone(), instance_id, shutdown.clone());
+
+    // One line on stdout that launchers and tests wait for instead of sleeping.
+    println!(
+        "TANDEM_WORKER_READY instance_id={instance_id} grpc={grpc_addr} http={http_addr} model={}",
+        card.served_model_name
+    );
+    tracing::info!(%grpc_addr, %http_addr, instance_id, endpoint = %endpoint, "worker ready");
+
+    let server_shutdown = tandem_runtime::shutdown::channel();
+    let server_token = server_shutdown.1.clone();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(
+                WorkerServer::new(service)
+                    .max_decoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES)
+                    .max_encoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES),
+            )
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                async move { server_token.cancelled().await },
+            ),
+    );
+
+    shutdown.cancelled().await;
+    tracing::info!("shutting down: deregistering, then draining in-flight requests");
+    accepting.store(false, Ordering::SeqCst);
+    if let Err(e) = registration.deregister().await {
+        tracing::warn!("deregistration failed (the entry will expire by TTL): {e}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(cfg.runtime.drain_timeout_secs.into());
+    loop {
+        match built.engine.stats().await {
+            Ok(s) if s.running + s.waiting == 0 => break,
+            Ok(s) if Instant::now() >= deadline => {
+                tracing::warn!(
+                    running = s.running,
+                    waiting = s.waiting,
+                    "drain deadline passed; aborting the rest"
+                );
+                break;
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(_) => break,
+        }
+    }
+    server_shutdown.0.trigger();
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    built.engine.shutdown();
+    tracing::info!("worker stopped");
+    Ok(())
+}

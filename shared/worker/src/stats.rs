@@ -1,0 +1,42 @@
+//! Worker gauges (`dynamo_component_*`) refreshed from the engine's stats.
+
+use std::time::Duration;
+
+use tandem_engine::engine::EngineHandle;
+use tandem_runtime::shutdown::ShutdownToken;
+
+pub const KV_TOTAL_BLOCKS: &str = "dynamo_component_kv_cache_total_blocks";
+pub const KV_REFERENCED_BLOCKS: &str = "dynamo_component_kv_cache_active_blocks";
+pub const KV_CACHED_BLOCKS: &str = "dynamo_component_kv_cache_cached_blocks";
+pub const KV_USAGE_PERCENT: &str = "dynamo_component_gpu_cache_usage_percent";
+pub const RUNNING_REQUESTS: &str = "dynamo_component_running_requests";
+pub const WAITING_REQUESTS: &str = "dynamo_component_waiting_requests";
+pub const PREEMPTIONS: &str = "dynamo_component_preemptions_total";
+
+/// Refreshes the gauges every 500 ms until shutdown.
+pub fn spawn_gauges(engine: EngineHandle, instance_id: u64, shutdown: ShutdownToken) {
+    tokio::spawn(async move {
+        let id = instance_id.to_string();
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.cancelled() => return,
+            }
+            let Ok(s) = engine.stats().await else { return };
+            let label = [("worker_id", id.clone())];
+            metrics::gauge!(KV_TOTAL_BLOCKS, &label).set(s.blocks.total as f64);
+            metrics::gauge!(KV_REFERENCED_BLOCKS, &label).set(s.blocks.referenced as f64);
+            metrics::gauge!(KV_CACHED_BLOCKS, &label).set(s.blocks.cached as f64);
+            let usage = if s.blocks.total == 0 {
+                0.0
+            } else {
+                s.blocks.referenced as f64 / s.blocks.total as f64
+            };
+            metrics::gauge!(KV_USAGE_PERCENT, &label).set(usage);
+            metrics::gauge!(RUNNING_REQUESTS, &label).set(s.running as f64);
+            metrics::gauge!(WAITING_REQUESTS, &label).set(s.waiting as f64);
+            metrics::gauge!(PREEMPTIONS, &label).set(s.preemptions as f64);
+        }
+    });
+}
