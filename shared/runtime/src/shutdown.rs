@@ -69,11 +69,14 @@ pub fn on_signals() -> ShutdownToken {
 }
 
 /// Like [`on_signals`], for an existing trigger (e.g. one also fired by an admin endpoint).
+/// The handlers are installed before this returns, so a signal sent right afterwards is never
+/// handled by the default action (which would kill the process without draining).
 pub fn spawn_signal_listener(trigger: Shutdown) {
+    let mut signals = Signals::install();
     tokio::spawn(async move {
         let mut seen = 0u32;
         loop {
-            let name = wait_for_signal().await;
+            let name = signals.recv().await;
             seen += 1;
             if seen == 1 {
                 tracing::info!(signal = name, "shutting down: deregistering and draining");
@@ -87,29 +90,63 @@ pub fn spawn_signal_listener(trigger: Shutdown) {
 }
 
 #[cfg(unix)]
-async fn wait_for_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(mut term), Ok(mut int)) => tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        },
-        // Installing a handler only fails if the runtime lacks signal support; fall back to
-        // Ctrl-C, which tokio handles portably.
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-            "SIGINT"
+enum Signals {
+    Unix {
+        term: tokio::signal::unix::Signal,
+        int: tokio::signal::unix::Signal,
+    },
+    CtrlC,
+}
+
+#[cfg(unix)]
+impl Signals {
+    fn install() -> Self {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(term), Ok(int)) => Self::Unix { term, int },
+            // Only fails without signal support in the runtime; Ctrl-C still works then.
+            (Err(err), _) | (_, Err(err)) => {
+                tracing::warn!(%err, "cannot install SIGTERM/SIGINT handlers; using Ctrl-C only");
+                Self::CtrlC
+            }
+        }
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        match self {
+            Self::Unix { term, int } => tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            },
+            Self::CtrlC => {
+                if tokio::signal::ctrl_c().await.is_err() {
+                    // No way to receive signals at all: never report one.
+                    std::future::pending::<()>().await;
+                }
+                "SIGINT"
+            }
         }
     }
 }
 
 #[cfg(not(unix))]
-async fn wait_for_signal() -> &'static str {
-    let _ = tokio::signal::ctrl_c().await;
-    "ctrl-c"
+struct Signals;
+
+#[cfg(not(unix))]
+impl Signals {
+    fn install() -> Self {
+        Self
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        "ctrl-c"
+    }
 }
 
 #[cfg(test)]

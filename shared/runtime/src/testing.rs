@@ -1,1 +1,339 @@
-//! placeholder
+//! Test support: real `etcd` and `nats-server` processes on free loopback ports, each in its
+//! own temporary folder, killed on drop. Startup waits are bounded and poll readiness.
+//!
+//! The binaries come from Debian's `etcd-server` and `nats-server` packages (CI installs them),
+//! or from `$ETCD_BIN` / `$NATS_SERVER_BIN`. A missing binary is an error that says what to
+//! install: tests that need a server fail loudly instead of silently skipping.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a server may take to become ready (2 busy cores can make etcd slow to start).
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    #[error(
+        "`{binary}` not found (searched ${env_var}, PATH, /usr/sbin, /usr/bin): install the \
+         Debian package `{package}` (apt-get install {package}) or set {env_var}"
+    )]
+    MissingBinary {
+        binary: &'static str,
+        package: &'static str,
+        env_var: &'static str,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{binary} did not become ready within {waited:?}; log tail:\n{log_tail}")]
+    NotReady {
+        binary: &'static str,
+        waited: Duration,
+        log_tail: String,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> HarnessError {
+    let what = what.into();
+    move |source| HarnessError::Io { what, source }
+}
+
+/// A folder removed (recursively) on drop.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    pub fn new(prefix: &str) -> std::io::Result<Self> {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let path = std::env::temp_dir().join(format!(
+            "{prefix}-{}-{nanos}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path)?;
+        Ok(Self { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// A loopback port that was free a moment ago. Another process may take it before we use it;
+/// the server starters retry with a fresh port when that happens.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// `$env_var`, else `name` on `PATH`, else `/usr/sbin` and `/usr/bin` (Debian installs
+/// nats-server to /usr/sbin, which is not on every user's PATH).
+pub fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let start = text.len().saturating_sub(3000);
+    // Cut at a char boundary.
+    let start = (start..text.len())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(text.len());
+    text[start..].to_string()
+}
+
+/// A child process killed (and reaped) on drop.
+#[derive(Debug)]
+struct Guard {
+    child: Child,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+enum Probe {
+    Ready,
+    NotYet,
+}
+
+/// Spawns `cmd` (output to `log`) and polls `probe` every 50 ms until it is ready, the child
+/// exits, or `STARTUP_TIMEOUT` passes.
+fn spawn_and_wait(
+    binary: &'static str,
+    mut cmd: Command,
+    log: &Path,
+    mut probe: impl FnMut() -> Probe,
+) -> Result<Result<Guard, String>, HarnessError> {
+    let out = std::fs::File::create(log).map_err(io(format!("creating {}", log.display())))?;
+    let err = out.try_clone().map_err(io("cloning log handle"))?;
+    cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+    let child = cmd.spawn().map_err(io(format!("spawning {binary}")))?;
+    let mut guard = Guard { child };
+    let start = Instant::now();
+    loop {
+        if let Ok(Some(status)) = guard.child.try_wait() {
+            // Most likely lost the race for the port: the caller retries.
+            return Ok(Err(format!(
+                "{binary} exited with {status}: {}",
+                log_tail(log)
+            )));
+        }
+        if let Probe::Ready = probe() {
+            return Ok(Ok(guard));
+        }
+        if start.elapsed() > STARTUP_TIMEOUT {
+            return Err(HarnessError::NotReady {
+                binary,
+                waited: STARTUP_TIMEOUT,
+                log_tail: log_tail(log),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One HTTP/1.0 GET over a plain socket, for readiness probes without an HTTP client crate.
+fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    Some(body)
+}
+
+/// A single-member etcd on loopback.
+#[derive(Debug)]
+pub struct EtcdServer {
+    guard: Option<Guard>,
+    client_port: u16,
+    dir: TempDir,
+}
+
+impl EtcdServer {
+    pub fn start() -> Result<Self, HarnessError> {
+        let bin = find_binary("etcd", "ETCD_BIN").ok_or(HarnessError::MissingBinary {
+            binary: "etcd",
+            package: "etcd-server",
+            env_var: "ETCD_BIN",
+        })?;
+        let dir = TempDir::new("tandem-etcd").map_err(io("creating etcd temp dir"))?;
+        let mut last = String::new();
+        for _attempt in 0..3 {
+            let client_port = free_port().map_err(io("finding a free port"))?;
+            let peer_port = free_port().map_err(io("finding a free port"))?;
+            let client_url = format!("http://127.0.0.1:{client_port}");
+            let peer_url = format!("http://127.0.0.1:{peer_port}");
+            let data = dir.path().join(format!("data-{client_port}"));
+            let mut cmd = Command::new(&bin);
+            cmd.arg("--name")
+                .arg("tandem-test")
+                .arg("--data-dir")
+                .arg(&data)
+                .arg("--listen-client-urls")
+                .arg(&client_url)
+                .arg("--advertise-client-urls")
+                .arg(&client_url)
+                .arg("--listen-peer-urls")
+                .arg(&peer_url)
+                .arg("--initial-advertise-peer-urls")
+                .arg(&peer_url)
+                .arg("--initial-cluster")
+                .arg(format!("tandem-test={peer_url}"))
+                .arg("--log-level")
+                .arg("warn")
+                .arg("--logger")
+                .arg("zap");
+            let addr = SocketAddr::from(([127, 0, 0, 1], client_port));
+            let log = dir.path().join(format!("etcd-{client_port}.log"));
+            let probe = || match http_get(addr, "/health") {
+                Some(body) if body.contains("\"health\":\"true\"") => Probe::Ready,
+                _ => Probe::NotYet,
+            };
+            match spawn_and_wait("etcd", cmd, &log, probe)? {
+                Ok(guard) => {
+                    return Ok(Self {
+                        guard: Some(guard),
+                        client_port,
+                        dir,
+                    })
+                }
+                Err(why) => last = why,
+            }
+        }
+        Err(HarnessError::NotReady {
+            binary: "etcd",
+            waited: STARTUP_TIMEOUT,
+            log_tail: last,
+        })
+    }
+
+    /// `http://127.0.0.1:{port}`, for `ETCD_ENDPOINTS`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Kills the server now (SIGKILL).
+    pub fn kill(&mut self) {
+        self.guard.take();
+    }
+}
+
+/// A plain (no JetStream) nats-server on loopback.
+#[derive(Debug)]
+pub struct NatsServer {
+    guard: Option<Guard>,
+    port: u16,
+    _dir: TempDir,
+}
+
+impl NatsServer {
+    pub fn start() -> Result<Self, HarnessError> {
+        let bin =
+            find_binary("nats-server", "NATS_SERVER_BIN").ok_or(HarnessError::MissingBinary {
+                binary: "nats-server",
+                package: "nats-server",
+                env_var: "NATS_SERVER_BIN",
+            })?;
+        let dir = TempDir::new("tandem-nats").map_err(io("creating nats temp dir"))?;
+        let mut last = String::new();
+        for _attempt in 0..3 {
+            let port = free_port().map_err(io("finding a free port"))?;
+            let mut cmd = Command::new(&bin);
+            cmd.arg("-a")
+                .arg("127.0.0.1")
+                .arg("-p")
+                .arg(port.to_string());
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            let log = dir.path().join(format!("nats-{port}.log"));
+            // Ready when the server greets a new connection with its INFO line.
+            let probe = || {
+                let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(500))
+                else {
+                    return Probe::NotYet;
+                };
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut buf = [0u8; 5];
+                match s.read_exact(&mut buf) {
+                    Ok(()) if &buf == b"INFO " => Probe::Ready,
+                    _ => Probe::NotYet,
+                }
+            };
+            match spawn_and_wait("nats-server", cmd, &log, probe)? {
+                Ok(guard) => {
+                    return Ok(Self {
+                        guard: Some(guard),
+                        port,
+                        _dir: dir,
+                    })
+                }
+                Err(why) => last = why,
+            }
+        }
+        Err(HarnessError::NotReady {
+            binary: "nats-server",
+            waited: STARTUP_TIMEOUT,
+            log_tail: last,
+        })
+    }
+
+    /// `nats://127.0.0.1:{port}`, for `NATS_SERVER`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        self.guard.take();
+    }
+}
+
+/// Polls `check` every 25 ms until it returns `Some`, or gives up after `timeout`.
+pub async fn wait_until<T, F, Fut>(timeout: Duration, mut check: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
