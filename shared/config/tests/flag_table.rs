@@ -107,6 +107,10 @@ fn every_env_var_follows_dynamo_naming() {
                 "DYN_TOOL_CALL_PARSER",
                 "DYN_REASONING_PARSER",
                 "DYN_ENGINE_REQUEST_LIMIT",
+                "DYN_TCP_RPC_HOST",
+                "DYN_TCP_RPC_PORT",
+                "DYN_TCP_RPC_ADVERTISE_HOST",
+                "DYN_ROUTER_USE_KV_EVENTS",
             ]
             .contains(&var);
         assert!(ok, "--{} uses env var {var}", spec.name);
