@@ -4,6 +4,9 @@
 //! workers publish them; they are re-exported here so the router never grows a second,
 //! subtly different copy. This module only adds what exists on the router side: the worker
 //! identity attached to an event and the result of a prefix lookup.
+//!
+//! One [`WorkerId`] is one engine with one KV cache: the events' `dp_rank` is not part of the
+//! key. A worker running several data-parallel ranks registers one id per rank.
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};

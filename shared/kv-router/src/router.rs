@@ -9,6 +9,7 @@ use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use crate::config::KvRouterConfig;
+use crate::indexer::approx::ApproxIndexer;
 use crate::indexer::{ApplyOutcome, IndexerError, KvIndexer, ResyncOutcome};
 use crate::metrics;
 use crate::protocols::{
@@ -30,6 +31,8 @@ pub enum RouteError {
 pub struct KvRouter {
     config: KvRouterConfig,
     indexer: RwLock<KvIndexer>,
+    /// Present when `use_kv_events` is off: overlaps then come from the router's own decisions.
+    approx: Option<Mutex<ApproxIndexer>>,
     sequences: Mutex<ActiveSequences>,
     selector: Mutex<WorkerSelector>,
 }
@@ -45,6 +48,7 @@ impl KvRouter {
     pub fn new(config: KvRouterConfig, seed: Option<u64>) -> Self {
         Self {
             indexer: RwLock::new(KvIndexer::new()),
+            approx: (!config.use_kv_events).then(|| Mutex::new(ApproxIndexer::new(&config))),
             sequences: Mutex::new(ActiveSequences::new(&config)),
             selector: Mutex::new(WorkerSelector::new(config.clone(), seed)),
             config,
@@ -65,6 +69,9 @@ impl KvRouter {
 
     /// Prefix overlap of a request with every worker.
     pub fn find_matches(&self, local_hashes: &[LocalBlockHash]) -> OverlapScores {
+        if let Some(a) = &self.approx {
+            return lock(a).find_matches(local_hashes);
+        }
         self.index_read().find_matches(local_hashes)
     }
 
@@ -124,6 +131,9 @@ impl KvRouter {
         })?;
         metrics::record_worker_load(sel.worker_id, &seqs.load(sel.worker_id));
         drop(seqs);
+        if let Some(a) = &self.approx {
+            lock(a).record_routing(sel.worker_id, local_hashes, Instant::now());
+        }
         metrics::record_kv_hit(sel.overlap_blocks, local_hashes.len(), block_size);
         Ok(sel)
     }
@@ -162,6 +172,9 @@ impl KvRouter {
     /// A worker left discovery: drop its blocks and its requests. Returns the freed request ids.
     pub fn remove_worker(&self, worker: WorkerId) -> Vec<String> {
         self.index_write().remove_worker(worker);
+        if let Some(a) = &self.approx {
+            lock(a).remove_worker(worker);
+        }
         lock(&self.sequences).remove_worker(worker)
     }
 
@@ -272,5 +285,32 @@ mod tests {
         assert_eq!(r.with_indexer(|ix| ix.last_event_id(2)), Some(2));
         assert!(r.remove_worker(2).is_empty());
         assert!(r.expire_stale().is_empty());
+    }
+
+    #[test]
+    fn approximate_mode_follows_its_own_decisions() {
+        let cfg = KvRouterConfig {
+            router_mode: RouterMode::Kv,
+            use_kv_events: false,
+            ..Default::default()
+        };
+        let r = KvRouter::new(cfg, Some(3));
+        let locals: Vec<u64> = (1..=16).collect();
+        let first = r
+            .route("a", &locals, 64, &workers(), &SelectOptions::default())
+            .unwrap();
+        assert_eq!(first.overlap_blocks, 0);
+        r.free("a");
+        // Events are not used for matching in this mode ...
+        r.apply_event(event(3, 1, stored(&(0..64).collect::<Vec<u32>>())))
+            .unwrap();
+        // ... the prediction is: the same prompt follows the first decision.
+        let again = r
+            .route("b", &locals, 64, &workers(), &SelectOptions::default())
+            .unwrap();
+        assert_eq!(
+            (again.worker_id, again.overlap_blocks),
+            (first.worker_id, 16)
+        );
     }
 }

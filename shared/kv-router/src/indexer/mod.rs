@@ -8,13 +8,16 @@
 //! ([`KvIndexer::apply_dump`], which replaces the worker's state). Buffered live events that
 //! follow on contiguously are applied right after, so the index is never left with a hole.
 
+pub mod approx;
 pub mod radix_tree;
+pub mod snapshot;
 
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-pub use radix_tree::{IndexSnapshot, RadixTree, TreeError};
+pub use radix_tree::{RadixTree, TreeError};
+pub use snapshot::IndexSnapshot;
 
 use crate::metrics;
 use crate::protocols::{

@@ -15,7 +15,7 @@
 //! first block). Hence along any path the worker sets shrink monotonically, every non-root node
 //! has at least one worker, and an emptied node has an emptied subtree that can be freed at once.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
@@ -121,36 +121,6 @@ impl Node {
 struct WorkerEntry {
     id: WorkerId,
     blocks: FxHashMap<ExternalBlockHash, u32>,
-}
-
-/// Per-worker block sets in comparable form: worker → `(block_hash, parent_hash, tokens_hash)`.
-/// Workers holding nothing are omitted, so "never seen" and "empty" compare equal.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct IndexSnapshot(pub BTreeMap<WorkerId, BTreeSet<(u64, Option<u64>, u64)>>);
-
-impl IndexSnapshot {
-    /// Human-readable differences (empty when equal), for test failure messages.
-    pub fn diff(&self, other: &IndexSnapshot) -> Vec<String> {
-        let mut out = Vec::new();
-        let workers: BTreeSet<_> = self.0.keys().chain(other.0.keys()).collect();
-        let empty = BTreeSet::new();
-        for w in workers {
-            let a = self.0.get(w).unwrap_or(&empty);
-            let b = other.0.get(w).unwrap_or(&empty);
-            let only_a = a.difference(b).count();
-            let only_b = b.difference(a).count();
-            if only_a + only_b > 0 {
-                out.push(format!(
-                    "worker {w}: {only_a} block(s) only on the left, {only_b} only on the right"
-                ));
-            }
-        }
-        out
-    }
-
-    pub fn total_blocks(&self) -> usize {
-        self.0.values().map(BTreeSet::len).sum()
-    }
 }
 
 /// The radix index. Single-threaded; wrap it in a lock to share it.
@@ -457,23 +427,6 @@ impl RadixTree {
                 })
             })
             .collect()
-    }
-
-    /// Every worker's blocks in comparable form.
-    pub fn snapshot(&self) -> IndexSnapshot {
-        let mut out = BTreeMap::new();
-        for e in self.slots.iter().flatten() {
-            if e.blocks.is_empty() {
-                continue;
-            }
-            let set = self
-                .dump_blocks(e.id)
-                .into_iter()
-                .map(|b| (b.block_hash, b.parent_hash, b.tokens_hash))
-                .collect();
-            out.insert(e.id, set);
-        }
-        IndexSnapshot(out)
     }
 
     /// Checks the structural invariants; for tests and debugging (O(size)).
