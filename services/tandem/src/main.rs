@@ -1,4 +1,6 @@
-//! `tandem`: the all-in-one command line. For now it has the model tools.
+//! `tandem`: the local launcher and utility command (`tandem up`, `tandem model tiny`).
+
+mod up;
 
 use std::path::PathBuf;
 
@@ -14,6 +16,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Start a local topology (router + workers) on this machine.
+    Up(up::UpArgs),
     /// Model tools.
     Model {
         #[command(subcommand)]
@@ -31,7 +35,8 @@ enum ModelCommand {
     },
 }
 
-fn main() -> anyhow::Result<()> {
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -41,6 +46,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Up(args) => up::run(args).await?,
         Command::Model {
             command: ModelCommand::Tiny { out_dir },
         } => {

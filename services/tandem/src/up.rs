@@ -1,0 +1,271 @@
+//! `tandem up`: a whole local topology as child processes (router + workers) with file-backed
+//! discovery in a private folder, started in order, health-checked, and shut down together on
+//! Ctrl-C / SIGTERM.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::process::{Child, Command};
+
+#[derive(clap::Args, Debug)]
+pub struct UpArgs {
+    /// Topology to start: agg (router + aggregated workers).
+    #[arg(long, default_value = "agg", value_parser = ["agg", "disagg"])]
+    pub topology: String,
+    /// Model folder; the built-in tiny model when unset.
+    #[arg(long, alias = "model")]
+    pub model_path: Option<PathBuf>,
+    /// Number of workers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub workers: u32,
+    /// Port of the OpenAI API.
+    #[arg(long, default_value_t = 8000)]
+    pub http_port: u16,
+    /// Address the OpenAI API binds to.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub http_host: String,
+    /// Seconds to wait for each process to become ready.
+    #[arg(long, default_value_t = 300)]
+    pub ready_timeout_secs: u64,
+    /// Extra flags for every worker (repeat, e.g. --worker-arg=--max-batch-size --worker-arg=8).
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    pub worker_args: Vec<String>,
+}
+
+fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot locate the tandem binary")?;
+    let path = exe.with_file_name(name);
+    if !path.is_file() {
+        bail!(
+            "{} not found next to {}: build it with `cargo build --release -p {name}`",
+            path.display(),
+            exe.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Reads a child's stdout until the line starting with `marker`, echoing everything, then keeps
+/// echoing in the background.
+async fn wait_ready<R: AsyncRead + Unpin + Send + 'static>(
+    out: R,
+    marker: &str,
+    what: &str,
+    timeout: Duration,
+) -> anyhow::Result<String> {
+    let mut lines = BufReader::new(out).lines();
+    let deadline = Instant::now() + timeout;
+    loop {
+        let line = tokio::time::timeout_at(deadline.into(), lines.next_line())
+            .await
+            .with_context(|| format!("{what} did not become ready within {}s", timeout.as_secs()))?
+            .with_context(|| format!("reading {what}'s output"))?;
+        match line {
+            Some(l) if l.starts_with(marker) => {
+                tokio::spawn(async move {
+                    while let Ok(Some(l)) = lines.next_line().await {
+                        println!("{l}");
+                    }
+                });
+                return Ok(l);
+            }
+            Some(l) => println!("{l}"),
+            None => bail!("{what} exited before becoming ready (see its log above)"),
+        }
+    }
+}
+
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(key))
+}
+
+/// `GET path` over a plain TCP connection; returns the status code.
+async fn http_status(addr: &str, path: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
+    let mut buf = vec![0u8; 64];
+    let n = s.read(&mut buf).await.ok()?;
+    let head = String::from_utf8_lossy(&buf[..n]);
+    head.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn terminate(child: &Child) {
+    if let Some(pid) = child.id() {
+        // SIGTERM lets workers deregister and drain.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGTERM);
+        }
+    }
+}
+
+struct Topology {
+    children: Vec<(String, Child)>,
+    _discovery_root: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Topology {
+    async fn shutdown(mut self) {
+        for (_, c) in &self.children {
+            terminate(c);
+        }
+        for (name, c) in &mut self.children {
+            match tokio::time::timeout(Duration::from_secs(40), c.wait()).await {
+                Ok(Ok(status)) => println!("tandem: {name} exited ({status})"),
+                _ => {
+                    println!("tandem: {name} did not stop in time; killing it");
+                    let _ = c.kill().await;
+                }
+            }
+        }
+    }
+}
+
+fn spawn(bin: &Path, args: &[String], discovery_root: &Path) -> anyhow::Result<Child> {
+    Command::new(bin)
+        .args(args)
+        .env("DYN_FILE_KV", discovery_root)
+        .env("DYN_DISCOVERY_BACKEND", "file")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("cannot start {}", bin.display()))
+}
+
+pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    if args.topology == "disagg" {
+        bail!("--topology disagg is not implemented yet: the prefill→decode KV handoff lands with the disaggregation work; use --topology agg");
+    }
+    let router_bin = sibling("tandem-router")?;
+    let worker_bin = sibling("tandem-decode")?;
+    if args.model_path.is_none() {
+        // Build the tiny model once here, not racing in every worker.
+        let dir = tokio::task::spawn_blocking(tandem_engine::tiny::ensure_tiny_model).await??;
+        println!("tandem: built-in tiny model at {}", dir.display());
+    }
+    let root = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
+    std::fs::create_dir_all(&root)?;
+    let mut topo = Topology {
+        children: Vec::new(),
+        _discovery_root: TempDir(root.clone()),
+    };
+    let timeout = Duration::from_secs(args.ready_timeout_secs);
+
+    let result = async {
+        for i in 0..args.workers {
+            let mut wargs = vec![
+                "--disaggregation-mode".to_string(),
+                "agg".to_string(),
+                "--publish-kv-events".to_string(),
+                "--rpc-host".to_string(),
+                "127.0.0.1".to_string(),
+                "--system-host".to_string(),
+                "127.0.0.1".to_string(),
+            ];
+            if let Some(p) = &args.model_path {
+                wargs.push("--model-path".into());
+                wargs.push(p.display().to_string());
+            }
+            wargs.extend(args.worker_args.iter().cloned());
+            let mut child = spawn(&worker_bin, &wargs, &root)?;
+            let out = child.stdout.take().context("worker stdout")?;
+            let name = format!("worker {i}");
+            topo.children.push((name.clone(), child));
+            let line = wait_ready(out, "TANDEM_WORKER_READY", &name, timeout).await?;
+            println!(
+                "tandem: {name} ready at {}",
+                field(&line, "grpc=").unwrap_or("?")
+            );
+        }
+        let rargs = vec![
+            "--http-host".to_string(),
+            args.http_host.clone(),
+            "--http-port".to_string(),
+            args.http_port.to_string(),
+            "--router-min-initial-workers".to_string(),
+            args.workers.to_string(),
+        ];
+        let mut router = spawn(&router_bin, &rargs, &root)?;
+        let out = router.stdout.take().context("router stdout")?;
+        topo.children.push(("router".into(), router));
+        wait_ready(out, "TANDEM_ROUTER_READY", "router", timeout).await?;
+        let host = if args.http_host == "0.0.0.0" {
+            "127.0.0.1"
+        } else {
+            args.http_host.as_str()
+        };
+        let addr = format!("{host}:{}", args.http_port);
+        let deadline = Instant::now() + timeout;
+        while http_status(&addr, "/health").await != Some(200) {
+            if Instant::now() > deadline {
+                bail!(
+                    "the router did not see all {} worker(s) within {}s",
+                    args.workers,
+                    timeout.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok::<String, anyhow::Error>(addr)
+    }
+    .await;
+    let addr = match result {
+        Ok(a) => a,
+        Err(e) => {
+            topo.shutdown().await;
+            return Err(e);
+        }
+    };
+    let model = match &args.model_path {
+        None => "tandem-tiny".to_string(),
+        Some(p) => p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    };
+    println!();
+    println!(
+        "Tandem is serving `{model}` on http://{addr} ({} worker(s)). Try:",
+        args.workers
+    );
+    println!(
+        "  curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'"
+    );
+    println!("Press Ctrl-C to stop.");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let exited = async {
+        loop {
+            for (name, c) in topo.children.iter_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    return format!("{name} exited unexpectedly ({status})");
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let reason = tokio::select! {
+        _ = tokio::signal::ctrl_c() => "Ctrl-C".to_string(),
+        _ = term.recv() => "SIGTERM".to_string(),
+        why = exited => why,
+    };
+    println!("tandem: {reason}; stopping the topology");
+    topo.shutdown().await;
+    Ok(())
+}
