@@ -1,0 +1,290 @@
+//! The engine end to end on the built-in tiny model with the CPU backend:
+//! - continuation: export a request after its prompt and some tokens, import it into a fresh
+//!   engine, continue — the tokens and text are those of an uninterrupted run, for greedy and
+//!   for seeded sampling with penalties and a stop string;
+//! - many concurrent requests through a small block pool (forcing preemption) all complete,
+//!   each with its solo output, and every block returns to the pool.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_engine::backend::cpu::CpuBackend;
+use tandem_engine::backend::{Backend, SeqInput, StepOutput};
+use tandem_engine::engine::{
+    CapacitySchedulerPolicy, Engine, EngineConfig, EngineHandle, FinishReason, Request,
+    RequestOutput, StopReason,
+};
+use tandem_engine::error::EngineError;
+use tandem_engine::kv::layout::{KvDtype, KvLayout};
+use tandem_engine::model::{LoadOptions, LoadedModel};
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::tokenizer::Tokenizer;
+
+const T: Duration = Duration::from_secs(300);
+const BLOCK: usize = 8;
+
+struct Tiny {
+    model: LoadedModel,
+    tokenizer: Arc<Tokenizer>,
+}
+
+fn tiny() -> Tiny {
+    let dir = tandem_engine::tiny::ensure_tiny_model().expect("build the tiny model");
+    let model = LoadedModel::load(&dir, &LoadOptions::default()).expect("load the tiny model");
+    let tokenizer = Arc::new(Tokenizer::load(&dir).expect("load the tokenizer"));
+    Tiny { model, tokenizer }
+}
+
+/// The CPU backend, running one step per permit, so the test decides where the export lands.
+struct Gated {
+    inner: CpuBackend,
+    permits: std::sync::mpsc::Receiver<()>,
+}
+
+impl Backend for Gated {
+    fn layout(&self) -> &KvLayout {
+        self.inner.layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
+        self.permits
+            .recv_timeout(T)
+            .map_err(|_| EngineError::InvalidInput("test gate closed or timed out".into()))?;
+        self.inner.forward(batch)
+    }
+    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
+        self.inner.export_blocks(blocks)
+    }
+    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
+        self.inner.import_blocks(blocks, data)
+    }
+}
+
+fn engine(t: &Tiny, num_blocks: usize, policy: CapacitySchedulerPolicy) -> EngineHandle {
+    let backend = CpuBackend::new(&t.model, KvDtype::F32, BLOCK, num_blocks).expect("backend");
+    start(t, Box::new(backend), num_blocks, policy)
+}
+
+fn gated_engine(t: &Tiny) -> (EngineHandle, std::sync::mpsc::Sender<()>) {
+    let inner = CpuBackend::new(&t.model, KvDtype::F32, BLOCK, 64).expect("backend");
+    let (tx, permits) = std::sync::mpsc::channel();
+    let h = start(
+        t,
+        Box::new(Gated { inner, permits }),
+        64,
+        CapacitySchedulerPolicy::GuaranteedNoEvict,
+    );
+    (h, tx)
+}
+
+fn start(
+    t: &Tiny,
+    backend: Box<dyn Backend>,
+    num_blocks: usize,
+    policy: CapacitySchedulerPolicy,
+) -> EngineHandle {
+    let cfg = EngineConfig {
+        max_batch_size: 8,
+        max_num_tokens: 64,
+        max_seq_len: 256,
+        num_blocks,
+        eos_token_ids: t.model.eos_token_ids(),
+        capacity_scheduler_policy: policy,
+        ..EngineConfig::default()
+    };
+    Engine::start(backend, Some(t.tokenizer.clone()), cfg).expect("start")
+}
+
+fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
+    Request {
+        request_id: id.into(),
+        prompt,
+        params,
+    }
+}
+
+fn tokens(outs: &[RequestOutput]) -> Vec<u32> {
+    outs.iter().flat_map(|o| o.token_ids.clone()).collect()
+}
+
+fn text(outs: &[RequestOutput]) -> String {
+    outs.iter().map(|o| o.text.as_str()).collect()
+}
+
+async fn run(h: &EngineHandle, r: Request) -> Vec<RequestOutput> {
+    let s = h.submit(r).await.expect("submit");
+    tokio::time::timeout(T, s.collect()).await.expect("timeout")
+}
+
+/// Runs `params` on `prompt` uninterrupted, and again with an export after `after` tokens
+/// and an import into a fresh engine; returns (uninterrupted, continued) outputs.
+async fn both_ways(
+    t: &Tiny,
+    prompt: &[u32],
+    params: SamplingParams,
+    after: usize,
+) -> (Vec<RequestOutput>, Vec<RequestOutput>) {
+    let reference = engine(t, 64, CapacitySchedulerPolicy::GuaranteedNoEvict);
+    let want = run(&reference, req("r", prompt.to_vec(), params.clone())).await;
+
+    // `after` permits: the prompt step and `after - 1` decode steps give `after` tokens (the
+    // prompt fits one step). The export lands before or after the next step.
+    let (a, permits) = gated_engine(t);
+    let mut s = a.submit(req("r", prompt.to_vec(), params)).await.unwrap();
+    for _ in 0..after {
+        permits.send(()).unwrap();
+    }
+    let mut got = Vec::new();
+    while tokens(&got).len() < after {
+        let o = tokio::time::timeout(T, s.next()).await.unwrap().unwrap();
+        assert!(
+            o.finish_reason.is_none(),
+            "finished before the export point"
+        );
+        got.push(o);
+    }
+    let export = a.export("r");
+    permits.send(()).unwrap();
+    let snap = tokio::time::timeout(T, export).await.unwrap().unwrap();
+    let generated = snap.state.tokens.len() - snap.state.prompt_len;
+    assert!(generated == after || generated == after + 1);
+    let rest = tokio::time::timeout(T, s.collect()).await.unwrap();
+    assert_eq!(
+        rest.last().unwrap().finish_reason,
+        Some(FinishReason::Migrated)
+    );
+    got.extend(rest);
+    let stats = a.stats();
+    permits.send(()).unwrap();
+    assert_eq!(stats.await.unwrap().blocks.referenced, 0);
+
+    let b = engine(t, 64, CapacitySchedulerPolicy::GuaranteedNoEvict);
+    let s = b.import(snap).await.unwrap();
+    got.extend(tokio::time::timeout(T, s.collect()).await.unwrap());
+    // Drop the Migrated marker for comparison.
+    got.retain(|o| o.finish_reason != Some(FinishReason::Migrated));
+    (want, got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continuation_after_export_import_is_exact() {
+    let t = tiny();
+    let prompt = t
+        .tokenizer
+        .encode("The quick brown fox jumps over", false)
+        .unwrap();
+
+    // Greedy.
+    let greedy = SamplingParams {
+        max_tokens: Some(24),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let (want, got) = both_ways(&t, &prompt, greedy, 6).await;
+    assert_eq!(tokens(&got), tokens(&want));
+    assert_eq!(text(&got), text(&want));
+
+    // Seeded sampling with penalties; first find a stop string that the run will hit, made
+    // of text spanning a token boundary, then continue across an export with it.
+    let sampled = SamplingParams {
+        max_tokens: Some(40),
+        seed: Some(2024),
+        temperature: 0.9,
+        top_k: 50,
+        top_p: 0.95,
+        min_p: 0.01,
+        repetition_penalty: 1.1,
+        presence_penalty: 0.3,
+        frequency_penalty: 0.2,
+        ignore_eos: true,
+        logprobs: Some(2),
+        ..SamplingParams::default()
+    };
+    let reference = engine(&t, 64, CapacitySchedulerPolicy::GuaranteedNoEvict);
+    let free = run(&reference, req("f", prompt.clone(), sampled.clone())).await;
+    let full = text(&free);
+    let chars: Vec<char> = full.chars().collect();
+    assert!(
+        chars.len() > 20,
+        "need some text to pick a stop string from: {full:?}"
+    );
+    let stop: String = chars[chars.len() * 2 / 3..chars.len() * 2 / 3 + 3]
+        .iter()
+        .collect();
+    let with_stop = SamplingParams {
+        stop: vec![stop.clone()],
+        ..sampled
+    };
+    let (want, got) = both_ways(&t, &prompt, with_stop, 5).await;
+    let cut = full.find(&stop).unwrap();
+    assert_eq!(text(&want), full[..cut], "stop string is not emitted");
+    assert_eq!(
+        want.last().unwrap().stop_reason,
+        Some(StopReason::String(stop))
+    );
+    assert_eq!(tokens(&got), tokens(&want));
+    assert_eq!(text(&got), text(&want));
+    let lp = |o: &[RequestOutput]| -> Vec<f32> {
+        o.iter()
+            .flat_map(|x| x.logprobs.iter().map(|l| l.logprob))
+            .collect()
+    };
+    assert_eq!(lp(&got), lp(&want));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_with_a_small_pool_all_complete() {
+    let t = tiny();
+    let prompts: Vec<Vec<u32>> = [
+        "Once upon a time",
+        "In a galaxy far, far away there was",
+        "def fibonacci(n):",
+        "The capital of France is",
+        "1, 2, 3, 4, 5,",
+        "Roses are red, violets are",
+    ]
+    .iter()
+    .map(|p| t.tokenizer.encode(p, false).unwrap())
+    .collect();
+    let params = SamplingParams {
+        max_tokens: Some(24),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let solo = engine(&t, 64, CapacitySchedulerPolicy::GuaranteedNoEvict);
+    let mut want = Vec::new();
+    for p in &prompts {
+        want.push(tokens(
+            &run(&solo, req("s", p.clone(), params.clone())).await,
+        ));
+    }
+    // 10 blocks of 8 tokens; each request grows to 4-5 blocks: they must preempt.
+    let h = engine(&t, 10, CapacitySchedulerPolicy::MaxUtilization);
+    let baseline = h.stats().await.unwrap().blocks;
+    let mut streams = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        streams.push(
+            h.submit(req(&format!("r{i}"), p.clone(), params.clone()))
+                .await
+                .unwrap(),
+        );
+    }
+    for (i, s) in streams.into_iter().enumerate() {
+        let outs = tokio::time::timeout(T, s.collect()).await.unwrap();
+        assert_eq!(tokens(&outs), want[i], "request {i}");
+        assert_eq!(
+            outs.last().unwrap().finish_reason,
+            Some(FinishReason::Length)
+        );
+    }
+    let st = h.stats().await.unwrap();
+    assert!(st.preemptions > 0, "the pool was meant to force preemption");
+    assert_eq!((st.running, st.waiting, st.requests), (0, 0, 0));
+    assert_eq!(st.blocks.referenced, baseline.referenced);
+    assert_eq!(st.blocks.total, baseline.total);
+}
