@@ -223,7 +223,7 @@ pub static FLAGS: &[FlagSpec] = &[
     // ---- Router
     FlagSpec::new("http-host", Str, Router, "Address the OpenAI HTTP API binds to.")
         .env("DYN_HTTP_HOST").default("0.0.0.0").scope(Scope::Router),
-    FlagSpec::new("http-port", Int { min: 1 }, Router, "Port of the OpenAI HTTP API.")
+    FlagSpec::new("http-port", INT0, Router, "Port of the OpenAI HTTP API; 0 picks a free one.")
         .env("DYN_HTTP_PORT").default("8000").scope(Scope::Router),
     FlagSpec::new("http-body-limit-mb", INT1, Router,
         "Largest accepted request body in MiB; larger bodies get 413.")

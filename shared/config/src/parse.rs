@@ -236,7 +236,7 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
     let http_port = u16::try_from(port).map_err(|_| ConfigError::InvalidValue {
         origin: resolved.origin("http-port"),
         value: port.to_string(),
-        reason: "must be a TCP port (1-65535)".into(),
+        reason: "must be a TCP port (0-65535)".into(),
     })?;
     let non_negative = |name: &str| -> Result<f64, ConfigError> {
         let v = g.f64(name)?;

@@ -556,7 +556,7 @@ fn router_flags_parse_and_reject_bad_ports() {
         tandem_config::parse_router(&argv(&["--http-port", "70000"]), &none)
             .unwrap_err()
             .to_string()
-            .contains("1-65535")
+            .contains("0-65535")
     );
     // Worker-only flags are not router flags.
     assert!(tandem_config::parse_router(&argv(&["--max-batch-size", "3"]), &none).is_err());

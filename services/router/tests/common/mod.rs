@@ -1,0 +1,180 @@
+//! Test harness: real `tandem-decode` workers and a real `tandem-router` on loopback, with
+//! file discovery in a private folder. Readiness comes from the processes' READY lines, never
+//! from sleeps; every wait is bounded.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub fn bin(name: &str) -> PathBuf {
+    let router = PathBuf::from(env!("CARGO_BIN_EXE_tandem-router"));
+    let path = router.with_file_name(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first (`cargo build -p {name}`; `cargo test --workspace` does)",
+        path.display()
+    );
+    path
+}
+
+pub struct Proc {
+    pub child: Child,
+    pub ready_line: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_ready(cmd: &mut Command, marker: &'static str) -> Proc {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if !sent && line.starts_with(marker) {
+                let _ = tx.send(line);
+                sent = true;
+            }
+        }
+    });
+    let ready_line = rx.recv_timeout(READY_TIMEOUT).unwrap_or_else(|_| {
+        let _ = child.kill();
+        panic!("process did not print {marker} within {READY_TIMEOUT:?}")
+    });
+    Proc { child, ready_line }
+}
+
+pub fn field(line: &str, key: &str) -> String {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key))
+        .unwrap_or_else(|| panic!("{key} missing in {line:?}"))
+        .to_string()
+}
+
+pub struct Topology {
+    pub workers: Vec<Proc>,
+    pub router: Option<Proc>,
+    pub base: String,
+    pub discovery: PathBuf,
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        self.router.take();
+        self.workers.clear();
+        let _ = std::fs::remove_dir_all(&self.discovery);
+    }
+}
+
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-test-{tag}-{}-{}", std::process::id(), uuid_like()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn uuid_like() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    t ^ N.fetch_add(1, Ordering::SeqCst)
+}
+
+pub fn start_worker(discovery: &PathBuf, extra: &[&str]) -> Proc {
+    let mut cmd = Command::new(bin("tandem-decode"));
+    cmd.args(["--disaggregation-mode", "agg", "--publish-kv-events", "--rpc-host", "127.0.0.1", "--system-host", "127.0.0.1"])
+        .args(["--trtllm.kv_cache_config.max_tokens", "8192"])
+        .args(extra)
+        .env("DYN_FILE_KV", discovery)
+        .env("DYN_DISCOVERY_BACKEND", "file");
+    spawn_ready(&mut cmd, "TANDEM_WORKER_READY")
+}
+
+pub fn start_router(discovery: &PathBuf, min_workers: usize, extra: &[&str]) -> Proc {
+    let mut cmd = Command::new(bin("tandem-router"));
+    cmd.args(["--http-host", "127.0.0.1", "--http-port", "0", "--router-min-initial-workers"])
+        .arg(min_workers.to_string())
+        .args(extra)
+        .env("DYN_FILE_KV", discovery)
+        .env("DYN_DISCOVERY_BACKEND", "file");
+    spawn_ready(&mut cmd, "TANDEM_ROUTER_READY")
+}
+
+impl Topology {
+    pub fn start(workers: usize, worker_args: &[&str], router_args: &[&str]) -> Topology {
+        let discovery = temp_dir("disc");
+        let ws: Vec<Proc> = (0..workers).map(|_| start_worker(&discovery, worker_args)).collect();
+        let router = start_router(&discovery, workers, router_args);
+        let base = format!("http://{}", field(&router.ready_line, "http="));
+        Topology { workers: ws, router: Some(router), base, discovery }
+    }
+
+    /// Starts the topology and waits until the router has seen every worker.
+    pub async fn start_healthy(workers: usize, worker_args: &[&str], router_args: &[&str]) -> Topology {
+        let topo = Topology::start(workers, worker_args, router_args);
+        topo.wait_healthy().await;
+        topo
+    }
+
+    pub async fn wait_healthy(&self) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let client = reqwest::Client::new();
+        loop {
+            if let Ok(r) = client.get(format!("{}/health", self.base)).send().await {
+                if r.status().as_u16() == 200 {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "router never became healthy");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value, reqwest::header::HeaderMap) {
+        let r = reqwest::Client::new()
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .expect("request");
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let text = r.text().await.expect("body");
+        let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+        (status, json, headers)
+    }
+
+    /// A streaming request's `data:` payloads, in order.
+    pub async fn post_sse(&self, path: &str, body: serde_json::Value) -> Vec<String> {
+        let r = reqwest::Client::new()
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status().as_u16(), 200);
+        let text = r.text().await.expect("body");
+        text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    }
+
+    pub fn worker_id(&self, i: usize) -> u64 {
+        field(&self.workers[i].ready_line, "instance_id=").parse().expect("instance id")
+    }
+
+    pub fn worker_grpc(&self, i: usize) -> String {
+        field(&self.workers[i].ready_line, "grpc=")
+    }
+}
+
