@@ -133,7 +133,12 @@ fn spawn_and_wait(
     log: &Path,
     mut probe: impl FnMut() -> Probe,
 ) -> Result<Result<Guard, String>, HarnessError> {
-    let out = std::fs::File::create(log).map_err(io(format!("creating {}", log.display())))?;
+    // Append, so a restarted server's log follows the previous run's.
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(io(format!("creating {}", log.display())))?;
     let err = out.try_clone().map_err(io("cloning log handle"))?;
     cmd.stdin(Stdio::null()).stdout(out).stderr(err);
     let child = cmd.spawn().map_err(io(format!("spawning {binary}")))?;
@@ -175,7 +180,9 @@ fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
 #[derive(Debug)]
 pub struct EtcdServer {
     guard: Option<Guard>,
+    bin: PathBuf,
     client_port: u16,
+    peer_port: u16,
     dir: TempDir,
 }
 
@@ -191,39 +198,13 @@ impl EtcdServer {
         for _attempt in 0..3 {
             let client_port = free_port().map_err(io("finding a free port"))?;
             let peer_port = free_port().map_err(io("finding a free port"))?;
-            let client_url = format!("http://127.0.0.1:{client_port}");
-            let peer_url = format!("http://127.0.0.1:{peer_port}");
-            let data = dir.path().join(format!("data-{client_port}"));
-            let mut cmd = Command::new(&bin);
-            cmd.arg("--name")
-                .arg("tandem-test")
-                .arg("--data-dir")
-                .arg(&data)
-                .arg("--listen-client-urls")
-                .arg(&client_url)
-                .arg("--advertise-client-urls")
-                .arg(&client_url)
-                .arg("--listen-peer-urls")
-                .arg(&peer_url)
-                .arg("--initial-advertise-peer-urls")
-                .arg(&peer_url)
-                .arg("--initial-cluster")
-                .arg(format!("tandem-test={peer_url}"))
-                .arg("--log-level")
-                .arg("warn")
-                .arg("--logger")
-                .arg("zap");
-            let addr = SocketAddr::from(([127, 0, 0, 1], client_port));
-            let log = dir.path().join(format!("etcd-{client_port}.log"));
-            let probe = || match http_get(addr, "/health") {
-                Some(body) if body.contains("\"health\":\"true\"") => Probe::Ready,
-                _ => Probe::NotYet,
-            };
-            match spawn_and_wait("etcd", cmd, &log, probe)? {
+            match spawn_etcd(&bin, dir.path(), client_port, peer_port)? {
                 Ok(guard) => {
                     return Ok(Self {
                         guard: Some(guard),
+                        bin,
                         client_port,
+                        peer_port,
                         dir,
                     })
                 }
@@ -250,6 +231,59 @@ impl EtcdServer {
     pub fn kill(&mut self) {
         self.guard.take();
     }
+
+    /// Starts the server again on the same ports and data (after [`EtcdServer::kill`], or
+    /// killing it first): an etcd outage as clients see it.
+    pub fn restart(&mut self) -> Result<(), HarnessError> {
+        self.guard.take();
+        match spawn_etcd(&self.bin, self.dir.path(), self.client_port, self.peer_port)? {
+            Ok(guard) => {
+                self.guard = Some(guard);
+                Ok(())
+            }
+            Err(log_tail) => Err(HarnessError::NotReady {
+                binary: "etcd",
+                waited: STARTUP_TIMEOUT,
+                log_tail,
+            }),
+        }
+    }
+}
+
+fn spawn_etcd(
+    bin: &Path,
+    dir: &Path,
+    client_port: u16,
+    peer_port: u16,
+) -> Result<Result<Guard, String>, HarnessError> {
+    let client_url = format!("http://127.0.0.1:{client_port}");
+    let peer_url = format!("http://127.0.0.1:{peer_port}");
+    let mut cmd = Command::new(bin);
+    cmd.arg("--name")
+        .arg("tandem-test")
+        .arg("--data-dir")
+        .arg(dir.join(format!("data-{client_port}")))
+        .arg("--listen-client-urls")
+        .arg(&client_url)
+        .arg("--advertise-client-urls")
+        .arg(&client_url)
+        .arg("--listen-peer-urls")
+        .arg(&peer_url)
+        .arg("--initial-advertise-peer-urls")
+        .arg(&peer_url)
+        .arg("--initial-cluster")
+        .arg(format!("tandem-test={peer_url}"))
+        .arg("--log-level")
+        .arg("warn")
+        .arg("--logger")
+        .arg("zap");
+    let addr = SocketAddr::from(([127, 0, 0, 1], client_port));
+    let log = dir.join(format!("etcd-{client_port}.log"));
+    let probe = || match http_get(addr, "/health") {
+        Some(body) if body.contains("\"health\":\"true\"") => Probe::Ready,
+        _ => Probe::NotYet,
+    };
+    spawn_and_wait("etcd", cmd, &log, probe)
 }
 
 /// A plain (no JetStream) nats-server on loopback.

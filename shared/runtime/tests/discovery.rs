@@ -453,3 +453,47 @@ async fn etcd_two_clients_see_each_other() {
     .expect("listed");
     assert_eq!(found[0].instance, i);
 }
+
+#[tokio::test]
+async fn etcd_outage_watch_and_registration_recover() {
+    let mut server = EtcdServer::start().expect("etcd for tests");
+    let ttl = Duration::from_secs(3);
+    let owner = etcd_backend(&server, ttl).await;
+    let router = etcd_backend(&server, ttl).await;
+    let ns = unique_ns("outage");
+    let a = instance(&ns, "backend", "agg");
+    let _ra = owner.register(a.clone(), json!({})).await.unwrap();
+    let mut w = router.watch(&ns).await.unwrap();
+    assert_eq!(added_id(&next(&mut w).await), a.instance_id);
+
+    server.kill();
+    server
+        .restart()
+        .expect("etcd restarts on the same ports and data");
+
+    // The watch re-lists after its stream broke and sees registrations made after the outage.
+    let late = etcd_backend(&server, ttl).await;
+    let b = instance(&ns, "backend", "agg");
+    let _rb = late.register(b.clone(), json!({})).await.unwrap();
+    let ev = next(&mut w).await;
+    assert_eq!(
+        added_id(&ev),
+        b.instance_id,
+        "no spurious removal of the live instance"
+    );
+
+    // The first owner's keep-alive reconnected: its entry outlives several TTLs.
+    let quiet = tokio::time::timeout(ttl * 2, w.recv()).await;
+    assert!(quiet.is_err(), "unexpected event {quiet:?}");
+    let ids: Vec<u64> = router
+        .list(&ns, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.instance.instance_id)
+        .collect();
+    assert!(
+        ids.contains(&a.instance_id) && ids.contains(&b.instance_id),
+        "{ids:?}"
+    );
+}

@@ -107,10 +107,7 @@ async fn bounded<T>(
 ) -> Result<T> {
     match tokio::time::timeout(opts.request_timeout, fut).await {
         Ok(r) => Ok(r?),
-        Err(_) => Err(DiscoveryError::EtcdTimeout {
-            endpoints: Vec::new(),
-            timeout: opts.request_timeout,
-        }),
+        Err(_) => Err(DiscoveryError::EtcdRequestTimeout(opts.request_timeout)),
     }
 }
 
@@ -166,10 +163,9 @@ async fn keep_alive(client: &mut Client, opts: &EtcdOptions, lease: i64) -> Keep
             Ok(Ok(None)) => return KeepAliveEnd::Failed(DiscoveryError::Closed),
             Ok(Err(err)) => return KeepAliveEnd::Failed(err.into()),
             Err(_) => {
-                return KeepAliveEnd::Failed(DiscoveryError::EtcdTimeout {
-                    endpoints: Vec::new(),
-                    timeout: opts.request_timeout,
-                })
+                return KeepAliveEnd::Failed(DiscoveryError::EtcdRequestTimeout(
+                    opts.request_timeout,
+                ))
             }
         }
     }

@@ -65,6 +65,8 @@ pub enum DiscoveryError {
         endpoints: Vec<String>,
         timeout: Duration,
     },
+    #[error("etcd request did not complete within {0:?}")]
+    EtcdRequestTimeout(Duration),
     #[error("encoding discovery record: {0}")]
     Encode(#[from] serde_json::Error),
     #[error("discovery backend task stopped")]
