@@ -116,11 +116,11 @@ async fn contract(d: Arc<dyn Discovery>) {
     );
     assert!(d.list(&ns, None).await.unwrap().is_empty());
 
-    // Re-registering with a new card is an upsert.
+    // A card update reaches watchers as an upsert.
     let c = instance(&ns, "backend", "agg");
-    let _rc1 = d.register(c.clone(), json!({"v": 1})).await.unwrap();
+    let rc = d.register(c.clone(), json!({"v": 1})).await.unwrap();
     assert_eq!(added_id(&next(&mut w).await), c.instance_id);
-    let rc2 = d.register(c.clone(), json!({"v": 2})).await.unwrap();
+    rc.update_card(json!({"v": 2})).await.unwrap();
     match next(&mut w).await {
         DiscoveryEvent::Added { instance, card } => {
             assert_eq!(instance, c);
@@ -128,13 +128,17 @@ async fn contract(d: Arc<dyn Discovery>) {
         }
         other => panic!("expected Added, got {other:?}"),
     }
-    rc2.deregister().await.unwrap();
+    assert_eq!(d.list(&ns, None).await.unwrap()[0].card, json!({"v": 2}));
+    rc.deregister().await.unwrap();
     assert_eq!(
         next(&mut w).await,
         DiscoveryEvent::Removed {
             instance_id: c.instance_id
         }
     );
+    // Nothing else trails behind (e.g. a heartbeat resurrecting the entry or an old card).
+    let quiet = tokio::time::timeout(Duration::from_millis(500), w.recv()).await;
+    assert!(quiet.is_err(), "unexpected event {quiet:?}");
 }
 
 #[tokio::test]

@@ -116,7 +116,17 @@ struct Record {
     instance_key: String,
     mdc_key: String,
     instance_json: Vec<u8>,
-    card_json: Vec<u8>,
+    /// Replaced by `update_card`; a re-registration after a lost lease uses the latest.
+    card_json: std::sync::Mutex<Vec<u8>>,
+}
+
+impl Record {
+    fn card(&self) -> Vec<u8> {
+        self.card_json
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 /// Grants a lease and writes both keys under it in one transaction, so a watcher never sees
@@ -127,7 +137,7 @@ async fn put_with_new_lease(client: &mut Client, opts: &EtcdOptions, rec: &Recor
         .id();
     let put = |k: &str, v: &[u8]| TxnOp::put(k, v, Some(PutOptions::new().with_lease(lease)));
     let txn = Txn::new().and_then(vec![
-        put(&rec.mdc_key, &rec.card_json),
+        put(&rec.mdc_key, &rec.card()),
         put(&rec.instance_key, &rec.instance_json),
     ]);
     if let Err(err) = bounded(opts, client.txn(txn)).await {
@@ -177,7 +187,7 @@ async fn keep_alive(client: &mut Client, opts: &EtcdOptions, lease: i64) -> Keep
 async fn keep_registered(
     mut client: Client,
     opts: Arc<EtcdOptions>,
-    rec: Record,
+    rec: Arc<Record>,
     lease: Arc<AtomicI64>,
 ) {
     loop {
@@ -209,6 +219,7 @@ async fn keep_registered(
 struct EtcdRegistration {
     client: Client,
     opts: Arc<EtcdOptions>,
+    rec: Arc<Record>,
     lease: Arc<AtomicI64>,
     task: JoinHandle<()>,
 }
@@ -226,6 +237,19 @@ async fn revoke(mut client: Client, opts: Arc<EtcdOptions>, lease: i64) -> Resul
 }
 
 impl RegistrationInner for EtcdRegistration {
+    fn update_card(&self, card: serde_json::Value) -> BoxFuture<'static, Result<()>> {
+        let mut client = self.client.clone();
+        let opts = self.opts.clone();
+        let rec = self.rec.clone();
+        let lease = self.lease.clone();
+        Box::pin(async move {
+            let json = serde_json::to_vec(&card)?;
+            *rec.card_json.lock().unwrap_or_else(|p| p.into_inner()) = json.clone();
+            let put_opts = PutOptions::new().with_lease(lease.load(Ordering::SeqCst));
+            bounded(&opts, client.put(rec.mdc_key.clone(), json, Some(put_opts))).await?;
+            Ok(())
+        })
+    }
     fn deregister(self: Box<Self>) -> BoxFuture<'static, Result<()>> {
         self.task.abort();
         let lease = self.lease.load(Ordering::SeqCst);
@@ -335,24 +359,25 @@ impl Discovery for EtcdDiscovery {
     ) -> BoxFuture<'_, Result<Registration>> {
         Box::pin(async move {
             instance.validate()?;
-            let rec = Record {
+            let rec = Arc::new(Record {
                 instance_key: instance.instance_key(),
                 mdc_key: instance.mdc_key(),
                 instance_json: serde_json::to_vec(&instance)?,
-                card_json: serde_json::to_vec(&card)?,
-            };
+                card_json: std::sync::Mutex::new(serde_json::to_vec(&card)?),
+            });
             let mut client = self.client.clone();
             let lease = put_with_new_lease(&mut client, &self.opts, &rec).await?;
             let lease = Arc::new(AtomicI64::new(lease));
             let task = tokio::spawn(keep_registered(
                 client.clone(),
                 self.opts.clone(),
-                rec,
+                rec.clone(),
                 lease.clone(),
             ));
             let inner = EtcdRegistration {
                 client,
                 opts: self.opts.clone(),
+                rec,
                 lease,
                 task,
             };

@@ -122,39 +122,53 @@ fn remove_if_exists(path: &Path) -> io::Result<()> {
     }
 }
 
-struct Shared {
-    /// Held while writing or removing, so a heartbeat can never re-create files after the
-    /// registration removed them; `false` once deregistered or abandoned.
-    live: Mutex<bool>,
-    instance_path: PathBuf,
-    mdc_path: PathBuf,
-    instance_json: Vec<u8>,
+struct Owned {
+    /// `false` once deregistered or abandoned.
+    live: bool,
     card_json: Vec<u8>,
 }
 
+struct Shared {
+    /// Held while writing or removing, so a heartbeat can never re-create files after the
+    /// registration removed them, nor write a stale card over a new one.
+    owned: Mutex<Owned>,
+    instance_path: PathBuf,
+    mdc_path: PathBuf,
+    instance_json: Vec<u8>,
+}
+
 impl Shared {
-    fn lock_live(&self) -> std::sync::MutexGuard<'_, bool> {
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Owned> {
+        self.owned.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write_files(&self) -> io::Result<()> {
+    fn write_files(&self, owned: &Owned) -> io::Result<()> {
         // Card first: a scanner that sees the instance file can then also read the card.
-        write_atomic(&self.mdc_path, &self.card_json)?;
+        write_atomic(&self.mdc_path, &owned.card_json)?;
         write_atomic(&self.instance_path, &self.instance_json)
     }
 
     fn beat(&self) {
-        let live = self.lock_live();
-        if *live {
-            if let Err(err) = self.write_files() {
+        let owned = self.lock();
+        if owned.live {
+            if let Err(err) = self.write_files(&owned) {
                 tracing::warn!(path = %self.instance_path.display(), %err, "discovery heartbeat failed");
             }
         }
     }
 
+    fn update_card(&self, card_json: Vec<u8>) -> Result<()> {
+        let mut owned = self.lock();
+        if !owned.live {
+            return Err(DiscoveryError::Closed);
+        }
+        owned.card_json = card_json;
+        self.write_files(&owned).map_err(io_err(&self.mdc_path))
+    }
+
     fn remove(&self) -> Result<()> {
-        let mut live = self.lock_live();
-        *live = false;
+        let mut owned = self.lock();
+        owned.live = false;
         // Instance first: without it the entry is gone for every reader.
         remove_if_exists(&self.instance_path).map_err(io_err(&self.instance_path))?;
         remove_if_exists(&self.mdc_path).map_err(io_err(&self.mdc_path))
@@ -167,6 +181,12 @@ struct FileRegistration {
 }
 
 impl RegistrationInner for FileRegistration {
+    fn update_card(&self, card: serde_json::Value) -> BoxFuture<'static, Result<()>> {
+        let result = serde_json::to_vec(&card)
+            .map_err(DiscoveryError::from)
+            .and_then(|json| self.shared.update_card(json));
+        Box::pin(async move { result })
+    }
     fn deregister(self: Box<Self>) -> BoxFuture<'static, Result<()>> {
         self.heartbeat.abort();
         let result = self.shared.remove();
@@ -180,7 +200,7 @@ impl RegistrationInner for FileRegistration {
     }
     fn abandon(self: Box<Self>) {
         self.heartbeat.abort();
-        *self.shared.lock_live() = false;
+        self.shared.lock().live = false;
     }
 }
 
@@ -269,14 +289,16 @@ impl Discovery for FileDiscovery {
         Box::pin(async move {
             instance.validate()?;
             let shared = Arc::new(Shared {
-                live: Mutex::new(true),
+                owned: Mutex::new(Owned {
+                    live: true,
+                    card_json: serde_json::to_vec(&card)?,
+                }),
                 instance_path: self.opts.root.join(instance.instance_key()),
                 mdc_path: self.opts.root.join(instance.mdc_key()),
                 instance_json: serde_json::to_vec(&instance)?,
-                card_json: serde_json::to_vec(&card)?,
             });
             shared
-                .write_files()
+                .write_files(&shared.lock())
                 .map_err(io_err(&shared.instance_path))?;
             let beat = shared.clone();
             let period = self.opts.heartbeat;

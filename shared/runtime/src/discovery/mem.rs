@@ -76,6 +76,25 @@ impl MemRegistration {
 }
 
 impl RegistrationInner for MemRegistration {
+    fn update_card(&self, card: serde_json::Value) -> BoxFuture<'static, Result<()>> {
+        let mut state = MemDiscovery::lock(&self.state);
+        let suffix = self.instance.key_suffix();
+        let result = match state.entries.get_mut(&suffix) {
+            Some(e) if e.instance == self.instance => {
+                e.card = card.clone();
+                state.notify(
+                    &self.instance.namespace,
+                    &DiscoveryEvent::Added {
+                        instance: self.instance.clone(),
+                        card,
+                    },
+                );
+                Ok(())
+            }
+            _ => Err(super::DiscoveryError::Closed),
+        };
+        Box::pin(async move { result })
+    }
     fn deregister(self: Box<Self>) -> BoxFuture<'static, Result<()>> {
         self.remove();
         Box::pin(async { Ok(()) })

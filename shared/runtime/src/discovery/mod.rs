@@ -181,7 +181,9 @@ pub enum DiscoveryEvent {
 /// The discovery plane. Object safe: use it as `Arc<dyn Discovery>`.
 pub trait Discovery: Send + Sync {
     /// Publishes `instance` with `card` until the returned [`Registration`] is dropped or
-    /// [`Registration::deregister`]ed. Registering the same key again replaces the record.
+    /// [`Registration::deregister`]ed. To change the card later use
+    /// [`Registration::update_card`]; registering the same instance key twice while the first
+    /// registration lives is a caller error (both would keep refreshing their own record).
     fn register(
         &self,
         instance: Instance,
@@ -202,6 +204,8 @@ pub trait Discovery: Send + Sync {
 
 /// Backend-specific removal of one registration.
 pub(crate) trait RegistrationInner: Send + Sync {
+    /// Replaces the card; watchers see an `Added` for the same instance.
+    fn update_card(&self, card: serde_json::Value) -> BoxFuture<'static, Result<()>>;
     /// Orderly removal: the entry is gone from the store when this returns.
     fn deregister(self: Box<Self>) -> BoxFuture<'static, Result<()>>;
     /// Best-effort synchronous removal, used from `Drop`.
@@ -228,6 +232,15 @@ impl Registration {
 
     pub fn instance(&self) -> &Instance {
         &self.instance
+    }
+
+    /// Publishes a new model card for this instance (e.g. after a runtime configuration
+    /// change). Watchers receive an `Added` with the same instance and the new card.
+    pub async fn update_card(&self, card: serde_json::Value) -> Result<()> {
+        match &self.inner {
+            Some(inner) => inner.update_card(card).await,
+            None => Err(DiscoveryError::Closed),
+        }
     }
 
     /// Removes the entry and waits until the store confirms it.
