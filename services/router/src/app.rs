@@ -105,6 +105,7 @@ pub fn app(state: AppState, metrics: metrics_exporter_prometheus::PrometheusHand
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(handlers::list_models))
+        .route("/debug/kv_index", get(handlers::debug_kv_index))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
         .merge(status)

@@ -329,3 +329,23 @@ pub async fn list_models(State(state): State<AppState>) -> Json<serde_json::Valu
         .collect();
     Json(json!({"object": "list", "data": data}))
 }
+
+/// `GET /debug/kv_index`: what the router believes each worker holds (block hashes and the
+/// last event applied), for operators and for the tests that compare it with worker dumps.
+pub async fn debug_kv_index(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let workers = state.kv.with_indexer(|ix| {
+        ix.workers()
+            .into_iter()
+            .map(|w| {
+                let dump = ix.dump(w);
+                let mut hashes: Vec<u64> = dump.blocks.iter().map(|b| b.block_hash).collect();
+                hashes.sort_unstable();
+                (
+                    w.to_string(),
+                    json!({"last_event_id": dump.last_event_id, "block_hashes": hashes}),
+                )
+            })
+            .collect::<serde_json::Map<String, serde_json::Value>>()
+    });
+    Json(json!({ "workers": workers }))
+}

@@ -36,7 +36,11 @@ impl Drop for Proc {
 }
 
 fn spawn_ready(cmd: &mut Command, marker: &'static str) -> Proc {
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn");
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -78,7 +82,11 @@ impl Drop for Topology {
 }
 
 pub fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-test-{tag}-{}-{}", std::process::id(), uuid_like()));
+    let dir = std::env::temp_dir().join(format!(
+        "tandem-test-{tag}-{}-{}",
+        std::process::id(),
+        uuid_like()
+    ));
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
@@ -86,41 +94,69 @@ pub fn temp_dir(tag: &str) -> PathBuf {
 fn uuid_like() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
     t ^ N.fetch_add(1, Ordering::SeqCst)
 }
 
 pub fn start_worker(discovery: &PathBuf, extra: &[&str]) -> Proc {
     let mut cmd = Command::new(bin("tandem-decode"));
-    cmd.args(["--disaggregation-mode", "agg", "--publish-kv-events", "--rpc-host", "127.0.0.1", "--system-host", "127.0.0.1"])
-        .args(["--trtllm.kv_cache_config.max_tokens", "8192"])
-        .args(extra)
-        .env("DYN_FILE_KV", discovery)
-        .env("DYN_DISCOVERY_BACKEND", "file");
+    cmd.args([
+        "--disaggregation-mode",
+        "agg",
+        "--publish-kv-events",
+        "--rpc-host",
+        "127.0.0.1",
+        "--system-host",
+        "127.0.0.1",
+    ])
+    .args(["--trtllm.kv_cache_config.max_tokens", "8192"])
+    .args(extra)
+    .env("DYN_FILE_KV", discovery)
+    .env("DYN_DISCOVERY_BACKEND", "file");
     spawn_ready(&mut cmd, "TANDEM_WORKER_READY")
 }
 
 pub fn start_router(discovery: &PathBuf, min_workers: usize, extra: &[&str]) -> Proc {
     let mut cmd = Command::new(bin("tandem-router"));
-    cmd.args(["--http-host", "127.0.0.1", "--http-port", "0", "--router-min-initial-workers"])
-        .arg(min_workers.to_string())
-        .args(extra)
-        .env("DYN_FILE_KV", discovery)
-        .env("DYN_DISCOVERY_BACKEND", "file");
+    cmd.args([
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--router-min-initial-workers",
+    ])
+    .arg(min_workers.to_string())
+    .args(extra)
+    .env("DYN_FILE_KV", discovery)
+    .env("DYN_DISCOVERY_BACKEND", "file");
     spawn_ready(&mut cmd, "TANDEM_ROUTER_READY")
 }
 
 impl Topology {
     pub fn start(workers: usize, worker_args: &[&str], router_args: &[&str]) -> Topology {
         let discovery = temp_dir("disc");
-        let ws: Vec<Proc> = (0..workers).map(|_| start_worker(&discovery, worker_args)).collect();
+        let ws: Vec<Proc> = (0..workers)
+            .map(|_| start_worker(&discovery, worker_args))
+            .collect();
         let router = start_router(&discovery, workers, router_args);
         let base = format!("http://{}", field(&router.ready_line, "http="));
-        Topology { workers: ws, router: Some(router), base, discovery }
+        Topology {
+            workers: ws,
+            router: Some(router),
+            base,
+            discovery,
+        }
     }
 
     /// Starts the topology and waits until the router has seen every worker.
-    pub async fn start_healthy(workers: usize, worker_args: &[&str], router_args: &[&str]) -> Topology {
+    pub async fn start_healthy(
+        workers: usize,
+        worker_args: &[&str],
+        router_args: &[&str],
+    ) -> Topology {
         let topo = Topology::start(workers, worker_args, router_args);
         topo.wait_healthy().await;
         topo
@@ -140,7 +176,11 @@ impl Topology {
         }
     }
 
-    pub async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value, reqwest::header::HeaderMap) {
+    pub async fn post(
+        &self,
+        path: &str,
+        body: serde_json::Value,
+    ) -> (u16, serde_json::Value, reqwest::header::HeaderMap) {
         let r = reqwest::Client::new()
             .post(format!("{}{path}", self.base))
             .json(&body)
@@ -166,15 +206,19 @@ impl Topology {
             .expect("request");
         assert_eq!(r.status().as_u16(), 200);
         let text = r.text().await.expect("body");
-        text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
     }
 
     pub fn worker_id(&self, i: usize) -> u64 {
-        field(&self.workers[i].ready_line, "instance_id=").parse().expect("instance id")
+        field(&self.workers[i].ready_line, "instance_id=")
+            .parse()
+            .expect("instance id")
     }
 
     pub fn worker_grpc(&self, i: usize) -> String {
         field(&self.workers[i].ready_line, "grpc=")
     }
 }
-
