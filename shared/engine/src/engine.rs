@@ -13,6 +13,7 @@
 //! handle shares, so subscribing or dumping never waits for a step.
 
 mod core;
+mod migrate;
 #[cfg(test)]
 mod tests;
 
@@ -259,8 +260,7 @@ impl EngineHandle {
     pub fn export(
         &self,
         request_id: &str,
-    ) -> impl Future<Output = Result<RequestSnapshot, EngineError>> + Send + 'static
-    {
+    ) -> impl Future<Output = Result<RequestSnapshot, EngineError>> + Send + 'static {
         let request_id = request_id.to_owned();
         let reply = self.call(move |reply| Command::Export { request_id, reply });
         async move { reply.await? }

@@ -70,15 +70,14 @@ fn engine(t: &Tiny, num_blocks: usize, policy: CapacitySchedulerPolicy) -> Engin
     start(t, Box::new(backend), num_blocks, policy)
 }
 
-fn gated_engine(t: &Tiny) -> (EngineHandle, std::sync::mpsc::Sender<()>) {
-    let inner = CpuBackend::new(&t.model, KvDtype::F32, BLOCK, 64).expect("backend");
+fn gated_engine(
+    t: &Tiny,
+    num_blocks: usize,
+    policy: CapacitySchedulerPolicy,
+) -> (EngineHandle, std::sync::mpsc::Sender<()>) {
+    let inner = CpuBackend::new(&t.model, KvDtype::F32, BLOCK, num_blocks).expect("backend");
     let (tx, permits) = std::sync::mpsc::channel();
-    let h = start(
-        t,
-        Box::new(Gated { inner, permits }),
-        64,
-        CapacitySchedulerPolicy::GuaranteedNoEvict,
-    );
+    let h = start(t, Box::new(Gated { inner, permits }), num_blocks, policy);
     (h, tx)
 }
 
@@ -134,7 +133,7 @@ async fn both_ways(
 
     // `after` permits: the prompt step and `after - 1` decode steps give `after` tokens (the
     // prompt fits one step). The export lands before or after the next step.
-    let (a, permits) = gated_engine(t);
+    let (a, permits) = gated_engine(t, 64, CapacitySchedulerPolicy::GuaranteedNoEvict);
     let mut s = a.submit(req("r", prompt.to_vec(), params)).await.unwrap();
     for _ in 0..after {
         permits.send(()).unwrap();
@@ -263,16 +262,21 @@ async fn concurrent_requests_with_a_small_pool_all_complete() {
             &run(&solo, req("s", p.clone(), params.clone())).await,
         ));
     }
-    // 10 blocks of 8 tokens; each request grows to 4-5 blocks: they must preempt.
-    let h = engine(&t, 10, CapacitySchedulerPolicy::MaxUtilization);
-    let baseline = h.stats().await.unwrap().blocks;
-    let mut streams = Vec::new();
+    // 10 blocks of 8 tokens; each request grows to 4-5 blocks: they must preempt. The engine
+    // holds its first step until every request is queued, so they overlap.
+    let (h, permits) = gated_engine(&t, 10, CapacitySchedulerPolicy::MaxUtilization);
+    let stats = h.stats();
+    let mut pending = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        streams.push(
-            h.submit(req(&format!("r{i}"), p.clone(), params.clone()))
-                .await
-                .unwrap(),
-        );
+        pending.push(h.submit(req(&format!("r{i}"), p.clone(), params.clone())));
+    }
+    for _ in 0..10_000 {
+        permits.send(()).unwrap();
+    }
+    let baseline = stats.await.unwrap().blocks;
+    let mut streams = Vec::new();
+    for f in pending {
+        streams.push(tokio::time::timeout(T, f).await.unwrap().unwrap());
     }
     for (i, s) in streams.into_iter().enumerate() {
         let outs = tokio::time::timeout(T, s.collect()).await.unwrap();

@@ -12,9 +12,7 @@ use crate::backend::{Backend, LogitsMode, SeqInput};
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
 use crate::kv::events::KvEventPublisher;
-use crate::request::{
-    FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, StopReason, Usage,
-};
+use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, StopReason, Usage};
 use crate::sampler::{
     sample, sample_without_logits, Rng, SampleContext, SamplerState, SamplingParams, TokenLogprob,
 };
@@ -51,27 +49,27 @@ pub(crate) enum Command {
     Shutdown,
 }
 
-struct Entry {
-    key: u64,
-    seqs: Vec<SeqId>,
-    out: tmpsc::UnboundedSender<RequestOutput>,
+pub(super) struct Entry {
+    pub(super) key: u64,
+    pub(super) seqs: Vec<SeqId>,
+    pub(super) out: tmpsc::UnboundedSender<RequestOutput>,
 }
 
 pub(crate) struct Core {
-    backend: Box<dyn Backend>,
-    tokenizer: Option<Arc<Tokenizer>>,
-    cfg: EngineConfig,
-    sched: Scheduler,
-    events: KvEventPublisher,
-    reqs: HashMap<String, Entry>,
-    seq_req: HashMap<SeqId, String>,
-    next_seq: SeqId,
-    next_arrival: u64,
-    steps: u64,
-    preemptions: u64,
+    pub(super) backend: Box<dyn Backend>,
+    pub(super) tokenizer: Option<Arc<Tokenizer>>,
+    pub(super) cfg: EngineConfig,
+    pub(super) sched: Scheduler,
+    pub(super) events: KvEventPublisher,
+    pub(super) reqs: HashMap<String, Entry>,
+    pub(super) seq_req: HashMap<SeqId, String>,
+    pub(super) next_seq: SeqId,
+    pub(super) next_arrival: u64,
+    pub(super) steps: u64,
+    pub(super) preemptions: u64,
 }
 
-fn output(request_id: &str, index: usize) -> RequestOutput {
+pub(super) fn output(request_id: &str, index: usize) -> RequestOutput {
     RequestOutput {
         request_id: request_id.to_owned(),
         index,
@@ -85,7 +83,7 @@ fn output(request_id: &str, index: usize) -> RequestOutput {
     }
 }
 
-fn usage(seq: &Sequence) -> Usage {
+pub(super) fn usage(seq: &Sequence) -> Usage {
     Usage {
         prompt_tokens: seq.prompt_len,
         completion_tokens: seq.num_generated(),
@@ -238,7 +236,7 @@ impl Core {
     }
 
     /// Checks a request against the engine's limits; returns the resolved max_tokens.
-    fn validate(
+    pub(super) fn validate(
         &self,
         request_id: &str,
         prompt: &[u32],
@@ -293,7 +291,7 @@ impl Core {
         Ok(max_tokens)
     }
 
-    fn new_decoder(&self, params: &SamplingParams) -> Option<IncrementalDecoder> {
+    pub(super) fn new_decoder(&self, params: &SamplingParams) -> Option<IncrementalDecoder> {
         self.tokenizer
             .as_ref()
             .map(|_| IncrementalDecoder::new(params.skip_special_tokens))
@@ -512,143 +510,5 @@ impl Core {
                 }
             }
         }
-    }
-
-    fn export(&mut self, request_id: &str) -> Result<RequestSnapshot, EngineError> {
-        let e = self
-            .reqs
-            .get(request_id)
-            .ok_or_else(|| EngineError::UnknownRequest(request_id.to_owned()))?;
-        if e.seqs.len() != 1 {
-            return Err(EngineError::BadSnapshot(format!(
-                "request {request_id:?} has {} live choices; only n = 1 can be exported",
-                e.seqs.len()
-            )));
-        }
-        let id = e.seqs[0];
-        let mut seq = self
-            .sched
-            .take(id)
-            .ok_or_else(|| EngineError::UnknownRequest(request_id.to_owned()))?;
-        let nblocks = self.sched.blocks().blocks_for(seq.num_computed);
-        let kv = match self.backend.export_blocks(&seq.table.ids()[..nblocks]) {
-            Ok(kv) => kv,
-            Err(err) => {
-                // Leave the request running here.
-                self.sched.add(seq);
-                return Err(err);
-            }
-        };
-        let state = SequenceState {
-            request_id: request_id.to_owned(),
-            index: seq.index,
-            params: (*seq.params).clone(),
-            tokens: seq.tokens.clone(),
-            prompt_len: seq.prompt_len,
-            max_tokens: seq.max_tokens,
-            num_computed: seq.num_computed,
-            cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
-            sampler: seq.sampler.clone(),
-            stop: seq.stop.clone(),
-        };
-        self.sched.blocks_mut().release(&mut seq.table);
-        self.seq_req.remove(&id);
-        if let Some(e) = self.reqs.remove(request_id) {
-            let mut o = output(request_id, seq.index);
-            o.finish_reason = Some(FinishReason::Migrated);
-            o.usage = Some(usage(&seq));
-            let _ = e.out.send(o);
-        }
-        Ok(RequestSnapshot {
-            layout: self.backend.layout().clone(),
-            state,
-            kv,
-        })
-    }
-
-    fn import(
-        &mut self,
-        snap: RequestSnapshot,
-        key: u64,
-        out: tmpsc::UnboundedSender<RequestOutput>,
-    ) -> Result<(), EngineError> {
-        self.backend.layout().check_compatible(&snap.layout)?;
-        let st = snap.state;
-        let bad = |m: &str| Err(EngineError::BadSnapshot(m.to_owned()));
-        if st.prompt_len == 0 || st.prompt_len > st.tokens.len() {
-            return bad("prompt_len is 0 or beyond the tokens");
-        }
-        if st.num_computed >= st.tokens.len() {
-            return bad("num_computed must leave the last token to compute");
-        }
-        if st.params.n != 1 && st.index >= st.params.n {
-            return bad("choice index out of range");
-        }
-        let max_tokens = self.validate(&st.request_id, &st.tokens[..st.prompt_len], &st.params)?;
-        if st.max_tokens > max_tokens || st.tokens.len() - st.prompt_len > st.max_tokens {
-            return bad("max_tokens does not fit this engine or is already exceeded");
-        }
-        let vocab = self.backend.vocab_size();
-        if st.tokens.iter().any(|&t| t as usize >= vocab) {
-            return bad("a token id is outside the vocabulary");
-        }
-        let bm = self.sched.blocks_mut();
-        let nblocks = bm.blocks_for(st.num_computed);
-        let want = nblocks * snap.layout.block_bytes();
-        if snap.kv.len() != want {
-            return Err(EngineError::BadSnapshot(format!(
-                "KV data has {} bytes; {nblocks} blocks need {want}",
-                snap.kv.len()
-            )));
-        }
-        let id = self.next_seq;
-        self.next_seq += 1;
-        self.next_arrival += 1;
-        let params = Arc::new(st.params);
-        let mut seq = Sequence::new(
-            id,
-            Arc::from(st.request_id.as_str()),
-            st.index,
-            st.tokens,
-            st.max_tokens,
-            self.next_arrival,
-            params.clone(),
-            st.sampler,
-        );
-        seq.prompt_len = st.prompt_len;
-        seq.stop = st.stop;
-        let bm = self.sched.blocks_mut();
-        bm.ensure_capacity(&mut seq.table, st.num_computed)
-            .map_err(|e| EngineError::OutOfBlocks {
-                needed: e.needed,
-                available: e.available,
-            })?;
-        if let Err(e) = self.backend.import_blocks(seq.table.ids(), &snap.kv) {
-            self.sched.blocks_mut().release(&mut seq.table);
-            return Err(e);
-        }
-        seq.num_computed = st.num_computed;
-        seq.cached_prompt_tokens = Some(st.num_computed.min(st.prompt_len));
-        self.sched
-            .blocks_mut()
-            .commit_computed(&mut seq.table, &seq.tokens, st.num_computed);
-        // The detokenizer's state is a function of the generated ids: replay them.
-        seq.decoder = self.new_decoder(&params);
-        if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), self.tokenizer.as_deref()) {
-            for &t in &seq.tokens[seq.prompt_len..] {
-                let _ = dec.push(tk, t);
-            }
-        }
-        self.sched.add(seq);
-        self.seq_req.insert(id, st.request_id.clone());
-        self.reqs.insert(
-            st.request_id,
-            Entry {
-                key,
-                seqs: vec![id],
-                out,
-            },
-        );
-        Ok(())
     }
 }

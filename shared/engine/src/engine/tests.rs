@@ -238,19 +238,24 @@ async fn concurrent_requests_under_preemption_match_solo_runs() {
         ));
     }
     // 12 blocks of 4 tokens: each request grows to ~8 blocks, so they preempt each other.
-    let h = start(4, 12, config(12));
-    let mut streams = Vec::new();
+    // The engine holds its first step until every request is queued, so they overlap.
+    let (gb, permits) = TestBackend::gated(4, 12);
+    let h = Engine::start(Box::new(gb), None, config(12)).unwrap();
+    let mut pending = Vec::new();
     for i in 0..6 {
         let p = if i % 2 == 0 {
             greedy(20)
         } else {
             sampled(20, i)
         };
-        streams.push(
-            h.submit(req(&format!("r{i}"), prompt(i as u32, 10 + i as usize), p))
-                .await
-                .unwrap(),
-        );
+        pending.push(h.submit(req(&format!("r{i}"), prompt(i as u32, 10 + i as usize), p)));
+    }
+    for _ in 0..10_000 {
+        permits.send(()).unwrap();
+    }
+    let mut streams = Vec::new();
+    for f in pending {
+        streams.push(tokio::time::timeout(T, f).await.unwrap().unwrap());
     }
     for (i, s) in streams.into_iter().enumerate() {
         let outs = tokio::time::timeout(T, s.collect()).await.unwrap();
@@ -342,7 +347,11 @@ async fn limits_are_clear_errors() {
         .unwrap();
     let second = g.submit(req("dup", prompt(0, 3), greedy(2)));
     permits.send(()).unwrap();
-    let e = tokio::time::timeout(T, second).await.unwrap().err().unwrap();
+    let e = tokio::time::timeout(T, second)
+        .await
+        .unwrap()
+        .err()
+        .unwrap();
     assert!(matches!(e, EngineError::DuplicateRequest(_)));
 }
 
