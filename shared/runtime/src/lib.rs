@@ -14,6 +14,35 @@
 //! - [`testing`]: a harness that starts real `etcd` and `nats-server` processes on loopback for
 //!   integration tests (used by this crate's tests and by the services' tests).
 //!
+//! A worker, in short:
+//!
+//! ```no_run
+//! # async fn worker() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use tandem_runtime::{discovery, metrics, net::BoundListener, shutdown};
+//!
+//! let token = shutdown::on_signals();
+//! let handle = metrics::install_recorder()?;
+//! let rpc = BoundListener::bind("0.0.0.0:0", std::env::var("DYN_TCP_RPC_HOST").ok().as_deref()).await?;
+//! let status = metrics::serve_status_until("0.0.0.0:0", handle, Arc::new(|| true), token.clone()).await?;
+//! let store = discovery::connect(&discovery::DiscoveryOptions::default()).await?;
+//! let instance = discovery::Instance {
+//!     namespace: "dynamo".into(),
+//!     component: "backend".into(),
+//!     endpoint: "generate".into(),
+//!     instance_id: discovery::new_instance_id(),
+//!     grpc_addr: rpc.advertised().to_string(),
+//!     http_addr: Some(tandem_runtime::net::advertised_addr(status, None)?),
+//!     role: "agg".into(),
+//! };
+//! let registration = store.register(instance, serde_json::json!({"served_model_name": "tiny"})).await?;
+//! // ... serve on rpc.into_listener() ...
+//! token.cancelled().await;
+//! registration.deregister().await?; // routers stop sending first
+//! // ... drain in-flight requests, then return ...
+//! # Ok(()) }
+//! ```
+//!
 //! It does not own request routing, the request plane (gRPC, in the services), configuration
 //! parsing (`tandem-config`) or the engine.
 

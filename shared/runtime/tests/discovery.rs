@@ -189,7 +189,7 @@ async fn file_layout_is_etcd_like() {
 #[tokio::test]
 async fn file_heartbeat_keeps_entry_alive_past_ttl() {
     let root = TempDir::new("tandem-file-kv").unwrap();
-    let ttl = Duration::from_millis(900);
+    let ttl = Duration::from_millis(1500);
     let d = file_backend(&root, ttl);
     let ns = unique_ns("beat");
     let i = instance(&ns, "backend", "agg");
@@ -393,7 +393,7 @@ async fn etcd_keys_are_lease_bound_with_dynamo_layout() {
 #[tokio::test]
 async fn etcd_lease_expires_when_keep_alive_stops() {
     let server = EtcdServer::start().expect("etcd for tests");
-    let ttl = Duration::from_secs(2);
+    let ttl = Duration::from_secs(3);
     let d = etcd_backend(&server, ttl).await;
     let ns = unique_ns("lease");
     let i = instance(&ns, "backend", "agg");
@@ -419,7 +419,7 @@ async fn etcd_lease_expires_when_keep_alive_stops() {
 #[tokio::test]
 async fn etcd_killed_process_disappears_within_ttl() {
     let server = EtcdServer::start().expect("etcd for tests");
-    let ttl = Duration::from_secs(2);
+    let ttl = Duration::from_secs(3);
     let d = Arc::new(etcd_backend(&server, ttl).await);
     kill_child_and_expect_removal(d, "etcd", &server.endpoint(), ttl).await;
 }
