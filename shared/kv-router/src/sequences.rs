@@ -253,10 +253,16 @@ impl LoadSource for ActiveSequences {
 
     fn new_blocks(&self, worker: WorkerId, seq_hashes: &[u64]) -> usize {
         match self.workers.get(&worker) {
-            Some(w) if self.assume_reuse => seq_hashes
-                .iter()
-                .filter(|h| !w.shared.contains_key(h))
-                .count(),
+            Some(w) if self.assume_reuse => {
+                // A sequence hash covers its whole prefix, and every active request registers
+                // all its full blocks, so the active blocks of a prompt form a prefix: the
+                // first miss ends the scan (O(overlap) instead of O(prompt) per worker).
+                let active = seq_hashes
+                    .iter()
+                    .take_while(|h| w.shared.contains_key(h))
+                    .count();
+                seq_hashes.len() - active
+            }
             _ => seq_hashes.len(),
         }
     }

@@ -18,6 +18,7 @@
 use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 
 use crate::protocols::{
     ExternalBlockHash, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
@@ -46,7 +47,11 @@ pub enum TreeError {
     Capacity(usize),
 }
 
+/// Children of a node by local hash. Most nodes have at most one child (a cached sequence is a
+/// chain), so the first child lives inline: no heap allocation for the common case.
 enum Children {
+    None,
+    One(LocalBlockHash, u32),
     Few(Vec<(LocalBlockHash, u32)>),
     Many(Box<FxHashMap<LocalBlockHash, u32>>),
 }
@@ -54,6 +59,8 @@ enum Children {
 impl Children {
     fn get(&self, key: LocalBlockHash) -> Option<u32> {
         match self {
+            Children::None => None,
+            Children::One(k, n) => (*k == key).then_some(*n),
             Children::Few(v) => v.iter().find(|(k, _)| *k == key).map(|(_, n)| *n),
             Children::Many(m) => m.get(&key).copied(),
         }
@@ -61,6 +68,8 @@ impl Children {
 
     fn insert(&mut self, key: LocalBlockHash, node: u32) {
         match self {
+            Children::None => *self = Children::One(key, node),
+            Children::One(k, n) => *self = Children::Few(vec![(*k, *n), (key, node)]),
             Children::Few(v) if v.len() < FEW_CHILDREN => v.push((key, node)),
             Children::Few(v) => {
                 let mut m: FxHashMap<LocalBlockHash, u32> = v.drain(..).collect();
@@ -75,6 +84,12 @@ impl Children {
 
     fn remove(&mut self, key: LocalBlockHash) {
         match self {
+            Children::None => {}
+            Children::One(k, _) => {
+                if *k == key {
+                    *self = Children::None;
+                }
+            }
             Children::Few(v) => {
                 if let Some(i) = v.iter().position(|(k, _)| *k == key) {
                     v.swap_remove(i);
@@ -88,6 +103,8 @@ impl Children {
 
     fn push_ids(&self, out: &mut Vec<u32>) {
         match self {
+            Children::None => {}
+            Children::One(_, n) => out.push(*n),
             Children::Few(v) => out.extend(v.iter().map(|(_, n)| *n)),
             Children::Many(m) => out.extend(m.values().copied()),
         }
@@ -96,6 +113,8 @@ impl Children {
     #[cfg(test)]
     fn len(&self) -> usize {
         match self {
+            Children::None => 0,
+            Children::One(..) => 1,
             Children::Few(v) => v.len(),
             Children::Many(m) => m.len(),
         }
@@ -109,7 +128,8 @@ struct Node {
     children: Children,
     /// `(worker slot, that worker's external hash of this block)`, sorted by slot. Keeping the
     /// external hash here lets a cascading removal clean the worker's lookup without a search.
-    workers: Vec<(u32, ExternalBlockHash)>,
+    /// Inline for one worker: unique suffixes, the bulk of a large index, allocate nothing.
+    workers: SmallVec<[(u32, ExternalBlockHash); 1]>,
 }
 
 impl Node {
@@ -148,7 +168,7 @@ impl RadixTree {
             parent: NO_PARENT,
             depth: 0,
             children: Children::Many(Box::default()),
-            workers: Vec::new(),
+            workers: SmallVec::new(),
         };
         Self {
             nodes: vec![root],
@@ -519,8 +539,8 @@ impl RadixTree {
                     local,
                     parent,
                     depth,
-                    children: Children::Few(Vec::new()),
-                    workers: Vec::new(),
+                    children: Children::None,
+                    workers: SmallVec::new(),
                 });
                 (self.nodes.len() - 1) as u32
             }
@@ -568,7 +588,7 @@ impl RadixTree {
         }
         for n in emptied.drain(..) {
             let nd = &mut self.nodes[n as usize];
-            nd.children = Children::Few(Vec::new());
+            nd.children = Children::None;
             nd.parent = NO_PARENT;
             self.free_nodes.push(n);
         }
