@@ -300,6 +300,9 @@ impl Scheduler {
                         .blocks_needed_for(&seq.tokens, seq.max_total_len())
                 };
                 if need + self.reserved_growth() > self.blocks.available() {
+                    if self.running.is_empty() && self.release_waiting_holder(id) {
+                        continue;
+                    }
                     break;
                 }
             }
@@ -329,6 +332,9 @@ impl Scheduler {
                 .is_err()
             {
                 self.undo_attach(id, attached);
+                if self.running.is_empty() && self.release_waiting_holder(id) {
+                    continue;
+                }
                 break;
             }
             self.waiting.pop_front();
@@ -342,6 +348,27 @@ impl Scheduler {
             self.insert_running(id);
             *budget -= n;
         }
+    }
+
+    /// Releases the blocks of the newest waiting sequence other than `except` that holds some
+    /// (an imported sequence, whose KV arrived with it); it will recompute. Only used when
+    /// nothing runs: then no block would ever be freed otherwise, and the head would wait
+    /// forever behind sequences queued after it.
+    fn release_waiting_holder(&mut self, except: SeqId) -> bool {
+        let holder = self
+            .waiting
+            .iter()
+            .rev()
+            .copied()
+            .find(|w| *w != except && !self.seqs[w].table.is_empty());
+        let Some(h) = holder else {
+            return false;
+        };
+        if let Some(seq) = self.seqs.get_mut(&h) {
+            self.blocks.release(&mut seq.table);
+            seq.num_computed = 0;
+        }
+        true
     }
 
     fn undo_attach(&mut self, id: SeqId, attached: bool) {

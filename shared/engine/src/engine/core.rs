@@ -380,12 +380,20 @@ impl Core {
         let sch = self.sched.schedule();
         self.preemptions += sch.preempted.len() as u64;
         if sch.seqs.is_empty() {
-            return false;
+            // A step that only preempted made room: the next one makes progress.
+            return !sch.preempted.is_empty();
         }
         self.steps += 1;
+        // Every scheduled id is live (the scheduler only schedules its own sequences); keep
+        // the pieces and the backend rows aligned by construction anyway.
+        let pieces: Vec<_> = sch
+            .seqs
+            .iter()
+            .filter(|p| self.sched.get(p.id).is_some())
+            .copied()
+            .collect();
         let result = {
-            let inputs: Vec<SeqInput<'_>> = sch
-                .seqs
+            let inputs: Vec<SeqInput<'_>> = pieces
                 .iter()
                 .filter_map(|p| {
                     let s = self.sched.get(p.id)?;
@@ -409,8 +417,7 @@ impl Core {
                 // The batch's KV is in an unknown state: fail its requests, keep serving others.
                 tracing::error!("engine step failed: {e}");
                 let msg = e.to_string();
-                let rids: Vec<String> = sch
-                    .seqs
+                let rids: Vec<String> = pieces
                     .iter()
                     .filter_map(|p| self.seq_req.get(&p.id).cloned())
                     .collect();
@@ -420,7 +427,7 @@ impl Core {
                 return true;
             }
         };
-        for (i, p) in sch.seqs.iter().enumerate() {
+        for (i, p) in pieces.iter().enumerate() {
             self.sched.mark_computed(p);
             if p.sample {
                 // A backend without logits (the simulator) returns no row: the token is then

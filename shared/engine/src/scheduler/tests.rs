@@ -282,3 +282,23 @@ fn prefix_cache_hit_skips_computed_blocks() {
     let (sch, _) = step(&mut s);
     assert_eq!((sch.seqs[0].start, sch.seqs[0].len), (7, 1));
 }
+
+#[test]
+fn blocks_held_by_queued_imports_never_deadlock_the_head() {
+    let mut s = sched(4, 4, 8, 64, true, CapacitySchedulerPolicy::MaxUtilization);
+    // An imported sequence, queued with its KV already in 3 blocks, arrived after `head`.
+    let mut imported = seq(10, toks(500, 13), 2);
+    s.blocks_mut()
+        .ensure_capacity(&mut imported.table, 12)
+        .unwrap();
+    imported.num_computed = 12;
+    s.add(imported);
+    // The head needs 3 of the 4 blocks; only 1 is free and nothing runs to free more.
+    s.add(seq(1, toks(0, 8), 4));
+    let (sch, _) = step(&mut s);
+    assert_eq!(sch.seqs[0].id, 1, "the head is admitted");
+    assert_eq!(s.get(10).unwrap().num_computed, 0, "the import recomputes");
+    let order = run_all(&mut s, 100);
+    assert_eq!(order, vec![1, 10]);
+    assert_eq!(s.block_stats().referenced, 0);
+}
