@@ -27,8 +27,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("rayon threads: {}", rayon::current_num_threads());
     let gemm = gemm_rate(PREFILL, 1024, 3072);
     let gemv = gemm_rate(1, 1024, 3072);
+    let gemv8 = gemm_rate(8, 1024, 3072);
     println!("baseline sgemm [512x1024]·[1024x3072]: {gemm:.1} GFLOP/s");
     println!("baseline gemv  [1x1024]·[1024x3072]:   {gemv:.1} GFLOP/s");
+    println!("baseline gemv  [8x1024]·[1024x3072]:   {gemv8:.1} GFLOP/s");
     bench("tiny (2 layers, hidden 64)", &TINY, gemm)?;
     let q06 = TinyDims {
         hidden: 1024,
@@ -52,7 +54,7 @@ fn gemm_rate(m: usize, k: usize, n: usize) -> f64 {
     let x = random_tensor(1, "x", m * k, 0.0, 1.0);
     let w = random_tensor(2, "w", n * k, 0.0, 1.0);
     let mut out = vec![0.0; m * n];
-    let reps = if m == 1 { 200 } else { 3 };
+    let reps = if m <= 16 { 100 } else { 3 };
     let mut best = f64::MAX;
     for _ in 0..3 {
         let t = Instant::now();
@@ -86,7 +88,7 @@ fn bench(name: &str, d: &TinyDims, gemm: f64) -> Result<(), Box<dyn std::error::
         head_params as f64 / 1e6,
         t.elapsed().as_secs_f64()
     );
-    let blocks = (8 * (CONTEXT + DECODE_STEPS)).div_ceil(BLOCK) + PREFILL.div_ceil(BLOCK) + 1;
+    let blocks = 8 * (CONTEXT + DECODE_STEPS).div_ceil(BLOCK) + PREFILL.div_ceil(BLOCK);
     let mut be = CpuBackend::from_parts(
         cfg.clone(),
         Arc::new(w),

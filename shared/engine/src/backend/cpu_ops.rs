@@ -4,9 +4,10 @@
 
 use rayon::prelude::*;
 
-/// Below this many rows a matrix product is a set of dot products: packing the weight for a
-/// GEMM would read it twice for almost no reuse (decode is memory bound).
-const GEMV_MAX_ROWS: usize = 4;
+/// Up to this many rows a matrix product is a set of dot products: packing the weight for a
+/// GEMM would read it twice for little reuse (decode is memory bound); above it the GEMM's
+/// cache blocking wins (measured with examples/bench_cpu.rs on decode batch 8 vs prefill).
+const GEMV_MAX_ROWS: usize = 16;
 
 /// Output columns per rayon task; a multiple of the GEMM kernels' widths.
 const MIN_COLS_PER_TASK: usize = 64;
@@ -29,10 +30,12 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f
         let wc = &w[n0 * k..(n0 + nc) * k];
         let o = out_ptr;
         if m <= GEMV_MAX_ROWS {
-            for i in 0..m {
-                let xi = &x[i * k..(i + 1) * k];
-                for j in 0..nc {
-                    let v = dot(xi, &wc[j * k..(j + 1) * k]);
+            // Weight rows outer, input rows inner: each weight row is read from memory once
+            // and reused from L1 for all m inputs (the m input rows stay in cache).
+            for j in 0..nc {
+                let wj = &wc[j * k..(j + 1) * k];
+                for i in 0..m {
+                    let v = dot(&x[i * k..(i + 1) * k], wj);
                     // SAFETY: tasks own disjoint column ranges n0..n0+nc of `out`, and
                     // (i, n0 + j) lies inside the m×n buffer checked above.
                     unsafe { *o.get().add(i * n + n0 + j) = v };
@@ -93,7 +96,9 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    // Written as plain Rust with mul_add; the target feature lets LLVM emit vfmadd on ymm.
+    // Plain Rust over fixed-size arrays; with the target feature LLVM emits four ymm FMA
+    // accumulators. (Hand-written `_mm256_loadu_ps` was 3x slower in the dev profile: its
+    // debug-assertion UB checks spill every load to the stack.)
     dot_lanes(a, b, f32::mul_add)
 }
 
@@ -101,17 +106,15 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
     dot_lanes(a, b, |x, y, acc| x * y + acc)
 }
 
-/// 16 independent accumulators so that the reduction vectorises without reassociation.
+/// 32 independent accumulators so that the reduction vectorises without reassociation.
 #[inline(always)]
 fn dot_lanes(a: &[f32], b: &[f32], fma: impl Fn(f32, f32, f32) -> f32) -> f32 {
     let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; 16];
-    let ca = a.chunks_exact(16);
-    let cb = b.chunks_exact(16);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..16 {
+    let (ca, ra) = a[..n].as_chunks::<32>();
+    let (cb, rb) = b[..n].as_chunks::<32>();
+    let mut acc = [0.0f32; 32];
+    for (x, y) in ca.iter().zip(cb) {
+        for l in 0..32 {
             acc[l] = fma(x[l], y[l], acc[l]);
         }
     }
@@ -119,14 +122,7 @@ fn dot_lanes(a: &[f32], b: &[f32], fma: impl Fn(f32, f32, f32) -> f32) -> f32 {
     for (x, y) in ra.iter().zip(rb) {
         s = fma(*x, *y, s);
     }
-    let mut half = 8;
-    while half > 0 {
-        for l in 0..half {
-            acc[l] += acc[l + half];
-        }
-        half /= 2;
-    }
-    acc[0] + s
+    acc.iter().sum::<f32>() + s
 }
 
 /// `y += a * x`.
