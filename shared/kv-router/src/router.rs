@@ -288,6 +288,12 @@ mod tests {
     }
 
     #[test]
+    fn router_is_shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<KvRouter>();
+    }
+
+    #[test]
     fn approximate_mode_follows_its_own_decisions() {
         let cfg = KvRouterConfig {
             router_mode: RouterMode::Kv,

@@ -275,3 +275,26 @@ fn engine_publisher_dump_round_trips_through_the_indexer() {
     let locals: Vec<u64> = seq.iter().map(|x| x.0).collect();
     assert_eq!(ix.find_matches(&locals).score(9), 3);
 }
+
+#[test]
+fn extreme_event_ids_do_not_panic() {
+    let mut ix = KvIndexer::new();
+    assert!(matches!(
+        ix.apply_event(ev(1, u64::MAX, store(None, &[1]))),
+        Ok(ApplyOutcome::Gap(_))
+    ));
+    let out = ix.apply_dump(
+        1,
+        &KvStoredDump {
+            last_event_id: u64::MAX,
+            blocks: vec![],
+        },
+    );
+    assert_eq!(out.gap, None);
+    assert_eq!(
+        ix.apply_event(ev(1, u64::MAX, store(None, &[1]))),
+        Ok(ApplyOutcome::Duplicate)
+    );
+    assert_eq!(ix.awaiting_resync(1), None);
+    assert!(ix.apply_replay(1, vec![]).is_ok());
+}

@@ -1,12 +1,17 @@
 //! The router's KV index: the radix tree plus per-worker event ordering.
 //!
 //! Events arrive over the network, per worker, numbered by a monotonic `event_id` that
-//! starts at 1. [`KvIndexer`] applies them in order and notices when some are missing (`id > last + 1`):
-//! it then stops applying that worker's live events (they are buffered, bounded) and reports a
-//! [`GapReport`]; the serving layer asks the worker for a replay from `expected`
-//! ([`KvIndexer::apply_replay`]) or, when the worker's buffer no longer holds it, a full dump
-//! ([`KvIndexer::apply_dump`], which replaces the worker's state). Buffered live events that
-//! follow on contiguously are applied right after, so the index is never left with a hole.
+//! starts at 1. [`KvIndexer`] applies them in order and notices when some are missing
+//! (`id > last + 1`): it then stops applying that worker's live events (they are buffered,
+//! bounded) and reports a [`GapReport`]; the serving layer asks the worker for a replay from
+//! `expected` ([`KvIndexer::apply_replay`]) or, when the worker's buffer no longer holds it, a
+//! full dump ([`KvIndexer::apply_dump`], which replaces the worker's state). Buffered live
+//! events that follow on contiguously are applied right after, so the index is never left
+//! with a hole.
+//!
+//! Ids are peer-controlled: arithmetic on them saturates, so a hostile or buggy id (say
+//! `u64::MAX`) cannot panic the router; at worst that worker's events stop applying until a
+//! dump resets it.
 
 pub mod approx;
 pub mod radix_tree;
@@ -155,13 +160,13 @@ impl KvIndexer {
             r.pending.insert(id, ev.event.data);
             return Ok(ApplyOutcome::Buffered);
         }
-        if id > st.last_event_id + 1 {
+        if id > st.last_event_id.saturating_add(1) {
             let report = GapReport {
                 worker_id: worker,
-                expected: st.last_event_id + 1,
+                expected: st.last_event_id.saturating_add(1),
                 received: id,
             };
-            metrics::dropped_events(worker, id - st.last_event_id - 1);
+            metrics::dropped_events(worker, id - report.expected);
             tracing::warn!(
                 worker_id = worker,
                 expected = report.expected,
@@ -194,10 +199,10 @@ impl KvIndexer {
             if ev.event_id <= last {
                 continue;
             }
-            if ev.event_id != last + 1 {
+            if ev.event_id != last.saturating_add(1) {
                 return Err(IndexerError::ReplayNotContiguous {
                     worker_id: worker,
-                    expected: last + 1,
+                    expected: last.saturating_add(1),
                     got: ev.event_id,
                 });
             }
@@ -270,7 +275,9 @@ impl KvIndexer {
     /// `Some(first missing id)` while the worker awaits a replay or dump.
     pub fn awaiting_resync(&self, worker: WorkerId) -> Option<u64> {
         let st = self.workers.get(&worker)?;
-        st.resync.as_ref().map(|_| st.last_event_id + 1)
+        st.resync
+            .as_ref()
+            .map(|_| st.last_event_id.saturating_add(1))
     }
 
     /// Workers seen through events or dumps.
@@ -334,8 +341,8 @@ impl KvIndexer {
             if r.overflowed {
                 out.gap = Some(GapReport {
                     worker_id: worker,
-                    expected: last + 1,
-                    received: last + 1,
+                    expected: last.saturating_add(1),
+                    received: last.saturating_add(1),
                 });
                 return;
             }
@@ -348,7 +355,7 @@ impl KvIndexer {
                     st.resync = None;
                     return;
                 }
-                Some(k) if k == last + 1 => {
+                Some(k) if k == last.saturating_add(1) => {
                     let Some((id, data)) = r.pending.pop_first() else {
                         return;
                     };
@@ -357,7 +364,7 @@ impl KvIndexer {
                 Some(k) => {
                     out.gap = Some(GapReport {
                         worker_id: worker,
-                        expected: last + 1,
+                        expected: last.saturating_add(1),
                         received: k,
                     });
                     return;
