@@ -215,6 +215,14 @@ async fn continuation_after_export_import_is_exact() {
     let stop: String = chars[chars.len() * 2 / 3..chars.len() * 2 / 3 + 3]
         .iter()
         .collect();
+    // Before min_tokens, a stop string does not count.
+    let late = SamplingParams {
+        stop: vec![stop.clone()],
+        min_tokens: 40,
+        ..sampled.clone()
+    };
+    let outs = run(&reference, req("late", prompt.clone(), late)).await;
+    assert_eq!(text(&outs), full);
     let with_stop = SamplingParams {
         stop: vec![stop.clone()],
         ..sampled

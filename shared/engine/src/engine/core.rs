@@ -481,7 +481,12 @@ impl Core {
                 tracing::warn!("detokenizing token {tok}: {e}");
                 String::new()
             });
-            let f = seq.stop.feed(&delta);
+            // Like vLLM, stop strings only count once min_tokens are generated.
+            let f = if seq.num_generated() < params.min_tokens {
+                seq.stop.pass(&delta)
+            } else {
+                seq.stop.feed(&delta)
+            };
             o.text = f.emit;
             if let Some(m) = f.matched {
                 finish = Some(FinishReason::Stop);

@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 ///   or the output: a positive logit is divided by it, a negative one multiplied.
 /// - `frequency_penalty` and `presence_penalty` (OpenAI style, 0 = off) apply to output tokens
 ///   only: `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
-/// - `min_tokens`: EOS and `stop_token_ids` are masked until that many tokens were generated.
+/// - `min_tokens`: EOS and `stop_token_ids` are masked, and stop strings ignored, until that
+///   many tokens were generated.
 /// - `max_tokens`: None means up to the engine's `max_seq_len`.
 /// - `n`: independent choices; choice `i` draws from its own stream seeded from `(seed, i)`.
 /// - `logprobs`: `Some(k)` returns the chosen token's log-probability and the `k` most likely

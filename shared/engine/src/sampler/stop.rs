@@ -93,6 +93,17 @@ impl StopMatcher {
         best
     }
 
+    /// Emits `text` (after anything held back) without looking for stop strings: used while
+    /// fewer than `min_tokens` tokens were generated.
+    pub fn pass(&mut self, text: &str) -> StopFeed {
+        let mut emit = std::mem::take(&mut self.pending);
+        emit.push_str(text);
+        StopFeed {
+            emit,
+            matched: None,
+        }
+    }
+
     /// Releases held-back text when the sequence ends without a stop-string match.
     pub fn flush(&mut self) -> String {
         std::mem::take(&mut self.pending)
@@ -157,6 +168,16 @@ mod tests {
         let (out, m) = run(&["éx"], &["caé", "é"]);
         assert_eq!(out, "caéé");
         assert!(m.is_none());
+    }
+
+    #[test]
+    fn pass_skips_matching_and_releases_pending() {
+        let stops = vec!["ab".to_string()];
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.feed("xa").emit, "x");
+        assert_eq!(m.pass("b").emit, "ab");
+        assert_eq!(m.pending(), "");
+        assert_eq!(m.feed("ab").matched.as_deref(), Some("ab"));
     }
 
     #[test]
