@@ -20,6 +20,8 @@ use crate::shutdown::ShutdownToken;
 pub enum MetricsError {
     #[error("building the Prometheus recorder: {0}")]
     Build(#[from] BuildError),
+    #[error("starting the metrics upkeep thread: {0}")]
+    Upkeep(#[source] std::io::Error),
     #[error("binding the status server to {addr}: {source}")]
     Bind {
         addr: String,
@@ -98,10 +100,7 @@ pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
             std::thread::sleep(Duration::from_secs(5));
             upkeep.run_upkeep();
         })
-        .map_err(|source| MetricsError::Bind {
-            addr: "metrics-upkeep thread".into(),
-            source,
-        })?;
+        .map_err(MetricsError::Upkeep)?;
     let _ = HANDLE.set(handle.clone());
     Ok(handle)
 }
