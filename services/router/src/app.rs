@@ -22,6 +22,7 @@ pub struct AppState {
     pub config: Arc<RouterConfig>,
     pub registry: Arc<Registry>,
     pub kv: Arc<KvRouter>,
+    pub dumps: crate::events_nats::DumpsInFlight,
 }
 
 pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
@@ -121,7 +122,19 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
         config: Arc::new(cfg),
         registry: Arc::new(Registry::default()),
         kv,
+        dumps: Default::default(),
     };
+    if state.config.routing.use_kv_events
+        && state.config.runtime.event_plane == tandem_config::runtime::EventPlane::Nats
+    {
+        let st = state.clone();
+        let dumps = state.dumps.clone();
+        tokio::spawn(async move {
+            if let Err(e) = crate::events_nats::run(st, dumps).await {
+                tracing::error!("KV events over NATS stopped: {e:#}");
+            }
+        });
+    }
     let discovery =
         tandem_runtime::discovery::connect(&crate::discovery_options(&state.config.runtime))
             .await?;

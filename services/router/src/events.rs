@@ -25,10 +25,54 @@ async fn take_dump(router: &KvRouter, worker_id: u64, client: &mut Client) -> an
 
 /// Why one subscription ended.
 enum End {
-    /// Resubscribe from this id (a gap was seen, or the stream broke).
+    /// The stream broke: resubscribe from this id.
     ResumeFrom(u64),
+    /// Events `expected..received` never arrived: replay them.
+    Gap { expected: u64, received: u64 },
     /// The worker no longer has the events: take a dump.
     NeedDump,
+}
+
+/// Fetches the missing events `expected..received` from the worker's buffer and applies them
+/// as a replay (the index then drains what it buffered meanwhile). `false` means a dump is
+/// needed instead.
+async fn replay(
+    router: &KvRouter,
+    worker_id: u64,
+    client: &mut Client,
+    expected: u64,
+    received: u64,
+) -> bool {
+    let Ok(stream) = client
+        .subscribe_kv_events(SubscribeKvEventsRequest {
+            from_event_id: Some(expected),
+        })
+        .await
+    else {
+        return false;
+    };
+    let mut stream = stream.into_inner();
+    let mut events = Vec::new();
+    while let Some(Ok(msg)) = stream.next().await {
+        let Ok(event) = serde_json::from_str::<KvCacheEvent>(&msg.event_json) else {
+            return false;
+        };
+        if event.event_id >= received {
+            break;
+        }
+        let done = event.event_id + 1 >= received;
+        events.push(event);
+        if done {
+            break;
+        }
+    }
+    match router.apply_replay(worker_id, events) {
+        Ok(outcome) => outcome.gap.is_none(),
+        Err(e) => {
+            tracing::warn!(worker_id, "KV replay rejected: {e}");
+            false
+        }
+    }
 }
 
 async fn follow(router: &KvRouter, worker_id: u64, client: &mut Client, from: u64) -> End {
@@ -69,7 +113,10 @@ async fn follow(router: &KvRouter, worker_id: u64, client: &mut Client, from: u6
                     "KV event gap; replaying"
                 );
                 metrics::counter!("tandem_router_kv_event_gaps_total").increment(1);
-                return End::ResumeFrom(gap.expected);
+                return End::Gap {
+                    expected: gap.expected,
+                    received: gap.received,
+                };
             }
             Ok(ApplyOutcome::DumpRequired { .. }) => return End::NeedDump,
             Ok(_) => {}
@@ -109,6 +156,16 @@ pub fn spawn_follower(
             }
             match follow(&router, worker_id, &mut client, from).await {
                 End::NeedDump => need_dump = true,
+                End::Gap { expected, received } => {
+                    if replay(&router, worker_id, &mut client, expected, received).await {
+                        from = router
+                            .with_indexer(|ix| ix.last_event_id(worker_id))
+                            .unwrap_or(0)
+                            + 1;
+                    } else {
+                        need_dump = true;
+                    }
+                }
                 End::ResumeFrom(id) => {
                     // A broken stream: back off before reconnecting so a dead worker costs
                     // nothing until discovery drops it.

@@ -7,6 +7,7 @@ pub mod app;
 pub mod chat;
 pub mod error;
 pub mod events;
+pub mod events_nats;
 pub mod generate;
 pub mod handlers;
 pub mod metrics;

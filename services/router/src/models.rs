@@ -189,6 +189,22 @@ impl Registry {
         true
     }
 
+    /// The gRPC client of a worker, if it is registered.
+    pub fn client(&self, id: u64) -> Option<Client> {
+        let name = self
+            .owners
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()?;
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        models
+            .get(&name)?
+            .workers
+            .get(&id)
+            .map(|w| w.client.clone())
+    }
+
     pub fn contains(&self, id: u64) -> bool {
         self.owners
             .read()

@@ -110,6 +110,7 @@ fn forward_events(
         loop {
             match live.recv().await {
                 Ok(e) if e.event_id <= last => continue,
+                Ok(e) if crate::failpoints::skipped_kv_event(e.event_id) => continue,
                 Ok(e) => {
                     last = e.event_id;
                     if tx.send(Ok(event_to_proto(&e))).await.is_err() {

@@ -4,6 +4,7 @@
 
 pub mod card;
 pub mod engine_setup;
+pub mod failpoints;
 pub mod grpc;
 pub mod nats;
 pub mod serve;

@@ -24,6 +24,7 @@ pub async fn spawn_publisher(
     tokio::spawn(async move {
         loop {
             match events.recv().await {
+                Ok(event) if crate::failpoints::skipped_kv_event(event.event_id) => {}
                 Ok(event) => {
                     if let Err(e) = publisher.publish(&event).await {
                         tracing::warn!("publishing a KV event on NATS failed: {e}");

@@ -102,7 +102,12 @@ fn uuid_like() -> u64 {
 }
 
 pub fn start_worker(discovery: &PathBuf, extra: &[&str]) -> Proc {
+    start_worker_env(discovery, extra, &[])
+}
+
+pub fn start_worker_env(discovery: &PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut cmd = Command::new(bin("tandem-decode"));
+    cmd.envs(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     cmd.args([
         "--disaggregation-mode",
         "agg",

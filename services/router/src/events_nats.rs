@@ -1,0 +1,100 @@
+//! The NATS event plane: one subscription to the workers' KV-event subject; gaps (and new
+//! workers) are healed with a dump fetched from the worker over gRPC.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tandem_engine::kv::events::{KvCacheEvent, KvStoredDump};
+use tandem_kv_router::{ApplyOutcome, RouterEvent};
+use tandem_protocol::worker::DumpKvBlocksRequest;
+use tandem_runtime::events::NatsEventPlane;
+
+use crate::app::AppState;
+
+/// Workers whose dump is being fetched (one fetch at a time each).
+#[derive(Clone, Default)]
+pub struct DumpsInFlight(Arc<Mutex<HashSet<u64>>>);
+
+/// Fetches a worker's dump and applies it (the index then drains events buffered meanwhile).
+pub fn spawn_dump(state: AppState, worker_id: u64, inflight: DumpsInFlight) {
+    if !inflight
+        .0
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(worker_id)
+    {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(50);
+        for _ in 0..10 {
+            let Some(mut client) = state.registry.client(worker_id) else {
+                break;
+            };
+            match client.dump_kv_blocks(DumpKvBlocksRequest {}).await {
+                Ok(reply) => {
+                    match serde_json::from_str::<KvStoredDump>(&reply.into_inner().dump_json) {
+                        Ok(dump) => {
+                            state.kv.apply_dump(worker_id, &dump);
+                            metrics::counter!("tandem_router_kv_dumps_total").increment(1);
+                        }
+                        Err(e) => tracing::warn!(worker_id, "malformed KV dump: {e}"),
+                    }
+                    break;
+                }
+                Err(s) => {
+                    tracing::debug!(worker_id, "KV dump failed: {}", s.message());
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                }
+            }
+        }
+        inflight
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&worker_id);
+    });
+}
+
+/// Follows the KV-event subject of the aggregated workers' component.
+pub async fn run(state: AppState, inflight: DumpsInFlight) -> anyhow::Result<()> {
+    let rt = &state.config.runtime;
+    let plane = NatsEventPlane::connect(&rt.nats_server, Duration::from_secs(5)).await?;
+    let mut sub = plane
+        .kv_events_subscriber::<KvCacheEvent>(&rt.namespace, "backend")
+        .await?;
+    tracing::info!(server = %rt.nats_server, "following KV events on NATS");
+    while let Some(item) = sub.next().await {
+        let env = match item {
+            Ok(env) => env,
+            Err(e) => {
+                tracing::warn!("undecodable KV event on NATS: {e}");
+                continue;
+            }
+        };
+        let worker_id = env.worker_id;
+        if !state.registry.contains(worker_id) {
+            continue;
+        }
+        match state.kv.apply_event(RouterEvent::new(worker_id, env.event)) {
+            Ok(ApplyOutcome::Gap(gap)) => {
+                tracing::info!(
+                    worker_id,
+                    expected = gap.expected,
+                    received = gap.received,
+                    "KV event gap; fetching a dump"
+                );
+                metrics::counter!("tandem_router_kv_event_gaps_total").increment(1);
+                spawn_dump(state.clone(), worker_id, inflight.clone());
+            }
+            Ok(ApplyOutcome::DumpRequired { .. }) => {
+                spawn_dump(state.clone(), worker_id, inflight.clone())
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(worker_id, "KV event not fully indexed: {e}"),
+        }
+    }
+    anyhow::bail!("the NATS subscription ended")
+}

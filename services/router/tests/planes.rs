@@ -1,0 +1,168 @@
+//! Discovery on etcd and KV events on NATS, with real servers; event gaps on both event
+//! planes (made with a failpoint) are healed so the router's index equals the workers' dumps.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{start_router, start_worker_env, temp_dir, Proc, Topology};
+use serde_json::{json, Value};
+use tandem_protocol::worker::worker_client::WorkerClient;
+use tandem_protocol::worker::{DumpKvBlocksRequest, LoadStatsRequest};
+
+async fn worker_state(addr: &str) -> (u64, Vec<u64>) {
+    let mut c = WorkerClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let last = c
+        .load_stats(LoadStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .last_event_id;
+    let dump = c
+        .dump_kv_blocks(DumpKvBlocksRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let v: Value = serde_json::from_str(&dump.dump_json).unwrap();
+    let mut hashes: Vec<u64> = v["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["block_hash"].as_u64().unwrap())
+        .collect();
+    hashes.sort_unstable();
+    (last, hashes)
+}
+
+/// Waits until the router's index for every worker equals the worker's own dump.
+async fn wait_index_matches(t: &Topology) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let mut all = true;
+        for i in 0..t.workers.len() {
+            let (last, blocks) = worker_state(&t.worker_grpc(i)).await;
+            let w = &index["workers"][t.worker_id(i).to_string()];
+            let ours: Vec<u64> =
+                serde_json::from_value(w["block_hashes"].clone()).unwrap_or_default();
+            all &=
+                w["last_event_id"].as_u64() == Some(last) && ours == blocks && !blocks.is_empty();
+        }
+        if all {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "router index never matched the worker dumps: {index}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn traffic(t: &Topology, n: u32) {
+    for i in 0..n {
+        let prompt: Vec<u32> = (3000 + i * 50..3000 + i * 50 + 70).collect();
+        let (status, body, _) = t
+            .post(
+                "/v1/completions",
+                json!({"model": "tandem-tiny", "prompt": prompt, "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+}
+
+const SKIP: (&str, &str) = ("TANDEM_FAILPOINT_SKIP_KV_EVENT_IDS", "2,3");
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_event_plane_heals_a_gap_by_replay() {
+    let discovery = temp_dir("direct-gap");
+    let w = start_worker_env(&discovery, &[], &[SKIP]);
+    let r = start_router(&discovery, 1, &[]);
+    let base = format!("http://{}", common::field(&r.ready_line, "http="));
+    let t = Topology {
+        workers: vec![w],
+        router: Some(r),
+        base,
+        discovery,
+    };
+    t.wait_healthy().await;
+    traffic(&t, 4).await;
+    wait_index_matches(&t).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
+    let etcd = tandem_runtime::testing::EtcdServer::start()
+        .expect("etcd (Debian etcd-server) must be installed");
+    let nats = tandem_runtime::testing::NatsServer::start().expect("nats-server must be installed");
+    let discovery = temp_dir("unused");
+    let ep = etcd.endpoint();
+    let url = nats.url();
+    let planes = [
+        "--discovery-backend",
+        "etcd",
+        "--etcd-endpoints",
+        ep.as_str(),
+        "--event-plane",
+        "nats",
+        "--nats-server",
+        url.as_str(),
+    ];
+    let w0 = start_worker_env(&discovery, &planes, &[SKIP]);
+    let w1 = start_worker_env(&discovery, &planes, &[]);
+    let r = start_router(&discovery, 2, &planes);
+    let base = format!("http://{}", common::field(&r.ready_line, "http="));
+    let mut t = Topology {
+        workers: vec![w0, w1],
+        router: Some(r),
+        base,
+        discovery,
+    };
+    t.wait_healthy().await;
+    traffic(&t, 6).await;
+    wait_index_matches(&t).await;
+
+    // kill -9 one worker: its lease expires and the router stops routing to it.
+    let dead_id = t.worker_id(0);
+    let mut dead: Proc = t.workers.remove(0);
+    dead.child.kill().expect("kill -9");
+    let _ = dead.child.wait();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if index["workers"].get(dead_id.to_string()).is_none() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "killed worker still routed to after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for _ in 0..4 {
+        let (status, body, headers) = t
+            .post(
+                "/v1/completions",
+                json!({"model": "tandem-tiny", "prompt": "still there?", "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            headers["x-tandem-worker-id"].to_str().unwrap(),
+            t.worker_id(0).to_string()
+        );
+    }
+}
