@@ -276,12 +276,13 @@ fn build_once(
     }
     let parent = dir.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| EngineError::io(parent, e))?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
+    // Unique per process and per call, so that threads of one test process do not collide.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("dir");
-    let tmp = parent.join(format!(".{name}.tmp-{}-{nanos}", std::process::id()));
+    let tmp = parent.join(format!(".{name}.tmp-{}-{call}", std::process::id()));
+    // A leftover of a crashed process with the same pid would mix files: start empty.
+    let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
     let result = build(&tmp).and_then(|()| match std::fs::rename(&tmp, dir) {
         Ok(()) => Ok(()),
