@@ -265,7 +265,16 @@ impl Core {
                 prompt.len()
             ));
         }
-        let max_tokens = params.max_tokens.unwrap_or(max_seq_len - prompt.len());
+        // Without max_tokens, a request may run up to max_seq_len, or as far as the whole pool
+        // can hold it, whichever is less: a small pool must not turn every request without
+        // max_tokens into an error.
+        let pool_tokens = self.cfg.num_blocks * self.cfg.kv_block_size;
+        let max_tokens = params.max_tokens.unwrap_or_else(|| {
+            max_seq_len
+                .min(pool_tokens)
+                .saturating_sub(prompt.len())
+                .max(1)
+        });
         if prompt.len() + max_tokens > max_seq_len {
             return bad(format!(
                 "prompt ({} tokens) + max_tokens ({max_tokens}) = {} exceeds max_seq_len \

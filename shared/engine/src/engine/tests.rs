@@ -339,6 +339,17 @@ async fn limits_are_clear_errors() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("KV blocks"), "{e}");
+    // Without max_tokens the pool bounds the length instead: 2 blocks = 8 tokens.
+    let no_max = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let outs = run(&small, req("f", prompt(0, 3), no_max)).await;
+    assert_eq!(tokens(&outs).len(), 5);
+    assert_eq!(
+        outs.last().unwrap().finish_reason,
+        Some(FinishReason::Length)
+    );
     let (gb, permits) = TestBackend::gated(4, 16);
     let g = Engine::start(Box::new(gb), None, config(16)).unwrap();
     let _keep = g

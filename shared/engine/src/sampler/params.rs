@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 ///   only: `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
 /// - `min_tokens`: EOS and `stop_token_ids` are masked, and stop strings ignored, until that
 ///   many tokens were generated.
-/// - `max_tokens`: None means up to the engine's `max_seq_len`.
+/// - `max_tokens`: None means up to the engine's `max_seq_len` (or as many tokens as its whole
+///   KV pool holds, if fewer).
 /// - `n`: independent choices; choice `i` draws from its own stream seeded from `(seed, i)`.
 /// - `logprobs`: `Some(k)` returns the chosen token's log-probability and the `k` most likely
 ///   alternatives.
