@@ -129,7 +129,11 @@ impl Registry {
 
     pub fn model_names(&self) -> Vec<String> {
         let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        let mut names: Vec<String> = models.keys().cloned().collect();
+        let mut names: Vec<String> = models
+            .values()
+            .filter(|m| !m.workers.is_empty())
+            .map(|m| m.name.clone())
+            .collect();
         names.sort();
         names
     }
@@ -169,7 +173,7 @@ impl Registry {
             .insert(id, name);
     }
 
-    /// Removes a worker; a model without workers disappears from `/v1/models`.
+    /// Removes a worker.
     pub fn remove(&self, id: u64) -> bool {
         let Some(name) = self
             .owners
@@ -180,11 +184,10 @@ impl Registry {
             return false;
         };
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
+        // A model whose last worker left stays known, so its requests get 503 (no worker
+        // available) rather than 404 (no such model); `/v1/models` lists served models only.
         if let Some(m) = models.get_mut(&name) {
             m.workers.remove(&id);
-            if m.workers.is_empty() {
-                models.remove(&name);
-            }
         }
         true
     }

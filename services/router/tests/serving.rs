@@ -198,3 +198,158 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
         .await;
     assert_eq!(status, 200, "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests_then_the_model_is_unavailable() {
+    let mut t = Topology::start_healthy(1, &[], &[]).await;
+    let base = t.base.clone();
+    let req = tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": "tandem-tiny", "prompt": "drain me", "max_tokens": 200, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    });
+    // Wait until the worker runs it (its metrics gauge says so), then SIGTERM the worker.
+    let metrics_addr = common::field(&t.workers[0].ready_line, "http=");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let m = reqwest::get(format!("http://{metrics_addr}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.lines()
+            .any(|l| l.starts_with("dynamo_component_running_requests") && !l.ends_with(" 0"))
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "request never started: {m}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let pid = t.workers[0].child.id();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let body = req.await.unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], 200, "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    let status = t.workers[0].child.wait().unwrap();
+    assert!(status.success(), "worker exit: {status}");
+    let (status, body, _) = t
+        .post(
+            "/v1/completions",
+            json!({"model": "tandem-tiny", "prompt": "anyone?", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, 503, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_use_dynamo_names() {
+    let t = Topology::start_healthy(1, &[], &[]).await;
+    let (status, _, _) = t
+        .post(
+            "/v1/completions",
+            json!({"model": "tandem-tiny", "prompt": "count me", "max_tokens": 3, "stream": false}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let m = reqwest::get(format!("{}/metrics", t.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "dynamo_frontend_requests_total",
+        "dynamo_frontend_time_to_first_token_seconds",
+        "dynamo_frontend_inter_token_latency_seconds",
+        "dynamo_frontend_input_sequence_tokens",
+        "dynamo_frontend_output_sequence_tokens",
+        "dynamo_frontend_request_duration_seconds",
+        "dynamo_router_overhead_total_ms",
+        "dynamo_router_overhead_block_hashing_ms",
+        "dynamo_router_overhead_scheduling_ms",
+    ] {
+        assert!(m.contains(name), "{name} missing from /metrics");
+    }
+    let worker_metrics = common::field(&t.workers[0].ready_line, "http=");
+    let m = reqwest::get(format!("http://{worker_metrics}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("dynamo_component_kv_cache_total_blocks"), "{m}");
+    let live = reqwest::get(format!("{}/live", t.base)).await.unwrap();
+    assert_eq!(live.status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_a_different_tokenizer_for_the_same_model_is_refused() {
+    // A copy of the tiny model whose chat template differs: same name, different tokenizer hash.
+    let tiny = tandem_engine::tiny::ensure_tiny_model().unwrap();
+    let odd = common::temp_dir("odd-model");
+    for f in std::fs::read_dir(&tiny).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, odd.join(f.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = odd.join("tokenizer_config.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["chat_template"] = json!("{% for m in messages %}{{ m['content'] }}{% endfor %}");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+
+    let t = Topology::start_healthy(1, &[], &[]).await;
+    let odd_path = odd.to_str().unwrap().to_string();
+    let other = common::start_worker(
+        &t.discovery,
+        &[
+            "--model-path",
+            &odd_path,
+            "--served-model-name",
+            "tandem-tiny",
+        ],
+    );
+    let other_id = common::field(&other.ready_line, "instance_id=");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let m = reqwest::get(format!("{}/metrics", t.base))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.contains("tandem_router_refused_workers_total") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the odd worker was not refused"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    for _ in 0..4 {
+        let (status, _, headers) = t
+            .post(
+                "/v1/completions",
+                json!({"model": "tandem-tiny", "prompt": "x", "max_tokens": 1}),
+            )
+            .await;
+        assert_eq!(status, 200);
+        assert_ne!(headers["x-tandem-worker-id"].to_str().unwrap(), other_id);
+    }
+    drop(other);
+    let _ = std::fs::remove_dir_all(&odd);
+}

@@ -1,7 +1,6 @@
 //! The life of a worker process: build the engine, open the gRPC and status listeners,
 //! register in discovery, serve, and on SIGTERM deregister first, drain, then exit.
 
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,20 +10,10 @@ use tandem_config::runtime::{DiscoveryBackend as CfgBackend, EventPlane};
 use tandem_config::WorkerConfig;
 use tandem_protocol::worker::worker_server::WorkerServer;
 use tandem_runtime::discovery::{self, DiscoveryBackend, DiscoveryOptions, Instance};
+use tandem_runtime::net::advertised_addr;
 
 use crate::card::model_card;
 use crate::grpc::{ModelFilesSource, WorkerService};
-
-/// The host other processes should dial: the advertise flag, else the bind host, with a
-/// wildcard bind advertised as loopback (right for one machine; set the flag otherwise).
-pub fn advertised(bound: SocketAddr, advertise_host: Option<&str>) -> String {
-    let host = match advertise_host {
-        Some(h) => h.to_string(),
-        None if bound.ip().is_unspecified() => "127.0.0.1".to_string(),
-        None => bound.ip().to_string(),
-    };
-    format!("{host}:{}", bound.port())
-}
 
 pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions {
     DiscoveryOptions {
@@ -56,7 +45,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
             format!("cannot bind the gRPC listener on {rpc_bind} (--rpc-host/--rpc-port)")
         })?;
     let rpc_bound = listener.local_addr()?;
-    let grpc_addr = advertised(rpc_bound, cfg.network.rpc_advertise_host.as_deref());
+    let grpc_addr = advertised_addr(rpc_bound, cfg.network.rpc_advertise_host.as_deref())?;
 
     let service = WorkerService::new(
         built.engine.clone(),
@@ -78,7 +67,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     .with_context(|| {
         format!("cannot bind the status server on {status_bind} (--system-host/--system-port)")
     })?;
-    let http_addr = advertised(status_bound, cfg.network.rpc_advertise_host.as_deref());
+    let http_addr = advertised_addr(status_bound, cfg.network.rpc_advertise_host.as_deref())?;
 
     let endpoint = cfg.endpoint();
     let instance_id = discovery::new_instance_id();
