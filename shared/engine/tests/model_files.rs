@@ -60,6 +60,10 @@ fn loads_the_tiny_model_with_everything() {
     let m2 = LoadedModel::load(&dir, &LoadOptions { weights: false }).expect("load");
     assert_eq!(m2.model_id, m.model_id);
     assert_eq!(m2.tokenizer_hash, m.tokenizer_hash);
+    let e = CpuBackend::new(&m2, KvDtype::F32, 32, 4)
+        .err()
+        .expect("no weights, no backend");
+    assert!(e.to_string().contains("without its weights"), "{e}");
 }
 
 #[test]

@@ -120,6 +120,12 @@ impl CpuBackend {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
+        if !model.weights_loaded {
+            return Err(EngineError::InvalidInput(format!(
+                "{} was loaded without its weights (LoadOptions {{ weights: false }})",
+                model.path.display()
+            )));
+        }
         Self::from_parts(
             model.config.clone(),
             model.weights.clone(),
