@@ -138,6 +138,18 @@ impl KvRouter {
         Ok(sel)
     }
 
+    /// True when every candidate is saturated (see [`WorkerSelector::is_saturated`]): the
+    /// caller should queue the request and retry when load drops (after a `free` or
+    /// `mark_prefill_completed`) rather than route it now.
+    pub fn should_queue(&self, candidates: &[WorkerInfo]) -> bool {
+        let seqs = lock(&self.sequences);
+        let sel = lock(&self.selector);
+        !candidates.is_empty()
+            && candidates
+                .iter()
+                .all(|w| sel.is_saturated(w, &seqs.load(w.id)))
+    }
+
     /// First token seen: the request's prefill load ends.
     pub fn mark_prefill_completed(&self, request_id: &str) -> bool {
         let mut seqs = lock(&self.sequences);
@@ -285,6 +297,29 @@ mod tests {
         assert_eq!(r.with_indexer(|ix| ix.last_event_id(2)), Some(2));
         assert!(r.remove_worker(2).is_empty());
         assert!(r.expire_stale().is_empty());
+    }
+
+    #[test]
+    fn queue_when_every_worker_is_saturated() {
+        let cfg = KvRouterConfig {
+            router_mode: RouterMode::RoundRobin,
+            router_queue_threshold: Some(0.01),
+            ..Default::default()
+        };
+        let r = KvRouter::new(cfg, Some(1));
+        let ws = workers();
+        assert!(!r.should_queue(&ws));
+        // 64 prompt tokens each > 0.01 × 2048 = 20.48.
+        let locals: Vec<u64> = (1..=16).collect();
+        r.route("a", &locals, 64, &ws, &SelectOptions::default())
+            .unwrap();
+        assert!(!r.should_queue(&ws), "one worker is still free");
+        r.route("b", &locals, 64, &ws, &SelectOptions::default())
+            .unwrap();
+        assert!(r.should_queue(&ws));
+        r.mark_prefill_completed("a");
+        assert!(!r.should_queue(&ws));
+        assert!(!r.should_queue(&[]));
     }
 
     #[test]

@@ -101,6 +101,17 @@ impl WorkerSelector {
         decode || prefill_abs || prefill_frac
     }
 
+    /// Above `router_queue_threshold × max_num_batched_tokens` active prefill tokens: the
+    /// worker cannot start a new prompt soon. When every candidate is saturated the serving
+    /// layer holds the request in its queue instead of piling it onto a worker (notes §4.5).
+    /// Never true when the threshold is disabled or the budget unknown.
+    pub fn is_saturated(&self, w: &WorkerInfo, load: &WorkerLoad) -> bool {
+        self.config.router_queue_threshold.is_some_and(|f| {
+            w.max_num_batched_tokens > 0
+                && load.active_prefill_tokens as f64 > f * w.max_num_batched_tokens as f64
+        })
+    }
+
     /// Picks a worker for a request of `isl_tokens` prompt tokens whose full blocks hash to
     /// `request_local_hashes`, among `candidates`, with the index's `overlaps` and the tracked
     /// `loads`.
