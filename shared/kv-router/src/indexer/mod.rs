@@ -14,6 +14,7 @@
 //! dump resets it.
 
 pub mod approx;
+mod children;
 pub mod radix_tree;
 pub mod snapshot;
 

@@ -20,6 +20,7 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
+use super::children::Children;
 use crate::protocols::{
     ExternalBlockHash, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
     OverlapScores, StoredBlock, WorkerId,
@@ -27,8 +28,6 @@ use crate::protocols::{
 
 const ROOT: u32 = 0;
 const NO_PARENT: u32 = u32::MAX;
-/// Up to this many children are kept in a small vector scanned linearly; most nodes have one.
-const FEW_CHILDREN: usize = 8;
 
 /// An event the index could not (fully) apply. The event is still consumed: the worker's
 /// state for the affected blocks is simply unknown to the router, which only costs matches.
@@ -45,80 +44,6 @@ pub enum TreeError {
     },
     #[error("radix index is full ({0} nodes)")]
     Capacity(usize),
-}
-
-/// Children of a node by local hash. Most nodes have at most one child (a cached sequence is a
-/// chain), so the first child lives inline: no heap allocation for the common case.
-enum Children {
-    None,
-    One(LocalBlockHash, u32),
-    Few(Vec<(LocalBlockHash, u32)>),
-    Many(Box<FxHashMap<LocalBlockHash, u32>>),
-}
-
-impl Children {
-    fn get(&self, key: LocalBlockHash) -> Option<u32> {
-        match self {
-            Children::None => None,
-            Children::One(k, n) => (*k == key).then_some(*n),
-            Children::Few(v) => v.iter().find(|(k, _)| *k == key).map(|(_, n)| *n),
-            Children::Many(m) => m.get(&key).copied(),
-        }
-    }
-
-    fn insert(&mut self, key: LocalBlockHash, node: u32) {
-        match self {
-            Children::None => *self = Children::One(key, node),
-            Children::One(k, n) => *self = Children::Few(vec![(*k, *n), (key, node)]),
-            Children::Few(v) if v.len() < FEW_CHILDREN => v.push((key, node)),
-            Children::Few(v) => {
-                let mut m: FxHashMap<LocalBlockHash, u32> = v.drain(..).collect();
-                m.insert(key, node);
-                *self = Children::Many(Box::new(m));
-            }
-            Children::Many(m) => {
-                m.insert(key, node);
-            }
-        }
-    }
-
-    fn remove(&mut self, key: LocalBlockHash) {
-        match self {
-            Children::None => {}
-            Children::One(k, _) => {
-                if *k == key {
-                    *self = Children::None;
-                }
-            }
-            Children::Few(v) => {
-                if let Some(i) = v.iter().position(|(k, _)| *k == key) {
-                    v.swap_remove(i);
-                }
-            }
-            Children::Many(m) => {
-                m.remove(&key);
-            }
-        }
-    }
-
-    fn push_ids(&self, out: &mut Vec<u32>) {
-        match self {
-            Children::None => {}
-            Children::One(_, n) => out.push(*n),
-            Children::Few(v) => out.extend(v.iter().map(|(_, n)| *n)),
-            Children::Many(m) => out.extend(m.values().copied()),
-        }
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        match self {
-            Children::None => 0,
-            Children::One(..) => 1,
-            Children::Few(v) => v.len(),
-            Children::Many(m) => m.len(),
-        }
-    }
 }
 
 struct Node {
