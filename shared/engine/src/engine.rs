@@ -15,6 +15,8 @@
 mod core;
 mod migrate;
 #[cfg(test)]
+mod test_backend;
+#[cfg(test)]
 mod tests;
 
 use std::future::Future;

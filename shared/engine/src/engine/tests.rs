@@ -1,153 +1,11 @@
-//! Engine tests over a deterministic stand-in backend whose logits depend on every (token,
-//! position) pair *read back from its paged KV pool*: a wrong block table, a lost block or a
-//! bad export/import changes the output, so equality with a solo run checks all of them.
+//! Engine tests over [`TestBackend`](super::test_backend::TestBackend).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::Ordering;
 
+use super::test_backend::{TestBackend, EOS, T};
 use super::*;
-use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::kv::events::KvCacheEventData;
-use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 use crate::sampler::SamplingParams;
-
-const VOCAB: usize = 64;
-const EOS: u32 = 63;
-const T: Duration = Duration::from_secs(60);
-
-struct TestBackend {
-    layout: KvLayout,
-    num_blocks: usize,
-    pool: Vec<u8>,
-    /// Tokens computed, over all steps.
-    computed: Arc<AtomicUsize>,
-    /// Return no logits rows, like the simulator.
-    no_logits: bool,
-    /// When set, every step first takes one permit: the test decides how far the engine runs.
-    gate: Option<std::sync::mpsc::Receiver<()>>,
-}
-
-impl TestBackend {
-    fn new(block_size: usize, num_blocks: usize) -> Self {
-        let layout = KvLayout {
-            version: LAYOUT_VERSION,
-            model_id: "test-backend".into(),
-            dtype: KvDtype::F32,
-            block_size,
-            num_layers: 1,
-            num_kv_heads: 1,
-            head_dim: 2,
-        };
-        let pool = vec![0; layout.block_bytes() * num_blocks];
-        Self {
-            layout,
-            num_blocks,
-            pool,
-            computed: Arc::new(AtomicUsize::new(0)),
-            no_logits: false,
-            gate: None,
-        }
-    }
-
-    /// A backend that runs one step per permit sent on the returned channel.
-    fn gated(block_size: usize, num_blocks: usize) -> (Self, std::sync::mpsc::Sender<()>) {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let mut b = Self::new(block_size, num_blocks);
-        b.gate = Some(rx);
-        (b, tx)
-    }
-
-    fn slot(&self, table: &[u32], pos: usize) -> Result<usize, EngineError> {
-        let bs = self.layout.block_size;
-        let block = *table
-            .get(pos / bs)
-            .ok_or_else(|| EngineError::InvalidInput(format!("no block for position {pos}")))?;
-        if block as usize >= self.num_blocks {
-            return Err(EngineError::InvalidInput(format!(
-                "block {block} out of range"
-            )));
-        }
-        Ok(self.layout.offset(block as usize, 0, KvPart::K) + (pos % bs) * 8)
-    }
-
-    fn read(&self, off: usize) -> u32 {
-        u32::from_le_bytes(self.pool[off..off + 4].try_into().unwrap())
-    }
-}
-
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51afd7ed558ccd);
-    x ^= x >> 33;
-    x
-}
-
-impl Backend for TestBackend {
-    fn layout(&self) -> &KvLayout {
-        &self.layout
-    }
-    fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-    fn vocab_size(&self) -> usize {
-        VOCAB
-    }
-    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
-        if let Some(g) = &self.gate {
-            g.recv_timeout(T)
-                .map_err(|_| EngineError::InvalidInput("test gate closed or timed out".into()))?;
-        }
-        let mut logits = Vec::new();
-        for s in batch {
-            for (i, &t) in s.tokens.iter().enumerate() {
-                let off = self.slot(s.block_table, s.start_pos + i)?;
-                self.pool[off..off + 4].copy_from_slice(&t.to_le_bytes());
-                self.pool[off + 4..off + 8]
-                    .copy_from_slice(&((s.start_pos + i) as u32 + 1).to_le_bytes());
-            }
-            self.computed.fetch_add(s.tokens.len(), Ordering::Relaxed);
-            if s.logits == LogitsMode::None || self.no_logits {
-                logits.push(Vec::new());
-                continue;
-            }
-            let end = s.start_pos + s.tokens.len();
-            let mut h = 0u64;
-            for pos in 0..end {
-                let off = self.slot(s.block_table, pos)?;
-                if self.read(off + 4) != pos as u32 + 1 {
-                    return Err(EngineError::InvalidInput(format!("KV missing at {pos}")));
-                }
-                h = mix(h ^ (self.read(off) as u64) ^ ((pos as u64) << 32));
-            }
-            let row: Vec<f32> = (0..VOCAB as u64)
-                .map(|j| (mix(h ^ (j * 0x9E37_79B9)) % 1000) as f32 / 200.0)
-                .collect();
-            logits.push(vec![row]);
-        }
-        Ok(StepOutput { logits })
-    }
-    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
-        let bb = self.layout.block_bytes();
-        let mut v = Vec::new();
-        for &b in blocks {
-            let o = b as usize * bb;
-            v.extend_from_slice(&self.pool[o..o + bb]);
-        }
-        Ok(v)
-    }
-    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
-        let bb = self.layout.block_bytes();
-        if data.len() != blocks.len() * bb {
-            return Err(EngineError::InvalidInput("size".into()));
-        }
-        for (i, &b) in blocks.iter().enumerate() {
-            let o = b as usize * bb;
-            self.pool[o..o + bb].copy_from_slice(&data[i * bb..(i + 1) * bb]);
-        }
-        Ok(())
-    }
-}
 
 fn config(num_blocks: usize) -> EngineConfig {
     EngineConfig {
@@ -589,4 +447,51 @@ async fn chunked_prefill_off_and_stats() {
     let st = h.stats().await.unwrap();
     assert!(st.steps >= 4);
     assert_eq!(st.blocks.total, 64);
+}
+
+#[tokio::test]
+async fn reuse_off_computes_everything_and_publishes_nothing() {
+    let h = start(
+        4,
+        32,
+        EngineConfig {
+            enable_block_reuse: false,
+            ..config(32)
+        },
+    );
+    let mut ev = h.subscribe_events();
+    let p = prompt(6, 10);
+    run(&h, req("a", p.clone(), greedy(3))).await;
+    let b = run(&h, req("b", p, greedy(3))).await;
+    assert_eq!(b.last().unwrap().usage.unwrap().cached_tokens, 0);
+    assert!(ev.try_recv().is_err(), "no events without reuse");
+    let st = wait_idle(&h).await;
+    assert_eq!((st.blocks.cached, st.blocks.free), (0, 32));
+}
+
+#[tokio::test]
+async fn late_subscribers_replay_or_dump() {
+    let h = start(
+        4,
+        8,
+        EngineConfig {
+            event_buffer_max_size: 4,
+            ..config(8)
+        },
+    );
+    // Enough distinct prompts to store and then evict blocks: more than 4 events.
+    for i in 0..4 {
+        run(&h, req(&format!("r{i}"), prompt(10 + i, 8), greedy(2))).await;
+    }
+    let last = wait_idle(&h).await.last_event_id;
+    assert!(last > 4);
+    let (replay, _live) = h.subscribe_events_from(last - 3).unwrap();
+    let ids: Vec<u64> = replay.iter().map(|e| e.event_id).collect();
+    assert_eq!(ids, (last - 3..=last).collect::<Vec<_>>());
+    assert!(h.subscribe_events_from(1).is_err(), "event 1 left the buffer");
+    // The dump holds exactly the blocks still cached, and follows on from `last`.
+    let (dump, _live) = h.dump_stored_blocks();
+    assert_eq!(dump.last_event_id, last);
+    let st = wait_idle(&h).await;
+    assert_eq!(dump.blocks.len(), st.blocks.cached);
 }

@@ -1,0 +1,149 @@
+//! A deterministic stand-in backend for the engine's tests. Its logits depend on every
+//! (token, position) pair *read back from its paged KV pool*: a wrong block table, a lost block
+//! or a bad export/import changes the output, so equality with a solo run checks all of them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
+use crate::error::EngineError;
+use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
+
+pub(super) const VOCAB: usize = 64;
+pub(super) const EOS: u32 = 63;
+pub(super) const T: Duration = Duration::from_secs(60);
+
+pub(super) struct TestBackend {
+    layout: KvLayout,
+    num_blocks: usize,
+    pool: Vec<u8>,
+    /// Tokens computed, over all steps.
+    pub(super) computed: Arc<AtomicUsize>,
+    /// Return no logits rows, like the simulator.
+    pub(super) no_logits: bool,
+    /// When set, every step first takes one permit: the test decides how far the engine runs.
+    gate: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+impl TestBackend {
+    pub(super) fn new(block_size: usize, num_blocks: usize) -> Self {
+        let layout = KvLayout {
+            version: LAYOUT_VERSION,
+            model_id: "test-backend".into(),
+            dtype: KvDtype::F32,
+            block_size,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 2,
+        };
+        let pool = vec![0; layout.block_bytes() * num_blocks];
+        Self {
+            layout,
+            num_blocks,
+            pool,
+            computed: Arc::new(AtomicUsize::new(0)),
+            no_logits: false,
+            gate: None,
+        }
+    }
+
+    /// A backend that runs one step per permit sent on the returned channel.
+    pub(super) fn gated(block_size: usize, num_blocks: usize) -> (Self, std::sync::mpsc::Sender<()>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut b = Self::new(block_size, num_blocks);
+        b.gate = Some(rx);
+        (b, tx)
+    }
+
+    fn slot(&self, table: &[u32], pos: usize) -> Result<usize, EngineError> {
+        let bs = self.layout.block_size;
+        let block = *table
+            .get(pos / bs)
+            .ok_or_else(|| EngineError::InvalidInput(format!("no block for position {pos}")))?;
+        if block as usize >= self.num_blocks {
+            return Err(EngineError::InvalidInput(format!(
+                "block {block} out of range"
+            )));
+        }
+        Ok(self.layout.offset(block as usize, 0, KvPart::K) + (pos % bs) * 8)
+    }
+
+    fn read(&self, off: usize) -> u32 {
+        u32::from_le_bytes(self.pool[off..off + 4].try_into().unwrap())
+    }
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51afd7ed558ccd);
+    x ^= x >> 33;
+    x
+}
+
+impl Backend for TestBackend {
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
+        if let Some(g) = &self.gate {
+            g.recv_timeout(T)
+                .map_err(|_| EngineError::InvalidInput("test gate closed or timed out".into()))?;
+        }
+        let mut logits = Vec::new();
+        for s in batch {
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let off = self.slot(s.block_table, s.start_pos + i)?;
+                self.pool[off..off + 4].copy_from_slice(&t.to_le_bytes());
+                self.pool[off + 4..off + 8]
+                    .copy_from_slice(&((s.start_pos + i) as u32 + 1).to_le_bytes());
+            }
+            self.computed.fetch_add(s.tokens.len(), Ordering::Relaxed);
+            if s.logits == LogitsMode::None || self.no_logits {
+                logits.push(Vec::new());
+                continue;
+            }
+            let end = s.start_pos + s.tokens.len();
+            let mut h = 0u64;
+            for pos in 0..end {
+                let off = self.slot(s.block_table, pos)?;
+                if self.read(off + 4) != pos as u32 + 1 {
+                    return Err(EngineError::InvalidInput(format!("KV missing at {pos}")));
+                }
+                h = mix(h ^ (self.read(off) as u64) ^ ((pos as u64) << 32));
+            }
+            let row: Vec<f32> = (0..VOCAB as u64)
+                .map(|j| (mix(h ^ (j * 0x9E37_79B9)) % 1000) as f32 / 200.0)
+                .collect();
+            logits.push(vec![row]);
+        }
+        Ok(StepOutput { logits })
+    }
+    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
+        let bb = self.layout.block_bytes();
+        let mut v = Vec::new();
+        for &b in blocks {
+            let o = b as usize * bb;
+            v.extend_from_slice(&self.pool[o..o + bb]);
+        }
+        Ok(v)
+    }
+    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
+        let bb = self.layout.block_bytes();
+        if data.len() != blocks.len() * bb {
+            return Err(EngineError::InvalidInput("size".into()));
+        }
+        for (i, &b) in blocks.iter().enumerate() {
+            let o = b as usize * bb;
+            self.pool[o..o + bb].copy_from_slice(&data[i * bb..(i + 1) * bb]);
+        }
+        Ok(())
+    }
+}
+
