@@ -49,7 +49,10 @@ impl TestBackend {
     }
 
     /// A backend that runs one step per permit sent on the returned channel.
-    pub(super) fn gated(block_size: usize, num_blocks: usize) -> (Self, std::sync::mpsc::Sender<()>) {
+    pub(super) fn gated(
+        block_size: usize,
+        num_blocks: usize,
+    ) -> (Self, std::sync::mpsc::Sender<()>) {
         let (tx, rx) = std::sync::mpsc::channel();
         let mut b = Self::new(block_size, num_blocks);
         b.gate = Some(rx);
@@ -146,4 +149,3 @@ impl Backend for TestBackend {
         Ok(())
     }
 }
-

@@ -488,7 +488,10 @@ async fn late_subscribers_replay_or_dump() {
     let (replay, _live) = h.subscribe_events_from(last - 3).unwrap();
     let ids: Vec<u64> = replay.iter().map(|e| e.event_id).collect();
     assert_eq!(ids, (last - 3..=last).collect::<Vec<_>>());
-    assert!(h.subscribe_events_from(1).is_err(), "event 1 left the buffer");
+    assert!(
+        h.subscribe_events_from(1).is_err(),
+        "event 1 left the buffer"
+    );
     // The dump holds exactly the blocks still cached, and follows on from `last`.
     let (dump, _live) = h.dump_stored_blocks();
     assert_eq!(dump.last_event_id, last);
