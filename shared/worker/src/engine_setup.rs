@@ -9,6 +9,7 @@ use tandem_config::WorkerConfig;
 use tandem_engine::backend::cpu::{
     cpu_kv_blocks_from_memory, CpuBackend, DEFAULT_CPU_KV_CAP_BYTES,
 };
+use tandem_engine::backend::Backend;
 use tandem_engine::engine::{CapacitySchedulerPolicy, Engine, EngineConfig, EngineHandle};
 use tandem_engine::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
 use tandem_engine::model::{LoadOptions, LoadedModel};
@@ -38,8 +39,21 @@ fn kv_dtype(dtype: KvCacheDtype) -> KvDtype {
 
 /// Loads the model and starts the engine with the merged engine options.
 pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<BuiltEngine> {
+    build_engine_with(cfg, &LoadOptions::default(), |model, layout, num_blocks| {
+        let backend = CpuBackend::new(model, layout.dtype, layout.block_size, num_blocks)?;
+        Ok(Box::new(backend))
+    })
+}
+
+/// Like [`build_engine`] with the backend from `backend` (given the model, the KV layout and
+/// the pool size): the mocker's simulated backend runs the same engine this way.
+pub fn build_engine_with(
+    cfg: &WorkerConfig,
+    load: &LoadOptions,
+    backend: impl FnOnce(&LoadedModel, &KvLayout, usize) -> anyhow::Result<Box<dyn Backend>>,
+) -> anyhow::Result<BuiltEngine> {
     let folder = model_folder(cfg)?;
-    let model = Arc::new(LoadedModel::load(&folder, &LoadOptions::default())?);
+    let model = Arc::new(LoadedModel::load(&folder, load)?);
     let opts = &cfg.engine;
     let block_size = cfg.kv_cache.kv_block_size as usize;
     let dtype = kv_dtype(opts.kv_cache_config.dtype);
@@ -71,7 +85,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<BuiltEngine> {
         .max_seq_len
         .map(|v| v as usize)
         .unwrap_or(model.config.max_position_embeddings);
-    let backend = CpuBackend::new(&model, dtype, block_size, num_blocks)?;
+    let backend = backend(&model, &layout, num_blocks)?;
     let engine_cfg = EngineConfig {
         max_batch_size: opts.max_batch_size as usize,
         max_num_tokens: opts.max_num_tokens as usize,
@@ -94,7 +108,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<BuiltEngine> {
     // The engine thread owns its own tokenizer handle; loading twice is cheaper than sharing
     // the model's (which is not behind an Arc).
     let tokenizer = Arc::new(tandem_engine::tokenizer::Tokenizer::load(&folder)?);
-    let engine = Engine::start(Box::new(backend), Some(tokenizer), engine_cfg)?;
+    let engine = Engine::start(backend, Some(tokenizer), engine_cfg)?;
     tracing::info!(
         model = %folder.display(),
         num_blocks,

@@ -10,6 +10,6 @@ pub mod nats;
 pub mod serve;
 pub mod stats;
 
-pub use engine_setup::{build_engine, BuiltEngine};
+pub use engine_setup::{build_engine, build_engine_with, BuiltEngine};
 pub use grpc::WorkerService;
-pub use serve::run;
+pub use serve::{run, run_with, EngineBuilder};

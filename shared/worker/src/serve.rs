@@ -13,6 +13,7 @@ use tandem_runtime::discovery::{self, DiscoveryBackend, DiscoveryOptions, Instan
 use tandem_runtime::net::advertised_addr;
 
 use crate::card::model_card;
+use crate::BuiltEngine;
 use crate::grpc::{ModelFilesSource, WorkerService};
 
 pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions {
@@ -28,13 +29,28 @@ pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions 
     }
 }
 
+/// Builds the engine a worker serves: [`crate::build_engine`] for the real one; the mocker
+/// passes its own (same engine, simulated backend).
+pub type EngineBuilder = Box<dyn FnOnce(&WorkerConfig) -> anyhow::Result<BuiltEngine> + Send>;
+
 /// Runs a worker until SIGTERM / SIGINT, then drains.
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
-    let metrics_handle = tandem_runtime::metrics::install_recorder()?;
     let shutdown = tandem_runtime::shutdown::on_signals();
+    run_with(cfg, Box::new(|c| crate::build_engine(c)), shutdown).await
+}
+
+/// Like [`run`] with the engine from `build` and an outside shutdown token, so that one
+/// process can host several workers (each its own instance id, listeners and registration).
+pub async fn run_with(
+    cfg: WorkerConfig,
+    build: EngineBuilder,
+    shutdown: tandem_runtime::shutdown::ShutdownToken,
+) -> anyhow::Result<()> {
+    // Idempotent: every worker of a process shares the one recorder.
+    let metrics_handle = tandem_runtime::metrics::install_recorder()?;
     let cfg = Arc::new(cfg);
     let build_cfg = cfg.clone();
-    let built = tokio::task::spawn_blocking(move || crate::build_engine(&build_cfg))
+    let built = tokio::task::spawn_blocking(move || build(&build_cfg))
         .await
         .context("engine start-up task failed")??;
 
