@@ -40,6 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         kv_heads: 8,
         head_dim: 128,
         vocab: 151_936,
+        tied: true,
     };
     bench(
         &format!("Qwen3-0.6B shape ({} layers, f32 weights)", q06.layers),

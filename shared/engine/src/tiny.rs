@@ -34,6 +34,8 @@ pub struct TinyDims {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub vocab: usize,
+    /// lm_head tied to the embedding.
+    pub tied: bool,
 }
 
 pub const TINY: TinyDims = TinyDims {
@@ -44,7 +46,34 @@ pub const TINY: TinyDims = TinyDims {
     kv_heads: 2,
     head_dim: 16,
     vocab: 151_936,
+    tied: true,
 };
+
+/// A one-layer model with Qwen3-0.6B's layer shapes (hidden 1024, 16/8 heads of 128,
+/// intermediate 3072), an untied lm_head and bf16 weights; the vocab is cut to 4,096 so that
+/// the checkpoint stays small. Checked against transformers like the tiny model, it covers
+/// what the tiny one does not: real head and layer sizes, bf16 loading, a separate lm_head.
+pub const SHAPE_CHECK: TinyDims = TinyDims {
+    hidden: 1024,
+    intermediate: 3072,
+    layers: 1,
+    heads: 16,
+    kv_heads: 8,
+    head_dim: 128,
+    vocab: 4096,
+    tied: false,
+};
+/// Seed of the shape-check model's weights.
+pub const SHAPE_CHECK_SEED: u64 = 0x7a4d_656d_2024_0002;
+/// Bump when the shape-check model's generator output changes.
+pub const SHAPE_CHECK_VERSION: u32 = 1;
+
+/// Element type of a written checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+}
 
 /// splitmix64: tiny, well-mixed, and fixed here forever.
 pub struct SplitMix64(u64);
@@ -135,6 +164,9 @@ pub fn qwen3_tensor_shapes(d: &TinyDims) -> Vec<(String, Vec<usize>)> {
         v.push((format!("{p}mlp.down_proj.weight"), vec![h, d.intermediate]));
     }
     v.push(("model.norm.weight".to_string(), vec![h]));
+    if !d.tied {
+        v.push(("lm_head.weight".to_string(), vec![d.vocab, h]));
+    }
     v
 }
 
@@ -161,7 +193,7 @@ pub fn qwen3_config_json(d: &TinyDims, dtype: &str) -> serde_json::Value {
         "rope_scaling": null,
         "rope_theta": 1000000.0,
         "sliding_window": null,
-        "tie_word_embeddings": true,
+        "tie_word_embeddings": d.tied,
         "torch_dtype": dtype,
         "use_cache": true,
         "use_sliding_window": false,
@@ -173,38 +205,80 @@ pub fn qwen3_config_json(d: &TinyDims, dtype: &str) -> serde_json::Value {
 /// tokenizer files (fetched into the cache first if needed).
 pub fn write_tiny_model(out_dir: &Path) -> Result<(), EngineError> {
     let tok_dir = ensure_tokenizer_files()?;
+    write_random_qwen3(out_dir, &TINY, TINY_SEED, WeightDtype::F32)?;
+    copy_tokenizer_files(&tok_dir, out_dir)
+}
+
+/// Writes the shape-check model ([`SHAPE_CHECK`]) into `out_dir`, with the tokenizer files
+/// when `with_tokenizer` (the engine's loader wants them; transformers needs only the weights).
+pub fn write_shape_check_model(out_dir: &Path, with_tokenizer: bool) -> Result<(), EngineError> {
+    write_random_qwen3(out_dir, &SHAPE_CHECK, SHAPE_CHECK_SEED, WeightDtype::Bf16)?;
+    if with_tokenizer {
+        copy_tokenizer_files(&ensure_tokenizer_files()?, out_dir)?;
+    }
+    Ok(())
+}
+
+fn copy_tokenizer_files(from_dir: &Path, out_dir: &Path) -> Result<(), EngineError> {
+    for f in TOKENIZER_FILES {
+        let from = from_dir.join(f);
+        std::fs::copy(&from, out_dir.join(f)).map_err(|e| EngineError::io(&from, e))?;
+    }
+    Ok(())
+}
+
+/// Writes a random Qwen3 checkpoint (weights from [`random_tensor`] with [`random_init`]),
+/// `config.json` and `generation_config.json` into `out_dir`.
+pub fn write_random_qwen3(
+    out_dir: &Path,
+    dims: &TinyDims,
+    seed: u64,
+    dtype: WeightDtype,
+) -> Result<(), EngineError> {
     std::fs::create_dir_all(out_dir).map_err(|e| EngineError::io(out_dir, e))?;
-    let shapes = qwen3_tensor_shapes(&TINY);
+    let shapes = qwen3_tensor_shapes(dims);
     let data: Vec<(String, Vec<usize>, Vec<u8>)> = shapes
         .into_iter()
         .map(|(name, shape)| {
             let (mean, std) = random_init(&name, &shape);
             let n = shape.iter().product();
-            let bytes = random_tensor(TINY_SEED, &name, n, mean, std)
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect();
+            let values = random_tensor(seed, &name, n, mean, std);
+            let bytes = match dtype {
+                WeightDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                WeightDtype::Bf16 => values
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+            };
             (name, shape, bytes)
         })
         .collect();
+    let st_dtype = match dtype {
+        WeightDtype::F32 => Dtype::F32,
+        WeightDtype::Bf16 => Dtype::BF16,
+    };
+    let st_path = out_dir.join("model.safetensors");
     let mut views = Vec::with_capacity(data.len());
     for (name, shape, bytes) in &data {
         let view =
-            TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(|e| EngineError::Tensor {
-                path: out_dir.join("model.safetensors"),
+            TensorView::new(st_dtype, shape.clone(), bytes).map_err(|e| EngineError::Tensor {
+                path: st_path.clone(),
                 tensor: name.clone(),
                 message: e.to_string(),
             })?;
         views.push((name.clone(), view));
     }
-    let st_path = out_dir.join("model.safetensors");
     let bytes = safetensors::serialize(views, None).map_err(|e| EngineError::Tensor {
         path: st_path.clone(),
         tensor: "*".into(),
         message: e.to_string(),
     })?;
     write_file(&st_path, &bytes)?;
-    let cfg = qwen3_config_json(&TINY, "float32");
+    let torch_dtype = match dtype {
+        WeightDtype::F32 => "float32",
+        WeightDtype::Bf16 => "bfloat16",
+    };
+    let cfg = qwen3_config_json(dims, torch_dtype);
     write_file(&out_dir.join("config.json"), &pretty(&cfg))?;
     let gen = serde_json::json!({
         "bos_token_id": 151643,
@@ -216,10 +290,6 @@ pub fn write_tiny_model(out_dir: &Path) -> Result<(), EngineError> {
         "top_p": 0.95
     });
     write_file(&out_dir.join("generation_config.json"), &pretty(&gen))?;
-    for f in TOKENIZER_FILES {
-        let from = tok_dir.join(f);
-        std::fs::copy(&from, out_dir.join(f)).map_err(|e| EngineError::io(&from, e))?;
-    }
     Ok(())
 }
 
@@ -254,6 +324,13 @@ pub fn cache_dir() -> PathBuf {
 pub fn ensure_tiny_model() -> Result<PathBuf, EngineError> {
     let dir = cache_dir().join(format!("tiny-qwen3-v{TINY_MODEL_VERSION}"));
     build_once(&dir, write_tiny_model)?;
+    Ok(dir)
+}
+
+/// The shape-check model's folder in the cache (with tokenizer files), built if absent.
+pub fn ensure_shape_check_model() -> Result<PathBuf, EngineError> {
+    let dir = cache_dir().join(format!("qwen3-shape-check-v{SHAPE_CHECK_VERSION}"));
+    build_once(&dir, |tmp| write_shape_check_model(tmp, true))?;
     Ok(dir)
 }
 
