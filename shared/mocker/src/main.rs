@@ -1,0 +1,65 @@
+//! `tandem-mocker`: N simulated workers in one process, each served like a real one.
+
+use anyhow::Context;
+use clap::Parser;
+use tandem_config::Role;
+use tandem_mocker::args::{split, MockerArgs};
+
+/// The i-th of N consecutive ports, or 0 (ephemeral) for all.
+fn nth_port(base: u16, i: usize) -> anyhow::Result<u16> {
+    if base == 0 {
+        return Ok(0);
+    }
+    u16::try_from(base as usize + i).context("port range runs past 65535")
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let all: Vec<String> = std::env::args().collect();
+    let (mine, rest) = split(&all);
+    let margs = MockerArgs::parse_from(&mine);
+    let mut cfg =
+        match tandem_config::parse_worker(Role::Decode, &rest, &tandem_config::process_env) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("tandem-mocker: error: {e}");
+                std::process::exit(e.exit_code());
+            }
+        };
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
+    if let Err(e) = tandem_mocker::apply(&mut cfg, &margs) {
+        eprintln!("tandem-mocker: error: {e}");
+        std::process::exit(2);
+    }
+    let cost = match tandem_mocker::cost_model(&margs) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("tandem-mocker: error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let shutdown = tandem_runtime::shutdown::on_signals();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..margs.num_workers {
+        let mut c = cfg.clone();
+        c.network.rpc_port = nth_port(cfg.network.rpc_port, i)?;
+        c.network.system_port = nth_port(cfg.network.system_port, i)?;
+        let builder = tandem_mocker::engine_builder(margs.vocab_size, cost.clone());
+        let token = shutdown.clone();
+        tasks.spawn(async move { tandem_worker::run_with(c, builder, token).await });
+    }
+    // One failing worker takes the process down: a partial fleet would skew measurements.
+    while let Some(r) = tasks.join_next().await {
+        r.context("worker task panicked")??;
+    }
+    Ok(())
+}
