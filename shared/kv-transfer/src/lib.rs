@@ -1,0 +1,442 @@
+//! KV block movement between workers.
+//!
+//! A decode worker (the *receiver*) registers the memory of its KV pool with a [`KvTransport`]
+//! and gets a [`RemoteRegion`] descriptor — plain data (serde) to put in a gRPC/JSON message.
+//! A prefill worker (the *sender*) connects to the receiver's [`PeerAddress`] and writes blocks
+//! straight into that region with one-sided puts ([`KvConnection::write`]: many puts, one
+//! completion), then sends a small notification ([`KvConnection::notify`], e.g. "lease X,
+//! layer k done") that the receiver reads from its [`Notifications`] stream. A notification is
+//! always delivered after every `write` that completed before it was sent.
+//!
+//! Two transports implement the same protocol:
+//! - [`UcxTransport`] over our own UCP bindings (`tandem-ucx-sys`): RMA put + flush, active
+//!   message for notifications. Host memory today; [`MemoryKind::Cuda`] is reserved for GPU
+//!   memory with a CUDA-enabled UCX.
+//! - [`TcpTransport`] over plain TCP for machines without UCX: a put is a frame the receiver
+//!   copies into its registered region after checking bounds itself.
+//!
+//! The choice follows TensorRT-LLM's `cache_transceiver_config.backend` ([`Backend`]): `UCX`
+//! (also `DEFAULT`) or `TCP`. There is no silent fallback: [`open`] with `UCX` fails with an
+//! error naming `TCP` when UCX cannot be initialised.
+//!
+//! Safety model: the sender checks every put against the descriptor (offset + len within
+//! `len`), and a descriptor that is malformed (overflowing range, rkey UCX cannot unpack,
+//! wrong backend or peer) is an error. The TCP receiver checks again against its own
+//! registration table, so a hostile sender cannot write outside what was registered. Over UCX
+//! the receiver relies on the remote key (enforced by the NIC on RDMA transports; on tcp/shm
+//! UCX trusts the sender), so peers must be trusted cluster members, as in Dynamo/NIXL.
+
+use std::fmt;
+use std::future::Future;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+mod any;
+mod metrics;
+pub mod tcp;
+pub mod ucx;
+
+pub use any::{open, AnyConnection, AnyRegistration, AnyTransport};
+pub use bytes::Bytes;
+pub use tcp::TcpTransport;
+pub use ucx::UcxTransport;
+
+/// Largest notification payload: notifications are control messages, not data.
+pub const MAX_NOTIFICATION_BYTES: usize = 64 * 1024;
+
+/// Everything that can go wrong moving KV blocks.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error(
+        "UCX cannot be initialised: {0}. Install UCX (libucp.so.0) or select the TCP transport \
+         (cache_transceiver_config.backend: TCP, or --kv-transport tcp)"
+    )]
+    UcxUnavailable(String),
+    #[error("UCX {op} failed: {msg}")]
+    Ucx { op: &'static str, msg: String },
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error(
+        "put out of bounds: offset {offset} + len {len} exceeds the region's {region_len} bytes"
+    )]
+    OutOfBounds {
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
+    #[error("malformed remote region descriptor: {0}")]
+    BadDescriptor(String),
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout { after: Duration, what: &'static str },
+    #[error("peer failed: {0}")]
+    PeerFailed(String),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("the transport is shut down")]
+    Closed,
+    #[error("unknown cache_transceiver_config.backend {0:?}: expected UCX, DEFAULT or TCP")]
+    UnknownBackend(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("notification of {0} bytes exceeds the {MAX_NOTIFICATION_BYTES}-byte limit")]
+    NotificationTooLarge(usize),
+}
+
+pub type Result<T, E = TransferError> = std::result::Result<T, E>;
+
+/// `cache_transceiver_config.backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Backend {
+    #[serde(rename = "UCX")]
+    Ucx,
+    #[serde(rename = "TCP")]
+    Tcp,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Ucx => "UCX",
+            Backend::Tcp => "TCP",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = TransferError;
+    /// TensorRT-LLM spellings, case-insensitive: `UCX`, `DEFAULT` (= UCX), `TCP`.
+    /// `NIXL`/`MPI` are TensorRT-LLM backends we do not implement: an error, not a fallback.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_uppercase().as_str() {
+            "UCX" | "DEFAULT" => Ok(Backend::Ucx),
+            "TCP" => Ok(Backend::Tcp),
+            _ => Err(TransferError::UnknownBackend(s.to_string())),
+        }
+    }
+}
+
+/// Where registered memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum MemoryKind {
+    #[default]
+    Host,
+    /// GPU memory of a CUDA device. Reserved: needs a CUDA-enabled UCX (libucx-cu13); both
+    /// transports refuse it today.
+    Cuda { device: u32 },
+}
+
+/// A region of this process's memory to expose to remote writers.
+#[derive(Debug)]
+pub struct LocalMemory {
+    ptr: *mut u8,
+    len: usize,
+    kind: MemoryKind,
+}
+
+// SAFETY: LocalMemory is an address range; the `host` contract makes the caller responsible
+// for the memory staying valid and for tolerating concurrent remote writes, from any thread.
+unsafe impl Send for LocalMemory {}
+unsafe impl Sync for LocalMemory {}
+
+impl LocalMemory {
+    /// Host memory `[ptr, ptr + len)`.
+    ///
+    /// # Safety
+    /// The range must be valid, writable memory that stays allocated (and is not moved) until
+    /// the [`KvTransport::Registration`] made from it is dropped **and** every writer that was
+    /// given its descriptor has stopped (the lease layer's job). Remote peers write into it
+    /// concurrently with this process, so Rust must not hold `&`/`&mut` references to bytes a
+    /// transfer may touch while it is in progress; read them after the notification.
+    pub unsafe fn host(ptr: *mut u8, len: usize) -> Self {
+        LocalMemory {
+            ptr,
+            len,
+            kind: MemoryKind::Host,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.kind != MemoryKind::Host {
+            return Err(TransferError::Unsupported(format!(
+                "registering {:?} memory",
+                self.kind
+            )));
+        }
+        if self.ptr.is_null() || self.len == 0 {
+            return Err(TransferError::BadDescriptor("empty or null region".into()));
+        }
+        if (self.ptr as u64).checked_add(self.len as u64).is_none() {
+            return Err(TransferError::BadDescriptor(
+                "region wraps the address space".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How to reach a peer: a UCX worker address blob, or `host:port` (UTF-8) for TCP.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PeerAddress(pub Vec<u8>);
+
+/// Descriptor of a registered region, sent from the receiver to the sender.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    pub backend: Backend,
+    /// The receiver's address (what [`KvTransport::connect`] takes).
+    pub peer: PeerAddress,
+    /// The receiver's id for this registration (TCP checks it; informative for UCX).
+    pub region_id: u64,
+    /// Address of the region's first byte in the receiver's address space.
+    pub base: u64,
+    pub len: u64,
+    /// Packed UCX remote key (empty for TCP).
+    pub rkey: Vec<u8>,
+    pub memory: MemoryKind,
+}
+
+impl RemoteRegion {
+    /// Structural validity: a non-empty range that does not wrap.
+    pub fn validate(&self) -> Result<()> {
+        if self.len == 0 {
+            return Err(TransferError::BadDescriptor("zero-length region".into()));
+        }
+        if self.base.checked_add(self.len).is_none() {
+            return Err(TransferError::BadDescriptor(format!(
+                "base {:#x} + len {} overflows",
+                self.base, self.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// `[offset, offset + len)` lies inside the region.
+    pub fn check_bounds(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(TransferError::OutOfBounds {
+                offset,
+                len,
+                region_len: self.len,
+            }),
+        }
+    }
+}
+
+/// One put of a batch: `local` lands at `offset` bytes into the remote region.
+///
+/// `local` is owned ([`Bytes`]) rather than borrowed because the transfer may outlive a
+/// cancelled future: the transport keeps the bytes alive until the hardware/kernel has read
+/// them. A KV pool can lend zero-copy views with `Bytes::from_owner`.
+#[derive(Debug, Clone)]
+pub struct Put {
+    pub local: Bytes,
+    pub offset: u64,
+}
+
+/// What a receiver hears from its senders.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A notification, delivered after all puts its sender completed before sending it.
+    Notification(Vec<u8>),
+    /// A sender's connection ended (TCP only; `error` is `None` on a clean close).
+    PeerClosed { peer: String, error: Option<String> },
+}
+
+/// The receiver's stream of [`Event`]s (one per transport, see `take_notifications`).
+#[derive(Debug)]
+pub struct Notifications {
+    rx: mpsc::UnboundedReceiver<Event>,
+}
+
+impl Notifications {
+    fn channel() -> (mpsc::UnboundedSender<Event>, Notifications) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (tx, Notifications { rx })
+    }
+
+    /// The next event; `None` once the transport is gone.
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// The next event within `after`.
+    pub async fn recv_timeout(&mut self, after: Duration) -> Result<Event> {
+        match tokio::time::timeout(after, self.rx.recv()).await {
+            Ok(Some(ev)) => Ok(ev),
+            Ok(None) => Err(TransferError::Closed),
+            Err(_) => Err(TransferError::Timeout {
+                after,
+                what: "a notification",
+            }),
+        }
+    }
+
+    /// The next notification payload within `after`; a closed peer is an error.
+    pub async fn next_notification(&mut self, after: Duration) -> Result<Vec<u8>> {
+        match self.recv_timeout(after).await? {
+            Event::Notification(p) => Ok(p),
+            Event::PeerClosed { peer, error } => Err(TransferError::PeerFailed(format!(
+                "{peer} closed its connection: {}",
+                error.as_deref().unwrap_or("clean close")
+            ))),
+        }
+    }
+}
+
+/// Settings shared by both transports.
+#[derive(Debug, Clone)]
+pub struct TransportConfig {
+    pub backend: Backend,
+    /// TCP: where the receiver listens (`127.0.0.1:0` picks a free loopback port).
+    pub tcp_listen: std::net::SocketAddr,
+    /// Upper bound on any single operation (connect, a write batch, a notification).
+    pub op_timeout: Duration,
+    /// Extra labels on the `trtllm_kv_transfer_*` metrics (`model_name`, `engine_type`,
+    /// `disaggregation_mode`).
+    pub metric_labels: Vec<(String, String)>,
+}
+
+impl TransportConfig {
+    pub fn new(backend: Backend) -> Self {
+        TransportConfig {
+            backend,
+            tcp_listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            op_timeout: Duration::from_secs(30),
+            metric_labels: Vec::new(),
+        }
+    }
+}
+
+/// A registration handle; dropping it unregisters the memory.
+pub trait Registration: Send + Sync {
+    fn descriptor(&self) -> &RemoteRegion;
+}
+
+/// The sender's side of a connection to one receiver.
+pub trait KvConnection: Send + Sync {
+    /// Writes every put into `remote`, returning once all of them are complete at the
+    /// receiver (one flush for the batch). All puts are bounds-checked before any is issued.
+    fn write(
+        &self,
+        remote: &RemoteRegion,
+        puts: Vec<Put>,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Sends a small notification; the receiver sees it after every completed `write`.
+    fn notify(&self, payload: Bytes) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// A transport endpoint: receiver (register + notifications) and sender (connect) at once.
+pub trait KvTransport: Send + Sync {
+    type Registration: Registration;
+    type Connection: KvConnection;
+
+    fn backend(&self) -> Backend;
+
+    /// What peers pass to `connect` to reach this transport.
+    fn address(&self) -> PeerAddress;
+
+    /// Exposes `mem` to remote writers until the returned handle is dropped.
+    fn register(&self, mem: LocalMemory)
+        -> impl Future<Output = Result<Self::Registration>> + Send;
+
+    /// Connects to the receiver at `peer`.
+    fn connect(&self, peer: &PeerAddress) -> impl Future<Output = Result<Self::Connection>> + Send;
+
+    /// The receiver's event stream; `Some` once, `None` afterwards.
+    fn take_notifications(&self) -> Option<Notifications>;
+}
+
+/// Checks a whole batch before anything is sent, so a refused batch writes nothing.
+fn check_batch(
+    remote: &RemoteRegion,
+    backend: Backend,
+    peer: &PeerAddress,
+    puts: &[Put],
+) -> Result<u64> {
+    remote.validate()?;
+    if remote.backend != backend {
+        return Err(TransferError::BadDescriptor(format!(
+            "descriptor is for {}, this connection is {backend}",
+            remote.backend
+        )));
+    }
+    if &remote.peer != peer {
+        return Err(TransferError::BadDescriptor(
+            "descriptor belongs to another peer".into(),
+        ));
+    }
+    if remote.memory != MemoryKind::Host {
+        return Err(TransferError::Unsupported(format!(
+            "writing to {:?} memory",
+            remote.memory
+        )));
+    }
+    let mut total = 0u64;
+    for p in puts {
+        remote.check_bounds(p.offset, p.local.len() as u64)?;
+        total += p.local.len() as u64;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names() {
+        assert_eq!("UCX".parse::<Backend>().unwrap(), Backend::Ucx);
+        assert_eq!("default".parse::<Backend>().unwrap(), Backend::Ucx);
+        assert_eq!("TCP".parse::<Backend>().unwrap(), Backend::Tcp);
+        assert!(matches!(
+            "NIXL".parse::<Backend>(),
+            Err(TransferError::UnknownBackend(_))
+        ));
+    }
+
+    #[test]
+    fn bounds() {
+        let r = RemoteRegion {
+            backend: Backend::Tcp,
+            peer: PeerAddress(b"x".to_vec()),
+            region_id: 1,
+            base: 0x1000,
+            len: 100,
+            rkey: vec![],
+            memory: MemoryKind::Host,
+        };
+        assert!(r.check_bounds(0, 100).is_ok());
+        assert!(r.check_bounds(100, 0).is_ok());
+        assert!(r.check_bounds(1, 100).is_err());
+        assert!(r.check_bounds(u64::MAX, 2).is_err());
+        let bad = RemoteRegion {
+            base: u64::MAX - 10,
+            ..r.clone()
+        };
+        assert!(bad.validate().is_err());
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<RemoteRegion>(&json).unwrap(), r);
+    }
+}

@@ -1,0 +1,933 @@
+//! [`UcxTransport`]: KV transfer over UCX (UCP RMA put + flush, active message notifications).
+//!
+//! Threading design: UCX workers are not thread-safe unless created in multi-thread mode, and
+//! that mode costs a lock per call. Instead one dedicated thread owns the context, the worker,
+//! every endpoint, memory handle and remote key; the rest of the process talks to it through a
+//! command channel, and each command answers on a tokio oneshot. The thread sleeps in `poll(2)`
+//! on the worker's event fd (`ucp_worker_get_efd` + `ucp_worker_arm`), so an idle transport
+//! uses no CPU; a command wakes it with `ucp_worker_signal`, the one UCP call documented as
+//! safe from any thread. While operations are in flight it spins on `ucp_worker_progress` for
+//! a short while before sleeping again, with a short poll timeout to check deadlines.
+//!
+//! A write batch issues one `ucp_put_nbx` per put and one `ucp_ep_flush_nbx`; it completes when
+//! the flush and every put request have completed, i.e. the data is in the receiver's memory.
+//! The source bytes ([`Put::local`]) stay owned by the thread until then, even if the caller's
+//! future was dropped. Endpoints use `UCP_ERR_HANDLING_MODE_PEER`, so a dead receiver fails the
+//! outstanding requests; each batch also has a deadline after which the endpoint is closed by
+//! force (which completes its requests with an error) and the batch fails with a timeout.
+//!
+//! Notifications are UCP active messages (id [`AM_ID`], eager only, at most
+//! [`MAX_NOTIFICATION_BYTES`]); the handler copies the payload to the event channel. The
+//! notification is sent after the preceding batch's flush completed, which is what orders it
+//! after those puts.
+//!
+//! Limitation: the receiver does not learn that a sender died (it holds no endpoint to it);
+//! it bounds its wait with [`crate::Notifications::recv_timeout`] / the lease deadline.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tandem_ucx_sys as sys;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{
+    check_batch, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory, MemoryKind,
+    Notifications, PeerAddress, Put, RemoteRegion, Result, TransferError, TransportConfig,
+    MAX_NOTIFICATION_BYTES,
+};
+
+/// Active-message id of notifications.
+pub const AM_ID: u32 = 0x7a4b;
+
+fn ucx_err(op: &'static str, status: sys::ucs_status_t) -> TransferError {
+    TransferError::Ucx {
+        op,
+        msg: sys::status_string(status),
+    }
+}
+
+/// Raw UCP handles are plain pointers; they are only dereferenced by UCX on the owning thread.
+#[derive(Clone, Copy)]
+struct WorkerPtr(sys::ucp_worker_h);
+// SAFETY: only used for ucp_worker_signal, which UCX documents as callable from any thread, and
+// only while the worker is alive (guarded by `Shared::worker`'s mutex, cleared before destroy).
+unsafe impl Send for WorkerPtr {}
+
+enum Cmd {
+    Register {
+        ptr: usize,
+        len: usize,
+        reply: oneshot::Sender<Result<(u64, Vec<u8>)>>,
+    },
+    Unregister {
+        id: u64,
+        done: std_mpsc::Sender<()>,
+    },
+    Connect {
+        addr: Vec<u8>,
+        reply: oneshot::Sender<Result<u64>>,
+    },
+    Write {
+        ep: u64,
+        rkey: Vec<u8>,
+        puts: Vec<(Bytes, u64)>,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    Notify {
+        ep: u64,
+        payload: Bytes,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    Close {
+        ep: u64,
+    },
+}
+
+struct Shared {
+    tx: Mutex<Option<std_mpsc::Sender<Cmd>>>,
+    worker: Mutex<Option<WorkerPtr>>,
+}
+
+impl Shared {
+    fn send(&self, cmd: Cmd) -> Result<()> {
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = tx.as_ref().ok_or(TransferError::Closed)?;
+        tx.send(cmd).map_err(|_| TransferError::Closed)?;
+        if let Some(w) = *self.worker.lock().unwrap_or_else(|e| e.into_inner()) {
+            // SAFETY: the worker is alive while it is in `self.worker` (see WorkerPtr).
+            unsafe { sys::ucp_worker_signal(w.0) };
+        }
+        Ok(())
+    }
+}
+
+/// KV transfer over UCX. See the module documentation for the threading design.
+pub struct UcxTransport {
+    shared: Arc<Shared>,
+    address: PeerAddress,
+    notifications: Mutex<Option<Notifications>>,
+    thread: Option<JoinHandle<()>>,
+    config: TransportConfig,
+}
+
+impl UcxTransport {
+    /// Initialises UCX (context with RMA + AM + wakeup, one worker) on a new progress thread.
+    /// Fails with [`TransferError::UcxUnavailable`] if UCX cannot be initialised.
+    pub fn new(config: TransportConfig) -> Result<Self> {
+        let (tx, rx) = std_mpsc::channel();
+        let (ev_tx, notifications) = Notifications::channel();
+        let (init_tx, init_rx) = std_mpsc::channel();
+        let op_timeout = config.op_timeout;
+        let thread = std::thread::Builder::new()
+            .name("ucx-progress".into())
+            .spawn(move || progress_thread(rx, ev_tx, init_tx, op_timeout))
+            .map_err(TransferError::Io)?;
+        let (address, worker) = match init_rx.recv() {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(TransferError::UcxUnavailable(e));
+            }
+            Err(_) => {
+                return Err(TransferError::UcxUnavailable(
+                    "the UCX progress thread died".into(),
+                ))
+            }
+        };
+        Ok(UcxTransport {
+            shared: Arc::new(Shared {
+                tx: Mutex::new(Some(tx)),
+                worker: Mutex::new(Some(worker)),
+            }),
+            address: PeerAddress(address),
+            notifications: Mutex::new(Some(notifications)),
+            thread: Some(thread),
+            config,
+        })
+    }
+
+    /// Version of the libucp loaded at run time.
+    pub fn library_version() -> (u32, u32, u32) {
+        sys::library_version()
+    }
+}
+
+impl Drop for UcxTransport {
+    fn drop(&mut self) {
+        // Closing the channel tells the thread to fail outstanding work, close endpoints, unmap
+        // every registration and destroy the worker and context; signal it so it notices now.
+        self.shared
+            .tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(w) = self
+            .shared
+            .worker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            // SAFETY: the worker is still alive: only the thread destroys it, after this.
+            unsafe { sys::ucp_worker_signal(w.0) };
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+async fn answer<T>(
+    rx: oneshot::Receiver<Result<T>>,
+    after: Duration,
+    what: &'static str,
+) -> Result<T> {
+    match tokio::time::timeout(after, rx).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(TransferError::Closed),
+        Err(_) => Err(TransferError::Timeout { after, what }),
+    }
+}
+
+/// A registered region of a [`UcxTransport`]; dropping it unmaps the memory (synchronously,
+/// bounded to a few seconds) so UCX no longer references it afterwards.
+pub struct UcxRegistration {
+    shared: Arc<Shared>,
+    desc: RemoteRegion,
+}
+
+impl crate::Registration for UcxRegistration {
+    fn descriptor(&self) -> &RemoteRegion {
+        &self.desc
+    }
+}
+
+impl Drop for UcxRegistration {
+    fn drop(&mut self) {
+        let (done, wait) = std_mpsc::channel();
+        if self
+            .shared
+            .send(Cmd::Unregister {
+                id: self.desc.region_id,
+                done,
+            })
+            .is_ok()
+        {
+            let _ = wait.recv_timeout(Duration::from_secs(5));
+        }
+    }
+}
+
+/// A sender's endpoint to one UCX receiver; dropping it closes the endpoint.
+pub struct UcxConnection {
+    shared: Arc<Shared>,
+    ep: u64,
+    peer: PeerAddress,
+    op_timeout: Duration,
+    labels: Vec<(String, String)>,
+}
+
+impl Drop for UcxConnection {
+    fn drop(&mut self) {
+        let _ = self.shared.send(Cmd::Close { ep: self.ep });
+    }
+}
+
+impl KvConnection for UcxConnection {
+    async fn write(&self, remote: &RemoteRegion, puts: Vec<Put>) -> Result<()> {
+        let bytes = check_batch(remote, Backend::Ucx, &self.peer, &puts)?;
+        if remote.rkey.is_empty() {
+            return Err(TransferError::BadDescriptor("empty rkey".into()));
+        }
+        let start = Instant::now();
+        // Absolute addresses cannot overflow: check_batch validated base + len and every
+        // offset + len <= len.
+        let puts = puts
+            .into_iter()
+            .map(|p| (p.local, remote.base + p.offset))
+            .collect();
+        let (reply, rx) = oneshot::channel();
+        self.shared.send(Cmd::Write {
+            ep: self.ep,
+            rkey: remote.rkey.clone(),
+            puts,
+            reply,
+        })?;
+        // The thread enforces op_timeout itself; the extra second covers a wedged thread.
+        answer(
+            rx,
+            self.op_timeout + Duration::from_secs(1),
+            "a UCX write batch",
+        )
+        .await?;
+        crate::metrics::record_transfer(&self.labels, bytes, start.elapsed());
+        Ok(())
+    }
+
+    async fn notify(&self, payload: Bytes) -> Result<()> {
+        if payload.len() > MAX_NOTIFICATION_BYTES {
+            return Err(TransferError::NotificationTooLarge(payload.len()));
+        }
+        let (reply, rx) = oneshot::channel();
+        self.shared.send(Cmd::Notify {
+            ep: self.ep,
+            payload,
+            reply,
+        })?;
+        answer(
+            rx,
+            self.op_timeout + Duration::from_secs(1),
+            "a UCX notification",
+        )
+        .await
+    }
+}
+
+impl KvTransport for UcxTransport {
+    type Registration = UcxRegistration;
+    type Connection = UcxConnection;
+
+    fn backend(&self) -> Backend {
+        Backend::Ucx
+    }
+
+    fn address(&self) -> PeerAddress {
+        self.address.clone()
+    }
+
+    async fn register(&self, mem: LocalMemory) -> Result<UcxRegistration> {
+        mem.check()?;
+        let (reply, rx) = oneshot::channel();
+        self.shared.send(Cmd::Register {
+            ptr: mem.ptr as usize,
+            len: mem.len,
+            reply,
+        })?;
+        let (id, rkey) = answer(rx, self.config.op_timeout, "ucp_mem_map").await?;
+        Ok(UcxRegistration {
+            shared: self.shared.clone(),
+            desc: RemoteRegion {
+                backend: Backend::Ucx,
+                peer: self.address.clone(),
+                region_id: id,
+                base: mem.ptr as u64,
+                len: mem.len as u64,
+                rkey,
+                memory: MemoryKind::Host,
+            },
+        })
+    }
+
+    async fn connect(&self, peer: &PeerAddress) -> Result<UcxConnection> {
+        if peer.0.is_empty() {
+            return Err(TransferError::BadDescriptor(
+                "empty UCX worker address".into(),
+            ));
+        }
+        let (reply, rx) = oneshot::channel();
+        self.shared.send(Cmd::Connect {
+            addr: peer.0.clone(),
+            reply,
+        })?;
+        let ep = answer(rx, self.config.op_timeout, "ucp_ep_create").await?;
+        Ok(UcxConnection {
+            shared: self.shared.clone(),
+            ep,
+            peer: peer.clone(),
+            op_timeout: self.config.op_timeout,
+            labels: self.config.metric_labels.clone(),
+        })
+    }
+
+    fn take_notifications(&self) -> Option<Notifications> {
+        self.notifications
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The progress thread. Everything below runs on it and owns the raw UCX handles.
+// ---------------------------------------------------------------------------------------
+
+/// Per-endpoint state. `failed` is written by the error callback, whose `arg` points at it:
+/// boxed so the address is stable, freed only after the worker is destroyed.
+struct Endpoint {
+    ep: sys::ucp_ep_h,
+    failed: Box<std::cell::Cell<sys::ucs_status_t>>,
+    /// Unpacked remote keys by packed bytes: unpacking once per region, not per batch.
+    rkeys: HashMap<Vec<u8>, sys::ucp_rkey_h>,
+}
+
+/// A request in flight; `keep` owns the source bytes until UCX is done with them.
+struct Pending {
+    ep: u64,
+    requests: Vec<*mut c_void>,
+    first_error: Option<sys::ucs_status_t>,
+    reply: Option<oneshot::Sender<Result<()>>>,
+    deadline: Instant,
+    what: &'static str,
+    _keep: Vec<Bytes>,
+}
+
+struct Thread {
+    ctx: sys::ucp_context_h,
+    worker: sys::ucp_worker_h,
+    regions: HashMap<u64, sys::ucp_mem_h>,
+    eps: HashMap<u64, Endpoint>,
+    next_id: AtomicU64,
+    pending: Vec<Pending>,
+    /// Close requests of endpoints, progressed until they finish.
+    closing: Vec<*mut c_void>,
+    /// Error slots of closed endpoints; UCX may still call the handler until the worker dies.
+    /// Boxed (not moved into the Vec) because UCX holds their addresses.
+    #[allow(clippy::vec_box)]
+    dead_slots: Vec<Box<std::cell::Cell<sys::ucs_status_t>>>,
+    op_timeout: Duration,
+}
+
+unsafe extern "C" fn ep_error_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    // SAFETY: `arg` is the Endpoint's boxed Cell, alive until after the worker is destroyed;
+    // callbacks run on the progress thread (inside ucp_worker_progress), the Cell's only user.
+    let cell = unsafe { &*(arg as *const std::cell::Cell<sys::ucs_status_t>) };
+    cell.set(status);
+}
+
+struct AmCtx {
+    events: mpsc::UnboundedSender<Event>,
+}
+
+unsafe extern "C" fn am_recv_cb(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: `arg` is the thread's boxed AmCtx, which outlives the worker.
+    let ctx = unsafe { &*(arg as *const AmCtx) };
+    // SAFETY: UCX passes a valid param struct for the duration of the callback.
+    let attr = if param.is_null() {
+        0
+    } else {
+        unsafe { (*param).recv_attr }
+    };
+    if attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 || length > MAX_NOTIFICATION_BYTES {
+        // Senders force eager, so this is a foreign or oversized message: drop it.
+        tracing::warn!("kv-transfer: dropping a {length}-byte rendezvous/oversized notification");
+        return sys::UCS_OK;
+    }
+    let payload = if length == 0 || data.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: for eager messages `data` holds `length` readable bytes during the callback;
+        // we copy them and return UCS_OK, so UCX may release them afterwards.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }.to_vec()
+    };
+    let _ = ctx.events.send(Event::Notification(payload));
+    sys::UCS_OK
+}
+
+type InitReply = std::result::Result<(Vec<u8>, WorkerPtr), String>;
+
+fn progress_thread(
+    rx: std_mpsc::Receiver<Cmd>,
+    events: mpsc::UnboundedSender<Event>,
+    init: std_mpsc::Sender<InitReply>,
+    op_timeout: Duration,
+) {
+    let am_ctx = Box::new(AmCtx { events });
+    // SAFETY: init_ucx only performs the documented UCP initialisation sequence.
+    let (mut t, efd, address) = match unsafe { init_ucx(&am_ctx, op_timeout) } {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = init.send(Err(e));
+            return;
+        }
+    };
+    let _ = init.send(Ok((address, WorkerPtr(t.worker))));
+    drop(init);
+    t.run(&rx, efd);
+    // SAFETY: teardown of handles this thread created; nothing else references them now.
+    unsafe { t.teardown() };
+    drop(am_ctx);
+}
+
+/// Context + worker + AM handler + event fd.
+unsafe fn init_ucx(
+    am_ctx: &AmCtx,
+    op_timeout: Duration,
+) -> std::result::Result<(Thread, i32, Vec<u8>), String> {
+    // SAFETY (whole function): zeroed param structs are valid "no field set" values; each
+    // field we fill is announced in field_mask; failures release what was created.
+    unsafe {
+        let mut params: sys::ucp_params_t = std::mem::zeroed();
+        params.field_mask = sys::UCP_PARAM_FIELD_FEATURES as u64;
+        params.features =
+            (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
+        let mut ctx: sys::ucp_context_h = ptr::null_mut();
+        let st = sys::ucp_init(&params, ptr::null(), &mut ctx);
+        if st != sys::UCS_OK {
+            return Err(format!("ucp_init: {}", sys::status_string(st)));
+        }
+        let mut wp: sys::ucp_worker_params_t = std::mem::zeroed();
+        wp.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+        // Single: only this thread ever calls into the worker (ucp_worker_signal excepted).
+        wp.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        let mut worker: sys::ucp_worker_h = ptr::null_mut();
+        let st = sys::ucp_worker_create(ctx, &wp, &mut worker);
+        if st != sys::UCS_OK {
+            sys::ucp_cleanup(ctx);
+            return Err(format!("ucp_worker_create: {}", sys::status_string(st)));
+        }
+        let fail = |what: &str, st| {
+            sys::ucp_worker_destroy(worker);
+            sys::ucp_cleanup(ctx);
+            Err(format!("{what}: {}", sys::status_string(st)))
+        };
+        let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
+        hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
+        hp.id = AM_ID;
+        hp.cb = Some(am_recv_cb);
+        hp.arg = am_ctx as *const AmCtx as *mut c_void;
+        let st = sys::ucp_worker_set_am_recv_handler(worker, &hp);
+        if st != sys::UCS_OK {
+            return fail("ucp_worker_set_am_recv_handler", st);
+        }
+        let mut efd = -1;
+        let st = sys::ucp_worker_get_efd(worker, &mut efd);
+        if st != sys::UCS_OK {
+            return fail("ucp_worker_get_efd", st);
+        }
+        let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
+        let mut len = 0usize;
+        let st = sys::ucp_worker_get_address(worker, &mut addr, &mut len);
+        if st != sys::UCS_OK {
+            return fail("ucp_worker_get_address", st);
+        }
+        let address = std::slice::from_raw_parts(addr as *const u8, len).to_vec();
+        sys::ucp_worker_release_address(worker, addr);
+        let t = Thread {
+            ctx,
+            worker,
+            regions: HashMap::new(),
+            eps: HashMap::new(),
+            next_id: AtomicU64::new(1),
+            pending: Vec::new(),
+            closing: Vec::new(),
+            dead_slots: Vec::new(),
+            op_timeout,
+        };
+        Ok((t, efd, address))
+    }
+}
+
+impl Thread {
+    fn id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn progress(&mut self) -> bool {
+        let mut any = false;
+        // SAFETY: the worker is owned by this thread.
+        while unsafe { sys::ucp_worker_progress(self.worker) } != 0 {
+            any = true;
+        }
+        any
+    }
+
+    fn run(&mut self, rx: &std_mpsc::Receiver<Cmd>, efd: i32) {
+        let mut idle_spins = 0u32;
+        loop {
+            let mut worked = self.progress();
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        self.handle(cmd);
+                        worked = true;
+                    }
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                    Err(std_mpsc::TryRecvError::Disconnected) => return,
+                }
+            }
+            worked |= self.progress();
+            self.check_pending();
+            if worked {
+                idle_spins = 0;
+                continue;
+            }
+            // In-flight work: spin a little (completions are usually microseconds away)
+            // before paying for a sleep/wakeup.
+            if !self.pending.is_empty() && idle_spins < 2000 {
+                idle_spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            idle_spins = 0;
+            // SAFETY: the worker is owned by this thread; arm after progress returned 0.
+            let st = unsafe { sys::ucp_worker_arm(self.worker) };
+            if st == sys::UCS_ERR_BUSY {
+                continue;
+            }
+            let timeout_ms = if self.pending.is_empty() && self.closing.is_empty() {
+                1000
+            } else {
+                1
+            };
+            let mut pfd = libc::pollfd {
+                fd: efd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd; the fd belongs to the live worker.
+            unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        }
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Register { ptr, len, reply } => {
+                let _ = reply.send(self.register(ptr, len));
+            }
+            Cmd::Unregister { id, done } => {
+                if let Some(memh) = self.regions.remove(&id) {
+                    // SAFETY: memh came from ucp_mem_map on this context and is unmapped once.
+                    unsafe { sys::ucp_mem_unmap(self.ctx, memh) };
+                }
+                let _ = done.send(());
+            }
+            Cmd::Connect { addr, reply } => {
+                let _ = reply.send(self.connect(&addr));
+            }
+            Cmd::Write {
+                ep,
+                rkey,
+                puts,
+                reply,
+            } => self.write(ep, rkey, puts, reply),
+            Cmd::Notify { ep, payload, reply } => self.notify(ep, payload, reply),
+            Cmd::Close { ep } => self.close_ep(ep, false),
+        }
+    }
+
+    fn register(&mut self, ptr: usize, len: usize) -> Result<(u64, Vec<u8>)> {
+        // SAFETY: LocalMemory::host's contract makes [ptr, ptr+len) valid while registered;
+        // param structs are zero-initialised and announced through field_mask.
+        unsafe {
+            let mut mp: sys::ucp_mem_map_params_t = std::mem::zeroed();
+            mp.field_mask =
+                (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
+            mp.address = ptr as *mut c_void;
+            mp.length = len;
+            let mut memh: sys::ucp_mem_h = ptr::null_mut();
+            let st = sys::ucp_mem_map(self.ctx, &mp, &mut memh);
+            if st != sys::UCS_OK {
+                return Err(ucx_err("ucp_mem_map", st));
+            }
+            let mut buf: *mut c_void = ptr::null_mut();
+            let mut size = 0usize;
+            let st = sys::ucp_rkey_pack(self.ctx, memh, &mut buf, &mut size);
+            if st != sys::UCS_OK {
+                sys::ucp_mem_unmap(self.ctx, memh);
+                return Err(ucx_err("ucp_rkey_pack", st));
+            }
+            let rkey = std::slice::from_raw_parts(buf as *const u8, size).to_vec();
+            sys::ucp_rkey_buffer_release(buf);
+            let id = self.id();
+            self.regions.insert(id, memh);
+            Ok((id, rkey))
+        }
+    }
+
+    fn connect(&mut self, addr: &[u8]) -> Result<u64> {
+        let failed = Box::new(std::cell::Cell::new(sys::UCS_OK));
+        // SAFETY: `addr` is a worker address blob the peer produced; UCX parses it and
+        // returns an error for garbage. The error-handler arg is the boxed Cell (stable).
+        unsafe {
+            let mut p: sys::ucp_ep_params_t = std::mem::zeroed();
+            p.field_mask = (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
+            p.address = addr.as_ptr() as *const sys::ucp_address_t;
+            p.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+            p.err_handler.cb = Some(ep_error_cb);
+            p.err_handler.arg =
+                &*failed as *const std::cell::Cell<sys::ucs_status_t> as *mut c_void;
+            let mut ep: sys::ucp_ep_h = ptr::null_mut();
+            let st = sys::ucp_ep_create(self.worker, &p, &mut ep);
+            if st != sys::UCS_OK {
+                return Err(ucx_err("ucp_ep_create", st));
+            }
+            let id = self.id();
+            self.eps.insert(
+                id,
+                Endpoint {
+                    ep,
+                    failed,
+                    rkeys: HashMap::new(),
+                },
+            );
+            Ok(id)
+        }
+    }
+
+    /// The endpoint, unless it failed (then it is closed and the error returned).
+    fn usable_ep(&mut self, id: u64) -> Result<sys::ucp_ep_h> {
+        let Some(e) = self.eps.get(&id) else {
+            return Err(TransferError::PeerFailed("endpoint closed".into()));
+        };
+        let st = e.failed.get();
+        if st != sys::UCS_OK {
+            return Err(TransferError::PeerFailed(sys::status_string(st)));
+        }
+        Ok(e.ep)
+    }
+
+    fn write(
+        &mut self,
+        id: u64,
+        rkey_bytes: Vec<u8>,
+        puts: Vec<(Bytes, u64)>,
+        reply: oneshot::Sender<Result<()>>,
+    ) {
+        let ep = match self.usable_ep(id) {
+            Ok(ep) => ep,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        let rkey = {
+            let entry = self.eps.get_mut(&id).expect("checked by usable_ep");
+            match entry.rkeys.get(&rkey_bytes) {
+                Some(r) => *r,
+                None => {
+                    let mut r: sys::ucp_rkey_h = ptr::null_mut();
+                    // SAFETY: UCX validates the packed key and returns an error for garbage
+                    // (a malformed descriptor is an error, not UB).
+                    let st = unsafe {
+                        sys::ucp_ep_rkey_unpack(ep, rkey_bytes.as_ptr() as *const c_void, &mut r)
+                    };
+                    if st != sys::UCS_OK {
+                        let _ = reply.send(Err(TransferError::BadDescriptor(format!(
+                            "rkey does not unpack: {}",
+                            sys::status_string(st)
+                        ))));
+                        return;
+                    }
+                    entry.rkeys.insert(rkey_bytes, r);
+                    r
+                }
+            }
+        };
+        let mut pending = Pending {
+            ep: id,
+            requests: Vec::new(),
+            first_error: None,
+            reply: Some(reply),
+            deadline: Instant::now() + self.op_timeout,
+            what: "a UCX write batch",
+            _keep: Vec::with_capacity(puts.len()),
+        };
+        // SAFETY: zeroed request params = no callback, contiguous datatype, defaults.
+        let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        for (buf, addr) in puts {
+            if buf.is_empty() {
+                continue;
+            }
+            // SAFETY: `buf` stays alive in `pending._keep` until every request of the batch
+            // has completed; `addr` is inside the remote region (checked by the caller).
+            let r = unsafe {
+                sys::ucp_put_nbx(
+                    ep,
+                    buf.as_ptr() as *const c_void,
+                    buf.len(),
+                    addr,
+                    rkey,
+                    &param,
+                )
+            };
+            pending.track(r);
+            pending._keep.push(buf);
+            if pending.first_error.is_some() {
+                break;
+            }
+        }
+        // SAFETY: flush of a live endpoint with default params.
+        let r = unsafe { sys::ucp_ep_flush_nbx(ep, &param) };
+        pending.track(r);
+        self.pending.push(pending);
+    }
+
+    fn notify(&mut self, id: u64, payload: Bytes, reply: oneshot::Sender<Result<()>>) {
+        let ep = match self.usable_ep(id) {
+            Ok(ep) => ep,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        // SAFETY: zeroed params plus an announced flags field (eager: the receiver's handler
+        // only accepts data it can copy inside the callback).
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+        // SAFETY: payload kept alive in `_keep` until the request completes.
+        let r = unsafe {
+            sys::ucp_am_send_nbx(
+                ep,
+                AM_ID,
+                ptr::null(),
+                0,
+                payload.as_ptr() as *const c_void,
+                payload.len(),
+                &param,
+            )
+        };
+        let mut pending = Pending {
+            ep: id,
+            requests: Vec::new(),
+            first_error: None,
+            reply: Some(reply),
+            deadline: Instant::now() + self.op_timeout,
+            what: "a UCX notification",
+            _keep: vec![payload],
+        };
+        pending.track(r);
+        self.pending.push(pending);
+    }
+
+    /// Completes finished operations and fails those past their deadline.
+    fn check_pending(&mut self) {
+        let now = Instant::now();
+        let mut expired_eps = Vec::new();
+        for p in &mut self.pending {
+            p.requests.retain(|&r| {
+                // SAFETY: `r` is a live request handle from this worker, freed exactly once here.
+                let st = unsafe { sys::ucp_request_check_status(r) };
+                if st == sys::UCS_INPROGRESS {
+                    return true;
+                }
+                if st != sys::UCS_OK && p.first_error.is_none() {
+                    p.first_error = Some(st);
+                }
+                unsafe { sys::ucp_request_free(r) };
+                false
+            });
+            if !p.requests.is_empty() && now >= p.deadline && !expired_eps.contains(&p.ep) {
+                expired_eps.push(p.ep);
+            }
+        }
+        // A batch past its deadline: force-close its endpoint, which completes every request
+        // on it with an error (so the source buffers can be released), and fail the batch.
+        for ep in expired_eps {
+            for p in &mut self.pending {
+                if p.ep == ep {
+                    if let Some(reply) = p.reply.take() {
+                        let _ = reply.send(Err(TransferError::Timeout {
+                            after: self.op_timeout,
+                            what: p.what,
+                        }));
+                    }
+                }
+            }
+            self.close_ep(ep, true);
+        }
+        self.pending.retain_mut(|p| {
+            if !p.requests.is_empty() {
+                return true;
+            }
+            if let Some(reply) = p.reply.take() {
+                let r = match p.first_error {
+                    None => Ok(()),
+                    Some(st) => Err(TransferError::PeerFailed(sys::status_string(st))),
+                };
+                let _ = reply.send(r);
+            }
+            false
+        });
+        self.closing.retain(|&r| {
+            // SAFETY: close request handles of this worker, freed once on completion.
+            let st = unsafe { sys::ucp_request_check_status(r) };
+            if st == sys::UCS_INPROGRESS {
+                return true;
+            }
+            unsafe { sys::ucp_request_free(r) };
+            false
+        });
+    }
+
+    fn close_ep(&mut self, id: u64, force: bool) {
+        let Some(e) = self.eps.remove(&id) else {
+            return;
+        };
+        // SAFETY: rkeys belong to this endpoint and are destroyed before it closes; a failed
+        // endpoint must be closed with FORCE (UCX requirement), as must a timed-out one.
+        unsafe {
+            for (_, r) in e.rkeys {
+                sys::ucp_rkey_destroy(r);
+            }
+            let mut param: sys::ucp_request_param_t = std::mem::zeroed();
+            if force || e.failed.get() != sys::UCS_OK {
+                param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+                param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+            }
+            let r = sys::ucp_ep_close_nbx(e.ep, &param);
+            if sys::ucs_ptr_is_ptr(r) {
+                self.closing.push(r);
+            }
+        }
+        self.dead_slots.push(e.failed);
+    }
+
+    unsafe fn teardown(&mut self) {
+        // Fail whatever is still outstanding, close every endpoint by force, wait (bounded)
+        // for UCX to finish the requests, then release memory handles, worker and context.
+        for p in &mut self.pending {
+            if let Some(reply) = p.reply.take() {
+                let _ = reply.send(Err(TransferError::Closed));
+            }
+        }
+        let ids: Vec<u64> = self.eps.keys().copied().collect();
+        for id in ids {
+            self.close_ep(id, true);
+        }
+        let until = Instant::now() + Duration::from_secs(2);
+        while (!self.pending.is_empty() || !self.closing.is_empty()) && Instant::now() < until {
+            self.progress();
+            self.check_pending();
+        }
+        // SAFETY: every handle below was created by this thread and is released once; requests
+        // that did not finish in time are abandoned (their buffers leak, which is safe).
+        unsafe {
+            for (_, memh) in self.regions.drain() {
+                sys::ucp_mem_unmap(self.ctx, memh);
+            }
+            for p in self.pending.drain(..) {
+                std::mem::forget(p._keep);
+            }
+            sys::ucp_worker_destroy(self.worker);
+            sys::ucp_cleanup(self.ctx);
+        }
+    }
+}
+
+impl Pending {
+    /// Records the result of a `*_nbx` call: immediate success, error, or a request to watch.
+    fn track(&mut self, r: sys::ucs_status_ptr_t) {
+        if sys::ucs_ptr_is_ptr(r) {
+            self.requests.push(r);
+        } else if sys::ucs_ptr_is_err(r) && self.first_error.is_none() {
+            self.first_error = Some(sys::ucs_ptr_status(r));
+        }
+    }
+}
