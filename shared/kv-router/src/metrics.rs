@@ -25,7 +25,7 @@ pub const OVERHEAD_TOTAL_MS: &str = "dynamo_router_overhead_total_ms";
 
 pub const STATUS_OK: &str = "ok";
 pub const STATUS_DUPLICATE: &str = "duplicate";
-pub const STATUS_PARENT_NOT_FOUND: &str = "parent_block_not_found";
+pub const STATUS_ERROR: &str = "error";
 
 /// Registers descriptions for the metrics above (call once after installing an exporter).
 pub fn describe() {

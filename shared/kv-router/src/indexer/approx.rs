@@ -21,7 +21,6 @@ pub struct ApproxIndexer {
     ttl: Duration,
     max_blocks: usize,
     prune_target: usize,
-    total: usize,
     /// Newest deadline of each predicted (worker, sequence hash).
     deadlines: FxHashMap<(WorkerId, u64), Instant>,
     /// Deadlines in the order they were set (non-decreasing, the TTL being constant); entries
@@ -37,7 +36,6 @@ impl ApproxIndexer {
             ttl: Duration::from_secs_f64(config.router_ttl_secs.max(0.0)),
             max_blocks,
             prune_target: (max_blocks as f64 * config.router_prune_target_ratio) as usize,
-            total: 0,
             deadlines: FxHashMap::default(),
             queue: VecDeque::new(),
         }
@@ -59,15 +57,16 @@ impl ApproxIndexer {
                 })
                 .collect(),
         };
-        // Root-anchored chains of the router's own hashes cannot miss a parent.
-        self.total += self.tree.apply_stored(worker, &data).unwrap_or(0);
+        if let Err(e) = self.tree.apply_stored(worker, &data) {
+            tracing::warn!(error = %e, "approximate index not updated");
+        }
         let deadline = now + self.ttl;
         for s in seqs {
             self.deadlines.insert((worker, s), deadline);
             self.queue.push_back((deadline, worker, s));
         }
-        if self.total > self.max_blocks {
-            while self.total > self.prune_target {
+        if self.predicted_blocks() > self.max_blocks {
+            while self.predicted_blocks() > self.prune_target {
                 if !self.pop_oldest() {
                     break;
                 }
@@ -77,11 +76,11 @@ impl ApproxIndexer {
 
     /// Drops predictions past their deadline; returns how many blocks went.
     pub fn expire(&mut self, now: Instant) -> usize {
-        let before = self.total;
+        let before = self.predicted_blocks();
         while self.queue.front().is_some_and(|(d, _, _)| *d <= now) {
             self.pop_oldest();
         }
-        before - self.total
+        before - self.predicted_blocks()
     }
 
     /// Pops the oldest queue entry, removing its block if the entry is still current.
@@ -91,8 +90,8 @@ impl ApproxIndexer {
         };
         if self.deadlines.get(&(w, h)) == Some(&d) {
             self.deadlines.remove(&(w, h));
-            let removed = self.tree.apply_removed(w, &[h]);
-            self.total = self.total.saturating_sub(removed);
+            // Blocks below it stay (as unmatchable orphans) until their own deadlines.
+            self.tree.apply_removed(w, &[h]);
         }
         true
     }
@@ -102,14 +101,17 @@ impl ApproxIndexer {
     }
 
     pub fn remove_worker(&mut self, worker: WorkerId) {
-        let removed = self.tree.remove_worker(worker);
-        self.total = self.total.saturating_sub(removed);
+        self.tree.remove_worker(worker);
         self.deadlines.retain(|(w, _), _| *w != worker);
     }
 
-    /// Predicted blocks across all workers.
+    /// Predicted blocks across all workers (matchable or not). O(workers).
     pub fn predicted_blocks(&self) -> usize {
-        self.total
+        self.tree
+            .workers()
+            .into_iter()
+            .map(|w| self.tree.tree_size(w) + self.tree.orphan_count(w))
+            .sum()
     }
 
     pub fn tree(&self) -> &RadixTree {

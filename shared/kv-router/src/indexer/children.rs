@@ -62,12 +62,13 @@ impl Children {
         }
     }
 
-    pub(super) fn push_ids(&self, out: &mut Vec<u32>) {
+    /// Appends `(child, tag)` for every child.
+    pub(super) fn push_ids_with<T: Copy>(&self, out: &mut Vec<(u32, T)>, tag: T) {
         match self {
             Children::None => {}
-            Children::One(_, n) => out.push(*n),
-            Children::Few(v) => out.extend(v.iter().map(|(_, n)| *n)),
-            Children::Many(m) => out.extend(m.values().copied()),
+            Children::One(_, n) => out.push((*n, tag)),
+            Children::Few(v) => out.extend(v.iter().map(|(_, n)| (*n, tag))),
+            Children::Many(m) => out.extend(m.values().map(|n| (*n, tag))),
         }
     }
 

@@ -15,6 +15,7 @@
 
 pub mod approx;
 mod children;
+mod orphans;
 pub mod radix_tree;
 pub mod snapshot;
 
@@ -65,8 +66,9 @@ pub enum ApplyOutcome {
 pub struct ResyncOutcome {
     /// Events applied (replayed plus buffered ones drained after it).
     pub applied_events: usize,
-    /// Blocks the index had to ignore (stored under a parent the worker did not hold).
-    pub ignored_blocks: usize,
+    /// Blocks of a dump the worker holds below a parent it does not hold: kept, but not
+    /// matchable until the parent is stored again.
+    pub orphaned_blocks: usize,
     /// Still not contiguous: ask again from `expected`.
     pub gap: Option<GapReport>,
 }
@@ -218,6 +220,8 @@ impl KvIndexer {
     pub fn apply_dump(&mut self, worker: WorkerId, dump: &KvStoredDump) -> ResyncOutcome {
         let mut out = ResyncOutcome::default();
         self.tree.clear_worker(worker);
+        // Any order works: a block listed before its parent waits as an orphan and is
+        // attached when the parent comes.
         for b in &dump.blocks {
             let data = KvCacheStoreData {
                 parent_hash: b.parent_hash,
@@ -228,12 +232,10 @@ impl KvIndexer {
                 }],
             };
             if let Err(e) = self.tree.apply_stored(worker, &data) {
-                // A dump may list blocks whose parent the engine already evicted; they could
-                // never be matched, and the live index drops them the same way.
-                tracing::debug!(worker_id = worker, error = %e, "dump block ignored");
-                out.ignored_blocks += 1;
+                tracing::warn!(worker_id = worker, error = %e, "dump block not indexed");
             }
         }
+        out.orphaned_blocks = self.tree.orphan_count(worker);
         let st = self.workers.entry(worker).or_default();
         st.last_event_id = dump.last_event_id;
         if let Some(r) = st.resync.as_mut() {
@@ -304,7 +306,7 @@ impl KvIndexer {
                 Ok(n)
             }
             Err(source) => {
-                metrics::event_applied(data, metrics::STATUS_PARENT_NOT_FOUND);
+                metrics::event_applied(data, metrics::STATUS_ERROR);
                 Err(IndexerError::Tree { event_id, source })
             }
         }
@@ -321,12 +323,8 @@ impl KvIndexer {
             st.last_event_id = id;
         }
         out.applied_events += 1;
-        if let Err(IndexerError::Tree {
-            source: TreeError::UnknownParent { dropped, .. },
-            ..
-        }) = self.apply_data(worker, id, data)
-        {
-            out.ignored_blocks += dropped;
+        if let Err(e) = self.apply_data(worker, id, data) {
+            tracing::warn!(worker_id = worker, error = %e, "replayed kv event not indexed");
         }
     }
 

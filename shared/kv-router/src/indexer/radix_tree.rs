@@ -9,11 +9,12 @@
 //! `Rc<RefCell<_>>`: no reference counting, no interior mutability, the whole index is `Send`
 //! and can sit behind a `Mutex`/`RwLock`, and a lookup is a couple of cache-friendly loads.
 //!
-//! Invariant: a worker's blocks are *prefix-closed*. A worker is only added to a node whose
-//! parent it already holds, and removing a block from a worker also removes every descendant
-//! that worker holds (they could never be matched again: a match must be contiguous from the
-//! first block). Hence along any path the worker sets shrink monotonically, every non-root node
-//! has at least one worker, and an emptied node has an emptied subtree that can be freed at once.
+//! Invariant: a worker's blocks *in the tree* are prefix-closed. A worker is only added to a
+//! node whose parent it already holds, and removing a block moves the worker's blocks below it
+//! out of the tree into its [`Orphans`] (they could not be matched: a match must be contiguous
+//! from the first block; they come back when the parent is stored again). Hence along any path
+//! the worker sets shrink monotonically, every non-root node has at least one worker, and an
+//! emptied node has an emptied subtree that can be freed at once.
 
 use std::collections::BTreeSet;
 
@@ -21,6 +22,7 @@ use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 use super::children::Children;
+use super::orphans::Orphans;
 use crate::protocols::{
     ExternalBlockHash, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
     OverlapScores, StoredBlock, WorkerId,
@@ -29,19 +31,9 @@ use crate::protocols::{
 const ROOT: u32 = 0;
 const NO_PARENT: u32 = u32::MAX;
 
-/// An event the index could not (fully) apply. The event is still consumed: the worker's
-/// state for the affected blocks is simply unknown to the router, which only costs matches.
+/// An event the index could not apply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TreeError {
-    #[error(
-        "worker {worker}: {dropped} stored block(s) under parent {parent:#018x}, which the \
-         worker does not hold, were ignored"
-    )]
-    UnknownParent {
-        worker: WorkerId,
-        parent: ExternalBlockHash,
-        dropped: usize,
-    },
     #[error("radix index is full ({0} nodes)")]
     Capacity(usize),
 }
@@ -66,6 +58,7 @@ impl Node {
 struct WorkerEntry {
     id: WorkerId,
     blocks: FxHashMap<ExternalBlockHash, u32>,
+    orphans: Orphans,
 }
 
 /// The radix index. Single-threaded; wrap it in a lock to share it.
@@ -76,7 +69,7 @@ pub struct RadixTree {
     free_slots: Vec<u32>,
     slot_of: FxHashMap<WorkerId, u32>,
     // Scratch buffers reused by removals, so steady-state event application does not allocate.
-    stack: Vec<u32>,
+    stack: Vec<(u32, ExternalBlockHash)>,
     emptied: Vec<u32>,
 }
 
@@ -115,7 +108,8 @@ impl RadixTree {
         }
     }
 
-    /// Adds a chain of blocks below `data.parent_hash` (the root when `None`).
+    /// Adds a chain of blocks below `data.parent_hash` (the root when `None`). Returns how many
+    /// became matchable; a chain under a parent the worker does not hold is kept as orphans.
     pub fn apply_stored(
         &mut self,
         worker: WorkerId,
@@ -123,38 +117,59 @@ impl RadixTree {
     ) -> Result<usize, TreeError> {
         let slot = self.ensure_slot(worker);
         let mut parent = match data.parent_hash {
-            None => ROOT,
-            Some(p) => match self.entry(slot).and_then(|e| e.blocks.get(&p)) {
-                Some(&n) => n,
-                None => {
-                    return Err(TreeError::UnknownParent {
-                        worker,
-                        parent: p,
-                        dropped: data.blocks.len(),
-                    })
-                }
-            },
+            None => Some(ROOT),
+            Some(p) => self.entry(slot).and_then(|e| e.blocks.get(&p)).copied(),
         };
+        let mut parent_ext = data.parent_hash.unwrap_or_default();
         let mut added = 0;
-        for (i, b) in data.blocks.iter().enumerate() {
-            match self.store_one(slot, parent, b) {
-                Ok((node, is_new)) => {
-                    parent = node;
-                    added += usize::from(is_new);
-                }
-                Err(()) => {
-                    return Err(TreeError::UnknownParent {
-                        worker,
-                        parent: data.parent_hash.unwrap_or_default(),
-                        dropped: data.blocks.len() - i,
-                    })
+        for b in &data.blocks {
+            if let Some(pn) = parent {
+                if let Ok((node, is_new)) = self.store_one(slot, pn, b) {
+                    added += usize::from(is_new) + self.reattach(slot, node, b.block_hash);
+                    parent = Some(node);
+                    parent_ext = b.block_hash;
+                    continue;
                 }
             }
+            // Not matchable (yet): an orphan until its parent is stored.
+            if let Some(&old) = self.entry(slot).and_then(|e| e.blocks.get(&b.block_hash)) {
+                self.remove_block(slot, old);
+            }
+            if let Some(e) = self.entry_mut(slot) {
+                e.orphans.insert(b.block_hash, parent_ext, b.tokens_hash);
+            }
+            parent = None;
+            parent_ext = b.block_hash;
         }
         if self.nodes.len() > u32::MAX as usize - 1 {
             return Err(TreeError::Capacity(self.nodes.len()));
         }
         Ok(added)
+    }
+
+    /// Moves the worker's orphans waiting for `ext` (now at `node`) back into the tree, and
+    /// theirs after them. Returns how many became matchable.
+    fn reattach(&mut self, slot: u32, node: u32, ext: ExternalBlockHash) -> usize {
+        let mut added = 0;
+        let mut todo: SmallVec<[(u32, ExternalBlockHash); 4]> = SmallVec::new();
+        todo.push((node, ext));
+        while let Some((n, x)) = todo.pop() {
+            let kids = match self.entry_mut(slot) {
+                Some(e) => e.orphans.take_below(x),
+                None => return added,
+            };
+            for (k, local) in kids {
+                let b = KvCacheStoredBlockData {
+                    block_hash: k,
+                    tokens_hash: local,
+                };
+                if let Ok((kn, is_new)) = self.store_one(slot, n, &b) {
+                    added += usize::from(is_new);
+                    todo.push((kn, k));
+                }
+            }
+        }
+        added
     }
 
     /// Stores one block for `slot` under `parent`; returns its node and whether it was new for
@@ -165,13 +180,17 @@ impl RadixTree {
         parent: u32,
         b: &KvCacheStoredBlockData,
     ) -> Result<(u32, bool), ()> {
+        if let Some(e) = self.entry_mut(slot) {
+            // Stored again under a held parent: no longer an orphan.
+            e.orphans.remove(b.block_hash);
+        }
         if let Some(&old) = self.entry(slot).and_then(|e| e.blocks.get(&b.block_hash)) {
             let n = &self.nodes[old as usize];
             if n.parent == parent && n.local == b.tokens_hash {
                 return Ok((old, false));
             }
             // The engine reused this id for other content: the old block is gone.
-            self.remove_cascade(slot, old);
+            self.remove_block(slot, old);
             if parent != ROOT && self.nodes[parent as usize].slot_index(slot).is_err() {
                 return Err(());
             }
@@ -203,8 +222,8 @@ impl RadixTree {
         Ok((child, is_new))
     }
 
-    /// Removes blocks (and the worker's blocks below them) by external hash. Unknown hashes
-    /// are ignored: after a cascade, a worker's own removal of a child is expected to miss.
+    /// Removes blocks by external hash; the worker's blocks below them become orphans.
+    /// Returns how many blocks the worker no longer holds; unknown hashes are ignored.
     pub fn apply_removed(&mut self, worker: WorkerId, hashes: &[ExternalBlockHash]) -> usize {
         let Some(&slot) = self.slot_of.get(&worker) else {
             return 0;
@@ -212,7 +231,10 @@ impl RadixTree {
         let mut removed = 0;
         for h in hashes {
             if let Some(&node) = self.entry(slot).and_then(|e| e.blocks.get(h)) {
-                removed += self.remove_cascade(slot, node);
+                self.remove_block(slot, node);
+                removed += 1;
+            } else if let Some(e) = self.entry_mut(slot) {
+                removed += usize::from(e.orphans.remove(*h).is_some());
             }
         }
         removed
@@ -223,11 +245,11 @@ impl RadixTree {
         let Some(&slot) = self.slot_of.get(&worker) else {
             return 0;
         };
-        let blocks = match self.entry_mut(slot) {
-            Some(e) => std::mem::take(&mut e.blocks),
+        let (blocks, orphans) = match self.entry_mut(slot) {
+            Some(e) => (std::mem::take(&mut e.blocks), e.orphans.clear()),
             None => return 0,
         };
-        let n = blocks.len();
+        let n = blocks.len() + orphans;
         let mut emptied = std::mem::take(&mut self.emptied);
         for (_, node) in blocks {
             let nd = &mut self.nodes[node as usize];
@@ -323,8 +345,8 @@ impl RadixTree {
         self.nodes.len() - 1 - self.free_nodes.len()
     }
 
-    /// The worker's blocks as stored-block records, parents before children (depth order), so
-    /// replaying them into an empty index rebuilds the same state.
+    /// The worker's blocks as stored-block records: matchable ones parents before children
+    /// (depth order), then orphans; replaying them into an empty index rebuilds the same state.
     pub fn dump_blocks(&self, worker: WorkerId) -> Vec<StoredBlock> {
         let Some(&slot) = self.slot_of.get(&worker) else {
             return Vec::new();
@@ -354,7 +376,20 @@ impl RadixTree {
                     tokens_hash: node.local,
                 })
             })
+            .chain(entry.orphans.iter().map(|(b, p, l)| StoredBlock {
+                parent_hash: Some(p),
+                block_hash: b,
+                tokens_hash: l,
+            }))
             .collect()
+    }
+
+    /// Blocks `worker` holds that cannot be matched (their parent is not held).
+    pub fn orphan_count(&self, worker: WorkerId) -> usize {
+        self.slot_of
+            .get(&worker)
+            .and_then(|&s| self.entry(s))
+            .map_or(0, |e| e.orphans.len())
     }
 
     /// The worker's blocks as synthetic single-block `Stored` events, in replayable order.
@@ -380,6 +415,13 @@ impl RadixTree {
         for (slot, e) in self.slots.iter().enumerate() {
             let Some(e) = e else { continue };
             lookup_total += e.blocks.len();
+            e.orphans.check()?;
+            if let Some(b) = e.blocks.keys().find(|b| e.orphans.contains(**b)) {
+                return Err(format!(
+                    "worker {}: {b:#x} both in the tree and orphaned",
+                    e.id
+                ));
+            }
             for (&ext, &n) in &e.blocks {
                 let node = &self.nodes[n as usize];
                 match node.slot_index(slot as u32) {
@@ -434,6 +476,7 @@ impl RadixTree {
         let entry = WorkerEntry {
             id: worker,
             blocks: FxHashMap::default(),
+            orphans: Orphans::default(),
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -474,29 +517,36 @@ impl RadixTree {
         id
     }
 
-    /// Removes `slot` from `node` and from every descendant it holds. Returns blocks removed.
-    fn remove_cascade(&mut self, slot: u32, node: u32) -> usize {
+    /// Removes `slot` from `node`; the worker's blocks below it leave the tree for its orphans
+    /// (the engine still holds them). Returns the number of blocks that left the tree.
+    fn remove_block(&mut self, slot: u32, node: u32) -> usize {
         let mut stack = std::mem::take(&mut self.stack);
         let mut emptied = std::mem::take(&mut self.emptied);
-        stack.push(node);
-        let mut removed = 0;
-        while let Some(n) = stack.pop() {
+        stack.push((node, 0));
+        let mut moved = 0;
+        while let Some((n, parent_ext)) = stack.pop() {
             let nd = &mut self.nodes[n as usize];
             let Ok(i) = nd.slot_index(slot) else { continue };
             let (_, ext) = nd.workers.remove(i);
+            let local = nd.local;
             if nd.workers.is_empty() {
                 emptied.push(n);
             }
-            nd.children.push_ids(&mut stack);
+            let first = stack.len();
+            nd.children.push_ids_with(&mut stack, ext);
+            debug_assert!(stack.len() >= first);
             if let Some(e) = self.slots[slot as usize].as_mut() {
                 e.blocks.remove(&ext);
+                if n != node {
+                    e.orphans.insert(ext, parent_ext, local);
+                }
             }
-            removed += 1;
+            moved += 1;
         }
         self.free_emptied(&mut emptied);
         self.stack = stack;
         self.emptied = emptied;
-        removed
+        moved
     }
 
     /// Frees nodes left without workers. By the invariant their subtrees are emptied too (and

@@ -54,26 +54,33 @@ fn store_and_match_depth_per_worker() {
 }
 
 #[test]
-fn remove_cascades_to_the_workers_descendants_only() {
+fn removal_orphans_the_workers_descendants_only() {
     let mut t = RadixTree::new();
     t.apply(1, &store(None, 1, &[1, 2, 3])).unwrap();
     t.apply(2, &store(None, 2, &[1, 2, 3])).unwrap();
-    // Worker 1 drops block 2: its block 3 can no longer be matched, so it goes too.
-    assert_eq!(t.apply(1, &removed(&[1002])), Ok(2));
+    // Worker 1 drops block 2: its block 3 can no longer be matched, but it still holds it.
+    assert_eq!(t.apply(1, &removed(&[1002])), Ok(1));
     t.check_invariants().unwrap();
     assert_eq!(scores(&t, &[1, 2, 3]), vec![(1, 1), (2, 3)]);
-    assert_eq!(t.tree_size(1), 1);
+    assert_eq!((t.tree_size(1), t.orphan_count(1)), (1, 1));
     assert_eq!(t.node_count(), 3, "nodes still held by worker 2 stay");
-    // The engine's own removal of block 3 now misses, harmlessly.
-    assert_eq!(t.apply(1, &removed(&[1003, 555])), Ok(0));
-    // Worker 2 drops everything from the top: nodes are freed.
-    assert_eq!(t.apply(2, &removed(&[2001])), Ok(3));
+    // The engine's own removal of block 3 finds the orphan; 555 is unknown.
+    assert_eq!(t.apply(1, &removed(&[1003, 555])), Ok(1));
+    assert_eq!(t.orphan_count(1), 0);
+    // Worker 2 drops its first block: nodes only it held are freed.
+    assert_eq!(t.apply(2, &removed(&[2001])), Ok(1));
+    assert_eq!(t.orphan_count(2), 2);
     t.check_invariants().unwrap();
     assert_eq!(t.node_count(), 1);
     assert_eq!(t.child_count(ROOT), 1);
     assert_eq!(t.apply(1, &removed(&[1001])), Ok(1));
     assert_eq!(t.node_count(), 0);
     assert_eq!(t.child_count(ROOT), 0);
+    // Storing worker 2's first block again makes its orphans matchable again.
+    assert_eq!(t.apply(2, &store(None, 2, &[1])), Ok(3));
+    assert_eq!(scores(&t, &[1, 2, 3]), vec![(2, 3)]);
+    assert_eq!(t.orphan_count(2), 0);
+    t.check_invariants().unwrap();
 }
 
 #[test]
@@ -95,18 +102,27 @@ fn cleared_and_remove_worker() {
 }
 
 #[test]
-fn unknown_parent_is_reported_and_ignored() {
+fn unknown_parent_keeps_orphans_until_the_parent_arrives() {
     let mut t = RadixTree::new();
-    let err = t.apply(1, &store(Some(42), 1, &[1, 2])).unwrap_err();
-    assert_eq!(
-        err,
-        TreeError::UnknownParent {
-            worker: 1,
-            parent: 42,
-            dropped: 2
-        }
-    );
+    // Blocks 1, 2 (ids 1001, 1002) arrive before their parent, id 42.
+    assert_eq!(t.apply(1, &store(Some(42), 1, &[1, 2])), Ok(0));
     assert_eq!(t.node_count(), 0);
+    assert_eq!(t.orphan_count(1), 2);
+    assert_eq!(t.dump_blocks(1).len(), 2);
+    t.check_invariants().unwrap();
+    let parent = KvCacheEventData::Stored(KvCacheStoreData {
+        parent_hash: None,
+        start_position: None,
+        blocks: vec![KvCacheStoredBlockData {
+            block_hash: 42,
+            tokens_hash: 9,
+        }],
+    });
+    assert_eq!(t.apply(1, &parent), Ok(3));
+    assert_eq!(scores(&t, &[9, 1, 2]), vec![(1, 3)]);
+    assert_eq!(t.orphan_count(1), 0);
+    t.check_invariants().unwrap();
+    assert_eq!(t.apply(1, &KvCacheEventData::Cleared), Ok(3));
     // Removing or clearing an unknown worker is a no-op.
     assert_eq!(t.apply(9, &removed(&[1])), Ok(0));
     assert_eq!(t.clear_worker(9), 0);
@@ -143,7 +159,9 @@ fn restoring_is_idempotent_and_id_reuse_moves_the_block() {
     assert_eq!(t.apply(1, &rename), Ok(0));
     t.check_invariants().unwrap();
     assert_eq!(t.tree_size(1), 2);
-    assert_eq!(t.apply(1, &removed(&[5])), Ok(2));
+    assert_eq!(t.apply(1, &removed(&[5])), Ok(1));
+    assert_eq!(t.orphan_count(1), 1);
+    t.check_invariants().unwrap();
 }
 
 #[test]
@@ -153,6 +171,8 @@ fn dump_round_trip_rebuilds_the_same_index() {
     t.apply(1, &store(Some(1001), 1, &[8, 9])).unwrap();
     t.apply(2, &store(None, 2, &[1, 2])).unwrap();
     t.apply(1, &removed(&[1003])).unwrap();
+    // An orphan chain is part of the worker's state too.
+    t.apply(2, &store(Some(77), 2, &[5, 6])).unwrap();
     let mut rebuilt = RadixTree::new();
     for w in t.workers() {
         let events = t.dump_events(w);
@@ -167,7 +187,7 @@ fn dump_round_trip_rebuilds_the_same_index() {
         "{:?}",
         t.snapshot().diff(&rebuilt.snapshot())
     );
-    assert_eq!(t.snapshot().total_blocks(), 6);
+    assert_eq!(t.snapshot().total_blocks(), 8);
     let d = t.dump_blocks(1);
     assert_eq!(d[0].parent_hash, None);
     assert!(d.iter().skip(1).all(|b| b.parent_hash.is_some()));

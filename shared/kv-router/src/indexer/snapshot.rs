@@ -41,7 +41,7 @@ impl RadixTree {
     pub fn snapshot(&self) -> IndexSnapshot {
         let mut out = BTreeMap::new();
         for w in self.workers() {
-            if self.tree_size(w) == 0 {
+            if self.tree_size(w) + self.orphan_count(w) == 0 {
                 continue;
             }
             let set = self
