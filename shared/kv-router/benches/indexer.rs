@@ -202,7 +202,8 @@ fn bench_indexer(c: &mut Criterion) {
     g.finish();
 
     // Steady-state churn: store an 8-block continuation under a prefix the worker holds, then
-    // remove it (2 events, 16 block updates), so the index stays at full size.
+    // evict it tail first, as the engine's LRU does (2 events, 16 block updates), so the index
+    // stays at full size.
     let churn: Vec<(WorkerId, u64, Vec<u64>, Vec<u64>)> = (0..4096)
         .map(|_| {
             let (w, l, s) = &hashed[rng.below(hashed.len() as u64) as usize];
@@ -233,7 +234,7 @@ fn bench_indexer(c: &mut Criterion) {
                 KvCacheEvent {
                     event_id: id + 1,
                     data: KvCacheEventData::Removed(KvCacheRemoveData {
-                        block_hashes: vec![s[0]],
+                        block_hashes: s.iter().rev().copied().collect(),
                     }),
                     dp_rank: 0,
                 },
