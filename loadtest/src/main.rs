@@ -1,1 +1,272 @@
-fn main() {}
+//! `tandem-loadtest` command line.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use serde::Serialize;
+use tandem_loadtest::client::{Client, PromptMode};
+use tandem_loadtest::rng::Rng;
+use tandem_loadtest::runner::{self, Arrivals};
+use tandem_loadtest::stats::{summarize, Sla, Summary};
+use tandem_loadtest::workload::{self, Job, LenDist, Vocab};
+use tandem_loadtest::{plot, report};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+enum Kind {
+    Synthetic,
+    SharedPrefix,
+    MultiTurn,
+    Trace,
+}
+
+#[derive(Parser, Debug, Serialize)]
+#[command(
+    name = "tandem-loadtest",
+    about = "Load generator for OpenAI-compatible endpoints"
+)]
+struct Args {
+    /// Base URL of the server (`/v1/completions` is appended).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Model name; default: the first of `/v1/models`.
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, value_enum, default_value_t = PromptMode::Tokens)]
+    #[serde(skip)]
+    prompt_mode: PromptMode,
+    #[arg(long, value_enum, default_value_t = Kind::Synthetic)]
+    workload: Kind,
+    /// Requests to send (sessions for multi-turn: requests = sessions × turns).
+    #[arg(long, default_value_t = 100)]
+    num_requests: usize,
+    /// Stop sending after this many seconds.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Closed loop: requests in flight (ignored with --rate or a trace).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Open loop: Poisson arrivals at this rate (req/s).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Ramp the Poisson rate linearly from --rate to this over --ramp-secs.
+    #[arg(long)]
+    rate_to: Option<f64>,
+    #[arg(long, default_value_t = 0.0)]
+    ramp_secs: f64,
+    /// Input length: N, uniform:LO:HI or normal:MEAN:STD.
+    #[arg(long, default_value = "128")]
+    isl: String,
+    /// Output length (same syntax).
+    #[arg(long, default_value = "32")]
+    osl: String,
+    #[arg(long, default_value_t = 16)]
+    groups: usize,
+    #[arg(long, default_value_t = 512)]
+    prefix_len: usize,
+    /// Fraction of each prompt that is the group's prefix.
+    #[arg(long, default_value_t = 0.8)]
+    prefix_ratio: f64,
+    #[arg(long, default_value_t = 3)]
+    turns: usize,
+    /// Mooncake trace (JSONL with timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    #[arg(long, default_value_t = 512)]
+    trace_block_size: usize,
+    /// Divides trace timestamps.
+    #[arg(long, default_value_t = 1.0)]
+    trace_speedup: f64,
+    /// Token ids are drawn from [--vocab-lo, --vocab-hi).
+    #[arg(long, default_value_t = 100)]
+    vocab_lo: u32,
+    #[arg(long, default_value_t = 30000)]
+    vocab_hi: u32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Goodput SLA: TTFT bound (ms).
+    #[arg(long)]
+    sla_ttft_ms: Option<f64>,
+    /// Goodput SLA: ITL bound (ms).
+    #[arg(long)]
+    sla_itl_ms: Option<f64>,
+    /// Per-request timeout (s).
+    #[arg(long, default_value_t = 600.0)]
+    timeout: f64,
+    /// Run once per value (closed-loop concurrency), plotting throughput against latency.
+    #[arg(long, value_delimiter = ',')]
+    sweep_concurrency: Vec<usize>,
+    /// Run once per value (Poisson rate).
+    #[arg(long, value_delimiter = ',')]
+    sweep_rate: Vec<f64>,
+    /// Folder for report.json, requests.csv and the plots.
+    #[arg(long, default_value = "loadtest-out")]
+    out: PathBuf,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn build_jobs(a: &Args) -> anyhow::Result<Vec<Job>> {
+    anyhow::ensure!(
+        a.vocab_hi > a.vocab_lo,
+        "--vocab-hi must be above --vocab-lo"
+    );
+    let v = Vocab {
+        lo: a.vocab_lo,
+        hi: a.vocab_hi,
+    };
+    let isl: LenDist = a.isl.parse().context("--isl")?;
+    let osl: LenDist = a.osl.parse().context("--osl")?;
+    let mut rng = Rng::new(a.seed);
+    Ok(match a.workload {
+        Kind::Synthetic => workload::synthetic(a.num_requests, isl, osl, v, &mut rng),
+        Kind::SharedPrefix => workload::shared_prefix(
+            a.num_requests,
+            a.groups,
+            a.prefix_len,
+            a.prefix_ratio,
+            osl,
+            v,
+            &mut rng,
+        )?,
+        Kind::MultiTurn => {
+            let sessions = a.num_requests.div_ceil(a.turns.max(1));
+            workload::multi_turn(sessions, a.turns, isl, osl, v, &mut rng)
+        }
+        Kind::Trace => {
+            let path = a
+                .trace
+                .as_ref()
+                .context("--workload trace needs --trace FILE")?;
+            let mut jobs =
+                workload::mooncake(path, a.trace_block_size, a.trace_speedup, v, a.seed)?;
+            jobs.truncate(a.num_requests);
+            jobs
+        }
+    })
+}
+
+async fn first_model(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+    let v: serde_json::Value = http
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {base}/v1/models"))?
+        .json()
+        .await
+        .context("/v1/models did not answer JSON")?;
+    v.pointer("/data/0/id")
+        .and_then(|x| x.as_str())
+        .map(str::to_string)
+        .context("/v1/models lists no model; pass --model")
+}
+
+async fn one_run(
+    a: &Args,
+    http: &reqwest::Client,
+    model: &str,
+    arrivals: Arrivals,
+    out: &std::path::Path,
+) -> anyhow::Result<Summary> {
+    let jobs = build_jobs(a)?;
+    let client = Client {
+        http: http.clone(),
+        url: format!("{}/v1/completions", a.url.trim_end_matches('/')),
+        model: model.to_string(),
+        mode: a.prompt_mode,
+        t0: Instant::now(),
+    };
+    let duration = a.duration.map(Duration::from_secs_f64);
+    let (records, secs) = runner::run(client, jobs, arrivals, duration, a.seed, a.quiet).await;
+    let sla = match (a.sla_ttft_ms, a.sla_itl_ms) {
+        (None, None) => None,
+        (t, i) => Some(Sla {
+            ttft_ms: t.unwrap_or(f64::INFINITY),
+            itl_ms: i.unwrap_or(f64::INFINITY),
+        }),
+    };
+    let summary = summarize(&records, secs, sla);
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    report::write_json(&out.join("report.json"), a, &summary)?;
+    report::write_csv(&out.join("requests.csv"), &records)?;
+    plot::latency_cdf(&out.join("latency_cdf.svg"), &records)?;
+    report::print_summary(&summary);
+    Ok(summary)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    for (name, ok) in [
+        ("--rate", a.rate.is_none_or(|r| r > 0.0 && r.is_finite())),
+        (
+            "--rate-to",
+            a.rate_to.is_none_or(|r| r > 0.0 && r.is_finite()),
+        ),
+        ("--timeout", a.timeout > 0.0 && a.timeout.is_finite()),
+        (
+            "--duration",
+            a.duration.is_none_or(|d| d > 0.0 && d.is_finite()),
+        ),
+        (
+            "--sweep-rate",
+            a.sweep_rate.iter().all(|r| *r > 0.0 && r.is_finite()),
+        ),
+    ] {
+        anyhow::ensure!(ok, "{name} must be a positive number");
+    }
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs_f64(a.timeout))
+        .tcp_nodelay(true)
+        .build()?;
+    let base = a.url.trim_end_matches('/').to_string();
+    let model = match &a.model {
+        Some(m) => m.clone(),
+        None => first_model(&http, &base).await?,
+    };
+    let arrivals = |rate: Option<f64>, conc: usize| match (a.workload, rate) {
+        (Kind::Trace, _) => Arrivals::Trace,
+        (_, Some(r)) => Arrivals::Poisson {
+            from: r,
+            to: a.rate_to.unwrap_or(r),
+            over: a.ramp_secs,
+        },
+        (_, None) => Arrivals::Closed(conc),
+    };
+    let mut sweep: Vec<(String, Summary)> = Vec::new();
+    for &c in &a.sweep_concurrency {
+        let s = one_run(
+            &a,
+            &http,
+            &model,
+            Arrivals::Closed(c),
+            &a.out.join(format!("c{c}")),
+        )
+        .await?;
+        sweep.push((format!("concurrency {c}"), s));
+    }
+    for &r in &a.sweep_rate {
+        let s = one_run(
+            &a,
+            &http,
+            &model,
+            arrivals(Some(r), 0),
+            &a.out.join(format!("r{r}")),
+        )
+        .await?;
+        sweep.push((format!("rate {r}"), s));
+    }
+    if sweep.is_empty() {
+        one_run(&a, &http, &model, arrivals(a.rate, a.concurrency), &a.out).await?;
+    } else {
+        let points: Vec<Summary> = sweep.iter().map(|p| p.1.clone()).collect();
+        std::fs::write(
+            a.out.join("sweep.json"),
+            serde_json::to_string_pretty(&sweep)?,
+        )?;
+        plot::sweep(&a.out.join("sweep.svg"), &points)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,216 @@
+//! One streaming `/v1/completions` request and the timing of its SSE chunks.
+
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+use crate::stats::Record;
+use crate::workload::Spec;
+
+/// How prompts go on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PromptMode {
+    /// Token-id arrays (exact ISL; our router accepts them).
+    Tokens,
+    /// Text, one word per token id, for servers that only take strings (ISL approximate).
+    Text,
+}
+
+#[derive(Clone)]
+pub struct Client {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub model: String,
+    pub mode: PromptMode,
+    /// Run start: records are in seconds from it.
+    pub t0: Instant,
+}
+
+/// Error classes in the report.
+fn class_of(e: &reqwest::Error) -> &'static str {
+    if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connect"
+    } else {
+        "transport"
+    }
+}
+
+/// Output tokens of one SSE event: the usage block's count when present, else whether a
+/// choice carried text.
+enum Event {
+    Text,
+    Usage(usize),
+    Done,
+    Other,
+}
+
+fn parse_event(data: &str) -> Result<Event, ()> {
+    if data == "[DONE]" {
+        return Ok(Event::Done);
+    }
+    let v: Value = serde_json::from_str(data).map_err(|_| ())?;
+    if v.get("error").is_some() {
+        return Err(());
+    }
+    if let Some(n) = v
+        .pointer("/usage/completion_tokens")
+        .and_then(Value::as_u64)
+    {
+        // Usage may ride with the last text chunk too; text wins the timing.
+        let has_text = v
+            .pointer("/choices/0/text")
+            .and_then(Value::as_str)
+            .is_some_and(|t| !t.is_empty());
+        if !has_text {
+            return Ok(Event::Usage(n as usize));
+        }
+    }
+    match v.pointer("/choices/0/text").and_then(Value::as_str) {
+        Some(_) => Ok(Event::Text),
+        None => Ok(Event::Other),
+    }
+}
+
+impl Client {
+    fn body(&self, spec: &Spec) -> Value {
+        let prompt = match self.mode {
+            PromptMode::Tokens => json!(spec.prompt),
+            PromptMode::Text => {
+                let words: Vec<String> = spec.prompt.iter().map(|t| format!("w{t}")).collect();
+                json!(words.join(" "))
+            }
+        };
+        json!({
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": spec.max_tokens,
+            "min_tokens": spec.max_tokens,
+            "ignore_eos": true,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+    }
+
+    fn now(&self) -> f64 {
+        self.t0.elapsed().as_secs_f64()
+    }
+
+    pub async fn send(&self, spec: &Spec) -> Record {
+        let mut rec = Record {
+            start: self.now(),
+            input_tokens: spec.prompt.len(),
+            ..Record::default()
+        };
+        let fail = |mut r: Record, class: &str, now: f64| {
+            r.error = Some(class.to_string());
+            r.end = now;
+            r
+        };
+        let resp = match self
+            .http
+            .post(&self.url)
+            .json(&self.body(spec))
+            .send()
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => return fail(rec, class_of(&e), self.now()),
+        };
+        let status = resp.status();
+        if !status.is_success() {
+            let class = match status.as_u16() {
+                429 => "http_429",
+                400..=499 => "http_4xx",
+                _ => "http_5xx",
+            };
+            return fail(rec, class, self.now());
+        }
+        let mut stream = resp.bytes_stream();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut text_chunks = 0usize;
+        let mut usage = None;
+        let mut done = false;
+        while let Some(chunk) = stream.next().await {
+            let bytes = match chunk {
+                Ok(b) => b,
+                Err(e) => return fail(rec, class_of(&e), self.now()),
+            };
+            let now = self.now();
+            buf.extend_from_slice(&bytes);
+            // SSE events end with a blank line; keep any partial event for the next chunk.
+            while let Some(pos) = find_event_end(&buf) {
+                let event: Vec<u8> = buf.drain(..pos.0 + pos.1).collect();
+                let text = String::from_utf8_lossy(&event[..pos.0]);
+                for line in text.lines() {
+                    let Some(data) = line.strip_prefix("data:") else {
+                        continue;
+                    };
+                    match parse_event(data.trim()) {
+                        Ok(Event::Text) => {
+                            text_chunks += 1;
+                            rec.chunk_times.push(now);
+                        }
+                        Ok(Event::Usage(n)) => usage = Some(n),
+                        Ok(Event::Done) => done = true,
+                        Ok(Event::Other) => {}
+                        Err(()) => return fail(rec, "stream_error", now),
+                    }
+                }
+            }
+        }
+        rec.end = self.now();
+        if !done && usage.is_none() {
+            let end = rec.end;
+            return fail(rec, "stream_truncated", end);
+        }
+        rec.output_tokens = usage.unwrap_or(text_chunks);
+        if rec.chunk_times.is_empty() {
+            let end = rec.end;
+            return fail(rec, "no_output", end);
+        }
+        rec
+    }
+}
+
+/// Position and length of the first event terminator (`\n\n` or `\r\n\r\n`).
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_classified() {
+        assert!(matches!(parse_event("[DONE]"), Ok(Event::Done)));
+        assert!(matches!(
+            parse_event(r#"{"choices":[{"text":"hi"}]}"#),
+            Ok(Event::Text)
+        ));
+        assert!(matches!(
+            parse_event(r#"{"choices":[],"usage":{"completion_tokens":7}}"#),
+            Ok(Event::Usage(7))
+        ));
+        assert!(parse_event("{not json").is_err());
+        assert!(parse_event(r#"{"error":{"message":"x"}}"#).is_err());
+    }
+
+    #[test]
+    fn event_boundaries() {
+        assert_eq!(find_event_end(b"data: x\n\ndata: y"), Some((7, 2)));
+        assert_eq!(find_event_end(b"data: x\r\n\r\n"), Some((7, 4)));
+        assert_eq!(find_event_end(b"data: x\n"), None);
+    }
+}
