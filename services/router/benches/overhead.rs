@@ -10,9 +10,13 @@
 use std::time::Instant;
 
 use criterion::Criterion;
-use tandem_engine::kv::events::{KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData};
+use tandem_engine::kv::events::{
+    KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
+};
 use tandem_engine::tokenizer::{ChatTemplate, Tokenizer};
-use tandem_kv_router::{KvRouter, KvRouterConfig, RouterEvent, RouterMode, SelectOptions, WorkerInfo};
+use tandem_kv_router::{
+    KvRouter, KvRouterConfig, RouterEvent, RouterMode, SelectOptions, WorkerInfo,
+};
 use tandem_router::models::ModelAssets;
 use tandem_router::openai::{parse_body, ChatCompletionRequest};
 
@@ -23,7 +27,11 @@ fn assets() -> ModelAssets {
     let dir = tandem_engine::tiny::ensure_tiny_model().expect("tiny model");
     let tokenizer = Tokenizer::load(&dir).expect("tokenizer");
     let template = ChatTemplate::load(&dir).expect("template");
-    ModelAssets { hash: String::new(), tokenizer, template }
+    ModelAssets {
+        hash: String::new(),
+        tokenizer,
+        template,
+    }
 }
 
 /// A system prompt shared by every request (the usual real-world prefix) and a user turn.
@@ -40,7 +48,13 @@ fn body(i: usize) -> Vec<u8> {
 }
 
 fn router(mode: RouterMode, assets: &ModelAssets) -> KvRouter {
-    let kv = KvRouter::new(KvRouterConfig { router_mode: mode, ..KvRouterConfig::default() }, Some(1));
+    let kv = KvRouter::new(
+        KvRouterConfig {
+            router_mode: mode,
+            ..KvRouterConfig::default()
+        },
+        Some(1),
+    );
     // Each worker holds the shared prefix (some of it) plus private chains.
     let req: ChatCompletionRequest = parse_body(&body(0)).expect("body");
     let prompt = tandem_router::chat::chat_prompt(assets, &req).expect("prompt");
@@ -50,11 +64,18 @@ fn router(mode: RouterMode, assets: &ModelAssets) -> KvRouter {
         let hashes = tandem_engine::kv::hash::block_hashes(&tokens, BLOCK as usize);
         let blocks = hashes
             .iter()
-            .map(|(local, seq)| KvCacheStoredBlockData { block_hash: *seq, tokens_hash: *local })
+            .map(|(local, seq)| KvCacheStoredBlockData {
+                block_hash: *seq,
+                tokens_hash: *local,
+            })
             .collect();
         let event = KvCacheEvent {
             event_id: 1,
-            data: KvCacheEventData::Stored(KvCacheStoreData { parent_hash: None, start_position: None, blocks }),
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: None,
+                start_position: None,
+                blocks,
+            }),
             dp_rank: 0,
         };
         let _ = kv.apply_event(RouterEvent::new(w, event));
@@ -64,7 +85,12 @@ fn router(mode: RouterMode, assets: &ModelAssets) -> KvRouter {
 
 fn candidates() -> Vec<WorkerInfo> {
     (0..WORKERS)
-        .map(|id| WorkerInfo { id, total_blocks: 10_000, max_num_batched_tokens: 8192, block_size: BLOCK })
+        .map(|id| WorkerInfo {
+            id,
+            total_blocks: 10_000,
+            max_num_batched_tokens: 8192,
+            block_size: BLOCK,
+        })
         .collect()
 }
 
@@ -74,7 +100,14 @@ fn one_request(kv: &KvRouter, assets: &ModelAssets, workers: &[WorkerInfo], body
     let params = tandem_router::params::sampling_params(req.common(), None).expect("params");
     std::hint::black_box(&params);
     let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, BLOCK);
-    kv.route(id, &hashes, prompt.len(), workers, &SelectOptions::default()).expect("route");
+    kv.route(
+        id,
+        &hashes,
+        prompt.len(),
+        workers,
+        &SelectOptions::default(),
+    )
+    .expect("route");
     kv.free(id);
 }
 
@@ -91,7 +124,13 @@ fn percentiles(name: &str, kv: &KvRouter, assets: &ModelAssets, bodies: &[Vec<u8
         .collect();
     us.sort_by(f64::total_cmp);
     let p = |q: f64| us[((us.len() as f64 - 1.0) * q) as usize];
-    println!("{name}: p50 {:.1} us, p99 {:.1} us, mean {:.1} us over {} requests", p(0.5), p(0.99), us.iter().sum::<f64>() / us.len() as f64, us.len());
+    println!(
+        "{name}: p50 {:.1} us, p99 {:.1} us, mean {:.1} us over {} requests",
+        p(0.5),
+        p(0.99),
+        us.iter().sum::<f64>() / us.len() as f64,
+        us.len()
+    );
     p(0.5)
 }
 
@@ -101,7 +140,12 @@ fn main() {
     let rr = router(RouterMode::RoundRobin, &assets);
     let bodies: Vec<Vec<u8>> = (0..3000).map(body).collect();
     let req: ChatCompletionRequest = parse_body(&bodies[0]).expect("body");
-    println!("prompt tokens: {}", tandem_router::chat::chat_prompt(&assets, &req).expect("prompt").len());
+    println!(
+        "prompt tokens: {}",
+        tandem_router::chat::chat_prompt(&assets, &req)
+            .expect("prompt")
+            .len()
+    );
     let a = percentiles("kv (16 workers, populated index)", &kv, &assets, &bodies);
     let b = percentiles("round-robin baseline", &rr, &assets, &bodies);
     println!("kv / round-robin p50 ratio: {:.2}", a / b);

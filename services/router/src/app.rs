@@ -38,6 +38,12 @@ pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
         active_decode_blocks_threshold: Some(r.active_decode_blocks_threshold),
         active_prefill_tokens_threshold: Some(r.active_prefill_tokens_threshold.into()),
         active_prefill_tokens_threshold_frac: Some(r.active_prefill_tokens_threshold_frac),
+        router_ttl_secs: r.router_ttl_secs,
+        router_max_tree_size: r.router_max_tree_size as usize,
+        router_prune_target_ratio: r.router_prune_target_ratio,
+        // Tandem has no request queue yet (the flag refuses other values): busy means 503.
+        router_queue_threshold: None,
+        router_event_threads: 1,
         ..KvRouterConfig::default()
     };
     kv.validate()?;

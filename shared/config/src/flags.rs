@@ -265,6 +265,58 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("active-prefill-tokens-threshold-frac", Float, Router,
         "A worker with more active prefill tokens than this times max_num_batched_tokens is busy.")
         .env("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC").default("10.0").scope(Scope::Router),
+    FlagSpec::new("router-ttl-secs", Float, Router,
+        "Without KV events (--no-router-kv-events): how long a routing decision counts as cached blocks.")
+        .env("DYN_ROUTER_TTL_SECS").default("120.0").scope(Scope::Router),
+    FlagSpec::new("router-max-tree-size", INT1, Router,
+        "Without KV events: most predicted blocks kept before pruning.")
+        .env("DYN_ROUTER_MAX_TREE_SIZE").default("1048576").scope(Scope::Router),
+    FlagSpec::new("router-prune-target-ratio", Float, Router,
+        "Without KV events: prune down to this fraction of --router-max-tree-size, in [0, 1].")
+        .env("DYN_ROUTER_PRUNE_TARGET_RATIO").default("0.8").scope(Scope::Router),
+    FlagSpec::new("router-track-output-blocks", Bool, Router,
+        "Also count the blocks that outputs will grow into.")
+        .env("DYN_ROUTER_TRACK_OUTPUT_BLOCKS").default("false").scope(Scope::Router),
+    FlagSpec::new("router-replica-sync", Bool, Router,
+        "Share in-flight request state between router replicas.")
+        .env("DYN_ROUTER_REPLICA_SYNC").default("false").scope(Scope::Router),
+    FlagSpec::new("router-durable-kv-events", Bool, Router,
+        "Deprecated JetStream-backed KV events.")
+        .env("DYN_ROUTER_DURABLE_KV_EVENTS").default("false").scope(Scope::Router),
+    FlagSpec::new("router-snapshot-threshold", INT1, Router,
+        "JetStream mode: events between index snapshots.")
+        .env("DYN_ROUTER_SNAPSHOT_THRESHOLD").default("1000000").scope(Scope::Router),
+    FlagSpec::new("router-reset-states", Bool, Router,
+        "JetStream mode: purge stored router state at start-up.")
+        .env("DYN_ROUTER_RESET_STATES").default("false").scope(Scope::Router),
+    FlagSpec::new("router-prefill-load-model", Choice(&["none", "aic"]), Router,
+        "Model of prefill load used in routing.")
+        .env("DYN_ROUTER_PREFILL_LOAD_MODEL").default("none").scope(Scope::Router),
+    FlagSpec::new("router-queue-threshold", Float, Router,
+        "Queue requests while every worker is above this fraction of max_num_batched_tokens; \
+         unset: no queue, busy workers give 503.")
+        .env("DYN_ROUTER_QUEUE_THRESHOLD").scope(Scope::Router),
+    FlagSpec::new("router-queue-policy", Choice(&["fcfs", "wspt"]), Router,
+        "Order of the request queue.")
+        .env("DYN_ROUTER_QUEUE_POLICY").default("fcfs").scope(Scope::Router),
+    FlagSpec::new("router-event-threads", INT1, Router,
+        "Threads applying KV events to the index (Tandem's index is one lock-protected tree).")
+        .env("DYN_ROUTER_EVENT_THREADS").default("1").scope(Scope::Router),
+    FlagSpec::new("use-remote-indexer", Bool, Router,
+        "Query a remote KV indexer instead of keeping one.")
+        .env("DYN_USE_REMOTE_INDEXER").default("false").scope(Scope::Router),
+    FlagSpec::new("serve-indexer", Bool, Router,
+        "Serve this router's KV index to other routers.")
+        .env("DYN_SERVE_INDEXER").default("false").scope(Scope::Router),
+    FlagSpec::new("enforce-disagg", Bool, Router,
+        "Always prefill on a prefill worker (no conditional disaggregation).")
+        .env("DYN_ENFORCE_DISAGG").default("false").scope(Scope::Router),
+    FlagSpec::new("migration-limit", INT0, Router,
+        "Times a request may move to another worker when its worker fails.")
+        .env("DYN_MIGRATION_LIMIT").default("0").scope(Scope::Router),
+    FlagSpec::new("migration-max-seq-len", INT1, Router,
+        "Longest request that may migrate.")
+        .env("DYN_MIGRATION_MAX_SEQ_LEN").scope(Scope::Router),
     FlagSpec::new("router-min-initial-workers", INT0, Router,
         "Wait for this many workers before serving.")
         .env("DYN_ROUTER_MIN_INITIAL_WORKERS").default("0").scope(Scope::Router),

@@ -227,10 +227,14 @@ pub struct RoutingConfig {
     pub active_prefill_tokens_threshold: u32,
     pub active_prefill_tokens_threshold_frac: f64,
     pub router_min_initial_workers: u32,
+    pub router_ttl_secs: f64,
+    pub router_max_tree_size: u32,
+    pub router_prune_target_ratio: f64,
 }
 
 pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig, ConfigError> {
     let resolved = resolve(router_command(), Scope::Router, args, env)?;
+    crate::validate::reject_unimplemented_router(&resolved)?;
     let g = Get(&resolved);
     let port = g.u32("http-port")?;
     let http_port = u16::try_from(port).map_err(|_| ConfigError::InvalidValue {
@@ -269,6 +273,19 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
                 "active-prefill-tokens-threshold-frac",
             )?,
             router_min_initial_workers: g.u32("router-min-initial-workers")?,
+            router_ttl_secs: non_negative("router-ttl-secs")?,
+            router_max_tree_size: g.u32("router-max-tree-size")?,
+            router_prune_target_ratio: {
+                let v = g.f64("router-prune-target-ratio")?;
+                if !(0.0..=1.0).contains(&v) {
+                    return Err(ConfigError::InvalidValue {
+                        origin: resolved.origin("router-prune-target-ratio"),
+                        value: v.to_string(),
+                        reason: "must be in [0, 1]".into(),
+                    });
+                }
+                v
+            },
         },
         runtime: RuntimeConfig::from_resolved(&resolved, false, env)?,
         print_config: g.bool("print-config")?,

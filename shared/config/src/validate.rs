@@ -234,7 +234,11 @@ fn not_impl(flag: &str, what: &str) -> ConfigError {
     }
 }
 
-fn check_default(resolved: &Resolved, name: &str, what: &str) -> Result<(), ConfigError> {
+pub(crate) fn check_default(
+    resolved: &Resolved,
+    name: &str,
+    what: &str,
+) -> Result<(), ConfigError> {
     let Some(spec) = crate::flags::spec(name) else {
         return Ok(());
     };
@@ -252,4 +256,29 @@ fn check_default(resolved: &Resolved, name: &str, what: &str) -> Result<(), Conf
     } else {
         Err(not_impl(&resolved.origin(name), what))
     }
+}
+
+/// Router flags whose non-default value asks for something not implemented yet.
+pub const ROUTER_NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
+    ("router-track-output-blocks", "output-block tracking"),
+    ("router-replica-sync", "router replica sync"),
+    ("router-durable-kv-events", "JetStream KV events"),
+    ("router-snapshot-threshold", "JetStream KV events"),
+    ("router-reset-states", "JetStream KV events"),
+    ("router-prefill-load-model", "the aic prefill load model"),
+    ("router-queue-threshold", "the router request queue"),
+    ("router-queue-policy", "the router request queue"),
+    ("router-event-threads", "multi-threaded event application"),
+    ("use-remote-indexer", "remote KV indexers"),
+    ("serve-indexer", "remote KV indexers"),
+    ("enforce-disagg", "disaggregated prefill/decode"),
+    ("migration-limit", "request migration"),
+    ("migration-max-seq-len", "request migration"),
+];
+
+pub fn reject_unimplemented_router(resolved: &Resolved) -> Result<(), ConfigError> {
+    for (name, what) in ROUTER_NOT_IMPLEMENTED_FLAGS {
+        check_default(resolved, name, what)?;
+    }
+    Ok(())
 }

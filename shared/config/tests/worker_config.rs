@@ -561,3 +561,40 @@ fn router_flags_parse_and_reject_bad_ports() {
     // Worker-only flags are not router flags.
     assert!(tandem_config::parse_router(&argv(&["--max-batch-size", "3"]), &none).is_err());
 }
+
+#[test]
+fn every_not_implemented_router_flag_exits_with_a_message_naming_it() {
+    let argv = |a: Vec<String>| -> Vec<String> {
+        std::iter::once("tandem-router".to_string())
+            .chain(a)
+            .collect()
+    };
+    let none = |_: &str| None;
+    for (name, _) in tandem_config::validate::ROUTER_NOT_IMPLEMENTED_FLAGS {
+        let spec = tandem_config::flags::spec(name).expect("flag in table");
+        let flag = format!("--{name}");
+        let args = match spec.kind {
+            tandem_config::spec::Kind::Bool => vec![flag],
+            tandem_config::spec::Kind::Choice(c) => vec![flag, c[c.len() - 1].to_string()],
+            tandem_config::spec::Kind::Float => vec![flag, "2.5".into()],
+            _ => vec![flag, "7".into()],
+        };
+        let e = tandem_config::parse_router(&argv(args.clone()), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not implemented yet") && e.contains(&format!("--{name}")),
+            "{args:?}: {e}"
+        );
+    }
+    let ok =
+        tandem_config::parse_router(&argv(vec!["--router-ttl-secs".into(), "30".into()]), &none)
+            .unwrap();
+    assert_eq!(ok.routing.router_ttl_secs, 30.0);
+    let e = tandem_config::parse_router(
+        &argv(vec!["--router-prune-target-ratio".into(), "1.5".into()]),
+        &none,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("[0, 1]"));
+}
