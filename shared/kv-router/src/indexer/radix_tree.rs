@@ -11,7 +11,7 @@
 //!
 //! Invariant: a worker's blocks *in the tree* are prefix-closed. A worker is only added to a
 //! node whose parent it already holds, and removing a block moves the worker's blocks below it
-//! out of the tree into its [`Orphans`] (they could not be matched: a match must be contiguous
+//! out of the tree into its orphans (they could not be matched: a match must be contiguous
 //! from the first block; they come back when the parent is stored again). Hence along any path
 //! the worker sets shrink monotonically, every non-root node has at least one worker, and an
 //! emptied node has an emptied subtree that can be freed at once.
