@@ -5,13 +5,14 @@
 //!     cargo run -p tandem-engine --example bench_cpu [-- --quick]
 //!
 //! The dev profile already optimises tandem-engine and its dependencies (opt-level 3), so no
-//! release build is needed. `--quick` runs the 0.6B shape with 4 layers only.
+//! release build is needed. `--quick` runs the 0.6B shape with 4 layers only. The 0.6B shape
+//! runs twice: f32 weights, and bf16 weights as a real checkpoint holds them.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use tandem_engine::backend::cpu::CpuBackend;
-use tandem_engine::backend::cpu_ops::matmul_t;
+use tandem_engine::backend::cpu_ops::{matmul_t, MatRef, Matrix};
 use tandem_engine::backend::{Backend, LogitsMode, SeqInput};
 use tandem_engine::kv::layout::KvDtype;
 use tandem_engine::model::{ModelConfig, Qwen3Weights};
@@ -31,7 +32,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("baseline sgemm [512x1024]·[1024x3072]: {gemm:.1} GFLOP/s");
     println!("baseline gemv  [1x1024]·[1024x3072]:   {gemv:.1} GFLOP/s");
     println!("baseline gemv  [8x1024]·[1024x3072]:   {gemv8:.1} GFLOP/s");
-    bench("tiny (2 layers, hidden 64)", &TINY, gemm)?;
+    bench(
+        "tiny (2 layers, hidden 64, f32 weights)",
+        &TINY,
+        gemm,
+        false,
+    )?;
     let q06 = TinyDims {
         hidden: 1024,
         intermediate: 3072,
@@ -42,11 +48,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         vocab: 151_936,
         tied: true,
     };
-    bench(
-        &format!("Qwen3-0.6B shape ({} layers, f32 weights)", q06.layers),
-        &q06,
-        gemm,
-    )?;
+    for bf16 in [false, true] {
+        let dtype = if bf16 { "bf16" } else { "f32" };
+        bench(
+            &format!("Qwen3-0.6B shape ({} layers, {dtype} weights)", q06.layers),
+            &q06,
+            gemm,
+            bf16,
+        )?;
+    }
     Ok(())
 }
 
@@ -60,20 +70,30 @@ fn gemm_rate(m: usize, k: usize, n: usize) -> f64 {
     for _ in 0..3 {
         let t = Instant::now();
         for _ in 0..reps {
-            matmul_t(&x, m, k, &w, n, &mut out);
+            matmul_t(&x, m, k, MatRef::F32(&w), n, &mut out);
         }
         best = best.min(t.elapsed().as_secs_f64() / reps as f64);
     }
     2.0 * (m * k * n) as f64 / best / 1e9
 }
 
-fn bench(name: &str, d: &TinyDims, gemm: f64) -> Result<(), Box<dyn std::error::Error>> {
+fn bench(
+    name: &str,
+    d: &TinyDims,
+    gemm: f64,
+    bf16: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let cfg_json = serde_json::to_vec(&qwen3_config_json(d, "float32"))?;
     let cfg = ModelConfig::parse(&cfg_json, std::path::Path::new("<bench>"))?;
     let w = Qwen3Weights::from_source(&cfg, |name, shape| {
         let (mean, std) = random_init(name, shape);
-        Ok(random_tensor(7, name, shape.iter().product(), mean, std))
+        let v = random_tensor(7, name, shape.iter().product(), mean, std);
+        Ok(if bf16 {
+            Matrix::Bf16(v.iter().map(|x| half_bits(*x)).collect())
+        } else {
+            Matrix::F32(v)
+        })
     })?;
     // Weight FLOPs per token: every matmul weight except the embedding lookup; lm_head counted
     // separately since prefill computes it for one row only.
@@ -162,4 +182,11 @@ fn bench(name: &str, d: &TinyDims, gemm: f64) -> Result<(), Box<dyn std::error::
         );
     }
     Ok(())
+}
+
+/// f32 → bf16 bits, round to nearest even (what checkpoints hold).
+fn half_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
 }

@@ -76,7 +76,7 @@ impl LoadedModel {
             Qwen3Weights::load(&config, &mapped)?
         } else {
             Qwen3Weights {
-                embed: vec![],
+                embed: crate::backend::cpu_ops::Matrix::F32(vec![]),
                 layers: vec![],
                 norm: vec![],
                 lm_head: None,

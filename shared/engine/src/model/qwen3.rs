@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu_ops::{
     dot, matmul_t, rms_norm_rows, rms_norm_rows_inplace, rope_apply, rope_inv_freq, silu_mul,
+    Matrix,
 };
 use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
@@ -14,41 +15,42 @@ use crate::kv::layout::KvPart;
 use crate::model::config::ModelConfig;
 use crate::model::weights::Weights;
 
-/// One decoder layer's weights, f32, in the `[out, in]` layout of the checkpoint. q/k/v and
-/// gate/up are concatenated along `out` so that each is one GEMM.
+/// One decoder layer's weights in the `[out, in]` layout of the checkpoint (matrices f32 or
+/// bf16 as stored, norms f32). q/k/v and gate/up are concatenated along `out` so that each is
+/// one GEMM.
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     /// `[q_heads*head_dim + 2*kv_heads*head_dim, hidden]`: rows of q, then k, then v.
-    pub qkv: Vec<f32>,
+    pub qkv: Matrix,
     pub q_norm: Vec<f32>,
     pub k_norm: Vec<f32>,
-    pub o_proj: Vec<f32>,
+    pub o_proj: Matrix,
     pub post_norm: Vec<f32>,
     /// `[2*intermediate, hidden]`: rows of gate, then up.
-    pub gate_up: Vec<f32>,
-    pub down: Vec<f32>,
+    pub gate_up: Matrix,
+    pub down: Matrix,
 }
 
-/// All weights of a Qwen3 model, f32.
+/// All weights of a Qwen3 model.
 pub struct Qwen3Weights {
-    pub embed: Vec<f32>,
+    pub embed: Matrix,
     pub layers: Vec<LayerWeights>,
     pub norm: Vec<f32>,
     /// `None` when tied to the embedding.
-    pub lm_head: Option<Vec<f32>>,
+    pub lm_head: Option<Matrix>,
 }
 
 impl Qwen3Weights {
     /// Loads from a mapped checkpoint, with Hugging Face tensor names.
     pub fn load(cfg: &ModelConfig, weights: &Weights) -> Result<Self, EngineError> {
-        Self::from_source(cfg, |name, shape| weights.tensor_f32(name, shape))
+        Self::from_source(cfg, |name, shape| weights.tensor_matrix(name, shape))
     }
 
     /// Builds the weights from any source of named tensors (`get(name, shape)` returns the
-    /// f32 data of that shape); the checkpoint loader and the benchmark's random models use it.
+    /// data of that shape); the checkpoint loader and the benchmark's random models use it.
     pub fn from_source(
         cfg: &ModelConfig,
-        mut get: impl FnMut(&str, &[usize]) -> Result<Vec<f32>, EngineError>,
+        mut get: impl FnMut(&str, &[usize]) -> Result<Matrix, EngineError>,
     ) -> Result<Self, EngineError> {
         let h = cfg.hidden_size;
         let hd = cfg.head_dim;
@@ -60,23 +62,27 @@ impl Qwen3Weights {
         for l in 0..cfg.num_hidden_layers {
             tracing::info!("loading layer {}/{}", l + 1, cfg.num_hidden_layers);
             let p = format!("model.layers.{l}.");
-            let mut qkv = get(&format!("{p}self_attn.q_proj.weight"), &[qd, h])?;
-            qkv.extend(get(&format!("{p}self_attn.k_proj.weight"), &[kvd, h])?);
-            qkv.extend(get(&format!("{p}self_attn.v_proj.weight"), &[kvd, h])?);
-            let mut gate_up = get(&format!("{p}mlp.gate_proj.weight"), &[im, h])?;
-            gate_up.extend(get(&format!("{p}mlp.up_proj.weight"), &[im, h])?);
+            let qkv = Matrix::concat(vec![
+                get(&format!("{p}self_attn.q_proj.weight"), &[qd, h])?,
+                get(&format!("{p}self_attn.k_proj.weight"), &[kvd, h])?,
+                get(&format!("{p}self_attn.v_proj.weight"), &[kvd, h])?,
+            ]);
+            let gate_up = Matrix::concat(vec![
+                get(&format!("{p}mlp.gate_proj.weight"), &[im, h])?,
+                get(&format!("{p}mlp.up_proj.weight"), &[im, h])?,
+            ]);
             layers.push(LayerWeights {
-                input_norm: get(&format!("{p}input_layernorm.weight"), &[h])?,
+                input_norm: get(&format!("{p}input_layernorm.weight"), &[h])?.into_f32(),
                 qkv,
-                q_norm: get(&format!("{p}self_attn.q_norm.weight"), &[hd])?,
-                k_norm: get(&format!("{p}self_attn.k_norm.weight"), &[hd])?,
+                q_norm: get(&format!("{p}self_attn.q_norm.weight"), &[hd])?.into_f32(),
+                k_norm: get(&format!("{p}self_attn.k_norm.weight"), &[hd])?.into_f32(),
                 o_proj: get(&format!("{p}self_attn.o_proj.weight"), &[h, qd])?,
-                post_norm: get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                post_norm: get(&format!("{p}post_attention_layernorm.weight"), &[h])?.into_f32(),
                 gate_up,
                 down: get(&format!("{p}mlp.down_proj.weight"), &[h, im])?,
             });
         }
-        let norm = get("model.norm.weight", &[h])?;
+        let norm = get("model.norm.weight", &[h])?.into_f32();
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
@@ -91,8 +97,8 @@ impl Qwen3Weights {
     }
 
     /// The output projection `[vocab, hidden]`.
-    pub fn lm_head(&self) -> &[f32] {
-        self.lm_head.as_deref().unwrap_or(&self.embed)
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 }
 
@@ -166,7 +172,7 @@ pub fn forward(
                 cfg.vocab_size
             )));
         }
-        row.copy_from_slice(&w.embed[id * h..(id + 1) * h]);
+        w.embed.row_into(id, h, row);
     }
 
     let mut normed = vec![0.0f32; t * h];
@@ -178,7 +184,7 @@ pub fn forward(
 
     for (l, lw) in w.layers.iter().enumerate() {
         rms_norm_rows(&x, &lw.input_norm, eps, &mut normed);
-        matmul_t(&normed, t, h, &lw.qkv, qkv_w, &mut qkv);
+        matmul_t(&normed, t, h, lw.qkv.as_ref(), qkv_w, &mut qkv);
 
         // Per-head norms and RoPE on q and k, then store this step's k and v in the pool.
         qkv.par_chunks_exact_mut(qkv_w)
@@ -254,11 +260,11 @@ pub fn forward(
             },
         );
 
-        matmul_t(&attn, t, qd, &lw.o_proj, h, &mut proj);
+        matmul_t(&attn, t, qd, lw.o_proj.as_ref(), h, &mut proj);
         add_in_place(&mut x, &proj);
 
         rms_norm_rows(&x, &lw.post_norm, eps, &mut normed);
-        matmul_t(&normed, t, h, &lw.gate_up, 2 * im, &mut gu);
+        matmul_t(&normed, t, h, lw.gate_up.as_ref(), 2 * im, &mut gu);
         act.par_chunks_exact_mut(im)
             .zip(gu.par_chunks_exact_mut(2 * im))
             .for_each(|(a, row)| {
@@ -266,7 +272,7 @@ pub fn forward(
                 silu_mul(g, u);
                 a.copy_from_slice(g);
             });
-        matmul_t(&act, t, im, &lw.down, h, &mut proj);
+        matmul_t(&act, t, im, lw.down.as_ref(), h, &mut proj);
         add_in_place(&mut x, &proj);
     }
 
@@ -293,7 +299,7 @@ pub fn forward(
     }
     let v = cfg.vocab_size;
     let mut logits = vec![0.0f32; r * v];
-    matmul_t(&sel, r, h, w.lm_head(), v, &mut logits);
+    matmul_t(&sel, r, h, w.lm_head().as_ref(), v, &mut logits);
     let mut chunks = logits.chunks_exact(v).map(<[f32]>::to_vec);
     let out = counts
         .iter()

@@ -10,6 +10,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 use sha2::{Digest, Sha256};
 
+use crate::backend::cpu_ops::Matrix;
 use crate::error::EngineError;
 
 const SINGLE_FILE: &str = "model.safetensors";
@@ -137,8 +138,69 @@ impl Weights {
             .unwrap_or_default()
     }
 
+    /// The tensor `name` as a [`Matrix`], checking its shape: bf16 stays bf16 (the CPU
+    /// kernels read it directly), f16 and f32 become f32.
+    pub fn tensor_matrix(&self, name: &str, shape: &[usize]) -> Result<Matrix, EngineError> {
+        if self.dtype_of(name) == Some(Dtype::BF16) {
+            let v = self.tensor_with(name, shape, |bytes, n, err| {
+                if bytes.len() != n * 2 {
+                    return Err(err(format!(
+                        "{} data bytes do not hold {n} elements",
+                        bytes.len()
+                    )));
+                }
+                Ok(bytes
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                    .collect())
+            })?;
+            return Ok(Matrix::Bf16(v));
+        }
+        self.tensor_f32(name, shape).map(Matrix::F32)
+    }
+
+    fn dtype_of(&self, name: &str) -> Option<Dtype> {
+        let i = *self.index.get(name)?;
+        self.shards[i].meta.info(name).map(|info| info.dtype)
+    }
+
     /// The tensor `name` as f32, checking that its shape is `shape`.
     pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, EngineError> {
+        self.tensor_with(name, shape, |bytes, n, err| {
+            let info_dtype = self.dtype_of(name);
+            let out = match info_dtype {
+                Some(Dtype::F32) => convert(bytes, n, 4, |b| {
+                    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                }),
+                Some(Dtype::BF16) => convert(bytes, n, 2, |b| {
+                    f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+                }),
+                Some(Dtype::F16) => convert(bytes, n, 2, |b| {
+                    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+                }),
+                other => {
+                    return Err(err(format!(
+                        "dtype {} is not supported (expected bf16, f16 or f32)",
+                        other.map(|d| format!("{d:?}")).unwrap_or_default()
+                    )))
+                }
+            };
+            out.ok_or_else(|| {
+                err(format!(
+                    "{} data bytes do not hold {n} elements",
+                    bytes.len()
+                ))
+            })
+        })
+    }
+
+    /// Finds `name`, checks its shape and hands its bytes and element count to `read`.
+    fn tensor_with<T>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        read: impl FnOnce(&[u8], usize, &dyn Fn(String) -> EngineError) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
         let Some(&i) = self.index.get(name) else {
             let files: Vec<String> = self
                 .shards
@@ -170,28 +232,13 @@ impl Weights {
             .get(shard.data_start + lo..shard.data_start + hi)
             .ok_or_else(|| err("data lies past the end of the file".into()))?;
         let n: usize = shape.iter().product();
-        let out = match info.dtype {
-            Dtype::F32 => convert(bytes, n, 4, |b| {
-                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
-            }),
-            Dtype::BF16 => convert(bytes, n, 2, |b| {
-                f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
-            }),
-            Dtype::F16 => convert(bytes, n, 2, |b| {
-                half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
-            }),
-            other => {
-                return Err(err(format!(
-                    "dtype {other:?} is not supported (expected bf16, f16 or f32)"
-                )))
-            }
-        };
-        out.ok_or_else(|| {
-            err(format!(
-                "{} data bytes do not hold {n} elements",
-                bytes.len()
-            ))
-        })
+        if !matches!(info.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+            return Err(err(format!(
+                "dtype {:?} is not supported (expected bf16, f16 or f32)",
+                info.dtype
+            )));
+        }
+        read(bytes, n, &err)
     }
 }
 
