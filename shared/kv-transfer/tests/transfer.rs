@@ -1,0 +1,488 @@
+//! Transfer tests for both transports on loopback: in one process and across two processes
+//! (the test binary re-executes itself as the receiver with `KV_TEST_CHILD` set).
+//!
+//! UCX: no `UCX_TLS` is set; Debian's UCX 1.13 picks among tcp/shm (posix, sysv)/cma/self on
+//! this VM by itself.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{fnv, transport, Pool, Rng};
+use tandem_kv_transfer::{
+    Backend, Bytes, Event, KvConnection, KvTransport, Put, Registration, RemoteRegion,
+    TransferError,
+};
+
+const T: Duration = Duration::from_secs(10);
+const BACKENDS: [Backend; 2] = [Backend::Tcp, Backend::Ucx];
+
+/// A batch of non-overlapping random puts (sizes 1 B..64 KiB, some empty) applied to `shadow`.
+fn random_batch(rng: &mut Rng, region_len: usize, shadow: &mut [u8]) -> Vec<Put> {
+    let slots = 64;
+    let slot = region_len / slots;
+    let mut used = vec![false; slots];
+    let mut puts = Vec::new();
+    for _ in 0..(1 + rng.below(40)) {
+        let s = rng.below(slots as u64) as usize;
+        if used[s] {
+            continue;
+        }
+        used[s] = true;
+        let len = rng.below(slot.min(64 * 1024) as u64 + 1) as usize;
+        let off = s * slot + rng.below((slot - len) as u64 + 1) as usize;
+        let data = rng.bytes(len);
+        shadow[off..off + len].copy_from_slice(&data);
+        puts.push(Put {
+            local: Bytes::from(data),
+            offset: off as u64,
+        });
+    }
+    puts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_puts_land_byte_exact_and_notifications_follow_them() {
+    for backend in BACKENDS {
+        let rx = transport(backend, T).await;
+        let tx = transport(backend, T).await;
+        let mut events = rx.take_notifications().unwrap();
+        assert!(rx.take_notifications().is_none());
+        let len = 4 << 20;
+        let pool = Pool::new(len);
+        let reg = rx.register(pool.memory()).await.unwrap();
+        // The descriptor travels as JSON in the real system.
+        let desc: RemoteRegion =
+            serde_json::from_str(&serde_json::to_string(reg.descriptor()).unwrap()).unwrap();
+        let conn = tx.connect(&desc.peer).await.unwrap();
+        let mut shadow = vec![0u8; len];
+        let mut rng = Rng(0x5eed_0000 + backend as u64);
+        for round in 0..20u32 {
+            let puts = random_batch(&mut rng, len, &mut shadow);
+            conn.write(&desc, puts).await.unwrap();
+            conn.notify(Bytes::from(format!("round {round}")))
+                .await
+                .unwrap();
+            // Ordering: when the notification arrives, that round's puts are in memory.
+            let note = events.next_notification(T).await.unwrap();
+            assert_eq!(note, format!("round {round}").into_bytes());
+            assert!(
+                pool.snapshot() == shadow,
+                "{backend}: memory differs after round {round}"
+            );
+        }
+        drop(conn);
+        drop(reg);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_batches_then_one_notification() {
+    // Notifications sent back to back after many writes still arrive in order, each after
+    // its writes.
+    for backend in BACKENDS {
+        let rx = transport(backend, T).await;
+        let tx = transport(backend, T).await;
+        let mut events = rx.take_notifications().unwrap();
+        let pool = Pool::new(1 << 20);
+        let reg = rx.register(pool.memory()).await.unwrap();
+        let desc = reg.descriptor().clone();
+        let conn = tx.connect(&desc.peer).await.unwrap();
+        for i in 0..50u64 {
+            let data = vec![i as u8 + 1; 4096];
+            conn.write(
+                &desc,
+                vec![Put {
+                    local: data.into(),
+                    offset: i * 4096,
+                }],
+            )
+            .await
+            .unwrap();
+            conn.notify(Bytes::from(i.to_le_bytes().to_vec()))
+                .await
+                .unwrap();
+        }
+        for i in 0..50u64 {
+            let n = events.next_notification(T).await.unwrap();
+            assert_eq!(n, i.to_le_bytes());
+        }
+        let snap = pool.snapshot();
+        for i in 0..50usize {
+            assert!(
+                snap[i * 4096..(i + 1) * 4096]
+                    .iter()
+                    .all(|&b| b == i as u8 + 1),
+                "{backend}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_bounds_and_malformed_descriptors_are_refused() {
+    for backend in BACKENDS {
+        let rx = transport(backend, T).await;
+        let tx = transport(backend, T).await;
+        let pool = Pool::new(64 * 1024);
+        let reg = rx.register(pool.memory()).await.unwrap();
+        let desc = reg.descriptor().clone();
+        let conn = tx.connect(&desc.peer).await.unwrap();
+        let put = |offset: u64, len: usize| Put {
+            local: vec![0xAB; len].into(),
+            offset,
+        };
+
+        // A batch with one bad put writes nothing at all.
+        let e = conn
+            .write(&desc, vec![put(0, 16), put(64 * 1024 - 8, 16)])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, TransferError::OutOfBounds { .. }),
+            "{backend}: {e}"
+        );
+        let e = conn
+            .write(&desc, vec![put(u64::MAX - 4, 16)])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, TransferError::OutOfBounds { .. }),
+            "{backend}: {e}"
+        );
+        let wrapping = RemoteRegion {
+            base: u64::MAX - 100,
+            ..desc.clone()
+        };
+        let e = conn.write(&wrapping, vec![put(0, 1)]).await.unwrap_err();
+        assert!(
+            matches!(e, TransferError::BadDescriptor(_)),
+            "{backend}: {e}"
+        );
+        let other_peer = RemoteRegion {
+            peer: tandem_kv_transfer::PeerAddress(b"1.2.3.4:5".to_vec()),
+            ..desc.clone()
+        };
+        let e = conn.write(&other_peer, vec![put(0, 1)]).await.unwrap_err();
+        assert!(
+            matches!(e, TransferError::BadDescriptor(_)),
+            "{backend}: {e}"
+        );
+        let e = conn
+            .notify(Bytes::from(vec![0; 65 * 1024]))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, TransferError::NotificationTooLarge(_)),
+            "{backend}: {e}"
+        );
+        assert!(
+            pool.snapshot().iter().all(|&b| b == 0),
+            "{backend}: refused batch wrote"
+        );
+
+        if backend == Backend::Tcp {
+            // A forged descriptor that claims a bigger region passes the sender's check but
+            // the receiver checks against what it registered.
+            let forged = RemoteRegion {
+                len: 1 << 30,
+                ..desc.clone()
+            };
+            let e = conn
+                .write(&forged, vec![put(1 << 20, 16)])
+                .await
+                .unwrap_err();
+            assert!(matches!(e, TransferError::PeerFailed(_)), "{e}");
+            let forged = RemoteRegion {
+                region_id: 999,
+                ..desc.clone()
+            };
+            assert!(conn.write(&forged, vec![put(0, 16)]).await.is_err());
+            assert!(pool.snapshot().iter().all(|&b| b == 0), "forged put wrote");
+            // The connection stays usable after refused puts.
+            conn.write(&desc, vec![put(0, 16)]).await.unwrap();
+        } else {
+            // An rkey UCX cannot unpack is an error, not a crash.
+            let bad = RemoteRegion {
+                rkey: vec![],
+                ..desc.clone()
+            };
+            assert!(matches!(
+                conn.write(&bad, vec![put(0, 1)]).await,
+                Err(TransferError::BadDescriptor(_))
+            ));
+            conn.write(&desc, vec![put(0, 16)]).await.unwrap();
+        }
+        assert_eq!(&pool.snapshot()[..16], &[0xAB; 16]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_registration_and_transport_releases_memory() {
+    // TCP: the receiver enforces it, so a put after unregistration is refused.
+    let rx = transport(Backend::Tcp, T).await;
+    let tx = transport(Backend::Tcp, T).await;
+    let pool = Pool::new(4096);
+    let reg = rx.register(pool.memory()).await.unwrap();
+    let desc = reg.descriptor().clone();
+    let conn = tx.connect(&desc.peer).await.unwrap();
+    conn.write(
+        &desc,
+        vec![Put {
+            local: vec![1; 8].into(),
+            offset: 0,
+        }],
+    )
+    .await
+    .unwrap();
+    drop(reg);
+    assert!(conn
+        .write(
+            &desc,
+            vec![Put {
+                local: vec![2; 8].into(),
+                offset: 0
+            }]
+        )
+        .await
+        .is_err());
+    let reg2 = rx.register(pool.memory()).await.unwrap();
+    let desc2 = reg2.descriptor().clone();
+    drop(rx); // the transport goes: listener, connections and registrations with it
+    let start = Instant::now();
+    assert!(conn
+        .write(
+            &desc2,
+            vec![Put {
+                local: vec![3; 8].into(),
+                offset: 0
+            }]
+        )
+        .await
+        .is_err());
+    assert!(start.elapsed() < T);
+    assert_eq!(&pool.snapshot()[..8], &[1; 8]);
+    drop(reg2); // after its transport: must not hang or crash
+
+    // UCX: dropping the transport unmaps every registration and joins the progress thread;
+    // a registration dropped afterwards is a no-op.
+    let rx = transport(Backend::Ucx, T).await;
+    let reg = rx.register(pool.memory()).await.unwrap();
+    let reg_b = rx.register(pool.memory()).await.unwrap();
+    drop(reg_b);
+    let start = Instant::now();
+    drop(rx);
+    drop(reg);
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn backend_selection_has_no_silent_fallback() {
+    use tandem_kv_transfer::open;
+    // A UCX that cannot initialise (here: a transport list naming nothing that exists) is an
+    // error that names TCP, run in a child so the env var does not leak into other tests.
+    if std::env::var("KV_TEST_BAD_UCX").is_ok() {
+        let e = open(common::config(Backend::Ucx, T))
+            .await
+            .err()
+            .expect("must fail");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("UCX cannot be initialised") && msg.contains("TCP"),
+            "{msg}"
+        );
+        return;
+    }
+    let t = transport(Backend::Ucx, T).await;
+    assert_eq!(t.backend(), Backend::Ucx);
+    assert_eq!(transport(Backend::Tcp, T).await.backend(), Backend::Tcp);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "backend_selection_has_no_silent_fallback",
+            "--nocapture",
+        ])
+        .env("KV_TEST_BAD_UCX", "1")
+        .env("UCX_TLS", "no_such_transport")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Cross-process tests.
+// ---------------------------------------------------------------------------------------
+
+const CHILD_LEN: usize = 8 << 20;
+
+/// The receiver child: registers a pool, prints its descriptor, then answers every
+/// notification with the pool's hash. Runs only when `KV_TEST_CHILD` names a backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_receiver() {
+    let Ok(backend) = std::env::var("KV_TEST_CHILD") else {
+        return;
+    };
+    let backend: Backend = backend.parse().unwrap();
+    let rx = transport(backend, T).await;
+    let mut events = rx.take_notifications().unwrap();
+    let pool = Pool::new(CHILD_LEN);
+    let reg = rx.register(pool.memory()).await.unwrap();
+    println!("DESC {}", serde_json::to_string(reg.descriptor()).unwrap());
+    while let Ok(ev) = events.recv_timeout(Duration::from_secs(60)).await {
+        match ev {
+            Event::Notification(n) if n == b"quit" => break,
+            Event::Notification(n) => {
+                println!(
+                    "HASH {} {:016x}",
+                    String::from_utf8_lossy(&n),
+                    fnv(&pool.snapshot())
+                )
+            }
+            Event::PeerClosed { .. } => {}
+        }
+    }
+}
+
+struct ChildReceiver {
+    child: Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl ChildReceiver {
+    fn spawn(backend: Backend) -> (Self, RemoteRegion) {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_receiver",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KV_TEST_CHILD", backend.as_str())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let desc = loop {
+            let line = lines
+                .next()
+                .expect("child exited before its descriptor")
+                .unwrap();
+            // libtest prints "test child_receiver ... " on the same line first.
+            if let Some(i) = line.find("DESC ") {
+                break serde_json::from_str(&line[i + 5..]).unwrap();
+            }
+        };
+        (ChildReceiver { child, lines }, desc)
+    }
+
+    fn next_hash(&mut self) -> String {
+        loop {
+            let line = self.lines.next().expect("child exited").unwrap();
+            if let Some(i) = line.find("HASH ") {
+                return line[i + 5..].to_string();
+            }
+        }
+    }
+}
+
+impl Drop for ChildReceiver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_process_random_puts_land_byte_exact() {
+    if std::env::var("KV_TEST_CHILD").is_ok() {
+        return;
+    }
+    for backend in BACKENDS {
+        let (mut child, desc) = tokio::task::block_in_place(|| ChildReceiver::spawn(backend));
+        let tx = transport(backend, T).await;
+        let conn = tx.connect(&desc.peer).await.unwrap();
+        let mut shadow = vec![0u8; CHILD_LEN];
+        let mut rng = Rng(0xc0ffee + backend as u64);
+        for round in 0..10 {
+            let puts = random_batch(&mut rng, CHILD_LEN, &mut shadow);
+            conn.write(&desc, puts).await.unwrap();
+            conn.notify(Bytes::from(format!("r{round}"))).await.unwrap();
+            let got = tokio::task::block_in_place(|| child.next_hash());
+            assert_eq!(
+                got,
+                format!("r{round} {:016x}", fnv(&shadow)),
+                "{backend} round {round}"
+            );
+        }
+        conn.notify(Bytes::from_static(b"quit")).await.unwrap();
+        let status = tokio::task::block_in_place(|| child.child.wait()).unwrap();
+        assert!(status.success(), "{backend}: child failed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receiver_killed_mid_transfer_gives_an_error_not_a_hang() {
+    if std::env::var("KV_TEST_CHILD").is_ok() {
+        return;
+    }
+    for backend in BACKENDS {
+        let (mut child, desc) = tokio::task::block_in_place(|| ChildReceiver::spawn(backend));
+        let tx = transport(backend, Duration::from_secs(5)).await;
+        let conn = tx.connect(&desc.peer).await.unwrap();
+        let block = Bytes::from(vec![7u8; 1 << 20]);
+        let batch = || {
+            (0..8)
+                .map(|i| Put {
+                    local: block.clone(),
+                    offset: i << 20,
+                })
+                .collect::<Vec<_>>()
+        };
+        conn.write(&desc, batch()).await.unwrap();
+        let start = Instant::now();
+        let killer = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            child.child.kill().unwrap();
+        };
+        let writer = async {
+            loop {
+                if let Err(e) = conn.write(&desc, batch()).await {
+                    return e;
+                }
+                if start.elapsed() > Duration::from_secs(30) {
+                    panic!("{backend}: writes kept succeeding after the receiver was killed");
+                }
+            }
+        };
+        let (_, err) = tokio::join!(killer, writer);
+        eprintln!("{backend}: error after {:?}: {err}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{backend}: took {:?}",
+            start.elapsed()
+        );
+        // The connection stays failed rather than hanging later calls.
+        let again = tokio::time::timeout(Duration::from_secs(15), conn.write(&desc, batch())).await;
+        assert!(matches!(again, Ok(Err(_))), "{backend}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_receiver_sees_a_sender_that_dies() {
+    let rx = transport(Backend::Tcp, T).await;
+    let mut events = rx.take_notifications().unwrap();
+    let tx = transport(Backend::Tcp, T).await;
+    let conn = tx.connect(&rx.address()).await.unwrap();
+    conn.notify(Bytes::from_static(b"hello")).await.unwrap();
+    assert_eq!(events.next_notification(T).await.unwrap(), b"hello");
+    drop(conn);
+    drop(tx);
+    let e = events.next_notification(T).await.unwrap_err();
+    assert!(matches!(e, TransferError::PeerFailed(_)), "{e}");
+}
