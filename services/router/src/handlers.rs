@@ -33,6 +33,12 @@ pub fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
+/// The id the workers and the load tracker see: the client's id (so logs correlate) plus a
+/// random suffix, because two clients may send the same `x-request-id`.
+fn internal_id(rid: &str) -> String {
+    format!("{rid}-{:08x}", uuid::Uuid::new_v4().as_u128() as u32)
+}
+
 /// Counts a request in flight until dropped (the end of a stream included).
 struct Inflight {
     model: String,
@@ -235,11 +241,19 @@ async fn serve(
     let model = p.meta.model.clone();
     metrics::histogram!(m::INPUT_SEQUENCE_TOKENS).record(p.prompt.len() as f64);
     let inflight = Inflight::new(&model, endpoint);
-    let (rx, routed) =
-        match generate::start(&state, &p.view, &rid, p.prompt, p.params, received).await {
-            Ok(x) => x,
-            Err(e) => return error_response(e, &rid, &model, endpoint, p.stream),
-        };
+    let (rx, routed) = match generate::start(
+        &state,
+        &p.view,
+        &internal_id(&rid),
+        p.prompt,
+        p.params,
+        received,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(e) => return error_response(e, &rid, &model, endpoint, p.stream),
+    };
     tracing::info!(request_id = %rid, worker = routed.worker_id, cached_tokens = routed.cached_tokens, "routed");
     let assets = p.view.assets.clone();
     let meta = p.meta;

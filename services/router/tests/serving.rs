@@ -353,3 +353,24 @@ async fn a_worker_with_a_different_tokenizer_for_the_same_model_is_refused() {
     drop(other);
     let _ = std::fs::remove_dir_all(&odd);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_request_id_is_honoured_even_when_two_clients_reuse_it() {
+    let t = Topology::start_healthy(1, &[], &[]).await;
+    let send = |base: String| async move {
+        reqwest::Client::new()
+            .post(format!("{base}/v1/completions"))
+            .header("x-request-id", "same-id")
+            .json(&json!({"model": "tandem-tiny", "prompt": "hi", "max_tokens": 20, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap()
+    };
+    let (a, b) = tokio::join!(send(t.base.clone()), send(t.base.clone()));
+    for r in [a, b] {
+        assert_eq!(r.status().as_u16(), 200);
+        assert_eq!(r.headers()["x-request-id"], "same-id");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["id"], "cmpl-same-id");
+    }
+}
