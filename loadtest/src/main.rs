@@ -103,6 +103,9 @@ struct Args {
     /// Folder for report.json, requests.csv and the plots.
     #[arg(long, default_value = "loadtest-out")]
     out: PathBuf,
+    /// Seconds to wait for `/v1/models` to list a model (without --model).
+    #[arg(long, default_value_t = 30.0)]
+    wait_for_model: f64,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -148,7 +151,7 @@ fn build_jobs(a: &Args) -> anyhow::Result<Vec<Job>> {
     })
 }
 
-async fn first_model(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+async fn first_model_once(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
     let v: serde_json::Value = http
         .get(format!("{base}/v1/models"))
         .send()
@@ -161,6 +164,19 @@ async fn first_model(http: &reqwest::Client, base: &str) -> anyhow::Result<Strin
         .and_then(|x| x.as_str())
         .map(str::to_string)
         .context("/v1/models lists no model; pass --model")
+}
+
+/// The first served model, polling up to `wait` for one: a router may be up before its
+/// workers' model cards are in.
+async fn first_model(http: &reqwest::Client, base: &str, wait: f64) -> anyhow::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs_f64(wait);
+    loop {
+        match first_model_once(http, base).await {
+            Ok(m) => return Ok(m),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
 }
 
 async fn one_run(
@@ -224,7 +240,7 @@ async fn main() -> anyhow::Result<()> {
     let base = a.url.trim_end_matches('/').to_string();
     let model = match &a.model {
         Some(m) => m.clone(),
-        None => first_model(&http, &base).await?,
+        None => first_model(&http, &base, a.wait_for_model).await?,
     };
     let arrivals = |rate: Option<f64>, conc: usize| match (a.workload, rate) {
         (Kind::Trace, _) => Arrivals::Trace,

@@ -221,7 +221,7 @@ pub fn mooncake(
         path: p.clone(),
         source,
     })?;
-    if block_size == 0 || !(speedup > 0.0) {
+    if block_size == 0 || speedup.is_nan() || speedup <= 0.0 {
         return Err(WorkloadError::Invalid(
             "--trace-block-size and --trace-speedup must be > 0".into(),
         ));

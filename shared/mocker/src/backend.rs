@@ -11,13 +11,16 @@ use tandem_engine::kv::layout::KvLayout;
 
 use crate::cost::{CostModel, StepShape};
 
+/// Called with a step's shape and simulated milliseconds.
+pub type StepHook = Box<dyn FnMut(&StepShape, f64) + Send>;
+
 /// How a step's simulated time passes.
 pub enum Pacer {
     /// The engine thread sleeps for it (live serving).
     Sleep,
     /// A virtual clock: the hook gets the step's shape and milliseconds and may block until
     /// the driver lets the step end (offline replay).
-    Hook(Box<dyn FnMut(&StepShape, f64) + Send>),
+    Hook(StepHook),
 }
 
 pub struct SimBackend {
