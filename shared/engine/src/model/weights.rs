@@ -332,6 +332,15 @@ mod tests {
         assert_eq!(w.tensor_f32("a", &[2]).unwrap(), vec![1.5, -2.0]);
         assert_eq!(w.tensor_f32("b", &[1, 2]).unwrap(), vec![1.5, -2.0]);
         assert_eq!(w.tensor_f32("c", &[2]).unwrap(), vec![1.5, -2.0]);
+        // bf16 stays bf16 for the CPU kernels; f16 and f32 become f32.
+        let b = w.tensor_matrix("b", &[1, 2]).unwrap();
+        assert!(matches!(b, Matrix::Bf16(_)));
+        assert_eq!(b.into_f32(), vec![1.5, -2.0]);
+        assert!(matches!(
+            w.tensor_matrix("c", &[2]).unwrap(),
+            Matrix::F32(_)
+        ));
+        assert!(w.tensor_matrix("b", &[2]).is_err());
         let e = w.tensor_f32("b", &[2]).unwrap_err().to_string();
         assert!(
             e.contains("tensor b") && e.contains("shape") && e.contains(SINGLE_FILE),
