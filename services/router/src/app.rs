@@ -51,7 +51,7 @@ pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
 }
 
 /// Bodies over the limit get an OpenAI-style 413, not axum's plain text.
-fn body_or_error(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Response> {
+fn body_or_error(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
         let status = rejection.status();
         let err = if status == StatusCode::PAYLOAD_TOO_LARGE {
@@ -64,7 +64,7 @@ fn body_or_error(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Response>
         } else {
             ApiError::bad_request(format!("cannot read the request body: {rejection}"), None)
         };
-        err.into_response()
+        err
     })
 }
 
@@ -75,7 +75,7 @@ async fn chat(
 ) -> Response {
     match body_or_error(body) {
         Ok(b) => handlers::chat_completions(state, headers, b).await,
-        Err(r) => r,
+        Err(e) => e.into_response(),
     }
 }
 
@@ -86,7 +86,7 @@ async fn completions(
 ) -> Response {
     match body_or_error(body) {
         Ok(b) => handlers::completions(state, headers, b).await,
-        Err(r) => r,
+        Err(e) => e.into_response(),
     }
 }
 

@@ -86,7 +86,7 @@ fn validate_engine(e: &EngineOptions) -> Result<(), ConfigError> {
     }
     if let Some(gpus) = e.gpus_per_node {
         let world = e.tensor_parallel_size * e.pipeline_parallel_size;
-        if world > gpus && world % gpus != 0 {
+        if world > gpus && !world.is_multiple_of(gpus) {
             return Err(invalid(format!(
                 "tensor_parallel_size {} x pipeline_parallel_size {} = {world} GPUs cannot be laid \
                  out on nodes of {gpus} GPUs (--gpus-per-node): use at most {gpus} or a multiple of it",
@@ -95,7 +95,7 @@ fn validate_engine(e: &EngineOptions) -> Result<(), ConfigError> {
         }
     }
     if let Some(ep) = e.moe_expert_parallel_size {
-        if e.tensor_parallel_size % ep != 0 {
+        if !e.tensor_parallel_size.is_multiple_of(ep) {
             return Err(invalid(format!(
                 "expert parallel size {ep} must divide tensor_parallel_size {}",
                 e.tensor_parallel_size

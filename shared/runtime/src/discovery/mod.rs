@@ -167,6 +167,8 @@ pub struct Entry {
 
 /// A change seen by a watcher. `Added` is also sent again, for the same `instance_id`, when an
 /// instance's record or card changes (treat it as an upsert).
+// Discovery events are rare and short-lived; boxing `Added` would only add noise.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum DiscoveryEvent {
     Added {
