@@ -36,7 +36,7 @@ pub type EngineBuilder = Box<dyn FnOnce(&WorkerConfig) -> anyhow::Result<BuiltEn
 /// Runs a worker until SIGTERM / SIGINT, then drains.
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let shutdown = tandem_runtime::shutdown::on_signals();
-    run_with(cfg, Box::new(|c| crate::build_engine(c)), shutdown).await
+    run_with(cfg, Box::new(crate::build_engine), shutdown).await
 }
 
 /// Like [`run`] with the engine from `build` and an outside shutdown token, so that one
