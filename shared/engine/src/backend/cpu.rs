@@ -284,6 +284,121 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu_ops::Matrix;
+    use crate::tiny::{qwen3_config_json, random_init, random_tensor, TinyDims};
+
+    /// A micro Qwen3 (vocab 50, hidden 16) built in memory, no files.
+    fn micro(kv: KvDtype, blocks: usize) -> CpuBackend {
+        let d = TinyDims {
+            hidden: 16,
+            intermediate: 32,
+            layers: 2,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            vocab: 50,
+            tied: true,
+        };
+        let json = serde_json::to_vec(&qwen3_config_json(&d, "float32")).unwrap();
+        let cfg = ModelConfig::parse(&json, std::path::Path::new("micro")).unwrap();
+        let w = Qwen3Weights::from_source(&cfg, |name, shape| {
+            let (mean, std) = random_init(name, shape);
+            let n = shape.iter().product();
+            Ok(Matrix::F32(random_tensor(3, name, n, mean, std)))
+        })
+        .unwrap();
+        CpuBackend::from_parts(cfg, Arc::new(w), "micro".into(), kv, 4, blocks).unwrap()
+    }
+
+    fn seq<'a>(tokens: &'a [u32], start: usize, table: &'a [u32], l: LogitsMode) -> SeqInput<'a> {
+        SeqInput {
+            tokens,
+            start_pos: start,
+            block_table: table,
+            logits: l,
+        }
+    }
+
+    #[test]
+    fn logits_rows_follow_the_mode() {
+        let mut be = micro(KvDtype::F32, 8);
+        let out = be
+            .forward(&[
+                seq(&[1, 2, 3], 0, &[0], LogitsMode::All),
+                seq(&[4, 5], 0, &[1], LogitsMode::Last),
+                seq(&[6], 0, &[2], LogitsMode::None),
+            ])
+            .unwrap();
+        let rows: Vec<usize> = out.logits.iter().map(Vec::len).collect();
+        assert_eq!(rows, vec![3, 1, 0]);
+        assert!(out.logits[0].iter().all(|r| r.len() == 50));
+        assert!(be.forward(&[]).unwrap().logits.is_empty());
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_not_panics() {
+        let mut be = micro(KvDtype::F32, 4);
+        let e = be.forward(&[seq(&[50], 0, &[0], LogitsMode::Last)]);
+        assert!(e.unwrap_err().to_string().contains("vocabulary"));
+        // 5 positions need 2 blocks of 4.
+        let e = be.forward(&[seq(&[1, 2, 3, 4, 5], 0, &[0], LogitsMode::Last)]);
+        assert!(e.unwrap_err().to_string().contains("does not cover"));
+        let e = be.forward(&[seq(&[1], 0, &[9], LogitsMode::Last)]);
+        assert!(e.unwrap_err().to_string().contains("outside the pool"));
+        let e = be.forward(&[seq(&[], 0, &[0], LogitsMode::Last)]);
+        assert!(e.is_err());
+        assert!(be.import_blocks(&[0], &[0u8; 3]).is_err());
+        assert!(be.export_blocks(&[4]).is_err());
+        assert!(CpuBackend::from_parts(
+            be.config().clone(),
+            be.weights.clone(),
+            "m".into(),
+            KvDtype::F32,
+            0,
+            1
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn a_sequence_computes_the_same_alone_and_in_a_batch() {
+        let mut be = micro(KvDtype::F32, 16);
+        let a: Vec<u32> = (0..7).collect();
+        let b: Vec<u32> = (10..30).collect();
+        let alone = be.forward(&[seq(&a, 0, &[0, 1], LogitsMode::All)]).unwrap();
+        let batched = be
+            .forward(&[
+                seq(&b, 0, &[5, 6, 7, 8, 9], LogitsMode::None),
+                seq(&a, 0, &[2, 3], LogitsMode::All),
+            ])
+            .unwrap();
+        for (x, y) in alone.logits[0].iter().zip(&batched.logits[1]) {
+            for (u, v) in x.iter().zip(y) {
+                assert!((u - v).abs() <= 1e-5 * (1.0 + u.abs()), "{u} vs {v}");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_blocks_round_trip_through_export_and_import() {
+        let mut a = micro(KvDtype::Bf16, 4);
+        a.forward(&[seq(&[1, 2, 3, 4, 5, 6], 0, &[3, 1], LogitsMode::None)])
+            .unwrap();
+        let data = a.export_blocks(&[3, 1]).unwrap();
+        assert_eq!(data.len(), 2 * a.layout().block_bytes());
+        assert!(data.iter().any(|&b| b != 0));
+        let mut b = micro(KvDtype::Bf16, 4);
+        b.import_blocks(&[0, 2], &data).unwrap();
+        assert_eq!(b.export_blocks(&[0, 2]).unwrap(), data);
+        // Both continue identically from their own copies.
+        let la = a
+            .forward(&[seq(&[7], 6, &[3, 1], LogitsMode::Last)])
+            .unwrap();
+        let lb = b
+            .forward(&[seq(&[7], 6, &[0, 2], LogitsMode::Last)])
+            .unwrap();
+        assert_eq!(la, lb);
+    }
 
     #[test]
     fn memory_rule_takes_the_fraction_and_the_cap() {
