@@ -126,7 +126,11 @@ impl Client {
                 400..=499 => "http_4xx",
                 _ => "http_5xx",
             };
-            return fail(rec, class, self.now());
+            let now = self.now();
+            // Keep the start of the server's message: the class alone hides the cause.
+            let body = resp.text().await.unwrap_or_default();
+            rec.detail = Some(body.chars().take(300).collect());
+            return fail(rec, class, now);
         }
         let mut stream = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
@@ -156,7 +160,10 @@ impl Client {
                         Ok(Event::Usage(n)) => usage = Some(n),
                         Ok(Event::Done) => done = true,
                         Ok(Event::Other) => {}
-                        Err(()) => return fail(rec, "stream_error", now),
+                        Err(()) => {
+                            rec.detail = Some(data.trim().chars().take(300).collect());
+                            return fail(rec, "stream_error", now);
+                        }
                     }
                 }
             }

@@ -66,5 +66,8 @@ pub fn print_summary(s: &Summary) {
     );
     if !s.errors.is_empty() {
         println!("errors {:?}", s.errors);
+        for d in &s.error_samples {
+            println!("  e.g. {d}");
+        }
     }
 }

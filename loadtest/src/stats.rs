@@ -14,6 +14,8 @@ pub struct Record {
     pub output_tokens: usize,
     /// Error class when the request failed (see `client::ErrorClass`).
     pub error: Option<String>,
+    /// The start of the server's error message, when it sent one.
+    pub detail: Option<String>,
 }
 
 impl Record {
@@ -117,6 +119,8 @@ pub struct Summary {
     /// Successful requests per second that met the SLA (0 without an SLA).
     pub goodput: f64,
     pub sla_met: usize,
+    /// Up to five distinct server error messages.
+    pub error_samples: Vec<String>,
 }
 
 /// Summarises records of a run that lasted `duration_s`.
@@ -137,6 +141,12 @@ pub fn summarize(records: &[Record], duration_s: f64, sla: Option<Sla>) -> Summa
         }
     };
     let sla_met = ok.iter().filter(met).count();
+    let mut error_samples: Vec<String> = Vec::new();
+    for d in records.iter().filter_map(|r| r.detail.as_ref()) {
+        if error_samples.len() < 5 && !error_samples.contains(d) {
+            error_samples.push(d.clone());
+        }
+    }
     Summary {
         requests: records.len(),
         succeeded: ok.len(),
@@ -151,6 +161,7 @@ pub fn summarize(records: &[Record], duration_s: f64, sla: Option<Sla>) -> Summa
         input_token_throughput: ok.iter().map(|r| r.input_tokens).sum::<usize>() as f64 / dur,
         goodput: sla_met as f64 / dur,
         sla_met,
+        error_samples,
     }
 }
 
