@@ -24,6 +24,8 @@ pub(super) struct TestBackend {
     pub(super) no_logits: bool,
     /// When set, every step first takes one permit: the test decides how far the engine runs.
     gate: Option<std::sync::mpsc::Receiver<()>>,
+    /// When set, told after every step.
+    done: Option<std::sync::mpsc::Sender<()>>,
 }
 
 impl TestBackend {
@@ -45,6 +47,7 @@ impl TestBackend {
             computed: Arc::new(AtomicUsize::new(0)),
             no_logits: false,
             gate: None,
+            done: None,
         }
     }
 
@@ -57,6 +60,22 @@ impl TestBackend {
         let mut b = Self::new(block_size, num_blocks);
         b.gate = Some(rx);
         (b, tx)
+    }
+
+    /// Like [`TestBackend::gated`], and also reports each finished step on the returned
+    /// receiver, so a test knows where the engine is.
+    pub(super) fn gated_reporting(
+        block_size: usize,
+        num_blocks: usize,
+    ) -> (
+        Self,
+        std::sync::mpsc::Sender<()>,
+        std::sync::mpsc::Receiver<()>,
+    ) {
+        let (mut b, permits) = Self::gated(block_size, num_blocks);
+        let (tx, rx) = std::sync::mpsc::channel();
+        b.done = Some(tx);
+        (b, permits, rx)
     }
 
     fn slot(&self, table: &[u32], pos: usize) -> Result<usize, EngineError> {
@@ -125,6 +144,9 @@ impl Backend for TestBackend {
                 .map(|j| (mix(h ^ (j * 0x9E37_79B9)) % 1000) as f32 / 200.0)
                 .collect();
             logits.push(vec![row]);
+        }
+        if let Some(d) = &self.done {
+            let _ = d.send(());
         }
         Ok(StepOutput { logits })
     }

@@ -498,3 +498,39 @@ async fn late_subscribers_replay_or_dump() {
     let st = wait_idle(&h).await;
     assert_eq!(dump.blocks.len(), st.blocks.cached);
 }
+
+#[tokio::test]
+async fn export_mid_prefill_continues_exactly() {
+    let cfg = EngineConfig {
+        max_num_tokens: 4,
+        ..config(64)
+    };
+    let p = prompt(11, 11);
+    let params = sampled(10, 77);
+    let reference = start(4, 64, cfg.clone());
+    let want = tokens(&run(&reference, req("r", p.clone(), params.clone())).await);
+
+    let (ab, permits, done) = TestBackend::gated_reporting(4, 64);
+    let a = Engine::start(Box::new(ab), None, cfg.clone()).unwrap();
+    let s = a.submit(req("r", p, params)).await.unwrap();
+    permits.send(()).unwrap();
+    // The first chunk is computed; the engine is now between steps or waiting in the second.
+    done.recv_timeout(T).unwrap();
+    let export = a.export("r");
+    // The export lands before the second chunk or right after it, never later.
+    permits.send(()).unwrap();
+    let snap = match tokio::time::timeout(T, export).await.unwrap() {
+        Ok(snap) => snap,
+        Err(e) => panic!("{e}: {:?}", s.collect().await),
+    };
+    assert_eq!(snap.state.tokens.len(), 11, "still in prefill");
+    assert!(snap.state.num_computed == 4 || snap.state.num_computed == 8);
+    let rest = tokio::time::timeout(T, s.collect()).await.unwrap();
+    assert_eq!(rest.len(), 1);
+
+    let b = start(4, 64, cfg);
+    let outs = tokio::time::timeout(T, b.import(snap).await.unwrap().collect())
+        .await
+        .unwrap();
+    assert_eq!(tokens(&outs), want);
+}
