@@ -71,8 +71,10 @@ impl SamplingParams {
         }
     }
 
+    /// Greedy when the temperature is (practically) zero: below 1e-5, dividing the logits by
+    /// it could overflow to infinity, and the distribution is one-hot anyway.
     pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 || self.top_k == 1
+        self.temperature < 1e-5 || self.top_k == 1
     }
 
     /// Checks ranges; returns a message naming the offending field.

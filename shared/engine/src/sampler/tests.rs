@@ -225,3 +225,16 @@ fn validate_rejects_bad_ranges() {
     assert!(params(|p| p.max_tokens = Some(0)).validate().is_err());
     assert!(SamplingParams::default().validate().is_ok());
 }
+
+#[test]
+fn tiny_temperature_is_greedy_not_overflow() {
+    let mut st = SamplerState::new(0, 0);
+    let ctx = SampleContext {
+        all_tokens: &[],
+        eos_token_ids: &[],
+    };
+    let p = params(|p| p.temperature = 1e-30);
+    for _ in 0..10 {
+        assert_eq!(sample(&[1.0, 30.0, 2.0], &p, &mut st, &ctx).token, 1);
+    }
+}
