@@ -21,7 +21,7 @@ pub struct UpArgs {
     /// Number of workers.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub workers: u32,
-    /// Port of the OpenAI API.
+    /// Port of the OpenAI API (0 picks a free one).
     #[arg(long, default_value_t = 8000)]
     pub http_port: u16,
     /// Address the OpenAI API binds to.
@@ -204,13 +204,16 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         let mut router = spawn(&router_bin, &rargs, &root)?;
         let out = router.stdout.take().context("router stdout")?;
         topo.children.push(("router".into(), router));
-        wait_ready(out, "TANDEM_ROUTER_READY", "router", timeout).await?;
+        let line = wait_ready(out, "TANDEM_ROUTER_READY", "router", timeout).await?;
+        // The router reports the port it bound (which matters with --http-port 0).
+        let bound = field(&line, "http=").context("router READY line without an address")?;
+        let port = bound.rsplit(':').next().unwrap_or_default();
         let host = if args.http_host == "0.0.0.0" {
             "127.0.0.1"
         } else {
             args.http_host.as_str()
         };
-        let addr = format!("{host}:{}", args.http_port);
+        let addr = format!("{host}:{port}");
         let deadline = Instant::now() + timeout;
         while http_status(&addr, "/health").await != Some(200) {
             if Instant::now() > deadline {
