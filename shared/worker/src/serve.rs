@@ -13,8 +13,8 @@ use tandem_runtime::discovery::{self, DiscoveryBackend, DiscoveryOptions, Instan
 use tandem_runtime::net::advertised_addr;
 
 use crate::card::model_card;
-use crate::BuiltEngine;
 use crate::grpc::{ModelFilesSource, WorkerService};
+use crate::BuiltEngine;
 
 pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions {
     DiscoveryOptions {
