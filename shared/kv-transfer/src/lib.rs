@@ -315,6 +315,11 @@ pub struct TransportConfig {
     /// Extra labels on the `trtllm_kv_transfer_*` metrics (`model_name`, `engine_type`,
     /// `disaggregation_mode`).
     pub metric_labels: Vec<(String, String)>,
+    /// UCX: create endpoints with `UCP_ERR_HANDLING_MODE_PEER` (a dead peer fails requests at
+    /// once). Off by default because UCX then refuses the transports that cannot detect peer
+    /// failure — on one host that means tcp instead of shared memory/cma (about 10x slower
+    /// here). Without it a dead peer is detected by `op_timeout`.
+    pub ucx_peer_error_handling: bool,
 }
 
 impl TransportConfig {
@@ -324,6 +329,7 @@ impl TransportConfig {
             tcp_listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
             op_timeout: Duration::from_secs(30),
             metric_labels: Vec::new(),
+            ucx_peer_error_handling: false,
         }
     }
 }

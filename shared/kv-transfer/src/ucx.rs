@@ -12,9 +12,14 @@
 //! A write batch issues one `ucp_put_nbx` per put and one `ucp_ep_flush_nbx`; it completes when
 //! the flush and every put request have completed, i.e. the data is in the receiver's memory.
 //! The source bytes ([`Put::local`]) stay owned by the thread until then, even if the caller's
-//! future was dropped. Endpoints use `UCP_ERR_HANDLING_MODE_PEER`, so a dead receiver fails the
-//! outstanding requests; each batch also has a deadline after which the endpoint is closed by
-//! force (which completes its requests with an error) and the batch fails with a timeout.
+//! future was dropped. Every batch has a deadline (`op_timeout`): past it the endpoint is closed by
+//! force and the batch fails with a timeout, so a dead receiver never hangs a sender. With
+//! `TransportConfig::ucx_peer_error_handling` the endpoints use `UCP_ERR_HANDLING_MODE_PEER`
+//! and a dead receiver fails outstanding requests at once — but UCX then only uses transports
+//! that can detect peer failure (tcp, RDMA), not shared memory / cma / cuda_ipc. The default
+//! is UCX's own (`NONE`), which lets it pick the fastest transport (what `ucx_perftest` does).
+//! Requests of a force-closed endpoint that UCX never completes are abandoned: their source
+//! buffers are kept until the worker is destroyed, then released.
 //!
 //! Notifications are UCP active messages (id [`AM_ID`], eager only, at most
 //! [`MAX_NOTIFICATION_BYTES`]); the handler copies the payload to the event channel. The
@@ -123,9 +128,10 @@ impl UcxTransport {
         let (ev_tx, notifications) = Notifications::channel();
         let (init_tx, init_rx) = std_mpsc::channel();
         let op_timeout = config.op_timeout;
+        let peer_eh = config.ucx_peer_error_handling;
         let thread = std::thread::Builder::new()
             .name("ucx-progress".into())
-            .spawn(move || progress_thread(rx, ev_tx, init_tx, op_timeout))
+            .spawn(move || progress_thread(rx, ev_tx, init_tx, op_timeout, peer_eh))
             .map_err(TransferError::Io)?;
         let (address, worker) = match init_rx.recv() {
             Ok(Ok(x)) => x,
@@ -389,7 +395,11 @@ struct Thread {
     /// Boxed (not moved into the Vec) because UCX holds their addresses.
     #[allow(clippy::vec_box)]
     dead_slots: Vec<Box<std::cell::Cell<sys::ucs_status_t>>>,
+    /// Source buffers of batches whose endpoint was force-closed before UCX finished with
+    /// them: freed only after the worker is destroyed.
+    abandoned: Vec<Bytes>,
     op_timeout: Duration,
+    peer_error_handling: bool,
 }
 
 unsafe extern "C" fn ep_error_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
@@ -442,10 +452,12 @@ fn progress_thread(
     events: mpsc::UnboundedSender<Event>,
     init: std_mpsc::Sender<InitReply>,
     op_timeout: Duration,
+    peer_error_handling: bool,
 ) {
     let am_ctx = Box::new(AmCtx { events });
     // SAFETY: init_ucx only performs the documented UCP initialisation sequence.
-    let (mut t, efd, address) = match unsafe { init_ucx(&am_ctx, op_timeout) } {
+    let (mut t, efd, address) = match unsafe { init_ucx(&am_ctx, op_timeout, peer_error_handling) }
+    {
         Ok(x) => x,
         Err(e) => {
             let _ = init.send(Err(e));
@@ -464,6 +476,7 @@ fn progress_thread(
 unsafe fn init_ucx(
     am_ctx: &AmCtx,
     op_timeout: Duration,
+    peer_error_handling: bool,
 ) -> std::result::Result<(Thread, i32, Vec<u8>), String> {
     // SAFETY (whole function): zeroed param structs are valid "no field set" values; each
     // field we fill is announced in field_mask; failures release what was created.
@@ -525,7 +538,9 @@ unsafe fn init_ucx(
             pending: Vec::new(),
             closing: Vec::new(),
             dead_slots: Vec::new(),
+            abandoned: Vec::new(),
             op_timeout,
+            peer_error_handling,
         };
         Ok((t, efd, address))
     }
@@ -658,7 +673,13 @@ impl Thread {
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
             p.address = addr.as_ptr() as *const sys::ucp_address_t;
-            p.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+            // PEER mode makes UCX report a dead peer at once, but UCX 1.13 then excludes the
+            // transports that cannot detect failures (shm, cma, cuda_ipc): see TransportConfig.
+            p.err_mode = if self.peer_error_handling {
+                sys::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                sys::UCP_ERR_HANDLING_MODE_NONE
+            };
             p.err_handler.cb = Some(ep_error_cb);
             p.err_handler.arg =
                 &*failed as *const std::cell::Cell<sys::ucs_status_t> as *mut c_void;
@@ -841,6 +862,26 @@ impl Thread {
                 }
             }
             self.close_ep(ep, true);
+            // Give UCX a moment to complete the force-closed requests; whatever is still
+            // outstanding is abandoned (freed after the worker is gone) so the loop can idle.
+            self.progress();
+            let abandoned = &mut self.abandoned;
+            self.pending.retain_mut(|p| {
+                if p.ep != ep {
+                    return true;
+                }
+                p.requests.retain(|&r| {
+                    // SAFETY: live request of this worker; ucp_request_free on an unfinished
+                    // request lets UCX release it when it completes.
+                    let st = unsafe { sys::ucp_request_check_status(r) };
+                    unsafe { sys::ucp_request_free(r) };
+                    st == sys::UCS_INPROGRESS
+                });
+                if !p.requests.is_empty() {
+                    abandoned.append(&mut p._keep);
+                }
+                false
+            });
         }
         self.pending.retain_mut(|p| {
             if !p.requests.is_empty() {
@@ -912,11 +953,15 @@ impl Thread {
             for (_, memh) in self.regions.drain() {
                 sys::ucp_mem_unmap(self.ctx, memh);
             }
-            for p in self.pending.drain(..) {
-                std::mem::forget(p._keep);
+            // Requests still pending here are abandoned with the worker: keep their source
+            // bytes until after ucp_worker_destroy, when UCX can no longer read them.
+            let mut keep: Vec<Bytes> = std::mem::take(&mut self.abandoned);
+            for mut p in self.pending.drain(..) {
+                keep.append(&mut p._keep);
             }
             sys::ucp_worker_destroy(self.worker);
             sys::ucp_cleanup(self.ctx);
+            drop(keep);
         }
     }
 }

@@ -431,9 +431,17 @@ async fn receiver_killed_mid_transfer_gives_an_error_not_a_hang() {
     if std::env::var("KV_TEST_CHILD").is_ok() {
         return;
     }
-    for backend in BACKENDS {
+    // UCX twice: its default error mode (a dead peer surfaces as the 5 s op timeout) and
+    // UCP_ERR_HANDLING_MODE_PEER (surfaces at once, over tcp).
+    for (backend, peer_eh) in [
+        (Backend::Tcp, false),
+        (Backend::Ucx, false),
+        (Backend::Ucx, true),
+    ] {
         let (mut child, desc) = tokio::task::block_in_place(|| ChildReceiver::spawn(backend));
-        let tx = transport(backend, Duration::from_secs(5)).await;
+        let mut cfg = common::config(backend, Duration::from_secs(5));
+        cfg.ucx_peer_error_handling = peer_eh;
+        let tx = tandem_kv_transfer::open(cfg).await.unwrap();
         let conn = tx.connect(&desc.peer).await.unwrap();
         let block = Bytes::from(vec![7u8; 1 << 20]);
         let batch = || {
@@ -461,7 +469,10 @@ async fn receiver_killed_mid_transfer_gives_an_error_not_a_hang() {
             }
         };
         let (_, err) = tokio::join!(killer, writer);
-        eprintln!("{backend}: error after {:?}: {err}", start.elapsed());
+        eprintln!(
+            "{backend} (peer error handling {peer_eh}): error after {:?}: {err}",
+            start.elapsed()
+        );
         assert!(
             start.elapsed() < Duration::from_secs(20),
             "{backend}: took {:?}",
