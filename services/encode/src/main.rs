@@ -14,8 +14,8 @@ fn main() {
         return;
     };
     eprintln!(
-        "tandem-encode: configuration is valid ({} mode, endpoint {}), but serving is not \
-         implemented yet: the worker service lands with the serving issue",
+        "tandem-encode: configuration is valid ({} mode, endpoint {}), but encode workers are not \
+         implemented yet: multimodal (encode) serving is not built",
         cfg.disaggregation.disaggregation_mode.name(),
         cfg.endpoint()
     );

@@ -14,8 +14,9 @@ fn main() {
         return;
     };
     eprintln!(
-        "tandem-prefill: configuration is valid ({} mode, endpoint {}), but serving is not \
-         implemented yet: the worker service lands with the serving issue",
+        "tandem-prefill: configuration is valid ({} mode, endpoint {}), but prefill workers are not \
+         implemented yet: the prefill→decode KV handoff is still being built; serve aggregated with \
+         `tandem-decode --disaggregation-mode agg`",
         cfg.disaggregation.disaggregation_mode.name(),
         cfg.endpoint()
     );
