@@ -5,13 +5,7 @@ use tandem_config::{entry, DisaggregationMode, Role};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    tandem_config::entry::init_logging();
     let Some(cfg) = entry::worker_config_or_exit(Role::Decode) else {
         return Ok(());
     };

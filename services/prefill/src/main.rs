@@ -1,24 +1,9 @@
 //! `tandem-prefill`: the prefill worker. A thin main over the shared crates.
 
-use tandem_config::{entry, Role};
-
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let Some(cfg) = entry::worker_config_or_exit(Role::Prefill) else {
-        return;
-    };
-    eprintln!(
-        "tandem-prefill: configuration is valid ({} mode, endpoint {}), but prefill workers are not \
-         implemented yet: the prefill→decode KV handoff is still being built; serve aggregated with \
-         `tandem-decode --disaggregation-mode agg`",
-        cfg.disaggregation.disaggregation_mode.name(),
-        cfg.endpoint()
+    tandem_config::entry::refuse_role(
+        tandem_config::Role::Prefill,
+        "prefill workers are not implemented yet: the prefill→decode KV handoff is still being \
+         built; serve aggregated with `tandem-decode --disaggregation-mode agg`",
     );
-    std::process::exit(1);
 }

@@ -4,13 +4,7 @@ use tandem_config::entry;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    tandem_config::entry::init_logging();
     let Some(cfg) = entry::router_config_or_exit() else {
         return Ok(());
     };

@@ -7,33 +7,11 @@ use std::time::{Duration, Instant};
 
 use common::{start_router, start_worker_env, temp_dir, Proc, Topology};
 use serde_json::{json, Value};
-use tandem_protocol::worker::worker_client::WorkerClient;
-use tandem_protocol::worker::{DumpKvBlocksRequest, LoadStatsRequest};
 
 async fn worker_state(addr: &str) -> (u64, Vec<u64>) {
-    let mut c = WorkerClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let last = c
-        .load_stats(LoadStatsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .last_event_id;
-    let dump = c
-        .dump_kv_blocks(DumpKvBlocksRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    let v: Value = serde_json::from_str(&dump.dump_json).unwrap();
-    let mut hashes: Vec<u64> = v["blocks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["block_hash"].as_u64().unwrap())
-        .collect();
-    hashes.sort_unstable();
-    (last, hashes)
+    // The stats' last event id, not the dump's: the index must be current with the worker.
+    let last = common::worker_stats(addr).await.last_event_id;
+    (last, common::worker_blocks(addr).await.1)
 }
 
 /// Waits until the router's index for every worker equals the worker's own dump.

@@ -6,44 +6,10 @@ use std::time::{Duration, Instant};
 
 use common::Topology;
 use serde_json::{json, Value};
-use tandem_protocol::worker::worker_client::WorkerClient;
-use tandem_protocol::worker::{
-    DumpKvBlocksRequest, GenerateRequest, LoadStatsReply, LoadStatsRequest,
-};
+use tandem_protocol::worker::GenerateRequest;
 use tokio_stream::StreamExt;
 
-async fn client(addr: &str) -> WorkerClient<tonic::transport::Channel> {
-    WorkerClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connect to worker")
-}
-
-async fn stats(addr: &str) -> LoadStatsReply {
-    client(addr)
-        .await
-        .load_stats(LoadStatsRequest {})
-        .await
-        .expect("load stats")
-        .into_inner()
-}
-
-async fn worker_blocks(addr: &str) -> (u64, Vec<u64>) {
-    let dump = client(addr)
-        .await
-        .dump_kv_blocks(DumpKvBlocksRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    let v: Value = serde_json::from_str(&dump.dump_json).unwrap();
-    let mut hashes: Vec<u64> = v["blocks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["block_hash"].as_u64().unwrap())
-        .collect();
-    hashes.sort_unstable();
-    (dump.last_event_id, hashes)
-}
+use common::{worker_blocks, worker_client as client, worker_stats as stats};
 
 async fn router_index(t: &Topology) -> Value {
     reqwest::get(format!("{}/debug/kv_index", t.base))

@@ -37,13 +37,7 @@ enum ModelCommand {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    tandem_config::entry::init_logging();
     let cli = Cli::parse();
     match cli.command {
         Command::Up(args) => up::run(args).await?,

@@ -12,6 +12,34 @@ fn print_stdout(text: &str) {
     let _ = writeln!(std::io::stdout().lock(), "{text}");
 }
 
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`); stdout stays free for READY lines
+/// and `--print-config`.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// For roles that cannot serve yet: validates the config (so `--print-config` and config
+/// errors work), then exits 1 saying what is missing.
+pub fn refuse_role(role: Role, missing: &str) -> ! {
+    init_logging();
+    let Some(cfg) = worker_config_or_exit(role) else {
+        std::process::exit(0);
+    };
+    eprintln!(
+        "{}: configuration is valid ({} mode, endpoint {}), but {missing}",
+        role.binary(),
+        cfg.disaggregation.disaggregation_mode.name(),
+        cfg.endpoint()
+    );
+    std::process::exit(1);
+}
+
 fn exit_with(err: ConfigError, bin: &str) -> ! {
     if let ConfigError::Cli(e) = err {
         e.exit();

@@ -227,3 +227,40 @@ impl Topology {
         field(&self.workers[i].ready_line, "grpc=")
     }
 }
+
+pub type WorkerClient =
+    tandem_protocol::worker::worker_client::WorkerClient<tonic::transport::Channel>;
+
+pub async fn worker_client(addr: &str) -> WorkerClient {
+    WorkerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect to worker")
+}
+
+pub async fn worker_stats(addr: &str) -> tandem_protocol::worker::LoadStatsReply {
+    worker_client(addr)
+        .await
+        .load_stats(tandem_protocol::worker::LoadStatsRequest {})
+        .await
+        .expect("load stats")
+        .into_inner()
+}
+
+/// A worker's dump: its last event id and its stored block hashes, sorted.
+pub async fn worker_blocks(addr: &str) -> (u64, Vec<u64>) {
+    let dump = worker_client(addr)
+        .await
+        .dump_kv_blocks(tandem_protocol::worker::DumpKvBlocksRequest {})
+        .await
+        .expect("dump")
+        .into_inner();
+    let v: serde_json::Value = serde_json::from_str(&dump.dump_json).expect("dump json");
+    let mut hashes: Vec<u64> = v["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .filter_map(|b| b["block_hash"].as_u64())
+        .collect();
+    hashes.sort_unstable();
+    (dump.last_event_id, hashes)
+}
