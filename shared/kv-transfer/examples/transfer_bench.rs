@@ -12,7 +12,7 @@
 //! It also runs both patterns "hot" (every put from the same source to the same destination,
 //! the access pattern of `ucx_perftest`) and prints a local memcpy of the same volume.
 //!
-//! Usage: `transfer_bench [--backend UCX|TCP] [--blocks N] [--iters N]`. The program starts
+//! Usage: `transfer_bench [--backend UCX|TCP] [--blocks N] [--iters N] [--pool alloc|heap]`. The program starts
 //! itself again as the receiver (`--receiver`), reads its descriptor from the child's stdout,
 //! and checks the received bytes by hash at the end. Prints MiB/s (2^20 bytes, the unit of
 //! `ucx_perftest`).
@@ -44,6 +44,9 @@ struct Args {
     blocks: usize,
     iters: usize,
     receiver: bool,
+    /// Receiver pool: `alloc` = `KvTransport::allocate` (UCX-allocated, shared memory),
+    /// `heap` = our own heap buffer registered with `register`.
+    pool: String,
 }
 
 fn args() -> Args {
@@ -52,6 +55,7 @@ fn args() -> Args {
         blocks: 64,
         iters: 5,
         receiver: false,
+        pool: "alloc".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -61,6 +65,7 @@ fn args() -> Args {
             "--blocks" => a.blocks = val().parse().expect("blocks"),
             "--iters" => a.iters = val().parse().expect("iters"),
             "--receiver" => a.receiver = true,
+            "--pool" => a.pool = val(),
             other => panic!("unknown argument {other}"),
         }
     }
@@ -77,13 +82,19 @@ async fn receiver(a: Args) {
     let t = open(config(a.backend)).await.expect("open transport");
     let mut events = t.take_notifications().expect("notifications");
     let len = a.blocks * BLOCK_BYTES;
-    let pool = Box::into_raw(vec![0u8; len].into_boxed_slice()) as *mut u8;
-    // SAFETY: the pool is leaked (lives until exit) and only read after "hash" arrives,
-    // when the sender has no write in flight.
-    let reg = t
-        .register(unsafe { LocalMemory::host(pool, len) })
-        .await
-        .expect("register");
+    let (reg, pool) = if a.pool == "heap" {
+        let pool = Box::into_raw(vec![0u8; len].into_boxed_slice()) as *mut u8;
+        // SAFETY: the pool is leaked (lives until exit) and only read after "hash" arrives,
+        // when the sender has no write in flight.
+        (
+            t.register(unsafe { LocalMemory::host(pool, len) })
+                .await
+                .expect("register"),
+            pool,
+        )
+    } else {
+        t.allocate(len).await.expect("allocate")
+    };
     println!(
         "DESC {}",
         serde_json::to_string(reg.descriptor()).expect("json")
@@ -115,6 +126,8 @@ async fn sender(a: Args) {
             a.backend.as_str(),
             "--blocks",
             &a.blocks.to_string(),
+            "--pool",
+            &a.pool,
         ])
         .stdout(Stdio::piped())
         .spawn()
@@ -248,8 +261,9 @@ async fn sender(a: Args) {
 
     let n = a.iters as u32;
     println!(
-        "backend={} blocks={} iters={} bytes_per_iter={} ({} MiB) data_check={}",
+        "backend={} pool={} blocks={} iters={} bytes_per_iter={} ({} MiB) data_check={}",
         a.backend,
+        a.pool,
         a.blocks,
         a.iters,
         len,

@@ -81,6 +81,19 @@ impl KvTransport for AnyTransport {
         })
     }
 
+    async fn allocate(&self, len: usize) -> Result<(AnyRegistration, *mut u8)> {
+        Ok(match self {
+            AnyTransport::Ucx(t) => {
+                let (r, p) = t.allocate(len).await?;
+                (AnyRegistration::Ucx(r), p)
+            }
+            AnyTransport::Tcp(t) => {
+                let (r, p) = t.allocate(len).await?;
+                (AnyRegistration::Tcp(r), p)
+            }
+        })
+    }
+
     async fn connect(&self, peer: &PeerAddress) -> Result<AnyConnection> {
         Ok(match self {
             AnyTransport::Ucx(t) => AnyConnection::Ucx(t.connect(peer).await?),

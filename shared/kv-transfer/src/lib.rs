@@ -367,6 +367,17 @@ pub trait KvTransport: Send + Sync {
     fn register(&self, mem: LocalMemory)
         -> impl Future<Output = Result<Self::Registration>> + Send;
 
+    /// Allocates `len` bytes of host memory that the transport picks for the fastest remote
+    /// writes, registered like [`KvTransport::register`]: UCX allocates it itself
+    /// (`UCP_MEM_MAP_ALLOCATE`, shared memory where available, so a sender on the same host
+    /// writes with a plain memcpy instead of a cross-process syscall). The memory is valid,
+    /// and exclusively the caller's apart from remote writes, until the registration is
+    /// dropped; its contents are unspecified (not necessarily zero).
+    fn allocate(
+        &self,
+        len: usize,
+    ) -> impl Future<Output = Result<(Self::Registration, *mut u8)>> + Send;
+
     /// Connects to the receiver at `peer`.
     fn connect(&self, peer: &PeerAddress) -> impl Future<Output = Result<Self::Connection>> + Send;
 

@@ -228,7 +228,14 @@ async fn serve_conn(stream: TcpStream, shared: &Shared) -> Result<()> {
 pub struct TcpRegistration {
     shared: Arc<Shared>,
     desc: RemoteRegion,
+    /// Memory from `allocate`, freed after the region left the table.
+    owned: Option<OwnedBuf>,
 }
+
+struct OwnedBuf(*mut [u8]);
+// SAFETY: a heap allocation owned by the registration; only freed in its Drop.
+unsafe impl Send for OwnedBuf {}
+unsafe impl Sync for OwnedBuf {}
 
 impl crate::Registration for TcpRegistration {
     fn descriptor(&self) -> &RemoteRegion {
@@ -421,7 +428,26 @@ impl KvTransport for TcpTransport {
                 rkey: Vec::new(),
                 memory: MemoryKind::Host,
             },
+            owned: None,
         })
+    }
+
+    async fn allocate(&self, len: usize) -> Result<(TcpRegistration, *mut u8)> {
+        let owned = OwnedBuf(Box::into_raw(vec![0u8; len].into_boxed_slice()));
+        // SAFETY: a fresh allocation, owned by the registration we return and freed in its Drop.
+        let mem = unsafe { LocalMemory::host(owned.0 as *mut u8, len) };
+        match self.register(mem).await {
+            Ok(mut reg) => {
+                let ptr = owned.0 as *mut u8;
+                reg.owned = Some(owned);
+                Ok((reg, ptr))
+            }
+            Err(e) => {
+                // SAFETY: registration failed, so nothing else refers to the allocation.
+                drop(unsafe { Box::from_raw(owned.0) });
+                Err(e)
+            }
+        }
     }
 
     async fn connect(&self, peer: &PeerAddress) -> Result<TcpConnection> {

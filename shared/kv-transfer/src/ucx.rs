@@ -67,7 +67,7 @@ enum Cmd {
     Register {
         ptr: usize,
         len: usize,
-        reply: oneshot::Sender<Result<(u64, Vec<u8>)>>,
+        reply: oneshot::Sender<Result<(u64, usize, Vec<u8>)>>,
     },
     Unregister {
         id: u64,
@@ -160,6 +160,27 @@ impl UcxTransport {
     /// Version of the libucp loaded at run time.
     pub fn library_version() -> (u32, u32, u32) {
         sys::library_version()
+    }
+}
+
+impl UcxTransport {
+    /// `ucp_mem_map` of `[ptr, ptr + len)`, or a UCX allocation of `len` bytes if `ptr == 0`.
+    async fn map(&self, ptr: usize, len: usize) -> Result<UcxRegistration> {
+        let (reply, rx) = oneshot::channel();
+        self.shared.send(Cmd::Register { ptr, len, reply })?;
+        let (id, base, rkey) = answer(rx, self.config.op_timeout, "ucp_mem_map").await?;
+        Ok(UcxRegistration {
+            shared: self.shared.clone(),
+            desc: RemoteRegion {
+                backend: Backend::Ucx,
+                peer: self.address.clone(),
+                region_id: id,
+                base: base as u64,
+                len: len as u64,
+                rkey,
+                memory: MemoryKind::Host,
+            },
+        })
     }
 }
 
@@ -308,25 +329,16 @@ impl KvTransport for UcxTransport {
 
     async fn register(&self, mem: LocalMemory) -> Result<UcxRegistration> {
         mem.check()?;
-        let (reply, rx) = oneshot::channel();
-        self.shared.send(Cmd::Register {
-            ptr: mem.ptr as usize,
-            len: mem.len,
-            reply,
-        })?;
-        let (id, rkey) = answer(rx, self.config.op_timeout, "ucp_mem_map").await?;
-        Ok(UcxRegistration {
-            shared: self.shared.clone(),
-            desc: RemoteRegion {
-                backend: Backend::Ucx,
-                peer: self.address.clone(),
-                region_id: id,
-                base: mem.ptr as u64,
-                len: mem.len as u64,
-                rkey,
-                memory: MemoryKind::Host,
-            },
-        })
+        self.map(mem.ptr as usize, mem.len).await
+    }
+
+    async fn allocate(&self, len: usize) -> Result<(UcxRegistration, *mut u8)> {
+        if len == 0 {
+            return Err(TransferError::BadDescriptor("empty region".into()));
+        }
+        let reg = self.map(0, len).await?;
+        let ptr = reg.desc.base as *mut u8;
+        Ok((reg, ptr))
     }
 
     async fn connect(&self, peer: &PeerAddress) -> Result<UcxConnection> {
@@ -634,7 +646,7 @@ impl Thread {
         }
     }
 
-    fn register(&mut self, ptr: usize, len: usize) -> Result<(u64, Vec<u8>)> {
+    fn register(&mut self, ptr: usize, len: usize) -> Result<(u64, usize, Vec<u8>)> {
         // SAFETY: LocalMemory::host's contract makes [ptr, ptr+len) valid while registered;
         // param structs are zero-initialised and announced through field_mask.
         unsafe {
@@ -643,11 +655,25 @@ impl Thread {
                 (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
             mp.address = ptr as *mut c_void;
             mp.length = len;
+            if ptr == 0 {
+                mp.field_mask = (sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64;
+                mp.flags = sys::UCP_MEM_MAP_ALLOCATE;
+            }
             let mut memh: sys::ucp_mem_h = ptr::null_mut();
             let st = sys::ucp_mem_map(self.ctx, &mp, &mut memh);
             if st != sys::UCS_OK {
                 return Err(ucx_err("ucp_mem_map", st));
             }
+            let mut attr: sys::ucp_mem_attr_t = std::mem::zeroed();
+            attr.field_mask =
+                (sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH) as u64;
+            let st = sys::ucp_mem_query(memh, &mut attr);
+            if st != sys::UCS_OK || attr.address.is_null() || attr.length < len {
+                sys::ucp_mem_unmap(self.ctx, memh);
+                return Err(ucx_err("ucp_mem_query", st));
+            }
+            let addr = attr.address as usize;
             let mut buf: *mut c_void = ptr::null_mut();
             let mut size = 0usize;
             let st = sys::ucp_rkey_pack(self.ctx, memh, &mut buf, &mut size);
@@ -659,7 +685,7 @@ impl Thread {
             sys::ucp_rkey_buffer_release(buf);
             let id = self.id();
             self.regions.insert(id, memh);
-            Ok((id, rkey))
+            Ok((id, addr, rkey))
         }
     }
 

@@ -497,3 +497,31 @@ async fn tcp_receiver_sees_a_sender_that_dies() {
     let e = events.next_notification(T).await.unwrap_err();
     assert!(matches!(e, TransferError::PeerFailed(_)), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocated_regions_receive_writes_and_are_freed() {
+    for backend in BACKENDS {
+        let rx = transport(backend, T).await;
+        let tx = transport(backend, T).await;
+        let mut events = rx.take_notifications().unwrap();
+        let len = 1 << 20;
+        let (reg, ptr) = rx.allocate(len).await.unwrap();
+        let desc = reg.descriptor().clone();
+        assert_eq!((desc.base, desc.len), (ptr as u64, len as u64));
+        let conn = tx.connect(&desc.peer).await.unwrap();
+        let mut rng = Rng(77);
+        let data = rng.bytes(len);
+        let puts = (0..16).map(|i| Put {
+            local: Bytes::copy_from_slice(&data[i << 16..(i + 1) << 16]),
+            offset: (i << 16) as u64,
+        });
+        conn.write(&desc, puts.collect()).await.unwrap();
+        conn.notify(Bytes::from_static(b"done")).await.unwrap();
+        assert_eq!(events.next_notification(T).await.unwrap(), b"done");
+        // SAFETY: the registration is alive and no write is in flight.
+        let got = unsafe { std::slice::from_raw_parts(ptr, len) };
+        assert!(got == &data[..], "{backend}");
+        drop(reg);
+        assert!(rx.allocate(0).await.is_err(), "{backend}");
+    }
+}

@@ -1193,6 +1193,9 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn ucp_mem_unmap(context: ucp_context_h, memh: ucp_mem_h) -> ucs_status_t;
 }
+unsafe extern "C" {
+    pub fn ucp_mem_query(memh: ucp_mem_h, attr: *mut ucp_mem_attr_t) -> ucs_status_t;
+}
 pub const UCP_MADV_NORMAL: ucp_mem_advice = 0;
 pub const UCP_MADV_WILLNEED: ucp_mem_advice = 1;
 pub type ucp_mem_advice = ::std::os::raw::c_uint;
