@@ -50,6 +50,19 @@ pub struct MockerArgs {
     /// Longest sequence (default 131072: simulated workers are not bounded by the model's).
     #[arg(long, default_value_t = 131072)]
     pub max_model_len: usize,
+    /// Offline: replay this Mooncake trace (JSONL) on a virtual clock through --num-workers
+    /// simulated engines and an in-process router, print a JSON report and exit. No sockets.
+    #[arg(long)]
+    pub replay: Option<PathBuf>,
+    /// Router of the offline replay.
+    #[arg(long, value_enum, default_value_t = crate::replay::ReplayRouter::Kv)]
+    pub replay_router: crate::replay::ReplayRouter,
+    /// Tokens per hash id in the trace (512 for the public Mooncake traces).
+    #[arg(long, default_value_t = 512)]
+    pub trace_block_size: usize,
+    /// Also write the replay report to this file.
+    #[arg(long)]
+    pub replay_out: Option<PathBuf>,
 }
 
 /// Flags above and whether each takes a value.
@@ -66,6 +79,10 @@ const FLAGS: &[(&str, bool)] = &[
     ("--no-enable-prefix-caching", false),
     ("--vocab-size", true),
     ("--max-model-len", true),
+    ("--replay", true),
+    ("--replay-router", true),
+    ("--trace-block-size", true),
+    ("--replay-out", true),
 ];
 
 /// Splits `args` (with the program name first) into (mocker args, worker args), each keeping
@@ -109,6 +126,7 @@ impl MockerArgs {
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
             ("--vocab-size", self.vocab_size),
             ("--max-model-len", Some(self.max_model_len)),
+            ("--trace-block-size", Some(self.trace_block_size)),
         ] {
             if v == Some(0) {
                 return Err(format!("{name} must be > 0"));

@@ -6,6 +6,7 @@
 pub mod args;
 pub mod backend;
 pub mod cost;
+pub mod replay;
 
 use tandem_config::WorkerConfig;
 use tandem_engine::model::LoadOptions;

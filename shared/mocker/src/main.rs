@@ -47,6 +47,30 @@ async fn main() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
+    if let Some(trace) = &margs.replay {
+        // The replay drives its engines with its own blocking loop: off the async runtime.
+        let (rcfg, trace, m) = (cfg.clone(), trace.clone(), margs.clone());
+        let report = tokio::task::spawn_blocking(move || {
+            tandem_mocker::replay::replay(
+                &rcfg,
+                m.num_workers,
+                m.vocab_size,
+                cost,
+                &trace,
+                m.trace_block_size,
+                m.replay_router,
+            )
+        })
+        .await
+        .context("replay task panicked")??;
+        let json = serde_json::to_string_pretty(&report)?;
+        if let Some(out) = &margs.replay_out {
+            std::fs::write(out, &json)
+                .with_context(|| format!("cannot write {}", out.display()))?;
+        }
+        println!("{json}");
+        return Ok(());
+    }
     let shutdown = tandem_runtime::shutdown::on_signals();
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..margs.num_workers {
