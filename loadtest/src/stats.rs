@@ -180,6 +180,7 @@ mod tests {
             input_tokens: 100,
             output_tokens: n,
             error: None,
+            detail: None,
         }
     }
 
