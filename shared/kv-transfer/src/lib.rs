@@ -318,7 +318,9 @@ pub struct TransportConfig {
     /// UCX: create endpoints with `UCP_ERR_HANDLING_MODE_PEER` (a dead peer fails requests at
     /// once). Off by default because UCX then refuses the transports that cannot detect peer
     /// failure — on one host that means tcp instead of shared memory/cma (about 10x slower
-    /// here). Without it a dead peer is detected by `op_timeout`.
+    /// here). Without it a dead peer is detected by `op_timeout`. Every worker of a
+    /// deployment must use the same setting: UCX refuses endpoints between two workers whose
+    /// error modes differ ("asymmetric endpoint configuration").
     pub ucx_peer_error_handling: bool,
 }
 

@@ -27,7 +27,9 @@
 //! after those puts.
 //!
 //! Limitation: the receiver does not learn that a sender died (it holds no endpoint to it);
-//! it bounds its wait with [`crate::Notifications::recv_timeout`] / the lease deadline.
+//! it bounds its wait with [`crate::Notifications::recv_timeout`] / the lease deadline. A
+//! watch endpoint back to the sender in PEER mode was tried and is not possible: UCX requires
+//! both directions between two workers to use the same error mode.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
