@@ -20,8 +20,8 @@
 //! error naming `TCP` when UCX cannot be initialised.
 //!
 //! Safety model: the sender checks every put against the descriptor (offset + len within
-//! `len`), and a descriptor that is malformed (overflowing range, rkey UCX cannot unpack,
-//! wrong backend or peer) is an error. The TCP receiver checks again against its own
+//! `len`), and a descriptor that is malformed (checksum mismatch — which guards the UCX rkey,
+//! since UCX crashes on a mangled one —, overflowing range, wrong backend or peer) is an error. The TCP receiver checks again against its own
 //! registration table, so a hostile sender cannot write outside what was registered. Over UCX
 //! the receiver relies on the remote key (enforced by the NIC on RDMA transports; on tcp/shm
 //! UCX trusts the sender), so peers must be trusted cluster members, as in Dynamo/NIXL.
@@ -213,11 +213,51 @@ pub struct RemoteRegion {
     /// Packed UCX remote key (empty for TCP).
     pub rkey: Vec<u8>,
     pub memory: MemoryKind,
+    /// Checksum over every other field, set by the receiver ([`RemoteRegion::seal`]). UCX
+    /// does not validate packed remote keys (a truncated or mangled one crashes it), so a
+    /// sender refuses a descriptor whose checksum does not match before UCX sees it. This
+    /// catches corruption and mix-ups, not forgery: peers are trusted cluster members.
+    pub check: u64,
 }
 
 impl RemoteRegion {
     /// Structural validity: a non-empty range that does not wrap.
+    fn checksum(&self) -> u64 {
+        let mut h = Fnv::default();
+        h.write(self.backend.as_str().as_bytes());
+        h.write(&(self.peer.0.len() as u64).to_le_bytes());
+        h.write(&self.peer.0);
+        for v in [self.region_id, self.base, self.len, self.rkey.len() as u64] {
+            h.write(&v.to_le_bytes());
+        }
+        h.write(&self.rkey);
+        match self.memory {
+            MemoryKind::Host => h.write(&[0]),
+            MemoryKind::Cuda { device } => {
+                h.write(&[1]);
+                h.write(&device.to_le_bytes())
+            }
+        }
+        h.0
+    }
+
+    /// Sets `check` from the other fields (done by the receiver that registered the region).
+    pub fn seal(&mut self) {
+        self.check = self.checksum();
+    }
+
+    pub(crate) fn sealed(mut self) -> Self {
+        self.seal();
+        self
+    }
+
+    /// Structural validity: the checksum matches, and the range is non-empty and does not wrap.
     pub fn validate(&self) -> Result<()> {
+        if self.check != self.checksum() {
+            return Err(TransferError::BadDescriptor(
+                "checksum mismatch (corrupted or altered descriptor)".into(),
+            ));
+        }
         if self.len == 0 {
             return Err(TransferError::BadDescriptor("zero-length region".into()));
         }
@@ -387,6 +427,23 @@ pub trait KvTransport: Send + Sync {
     fn take_notifications(&self) -> Option<Notifications>;
 }
 
+/// FNV-1a, for descriptor checksums.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn write(&mut self, data: &[u8]) {
+        for &b in data {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+}
+
 /// Checks a whole batch before anything is sent, so a refused batch writes nothing.
 fn check_batch(
     remote: &RemoteRegion,
@@ -445,16 +502,23 @@ mod tests {
             len: 100,
             rkey: vec![],
             memory: MemoryKind::Host,
+            check: 0,
         };
+        let mut r = r;
+        assert!(r.validate().is_err(), "unsealed");
+        r.seal();
+        assert!(r.validate().is_ok());
         assert!(r.check_bounds(0, 100).is_ok());
         assert!(r.check_bounds(100, 0).is_ok());
         assert!(r.check_bounds(1, 100).is_err());
         assert!(r.check_bounds(u64::MAX, 2).is_err());
-        let bad = RemoteRegion {
+        let mut bad = RemoteRegion {
             base: u64::MAX - 10,
             ..r.clone()
         };
         assert!(bad.validate().is_err());
+        bad.seal();
+        assert!(bad.validate().is_err(), "wrapping range");
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<RemoteRegion>(&json).unwrap(), r);
     }

@@ -427,7 +427,9 @@ impl KvTransport for TcpTransport {
                 len: mem.len as u64,
                 rkey: Vec::new(),
                 memory: MemoryKind::Host,
-            },
+                check: 0,
+            }
+            .sealed(),
             owned: None,
         })
     }

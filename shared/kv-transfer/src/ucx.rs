@@ -181,7 +181,9 @@ impl UcxTransport {
                 len: len as u64,
                 rkey,
                 memory: MemoryKind::Host,
-            },
+                check: 0,
+            }
+            .sealed(),
         })
     }
 }
@@ -761,8 +763,9 @@ impl Thread {
                 Some(r) => *r,
                 None => {
                     let mut r: sys::ucp_rkey_h = ptr::null_mut();
-                    // SAFETY: UCX validates the packed key and returns an error for garbage
-                    // (a malformed descriptor is an error, not UB).
+                    // SAFETY: UCX does NOT validate packed keys (garbage can crash it); the
+                    // caller verified the descriptor's checksum, so these are the bytes the
+                    // receiver's ucp_rkey_pack produced. UCX still reports keys it cannot use.
                     let st = unsafe {
                         sys::ucp_ep_rkey_unpack(ep, rkey_bytes.as_ptr() as *const c_void, &mut r)
                     };

@@ -152,19 +152,21 @@ async fn out_of_bounds_and_malformed_descriptors_are_refused() {
             matches!(e, TransferError::OutOfBounds { .. }),
             "{backend}: {e}"
         );
-        let wrapping = RemoteRegion {
+        let mut wrapping = RemoteRegion {
             base: u64::MAX - 100,
             ..desc.clone()
         };
+        wrapping.seal();
         let e = conn.write(&wrapping, vec![put(0, 1)]).await.unwrap_err();
         assert!(
             matches!(e, TransferError::BadDescriptor(_)),
             "{backend}: {e}"
         );
-        let other_peer = RemoteRegion {
+        let mut other_peer = RemoteRegion {
             peer: tandem_kv_transfer::PeerAddress(b"1.2.3.4:5".to_vec()),
             ..desc.clone()
         };
+        other_peer.seal();
         let e = conn.write(&other_peer, vec![put(0, 1)]).await.unwrap_err();
         assert!(
             matches!(e, TransferError::BadDescriptor(_)),
@@ -184,9 +186,8 @@ async fn out_of_bounds_and_malformed_descriptors_are_refused() {
         );
 
         if backend == Backend::Tcp {
-            // A forged descriptor that claims a bigger region passes the sender's check but
-            // the receiver checks against what it registered.
-            let forged = RemoteRegion {
+            // Altered without resealing: refused by the sender's checksum.
+            let mut forged = RemoteRegion {
                 len: 1 << 30,
                 ..desc.clone()
             };
@@ -194,25 +195,36 @@ async fn out_of_bounds_and_malformed_descriptors_are_refused() {
                 .write(&forged, vec![put(1 << 20, 16)])
                 .await
                 .unwrap_err();
+            assert!(matches!(e, TransferError::BadDescriptor(_)), "{e}");
+            // A forged (resealed) descriptor that claims a bigger region passes the sender's
+            // checks, but the receiver checks against what it registered.
+            forged.seal();
+            let e = conn
+                .write(&forged, vec![put(1 << 20, 16)])
+                .await
+                .unwrap_err();
             assert!(matches!(e, TransferError::PeerFailed(_)), "{e}");
-            let forged = RemoteRegion {
+            let mut forged = RemoteRegion {
                 region_id: 999,
                 ..desc.clone()
             };
+            forged.seal();
             assert!(conn.write(&forged, vec![put(0, 16)]).await.is_err());
             assert!(pool.snapshot().iter().all(|&b| b == 0), "forged put wrote");
             // The connection stays usable after refused puts.
             conn.write(&desc, vec![put(0, 16)]).await.unwrap();
         } else {
-            // An rkey UCX cannot unpack is an error, not a crash.
-            let bad = RemoteRegion {
-                rkey: vec![],
-                ..desc.clone()
-            };
-            assert!(matches!(
-                conn.write(&bad, vec![put(0, 1)]).await,
-                Err(TransferError::BadDescriptor(_))
-            ));
+            // A mangled rkey (truncated, garbage, empty) is an error, not a crash: UCX itself
+            // would crash on it, so the descriptor checksum must catch it first.
+            let half = desc.rkey[..desc.rkey.len() / 2].to_vec();
+            for rkey in [vec![], half, vec![0xff; 16], vec![0; 3]] {
+                let bad = RemoteRegion {
+                    rkey,
+                    ..desc.clone()
+                };
+                let r = conn.write(&bad, vec![put(0, 1)]).await;
+                assert!(matches!(r, Err(TransferError::BadDescriptor(_))), "{r:?}");
+            }
             conn.write(&desc, vec![put(0, 16)]).await.unwrap();
         }
         assert_eq!(&pool.snapshot()[..16], &[0xAB; 16]);
