@@ -86,7 +86,9 @@ const FLAGS: &[(&str, bool)] = &[
 ];
 
 /// Splits `args` (with the program name first) into (mocker args, worker args), each keeping
-/// the program name. `--help` goes to the mocker parser.
+/// the program name. `--help` goes to the mocker parser. The worker args get
+/// `--disaggregation-mode agg` unless they name a mode: the worker parser's default role is
+/// decode, and simulated workers are aggregated.
 pub fn split(args: &[String]) -> (Vec<String>, Vec<String>) {
     let prog = args
         .first()
@@ -109,6 +111,12 @@ pub fn split(args: &[String]) -> (Vec<String>, Vec<String>) {
             None if a == "--help" || a == "-h" => mine.push(a.clone()),
             None => rest.push(a.clone()),
         }
+    }
+    if !rest.iter().any(|a| a.starts_with("--disaggregation-mode")) {
+        rest.splice(
+            1..1,
+            ["--disaggregation-mode".to_string(), "agg".to_string()],
+        );
     }
     (mine, rest)
 }
@@ -173,8 +181,18 @@ mod tests {
         );
         assert_eq!(
             w,
-            s(&["mocker", "--discovery-backend", "file", "--rpc-port", "0"])
+            s(&[
+                "mocker",
+                "--disaggregation-mode",
+                "agg",
+                "--discovery-backend",
+                "file",
+                "--rpc-port",
+                "0"
+            ])
         );
+        let (_, w) = split(&s(&["m", "--disaggregation-mode=decode"]));
+        assert_eq!(w, s(&["m", "--disaggregation-mode=decode"]));
         let a = MockerArgs::try_parse_from(&m).unwrap();
         assert_eq!(a.num_workers, 3);
         assert!(!a.prefix_caching());

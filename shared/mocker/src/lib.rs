@@ -32,6 +32,15 @@ pub fn cost_model(a: &MockerArgs) -> anyhow::Result<CostModel> {
 /// Applies the mocker flags over a parsed worker config.
 pub fn apply(cfg: &mut WorkerConfig, a: &MockerArgs) -> anyhow::Result<()> {
     a.validate().map_err(anyhow::Error::msg)?;
+    use tandem_config::DisaggregationMode as Mode;
+    // A simulated prefill or decode role needs the KV handoff and a simulated transfer; until
+    // then refuse rather than register an aggregated engine under another role.
+    if !matches!(cfg.disaggregation.disaggregation_mode, Mode::Agg) {
+        anyhow::bail!(
+            "--disaggregation-mode {} is not simulated yet; the mocker serves agg only",
+            cfg.disaggregation.disaggregation_mode.name()
+        );
+    }
     if let Some(b) = a.block_size {
         cfg.kv_cache.kv_block_size = u32::try_from(b)?;
     }
