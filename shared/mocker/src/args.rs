@@ -60,6 +60,23 @@ pub struct MockerArgs {
     /// Tokens per hash id in the trace (512 for the public Mooncake traces).
     #[arg(long, default_value_t = 512)]
     pub trace_block_size: usize,
+    /// Replay only: prefill workers of a disaggregated fleet (then --num-workers counts the
+    /// decode workers); 0 replays an aggregated fleet.
+    #[arg(long, default_value_t = 0)]
+    pub num_prefill_workers: usize,
+    /// Replay only: simulated KV transfer bandwidth prefill → decode, GB/s.
+    #[arg(long, default_value_t = 64.0)]
+    pub kv_transfer_bandwidth: f64,
+    /// Replay only: KV bytes per token (all layers, K+V); default Qwen3-0.6B in bf16
+    /// (28 layers × 8 KV heads × 128 dims × 2 × 2 bytes).
+    #[arg(long, default_value_t = 114_688)]
+    pub kv_bytes_per_token: usize,
+    /// Replay only: goodput SLA on TTFT (virtual ms).
+    #[arg(long)]
+    pub sla_ttft_ms: Option<f64>,
+    /// Replay only: goodput SLA on ITL (virtual ms).
+    #[arg(long)]
+    pub sla_itl_ms: Option<f64>,
     /// Also write the replay report to this file.
     #[arg(long)]
     pub replay_out: Option<PathBuf>,
@@ -83,6 +100,11 @@ const FLAGS: &[(&str, bool)] = &[
     ("--replay-router", true),
     ("--trace-block-size", true),
     ("--replay-out", true),
+    ("--num-prefill-workers", true),
+    ("--kv-transfer-bandwidth", true),
+    ("--kv-bytes-per-token", true),
+    ("--sla-ttft-ms", true),
+    ("--sla-itl-ms", true),
 ];
 
 /// Splits `args` (with the program name first) into (mocker args, worker args), each keeping

@@ -130,6 +130,9 @@ pub struct CostModel {
     pub timing: Timing,
     pub speedup_ratio: f64,
     pub decode_speedup_ratio: f64,
+    /// Decode role of a disaggregated replay: prompt KV arrives by (separately timed)
+    /// transfer, so prefill pieces cost nothing here.
+    pub prefill_free: bool,
 }
 
 impl CostModel {
@@ -144,6 +147,7 @@ impl CostModel {
             timing,
             speedup_ratio: speedup,
             decode_speedup_ratio: decode_speedup,
+            prefill_free: false,
         })
     }
 
@@ -167,7 +171,7 @@ impl CostModel {
     /// Simulated time of one step, in milliseconds (see the module docs).
     pub fn step_ms(&self, s: &StepShape) -> f64 {
         let mut ms = 0.0;
-        if s.prefill_tokens > 0 {
+        if s.prefill_tokens > 0 && !self.prefill_free {
             ms += self.prefill_ms(s.prefill_tokens) / self.speedup_ratio;
         }
         if s.decode_seqs > 0 {

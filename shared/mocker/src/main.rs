@@ -51,15 +51,18 @@ async fn main() -> anyhow::Result<()> {
         // The replay drives its engines with its own blocking loop: off the async runtime.
         let (rcfg, trace, m) = (cfg.clone(), trace.clone(), margs.clone());
         let report = tokio::task::spawn_blocking(move || {
-            tandem_mocker::replay::replay(
-                &rcfg,
-                m.num_workers,
-                m.vocab_size,
-                cost,
-                &trace,
-                m.trace_block_size,
-                m.replay_router,
-            )
+            let opts = tandem_mocker::replay::ReplayOptions {
+                workers: m.num_workers,
+                prefill_workers: m.num_prefill_workers,
+                vocab: m.vocab_size,
+                trace_block: m.trace_block_size,
+                router: m.replay_router,
+                transfer_gb_s: m.kv_transfer_bandwidth,
+                kv_bytes_per_token: m.kv_bytes_per_token,
+                sla_ttft_ms: m.sla_ttft_ms,
+                sla_itl_ms: m.sla_itl_ms,
+            };
+            tandem_mocker::replay::replay(&rcfg, cost, &trace, &opts)
         })
         .await
         .context("replay task panicked")??;

@@ -141,6 +141,7 @@ fn dist(mut v: Vec<f64>) -> Dist {
 pub struct ReplayReport {
     pub router: Option<ReplayRouter>,
     pub workers: usize,
+    pub prefill_workers: usize,
     pub requests: usize,
     pub completed: usize,
     pub makespan_ms: f64,
@@ -150,19 +151,34 @@ pub struct ReplayReport {
     pub output_tokens: usize,
     pub cached_tokens: usize,
     pub steps: u64,
-    /// Requests per worker, in worker order.
+    /// Requests per worker, in worker order (prefill workers first).
     pub per_worker: Vec<usize>,
+    /// Requests meeting the SLA, and their rate over the makespan (0 without an SLA).
+    pub sla_met: usize,
+    pub goodput_rps: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Agg,
+    Prefill,
+    Decode,
 }
 
 struct Live {
     /// None until a submission sent mid-step is acknowledged.
     stream: Option<RequestStream>,
     worker: usize,
+    phase: Phase,
+    /// Index in the trace.
+    idx: usize,
     arrival: f64,
     first: Option<f64>,
     last: f64,
     tokens: usize,
     blocks: usize,
+    cached: usize,
+    first_token: Option<u32>,
 }
 
 struct Worker {
@@ -181,20 +197,84 @@ type PendingSubmit =
 
 const STEP_REPORT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Replays `trace` through `workers` simulated engines built from `cfg`.
+/// What to replay on which fleet.
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    /// Aggregated workers, or decode workers when `prefill_workers > 0`.
+    pub workers: usize,
+    /// Prefill workers of a disaggregated fleet (0: aggregated).
+    pub prefill_workers: usize,
+    pub vocab: Option<usize>,
+    pub trace_block: usize,
+    pub router: ReplayRouter,
+    /// Simulated KV transfer bandwidth, GB/s.
+    pub transfer_gb_s: f64,
+    /// KV bytes per token (all layers, K and V).
+    pub kv_bytes_per_token: usize,
+    pub sla_ttft_ms: Option<f64>,
+    pub sla_itl_ms: Option<f64>,
+}
+
+/// A request ready to be handed to a decode worker at `at`.
+struct Handoff {
+    at: f64,
+    idx: usize,
+    arrival: f64,
+    first: f64,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+}
+
+/// Sends `req` to `w` at `now`. An idle engine starts a step for an accepted request (its
+/// report is awaited here); a busy one acknowledges after its step ends.
+fn submit(
+    rt: &tokio::runtime::Runtime,
+    w: &mut Worker,
+    req: Request,
+    now: f64,
+    wait_report: &dyn Fn() -> anyhow::Result<f64>,
+) -> anyhow::Result<Option<RequestStream>> {
+    let fut = w.engine.submit(req);
+    if w.step_end.is_some() {
+        w.pending.push(Box::pin(async move { Ok(fut.await?) }));
+        return Ok(None);
+    }
+    let s = rt.block_on(fut)?;
+    w.step_end = Some(now + wait_report()?);
+    Ok(Some(s))
+}
+
+fn request(idx: usize, suffix: &str, prompt: Vec<u32>, max_tokens: usize) -> Request {
+    let mut params = SamplingParams::greedy();
+    params.max_tokens = Some(max_tokens);
+    params.min_tokens = max_tokens;
+    params.ignore_eos = true;
+    params.seed = Some(idx as u64);
+    Request {
+        request_id: format!("r{idx}{suffix}"),
+        prompt,
+        params,
+    }
+}
+
+/// Replays `trace` through simulated engines built from `cfg`.
 pub fn replay(
     cfg: &WorkerConfig,
-    workers: usize,
-    vocab: Option<usize>,
     cost: CostModel,
     trace: &Path,
-    trace_block: usize,
-    router: ReplayRouter,
+    o: &ReplayOptions,
 ) -> anyhow::Result<ReplayReport> {
+    anyhow::ensure!(o.workers > 0, "a replay needs at least one (decode) worker");
+    let disagg = o.prefill_workers > 0;
+    anyhow::ensure!(
+        !disagg || (o.transfer_gb_s.is_finite() && o.transfer_gb_s > 0.0),
+        "--kv-transfer-bandwidth must be a positive number of GB/s"
+    );
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     let (report_tx, report_rx) = mpsc::channel::<f64>();
-    let mut ws = Vec::with_capacity(workers);
-    for _ in 0..workers {
+    let total = o.prefill_workers + o.workers;
+    let mut ws = Vec::with_capacity(total);
+    for i in 0..total {
         let (go_tx, go_rx) = mpsc::channel::<()>();
         let tx = report_tx.clone();
         let hook = Box::new(move |_: &crate::cost::StepShape, ms: f64| {
@@ -203,7 +283,9 @@ pub fn replay(
                 let _ = go_rx.recv();
             }
         });
-        let built = crate::build_sim_engine(cfg, vocab, cost.clone(), Pacer::Hook(hook))?;
+        let mut c = cost.clone();
+        c.prefill_free = disagg && i >= o.prefill_workers;
+        let built = crate::build_sim_engine(cfg, o.vocab, c, Pacer::Hook(hook))?;
         ws.push(Worker {
             engine: built.engine,
             step_end: None,
@@ -214,30 +296,32 @@ pub fn replay(
         });
     }
     let block = cfg.kv_cache.kv_block_size as usize;
-    let vocab_ids = vocab.unwrap_or(30_000).min(u32::MAX as usize) as u32;
-    let mut arrivals = read_trace(trace, trace_block, vocab_ids)?;
+    let vocab_ids = o.vocab.unwrap_or(30_000).min(u32::MAX as usize) as u32;
+    let mut arrivals = read_trace(trace, o.trace_block, vocab_ids)?;
     for a in arrivals.iter_mut() {
         a.blocks = block_hashes(&a.prompt, block);
     }
     let mut report = ReplayReport {
-        router: Some(router),
-        workers,
+        router: Some(o.router),
+        workers: o.workers,
+        prefill_workers: o.prefill_workers,
         requests: arrivals.len(),
-        per_worker: vec![0; workers],
+        per_worker: vec![0; total],
         ..ReplayReport::default()
     };
     let mut live: HashMap<String, Live> = HashMap::new();
     let mut done: Vec<Live> = Vec::new();
+    let mut handoffs: Vec<Handoff> = Vec::new();
     let mut next = 0usize;
     let mut rr = 0usize;
     let mut now = 0.0f64;
-
-    // The next step's simulated time, once the engine has reported it.
     let wait_report = || -> anyhow::Result<f64> {
         report_rx
             .recv_timeout(STEP_REPORT_TIMEOUT)
             .map_err(|_| anyhow::anyhow!("a simulated engine has work but did not step"))
     };
+    // Workers that take new prompts.
+    let front = if disagg { o.prefill_workers } else { o.workers };
 
     loop {
         let step = ws
@@ -246,7 +330,9 @@ pub fn replay(
             .filter_map(|(i, w)| w.step_end.map(|t| (t, i)))
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         let arrival = arrivals.get(next).map(|a| a.at_ms);
-        match (step, arrival) {
+        let handoff = handoffs.first().map(|h| h.at);
+        let earliest_in = [arrival, handoff].into_iter().flatten().reduce(f64::min);
+        match (step, earliest_in) {
             (None, None) => break,
             (Some((t, i)), a) if a.is_none_or(|a| t <= a) => {
                 now = t;
@@ -270,77 +356,131 @@ pub fn replay(
                         .ok_or_else(|| anyhow::anyhow!("unknown submission"))?;
                     l.stream = Some(stream);
                 }
-                collect(&mut live, &mut done, &mut ws, i, now, &mut report);
+                for l in collect(&mut live, &mut ws, i, now, &mut report) {
+                    if l.phase != Phase::Prefill {
+                        done.push(l);
+                        continue;
+                    }
+                    // Prefill done: the uncached prompt's KV moves to a decode worker.
+                    let a = &arrivals[l.idx];
+                    let first = l.first.unwrap_or(now);
+                    let remaining = a.max_tokens.saturating_sub(1);
+                    if remaining == 0 {
+                        done.push(l);
+                        continue;
+                    }
+                    let bytes = (a.prompt.len() - l.cached.min(a.prompt.len())) as f64
+                        * o.kv_bytes_per_token as f64;
+                    let at = now + bytes / (o.transfer_gb_s * 1e9) * 1000.0;
+                    let mut prompt = a.prompt.clone();
+                    prompt.push(l.first_token.unwrap_or(0));
+                    let h = Handoff {
+                        at,
+                        idx: l.idx,
+                        arrival: l.arrival,
+                        first,
+                        prompt,
+                        max_tokens: remaining,
+                    };
+                    let pos = handoffs
+                        .iter()
+                        .position(|x| (x.at, x.idx) > (h.at, h.idx))
+                        .unwrap_or(handoffs.len());
+                    handoffs.insert(pos, h);
+                }
             }
-            (_, Some(at)) => {
+            (_, Some(_)) if handoff.is_some_and(|h| arrival.is_none_or(|a| h < a)) => {
+                let h = handoffs.remove(0);
+                now = h.at;
+                // Decode worker: fewest blocks held by in-flight requests, lower index on ties.
+                let i = (o.prefill_workers..total)
+                    .min_by_key(|&i| (ws[i].inflight_blocks, i))
+                    .unwrap_or(o.prefill_workers);
+                report.per_worker[i] += 1;
+                let nblocks = (h.prompt.len() + h.max_tokens).div_ceil(block);
+                ws[i].inflight_blocks += nblocks;
+                let req = request(h.idx, "d", h.prompt, h.max_tokens);
+                let stream = submit(&rt, &mut ws[i], req, now, &wait_report)?;
+                live.insert(
+                    format!("r{}d", h.idx),
+                    Live {
+                        stream,
+                        worker: i,
+                        phase: Phase::Decode,
+                        idx: h.idx,
+                        arrival: h.arrival,
+                        first: Some(h.first),
+                        last: h.first,
+                        tokens: 1,
+                        blocks: nblocks,
+                        cached: 0,
+                        first_token: None,
+                    },
+                );
+            }
+            (Some(_), None) => unreachable!("handled by the step arm"),
+            (_, Some(_)) => {
+                let Some(at) = arrival else { continue };
                 now = at;
-                let a = &arrivals[next];
                 let idx = next;
                 next += 1;
-                let i = match router {
+                let a = &arrivals[idx];
+                let i = match o.router {
                     ReplayRouter::RoundRobin => {
-                        rr = (rr + 1) % workers;
-                        (rr + workers - 1) % workers
+                        rr = (rr + 1) % front;
+                        (rr + front - 1) % front
                     }
-                    ReplayRouter::Kv => pick_kv(&ws, &a.blocks),
+                    ReplayRouter::Kv => pick_kv(&ws[..front], &a.blocks),
                 };
                 report.per_worker[i] += 1;
+                let max_tokens = if disagg { 1 } else { a.max_tokens };
+                let nblocks = (a.prompt.len() + max_tokens).div_ceil(block);
                 let w = &mut ws[i];
                 w.seen.extend(a.blocks.iter().copied());
-                let nblocks = a.prompt.len().div_ceil(block) + a.max_tokens.div_ceil(block);
                 w.inflight_blocks += nblocks;
-                let mut params = SamplingParams::greedy();
-                params.max_tokens = Some(a.max_tokens);
-                params.min_tokens = a.max_tokens;
-                params.ignore_eos = true;
-                params.seed = Some(idx as u64);
-                let req = Request {
-                    request_id: format!("r{idx}"),
-                    prompt: a.prompt.clone(),
-                    params,
-                };
-                let fut = w.engine.submit(req);
-                let stream = if w.step_end.is_some() {
-                    // The engine is inside a step: the ack comes after it ends.
-                    w.pending.push(Box::pin(async move { Ok(fut.await?) }));
-                    None
-                } else {
-                    // An accepted request is work: the idle engine starts a step for it.
-                    let s = rt.block_on(fut)?;
-                    w.step_end = Some(now + wait_report()?);
-                    Some(s)
-                };
+                let req = request(idx, "", a.prompt.clone(), max_tokens);
+                let stream = submit(&rt, w, req, now, &wait_report)?;
                 live.insert(
                     format!("r{idx}"),
                     Live {
                         stream,
                         worker: i,
+                        phase: if disagg { Phase::Prefill } else { Phase::Agg },
+                        idx,
                         arrival: now,
                         first: None,
                         last: now,
                         tokens: 0,
                         blocks: nblocks,
+                        cached: 0,
+                        first_token: None,
                     },
                 );
             }
-            (Some(_), None) => unreachable!("handled by the step arm"),
         }
     }
     report.makespan_ms = now;
     report.completed = done.len();
     report.output_tokens = done.iter().map(|l| l.tokens).sum();
-    report.ttft_ms = dist(
-        done.iter()
-            .filter_map(|l| l.first.map(|f| f - l.arrival))
-            .collect(),
-    );
+    let ttft = |l: &Live| l.first.map(|f| f - l.arrival);
+    let itl = |l: &Live| match l.first {
+        Some(f) if l.tokens > 1 => Some((l.last - f) / (l.tokens - 1) as f64),
+        _ => None,
+    };
+    report.ttft_ms = dist(done.iter().filter_map(ttft).collect());
     report.e2e_ms = dist(done.iter().map(|l| l.last - l.arrival).collect());
-    report.itl_ms = dist(
-        done.iter()
-            .filter(|l| l.tokens > 1)
-            .filter_map(|l| l.first.map(|f| (l.last - f) / (l.tokens - 1) as f64))
-            .collect(),
-    );
+    report.itl_ms = dist(done.iter().filter_map(itl).collect());
+    if o.sla_ttft_ms.is_some() || o.sla_itl_ms.is_some() {
+        let (st, si) = (
+            o.sla_ttft_ms.unwrap_or(f64::INFINITY),
+            o.sla_itl_ms.unwrap_or(f64::INFINITY),
+        );
+        report.sla_met = done
+            .iter()
+            .filter(|l| ttft(l).is_some_and(|t| t <= st) && itl(l).is_none_or(|t| t <= si))
+            .count();
+        report.goodput_rps = report.sla_met as f64 / (report.makespan_ms / 1000.0).max(1e-9);
+    }
     for w in &ws {
         w.engine.shutdown();
     }
@@ -373,15 +513,15 @@ fn poll_now(stream: &mut RequestStream) -> Option<tandem_engine::request::Reques
     }
 }
 
-/// Takes the outputs that worker `i`'s last step emitted, stamped with the step's end.
+/// Takes the outputs that worker `i`'s last step emitted, stamped with the step's end;
+/// returns the requests that finished on it.
 fn collect(
     live: &mut HashMap<String, Live>,
-    done: &mut Vec<Live>,
     ws: &mut [Worker],
     i: usize,
     now: f64,
     report: &mut ReplayReport,
-) {
+) -> Vec<Live> {
     // Sorted ids keep the order of work independent of the map's iteration order.
     let mut ids: Vec<String> = live
         .iter()
@@ -389,19 +529,22 @@ fn collect(
         .map(|(k, _)| k.clone())
         .collect();
     ids.sort();
+    let mut finished_all = Vec::new();
     for id in ids {
         let Some(l) = live.get_mut(&id) else { continue };
         let mut finished = false;
         if let Some(stream) = l.stream.as_mut() {
             // Outputs of a step are in the channel before the engine answers `stats`.
             while let Some(o) = poll_now(stream) {
-                if !o.token_ids.is_empty() {
+                if let Some(&t) = o.token_ids.first() {
                     l.first.get_or_insert(now);
+                    l.first_token.get_or_insert(t);
                     l.last = now;
                     l.tokens += o.token_ids.len();
                 }
                 if let Some(u) = o.usage {
                     report.cached_tokens += u.cached_tokens;
+                    l.cached = u.cached_tokens;
                 }
                 if o.finish_reason.is_some() {
                     finished = true;
@@ -412,10 +555,11 @@ fn collect(
         if finished {
             if let Some(l) = live.remove(&id) {
                 ws[i].inflight_blocks = ws[i].inflight_blocks.saturating_sub(l.blocks);
-                done.push(l);
+                finished_all.push(l);
             }
         }
     }
+    finished_all
 }
 
 #[cfg(test)]

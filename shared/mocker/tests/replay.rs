@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use tandem_config::Role;
 use tandem_mocker::args::MockerArgs;
-use tandem_mocker::replay::{replay, ReplayReport, ReplayRouter};
+use tandem_mocker::replay::{replay, ReplayOptions, ReplayReport, ReplayRouter};
 
-fn run(router: ReplayRouter) -> ReplayReport {
+fn run(router: ReplayRouter, prefill_workers: usize) -> ReplayReport {
     let args: Vec<String> = ["tandem-mocker", "--num-workers", "4", "--block-size", "16"]
         .iter()
         .map(|s| s.to_string())
@@ -19,18 +19,29 @@ fn run(router: ReplayRouter) -> ReplayReport {
     tandem_mocker::apply(&mut cfg, &m).expect("apply");
     let cost = tandem_mocker::cost_model(&m).expect("cost");
     let trace = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sample_trace.jsonl");
-    replay(&cfg, 4, None, cost, &trace, 64, router).expect("replay")
+    let opts = ReplayOptions {
+        workers: 4 - prefill_workers,
+        prefill_workers,
+        vocab: None,
+        trace_block: 64,
+        router,
+        transfer_gb_s: 1.0,
+        kv_bytes_per_token: 114_688,
+        sla_ttft_ms: Some(1e9),
+        sla_itl_ms: None,
+    };
+    replay(&cfg, cost, &trace, &opts).expect("replay")
 }
 
 #[test]
 fn replay_is_exactly_reproducible_and_kv_routing_reuses_prefixes() {
-    let a = run(ReplayRouter::Kv);
-    let b = run(ReplayRouter::Kv);
+    let a = run(ReplayRouter::Kv, 0);
+    let b = run(ReplayRouter::Kv, 0);
     let json = |r: &ReplayReport| serde_json::to_string(r).expect("json");
     assert_eq!(json(&a), json(&b), "two replays of one trace differ");
     assert_eq!(a.completed, a.requests);
     assert!(a.ttft_ms.p50 > 0.0 && a.makespan_ms > 0.0);
-    let rr = run(ReplayRouter::RoundRobin);
+    let rr = run(ReplayRouter::RoundRobin, 0);
     assert_eq!(rr.completed, rr.requests);
     assert_eq!(rr.per_worker, vec![15, 15, 15, 15]);
     assert!(
@@ -39,4 +50,19 @@ fn replay_is_exactly_reproducible_and_kv_routing_reuses_prefixes() {
         a.cached_tokens,
         rr.cached_tokens
     );
+}
+
+#[test]
+fn disaggregated_replay_completes_every_request_reproducibly() {
+    let a = run(ReplayRouter::Kv, 2);
+    let b = run(ReplayRouter::Kv, 2);
+    assert_eq!(
+        serde_json::to_string(&a).ok(),
+        serde_json::to_string(&b).ok()
+    );
+    assert_eq!(a.completed, a.requests);
+    assert_eq!(a.sla_met, a.requests);
+    // Every request went through one of 2 prefill and one of 2 decode workers.
+    assert_eq!(a.per_worker[..2].iter().sum::<usize>(), a.requests);
+    assert_eq!(a.per_worker[2..].iter().sum::<usize>(), a.requests);
 }
