@@ -4,7 +4,7 @@
 # For each Poisson rate: the router's own p99 overhead (dynamo_router_overhead_total_ms from
 # its /metrics, this step's bucket deltas) and its CPU time per request (utime+stime from
 # /proc/<pid>/stat). Workers are fast (--speedup-ratio 100) so they are not the bottleneck.
-# Usage: ROUTER_BIN=target/release/tandem-router loadtest/bench/router_capacity.sh [OUT_DIR]
+# Usage: BIN=target/release loadtest/bench/router_capacity.sh [OUT_DIR]  (RATES, SECS override)
 . "$(dirname "$0")/lib.sh"
 OUT="${1:-$ROOT/loadtest-out/router_capacity}"
 RATES="${RATES:-50 100 200 400 800}"

@@ -83,8 +83,14 @@ impl Client {
                 json!(words.join(" "))
             }
         };
+        // A seed derived from the prompt: a seeded server (the mocker draws tokens from it)
+        // answers the same workload with the same tokens on every run.
+        let seed = spec.prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
+            (h ^ *t as u64).wrapping_mul(0x0100_0000_01b3)
+        }) >> 1;
         json!({
             "model": self.model,
+            "seed": seed,
             "prompt": prompt,
             "max_tokens": spec.max_tokens,
             "min_tokens": spec.max_tokens,
