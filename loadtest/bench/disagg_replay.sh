@@ -8,8 +8,8 @@ M="${BIN:-$ROOT/target/debug}/tandem-mocker"
 TMP="$(mktemp -d)"
 SLA=(--sla-ttft-ms "${SLA_TTFT:-500}" --sla-itl-ms "${SLA_ITL:-30}")
 printf "%5s %-8s %9s %9s %8s %8s %9s %7s\n" rate fleet ttft_p50 ttft_p99 itl_p50 itl_p99 goodput met
-for rate in "${@:-10 20 30}"; do
-  [ $# -gt 0 ] || set -- 10 20 30
+[ $# -gt 0 ] || set -- 10 20 30
+for rate in "$@"; do
   python3 "$ROOT/loadtest/bench/gen_trace.py" 300 "$rate" "$TMP/t.jsonl" 1
   for fleet in "agg4:--num-workers 4" "1p3d:--num-prefill-workers 1 --num-workers 3" \
                "2p2d:--num-prefill-workers 2 --num-workers 2"; do
