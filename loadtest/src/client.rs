@@ -68,9 +68,11 @@ fn parse_event(data: &str) -> Result<Event, ()> {
             return Ok(Event::Usage(n as usize));
         }
     }
+    // Only visible text counts as a token arrival (as in aiperf): a server sends empty text
+    // for a token that ends inside a multi-byte character.
     match v.pointer("/choices/0/text").and_then(Value::as_str) {
-        Some(_) => Ok(Event::Text),
-        None => Ok(Event::Other),
+        Some(t) if !t.is_empty() => Ok(Event::Text),
+        _ => Ok(Event::Other),
     }
 }
 
@@ -215,6 +217,10 @@ mod tests {
         assert!(matches!(
             parse_event(r#"{"choices":[],"usage":{"completion_tokens":7}}"#),
             Ok(Event::Usage(7))
+        ));
+        assert!(matches!(
+            parse_event(r#"{"choices":[{"text":""}]}"#),
+            Ok(Event::Other)
         ));
         assert!(parse_event("{not json").is_err());
         assert!(parse_event(r#"{"error":{"message":"x"}}"#).is_err());
