@@ -138,6 +138,14 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("encode-endpoint", Str, DisaggregationAndMultimodal,
         "dyn://namespace.component.endpoint of the encode worker in an EPD topology.")
         .env("DYN_TRTLLM_ENCODE_ENDPOINT").default(""),
+    FlagSpec::new("kv-transport", Choice(&["ucx", "tcp"]), DisaggregationAndMultimodal,
+        "KV transfer between prefill and decode workers: ucx or tcp. Shorthand for the engine \
+         option cache_transceiver_config.backend (default UCX); never falls back silently.")
+        .env("DYN_TRTLLM_KV_TRANSPORT"),
+    FlagSpec::new("kv-lease-ttl-secs", INT1, DisaggregationAndMultimodal,
+        "Decode worker: seconds a reservation of KV blocks for a remote prefill may stay \
+         unfinished before it is revoked.")
+        .env("DYN_TRTLLM_KV_LEASE_TTL_SECS").default("30"),
     FlagSpec::new("allowed-local-media-path", Path, DisaggregationAndMultimodal,
         "Local directory the model may read media files from.")
         .env("DYN_TRTLLM_ALLOWED_LOCAL_MEDIA_PATH").default(""),
@@ -311,6 +319,14 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("enforce-disagg", Bool, Router,
         "Always prefill on a prefill worker (no conditional disaggregation).")
         .env("DYN_ENFORCE_DISAGG").default("false").scope(Scope::Router),
+    FlagSpec::new("disagg-prefill-threshold-tokens", INT0, Router,
+        "Conditional disaggregation: prefill on the decode worker itself when fewer prompt \
+         tokens than this are uncached there. 0: every request with a prefill worker goes remote.")
+        .env("DYN_DISAGG_PREFILL_THRESHOLD_TOKENS").default("256").scope(Scope::Router),
+    FlagSpec::new("disagg-decode-hit-ratio", Float, Router,
+        "Conditional disaggregation: prefill on the decode worker itself when it already holds \
+         at least this fraction of the prompt (1 disables the rule).")
+        .env("DYN_DISAGG_DECODE_HIT_RATIO").default("0.8").scope(Scope::Router),
     FlagSpec::new("migration-limit", INT0, Router,
         "Times a request may move to another worker when its worker fails.")
         .env("DYN_MIGRATION_LIMIT").default("0").scope(Scope::Router),

@@ -11,6 +11,7 @@ use crate::engine_options::{classify_key, EngineOptions};
 use crate::error::ConfigError;
 use crate::merge::{deep_merge, strip_unknown};
 use crate::resolve::Resolved;
+use crate::values::Value as Value_;
 use crate::worker::Get;
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -58,6 +59,14 @@ fn flag_layer(resolved: &Resolved) -> Map<String, Value> {
                 serde_json::to_value(v).unwrap_or(Value::Null),
             );
         }
+    }
+    // `--kv-transport ucx|tcp` spells the backend in lower case; the option wants UCX/TCP.
+    if let Some(Value_::Str(v)) = resolved.get("kv-transport") {
+        set_path(
+            &mut layer,
+            "cache_transceiver_config.backend",
+            Value::String(v.to_ascii_uppercase()),
+        );
     }
     layer
 }

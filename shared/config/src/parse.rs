@@ -157,6 +157,7 @@ fn worker_from_resolved(
             allowed_local_media_path: g.opt_string("allowed-local-media-path")?.map(Into::into),
             max_file_size_mb: g.u32("max-file-size-mb")?,
             frontend_decoding: g.bool("frontend-decoding")?,
+            kv_lease_ttl_secs: g.u32("kv-lease-ttl-secs")?,
         },
         guided_decoding_backend: g.opt_string("guided-decoding-backend")?,
         diffusion: Diffusion {
@@ -230,6 +231,12 @@ pub struct RoutingConfig {
     pub router_ttl_secs: f64,
     pub router_max_tree_size: u32,
     pub router_prune_target_ratio: f64,
+    /// Always prefill on a prefill worker when the model has decode workers in `pd`/`decode`.
+    pub enforce_disagg: bool,
+    /// Prefill locally when fewer prompt tokens than this are uncached on the decode worker.
+    pub disagg_prefill_threshold_tokens: u32,
+    /// Prefill locally when the decode worker holds at least this fraction of the prompt.
+    pub disagg_decode_hit_ratio: f64,
 }
 
 pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig, ConfigError> {
@@ -275,6 +282,19 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
             router_min_initial_workers: g.u32("router-min-initial-workers")?,
             router_ttl_secs: non_negative("router-ttl-secs")?,
             router_max_tree_size: g.u32("router-max-tree-size")?,
+            enforce_disagg: g.bool("enforce-disagg")?,
+            disagg_prefill_threshold_tokens: g.u32("disagg-prefill-threshold-tokens")?,
+            disagg_decode_hit_ratio: {
+                let v = g.f64("disagg-decode-hit-ratio")?;
+                if !(0.0..=1.0).contains(&v) {
+                    return Err(ConfigError::InvalidValue {
+                        origin: resolved.origin("disagg-decode-hit-ratio"),
+                        value: v.to_string(),
+                        reason: "must be in [0, 1]".into(),
+                    });
+                }
+                v
+            },
             router_prune_target_ratio: {
                 let v = g.f64("router-prune-target-ratio")?;
                 if !(0.0..=1.0).contains(&v) {

@@ -271,7 +271,6 @@ pub const ROUTER_NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
     ("router-event-threads", "multi-threaded event application"),
     ("use-remote-indexer", "remote KV indexers"),
     ("serve-indexer", "remote KV indexers"),
-    ("enforce-disagg", "disaggregated prefill/decode"),
     ("migration-limit", "request migration"),
     ("migration-max-seq-len", "request migration"),
 ];

@@ -128,6 +128,8 @@ pub struct Disaggregation {
     pub allowed_local_media_path: Option<PathBuf>,
     pub max_file_size_mb: u32,
     pub frontend_decoding: bool,
+    /// Seconds a decode worker's reservation for a remote prefill may stay unfinished.
+    pub kv_lease_ttl_secs: u32,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -598,3 +598,22 @@ fn every_not_implemented_router_flag_exits_with_a_message_naming_it() {
     .unwrap_err();
     assert!(e.to_string().contains("[0, 1]"));
 }
+
+#[test]
+fn kv_transport_is_a_shorthand_for_the_transceiver_backend() {
+    use tandem_config::engine_options::TransceiverBackend;
+    let backend = |args: &[&str]| parse(args).unwrap().engine.cache_transceiver_config.backend;
+    assert_eq!(backend(&[]), TransceiverBackend::Default);
+    assert_eq!(backend(&["--kv-transport", "tcp"]), TransceiverBackend::Tcp);
+    assert_eq!(backend(&["--kv-transport", "ucx"]), TransceiverBackend::Ucx);
+    let env = parse_env(Role::Prefill, &[], &[("DYN_TRTLLM_KV_TRANSPORT", "tcp")]).unwrap();
+    assert_eq!(
+        env.engine.cache_transceiver_config.backend,
+        TransceiverBackend::Tcp
+    );
+    let e = err(&["--kv-transport", "nixl"]);
+    assert!(e.contains("kv-transport"), "{e}");
+    let cfg = parse(&["--kv-lease-ttl-secs", "7"]).unwrap();
+    assert_eq!(cfg.disaggregation.kv_lease_ttl_secs, 7);
+    assert!(err(&["--kv-lease-ttl-secs", "0"]).contains("kv-lease-ttl-secs"));
+}
