@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::backend::pool_memory::KvPoolMemory;
 use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
@@ -50,31 +51,32 @@ pub fn mem_available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// The pool's elements; byte offsets of the layout divide by the element size.
-enum Pool {
-    F32(Vec<f32>),
-    /// bf16 bit patterns.
-    Bf16(Vec<u16>),
-}
-
+/// The KV pool: `num_blocks * block_bytes` bytes of [`KvPoolMemory`] in the byte order of
+/// the layout, read and written in place (f32 elements, or bf16 bit patterns).
+///
+/// Every access takes a slice of just the range it touches (one token's heads, one block) and
+/// only of blocks the engine hands the backend (the batch's block tables, export/import lists),
+/// never a reference over the whole pool: remote writers may be writing other (reserved)
+/// blocks at the same time.
 struct CpuKv {
     layout: KvLayout,
-    pool: Pool,
-}
-
-impl CpuKv {
-    fn elem(&self, block: usize, layer: usize, part: KvPart, slot: usize, head: usize) -> usize {
-        self.layout.token_offset(block, layer, part, slot, head) / self.layout.dtype.bytes()
-    }
+    mem: KvPoolMemory,
 }
 
 impl KvStore for CpuKv {
     fn write_token(&mut self, layer: usize, block: usize, slot: usize, part: KvPart, data: &[f32]) {
-        let at = self.elem(block, layer, part, slot, 0);
-        match &mut self.pool {
-            Pool::F32(p) => p[at..at + data.len()].copy_from_slice(data),
-            Pool::Bf16(p) => {
-                for (d, s) in p[at..at + data.len()].iter_mut().zip(data) {
+        let at = self.layout.token_offset(block, layer, part, slot, 0);
+        match self.layout.dtype {
+            KvDtype::F32 => {
+                // SAFETY: `&mut self` excludes every other engine access; the block is one the
+                // engine computes on, so no remote writer touches it; bounds are checked.
+                let d = unsafe { self.mem.slice_mut::<f32>(at, data.len()) };
+                d.copy_from_slice(data);
+            }
+            KvDtype::Bf16 => {
+                // SAFETY: as above.
+                let d = unsafe { self.mem.slice_mut::<u16>(at, data.len()) };
+                for (d, s) in d.iter_mut().zip(data) {
                     *d = half::bf16::from_f32(*s).to_bits();
                 }
             }
@@ -90,12 +92,16 @@ impl KvStore for CpuKv {
         head: usize,
         scratch: &'a mut [f32],
     ) -> &'a [f32] {
-        let at = self.elem(block, layer, part, slot, head);
+        let at = self.layout.token_offset(block, layer, part, slot, head);
         let hd = self.layout.head_dim;
-        match &self.pool {
-            Pool::F32(p) => &p[at..at + hd],
-            Pool::Bf16(p) => {
-                for (d, s) in scratch.iter_mut().zip(&p[at..at + hd]) {
+        match self.layout.dtype {
+            // SAFETY: reads happen under `&self` (no engine write meanwhile), of a block in a
+            // running sequence's table (no remote writer); bounds are checked.
+            KvDtype::F32 => unsafe { self.mem.slice::<f32>(at, hd) },
+            KvDtype::Bf16 => {
+                // SAFETY: as above.
+                let s = unsafe { self.mem.slice::<u16>(at, hd) };
+                for (d, s) in scratch.iter_mut().zip(s) {
                     *d = f32::from_bits((*s as u32) << 16);
                 }
                 &scratch[..hd]
@@ -120,12 +126,7 @@ impl CpuBackend {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
-        if !model.weights_loaded {
-            return Err(EngineError::InvalidInput(format!(
-                "{} was loaded without its weights (LoadOptions {{ weights: false }})",
-                model.path.display()
-            )));
-        }
+        Self::check_model(model)?;
         Self::from_parts(
             model.config.clone(),
             model.weights.clone(),
@@ -136,6 +137,39 @@ impl CpuBackend {
         )
     }
 
+    /// Like [`CpuBackend::new`], with the KV pool in `memory` (e.g. memory registered with the
+    /// KV transport, so that a remote prefill can write reserved blocks straight into it).
+    /// `memory` must hold at least `num_blocks * block_bytes` bytes; block `id` starts at
+    /// [`CpuBackend::block_offset`]. Its content is not cleared.
+    pub fn new_in(
+        model: &LoadedModel,
+        kv_dtype: KvDtype,
+        block_size: usize,
+        num_blocks: usize,
+        memory: KvPoolMemory,
+    ) -> Result<Self, EngineError> {
+        Self::check_model(model)?;
+        Self::build(
+            model.config.clone(),
+            model.weights.clone(),
+            model.model_id.clone(),
+            kv_dtype,
+            block_size,
+            num_blocks,
+            Some(memory),
+        )
+    }
+
+    fn check_model(model: &LoadedModel) -> Result<(), EngineError> {
+        if !model.weights_loaded {
+            return Err(EngineError::InvalidInput(format!(
+                "{} was loaded without its weights (LoadOptions {{ weights: false }})",
+                model.path.display()
+            )));
+        }
+        Ok(())
+    }
+
     /// A backend from weights built elsewhere (benchmarks, random models).
     pub fn from_parts(
         config: ModelConfig,
@@ -144,6 +178,42 @@ impl CpuBackend {
         kv_dtype: KvDtype,
         block_size: usize,
         num_blocks: usize,
+    ) -> Result<Self, EngineError> {
+        Self::build(
+            config, weights, model_id, kv_dtype, block_size, num_blocks, None,
+        )
+    }
+
+    /// Like [`CpuBackend::from_parts`], with the KV pool in `memory` (see
+    /// [`CpuBackend::new_in`]).
+    pub fn from_parts_in(
+        config: ModelConfig,
+        weights: Arc<Qwen3Weights>,
+        model_id: String,
+        kv_dtype: KvDtype,
+        block_size: usize,
+        num_blocks: usize,
+        memory: KvPoolMemory,
+    ) -> Result<Self, EngineError> {
+        Self::build(
+            config,
+            weights,
+            model_id,
+            kv_dtype,
+            block_size,
+            num_blocks,
+            Some(memory),
+        )
+    }
+
+    fn build(
+        config: ModelConfig,
+        weights: Arc<Qwen3Weights>,
+        model_id: String,
+        kv_dtype: KvDtype,
+        block_size: usize,
+        num_blocks: usize,
+        memory: Option<KvPoolMemory>,
     ) -> Result<Self, EngineError> {
         if block_size == 0 || num_blocks == 0 {
             return Err(EngineError::InvalidInput(format!(
@@ -159,19 +229,43 @@ impl CpuBackend {
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
         };
-        let elems = num_blocks
-            .checked_mul(layout.block_bytes() / kv_dtype.bytes())
+        let bytes = num_blocks
+            .checked_mul(layout.block_bytes())
             .ok_or_else(|| EngineError::InvalidInput("KV pool size overflows".into()))?;
-        let pool = match kv_dtype {
-            KvDtype::F32 => Pool::F32(vec![0.0; elems]),
-            KvDtype::Bf16 => Pool::Bf16(vec![0; elems]),
+        let mem = match memory {
+            None => KvPoolMemory::owned(bytes)?,
+            Some(m) if m.len() < bytes => {
+                return Err(EngineError::InvalidInput(format!(
+                    "KV pool memory of {} bytes is too small for {num_blocks} blocks of {} \
+                     bytes ({bytes} bytes needed)",
+                    m.len(),
+                    layout.block_bytes()
+                )))
+            }
+            Some(m) if !(m.as_ptr() as usize).is_multiple_of(kv_dtype.bytes()) => {
+                return Err(EngineError::InvalidInput(format!(
+                    "KV pool memory at {:p} is not aligned for {kv_dtype} elements",
+                    m.as_ptr()
+                )))
+            }
+            Some(m) => m,
         };
         Ok(CpuBackend {
             config,
             weights,
-            kv: CpuKv { layout, pool },
+            kv: CpuKv { layout, mem },
             num_blocks,
         })
+    }
+
+    /// Byte offset of block `id` inside the pool memory (`id * block_bytes`).
+    pub fn block_offset(&self, id: u32) -> u64 {
+        self.kv.layout.block_offset(id)
+    }
+
+    /// The memory the KV pool lives in.
+    pub fn pool_memory(&self) -> &KvPoolMemory {
+        &self.kv.mem
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -234,19 +328,10 @@ impl Backend for CpuBackend {
         let bb = self.kv.layout.block_bytes();
         let mut out = Vec::with_capacity(blocks.len() * bb);
         for &b in blocks {
-            let lo = b as usize * bb;
-            match &self.kv.pool {
-                Pool::F32(p) => {
-                    for v in &p[lo / 4..(lo + bb) / 4] {
-                        out.extend_from_slice(&v.to_le_bytes());
-                    }
-                }
-                Pool::Bf16(p) => {
-                    for v in &p[lo / 2..(lo + bb) / 2] {
-                        out.extend_from_slice(&v.to_le_bytes());
-                    }
-                }
-            }
+            // SAFETY: one block the engine owns (no remote writer), read under `&self`; the
+            // pool is in layout byte order, so the bytes are the export format.
+            let src = unsafe { self.kv.mem.slice::<u8>(b as usize * bb, bb) };
+            out.extend_from_slice(src);
         }
         Ok(out)
     }
@@ -263,19 +348,9 @@ impl Backend for CpuBackend {
             )));
         }
         for (&b, src) in blocks.iter().zip(data.chunks_exact(bb)) {
-            let lo = b as usize * bb;
-            match &mut self.kv.pool {
-                Pool::F32(p) => {
-                    for (d, s) in p[lo / 4..(lo + bb) / 4].iter_mut().zip(src.chunks_exact(4)) {
-                        *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                    }
-                }
-                Pool::Bf16(p) => {
-                    for (d, s) in p[lo / 2..(lo + bb) / 2].iter_mut().zip(src.chunks_exact(2)) {
-                        *d = u16::from_le_bytes([s[0], s[1]]);
-                    }
-                }
-            }
+            // SAFETY: one block the engine owns, written under `&mut self`.
+            let dst = unsafe { self.kv.mem.slice_mut::<u8>(b as usize * bb, bb) };
+            dst.copy_from_slice(src);
         }
         Ok(())
     }
@@ -289,6 +364,10 @@ mod tests {
 
     /// A micro Qwen3 (vocab 50, hidden 16) built in memory, no files.
     fn micro(kv: KvDtype, blocks: usize) -> CpuBackend {
+        micro_in(kv, blocks, None)
+    }
+
+    fn micro_in(kv: KvDtype, blocks: usize, mem: Option<KvPoolMemory>) -> CpuBackend {
         let d = TinyDims {
             hidden: 16,
             intermediate: 32,
@@ -307,7 +386,13 @@ mod tests {
             Ok(Matrix::F32(random_tensor(3, name, n, mean, std)))
         })
         .unwrap();
-        CpuBackend::from_parts(cfg, Arc::new(w), "micro".into(), kv, 4, blocks).unwrap()
+        match mem {
+            None => CpuBackend::from_parts(cfg, Arc::new(w), "micro".into(), kv, 4, blocks),
+            Some(m) => {
+                CpuBackend::from_parts_in(cfg, Arc::new(w), "micro".into(), kv, 4, blocks, m)
+            }
+        }
+        .unwrap()
     }
 
     fn seq<'a>(tokens: &'a [u32], start: usize, table: &'a [u32], l: LogitsMode) -> SeqInput<'a> {
@@ -398,6 +483,76 @@ mod tests {
             .forward(&[seq(&[7], 6, &[0, 2], LogitsMode::Last)])
             .unwrap();
         assert_eq!(la, lb);
+    }
+
+    /// A buffer the test owns, handed to the pool as external memory (as a transport
+    /// registration would be); returns the memory and the buffer's address.
+    fn external(bytes: usize) -> (KvPoolMemory, usize) {
+        let mut buf = vec![0u64; bytes.div_ceil(8)];
+        let ptr = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: the Vec's heap buffer does not move when the Vec is boxed, and lives as
+        // long as the pool (it is the keep-alive).
+        let m = unsafe { KvPoolMemory::external(ptr, bytes, Box::new(buf)) }.unwrap();
+        (m, ptr as usize)
+    }
+
+    #[test]
+    fn external_pool_matches_owned_pool() {
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let mut owned = micro(dtype, 6);
+            let bb = owned.layout().block_bytes();
+            let (mem, addr) = external(6 * bb);
+            let mut ext = micro_in(dtype, 6, Some(mem));
+            assert!(ext.pool_memory().is_external());
+            assert_eq!(ext.pool_memory().as_ptr() as usize, addr);
+            assert_eq!(ext.block_offset(3), 3 * bb as u64);
+            let toks: Vec<u32> = (1..11).collect();
+            let a = owned
+                .forward(&[seq(&toks, 0, &[4, 0, 2], LogitsMode::All)])
+                .unwrap();
+            let b = ext
+                .forward(&[seq(&toks, 0, &[4, 0, 2], LogitsMode::All)])
+                .unwrap();
+            assert_eq!(a, b, "{dtype}");
+            let data = owned.export_blocks(&[4, 0, 2]).unwrap();
+            assert_eq!(ext.export_blocks(&[4, 0, 2]).unwrap(), data);
+            // Block 4 is where the transport would find it.
+            // SAFETY: the engine is not running; nothing else touches the memory.
+            let raw = unsafe { std::slice::from_raw_parts((addr as *const u8).add(4 * bb), bb) };
+            assert_eq!(raw, &data[..bb]);
+
+            // Import into another external pool at other ids, then continue identically.
+            let (mem2, _) = external(6 * bb);
+            let mut ext2 = micro_in(dtype, 6, Some(mem2));
+            ext2.import_blocks(&[1, 5, 3], &data).unwrap();
+            assert_eq!(ext2.export_blocks(&[1, 5, 3]).unwrap(), data);
+            let la = owned
+                .forward(&[seq(&[7], 10, &[4, 0, 2], LogitsMode::Last)])
+                .unwrap();
+            let lb = ext2
+                .forward(&[seq(&[7], 10, &[1, 5, 3], LogitsMode::Last)])
+                .unwrap();
+            assert_eq!(la, lb, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn external_pool_too_small_is_refused() {
+        let be = micro(KvDtype::F32, 2);
+        let bb = be.layout().block_bytes();
+        let (mem, _) = external(2 * bb - 4);
+        let e = CpuBackend::from_parts_in(
+            be.config().clone(),
+            be.weights.clone(),
+            "m".into(),
+            KvDtype::F32,
+            4,
+            2,
+            mem,
+        )
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("too small"), "{e}");
     }
 
     #[test]

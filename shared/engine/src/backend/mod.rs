@@ -4,6 +4,9 @@
 
 pub mod cpu;
 pub mod cpu_ops;
+pub mod pool_memory;
+
+pub use pool_memory::KvPoolMemory;
 
 use crate::error::EngineError;
 use crate::kv::layout::KvLayout;

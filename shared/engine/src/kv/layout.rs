@@ -131,6 +131,11 @@ impl KvLayout {
         block * self.block_bytes() + layer * self.layer_bytes() + part.index() * self.part_bytes()
     }
 
+    /// Byte offset of block `id` in the pool (`id * block_bytes`): where a transfer writes it.
+    pub fn block_offset(&self, id: u32) -> u64 {
+        id as u64 * self.block_bytes() as u64
+    }
+
     /// Byte offset of element 0 of `head` of the token in `slot` (0..block_size): the full
     /// address function of the module docs.
     pub fn token_offset(
