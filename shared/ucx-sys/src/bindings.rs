@@ -1110,6 +1110,13 @@ unsafe extern "C" {
     pub fn ucp_config_release(config: *mut ucp_config_t);
 }
 unsafe extern "C" {
+    pub fn ucp_config_modify(
+        config: *mut ucp_config_t,
+        name: *const ::std::os::raw::c_char,
+        value: *const ::std::os::raw::c_char,
+    ) -> ucs_status_t;
+}
+unsafe extern "C" {
     pub fn ucp_get_version(
         major_version: *mut ::std::os::raw::c_uint,
         minor_version: *mut ::std::os::raw::c_uint,
