@@ -10,8 +10,9 @@
 //!
 //! Two transports implement the same protocol:
 //! - [`UcxTransport`] over our own UCP bindings (`tandem-ucx-sys`): RMA put + flush, active
-//!   message for notifications. Host memory today; [`MemoryKind::Cuda`] is reserved for GPU
-//!   memory with a CUDA-enabled UCX.
+//!   message for notifications; a write batch is striped over several UCX workers (lanes,
+//!   [`TransportConfig::ucx_lanes`]) so its copies run on several cores. Host memory today;
+//!   [`MemoryKind::Cuda`] is reserved for GPU memory with a CUDA-enabled UCX.
 //! - [`TcpTransport`] over plain TCP for machines without UCX: a put is a frame the receiver
 //!   copies into its registered region after checking bounds itself.
 //!
@@ -362,6 +363,29 @@ pub struct TransportConfig {
     /// deployment must use the same setting: UCX refuses endpoints between two workers whose
     /// error modes differ ("asymmetric endpoint configuration").
     pub ucx_peer_error_handling: bool,
+    /// UCX: lanes a connection stripes each write batch over. A lane is a UCX worker of its
+    /// own (context, worker, progress thread) with its own endpoint to the receiver; a batch
+    /// is cut into one contiguous share per lane (whole puts, or pieces of large ones), the
+    /// lanes copy in parallel, and the batch completes when every lane's flush has completed.
+    /// On one host a put through shared memory is a memcpy by the sending thread, so one lane
+    /// moves data at one core's memory bandwidth; more lanes use more cores. `1` disables
+    /// striping. Small batches (under 1 MiB per lane) use fewer lanes. The extra lanes are
+    /// started on the first `connect`, so a receiver-only transport runs one thread. Default:
+    /// [`default_ucx_lanes`].
+    pub ucx_lanes: usize,
+    /// UCX: configuration overrides applied with `ucp_config_modify` to every lane's context,
+    /// as (name without the `UCX_` prefix, value), e.g. `("PROTOS", "^put/offload/zcopy")`.
+    /// Applied after the `UCX_*` environment variables, so they win over them. A name the
+    /// loaded UCX does not know fails `open`. Default: none.
+    pub ucx_config: Vec<(String, String)>,
+}
+
+/// The default [`TransportConfig::ucx_lanes`]: `min(4, available cores)`.
+pub fn default_ucx_lanes() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, 4)
 }
 
 impl TransportConfig {
@@ -372,6 +396,8 @@ impl TransportConfig {
             op_timeout: Duration::from_secs(30),
             metric_labels: Vec::new(),
             ucx_peer_error_handling: false,
+            ucx_lanes: default_ucx_lanes(),
+            ucx_config: Vec::new(),
         }
     }
 }

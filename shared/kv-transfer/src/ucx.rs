@@ -9,11 +9,23 @@
 //! safe from any thread. While operations are in flight it spins on `ucp_worker_progress` for
 //! a short while before sleeping again, with a short poll timeout to check deadlines.
 //!
-//! A write batch issues one `ucp_put_nbx` per put and one `ucp_ep_flush_nbx`; it completes when
-//! the flush and every put request have completed, i.e. the data is in the receiver's memory.
-//! The source bytes ([`Put::local`]) stay owned by the thread until then, even if the caller's
-//! future was dropped. Every batch has a deadline (`op_timeout`): past it the endpoint is closed by
-//! force and the batch fails with a timeout, so a dead receiver never hangs a sender. With
+//! Lanes (`TransportConfig::ucx_lanes`): a connection has one endpoint per lane, each lane a
+//! context + worker + progress thread as above. Lane 0 (the *primary*) is the one whose
+//! address is published: it owns the registrations and receives notifications; lanes 1.. are
+//! send-only, started on the first `connect`, and connect to the same receiver worker. A write
+//! batch is cut into one contiguous share per lane (large puts are split into zero-copy
+//! slices; small batches use fewer lanes) and every lane issues its share at once. On one host
+//! a put through shared memory or cma is a copy made by the sending thread, so one lane moves
+//! data at one core's memory bandwidth; lanes make the copies of a batch run on several cores.
+//! The receiver needs no thread of its own for that (one-sided puts).
+//!
+//! On each lane, a share issues one `ucp_put_nbx` per put and one `ucp_ep_flush_nbx`; it
+//! completes when the flush and every put request have completed, i.e. the data is in the
+//! receiver's memory, and the batch completes when every lane's share has (a failed lane fails
+//! the batch, once the others are done). The source bytes ([`Put::local`]) stay owned by the
+//! lane's thread until then, even if the caller's future was dropped. Every share has a
+//! deadline (`op_timeout`): past it the lane's endpoint is closed by force and the batch fails
+//! with a timeout, so a dead receiver never hangs a sender. With
 //! `TransportConfig::ucx_peer_error_handling` the endpoints use `UCP_ERR_HANDLING_MODE_PEER`
 //! and a dead receiver fails outstanding requests at once — but UCX then only uses transports
 //! that can detect peer failure (tcp, RDMA), not shared memory / cma / cuda_ipc. The default
@@ -23,8 +35,8 @@
 //!
 //! Notifications are UCP active messages (id [`AM_ID`], eager only, at most
 //! [`MAX_NOTIFICATION_BYTES`]); the handler copies the payload to the event channel. The
-//! notification is sent after the preceding batch's flush completed, which is what orders it
-//! after those puts.
+//! notification is sent (on lane 0) after the preceding batch's flushes completed on every
+//! lane, which is what orders it after those puts.
 //!
 //! Limitation: the receiver does not learn that a sender died (it holds no endpoint to it);
 //! it bounds its wait with [`crate::Notifications::recv_timeout`] / the lease deadline. A
@@ -113,82 +125,89 @@ impl Shared {
     }
 }
 
-/// KV transfer over UCX. See the module documentation for the threading design.
-pub struct UcxTransport {
-    shared: Arc<Shared>,
-    address: PeerAddress,
-    notifications: Mutex<Option<Notifications>>,
-    thread: Option<JoinHandle<()>>,
-    config: TransportConfig,
+/// Settings every lane's progress thread starts with.
+#[derive(Clone)]
+struct LaneSettings {
+    op_timeout: Duration,
+    peer_error_handling: bool,
+    ucx_config: Vec<(String, String)>,
 }
 
-impl UcxTransport {
-    /// Initialises UCX (context with RMA + AM + wakeup, one worker) on a new progress thread.
-    /// Fails with [`TransferError::UcxUnavailable`] if UCX cannot be initialised.
-    pub fn new(config: TransportConfig) -> Result<Self> {
+impl LaneSettings {
+    fn of(config: &TransportConfig) -> Self {
+        LaneSettings {
+            op_timeout: config.op_timeout,
+            peer_error_handling: config.ucx_peer_error_handling,
+            ucx_config: config.ucx_config.clone(),
+        }
+    }
+}
+
+/// One UCX context + worker and the progress thread that owns them. Dropping it stops the
+/// thread, which fails outstanding work and releases every UCX handle of the lane.
+struct Lane {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+type InitReply = std::result::Result<(Vec<u8>, WorkerPtr), String>;
+
+/// How a new progress thread reports the outcome of its initialisation.
+type InitSink = Box<dyn FnOnce(InitReply) + Send>;
+
+impl Lane {
+    /// Starts the progress thread of a lane; `init` hears whether UCX came up. `events` is
+    /// where received notifications go (only the primary lane, whose address is published,
+    /// registers the active-message handler).
+    fn spawn(
+        name: String,
+        settings: LaneSettings,
+        events: Option<mpsc::UnboundedSender<Event>>,
+        init: InitSink,
+    ) -> Result<(std_mpsc::Sender<Cmd>, JoinHandle<()>)> {
         let (tx, rx) = std_mpsc::channel();
-        let (ev_tx, notifications) = Notifications::channel();
-        let (init_tx, init_rx) = std_mpsc::channel();
-        let op_timeout = config.op_timeout;
-        let peer_eh = config.ucx_peer_error_handling;
         let thread = std::thread::Builder::new()
-            .name("ucx-progress".into())
-            .spawn(move || progress_thread(rx, ev_tx, init_tx, op_timeout, peer_eh))
+            .name(name)
+            .spawn(move || progress_thread(rx, events, init, settings))
             .map_err(TransferError::Io)?;
-        let (address, worker) = match init_rx.recv() {
-            Ok(Ok(x)) => x,
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                return Err(TransferError::UcxUnavailable(e));
-            }
-            Err(_) => {
-                return Err(TransferError::UcxUnavailable(
-                    "the UCX progress thread died".into(),
-                ))
-            }
-        };
-        Ok(UcxTransport {
+        Ok((tx, thread))
+    }
+
+    fn new(tx: std_mpsc::Sender<Cmd>, thread: JoinHandle<()>, worker: WorkerPtr) -> Self {
+        Lane {
             shared: Arc::new(Shared {
                 tx: Mutex::new(Some(tx)),
                 worker: Mutex::new(Some(worker)),
             }),
-            address: PeerAddress(address),
-            notifications: Mutex::new(Some(notifications)),
             thread: Some(thread),
-            config,
-        })
+        }
     }
 
-    /// Version of the libucp loaded at run time.
-    pub fn library_version() -> (u32, u32, u32) {
-        sys::library_version()
-    }
-}
-
-impl UcxTransport {
-    /// `ucp_mem_map` of `[ptr, ptr + len)`, or a UCX allocation of `len` bytes if `ptr == 0`.
-    async fn map(&self, ptr: usize, len: usize) -> Result<UcxRegistration> {
-        let (reply, rx) = oneshot::channel();
-        self.shared.send(Cmd::Register { ptr, len, reply })?;
-        let (id, base, rkey) = answer(rx, self.config.op_timeout, "ucp_mem_map").await?;
-        Ok(UcxRegistration {
-            shared: self.shared.clone(),
-            desc: RemoteRegion {
-                backend: Backend::Ucx,
-                peer: self.address.clone(),
-                region_id: id,
-                base: base as u64,
-                len: len as u64,
-                rkey,
-                memory: MemoryKind::Host,
-                check: 0,
+    /// Starts a send-only lane and waits (asynchronously) until its UCX is up.
+    async fn start_send_lane(index: usize, settings: LaneSettings) -> Result<Lane> {
+        let (init_tx, init_rx) = oneshot::channel();
+        let (tx, thread) = Lane::spawn(
+            format!("ucx-lane-{index}"),
+            settings,
+            None,
+            Box::new(move |r| {
+                let _ = init_tx.send(r);
+            }),
+        )?;
+        match init_rx.await {
+            Ok(Ok((_, worker))) => Ok(Lane::new(tx, thread, worker)),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(TransferError::UcxUnavailable(e))
             }
-            .sealed(),
-        })
+            Err(_) => Err(TransferError::UcxUnavailable(format!(
+                "the progress thread of UCX lane {index} died"
+            ))),
+        }
     }
 }
 
-impl Drop for UcxTransport {
+impl Drop for Lane {
     fn drop(&mut self) {
         // Closing the channel tells the thread to fail outstanding work, close endpoints, unmap
         // every registration and destroy the worker and context; signal it so it notices now.
@@ -210,6 +229,111 @@ impl Drop for UcxTransport {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// KV transfer over UCX. See the module documentation for the threading design.
+pub struct UcxTransport {
+    /// Send-only lanes 1..`ucx_lanes`, started by the first `connect` (declared before
+    /// `primary` so they stop first).
+    extra: tokio::sync::OnceCell<Vec<Lane>>,
+    /// Lane 0: the published worker address, registrations, notifications, and the first
+    /// share of every write batch.
+    primary: Lane,
+    address: PeerAddress,
+    notifications: Mutex<Option<Notifications>>,
+    config: TransportConfig,
+}
+
+impl UcxTransport {
+    /// Initialises UCX (context with RMA + AM + wakeup, one worker) on a new progress thread.
+    /// The extra send lanes of [`TransportConfig::ucx_lanes`] start on the first `connect`.
+    /// Fails with [`TransferError::UcxUnavailable`] if UCX cannot be initialised.
+    pub fn new(config: TransportConfig) -> Result<Self> {
+        let (ev_tx, notifications) = Notifications::channel();
+        let (init_tx, init_rx) = std_mpsc::channel();
+        let (tx, thread) = Lane::spawn(
+            "ucx-progress".into(),
+            LaneSettings::of(&config),
+            Some(ev_tx),
+            Box::new(move |r| {
+                let _ = init_tx.send(r);
+            }),
+        )?;
+        let (address, worker) = match init_rx.recv() {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(TransferError::UcxUnavailable(e));
+            }
+            Err(_) => {
+                return Err(TransferError::UcxUnavailable(
+                    "the UCX progress thread died".into(),
+                ))
+            }
+        };
+        Ok(UcxTransport {
+            extra: tokio::sync::OnceCell::new(),
+            primary: Lane::new(tx, thread, worker),
+            address: PeerAddress(address),
+            notifications: Mutex::new(Some(notifications)),
+            config,
+        })
+    }
+
+    /// Version of the libucp loaded at run time.
+    pub fn library_version() -> (u32, u32, u32) {
+        sys::library_version()
+    }
+
+    /// The lanes a connection uses: the primary, then the extra ones (started here, once).
+    /// An extra lane that fails to start is logged and left out: fewer lanes, not an error.
+    async fn lanes(&self) -> Vec<Arc<Shared>> {
+        let wanted = self.config.ucx_lanes.max(1);
+        let extra = self
+            .extra
+            .get_or_init(|| async {
+                let settings = LaneSettings::of(&self.config);
+                let mut lanes = Vec::with_capacity(wanted - 1);
+                for i in 1..wanted {
+                    match Lane::start_send_lane(i, settings.clone()).await {
+                        Ok(l) => lanes.push(l),
+                        Err(e) => {
+                            tracing::warn!("kv-transfer: UCX lane {i} not started: {e}");
+                            break;
+                        }
+                    }
+                }
+                lanes
+            })
+            .await;
+        std::iter::once(&self.primary)
+            .chain(extra.iter())
+            .map(|l| l.shared.clone())
+            .collect()
+    }
+
+    /// `ucp_mem_map` of `[ptr, ptr + len)`, or a UCX allocation of `len` bytes if `ptr == 0`.
+    async fn map(&self, ptr: usize, len: usize) -> Result<UcxRegistration> {
+        let (reply, rx) = oneshot::channel();
+        self.primary
+            .shared
+            .send(Cmd::Register { ptr, len, reply })?;
+        let (id, base, rkey) = answer(rx, self.config.op_timeout, "ucp_mem_map").await?;
+        Ok(UcxRegistration {
+            shared: self.primary.shared.clone(),
+            desc: RemoteRegion {
+                backend: Backend::Ucx,
+                peer: self.address.clone(),
+                region_id: id,
+                base: base as u64,
+                len: len as u64,
+                rkey,
+                memory: MemoryKind::Host,
+                check: 0,
+            }
+            .sealed(),
+        })
     }
 }
 
@@ -254,19 +378,77 @@ impl Drop for UcxRegistration {
     }
 }
 
-/// A sender's endpoint to one UCX receiver; dropping it closes the endpoint.
+/// A sender's endpoints to one UCX receiver, one per lane (lane 0 also carries the
+/// notifications); dropping it closes them.
 pub struct UcxConnection {
-    shared: Arc<Shared>,
-    ep: u64,
+    lanes: Vec<(Arc<Shared>, u64)>,
     peer: PeerAddress,
     op_timeout: Duration,
     labels: Vec<(String, String)>,
 }
 
+impl UcxConnection {
+    /// How many lanes this connection stripes write batches over.
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+}
+
 impl Drop for UcxConnection {
     fn drop(&mut self) {
-        let _ = self.shared.send(Cmd::Close { ep: self.ep });
+        for (shared, ep) in &self.lanes {
+            let _ = shared.send(Cmd::Close { ep: *ep });
+        }
     }
+}
+
+/// A lane gets at least this much of a batch: below it, waking another thread costs more
+/// than the copy it would take over.
+const MIN_LANE_SHARE: u64 = 1 << 20;
+
+/// Pieces of a put shorter than this are not split off: the lane takes the whole rest.
+const MIN_PIECE: u64 = 64 << 10;
+
+/// Cuts a batch (source bytes, remote address) into one contiguous share per lane, in batch
+/// order, each about `total / n` bytes (n = the lanes the batch is worth, at most `lanes`);
+/// large puts are split into zero-copy `Bytes` slices at 4 KiB-aligned cuts.
+fn stripe(puts: Vec<(Bytes, u64)>, total: u64, lanes: usize) -> Vec<Vec<(Bytes, u64)>> {
+    let n = (total / MIN_LANE_SHARE).clamp(1, lanes.max(1) as u64) as usize;
+    if n == 1 {
+        return vec![puts];
+    }
+    let share = total.div_ceil(n as u64).next_multiple_of(4096);
+    let mut out: Vec<Vec<(Bytes, u64)>> = (0..n).map(|_| Vec::new()).collect();
+    let (mut lane, mut fill) = (0usize, 0u64);
+    for (buf, addr) in puts {
+        let len = buf.len() as u64;
+        let mut off = 0u64;
+        while off < len {
+            if fill >= share && lane + 1 < n {
+                lane += 1;
+                fill = 0;
+            }
+            let rest = len - off;
+            let mut take = if lane + 1 == n {
+                rest
+            } else {
+                rest.min(share - fill)
+            };
+            if rest - take < MIN_PIECE {
+                take = rest;
+            }
+            let piece = if off == 0 && take == len {
+                buf.clone()
+            } else {
+                buf.slice(off as usize..(off + take) as usize)
+            };
+            out[lane].push((piece, addr + off));
+            off += take;
+            fill += take;
+        }
+    }
+    out.retain(|l| !l.is_empty());
+    out
 }
 
 impl KvConnection for UcxConnection {
@@ -280,22 +462,41 @@ impl KvConnection for UcxConnection {
         // offset + len <= len.
         let puts = puts
             .into_iter()
+            .filter(|p| !p.local.is_empty())
             .map(|p| (p.local, remote.base + p.offset))
             .collect();
-        let (reply, rx) = oneshot::channel();
-        self.shared.send(Cmd::Write {
-            ep: self.ep,
-            rkey: remote.rkey.clone(),
-            puts,
-            reply,
-        })?;
-        // The thread enforces op_timeout itself; the extra second covers a wedged thread.
-        answer(
-            rx,
-            self.op_timeout + Duration::from_secs(1),
-            "a UCX write batch",
-        )
-        .await?;
+        let shares = stripe(puts, bytes, self.lanes.len());
+        let mut replies = Vec::with_capacity(shares.len());
+        let mut result = Ok(());
+        for ((shared, ep), puts) in self.lanes.iter().zip(shares) {
+            let (reply, rx) = oneshot::channel();
+            let sent = shared.send(Cmd::Write {
+                ep: *ep,
+                rkey: remote.rkey.clone(),
+                puts,
+                reply,
+            });
+            if let Err(e) = sent {
+                result = Err(e);
+                break;
+            }
+            replies.push(rx);
+        }
+        // The batch is complete when every lane's share is (each lane flushed its endpoint);
+        // a failed lane fails the batch, after the other lanes have finished with it.
+        for rx in replies {
+            // The thread enforces op_timeout itself; the extra second covers a wedged thread.
+            let r = answer(
+                rx,
+                self.op_timeout + Duration::from_secs(1),
+                "a UCX write batch",
+            )
+            .await;
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result?;
         crate::metrics::record_transfer(&self.labels, bytes, start.elapsed());
         Ok(())
     }
@@ -304,9 +505,12 @@ impl KvConnection for UcxConnection {
         if payload.len() > MAX_NOTIFICATION_BYTES {
             return Err(TransferError::NotificationTooLarge(payload.len()));
         }
+        // Lane 0's endpoint. Ordering: every write that returned before this call had all of
+        // its lanes flushed, i.e. its data is in the receiver's memory already.
+        let (shared, ep) = &self.lanes[0];
         let (reply, rx) = oneshot::channel();
-        self.shared.send(Cmd::Notify {
-            ep: self.ep,
+        shared.send(Cmd::Notify {
+            ep: *ep,
             payload,
             reply,
         })?;
@@ -351,19 +555,36 @@ impl KvTransport for UcxTransport {
                 "empty UCX worker address".into(),
             ));
         }
-        let (reply, rx) = oneshot::channel();
-        self.shared.send(Cmd::Connect {
-            addr: peer.0.clone(),
-            reply,
-        })?;
-        let ep = answer(rx, self.config.op_timeout, "ucp_ep_create").await?;
-        Ok(UcxConnection {
-            shared: self.shared.clone(),
-            ep,
+        let lanes = self.lanes().await;
+        let mut waits = Vec::with_capacity(lanes.len());
+        for shared in &lanes {
+            let (reply, rx) = oneshot::channel();
+            shared.send(Cmd::Connect {
+                addr: peer.0.clone(),
+                reply,
+            })?;
+            waits.push(rx);
+        }
+        let mut eps = Vec::with_capacity(lanes.len());
+        let mut result = Ok(());
+        for (shared, rx) in lanes.into_iter().zip(waits) {
+            match answer(rx, self.config.op_timeout, "ucp_ep_create").await {
+                Ok(ep) => eps.push((shared, ep)),
+                Err(e) => {
+                    if result.is_ok() {
+                        result = Err(e);
+                    }
+                }
+            }
+        }
+        // Dropping the connection closes the endpoints that were created.
+        let conn = UcxConnection {
+            lanes: eps,
             peer: peer.clone(),
             op_timeout: self.config.op_timeout,
             labels: self.config.metric_labels.clone(),
-        })
+        };
+        result.map(|()| conn)
     }
 
     fn take_notifications(&self) -> Option<Notifications> {
@@ -461,38 +682,68 @@ unsafe extern "C" fn am_recv_cb(
     sys::UCS_OK
 }
 
-type InitReply = std::result::Result<(Vec<u8>, WorkerPtr), String>;
-
 fn progress_thread(
     rx: std_mpsc::Receiver<Cmd>,
-    events: mpsc::UnboundedSender<Event>,
-    init: std_mpsc::Sender<InitReply>,
-    op_timeout: Duration,
-    peer_error_handling: bool,
+    events: Option<mpsc::UnboundedSender<Event>>,
+    init: InitSink,
+    settings: LaneSettings,
 ) {
-    let am_ctx = Box::new(AmCtx { events });
+    let am_ctx = events.map(|events| Box::new(AmCtx { events }));
     // SAFETY: init_ucx only performs the documented UCP initialisation sequence.
-    let (mut t, efd, address) = match unsafe { init_ucx(&am_ctx, op_timeout, peer_error_handling) }
-    {
+    let (mut t, efd, address) = match unsafe { init_ucx(am_ctx.as_deref(), &settings) } {
         Ok(x) => x,
         Err(e) => {
-            let _ = init.send(Err(e));
+            init(Err(e));
             return;
         }
     };
-    let _ = init.send(Ok((address, WorkerPtr(t.worker))));
-    drop(init);
+    init(Ok((address, WorkerPtr(t.worker))));
     t.run(&rx, efd);
     // SAFETY: teardown of handles this thread created; nothing else references them now.
     unsafe { t.teardown() };
     drop(am_ctx);
 }
 
-/// Context + worker + AM handler + event fd.
+/// `ucp_config_read` (environment) plus the overrides of `TransportConfig::ucx_config`.
+/// The caller releases the returned config with `ucp_config_release`.
+unsafe fn read_config(
+    overrides: &[(String, String)],
+) -> std::result::Result<*mut sys::ucp_config_t, String> {
+    // SAFETY: documented call sequence; strings are NUL-terminated CStrings that outlive the
+    // calls; the config is released on every error path.
+    unsafe {
+        let mut cfg: *mut sys::ucp_config_t = ptr::null_mut();
+        let st = sys::ucp_config_read(ptr::null(), ptr::null(), &mut cfg);
+        if st != sys::UCS_OK {
+            return Err(format!("ucp_config_read: {}", sys::status_string(st)));
+        }
+        for (name, value) in overrides {
+            let (Ok(n), Ok(v)) = (
+                std::ffi::CString::new(name.as_str()),
+                std::ffi::CString::new(value.as_str()),
+            ) else {
+                sys::ucp_config_release(cfg);
+                return Err(format!(
+                    "UCX setting {name:?} = {value:?} contains a NUL byte"
+                ));
+            };
+            let st = sys::ucp_config_modify(cfg, n.as_ptr(), v.as_ptr());
+            if st != sys::UCS_OK {
+                sys::ucp_config_release(cfg);
+                return Err(format!(
+                    "ucp_config_modify({name}={value}): {}",
+                    sys::status_string(st)
+                ));
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+/// Context + worker + (primary lane only) AM handler + event fd.
 unsafe fn init_ucx(
-    am_ctx: &AmCtx,
-    op_timeout: Duration,
-    peer_error_handling: bool,
+    am_ctx: Option<&AmCtx>,
+    settings: &LaneSettings,
 ) -> std::result::Result<(Thread, i32, Vec<u8>), String> {
     // SAFETY (whole function): zeroed param structs are valid "no field set" values; each
     // field we fill is announced in field_mask; failures release what was created.
@@ -501,8 +752,10 @@ unsafe fn init_ucx(
         params.field_mask = sys::UCP_PARAM_FIELD_FEATURES as u64;
         params.features =
             (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
+        let cfg = read_config(&settings.ucx_config)?;
         let mut ctx: sys::ucp_context_h = ptr::null_mut();
-        let st = sys::ucp_init(&params, ptr::null(), &mut ctx);
+        let st = sys::ucp_init(&params, cfg, &mut ctx);
+        sys::ucp_config_release(cfg);
         if st != sys::UCS_OK {
             return Err(format!("ucp_init: {}", sys::status_string(st)));
         }
@@ -521,16 +774,18 @@ unsafe fn init_ucx(
             sys::ucp_cleanup(ctx);
             Err(format!("{what}: {}", sys::status_string(st)))
         };
-        let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
-        hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
-        hp.id = AM_ID;
-        hp.cb = Some(am_recv_cb);
-        hp.arg = am_ctx as *const AmCtx as *mut c_void;
-        let st = sys::ucp_worker_set_am_recv_handler(worker, &hp);
-        if st != sys::UCS_OK {
-            return fail("ucp_worker_set_am_recv_handler", st);
+        if let Some(am_ctx) = am_ctx {
+            let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
+            hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
+            hp.id = AM_ID;
+            hp.cb = Some(am_recv_cb);
+            hp.arg = am_ctx as *const AmCtx as *mut c_void;
+            let st = sys::ucp_worker_set_am_recv_handler(worker, &hp);
+            if st != sys::UCS_OK {
+                return fail("ucp_worker_set_am_recv_handler", st);
+            }
         }
         let mut efd = -1;
         let st = sys::ucp_worker_get_efd(worker, &mut efd);
@@ -555,8 +810,8 @@ unsafe fn init_ucx(
             closing: Vec::new(),
             dead_slots: Vec::new(),
             abandoned: Vec::new(),
-            op_timeout,
-            peer_error_handling,
+            op_timeout: settings.op_timeout,
+            peer_error_handling: settings.peer_error_handling,
         };
         Ok((t, efd, address))
     }
@@ -1005,5 +1260,118 @@ impl Pending {
         } else if sys::ucs_ptr_is_err(r) && self.first_error.is_none() {
             self.first_error = Some(sys::ucs_ptr_status(r));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Registration;
+
+    fn batch(sizes: &[usize]) -> (Vec<(Bytes, u64)>, u64) {
+        let mut addr = 0x10_0000u64;
+        let mut total = 0;
+        let puts = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let p = (Bytes::from(vec![i as u8; n]), addr);
+                // Scattered destinations: a gap after every put.
+                addr += n as u64 + 8192;
+                total += n as u64;
+                p
+            })
+            .collect();
+        (puts, total)
+    }
+
+    #[test]
+    fn stripe_covers_every_byte_once_in_order_and_balances_lanes() {
+        let block = 3_670_016;
+        for (sizes, lanes, want) in [
+            (vec![block; 64], 4, 4),
+            (vec![block; 3], 4, 4),
+            (vec![block], 4, 3),
+            (vec![131_072; 64], 4, 4),
+            (vec![131_072; 4], 4, 1),
+            (vec![(1 << 20) + 4100; 5], 4, 4),
+            (vec![7, 0, 1 << 22, 5000, 3 << 20], 3, 3),
+            (vec![block; 8], 1, 1),
+        ] {
+            let (puts, total) = batch(&sizes);
+            let shares = stripe(puts.clone(), total, lanes);
+            assert_eq!(shares.len(), want, "{sizes:?} over {lanes}");
+            // Concatenating the shares gives back the batch, byte for byte and in order.
+            let flat: Vec<(Bytes, u64)> = shares.iter().flatten().cloned().collect();
+            let (mut i, mut off) = (0usize, 0u64);
+            for (piece, addr) in &flat {
+                while puts[i].0.len() as u64 == off {
+                    i += 1;
+                    off = 0;
+                }
+                assert_eq!(*addr, puts[i].1 + off);
+                let src = &puts[i].0[off as usize..off as usize + piece.len()];
+                assert_eq!(&piece[..], src);
+                off += piece.len() as u64;
+            }
+            let moved: u64 = flat.iter().map(|(b, _)| b.len() as u64).sum();
+            assert_eq!(moved, total);
+            if want > 1 {
+                let share = total.div_ceil(want as u64).next_multiple_of(4096);
+                for s in &shares {
+                    let n: u64 = s.iter().map(|(b, _)| b.len() as u64).sum();
+                    assert!(n > 0 && n < share + MIN_PIECE, "{n} vs {share}");
+                }
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_lane_fails_the_batch() {
+        let mut cfg = TransportConfig::new(Backend::Ucx);
+        cfg.op_timeout = Duration::from_secs(10);
+        cfg.ucx_lanes = 4;
+        let rx = UcxTransport::new(cfg.clone()).unwrap();
+        let tx = UcxTransport::new(cfg).unwrap();
+        let mut events = rx.take_notifications().unwrap();
+        let len = 16 << 20;
+        let (reg, ptr) = rx.allocate(len).await.unwrap();
+        let desc = reg.descriptor().clone();
+        let conn = tx.connect(&rx.address()).await.unwrap();
+        assert_eq!(conn.lanes(), 4);
+        let put = |v: u8| Put {
+            local: vec![v; 8 << 20].into(),
+            offset: 0,
+        };
+        conn.write(&desc, vec![put(1)]).await.unwrap();
+        // SAFETY: the registration is alive and no write is in flight.
+        let got = unsafe { std::slice::from_raw_parts(ptr, 8 << 20) };
+        assert!(got.iter().all(|&b| b == 1));
+
+        // Lane 2's endpoint goes away: a batch striped over all lanes fails as a whole.
+        let (shared, ep) = &conn.lanes[2];
+        shared.send(Cmd::Close { ep: *ep }).unwrap();
+        let err = conn.write(&desc, vec![put(2)]).await.unwrap_err();
+        assert!(matches!(err, TransferError::PeerFailed(_)), "{err}");
+        // Small batches (one lane) and notifications still use lane 0, which is healthy.
+        conn.write(
+            &desc,
+            vec![Put {
+                local: vec![3u8; 4096].into(),
+                offset: 0,
+            }],
+        )
+        .await
+        .unwrap();
+        conn.notify(Bytes::from_static(b"after")).await.unwrap();
+        assert_eq!(
+            events
+                .next_notification(Duration::from_secs(10))
+                .await
+                .unwrap(),
+            b"after"
+        );
+        drop(conn);
+        drop(reg);
     }
 }

@@ -537,3 +537,79 @@ async fn allocated_regions_receive_writes_and_are_freed() {
         assert!(rx.allocate(0).await.is_err(), "{backend}");
     }
 }
+
+/// UCX with 4 lanes: every batch is large enough to be striped over all of them (puts split
+/// between lanes at unaligned sizes, scattered destinations, one batch of a single large put),
+/// and each notification arrives after all of its batch's bytes, into an allocated pool and
+/// into a registered heap pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_lane_writes_land_byte_exact_before_their_notification() {
+    let mut cfg = common::config(Backend::Ucx, T);
+    cfg.ucx_lanes = 4;
+    let rx = tandem_kv_transfer::open(cfg.clone()).await.unwrap();
+    let tx = tandem_kv_transfer::open(cfg).await.unwrap();
+    let mut events = rx.take_notifications().unwrap();
+    const BLOCK: usize = (1 << 20) + 4100;
+    const BLOCKS: usize = 24;
+    let len = BLOCK * BLOCKS;
+    let heap = Pool::new(len);
+    let (alloc_reg, alloc_ptr) = rx.allocate(len).await.unwrap();
+    let heap_reg = rx.register(heap.memory()).await.unwrap();
+    let conn = tx.connect(&rx.address()).await.unwrap();
+    match &conn {
+        tandem_kv_transfer::AnyConnection::Ucx(c) => assert_eq!(c.lanes(), 4),
+        _ => unreachable!(),
+    }
+    let mut rng = Rng(0x1a_e5);
+    for (name, desc) in [
+        ("allocated", alloc_reg.descriptor().clone()),
+        ("heap", heap_reg.descriptor().clone()),
+    ] {
+        let mut shadow = vec![0u8; len];
+        for round in 0..6u32 {
+            // Round 0: one put of 6 blocks (split over the lanes); then 5 whole blocks to
+            // scattered, distinct destination blocks.
+            let puts: Vec<Put> = if round == 0 {
+                let data = rng.bytes(6 * BLOCK);
+                let off = 3 * BLOCK;
+                shadow[off..off + data.len()].copy_from_slice(&data);
+                vec![Put {
+                    local: data.into(),
+                    offset: off as u64,
+                }]
+            } else {
+                let mut ids: Vec<usize> = (0..BLOCKS).collect();
+                for i in (1..BLOCKS).rev() {
+                    ids.swap(i, rng.below(i as u64 + 1) as usize);
+                }
+                ids[..5]
+                    .iter()
+                    .map(|&id| {
+                        let data = rng.bytes(BLOCK);
+                        shadow[id * BLOCK..(id + 1) * BLOCK].copy_from_slice(&data);
+                        Put {
+                            local: data.into(),
+                            offset: (id * BLOCK) as u64,
+                        }
+                    })
+                    .collect()
+            };
+            conn.write(&desc, puts).await.unwrap();
+            conn.notify(Bytes::from(format!("{name} {round}")))
+                .await
+                .unwrap();
+            let note = events.next_notification(T).await.unwrap();
+            assert_eq!(note, format!("{name} {round}").into_bytes());
+            let got = if name == "heap" {
+                heap.snapshot()
+            } else {
+                // SAFETY: the registration is alive and no write is in flight.
+                unsafe { std::slice::from_raw_parts(alloc_ptr, len) }.to_vec()
+            };
+            assert!(got == shadow, "{name}: memory differs after round {round}");
+        }
+    }
+    drop(conn);
+    drop(alloc_reg);
+    drop(heap_reg);
+}
