@@ -1,66 +1,134 @@
 #!/usr/bin/env bash
 # KV transfer benchmark: tandem-kv-transfer between two processes over UCX host memory, with
 # the block layout of a Qwen3-0.6B-shaped model (28 layers, 8 KV heads, head dim 128, block 32,
-# bf16: 131,072 B per layer of a block, 3,670,016 B per block), then `ucx_perftest -t
-# ucp_put_bw` on loopback at the same two message sizes, and the ratios.
+# bf16: 3,670,016 B per block, 131,072 B per layer of a block), then `ucx_perftest -t
+# ucp_put_bw` (server + client on 127.0.0.1) at the same message sizes, one after the other on
+# the same machine with the same UCX, and the ratios. See docs/benchmarks.md "## KV transfer".
 #
-# Needs: libucx-dev + ucx-utils (ucx_perftest). Env: BLOCKS (64), ITERS (5),
-# PERF_ITERS_SMALL (2000), PERF_ITERS_LARGE (300), PORT (13370).
+# Needs: a built transfer_bench (built here unless BENCH is set) and UCX with ucx_perftest:
+# Debian's libucx-dev + ucx-utils by default, or TANDEM_UCX_DIR=<dir with bin/ and lib/> (e.g. the
+# unpacked PyPI wheel libucx-cu13: TANDEM_UCX_DIR=/tmp/ucx/libucx), which is then put first in
+# LD_LIBRARY_PATH for both programs.
+#
+# Env: BLOCKS (64), ITERS (5), LANES ("1 <default>": one run per lane count), BATCH (64,16),
+# VARIANTS ("default"; add "memcpy" on UCX >= 1.16 to also run both programs with
+# UCX_PROTOS=^put/offload/zcopy, i.e. shared-memory puts as a memcpy instead of cma),
+# PERF_ITERS_LARGE (500), PERF_ITERS_SMALL (5000), PORT (13370), HEAP (1: also a run into a
+# registered heap pool), TCP (1: also the TCP transport), BENCH (prebuilt binary).
 # Figures are in MiB/s (2^20 B/s), the unit ucx_perftest prints as "MB/s".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BLOCKS=${BLOCKS:-64}
 ITERS=${ITERS:-5}
-PERF_ITERS_SMALL=${PERF_ITERS_SMALL:-2000}
-PERF_ITERS_LARGE=${PERF_ITERS_LARGE:-300}
+BATCH=${BATCH:-64,16}
+VARIANTS=${VARIANTS:-default}
+PERF_ITERS_LARGE=${PERF_ITERS_LARGE:-500}
+PERF_ITERS_SMALL=${PERF_ITERS_SMALL:-5000}
 PORT=${PORT:-13370}
+HEAP=${HEAP:-1}
+TCP=${TCP:-1}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-cargo build --release -q -p tandem-kv-transfer --example transfer_bench
-BENCH=target/release/examples/transfer_bench
+if [[ -n ${TANDEM_UCX_DIR:-} ]]; then
+    export LD_LIBRARY_PATH="$TANDEM_UCX_DIR/lib:$TANDEM_UCX_DIR/../libucx_cu13.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export UCX_MODULE_DIR="$TANDEM_UCX_DIR/lib/ucx"
+    PERFTEST="$TANDEM_UCX_DIR/bin/ucx_perftest"
+    UCX_INFO="$TANDEM_UCX_DIR/bin/ucx_info"
+else
+    PERFTEST=ucx_perftest
+    UCX_INFO=ucx_info
+fi
+if [[ -z ${BENCH:-} ]]; then
+    cargo build --release -q -p tandem-kv-transfer --example transfer_bench
+    BENCH=target/release/examples/transfer_bench
+fi
+NPROC=$(nproc)
+DEFAULT_LANES=$((NPROC < 4 ? NPROC : 4))
+LANES=${LANES:-"1 $DEFAULT_LANES"}
+UCX_VERSION=$("$UCX_INFO" -v | sed -n 's/^# \(Library version\|Version\): *//p' | head -1)
 
-echo "== machine: $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg); $(ucx_info -v | head -1)"
+echo "== machine: $NPROC CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')), load $(cut -d' ' -f1-3 /proc/loadavg), $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo); UCX $UCX_VERSION"
 
-# Which transports UCX picks (one short run with UCX's info log).
-UCX_LOG_LEVEL=info UCX_LOG_FILE="$TMP/ucx.%p" "$BENCH" --blocks 2 --iters 1 >/dev/null
-echo "== UCX lanes chosen by tandem-kv-transfer: $(grep -h 'ep_cfg' "$TMP"/ucx.* | sed 's/.*INFO *//' | sort -u | tr '\n' ' ')"
+variant_args() { [[ $1 == memcpy ]] && echo "--ucx PROTOS=^put/offload/zcopy" || true; }
+variant_env() { [[ $1 == memcpy ]] && echo "UCX_PROTOS=^put/offload/zcopy" || true; }
 
-run() { echo "== transfer_bench $*"; "$BENCH" --blocks "$BLOCKS" --iters "$ITERS" "$@" | tee "$TMP/out"; }
-run --backend UCX --pool alloc
-cp "$TMP/out" "$TMP/ucx_alloc"
-run --backend UCX --pool heap
-cp "$TMP/out" "$TMP/ucx_heap"
-run --backend TCP --pool heap
+# Which transports/protocols UCX picks for puts (one short run with UCX's info log).
+for v in $VARIANTS; do
+    # shellcheck disable=SC2046
+    env $(variant_env "$v") UCX_LOG_LEVEL=info UCX_PROTO_INFO=y UCX_LOG_FILE="$TMP/ucx.%p" \
+        "$BENCH" --blocks 2 --iters 1 --batch 2 --lanes 1 >/dev/null 2>&1 || true
+    # UCX < 1.16: the ep_cfg info line; later: the protocol table of ucp_put* to host memory.
+    chosen=$(cat "$TMP"/ucx.* 2>/dev/null | sed 's/^\[[^]]*\] *\[[^]]*\] *//' | awk '
+        /ep_cfg/ { sub(/.*INFO */, ""); print; next }
+        /remote memory write by ucp_put\* from host memory to host/ { put = 1; next }
+        /ucp_context|by ucp_/ { put = 0 }
+        put && /\| *[0-9][0-9.]*[KMG]?\.\.[0-9a-z]+ *\|/ { gsub(/ +/, " "); print }' \
+        | sort -u | tr '\n' ';' || true)
+    echo "== UCX protocols, tandem-kv-transfer, variant $v: ${chosen:-n/a}"
+    rm -f "$TMP"/ucx.*
+done
+
+run() {
+    local tag=$1
+    shift
+    echo "== transfer_bench $*"
+    "$BENCH" --blocks "$BLOCKS" --iters "$ITERS" --batch "$BATCH" "$@" | tee "$TMP/out_$tag" ||
+        echo "transfer_bench $* FAILED"
+}
 
 perftest() {
-    local size=$1 iters=$2 port=$3
-    ucx_perftest -p "$port" >/dev/null 2>&1 &
+    local size=$1 iters=$2 port=$3 v=$4
+    # shellcheck disable=SC2046
+    env $(variant_env "$v") "$PERFTEST" -p "$port" >/dev/null 2>&1 &
     local srv=$!
     sleep 1
-    UCX_LOG_LEVEL=info UCX_LOG_FILE="$TMP/perf.%p" \
-        ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$size" -n "$iters" -w $((iters / 10)) >"$TMP/perf_$size"
+    # shellcheck disable=SC2046
+    env $(variant_env "$v") "$PERFTEST" 127.0.0.1 -p "$port" -t ucp_put_bw -s "$size" \
+        -n "$iters" -w $((iters / 10)) >"$TMP/perf_${v}_$size" 2>&1 || true
     wait "$srv" || true
     # "Final: iters p50 avg overall bw_avg bw_overall ..." -> overall bandwidth, MiB/s
-    awk '/Final/ {print $7}' "$TMP/perf_$size"
+    awk '/Final/ {print $7}' "$TMP/perf_${v}_$size"
 }
-echo "== ucx_perftest -t ucp_put_bw (server + client on 127.0.0.1)"
-P_SMALL=$(perftest 131072 "$PERF_ITERS_SMALL" "$PORT")
-P_LARGE=$(perftest 3670016 "$PERF_ITERS_LARGE" $((PORT + 1)))
-echo "ucx_perftest -s 131072  -n $PERF_ITERS_SMALL: $P_SMALL MiB/s"
-echo "ucx_perftest -s 3670016 -n $PERF_ITERS_LARGE: $P_LARGE MiB/s"
-echo "== UCX lanes chosen by ucx_perftest: $(grep -h 'ep_cfg' "$TMP"/perf.* | sed 's/.*INFO *//' | sort -u | tr '\n' ' ')"
 
-# Pull "best X MiB/s" / "mean X MiB/s" out of a transfer_bench report line.
-field() { grep "^$2" "$1" | sed -E "s/.*$3 ([0-9.]+) MiB\/s.*/\1/"; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f%%", 100 * a / b }'; }
-echo "== ratios, tandem-kv-transfer (UCX, pool=alloc) / ucx_perftest"
-for pat in "per-layer:$P_SMALL" "whole-block:$P_LARGE"; do
-    name=${pat%%:*} ref=${pat#*:}
-    hot=$(field "$TMP/ucx_alloc" "hot $name" best)
-    best=$(field "$TMP/ucx_alloc" "$name " best)
-    mean=$(field "$TMP/ucx_alloc" "$name " mean)
-    echo "$name: same access pattern as perftest (hot) $hot MiB/s = $(ratio "$hot" "$ref");" \
-         "real layout (distinct blocks) best $best = $(ratio "$best" "$ref"), mean $mean = $(ratio "$mean" "$ref")"
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.0f%%", 100 * a / b; else print "n/a" }'; }
+# "best X MiB/s, mean Y MiB/s" of the line starting with $2 in file $1; $3 = best|mean.
+field() { grep "^$2" "$1" | head -1 | sed -E "s/.*$3 ([0-9.]+) MiB\/s.*/\1/"; }
+
+SUMMARY=$TMP/summary
+for v in $VARIANTS; do
+    # Ours first, then ucx_perftest, same machine, same UCX, one after the other.
+    for l in $LANES; do
+        # shellcheck disable=SC2046
+        run "${v}_$l" --backend UCX --pool alloc --lanes "$l" $(variant_args "$v")
+    done
+    echo "== ucx_perftest -t ucp_put_bw, variant $v (server + client on 127.0.0.1)"
+    P_LARGE=$(perftest 3670016 "$PERF_ITERS_LARGE" "$PORT" "$v")
+    P_SMALL=$(perftest 131072 "$PERF_ITERS_SMALL" $((PORT + 1)) "$v")
+    PORT=$((PORT + 2))
+    echo "ucx_perftest -s 3670016 -n $PERF_ITERS_LARGE: $P_LARGE MiB/s"
+    echo "ucx_perftest -s 131072  -n $PERF_ITERS_SMALL: $P_SMALL MiB/s"
+    for l in $LANES; do
+        f=$TMP/out_${v}_$l
+        for b in ${BATCH//,/ }; do
+            best=$(field "$f" "serving $b " best)
+            mean=$(field "$f" "serving $b " mean)
+            echo "$v lanes=$l serving $b x 3670016 B: best $best ($(ratio "$best" "$P_LARGE")), mean $mean ($(ratio "$mean" "$P_LARGE")) vs perftest $P_LARGE" >>"$SUMMARY"
+        done
+        best=$(field "$f" "per-layer" best)
+        mean=$(field "$f" "per-layer" mean)
+        echo "$v lanes=$l per-layer 131072 B: best $best ($(ratio "$best" "$P_SMALL")), mean $mean ($(ratio "$mean" "$P_SMALL")) vs perftest $P_SMALL" >>"$SUMMARY"
+        best=$(field "$f" "hot" best)
+        echo "$v lanes=$l hot 3670016 B: best $best ($(ratio "$best" "$P_LARGE")) vs perftest $P_LARGE" >>"$SUMMARY"
+        grep "^local copy" "$f" | sed "s/^/$v lanes=$l /" >>"$SUMMARY"
+    done
 done
+if [[ $HEAP == 1 ]]; then
+    run heap --backend UCX --pool heap --lanes "$DEFAULT_LANES"
+fi
+if [[ $TCP == 1 ]]; then
+    run tcp --backend TCP --pool heap
+fi
+echo "== summary (MiB/s; ratio = tandem-kv-transfer / ucx_perftest at the same message size)"
+cat "$SUMMARY"

@@ -4,40 +4,49 @@
 //! - one layer of one block (K and V) = 2 × 32 × 8 × 128 × 2 B = 131,072 B
 //! - one block = 28 × 131,072 B = 3,670,016 B (layout: block-major, layer inside)
 //!
-//! Two patterns, as the serving path issues them, for `--blocks` blocks (default 64):
-//! - `per-layer`: after each layer, one batch of `blocks` puts of 131 KB (that layer of every
-//!   block) and a "layer k done" notification — 28 batches;
-//! - `whole-block`: one batch of `blocks` puts of 3.67 MB and one notification.
+//! The receiver's pool holds `2 × --blocks` blocks; the `--blocks` source blocks (default 64)
+//! go to distinct destination blocks picked by a fixed pseudo-random permutation, so
+//! destinations are scattered, as decode block ids are. Patterns, each timed per iteration
+//! over all `--blocks` blocks (every figure includes the batches' completion and the
+//! notifications):
+//! - `serving B`: what the serving path does after each prefill chunk: one batch of `B`
+//!   whole-block puts (3.67 MB each) to scattered destinations, then a notification; for each
+//!   `B` of `--batch` (default `64,16`);
+//! - `per-layer`: after each layer, one batch of `--blocks` puts of 131 KB (that layer of
+//!   every block) and a notification — 28 batches (a finer-grained alternative);
+//! - `hot`: `--blocks` puts of 3.67 MB, every one from the same source block to the same
+//!   destination block — the access pattern of `ucx_perftest` (cache-hot), which isolates the
+//!   transport's own overhead from memory bandwidth.
 //!
-//! It also runs both patterns "hot" (every put from the same source to the same destination,
-//! the access pattern of `ucx_perftest`) and prints a local memcpy of the same volume.
+//! It also prints a local copy of the same volume with 1 thread and with `--lanes` threads
+//! (the machine's memory-bandwidth ceiling for distinct, cache-cold memory).
 //!
-//! Usage: `transfer_bench [--backend UCX|TCP] [--blocks N] [--iters N] [--pool alloc|heap]`. The program starts
-//! itself again as the receiver (`--receiver`), reads its descriptor from the child's stdout,
-//! and checks the received bytes by hash at the end. Prints MiB/s (2^20 bytes, the unit of
-//! `ucx_perftest`).
+//! Usage: `transfer_bench [--backend UCX|TCP] [--blocks N] [--iters N] [--pool alloc|heap]
+//! [--lanes N] [--batch B,B,..] [--ucx NAME=VALUE]...`. The program starts itself again as the
+//! receiver (`--receiver`), reads its descriptor from the child's stdout, and checks the
+//! received blocks by hash at the end. Prints MiB/s (2^20 bytes, the unit of `ucx_perftest`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tandem_kv_transfer::{
-    open, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory, Put, Registration,
-    RemoteRegion, TransportConfig,
+    default_ucx_lanes, open, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory, Put,
+    Registration, RemoteRegion, TransportConfig,
 };
 
 const LAYERS: usize = 28;
 const LAYER_BYTES: usize = 2 * 32 * 8 * 128 * 2;
 const BLOCK_BYTES: usize = LAYERS * LAYER_BYTES;
 
-fn fnv(data: &[u8]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
+fn fnv(h: &mut u64, data: &[u8]) {
     for &b in data {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100_0000_01b3);
+        *h ^= b as u64;
+        *h = h.wrapping_mul(0x100_0000_01b3);
     }
-    h
 }
+
+const FNV_START: u64 = 0xcbf2_9ce4_8422_2325;
 
 struct Args {
     backend: Backend,
@@ -47,6 +56,9 @@ struct Args {
     /// Receiver pool: `alloc` = `KvTransport::allocate` (UCX-allocated, shared memory),
     /// `heap` = our own heap buffer registered with `register`.
     pool: String,
+    lanes: usize,
+    batches: Vec<usize>,
+    ucx: Vec<(String, String)>,
 }
 
 fn args() -> Args {
@@ -56,6 +68,9 @@ fn args() -> Args {
         iters: 5,
         receiver: false,
         pool: "alloc".into(),
+        lanes: default_ucx_lanes(),
+        batches: vec![64, 16],
+        ucx: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -66,22 +81,36 @@ fn args() -> Args {
             "--iters" => a.iters = val().parse().expect("iters"),
             "--receiver" => a.receiver = true,
             "--pool" => a.pool = val(),
+            "--lanes" => a.lanes = val().parse().expect("lanes"),
+            "--batch" => {
+                a.batches = val()
+                    .split(',')
+                    .map(|b| b.trim().parse().expect("batch"))
+                    .collect()
+            }
+            "--ucx" => {
+                let v = val();
+                let (k, v) = v.split_once('=').expect("--ucx NAME=VALUE");
+                a.ucx.push((k.to_string(), v.to_string()));
+            }
             other => panic!("unknown argument {other}"),
         }
     }
     a
 }
 
-fn config(backend: Backend) -> TransportConfig {
-    let mut c = TransportConfig::new(backend);
+fn config(a: &Args) -> TransportConfig {
+    let mut c = TransportConfig::new(a.backend);
     c.op_timeout = Duration::from_secs(60);
+    c.ucx_lanes = a.lanes;
+    c.ucx_config = a.ucx.clone();
     c
 }
 
 async fn receiver(a: Args) {
-    let t = open(config(a.backend)).await.expect("open transport");
+    let t = open(config(&a)).await.expect("open transport");
     let mut events = t.take_notifications().expect("notifications");
-    let len = a.blocks * BLOCK_BYTES;
+    let len = 2 * a.blocks * BLOCK_BYTES;
     let (reg, pool) = if a.pool == "heap" {
         let pool = Box::into_raw(vec![0u8; len].into_boxed_slice()) as *mut u8;
         // SAFETY: the pool is leaked (lives until exit) and only read after "hash" arrives,
@@ -102,10 +131,22 @@ async fn receiver(a: Args) {
     std::io::stdout().flush().ok();
     while let Some(ev) = events.recv().await {
         if let Event::Notification(n) = ev {
-            if n == b"hash" {
-                // SAFETY: see above.
-                let data = unsafe { std::slice::from_raw_parts(pool, len) };
-                println!("HASH {:016x}", fnv(data));
+            if let Some(ids) = n.strip_prefix(b"hash ") {
+                // The destination block ids, in source order: hash those blocks.
+                let ids: Vec<usize> = std::str::from_utf8(ids)
+                    .expect("ids")
+                    .split(',')
+                    .map(|s| s.parse().expect("id"))
+                    .collect();
+                let mut h = FNV_START;
+                for id in ids {
+                    // SAFETY: see above.
+                    let block = unsafe {
+                        std::slice::from_raw_parts(pool.add(id * BLOCK_BYTES), BLOCK_BYTES)
+                    };
+                    fnv(&mut h, block);
+                }
+                println!("HASH {h:016x}");
                 std::io::stdout().flush().ok();
             } else if n == b"quit" {
                 break;
@@ -116,6 +157,49 @@ async fn receiver(a: Args) {
 
 fn mib_s(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / (1024.0 * 1024.0)
+}
+
+/// Copies `src` into `dst` with `threads` threads (contiguous shares), timed.
+fn parallel_copy(dst: &mut [u8], src: &[u8], threads: usize) -> Duration {
+    let share = src.len().div_ceil(threads.max(1));
+    let s = Instant::now();
+    std::thread::scope(|sc| {
+        for (d, s) in dst.chunks_mut(share).zip(src.chunks(share)) {
+            sc.spawn(move || d.copy_from_slice(s));
+        }
+    });
+    s.elapsed()
+}
+
+/// Best and mean of `iters` timed runs.
+struct Timing {
+    best: Duration,
+    sum: Duration,
+    n: u32,
+}
+
+impl Timing {
+    fn new() -> Self {
+        Timing {
+            best: Duration::MAX,
+            sum: Duration::ZERO,
+            n: 0,
+        }
+    }
+
+    fn add(&mut self, d: Duration) {
+        self.best = self.best.min(d);
+        self.sum += d;
+        self.n += 1;
+    }
+
+    fn line(&self, bytes: usize) -> String {
+        format!(
+            "best {:.1} MiB/s, mean {:.1} MiB/s",
+            mib_s(bytes, self.best),
+            mib_s(bytes, self.sum / self.n.max(1))
+        )
+    }
 }
 
 async fn sender(a: Args) {
@@ -129,6 +213,11 @@ async fn sender(a: Args) {
             "--pool",
             &a.pool,
         ])
+        .args(
+            a.ucx
+                .iter()
+                .flat_map(|(k, v)| ["--ucx".to_string(), format!("{k}={v}")]),
+        )
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn receiver");
@@ -139,7 +228,7 @@ async fn sender(a: Args) {
             break serde_json::from_str(j).expect("descriptor");
         }
     };
-    let t = open(config(a.backend)).await.expect("open transport");
+    let t = open(config(&a)).await.expect("open transport");
     let conn = t.connect(&desc.peer).await.expect("connect");
 
     // Source KV: random-ish bytes, one Bytes for the whole pool; puts are zero-copy slices.
@@ -152,77 +241,65 @@ async fn sender(a: Args) {
         x ^= x << 17;
         c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
     }
-    let expect = fnv(&src);
+    let mut expect = FNV_START;
+    fnv(&mut expect, &src);
     let src = Bytes::from(src);
 
+    // Destination block of source block b: a fixed permutation of the pool's 2 × blocks ids
+    // (Fisher-Yates with a fixed seed), first `blocks` of it: distinct and scattered.
+    let mut ids: Vec<usize> = (0..2 * a.blocks).collect();
+    let mut r = 0x2545_f491_4f6c_dd1du64;
+    for i in (1..ids.len()).rev() {
+        r ^= r << 13;
+        r ^= r >> 7;
+        r ^= r << 17;
+        ids.swap(i, (r % (i as u64 + 1)) as usize);
+    }
+    let dst: Vec<usize> = ids[..a.blocks].to_vec();
+
+    let block_put = |b: usize| Put {
+        local: src.slice(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES),
+        offset: (dst[b] * BLOCK_BYTES) as u64,
+    };
     let per_layer = |k: usize| -> Vec<Put> {
         (0..a.blocks)
             .map(|b| {
                 let off = b * BLOCK_BYTES + k * LAYER_BYTES;
                 Put {
                     local: src.slice(off..off + LAYER_BYTES),
-                    offset: off as u64,
+                    offset: (dst[b] * BLOCK_BYTES + k * LAYER_BYTES) as u64,
                 }
             })
             .collect()
     };
-    let whole = || -> Vec<Put> {
-        (0..a.blocks)
-            .map(|b| Put {
-                local: src.slice(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES),
-                offset: (b * BLOCK_BYTES) as u64,
-            })
-            .collect()
-    };
+    // As ucx_perftest: the same source bytes to the same destination, `blocks` times.
+    let hot = || -> Vec<Put> { (0..a.blocks).map(|_| block_put(0)).collect() };
 
     // Warm-up (connection establishment, rkey unpack, page faults on both sides).
-    conn.write(&desc, whole()).await.expect("warm-up");
+    conn.write(&desc, (0..a.blocks).map(block_put).collect())
+        .await
+        .expect("warm-up");
 
-    // "hot": the same message sizes and batch shapes, but every put reads the same source
-    // bytes and lands on the same destination (block 0), as `ucx_perftest` does: caches stay
-    // warm, so this isolates the transport's own overhead from memory bandwidth.
-    let hot = |size: usize| -> Vec<Put> {
-        (0..a.blocks)
-            .map(|_| Put {
-                local: src.slice(0..size),
-                offset: 0,
-            })
-            .collect()
-    };
-    let (mut hot_layer, mut hot_block) = (Duration::MAX, Duration::MAX);
+    let mut hot_t = Timing::new();
     for _ in 0..a.iters {
         let s = Instant::now();
-        for k in 0..LAYERS {
-            conn.write(&desc, hot(LAYER_BYTES))
-                .await
-                .expect("hot write");
-            conn.notify(Bytes::from(format!("layer {k} done")))
-                .await
-                .expect("notify");
-        }
-        hot_layer = hot_layer.min(s.elapsed());
-        let s = Instant::now();
-        conn.write(&desc, hot(BLOCK_BYTES))
-            .await
-            .expect("hot write");
+        conn.write(&desc, hot()).await.expect("hot write");
         conn.notify(Bytes::from_static(b"blocks done"))
             .await
             .expect("notify");
-        hot_block = hot_block.min(s.elapsed());
+        hot_t.add(s.elapsed());
     }
 
-    // Reference: one core's memcpy of the same amount of distinct memory.
-    let mut dst = vec![0u8; len];
-    dst.copy_from_slice(&src);
-    let s = Instant::now();
-    dst.copy_from_slice(&src);
-    let memcpy = s.elapsed();
-    std::hint::black_box(&dst);
-    drop(dst);
+    // References: a local copy of the same amount of distinct memory, 1 and `lanes` threads.
+    let mut scratch = vec![0u8; len];
+    parallel_copy(&mut scratch, &src, 1);
+    let copy1 = parallel_copy(&mut scratch, &src, 1);
+    let copy_n = parallel_copy(&mut scratch, &src, a.lanes);
+    std::hint::black_box(&scratch);
+    drop(scratch);
 
-    let mut best_layer = Duration::MAX;
-    let mut best_block = Duration::MAX;
-    let (mut sum_layer, mut sum_block) = (Duration::ZERO, Duration::ZERO);
+    let mut layer_t = Timing::new();
+    let mut serving_t: Vec<Timing> = a.batches.iter().map(|_| Timing::new()).collect();
     for _ in 0..a.iters {
         let s = Instant::now();
         for k in 0..LAYERS {
@@ -233,20 +310,30 @@ async fn sender(a: Args) {
                 .await
                 .expect("notify");
         }
-        let d = s.elapsed();
-        best_layer = best_layer.min(d);
-        sum_layer += d;
+        layer_t.add(s.elapsed());
 
-        let s = Instant::now();
-        conn.write(&desc, whole()).await.expect("whole-block write");
-        conn.notify(Bytes::from_static(b"blocks done"))
-            .await
-            .expect("notify");
-        let d = s.elapsed();
-        best_block = best_block.min(d);
-        sum_block += d;
+        for (i, &batch) in a.batches.iter().enumerate() {
+            let s = Instant::now();
+            let mut b = 0;
+            while b < a.blocks {
+                let end = (b + batch.max(1)).min(a.blocks);
+                conn.write(&desc, (b..end).map(block_put).collect())
+                    .await
+                    .expect("serving write");
+                conn.notify(Bytes::from(format!("blocks {b}..{end} done")))
+                    .await
+                    .expect("notify");
+                b = end;
+            }
+            serving_t[i].add(s.elapsed());
+        }
     }
-    conn.notify(Bytes::from_static(b"hash"))
+    let ids = dst
+        .iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    conn.notify(Bytes::from(format!("hash {ids}")))
         .await
         .expect("notify");
     let got = loop {
@@ -259,43 +346,43 @@ async fn sender(a: Args) {
     conn.notify(Bytes::from_static(b"quit")).await.ok();
     let _ = child.wait();
 
-    let n = a.iters as u32;
     println!(
-        "backend={} pool={} blocks={} iters={} bytes_per_iter={} ({} MiB) data_check={}",
+        "backend={} pool={} lanes={} blocks={} iters={} bytes_per_iter={} ({} MiB) data_check={}",
         a.backend,
         a.pool,
+        if a.backend == Backend::Ucx {
+            a.lanes.max(1)
+        } else {
+            1
+        },
         a.blocks,
         a.iters,
         len,
         len >> 20,
         if ok { "ok" } else { "MISMATCH" }
     );
+    for (i, &batch) in a.batches.iter().enumerate() {
+        println!(
+            "serving {batch} (batches of {batch} whole-block puts of {BLOCK_BYTES} B to scattered blocks + notify): {}",
+            serving_t[i].line(len)
+        );
+    }
     println!(
-        "per-layer   (28 batches x {} puts of {} B + notify): best {:.1} MiB/s, mean {:.1} MiB/s",
+        "per-layer (28 batches x {} puts of {LAYER_BYTES} B + notify): {}",
         a.blocks,
-        LAYER_BYTES,
-        mib_s(len, best_layer),
-        mib_s(len, sum_layer / n)
+        layer_t.line(len)
     );
     println!(
-        "whole-block (1 batch x {} puts of {} B + notify):  best {:.1} MiB/s, mean {:.1} MiB/s",
+        "hot ({} puts of {BLOCK_BYTES} B, same source and destination, as ucx_perftest): {}",
         a.blocks,
-        BLOCK_BYTES,
-        mib_s(len, best_block),
-        mib_s(len, sum_block / n)
+        hot_t.line(len)
     );
     println!(
-        "hot per-layer   (same source/destination, as ucx_perftest): best {:.1} MiB/s",
-        mib_s(len, hot_layer)
-    );
-    println!(
-        "hot whole-block (same source/destination, as ucx_perftest): best {:.1} MiB/s",
-        mib_s(len, hot_block)
-    );
-    println!(
-        "local memcpy of {} MiB: {:.1} MiB/s",
+        "local copy of {} MiB: 1 thread {:.1} MiB/s, {} threads {:.1} MiB/s",
         len >> 20,
-        mib_s(len, memcpy)
+        mib_s(len, copy1),
+        a.lanes.max(1),
+        mib_s(len, copy_n)
     );
     if !ok {
         std::process::exit(1);
