@@ -21,8 +21,22 @@ use crate::models::Registry;
 pub struct AppState {
     pub config: Arc<RouterConfig>,
     pub registry: Arc<Registry>,
+    /// The decode side: the workers that serve `Generate` (agg, pd, decode).
     pub kv: Arc<KvRouter>,
+    /// The prefill workers' index and load (same config as `kv`).
+    pub prefill_kv: Arc<KvRouter>,
     pub dumps: crate::events_nats::DumpsInFlight,
+}
+
+impl AppState {
+    /// The KV router that follows worker `id`: `prefill_kv` for a prefill worker, else `kv`.
+    pub fn kv_of(&self, id: u64) -> &Arc<KvRouter> {
+        if self.registry.is_prefill_worker(id) == Some(true) {
+            &self.prefill_kv
+        } else {
+            &self.kv
+        }
+    }
 }
 
 pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
@@ -124,10 +138,12 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
     let metrics = tandem_runtime::metrics::install_recorder()?;
     let shutdown = tandem_runtime::shutdown::on_signals();
     let kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, None));
+    let prefill_kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, None));
     let state = AppState {
         config: Arc::new(cfg),
         registry: Arc::new(Registry::default()),
         kv,
+        prefill_kv,
         dumps: Default::default(),
     };
     if state.config.routing.use_kv_events
@@ -155,11 +171,13 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
     tokio::spawn({
         // Requests whose stream was lost without a Free are expired here.
         let kv = state.kv.clone();
+        let prefill_kv = state.prefill_kv.clone();
         async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(30));
             loop {
                 tick.tick().await;
                 kv.expire_stale();
+                prefill_kv.expire_stale();
             }
         }
     });

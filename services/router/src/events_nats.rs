@@ -1,10 +1,13 @@
-//! The NATS event plane: one subscription to the workers' KV-event subject; gaps (and new
-//! workers) are healed with a dump fetched from the worker over gRPC.
+//! The NATS event plane: subscriptions to the KV-event subjects of the workers' components
+//! (`backend` for the workers that serve `Generate`, `prefill` for the prefill workers); each
+//! event goes to the index of its worker's kind. Gaps (and new workers) are healed with a dump
+//! fetched from the worker over gRPC.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use tandem_engine::kv::events::{KvCacheEvent, KvStoredDump};
 use tandem_kv_router::{ApplyOutcome, RouterEvent};
 use tandem_protocol::worker::DumpKvBlocksRequest;
@@ -36,7 +39,7 @@ pub fn spawn_dump(state: AppState, worker_id: u64, inflight: DumpsInFlight) {
                 Ok(reply) => {
                     match serde_json::from_str::<KvStoredDump>(&reply.into_inner().dump_json) {
                         Ok(dump) => {
-                            state.kv.apply_dump(worker_id, &dump);
+                            state.kv_of(worker_id).apply_dump(worker_id, &dump);
                             metrics::counter!("tandem_router_kv_dumps_total").increment(1);
                         }
                         Err(e) => tracing::warn!(worker_id, "malformed KV dump: {e}"),
@@ -58,13 +61,21 @@ pub fn spawn_dump(state: AppState, worker_id: u64, inflight: DumpsInFlight) {
     });
 }
 
-/// Follows the KV-event subject of the aggregated workers' component.
+/// The components whose KV events the router follows: the workers that serve `Generate`
+/// publish under `backend`, prefill workers under `prefill` (see the workers' endpoints).
+pub const COMPONENTS: [&str; 2] = ["backend", "prefill"];
+
+/// Follows the KV-event subjects of [`COMPONENTS`].
 pub async fn run(state: AppState, inflight: DumpsInFlight) -> anyhow::Result<()> {
     let rt = &state.config.runtime;
     let plane = NatsEventPlane::connect(&rt.nats_server, Duration::from_secs(5)).await?;
-    let mut sub = plane
-        .kv_events_subscriber::<KvCacheEvent>(&rt.namespace, "backend")
+    let backend = plane
+        .kv_events_subscriber::<KvCacheEvent>(&rt.namespace, COMPONENTS[0])
         .await?;
+    let prefill = plane
+        .kv_events_subscriber::<KvCacheEvent>(&rt.namespace, COMPONENTS[1])
+        .await?;
+    let mut sub = futures_util::stream::select(backend, prefill);
     tracing::info!(server = %rt.nats_server, "following KV events on NATS");
     while let Some(item) = sub.next().await {
         let env = match item {
@@ -78,7 +89,10 @@ pub async fn run(state: AppState, inflight: DumpsInFlight) -> anyhow::Result<()>
         if !state.registry.contains(worker_id) {
             continue;
         }
-        match state.kv.apply_event(RouterEvent::new(worker_id, env.event)) {
+        match state
+            .kv_of(worker_id)
+            .apply_event(RouterEvent::new(worker_id, env.event))
+        {
             Ok(ApplyOutcome::Gap(gap)) => {
                 tracing::info!(
                     worker_id,

@@ -1,5 +1,6 @@
-//! One request's trip through the router: check it fits the context, route it, call the
-//! worker's `Generate`, and turn the token stream into text deltas (incremental, valid UTF-8,
+//! One request's trip through the router: check it fits the context, route it (and decide
+//! where its prompt is prefilled, see `disagg`), call the worker's `Generate` (or
+//! `GenerateDisagg`), and turn the token stream into text deltas (incremental, valid UTF-8,
 //! stop strings held back) with the engine's own detokenizer and stop matcher. Dropping the
 //! receiver (client gone) cancels the call, which aborts the request on the worker.
 
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::sampler::{SamplingParams, StopMatcher, TokenLogprob};
 use tandem_engine::tokenizer::IncrementalDecoder;
 use tandem_kv_router::{RouteError, SelectError, SelectOptions, WorkerInfo};
-use tandem_protocol::worker::GenerateRequest;
+use tandem_protocol::worker::{GenerateDisaggRequest, GenerateRequest};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 
@@ -43,8 +44,11 @@ pub enum GenEvent {
 /// Where the request went.
 #[derive(Debug, Clone, Copy)]
 pub struct Routed {
+    /// The worker that serves the request (the decode worker when disaggregated).
     pub worker_id: u64,
     pub cached_tokens: usize,
+    /// The first prefill worker handed to the decode worker, when disaggregated.
+    pub prefill_worker_id: Option<u64>,
 }
 
 struct ChoiceText {
@@ -61,10 +65,19 @@ pub async fn start(
     params: SamplingParams,
     received: Instant,
 ) -> Result<(mpsc::Receiver<GenEvent>, Routed), ApiError> {
-    let first = view
-        .workers
-        .first()
-        .ok_or_else(|| ApiError::unavailable("no worker serves this model"))?;
+    let first = view.workers.first().ok_or_else(|| {
+        ApiError::unavailable(if view.prefill.is_empty() {
+            format!(
+                "no decode worker serves `{}`: no worker serves it",
+                view.name
+            )
+        } else {
+            format!(
+                "no decode worker serves `{}`: only prefill workers do",
+                view.name
+            )
+        })
+    })?;
     let context = first.card.context_length as usize;
     let wanted = prompt.len() + params.max_tokens.unwrap_or(1);
     if prompt.is_empty() {
@@ -116,6 +129,22 @@ pub async fn start(
         .iter()
         .find(|w| w.card.instance_id == selection.worker_id)
         .ok_or_else(|| ApiError::unavailable("the chosen worker left"))?;
+    let free_all = |rid: &str| {
+        state.kv.free(rid);
+        state.prefill_kv.free(rid);
+    };
+    let prefill = crate::disagg::plan(
+        state,
+        view,
+        worker,
+        &selection,
+        request_id,
+        &hashes,
+        prompt.len(),
+        params.n,
+    )
+    .inspect_err(|_| free_all(request_id))?;
+    let prefill_worker_id = prefill.first().map(|t| t.instance_id);
     let mut client = worker.client.clone();
     let params_json =
         serde_json::to_string(&params).map_err(|e| ApiError::internal(e.to_string()))?;
@@ -125,19 +154,32 @@ pub async fn start(
     let deadline = Instant::now() + Duration::from_secs(state.config.request_timeout_secs.into());
     let idle = Duration::from_secs(state.config.sse_idle_timeout_secs.into());
     metrics::histogram!(m::OVERHEAD_TOTAL_MS).record(received.elapsed().as_secs_f64() * 1e3);
-    let call = client.generate(GenerateRequest {
+    let request = GenerateRequest {
         request_id: request_id.to_string(),
         prompt: prompt.clone(),
         sampling_params_json: params_json,
-    });
+    };
+    // Both calls stream the same `GenerateOutput`s.
+    let call = async {
+        if prefill.is_empty() {
+            client.generate(request).await
+        } else {
+            client
+                .generate_disagg(GenerateDisaggRequest {
+                    request: Some(request),
+                    prefill_workers: prefill,
+                })
+                .await
+        }
+    };
     let mut stream = match tokio::time::timeout_at(deadline.into(), call).await {
         Ok(Ok(s)) => s.into_inner(),
         Ok(Err(status)) => {
-            state.kv.free(request_id);
+            free_all(request_id);
             return Err(from_status(&status));
         }
         Err(_) => {
-            state.kv.free(request_id);
+            free_all(request_id);
             return Err(ApiError::timeout(
                 "the worker did not answer before the request deadline",
             ));
@@ -146,6 +188,7 @@ pub async fn start(
 
     let (tx, rx) = mpsc::channel(64);
     let kv = state.kv.clone();
+    let prefill_kv = prefill_worker_id.map(|_| state.prefill_kv.clone());
     let assets = view.assets.clone();
     let rid = request_id.to_string();
     let worker_label = selection.worker_id.to_string();
@@ -176,6 +219,9 @@ pub async fn start(
             if !out.token_ids.is_empty() {
                 if first_token {
                     kv.mark_prefill_completed(&rid);
+                    if let Some(p) = &prefill_kv {
+                        p.mark_prefill_completed(&rid);
+                    }
                     metrics::histogram!(m::TTFT).record(received.elapsed().as_secs_f64());
                     first_token = false;
                 } else {
@@ -246,6 +292,9 @@ pub async fn start(
             }
         };
         kv.free(&rid);
+        if let Some(p) = &prefill_kv {
+            p.free(&rid);
+        }
         match outcome {
             Ok(()) => {
                 metrics::histogram!(m::OUTPUT_SEQUENCE_TOKENS)
@@ -268,6 +317,7 @@ pub async fn start(
         Routed {
             worker_id: selection.worker_id,
             cached_tokens: selection.cached_tokens,
+            prefill_worker_id,
         },
     ))
 }

@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::app::AppState;
 use crate::error::ApiError;
-use crate::generate::{self, GenEvent, UsageTotals};
+use crate::generate::{self, GenEvent, Routed, UsageTotals};
 use crate::metrics as m;
 use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
 use crate::params;
@@ -23,6 +23,8 @@ use crate::respond::{self, Collected, Kind, Meta};
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const WORKER_HEADER: &str = "x-tandem-worker-id";
+/// The (first) prefill worker of a disaggregated request.
+pub const PREFILL_WORKER_HEADER: &str = "x-tandem-prefill-worker-id";
 
 pub fn request_id(headers: &HeaderMap) -> String {
     headers
@@ -71,13 +73,16 @@ fn count(model: &str, endpoint: &'static str, stream: bool, status: &'static str
     .increment(1);
 }
 
-fn with_headers(mut resp: Response, request_id: &str, worker: Option<u64>) -> Response {
+fn with_headers(mut resp: Response, request_id: &str, routed: Option<&Routed>) -> Response {
     if let Ok(v) = HeaderValue::from_str(request_id) {
         resp.headers_mut().insert(REQUEST_ID_HEADER, v);
     }
-    if let Some(w) = worker {
-        if let Ok(v) = HeaderValue::from_str(&w.to_string()) {
-            resp.headers_mut().insert(WORKER_HEADER, v);
+    if let Some(r) = routed {
+        resp.headers_mut()
+            .insert(WORKER_HEADER, HeaderValue::from(r.worker_id));
+        if let Some(p) = r.prefill_worker_id {
+            resp.headers_mut()
+                .insert(PREFILL_WORKER_HEADER, HeaderValue::from(p));
         }
     }
     resp
@@ -254,7 +259,7 @@ async fn serve(
         Ok(x) => x,
         Err(e) => return error_response(e, &rid, &model, endpoint, p.stream),
     };
-    tracing::info!(request_id = %rid, worker = routed.worker_id, cached_tokens = routed.cached_tokens, "routed");
+    tracing::info!(request_id = %rid, worker = routed.worker_id, prefill_worker = ?routed.prefill_worker_id, cached_tokens = routed.cached_tokens, "routed");
     let assets = p.view.assets.clone();
     let meta = p.meta;
     if p.stream {
@@ -289,7 +294,7 @@ async fn serve(
         let resp = Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response();
-        return with_headers(resp, &rid, Some(routed.worker_id));
+        return with_headers(resp, &rid, Some(&routed));
     }
     // Non-streaming: if the client goes away, this future is dropped with `rx`, which cancels.
     let mut rx = rx;
@@ -305,7 +310,7 @@ async fn serve(
     drop(inflight);
     count(&model, endpoint, false, "success");
     let body = collected.body(&meta, &assets, &usage, p.want_logprobs);
-    with_headers(Json(body).into_response(), &rid, Some(routed.worker_id))
+    with_headers(Json(body).into_response(), &rid, Some(&routed))
 }
 
 pub async fn chat_completions(
@@ -345,9 +350,17 @@ pub async fn list_models(State(state): State<AppState>) -> Json<serde_json::Valu
 }
 
 /// `GET /debug/kv_index`: what the router believes each worker holds (block hashes and the
-/// last event applied), for operators and for the tests that compare it with worker dumps.
+/// last event applied), for operators and for the tests that compare it with worker dumps:
+/// `workers` are the decode side's, `prefill_workers` the prefill index's.
 pub async fn debug_kv_index(State(state): State<AppState>) -> Json<serde_json::Value> {
-    let workers = state.kv.with_indexer(|ix| {
+    Json(json!({
+        "workers": index_json(&state.kv),
+        "prefill_workers": index_json(&state.prefill_kv),
+    }))
+}
+
+fn index_json(kv: &tandem_kv_router::KvRouter) -> serde_json::Map<String, serde_json::Value> {
+    kv.with_indexer(|ix| {
         ix.workers()
             .into_iter()
             .map(|w| {
@@ -360,6 +373,5 @@ pub async fn debug_kv_index(State(state): State<AppState>) -> Json<serde_json::V
                 )
             })
             .collect::<serde_json::Map<String, serde_json::Value>>()
-    });
-    Json(json!({ "workers": workers }))
+    })
 }

@@ -5,6 +5,7 @@
 
 pub mod app;
 pub mod chat;
+pub mod disagg;
 pub mod error;
 pub mod events;
 pub mod events_nats;

@@ -9,3 +9,6 @@ pub use tandem_runtime::metrics::names::frontend::{
 pub use tandem_runtime::metrics::names::router_overhead::{
     BLOCK_HASHING_MS, SCHEDULING_MS, TOTAL_MS as OVERHEAD_TOTAL_MS,
 };
+
+/// Prefill placement decisions, `decision="remote|local"`, `reason=...` (see `disagg`).
+pub const DISAGG_DECISIONS: &str = "tandem_router_disagg_decisions_total";

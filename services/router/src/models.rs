@@ -2,6 +2,11 @@
 //! model cards) and its tokenizer and chat template, fetched from a worker over gRPC and
 //! checked against the card's hash. Workers serving one model name with a different tokenizer
 //! are refused loudly.
+//!
+//! A model's workers come in two sets: the ones that serve `Generate` (roles `agg`, `pd`,
+//! `decode`: the decode side, routed on `AppState::kv`) and its prefill workers (role
+//! `prefill`, routed on `AppState::prefill_kv`), which only a decode worker calls. A model
+//! with prefill workers alone cannot be served.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -31,14 +36,30 @@ pub struct ModelAssets {
 pub struct Model {
     pub name: String,
     pub assets: Arc<ModelAssets>,
+    /// The workers that serve `Generate` (agg, pd, decode).
     pub workers: HashMap<u64, WorkerEntry>,
+    /// The prefill workers (called by decode workers in `GenerateDisagg`).
+    pub prefill: HashMap<u64, WorkerEntry>,
+}
+
+/// The role name of a prefill-only worker in its model card.
+pub const PREFILL_ROLE: &str = "prefill";
+
+/// True for a card of a prefill-only worker.
+pub fn is_prefill(card: &ModelCard) -> bool {
+    card.role == PREFILL_ROLE
+}
+
+struct Owner {
+    model: String,
+    prefill: bool,
 }
 
 #[derive(Default)]
 pub struct Registry {
     models: RwLock<HashMap<String, Model>>,
-    /// worker id → model name, to find a worker on removal.
-    owners: RwLock<HashMap<u64, String>>,
+    /// worker id → its model name (and set), to find a worker on removal.
+    owners: RwLock<HashMap<u64, Owner>>,
 }
 
 /// A snapshot of one model for a request.
@@ -46,7 +67,10 @@ pub struct Registry {
 pub struct ModelView {
     pub name: String,
     pub assets: Arc<ModelAssets>,
+    /// The workers that serve `Generate` (agg, pd, decode).
     pub workers: Vec<WorkerEntry>,
+    /// The prefill workers.
+    pub prefill: Vec<WorkerEntry>,
 }
 
 pub fn connect_lazy(addr: &str) -> anyhow::Result<Client> {
@@ -124,6 +148,7 @@ impl Registry {
             name: m.name.clone(),
             assets: m.assets.clone(),
             workers: m.workers.values().cloned().collect(),
+            prefill: m.prefill.values().cloned().collect(),
         })
     }
 
@@ -138,8 +163,25 @@ impl Registry {
         names
     }
 
+    /// Workers that serve `Generate` (prefill workers are not counted: alone they serve
+    /// nothing).
     pub fn worker_count(&self) -> usize {
-        self.owners.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.owners
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|o| !o.prefill)
+            .count()
+    }
+
+    /// `Some(true)` for a registered prefill worker, `Some(false)` for another registered
+    /// worker, `None` for an unknown id.
+    pub fn is_prefill_worker(&self, id: u64) -> Option<bool> {
+        self.owners
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .map(|o| o.prefill)
     }
 
     /// The tokenizer already loaded for `card`'s model, if its hash matches.
@@ -160,22 +202,35 @@ impl Registry {
     pub fn add(&self, card: ModelCard, client: Client, assets: Arc<ModelAssets>) {
         let id = card.instance_id;
         let name = card.served_model_name.clone();
+        let prefill = is_prefill(&card);
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
         let model = models.entry(name.clone()).or_insert_with(|| Model {
             name: name.clone(),
             assets,
             workers: HashMap::new(),
+            prefill: HashMap::new(),
         });
-        model.workers.insert(id, WorkerEntry { card, client });
+        let set = if prefill {
+            &mut model.prefill
+        } else {
+            &mut model.workers
+        };
+        set.insert(id, WorkerEntry { card, client });
         self.owners
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(id, name);
+            .insert(
+                id,
+                Owner {
+                    model: name,
+                    prefill,
+                },
+            );
     }
 
     /// Removes a worker.
     pub fn remove(&self, id: u64) -> bool {
-        let Some(name) = self
+        let Some(owner) = self
             .owners
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -186,26 +241,28 @@ impl Registry {
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
         // A model whose last worker left stays known, so its requests get 503 (no worker
         // available) rather than 404 (no such model); `/v1/models` lists served models only.
-        if let Some(m) = models.get_mut(&name) {
-            m.workers.remove(&id);
+        if let Some(m) = models.get_mut(&owner.model) {
+            if owner.prefill {
+                m.prefill.remove(&id);
+            } else {
+                m.workers.remove(&id);
+            }
         }
         true
     }
 
     /// The gRPC client of a worker, if it is registered.
     pub fn client(&self, id: u64) -> Option<Client> {
-        let name = self
+        let (name, prefill) = self
             .owners
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&id)
-            .cloned()?;
+            .map(|o| (o.model.clone(), o.prefill))?;
         let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        models
-            .get(&name)?
-            .workers
-            .get(&id)
-            .map(|w| w.client.clone())
+        let m = models.get(&name)?;
+        let set = if prefill { &m.prefill } else { &m.workers };
+        set.get(&id).map(|w| w.client.clone())
     }
 
     pub fn contains(&self, id: u64) -> bool {

@@ -1,5 +1,6 @@
 //! Follows discovery: adds workers (fetching their model's tokenizer when it is new) and
-//! removes them, keeping the KV index in step.
+//! removes them, keeping the KV indexes in step (prefill workers follow into the prefill
+//! index).
 
 use std::sync::Arc;
 
@@ -18,8 +19,9 @@ pub async fn add_worker(state: &AppState, card_json: serde_json::Value) {
             return;
         }
     };
-    // Prefill-only workers are not served directly (disaggregation is a later stage).
-    if card.role == "prefill" || card.role == "encode" {
+    // Encode workers are not used yet (multimodal is a later stage). Prefill workers are
+    // kept apart from the workers that serve `Generate` (see `models`).
+    if card.role == "encode" {
         return;
     }
     let mut client = match connect_lazy(&card.grpc_addr) {
@@ -49,17 +51,24 @@ pub async fn add_worker(state: &AppState, card_json: serde_json::Value) {
         }
     };
     let id = card.instance_id;
-    tracing::info!(worker = id, addr = %card.grpc_addr, model = %card.served_model_name, "worker added");
+    let router = if crate::models::is_prefill(&card) {
+        state.prefill_kv.clone()
+    } else {
+        state.kv.clone()
+    };
+    tracing::info!(worker = id, addr = %card.grpc_addr, model = %card.served_model_name, role = %card.role, "worker added");
     state.registry.add(card, client.clone(), assets);
     if state.config.routing.use_kv_events && state.config.runtime.event_plane == EventPlane::Direct
     {
-        crate::events::spawn_follower(state.kv.clone(), state.registry.clone(), id, client);
+        crate::events::spawn_follower(router, state.registry.clone(), id, client);
     }
 }
 
 pub fn remove_worker(state: &AppState, id: u64) {
     if state.registry.remove(id) {
-        let freed = state.kv.remove_worker(id);
+        // The id is in one of the two indexes; removing it from the other is a no-op.
+        let mut freed = state.kv.remove_worker(id);
+        freed.extend(state.prefill_kv.remove_worker(id));
         tracing::info!(worker = id, freed_requests = freed.len(), "worker removed");
     }
 }
