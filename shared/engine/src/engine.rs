@@ -13,7 +13,12 @@
 //! handle shares, so subscribing or dumping never waits for a step.
 
 mod core;
+#[cfg(test)]
+mod disagg_tests;
+mod emit;
+mod lease;
 mod migrate;
+mod prefill;
 #[cfg(test)]
 mod test_backend;
 #[cfg(test)]
@@ -28,6 +33,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc as tmpsc, oneshot};
 
 use self::core::{Command, Core};
+pub use self::lease::Reservation;
+pub use self::prefill::{PrefillEvent, PrefillStream};
 use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockStats;
@@ -36,6 +43,7 @@ use crate::kv::layout::KvLayout;
 pub use crate::request::{
     FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, StopReason, Usage,
 };
+use crate::sampler::SamplingParams;
 pub use crate::scheduler::CapacitySchedulerPolicy;
 use crate::tokenizer::Tokenizer;
 
@@ -102,6 +110,13 @@ pub struct EngineStats {
     pub steps: u64,
     pub preemptions: u64,
     pub last_event_id: u64,
+    /// Tokens at prompt positions (`< prompt_len`) that went through a forward pass, ever
+    /// (recomputes included; a decode engine fed by remote prefills computes none).
+    pub prompt_tokens_computed: u64,
+    /// Live reservations (leases).
+    pub reservations: usize,
+    /// Blocks held by live reservations (counted in `blocks.referenced` too).
+    pub reserved_blocks: usize,
 }
 
 pub struct Engine;
@@ -289,13 +304,104 @@ impl EngineHandle {
         }
     }
 
-    /// Drops every cached block and publishes `Cleared`; refused while requests run.
+    /// Holds blocks for `prompt` under `lease_id`: the locally cached prefix (attached, so it
+    /// cannot be evicted) plus fresh blocks for the rest, which a remote prefill writes into
+    /// the pool memory (at each block's offset). Validates the prompt as `submit` does (vocab,
+    /// length < max_seq_len, the request fits the pool with max_tokens from `params`).
+    /// Errors: `DuplicateLease`, `OutOfBlocks` when the pool cannot hold it right now.
+    pub fn reserve(
+        &self,
+        lease_id: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> impl Future<Output = Result<Reservation, EngineError>> + Send + 'static {
+        let reply = self.call(move |reply| Command::Reserve {
+            lease_id,
+            prompt,
+            params,
+            reply,
+        });
+        async move { reply.await? }
+    }
+
+    /// Frees a reservation that will not be activated: prefix blocks are released, fresh
+    /// blocks go back to the free list without being registered in the prefix cache (their
+    /// content is unknown). Unknown lease id → `UnknownLease`.
+    pub fn release_reservation(
+        &self,
+        lease_id: u64,
+    ) -> impl Future<Output = Result<(), EngineError>> + Send + 'static {
+        let reply = self.call(move |reply| Command::ReleaseReservation { lease_id, reply });
+        async move { reply.await? }
+    }
+
+    /// Continues a request whose prompt KV was written into reservation `lease_id` by a
+    /// remote prefill; `state` is what that prefill returned (`PrefillEvent::Done` without a
+    /// finish reason: tokens = prompt + first token, num_computed == prompt_len). Checks the
+    /// state's prompt against the reserved one, num_computed, and the rest as `import` does;
+    /// the reservation's blocks become the sequence's table, the prompt's full blocks are
+    /// committed to the prefix cache (KV `Stored` events), and the sequence is queued. Usage
+    /// reports `cached_tokens = max(state.cached_prompt_tokens, reservation.cached_tokens)`.
+    /// On refusal the reservation stays (the caller releases it).
+    pub fn activate(
+        &self,
+        lease_id: u64,
+        state: SequenceState,
+    ) -> impl Future<Output = Result<RequestStream, EngineError>> + Send + 'static {
+        let request_id = state.request_id.clone();
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let (out_tx, out_rx) = tmpsc::unbounded_channel();
+        let ack = self.call(move |ack| Command::Activate {
+            lease_id,
+            state: Box::new(state),
+            key,
+            out: out_tx,
+            ack,
+        });
+        let tx = self.tx.clone();
+        async move {
+            ack.await??;
+            Ok(RequestStream::new(request_id, key, 1, out_rx, tx))
+        }
+    }
+
+    /// Runs the prompt of `request` (n must be 1) here — with this engine's prefix cache and
+    /// chunking like any request — samples the first token exactly as an aggregated run would,
+    /// then ends the sequence here (its blocks stay in the prefix cache). Emits
+    /// `PrefillEvent::Blocks` for exactly the blocks `send_from_block..blocks_for(prompt_len)`,
+    /// each once, in order, as soon as each is complete, then one `Done` (see
+    /// [`PrefillEvent`]). `send_from_block` beyond the prompt's blocks is refused.
+    pub fn prefill(
+        &self,
+        request: Request,
+        send_from_block: usize,
+    ) -> impl Future<Output = Result<PrefillStream, EngineError>> + Send + 'static {
+        let request_id = request.request_id.clone();
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let (out_tx, out_rx) = tmpsc::unbounded_channel();
+        let ack = self.call(move |ack| Command::Prefill {
+            request,
+            send_from_block,
+            key,
+            out: out_tx,
+            ack,
+        });
+        let tx = self.tx.clone();
+        async move {
+            ack.await??;
+            Ok(PrefillStream::new(request_id, key, out_rx, tx))
+        }
+    }
+
+    /// Drops every cached block and publishes `Cleared`; refused while requests run or
+    /// reservations exist.
     pub fn clear_cache(&self) -> impl Future<Output = Result<(), EngineError>> + Send + 'static {
         let reply = self.call(Command::ClearCache);
         async move { reply.await? }
     }
 
-    /// Stops the engine thread; live requests end with finish reason `abort`.
+    /// Stops the engine thread; live requests end with finish reason `abort` and
+    /// reservations are dropped.
     pub fn shutdown(&self) {
         let _ = self.send(Command::Shutdown);
     }

@@ -60,6 +60,13 @@ pub enum EngineError {
     /// A request id the engine does not know (finished, aborted or never submitted).
     #[error("unknown request {0:?}")]
     UnknownRequest(String),
+    /// A reservation (lease) id the engine does not hold (never reserved, released or
+    /// activated already).
+    #[error("unknown KV reservation (lease {0})")]
+    UnknownLease(u64),
+    /// A reservation (lease) id that is already held.
+    #[error("KV reservation (lease {0}) already exists")]
+    DuplicateLease(u64),
     /// Not enough KV blocks for an import or a reservation.
     #[error("out of KV blocks: need {needed}, {available} available")]
     OutOfBlocks { needed: usize, available: usize },

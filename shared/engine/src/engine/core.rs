@@ -7,15 +7,15 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
+use super::lease::{Lease, Reservation};
+use super::prefill::PrefillEvent;
 use super::{EngineConfig, EngineStats};
 use crate::backend::{Backend, LogitsMode, SeqInput};
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
 use crate::kv::events::KvEventPublisher;
-use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, StopReason, Usage};
-use crate::sampler::{
-    sample, sample_without_logits, Rng, SampleContext, SamplerState, SamplingParams, TokenLogprob,
-};
+use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, Usage};
+use crate::sampler::{Rng, SamplerState, SamplingParams};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::sequence::{SeqId, Sequence};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -46,13 +46,46 @@ pub(crate) enum Command {
         ack: Reply<()>,
     },
     ClearCache(Reply<()>),
+    Reserve {
+        lease_id: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        reply: Reply<Reservation>,
+    },
+    ReleaseReservation {
+        lease_id: u64,
+        reply: Reply<()>,
+    },
+    Activate {
+        lease_id: u64,
+        state: Box<SequenceState>,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+        ack: Reply<()>,
+    },
+    Prefill {
+        request: Request,
+        send_from_block: usize,
+        key: u64,
+        out: tmpsc::UnboundedSender<PrefillEvent>,
+        ack: Reply<()>,
+    },
     Shutdown,
+}
+
+/// Where a request's outputs go.
+pub(super) enum Sink {
+    /// A [`super::RequestStream`]: every output.
+    Stream(tmpsc::UnboundedSender<RequestOutput>),
+    /// A [`super::PrefillStream`]: KV blocks, then one `Done` with the first output and the
+    /// state that continues the request elsewhere.
+    Prefill(tmpsc::UnboundedSender<PrefillEvent>),
 }
 
 pub(super) struct Entry {
     pub(super) key: u64,
     pub(super) seqs: Vec<SeqId>,
-    pub(super) out: tmpsc::UnboundedSender<RequestOutput>,
+    pub(super) out: Sink,
 }
 
 pub(crate) struct Core {
@@ -67,6 +100,12 @@ pub(crate) struct Core {
     pub(super) next_arrival: u64,
     pub(super) steps: u64,
     pub(super) preemptions: u64,
+    /// Reserved blocks by lease id (see `lease.rs`).
+    pub(super) leases: HashMap<u64, Lease>,
+    /// Prefill-only sequences: the next prompt block index to send (see `prefill.rs`).
+    pub(super) prefill_next: HashMap<SeqId, usize>,
+    /// Tokens at prompt positions that went through a forward pass, ever.
+    pub(super) prompt_tokens_computed: u64,
 }
 
 pub(super) fn output(request_id: &str, index: usize) -> RequestOutput {
@@ -80,6 +119,22 @@ pub(super) fn output(request_id: &str, index: usize) -> RequestOutput {
         stop_reason: None,
         usage: None,
         error: None,
+    }
+}
+
+/// What another engine needs to continue `seq` (see [`SequenceState`]).
+pub(super) fn state_of(seq: &Sequence) -> SequenceState {
+    SequenceState {
+        request_id: seq.request_id.to_string(),
+        index: seq.index,
+        params: (*seq.params).clone(),
+        tokens: seq.tokens.clone(),
+        prompt_len: seq.prompt_len,
+        max_tokens: seq.max_tokens,
+        num_computed: seq.num_computed,
+        cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
+        sampler: seq.sampler.clone(),
+        stop: seq.stop.clone(),
     }
 }
 
@@ -125,6 +180,9 @@ impl Core {
             next_arrival: 0,
             steps: 0,
             preemptions: 0,
+            leases: HashMap::new(),
+            prefill_next: HashMap::new(),
+            prompt_tokens_computed: 0,
         }
     }
 
@@ -183,7 +241,7 @@ impl Core {
                 out,
                 ack,
             } => {
-                let _ = ack.send(self.submit(request, key, out));
+                let _ = ack.send(self.submit(request, key, Sink::Stream(out)));
             }
             Command::Abort { request_id } => self.abort(&request_id),
             Command::AbortKey(key) => {
@@ -211,12 +269,48 @@ impl Core {
                 let _ = ack.send(self.import(*snapshot, key, out));
             }
             Command::ClearCache(reply) => {
-                let r = self.sched.blocks_mut().clear_cache().map_err(|n| {
-                    EngineError::InvalidRequest(format!(
-                        "cannot clear the KV cache while {n} blocks are in use"
-                    ))
-                });
+                let r = if self.leases.is_empty() {
+                    self.sched.blocks_mut().clear_cache().map_err(|n| {
+                        EngineError::InvalidRequest(format!(
+                            "cannot clear the KV cache while {n} blocks are in use"
+                        ))
+                    })
+                } else {
+                    Err(EngineError::InvalidRequest(format!(
+                        "cannot clear the KV cache while {} reservations hold blocks",
+                        self.leases.len()
+                    )))
+                };
                 let _ = reply.send(r);
+            }
+            Command::Reserve {
+                lease_id,
+                prompt,
+                params,
+                reply,
+            } => {
+                let _ = reply.send(self.reserve(lease_id, prompt, &params));
+            }
+            Command::ReleaseReservation { lease_id, reply } => {
+                let _ = reply.send(self.release_reservation(lease_id));
+            }
+            Command::Activate {
+                lease_id,
+                state,
+                key,
+                out,
+                ack,
+            } => {
+                let _ = ack.send(self.activate(lease_id, *state, key, out));
+            }
+            Command::Prefill {
+                request,
+                send_from_block,
+                key,
+                out,
+                ack,
+            } => {
+                let _ = ack.send(self.prefill(request, send_from_block, key, out));
             }
             Command::Shutdown => return false,
         }
@@ -232,6 +326,9 @@ impl Core {
             steps: self.steps,
             preemptions: self.preemptions,
             last_event_id: self.events.last_event_id(),
+            prompt_tokens_computed: self.prompt_tokens_computed,
+            reservations: self.leases.len(),
+            reserved_blocks: self.leases.values().map(|l| l.table.len()).sum(),
         }
     }
 
@@ -242,10 +339,19 @@ impl Core {
         prompt: &[u32],
         params: &SamplingParams,
     ) -> Result<usize, EngineError> {
-        let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if self.reqs.contains_key(request_id) {
             return Err(EngineError::DuplicateRequest(request_id.to_owned()));
         }
+        self.validate_prompt(prompt, params)
+    }
+
+    /// The checks of [`Core::validate`] that do not depend on a request id.
+    pub(super) fn validate_prompt(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<usize, EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
         params.validate().map_err(EngineError::InvalidRequest)?;
         if prompt.is_empty() {
             return bad("the prompt is empty".into());
@@ -306,12 +412,7 @@ impl Core {
             .map(|_| IncrementalDecoder::new(params.skip_special_tokens))
     }
 
-    fn submit(
-        &mut self,
-        req: Request,
-        key: u64,
-        out: tmpsc::UnboundedSender<RequestOutput>,
-    ) -> Result<(), EngineError> {
+    pub(super) fn submit(&mut self, req: Request, key: u64, out: Sink) -> Result<(), EngineError> {
         let max_tokens = self.validate(&req.request_id, &req.prompt, &req.params)?;
         let seed = req.params.seed.unwrap_or_else(Rng::random_seed);
         let params = Arc::new(req.params);
@@ -340,19 +441,41 @@ impl Core {
         Ok(())
     }
 
-    /// Ends one sequence: removes it, releases its blocks and sends its last output.
-    fn finish(&mut self, id: SeqId, reason: FinishReason, mut last: RequestOutput) {
+    /// Ends one sequence: removes it, releases its blocks and sends its last output. A
+    /// prefill-only sequence ends with `Done`; with `handoff`, it continues elsewhere: its
+    /// output then carries no finish reason or usage.
+    pub(super) fn finish_seq(
+        &mut self,
+        id: SeqId,
+        reason: FinishReason,
+        mut last: RequestOutput,
+        handoff: bool,
+    ) {
         let Some(rid) = self.seq_req.remove(&id) else {
             return;
         };
-        if let Some(seq) = self.sched.remove(id, reason) {
+        self.prefill_next.remove(&id);
+        let seq = self.sched.remove(id, reason);
+        if let (Some(seq), false) = (&seq, handoff) {
             last.finish_reason = Some(reason);
-            last.usage = Some(usage(&seq));
+            last.usage = Some(usage(seq));
         }
         let mut gone = false;
         if let Some(e) = self.reqs.get_mut(&rid) {
             e.seqs.retain(|&s| s != id);
-            let _ = e.out.send(last);
+            match (&e.out, &seq) {
+                (Sink::Stream(tx), _) => {
+                    let _ = tx.send(last);
+                }
+                (Sink::Prefill(tx), Some(seq)) => {
+                    let _ = tx.send(PrefillEvent::Done {
+                        output: last,
+                        state: state_of(seq),
+                    });
+                }
+                // Unreachable (a live id always has its sequence); the stream then ends.
+                (Sink::Prefill(_), None) => {}
+            }
             gone = e.seqs.is_empty();
         }
         if gone {
@@ -360,12 +483,12 @@ impl Core {
         }
     }
 
-    fn abort(&mut self, request_id: &str) {
+    pub(super) fn abort(&mut self, request_id: &str) {
         self.fail(request_id, None);
     }
 
     /// Ends every choice of a request with `abort` (and an error message, if any).
-    fn fail(&mut self, request_id: &str, error: Option<String>) {
+    pub(super) fn fail(&mut self, request_id: &str, error: Option<String>) {
         let Some(e) = self.reqs.get(request_id) else {
             return;
         };
@@ -377,11 +500,16 @@ impl Core {
         }
     }
 
+    pub(super) fn finish(&mut self, id: SeqId, reason: FinishReason, last: RequestOutput) {
+        self.finish_seq(id, reason, last, false);
+    }
+
     fn abort_all(&mut self) {
         let ids: Vec<String> = self.reqs.keys().cloned().collect();
         for id in ids {
             self.fail(&id, Some("the engine is shutting down".into()));
         }
+        self.drop_leases();
     }
 
     /// One step. Returns false when nothing could be scheduled.
@@ -393,6 +521,16 @@ impl Core {
             return !sch.preempted.is_empty();
         }
         self.steps += 1;
+        if !self.prefill_next.is_empty() {
+            // Blocks complete before this step (a cached prefix, earlier chunks) go out now,
+            // so sending overlaps this step's compute. (A failed send ends its request, which
+            // the filter below then leaves out.)
+            for p in &sch.seqs {
+                if self.prefill_next.contains_key(&p.id) {
+                    self.flush_prefill(p.id);
+                }
+            }
+        }
         // Every scheduled id is live (the scheduler only schedules its own sequences); keep
         // the pieces and the backend rows aligned by construction anyway.
         let pieces: Vec<_> = sch
@@ -401,6 +539,13 @@ impl Core {
             .filter(|p| self.sched.get(p.id).is_some())
             .copied()
             .collect();
+        let prompt_tokens: usize = pieces
+            .iter()
+            .filter_map(|p| {
+                let s = self.sched.get(p.id)?;
+                Some((p.start + p.len).min(s.prompt_len).saturating_sub(p.start))
+            })
+            .sum();
         let result = {
             let inputs: Vec<SeqInput<'_>> = pieces
                 .iter()
@@ -436,8 +581,12 @@ impl Core {
                 return true;
             }
         };
+        self.prompt_tokens_computed += prompt_tokens as u64;
         for (i, p) in pieces.iter().enumerate() {
             self.sched.mark_computed(p);
+            if self.prefill_next.contains_key(&p.id) {
+                self.flush_prefill(p.id);
+            }
             if p.sample {
                 // A backend without logits (the simulator) returns no row: the token is then
                 // drawn from the sequence's RNG, still reproducible from the seed.
@@ -451,85 +600,5 @@ impl Core {
             }
         }
         true
-    }
-
-    fn sample_and_emit(&mut self, id: SeqId, row: Option<&[f32]>) {
-        let vocab = self.backend.vocab_size();
-        let eos = &self.cfg.eos_token_ids;
-        let tokenizer = self.tokenizer.clone();
-        let Some(seq) = self.sched.get_mut(id) else {
-            return;
-        };
-        let params = seq.params.clone();
-        let sampled = match row {
-            Some(r) => {
-                let ctx = SampleContext {
-                    all_tokens: &seq.tokens,
-                    eos_token_ids: eos,
-                };
-                sample(r, &params, &mut seq.sampler, &ctx)
-            }
-            None => sample_without_logits(vocab, &mut seq.sampler),
-        };
-        let tok = sampled.token;
-        seq.tokens.push(tok);
-        let mut o = output(&seq.request_id, seq.index);
-        o.token_ids.push(tok);
-        o.logprobs.extend::<Option<TokenLogprob>>(sampled.logprob);
-
-        let mut finish = None;
-        if eos.contains(&tok) && !params.ignore_eos {
-            finish = Some(FinishReason::Stop);
-            o.stop_reason = Some(StopReason::Eos(tok));
-        } else if params.stop_token_ids.contains(&tok) {
-            finish = Some(FinishReason::Stop);
-            o.stop_reason = Some(StopReason::TokenId(tok));
-        }
-        if let (None, Some(dec), Some(tk)) = (finish, seq.decoder.as_mut(), tokenizer.as_deref()) {
-            let delta = dec.push(tk, tok).unwrap_or_else(|e| {
-                tracing::warn!("detokenizing token {tok}: {e}");
-                String::new()
-            });
-            // Like vLLM, stop strings only count once min_tokens are generated.
-            let f = if seq.num_generated() < params.min_tokens {
-                seq.stop.pass(&delta)
-            } else {
-                seq.stop.feed(&delta)
-            };
-            o.text = f.emit;
-            if let Some(m) = f.matched {
-                finish = Some(FinishReason::Stop);
-                o.stop_reason = Some(StopReason::String(m));
-            }
-        }
-        if finish.is_none() && seq.num_generated() >= seq.max_tokens {
-            finish = Some(FinishReason::Length);
-        }
-        if finish.is_some() && !matches!(o.stop_reason, Some(StopReason::String(_))) {
-            // Release held-back text: the incomplete tail of the detokenizer, then whatever
-            // the stop matcher kept as a possible (now never completed) stop string.
-            if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), tokenizer.as_deref()) {
-                if let Ok(rest) = dec.flush(tk) {
-                    let f = seq.stop.feed(&rest);
-                    o.text.push_str(&f.emit);
-                }
-            }
-            o.text.push_str(&seq.stop.flush());
-        }
-        match finish {
-            Some(reason) => self.finish(id, reason, o),
-            None => {
-                let rid = seq.request_id.clone();
-                let sent = self
-                    .reqs
-                    .get(&*rid)
-                    .map(|e| e.out.send(o).is_ok())
-                    .unwrap_or(false);
-                if !sent {
-                    // Nobody listens any more: stop spending compute on it.
-                    self.abort(&rid);
-                }
-            }
-        }
     }
 }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc as tmpsc;
 
-use super::core::{output, usage, Core, Entry};
+use super::core::{output, state_of, usage, Core, Entry, Sink};
 use crate::error::EngineError;
-use crate::request::{FinishReason, RequestOutput, RequestSnapshot, SequenceState};
+use crate::request::{FinishReason, RequestOutput, RequestSnapshot};
 use crate::sequence::Sequence;
 
 impl Core {
@@ -17,6 +17,11 @@ impl Core {
             .reqs
             .get(request_id)
             .ok_or_else(|| EngineError::UnknownRequest(request_id.to_owned()))?;
+        if matches!(e.out, Sink::Prefill(_)) {
+            return Err(EngineError::BadSnapshot(format!(
+                "request {request_id:?} is a prefill; it hands its state over when done"
+            )));
+        }
         if e.seqs.len() != 1 {
             return Err(EngineError::BadSnapshot(format!(
                 "request {request_id:?} has {} live choices; only n = 1 can be exported",
@@ -37,25 +42,18 @@ impl Core {
                 return Err(err);
             }
         };
-        let state = SequenceState {
-            request_id: request_id.to_owned(),
-            index: seq.index,
-            params: (*seq.params).clone(),
-            tokens: seq.tokens.clone(),
-            prompt_len: seq.prompt_len,
-            max_tokens: seq.max_tokens,
-            num_computed: seq.num_computed,
-            cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
-            sampler: seq.sampler.clone(),
-            stop: seq.stop.clone(),
-        };
+        let state = state_of(&seq);
         self.sched.blocks_mut().release(&mut seq.table);
         self.seq_req.remove(&id);
-        if let Some(e) = self.reqs.remove(request_id) {
+        if let Some(Entry {
+            out: Sink::Stream(tx),
+            ..
+        }) = self.reqs.remove(request_id)
+        {
             let mut o = output(request_id, seq.index);
             o.finish_reason = Some(FinishReason::Migrated);
             o.usage = Some(usage(&seq));
-            let _ = e.out.send(o);
+            let _ = tx.send(o);
         }
         Ok(RequestSnapshot {
             layout: self.backend.layout().clone(),
@@ -144,7 +142,7 @@ impl Core {
             Entry {
                 key,
                 seqs: vec![id],
-                out,
+                out: Sink::Stream(out),
             },
         );
         Ok(())

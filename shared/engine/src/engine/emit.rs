@@ -1,0 +1,92 @@
+//! One sampled token: draw it from the logits row (or the RNG), run the stop checks and the
+//! detokenizer, and send the output (or end the sequence).
+
+use super::core::{output, Core, Sink};
+use crate::request::{FinishReason, StopReason};
+use crate::sampler::{sample, sample_without_logits, SampleContext, TokenLogprob};
+use crate::sequence::SeqId;
+
+impl Core {
+    pub(super) fn sample_and_emit(&mut self, id: SeqId, row: Option<&[f32]>) {
+        let vocab = self.backend.vocab_size();
+        let eos = &self.cfg.eos_token_ids;
+        let tokenizer = self.tokenizer.clone();
+        let Some(seq) = self.sched.get_mut(id) else {
+            return;
+        };
+        let params = seq.params.clone();
+        let sampled = match row {
+            Some(r) => {
+                let ctx = SampleContext {
+                    all_tokens: &seq.tokens,
+                    eos_token_ids: eos,
+                };
+                sample(r, &params, &mut seq.sampler, &ctx)
+            }
+            None => sample_without_logits(vocab, &mut seq.sampler),
+        };
+        let tok = sampled.token;
+        seq.tokens.push(tok);
+        let mut o = output(&seq.request_id, seq.index);
+        o.token_ids.push(tok);
+        o.logprobs.extend::<Option<TokenLogprob>>(sampled.logprob);
+
+        let mut finish = None;
+        if eos.contains(&tok) && !params.ignore_eos {
+            finish = Some(FinishReason::Stop);
+            o.stop_reason = Some(StopReason::Eos(tok));
+        } else if params.stop_token_ids.contains(&tok) {
+            finish = Some(FinishReason::Stop);
+            o.stop_reason = Some(StopReason::TokenId(tok));
+        }
+        if let (None, Some(dec), Some(tk)) = (finish, seq.decoder.as_mut(), tokenizer.as_deref()) {
+            let delta = dec.push(tk, tok).unwrap_or_else(|e| {
+                tracing::warn!("detokenizing token {tok}: {e}");
+                String::new()
+            });
+            // Like vLLM, stop strings only count once min_tokens are generated.
+            let f = if seq.num_generated() < params.min_tokens {
+                seq.stop.pass(&delta)
+            } else {
+                seq.stop.feed(&delta)
+            };
+            o.text = f.emit;
+            if let Some(m) = f.matched {
+                finish = Some(FinishReason::Stop);
+                o.stop_reason = Some(StopReason::String(m));
+            }
+        }
+        if finish.is_none() && seq.num_generated() >= seq.max_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() && !matches!(o.stop_reason, Some(StopReason::String(_))) {
+            // Release held-back text: the incomplete tail of the detokenizer, then whatever
+            // the stop matcher kept as a possible (now never completed) stop string.
+            if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), tokenizer.as_deref()) {
+                if let Ok(rest) = dec.flush(tk) {
+                    let f = seq.stop.feed(&rest);
+                    o.text.push_str(&f.emit);
+                }
+            }
+            o.text.push_str(&seq.stop.flush());
+        }
+        match finish {
+            Some(reason) => self.finish(id, reason, o),
+            // A prefill-only sequence stops here and continues elsewhere.
+            None if self.prefill_next.contains_key(&id) => {
+                self.finish_seq(id, FinishReason::Migrated, o, true)
+            }
+            None => {
+                let rid = seq.request_id.clone();
+                let sent = match self.reqs.get(&*rid).map(|e| &e.out) {
+                    Some(Sink::Stream(tx)) => tx.send(o).is_ok(),
+                    _ => false,
+                };
+                if !sent {
+                    // Nobody listens any more: stop spending compute on it.
+                    self.abort(&rid);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! The decode side of disaggregated serving: reservations (leases) of KV blocks that a remote
+//! prefill writes into, and the activation that continues the request from them.
+//!
+//! A reservation holds every block of a prompt: the prefix this engine already caches
+//! (attached, so it cannot be evicted) and fresh blocks for the rest, which the remote prefill
+//! writes straight into the pool memory. Its blocks count as referenced; the cache cannot be
+//! cleared while one exists. Releasing it returns the fresh blocks to the free list *without*
+//! registering them in the prefix cache (their content is unknown); activating it makes its
+//! blocks the table of a new sequence and registers the prompt's full blocks.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc as tmpsc;
+
+use super::core::{Core, Entry, Sink};
+use crate::error::EngineError;
+use crate::kv::block_manager::BlockTable;
+use crate::request::{RequestOutput, SequenceState};
+use crate::sampler::SamplingParams;
+use crate::sequence::Sequence;
+
+/// Blocks held for a prompt whose KV a remote prefill writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub lease_id: u64,
+    /// Every block of the prompt, in order: `blocks_for(prompt.len())` ids.
+    pub block_ids: Vec<u32>,
+    /// Prompt tokens already cached here (a multiple of the block size); blocks
+    /// `[cached_tokens / block_size ..]` are the ones a remote prefill must write.
+    pub cached_tokens: usize,
+}
+
+pub(crate) struct Lease {
+    prompt: Vec<u32>,
+    pub(super) table: BlockTable,
+    cached_tokens: usize,
+}
+
+impl Core {
+    pub(super) fn reserve(
+        &mut self,
+        lease_id: u64,
+        prompt: Vec<u32>,
+        params: &SamplingParams,
+    ) -> Result<Reservation, EngineError> {
+        if self.leases.contains_key(&lease_id) {
+            return Err(EngineError::DuplicateLease(lease_id));
+        }
+        self.validate_prompt(&prompt, params)?;
+        let bm = self.sched.blocks_mut();
+        let mut table = BlockTable::default();
+        let cached_tokens = bm.attach_prefix(&mut table, &prompt);
+        if let Err(e) = bm.ensure_capacity(&mut table, prompt.len()) {
+            bm.release(&mut table);
+            return Err(EngineError::OutOfBlocks {
+                needed: e.needed,
+                available: e.available,
+            });
+        }
+        let r = Reservation {
+            lease_id,
+            block_ids: table.ids().to_vec(),
+            cached_tokens,
+        };
+        self.leases.insert(
+            lease_id,
+            Lease {
+                prompt,
+                table,
+                cached_tokens,
+            },
+        );
+        Ok(r)
+    }
+
+    pub(super) fn release_reservation(&mut self, lease_id: u64) -> Result<(), EngineError> {
+        let mut lease = self
+            .leases
+            .remove(&lease_id)
+            .ok_or(EngineError::UnknownLease(lease_id))?;
+        // Fresh blocks were never hashed, so `release` puts them on the free list; the
+        // attached prefix blocks go back to the LRU as after any request.
+        self.sched.blocks_mut().release(&mut lease.table);
+        Ok(())
+    }
+
+    /// Releases every reservation (engine shutdown).
+    pub(super) fn drop_leases(&mut self) {
+        for (_, mut lease) in std::mem::take(&mut self.leases) {
+            self.sched.blocks_mut().release(&mut lease.table);
+        }
+    }
+
+    pub(super) fn activate(
+        &mut self,
+        lease_id: u64,
+        st: SequenceState,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+    ) -> Result<(), EngineError> {
+        let lease = self
+            .leases
+            .get(&lease_id)
+            .ok_or(EngineError::UnknownLease(lease_id))?;
+        let bad = |m: String| Err(EngineError::BadSnapshot(m));
+        let pl = lease.prompt.len();
+        if st.prompt_len != pl || st.tokens.get(..pl) != Some(&lease.prompt[..]) {
+            return bad(format!(
+                "the state's prompt ({} tokens) is not the prompt reserved under lease {lease_id} \
+                 ({pl} tokens)",
+                st.prompt_len
+            ));
+        }
+        if st.num_computed != pl {
+            return bad(format!(
+                "num_computed ({}) must equal the prompt length ({pl})",
+                st.num_computed
+            ));
+        }
+        if st.tokens.len() <= pl {
+            return bad("the state has no generated token to continue from".into());
+        }
+        if st.params.n != 1 && st.index >= st.params.n {
+            return bad("choice index out of range".into());
+        }
+        let max_tokens = self.validate(&st.request_id, &st.tokens[..pl], &st.params)?;
+        if st.max_tokens > max_tokens || st.tokens.len() - pl > st.max_tokens {
+            return bad("max_tokens does not fit this engine or is already exceeded".into());
+        }
+        let vocab = self.backend.vocab_size();
+        if st.tokens.iter().any(|&t| t as usize >= vocab) {
+            return bad("a token id is outside the vocabulary".into());
+        }
+
+        let lease = self.leases.remove(&lease_id).expect("checked above");
+        let id = self.next_seq;
+        self.next_seq += 1;
+        self.next_arrival += 1;
+        let params = Arc::new(st.params);
+        let mut seq = Sequence::new(
+            id,
+            Arc::from(st.request_id.as_str()),
+            st.index,
+            st.tokens,
+            st.max_tokens,
+            self.next_arrival,
+            params.clone(),
+            st.sampler,
+        );
+        seq.prompt_len = pl;
+        seq.stop = st.stop;
+        seq.table = lease.table;
+        seq.num_computed = pl;
+        seq.cached_prompt_tokens = Some(st.cached_prompt_tokens.max(lease.cached_tokens));
+        self.sched
+            .blocks_mut()
+            .commit_computed(&mut seq.table, &seq.tokens, pl);
+        // The detokenizer's state is a function of the generated ids: replay them.
+        seq.decoder = self.new_decoder(&params);
+        if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), self.tokenizer.as_deref()) {
+            for &t in &seq.tokens[pl..] {
+                let _ = dec.push(tk, t);
+            }
+        }
+        self.sched.add(seq);
+        self.seq_req.insert(id, st.request_id.clone());
+        self.reqs.insert(
+            st.request_id,
+            Entry {
+                key,
+                seqs: vec![id],
+                out: Sink::Stream(out),
+            },
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,164 @@
+//! The prefill side of disaggregated serving: compute a prompt here, stream its KV blocks out
+//! as they complete, sample the first token, and hand the request's state over to the engine
+//! that decodes it (which holds a [`super::Reservation`] for the blocks).
+//!
+//! A prefill request is an ordinary sequence (same admission, prefix cache, chunking and
+//! sampler) whose outputs go to a [`PrefillStream`] instead of a request stream. After every
+//! step, the prompt blocks it has completed since the last report go out in one
+//! [`PrefillEvent::Blocks`]; the blocks complete before a step (a cached prefix, the previous
+//! chunk) go out just before that step's forward pass, so sending overlaps compute. Once the
+//! prompt is computed and the first token sampled, the last (partial) block goes out, then
+//! [`PrefillEvent::Done`], and the sequence ends here: its full blocks stay in the prefix cache
+//! as for a finished request.
+//!
+//! Preemption (under `MAX_UTILIZATION`) restarts the prompt like any recompute; blocks already
+//! sent are not sent again (what was sent was complete and valid), so each block index is
+//! still reported exactly once, in order.
+
+use std::sync::mpsc;
+
+use tokio::sync::mpsc as tmpsc;
+
+use super::core::{Command, Core, Sink};
+use crate::error::EngineError;
+use crate::request::{Request, RequestOutput, SequenceState};
+use crate::sequence::SeqId;
+
+/// What a [`PrefillStream`] yields.
+// One `Done` per request: boxing its fields is not worth a less direct API.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum PrefillEvent {
+    /// Whole blocks `first_block ..` of the prompt (index in the prompt's block list), bytes in
+    /// export format (layout byte order), `data.len() == k * block_bytes`.
+    Blocks { first_block: usize, data: Vec<u8> },
+    /// The last event. Three cases, told apart by `output.finish_reason`:
+    /// - `None`: the prompt is computed and the first token sampled; `output` carries that
+    ///   token (text, logprobs) and `state` continues the request elsewhere (`num_computed ==
+    ///   prompt_len`, `tokens` = prompt + token), e.g. through `EngineHandle::activate`;
+    /// - `Stop` / `Length`: the first token already ended the request (`output` has its
+    ///   `stop_reason` and `usage`); there is nothing to continue;
+    /// - `Abort`: the prefill failed or was aborted (`output.error` says why when the engine
+    ///   failed it); `state` is where it stood and must not be activated.
+    Done {
+        output: RequestOutput,
+        state: SequenceState,
+    },
+}
+
+/// The events of one prefill request: `Blocks`, then exactly one `Done`; `next` returns None
+/// after `Done` (or if the engine stopped). Dropping it before `Done` aborts the request.
+pub struct PrefillStream {
+    request_id: String,
+    key: u64,
+    done: bool,
+    rx: tmpsc::UnboundedReceiver<PrefillEvent>,
+    tx: mpsc::Sender<Command>,
+}
+
+impl PrefillStream {
+    pub(super) fn new(
+        request_id: String,
+        key: u64,
+        rx: tmpsc::UnboundedReceiver<PrefillEvent>,
+        tx: mpsc::Sender<Command>,
+    ) -> Self {
+        Self {
+            request_id,
+            key,
+            done: false,
+            rx,
+            tx,
+        }
+    }
+
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
+    /// The next event, or None after `Done`.
+    pub async fn next(&mut self) -> Option<PrefillEvent> {
+        if self.done {
+            return None;
+        }
+        let ev = self.rx.recv().await;
+        if matches!(ev, None | Some(PrefillEvent::Done { .. })) {
+            self.done = true;
+        }
+        ev
+    }
+}
+
+impl Drop for PrefillStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::AbortKey(self.key));
+        }
+    }
+}
+
+impl Core {
+    pub(super) fn prefill(
+        &mut self,
+        req: Request,
+        send_from_block: usize,
+        key: u64,
+        out: tmpsc::UnboundedSender<PrefillEvent>,
+    ) -> Result<(), EngineError> {
+        if req.params.n != 1 {
+            return Err(EngineError::InvalidRequest(format!(
+                "a prefill request must have n = 1, not {}",
+                req.params.n
+            )));
+        }
+        let nblocks = self.sched.blocks().blocks_for(req.prompt.len());
+        if send_from_block > nblocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "send_from_block {send_from_block} is beyond the prompt's {nblocks} blocks"
+            )));
+        }
+        let rid = req.request_id.clone();
+        self.submit(req, key, Sink::Prefill(out))?;
+        if let Some(&id) = self.reqs.get(&rid).and_then(|e| e.seqs.first()) {
+            self.prefill_next.insert(id, send_from_block);
+        }
+        Ok(())
+    }
+
+    /// Sends the prompt blocks of prefill sequence `id` that are complete and not sent yet:
+    /// full computed blocks, and once the whole prompt is computed, the last partial one.
+    pub(super) fn flush_prefill(&mut self, id: SeqId) {
+        let (Some(&next), Some(seq)) = (self.prefill_next.get(&id), self.sched.get(id)) else {
+            return;
+        };
+        let bm = self.sched.blocks();
+        let ready = if seq.num_computed >= seq.prompt_len {
+            bm.blocks_for(seq.prompt_len)
+        } else {
+            seq.num_computed / bm.block_size()
+        }
+        .min(seq.table.len());
+        if ready <= next {
+            return;
+        }
+        let Some(rid) = self.seq_req.get(&id).cloned() else {
+            return;
+        };
+        match self.backend.export_blocks(&seq.table.ids()[next..ready]) {
+            Ok(data) => {
+                self.prefill_next.insert(id, ready);
+                if let Some(Sink::Prefill(tx)) = self.reqs.get(&rid).map(|e| &e.out) {
+                    // A receiver that is gone aborts the request through its stream's drop.
+                    let _ = tx.send(PrefillEvent::Blocks {
+                        first_block: next,
+                        data,
+                    });
+                }
+            }
+            Err(e) => {
+                tracing::error!("exporting prefill blocks of {rid:?}: {e}");
+                self.fail(&rid, Some(format!("exporting KV blocks: {e}")));
+            }
+        }
+    }
+}
