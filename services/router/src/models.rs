@@ -272,3 +272,81 @@ impl Registry {
             .contains_key(&id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn card(role: &str, id: u64, model: &str) -> ModelCard {
+        ModelCard {
+            served_model_name: model.into(),
+            tokenizer_hash: "h".into(),
+            context_length: 4096,
+            kv_cache_block_size: 32,
+            kv_dtype: "float32".into(),
+            kv_layout_id: "L".into(),
+            total_kv_blocks: 100,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+            role: role.into(),
+            grpc_addr: format!("127.0.0.1:{}", 9000 + id),
+            http_addr: String::new(),
+            instance_id: id,
+            eos_token_ids: vec![],
+        }
+    }
+
+    fn assets() -> Arc<ModelAssets> {
+        let dir =
+            std::env::temp_dir().join(format!("tandem-router-models-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+               "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
+               "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"<unk>":1},
+               "unk_token":"<unk>"}}"#,
+        )
+        .expect("write");
+        let tokenizer = Tokenizer::load(&dir).expect("tokenizer");
+        let _ = std::fs::remove_dir_all(&dir);
+        Arc::new(ModelAssets {
+            tokenizer,
+            template: None,
+            hash: "h".into(),
+        })
+    }
+
+    #[tokio::test]
+    async fn prefill_workers_are_kept_apart() {
+        let r = Registry::default();
+        let a = assets();
+        let client = || connect_lazy("127.0.0.1:1").expect("client");
+        r.add(card("prefill", 1, "m"), client(), a.clone());
+        // Prefill workers alone serve nothing: known (503, not 404) but not listed or counted.
+        let v = r.view("m").expect("known");
+        assert!(v.workers.is_empty());
+        assert_eq!(v.prefill.len(), 1);
+        assert!(r.model_names().is_empty());
+        assert_eq!(r.worker_count(), 0);
+        assert_eq!(r.is_prefill_worker(1), Some(true));
+        assert!(r.contains(1) && r.client(1).is_some());
+
+        r.add(card("pd", 2, "m"), client(), a.clone());
+        let v = r.view("m").expect("known");
+        assert_eq!(v.workers.len(), 1);
+        assert_eq!(v.workers[0].card.instance_id, 2);
+        assert_eq!(v.prefill[0].card.instance_id, 1);
+        assert_eq!(r.model_names(), vec!["m".to_string()]);
+        assert_eq!(r.worker_count(), 1);
+        assert_eq!(r.is_prefill_worker(2), Some(false));
+        assert_eq!(r.is_prefill_worker(3), None);
+
+        assert!(r.remove(1));
+        assert!(!r.remove(1));
+        let v = r.view("m").expect("known");
+        assert!(v.prefill.is_empty());
+        assert_eq!(v.workers.len(), 1);
+        assert!(!r.contains(1) && r.client(1).is_none());
+    }
+}
