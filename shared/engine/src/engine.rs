@@ -11,6 +11,15 @@
 //!
 //! KV events are published by the block manager through a [`KvEventPublisher`] that the
 //! handle shares, so subscribing or dumping never waits for a step.
+//!
+//! Disaggregated serving (prefill on one engine, decode on another): the decode engine
+//! [`EngineHandle::reserve`]s the prompt's blocks under a lease (its cached prefix plus fresh
+//! blocks, which a transport writes straight into the pool memory, see
+//! [`crate::backend::KvPoolMemory`]); the prefill engine runs [`EngineHandle::prefill`], which
+//! streams the missing blocks as they complete and ends with the first token and the
+//! [`SequenceState`]; the decode engine then [`EngineHandle::activate`]s the lease with that
+//! state, or [`EngineHandle::release_reservation`]s it. Both halves together produce exactly
+//! what one engine would.
 
 mod core;
 #[cfg(test)]
