@@ -1,9 +1,13 @@
-//! `tandem-prefill`: the prefill worker. A thin main over the shared crates.
+//! `tandem-prefill`: the prefill worker — computes prompts and writes their KV blocks into
+//! decode workers' memory. A thin main over the shared worker crate.
 
-fn main() {
-    tandem_config::entry::refuse_role(
-        tandem_config::Role::Prefill,
-        "prefill workers are not implemented yet: the prefill→decode KV handoff is still being \
-         built; serve aggregated with `tandem-decode --disaggregation-mode agg`",
-    );
+use tandem_config::{entry, Role};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tandem_config::entry::init_logging();
+    let Some(cfg) = entry::worker_config_or_exit(Role::Prefill) else {
+        return Ok(());
+    };
+    tandem_worker::run(cfg).await
 }

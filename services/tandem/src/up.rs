@@ -12,13 +12,20 @@ use tokio::process::{Child, Command};
 
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
-    /// Topology to start: agg (router + aggregated workers).
-    #[arg(long, default_value = "agg", value_parser = ["agg", "disagg"])]
+    /// Topology to start: agg (router + aggregated workers) or disagg (router + prefill
+    /// workers + decode workers in `pd` mode, KV pushed from prefill to decode).
+    #[arg(long, default_value = "disagg", value_parser = ["agg", "disagg"])]
     pub topology: String,
+    /// Prefill workers (disagg topology).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub prefill_workers: u32,
+    /// KV transport between prefill and decode workers (disagg topology): ucx or tcp.
+    #[arg(long, default_value = "ucx", value_parser = ["ucx", "tcp"])]
+    pub kv_transport: String,
     /// Model folder; the built-in tiny model when unset.
     #[arg(long, alias = "model")]
     pub model_path: Option<PathBuf>,
-    /// Number of workers.
+    /// Number of workers (decode workers in the disagg topology).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub workers: u32,
     /// Port of the OpenAI API (0 picks a free one).
@@ -33,6 +40,9 @@ pub struct UpArgs {
     /// Extra flags for every worker (repeat, e.g. --worker-arg=--max-batch-size --worker-arg=8).
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     pub worker_args: Vec<String>,
+    /// Extra flags for the router (repeat, e.g. --router-arg=--enforce-disagg).
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    pub router_args: Vec<String>,
 }
 
 fn sibling(name: &str) -> anyhow::Result<PathBuf> {
@@ -149,11 +159,14 @@ fn spawn(bin: &Path, args: &[String], discovery_root: &Path) -> anyhow::Result<C
 }
 
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
-    if args.topology == "disagg" {
-        bail!("--topology disagg is not implemented yet: the prefill→decode KV handoff lands with the disaggregation work; use --topology agg");
-    }
+    let disagg = args.topology == "disagg";
     let router_bin = sibling("tandem-router")?;
     let worker_bin = sibling("tandem-decode")?;
+    let prefill_bin = if disagg {
+        Some(sibling("tandem-prefill")?)
+    } else {
+        None
+    };
     if args.model_path.is_none() {
         // Build the tiny model once here, not racing in every worker.
         let dir = tokio::task::spawn_blocking(tandem_engine::tiny::ensure_tiny_model).await??;
@@ -168,24 +181,44 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let timeout = Duration::from_secs(args.ready_timeout_secs);
 
     let result = async {
+        // Prefill workers first: a `pd` decode worker serving before them would prefill
+        // everything itself.
+        let mut plan: Vec<(String, &Path, &str)> = Vec::new();
+        if let Some(p) = &prefill_bin {
+            for i in 0..args.prefill_workers {
+                plan.push((format!("prefill worker {i}"), p.as_path(), "prefill"));
+            }
+        }
+        let mode = if disagg { "pd" } else { "agg" };
         for i in 0..args.workers {
+            let name = if disagg {
+                format!("decode worker {i}")
+            } else {
+                format!("worker {i}")
+            };
+            plan.push((name, worker_bin.as_path(), mode));
+        }
+        for (name, bin, mode) in plan {
             let mut wargs = vec![
                 "--disaggregation-mode".to_string(),
-                "agg".to_string(),
+                mode.to_string(),
                 "--publish-kv-events".to_string(),
                 "--rpc-host".to_string(),
                 "127.0.0.1".to_string(),
                 "--system-host".to_string(),
                 "127.0.0.1".to_string(),
             ];
+            if disagg {
+                wargs.push("--kv-transport".into());
+                wargs.push(args.kv_transport.clone());
+            }
             if let Some(p) = &args.model_path {
                 wargs.push("--model-path".into());
                 wargs.push(p.display().to_string());
             }
             wargs.extend(args.worker_args.iter().cloned());
-            let mut child = spawn(&worker_bin, &wargs, &root)?;
+            let mut child = spawn(bin, &wargs, &root)?;
             let out = child.stdout.take().context("worker stdout")?;
-            let name = format!("worker {i}");
             topo.children.push((name.clone(), child));
             let line = wait_ready(out, "TANDEM_WORKER_READY", &name, timeout).await?;
             println!(
@@ -201,6 +234,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             "--router-min-initial-workers".to_string(),
             args.workers.to_string(),
         ];
+        let rargs: Vec<String> = rargs
+            .into_iter()
+            .chain(args.router_args.iter().cloned())
+            .collect();
         let mut router = spawn(&router_bin, &rargs, &root)?;
         let out = router.stdout.take().context("router stdout")?;
         topo.children.push(("router".into(), router));
@@ -243,10 +280,15 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .unwrap_or_default(),
     };
     println!();
-    println!(
-        "Tandem is serving `{model}` on http://{addr} ({} worker(s)). Try:",
-        args.workers
-    );
+    let shape = if disagg {
+        format!(
+            "{} prefill + {} decode worker(s), KV over {}",
+            args.prefill_workers, args.workers, args.kv_transport
+        )
+    } else {
+        format!("{} worker(s)", args.workers)
+    };
+    println!("Tandem is serving `{model}` on http://{addr} ({shape}). Try:");
     println!(
         "  curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'"
     );

@@ -6,9 +6,20 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 #[test]
-fn tandem_up_serves_and_stops_cleanly() {
+fn tandem_up_agg_serves_and_stops_cleanly() {
+    up_serves_and_stops_cleanly(&["--topology", "agg", "--workers", "2"], 3);
+}
+
+#[test]
+fn tandem_up_disagg_is_the_default_and_serves_through_a_prefill_worker() {
+    // --enforce-disagg: the short request goes through the prefill worker, not the
+    // decode worker's own prefill.
+    up_serves_and_stops_cleanly(&["--router-arg=--enforce-disagg"], 3);
+}
+
+fn up_serves_and_stops_cleanly(args: &[&str], children: usize) {
     let exe = env!("CARGO_BIN_EXE_tandem");
-    for sibling in ["tandem-router", "tandem-decode"] {
+    for sibling in ["tandem-router", "tandem-decode", "tandem-prefill"] {
         let p = std::path::Path::new(exe).with_file_name(sibling);
         assert!(
             p.is_file(),
@@ -17,7 +28,8 @@ fn tandem_up_serves_and_stops_cleanly() {
         );
     }
     let mut child = Command::new(exe)
-        .args(["up", "--workers", "2", "--http-port", "0"])
+        .args(["up", "--http-port", "0"])
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -78,5 +90,8 @@ fn tandem_up_serves_and_stops_cleanly() {
         .iter()
         .filter(|l| l.contains("exited (exit status: 0)"))
         .count();
-    assert_eq!(stopped, 3, "every child should exit cleanly: {exits:#?}");
+    assert_eq!(
+        stopped, children,
+        "every child should exit cleanly: {exits:#?}"
+    );
 }

@@ -89,5 +89,5 @@ pub fn build_sim_engine(
 
 /// An [`EngineBuilder`] for `tandem_worker::run_with` (wall-clock pacing).
 pub fn engine_builder(vocab: Option<usize>, cost: CostModel) -> EngineBuilder {
-    Box::new(move |cfg| build_sim_engine(cfg, vocab, cost, Pacer::Sleep))
+    Box::new(move |cfg, _transport| build_sim_engine(cfg, vocab, cost, Pacer::Sleep))
 }

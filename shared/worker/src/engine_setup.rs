@@ -4,21 +4,27 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use anyhow::Context;
 use tandem_config::engine_options::{CapacitySchedulerPolicy as Policy, KvCacheDtype};
 use tandem_config::WorkerConfig;
 use tandem_engine::backend::cpu::{
     cpu_kv_blocks_from_memory, CpuBackend, DEFAULT_CPU_KV_CAP_BYTES,
 };
 use tandem_engine::backend::Backend;
+use tandem_engine::backend::KvPoolMemory;
 use tandem_engine::engine::{CapacitySchedulerPolicy, Engine, EngineConfig, EngineHandle};
 use tandem_engine::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
 use tandem_engine::model::{LoadOptions, LoadedModel};
+use tandem_kv_transfer::{AnyRegistration, AnyTransport, RemoteRegion};
 
 /// A started engine and the model it runs.
 pub struct BuiltEngine {
     pub engine: EngineHandle,
     pub model: Arc<LoadedModel>,
     pub num_blocks: usize,
+    /// The KV pool as remote writers see it, when it lives in transport-registered memory
+    /// (decode workers of disaggregated serving).
+    pub kv_region: Option<RemoteRegion>,
 }
 
 /// The model folder to load: `--model-path`, or the built-in tiny model (generated on first use).
@@ -39,11 +45,47 @@ fn kv_dtype(dtype: KvCacheDtype) -> KvDtype {
 
 /// Loads the model and starts the engine with the merged engine options.
 pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<BuiltEngine> {
-    build_engine_with(cfg, &LoadOptions::default(), |model, layout, num_blocks| {
-        let backend = CpuBackend::new(model, layout.dtype, layout.block_size, num_blocks)?;
-        Ok(Box::new(backend))
-    })
+    build_engine_on(cfg, None)
 }
+
+/// Like [`build_engine`]; with a transport, the KV pool is allocated and registered through
+/// it so that prefill workers can write blocks straight into it. Must run where a tokio
+/// runtime is current (e.g. `spawn_blocking`).
+pub fn build_engine_on(
+    cfg: &WorkerConfig,
+    transport: Option<Arc<AnyTransport>>,
+) -> anyhow::Result<BuiltEngine> {
+    let mut region = None;
+    let mut built =
+        build_engine_with(cfg, &LoadOptions::default(), |model, layout, num_blocks| {
+            let Some(t) = transport else {
+                let backend = CpuBackend::new(model, layout.dtype, layout.block_size, num_blocks)?;
+                return Ok(Box::new(backend) as Box<dyn Backend>);
+            };
+            let len = num_blocks * layout.block_bytes();
+            let pool = tokio::runtime::Handle::try_current()
+                .context("allocating a registered KV pool needs a tokio runtime")?
+                .block_on(crate::transport::allocate_pool(&t, len))?;
+            region = Some(pool.descriptor.clone());
+            // SAFETY: the transport allocated `len` bytes at `ptr`, valid until the registration
+            // (moved into the pool as its keep-alive) is dropped with the engine's backend.
+            let memory = unsafe {
+                KvPoolMemory::external(
+                    pool.ptr,
+                    pool.len,
+                    Box::new(RegistrationGuard(pool.registration)),
+                )?
+            };
+            let backend =
+                CpuBackend::new_in(model, layout.dtype, layout.block_size, num_blocks, memory)?;
+            Ok(Box::new(backend) as Box<dyn Backend>)
+        })?;
+    built.kv_region = region;
+    Ok(built)
+}
+
+/// Keeps a transport registration alive inside the KV pool that lives in its memory.
+struct RegistrationGuard(#[allow(dead_code)] AnyRegistration);
 
 /// Like [`build_engine`] with the backend from `backend` (given the model, the KV layout and
 /// the pool size): the mocker's simulated backend runs the same engine this way.
@@ -120,5 +162,6 @@ pub fn build_engine_with(
         engine,
         model,
         num_blocks,
+        kv_region: None,
     })
 }

@@ -14,3 +14,46 @@ pub fn skipped_kv_event(event_id: u64) -> bool {
     })
     .contains(&event_id)
 }
+
+/// `TANDEM_FAILPOINT_PREFILL_HOLD_DIR=/dir` with `TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK=k`: a
+/// prefill worker about to write, for a request whose id starts with `hold-`, a batch that
+/// reaches prompt block `k` first creates `/dir/<request id>.reached`, then waits until
+/// `/dir/<request id>.release` exists, then issues the write. While held it does not look at
+/// revocations: it stands for a one-sided put already in flight, which no message can recall
+/// — exactly what lease quarantine must survive.
+pub async fn prefill_hold(request_id: &str, batch_last_block: usize) {
+    if !request_id.starts_with("hold-") {
+        return;
+    }
+    let Ok(dir) = std::env::var("TANDEM_FAILPOINT_PREFILL_HOLD_DIR") else {
+        return;
+    };
+    let at = std::env::var("TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    if batch_last_block < at {
+        return;
+    }
+    let dir = std::path::PathBuf::from(dir);
+    let release = dir.join(format!("{request_id}.release"));
+    if release.exists() {
+        return;
+    }
+    if let Err(e) = std::fs::write(dir.join(format!("{request_id}.reached")), b"") {
+        tracing::warn!(
+            "failpoint: cannot create the .reached marker in {}: {e}",
+            dir.display()
+        );
+    }
+    tracing::warn!(
+        request_id,
+        block = batch_last_block,
+        "failpoint: prefill write held"
+    );
+    // A test-only hold: polling a file keeps the harness free of any IPC.
+    while !release.exists() {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    tracing::warn!(request_id, "failpoint: prefill write released");
+}

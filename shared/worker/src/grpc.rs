@@ -4,7 +4,10 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tandem_engine::engine::EngineHandle;
+use tandem_engine::engine::{EngineHandle, RequestStream};
+
+use crate::decode::DecodeSide;
+use crate::prefill::PrefillSide;
 use tandem_engine::kv::events::KvCacheEvent;
 use tandem_engine::request::{Request, RequestOutput};
 use tandem_engine::sampler::SamplingParams;
@@ -30,6 +33,10 @@ pub struct WorkerService {
     files: ModelFilesSource,
     /// False once the worker is draining: new requests are refused.
     accepting: Arc<std::sync::atomic::AtomicBool>,
+    /// Set on decode workers in `pd` / `decode` mode.
+    decode: Option<Arc<DecodeSide>>,
+    /// Set on prefill workers.
+    prefill: Option<Arc<PrefillSide>>,
 }
 
 impl WorkerService {
@@ -38,6 +45,26 @@ impl WorkerService {
             engine,
             files,
             accepting: Arc::new(true.into()),
+            decode: None,
+            prefill: None,
+        }
+    }
+
+    pub fn with_decode(mut self, decode: Option<Arc<DecodeSide>>) -> Self {
+        self.decode = decode;
+        self
+    }
+
+    pub fn with_prefill(mut self, prefill: Option<Arc<PrefillSide>>) -> Self {
+        self.prefill = prefill;
+        self
+    }
+
+    fn check_accepting(&self) -> Result<(), Status> {
+        if self.accepting.load(std::sync::atomic::Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err(Status::unavailable("worker is draining"))
         }
     }
 
@@ -56,7 +83,7 @@ fn finish_name(reason: FinishReason) -> &'static str {
     }
 }
 
-fn to_proto(out: RequestOutput) -> GenerateOutput {
+pub(crate) fn to_proto(out: RequestOutput) -> GenerateOutput {
     GenerateOutput {
         index: out.index as u32,
         token_ids: out.token_ids,
@@ -132,18 +159,84 @@ fn forward_events(
     Box::pin(ReceiverStream::new(rx))
 }
 
+/// Forwards a local engine stream to a gRPC caller; a caller gone aborts the request at once
+/// instead of at the next token.
+pub(crate) async fn forward(
+    mut stream: RequestStream,
+    tx: &mpsc::Sender<Result<GenerateOutput, Status>>,
+    engine: &EngineHandle,
+) {
+    let rid = stream.request_id().to_owned();
+    loop {
+        tokio::select! {
+            out = stream.next() => match out {
+                Some(out) => {
+                    if tx.send(Ok(to_proto(out))).await.is_err() {
+                        break;
+                    }
+                }
+                None => return,
+            },
+            _ = tx.closed() => break,
+        }
+    }
+    tracing::info!(request_id = %rid, "client went away; aborting");
+    engine.abort(&rid);
+}
+
 #[tonic::async_trait]
 impl Worker for WorkerService {
     type GenerateStream = BoxStream<GenerateOutput>;
     type SubscribeKvEventsStream = BoxStream<KvEvent>;
+    type GenerateDisaggStream = BoxStream<GenerateOutput>;
+
+    async fn generate_disagg(
+        &self,
+        request: GrpcRequest<GenerateDisaggRequest>,
+    ) -> Result<Response<Self::GenerateDisaggStream>, Status> {
+        let decode = self.decode.as_ref().ok_or_else(|| {
+            Status::unimplemented(
+                "this worker does not serve disaggregated requests (start it with \
+                 --disaggregation-mode pd or decode)",
+            )
+        })?;
+        self.check_accepting()?;
+        let (tx, rx) = mpsc::channel(64);
+        decode.start(request.into_inner(), tx)?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn prefill(
+        &self,
+        request: GrpcRequest<PrefillRequest>,
+    ) -> Result<Response<PrefillReply>, Status> {
+        let prefill = self.prefill.as_ref().ok_or_else(|| {
+            Status::unimplemented(
+                "this worker is not a prefill worker (tandem-prefill, --disaggregation-mode prefill)",
+            )
+        })?;
+        // Refused before anything is written, so the decode worker may release at once.
+        if !self.accepting.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Status::failed_precondition("prefill worker is draining"));
+        }
+        Ok(Response::new(prefill.prefill(request.into_inner()).await?))
+    }
+
+    async fn fence_lease(
+        &self,
+        request: GrpcRequest<FenceLeaseRequest>,
+    ) -> Result<Response<FenceLeaseReply>, Status> {
+        let prefill = self.prefill.as_ref().ok_or_else(|| {
+            Status::unimplemented("this worker is not a prefill worker; it writes no leases")
+        })?;
+        Ok(Response::new(prefill.fence(request.into_inner()).await))
+    }
 
     async fn generate(
         &self,
         request: GrpcRequest<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        if !self.accepting.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(Status::unavailable("worker is draining"));
-        }
+        self.check_accepting()?;
         let req = request.into_inner();
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
@@ -155,8 +248,7 @@ impl Worker for WorkerService {
                 .map_err(|e| Status::invalid_argument(format!("sampling_params_json: {e}")))?
         };
         params.validate().map_err(Status::invalid_argument)?;
-        let request_id = req.request_id.clone();
-        let mut stream = self
+        let stream = self
             .engine
             .submit(Request {
                 request_id: req.request_id,
@@ -167,24 +259,7 @@ impl Worker for WorkerService {
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let (tx, rx) = mpsc::channel(64);
         let engine = self.engine.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    out = stream.next() => match out {
-                        Some(out) => {
-                            if tx.send(Ok(to_proto(out))).await.is_err() {
-                                break;
-                            }
-                        }
-                        None => return,
-                    },
-                    // The caller cancelled the call: abort at once instead of at the next token.
-                    _ = tx.closed() => break,
-                }
-            }
-            tracing::info!(request_id = %request_id, "client went away; aborting");
-            engine.abort(&request_id);
-        });
+        tokio::spawn(async move { forward(stream, &tx, &engine).await });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -267,6 +342,27 @@ impl Worker for WorkerService {
             free_blocks: s.blocks.free as u32,
             last_event_id: s.last_event_id,
             preemptions: s.preemptions,
+            prompt_tokens_computed: s.prompt_tokens_computed,
+            kv_bytes_received: self
+                .decode
+                .as_ref()
+                .map(|d| d.bytes_received.load(std::sync::atomic::Ordering::Relaxed))
+                .unwrap_or(0),
+            leases_live: self
+                .decode
+                .as_ref()
+                .map(|d| d.leases.counts().0)
+                .unwrap_or(0) as u32,
+            leases_quarantined: self
+                .decode
+                .as_ref()
+                .map(|d| d.leases.counts().1)
+                .unwrap_or(0) as u32,
+            kv_bytes_sent: self
+                .prefill
+                .as_ref()
+                .map(|p| p.bytes_sent.load(std::sync::atomic::Ordering::Relaxed))
+                .unwrap_or(0),
         }))
     }
 

@@ -3,13 +3,17 @@
 //! publishes KV events and gauges, and drains on SIGTERM.
 
 pub mod card;
+pub mod decode;
 pub mod engine_setup;
 pub mod failpoints;
 pub mod grpc;
+pub mod leases;
 pub mod nats;
+pub mod prefill;
 pub mod serve;
 pub mod stats;
+pub mod transport;
 
-pub use engine_setup::{build_engine, build_engine_with, BuiltEngine};
+pub use engine_setup::{build_engine, build_engine_on, build_engine_with, BuiltEngine};
 pub use grpc::WorkerService;
 pub use serve::{run, run_with, EngineBuilder};

@@ -13,8 +13,12 @@ use tandem_runtime::discovery::{self, DiscoveryBackend, DiscoveryOptions, Instan
 use tandem_runtime::net::advertised_addr;
 
 use crate::card::model_card;
+use crate::decode::DecodeSide;
 use crate::grpc::{ModelFilesSource, WorkerService};
+use crate::prefill::PrefillSide;
 use crate::BuiltEngine;
+use tandem_config::DisaggregationMode;
+use tandem_kv_transfer::AnyTransport;
 
 pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions {
     DiscoveryOptions {
@@ -29,14 +33,21 @@ pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions 
     }
 }
 
-/// Builds the engine a worker serves: [`crate::build_engine`] for the real one; the mocker
-/// passes its own (same engine, simulated backend).
-pub type EngineBuilder = Box<dyn FnOnce(&WorkerConfig) -> anyhow::Result<BuiltEngine> + Send>;
+/// Builds the engine a worker serves: [`crate::engine_setup::build_engine_on`] for the real
+/// one; the mocker passes its own (same engine, simulated backend). Decode workers of
+/// disaggregated serving get the KV transport, to allocate their pool through it.
+pub type EngineBuilder =
+    Box<dyn FnOnce(&WorkerConfig, Option<Arc<AnyTransport>>) -> anyhow::Result<BuiltEngine> + Send>;
 
 /// Runs a worker until SIGTERM / SIGINT, then drains.
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let shutdown = tandem_runtime::shutdown::on_signals();
-    run_with(cfg, Box::new(crate::build_engine), shutdown).await
+    run_with(
+        cfg,
+        Box::new(crate::engine_setup::build_engine_on),
+        shutdown,
+    )
+    .await
 }
 
 /// Like [`run`] with the engine from `build` and an outside shutdown token, so that one
@@ -49,10 +60,47 @@ pub async fn run_with(
     // Idempotent: every worker of a process shares the one recorder.
     let metrics_handle = tandem_runtime::metrics::install_recorder()?;
     let cfg = Arc::new(cfg);
+    let mode = cfg.disaggregation.disaggregation_mode;
+    let transport = match mode {
+        DisaggregationMode::Pd | DisaggregationMode::Decode | DisaggregationMode::Prefill => {
+            Some(crate::transport::open(&cfg).await?)
+        }
+        _ => None,
+    };
     let build_cfg = cfg.clone();
-    let built = tokio::task::spawn_blocking(move || build(&build_cfg))
+    let pool_transport = match mode {
+        DisaggregationMode::Pd | DisaggregationMode::Decode => transport.clone(),
+        _ => None,
+    };
+    let built = tokio::task::spawn_blocking(move || build(&build_cfg, pool_transport))
         .await
         .context("engine start-up task failed")??;
+    let instance_id = discovery::new_instance_id();
+    let layout_id = crate::card::layout_id(built.engine.layout());
+    let decode = match mode {
+        DisaggregationMode::Pd | DisaggregationMode::Decode => {
+            let region = built.kv_region.clone().context(
+                "this engine's KV pool is not in transport-registered memory, so it cannot \
+                 serve --disaggregation-mode pd/decode (the simulated backend cannot yet)",
+            )?;
+            Some(Arc::new(DecodeSide::new(
+                built.engine.clone(),
+                instance_id,
+                layout_id.clone(),
+                region,
+                Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.into()),
+            )))
+        }
+        _ => None,
+    };
+    let prefill = match (mode, &transport) {
+        (DisaggregationMode::Prefill, Some(t)) => Some(Arc::new(PrefillSide::new(
+            built.engine.clone(),
+            t.clone(),
+            layout_id.clone(),
+        ))),
+        _ => None,
+    };
 
     let rpc_bind = format!("{}:{}", cfg.network.rpc_host, cfg.network.rpc_port);
     let listener = tokio::net::TcpListener::bind(&rpc_bind)
@@ -69,7 +117,9 @@ pub async fn run_with(
             folder: built.model.path.clone(),
             tokenizer_hash: built.model.tokenizer_hash.clone(),
         },
-    );
+    )
+    .with_decode(decode.clone())
+    .with_prefill(prefill.clone());
     let accepting = service.accepting_flag();
     let health_flag = accepting.clone();
     let status_bind = format!("{}:{}", cfg.network.system_host, cfg.network.system_port);
@@ -86,7 +136,6 @@ pub async fn run_with(
     let http_addr = advertised_addr(status_bound, cfg.network.rpc_advertise_host.as_deref())?;
 
     let endpoint = cfg.endpoint();
-    let instance_id = discovery::new_instance_id();
     let card = model_card(
         &cfg,
         &built,
@@ -147,8 +196,15 @@ pub async fn run_with(
     }
     let deadline = Instant::now() + Duration::from_secs(cfg.runtime.drain_timeout_secs.into());
     loop {
+        // Leases in flight (decode) and writes in flight (prefill) finish or are revoked
+        // before the engine stops: nothing may be left writing into a pool that goes away.
+        let handoffs = decode
+            .as_ref()
+            .map(|d| !d.leases.is_empty())
+            .unwrap_or(false)
+            || prefill.as_ref().map(|p| p.active() > 0).unwrap_or(false);
         match built.engine.stats().await {
-            Ok(s) if s.running + s.waiting == 0 => break,
+            Ok(s) if s.running + s.waiting == 0 && !handoffs => break,
             Ok(s) if Instant::now() >= deadline => {
                 tracing::warn!(
                     running = s.running,

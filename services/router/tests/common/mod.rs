@@ -264,3 +264,47 @@ pub async fn worker_blocks(addr: &str) -> (u64, Vec<u64>) {
     hashes.sort_unstable();
     (dump.last_event_id, hashes)
 }
+
+/// A worker of any role: `bin` is `tandem-decode` or `tandem-prefill`, `mode` its
+/// `--disaggregation-mode`.
+pub fn start_role(
+    discovery: &PathBuf,
+    bin_name: &str,
+    mode: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Proc {
+    let mut cmd = Command::new(bin(bin_name));
+    cmd.envs(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    cmd.args([
+        "--disaggregation-mode",
+        mode,
+        "--publish-kv-events",
+        "--rpc-host",
+        "127.0.0.1",
+        "--system-host",
+        "127.0.0.1",
+    ])
+    .args(["--trtllm.kv_cache_config.max_tokens", "8192"])
+    .args(extra)
+    .env("DYN_FILE_KV", discovery)
+    .env("DYN_DISCOVERY_BACKEND", "file");
+    spawn_ready(&mut cmd, "TANDEM_WORKER_READY")
+}
+
+/// Waits (bounded) until `cond` holds on a worker's stats; returns the last stats.
+pub async fn wait_stats(
+    addr: &str,
+    what: &str,
+    cond: impl Fn(&tandem_protocol::worker::LoadStatsReply) -> bool,
+) -> tandem_protocol::worker::LoadStatsReply {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = worker_stats(addr).await;
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what}: still {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

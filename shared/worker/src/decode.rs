@@ -1,0 +1,361 @@
+//! The decode side of disaggregated serving (`--disaggregation-mode pd|decode`): for each
+//! request, reserve destination blocks under a lease, have a prefill worker compute the prompt
+//! and write the missing blocks straight into this worker's registered KV pool, stream the
+//! first token it returns at once, then decode the rest here.
+//!
+//! This worker owns the lease from grant to release, so every way a request can end — the
+//! prefill answered, failed or vanished, the client left, the deadline passed — goes through
+//! one place that either releases the blocks (the writer has stopped) or quarantines them and
+//! fences the writer (see [`crate::leases`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
+use tandem_engine::error::EngineError;
+use tandem_engine::sampler::SamplingParams;
+use tandem_kv_transfer::RemoteRegion;
+use tandem_protocol::worker::worker_client::WorkerClient;
+use tandem_protocol::worker::*;
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use crate::grpc::forward;
+use crate::leases::{count_fence, listener_gone, FenceProof, LeaseTable};
+
+/// Prefill workers tried per request before giving up.
+pub const MAX_PREFILL_ATTEMPTS: usize = 3;
+
+type Out = mpsc::Sender<Result<GenerateOutput, Status>>;
+
+pub struct DecodeSide {
+    engine: EngineHandle,
+    instance_id: u64,
+    layout_id: String,
+    region: RemoteRegion,
+    block_bytes: u64,
+    block_size: usize,
+    ttl: Duration,
+    pub leases: Arc<LeaseTable>,
+    clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
+    pub bytes_received: AtomicU64,
+}
+
+/// How one attempt with one prefill worker ended.
+enum Attempt {
+    /// Decoding here; forward the stream.
+    Decoding(RequestStream),
+    /// The first token ended the request, or the client left: nothing more to do.
+    Over,
+    /// The request itself is refused (bad input, does not fit): tell the client, no retry.
+    Refused(Status),
+    /// This prefill worker failed; another may succeed.
+    PrefillFailed(String),
+}
+
+impl DecodeSide {
+    pub fn new(
+        engine: EngineHandle,
+        instance_id: u64,
+        layout_id: String,
+        region: RemoteRegion,
+        ttl: Duration,
+    ) -> Self {
+        let layout = engine.layout().clone();
+        DecodeSide {
+            engine,
+            instance_id,
+            layout_id,
+            region,
+            block_bytes: layout.block_bytes() as u64,
+            block_size: layout.block_size,
+            ttl,
+            leases: Arc::new(LeaseTable::new()),
+            clients: Mutex::new(HashMap::new()),
+            bytes_received: AtomicU64::new(0),
+        }
+    }
+
+    fn client(&self, addr: &str) -> Result<WorkerClient<Channel>, String> {
+        let mut m = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("bad prefill worker address {addr:?}: {e}"))?
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(3))
+            .connect_lazy();
+        let c = WorkerClient::new(channel)
+            .max_decoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES);
+        m.insert(addr.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// Checks a `GenerateDisagg` call and starts it; outputs go to `tx`.
+    pub fn start(self: &Arc<Self>, req: GenerateDisaggRequest, tx: Out) -> Result<(), Status> {
+        let request = req
+            .request
+            .ok_or_else(|| Status::invalid_argument("request is missing"))?;
+        if request.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is empty"));
+        }
+        let params: SamplingParams = if request.sampling_params_json.is_empty() {
+            SamplingParams::default()
+        } else {
+            serde_json::from_str(&request.sampling_params_json)
+                .map_err(|e| Status::invalid_argument(format!("sampling_params_json: {e}")))?
+        };
+        params.validate().map_err(Status::invalid_argument)?;
+        if params.n != 1 {
+            return Err(Status::invalid_argument(format!(
+                "n = {} is not supported with disaggregated prefill/decode (only n = 1); \
+                 send it to an aggregated or pd worker's Generate",
+                params.n
+            )));
+        }
+        if req.prefill_workers.is_empty() {
+            return Err(Status::invalid_argument("prefill_workers is empty"));
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.run(request, params, req.prefill_workers, tx).await;
+        });
+        Ok(())
+    }
+
+    async fn run(
+        self: Arc<Self>,
+        request: GenerateRequest,
+        params: SamplingParams,
+        targets: Vec<PrefillTarget>,
+        tx: Out,
+    ) {
+        let rid = request.request_id.clone();
+        let mut failures = Vec::new();
+        for target in targets.iter().take(MAX_PREFILL_ATTEMPTS) {
+            match self.attempt(&request, &params, target, &tx).await {
+                Attempt::Decoding(stream) => {
+                    forward(stream, &tx, &self.engine).await;
+                    return;
+                }
+                Attempt::Over => return,
+                Attempt::Refused(status) => {
+                    let _ = tx.send(Err(status)).await;
+                    return;
+                }
+                Attempt::PrefillFailed(why) => {
+                    tracing::warn!(request_id = %rid, prefill = %target.grpc_addr, "remote prefill failed: {why}");
+                    failures.push(format!("{}: {why}", target.grpc_addr));
+                }
+            }
+        }
+        let _ = tx
+            .send(Err(Status::unavailable(format!(
+                "remote prefill failed on every prefill worker tried ({})",
+                failures.join("; ")
+            ))))
+            .await;
+    }
+
+    async fn attempt(
+        &self,
+        request: &GenerateRequest,
+        params: &SamplingParams,
+        target: &PrefillTarget,
+        tx: &Out,
+    ) -> Attempt {
+        let (lease_id, epoch) = self.leases.next();
+        let reservation = match self
+            .engine
+            .reserve(lease_id, request.prompt.clone(), params.clone())
+            .await
+        {
+            Ok(r) => r,
+            Err(e @ EngineError::OutOfBlocks { .. }) => {
+                return Attempt::Refused(Status::resource_exhausted(e.to_string()))
+            }
+            Err(e) => return Attempt::Refused(Status::invalid_argument(e.to_string())),
+        };
+        self.leases.grant(lease_id, epoch, &target.grpc_addr);
+        let first_block = reservation.cached_tokens / self.block_size;
+        let lease = KvLease {
+            lease_id,
+            epoch,
+            owner_instance_id: self.instance_id,
+            kv_layout_id: self.layout_id.clone(),
+            region_json: serde_json::to_string(&self.region).unwrap_or_default(),
+            first_block: first_block as u32,
+            block_offsets: reservation.block_ids[first_block..]
+                .iter()
+                .map(|&b| b as u64 * self.block_bytes)
+                .collect(),
+            ttl_ms: self.ttl.as_millis() as u64,
+        };
+        let mut client = match self.client(&target.grpc_addr) {
+            Ok(c) => c,
+            Err(e) => {
+                self.release(lease_id).await;
+                return Attempt::PrefillFailed(e);
+            }
+        };
+        let call = client.prefill(PrefillRequest {
+            request: Some(request.clone()),
+            lease: Some(lease),
+        });
+        // Dropping `call` (client gone, deadline) cancels the RPC; the writer may still be
+        // mid-put, so those paths quarantine rather than release.
+        let answer = tokio::select! {
+            r = tokio::time::timeout(self.ttl, call) => r,
+            _ = tx.closed() => {
+                self.revoke(lease_id, epoch, &target.grpc_addr);
+                return Attempt::Over;
+            }
+        };
+        let reply = match answer {
+            Err(_) => {
+                self.revoke(lease_id, epoch, &target.grpc_addr);
+                return Attempt::PrefillFailed(format!(
+                    "no answer within the lease TTL of {:?}",
+                    self.ttl
+                ));
+            }
+            Ok(Err(status)) if writer_stopped(&status) => {
+                self.release(lease_id).await;
+                if status.code() == Code::InvalidArgument {
+                    return Attempt::Refused(status);
+                }
+                return Attempt::PrefillFailed(format!(
+                    "{:?}: {}",
+                    status.code(),
+                    status.message()
+                ));
+            }
+            Ok(Err(status)) => {
+                self.revoke(lease_id, epoch, &target.grpc_addr);
+                return Attempt::PrefillFailed(format!(
+                    "{:?}: {}",
+                    status.code(),
+                    status.message()
+                ));
+            }
+            Ok(Ok(reply)) => reply.into_inner(),
+        };
+        // The prefill worker answered: every write of this lease has completed.
+        self.bytes_received
+            .fetch_add(reply.bytes_transferred, Ordering::Relaxed);
+        let Some(first) = reply.first else {
+            self.release(lease_id).await;
+            return Attempt::PrefillFailed("the reply has no first token".into());
+        };
+        if !first.finish_reason.is_empty() {
+            self.release(lease_id).await;
+            let _ = tx.send(Ok(first)).await;
+            return Attempt::Over;
+        }
+        let state: SequenceState = match serde_json::from_str(&reply.state_json) {
+            Ok(s) => s,
+            Err(e) => {
+                self.release(lease_id).await;
+                return Attempt::PrefillFailed(format!("state_json: {e}"));
+            }
+        };
+        // Stream the first token before activating: it is the TTFT.
+        if tx.send(Ok(first)).await.is_err() {
+            self.release(lease_id).await;
+            return Attempt::Over;
+        }
+        match self.engine.activate(lease_id, state).await {
+            Ok(stream) => {
+                self.leases.remove(lease_id);
+                Attempt::Decoding(stream)
+            }
+            Err(e) => {
+                self.release(lease_id).await;
+                Attempt::Refused(Status::internal(format!(
+                    "cannot continue the request after its remote prefill: {e}"
+                )))
+            }
+        }
+    }
+
+    /// Frees a lease whose writer is known to have stopped.
+    async fn release(&self, lease_id: u64) {
+        if let Err(e) = self.engine.release_reservation(lease_id).await {
+            tracing::warn!(lease_id, "releasing a reservation: {e}");
+        }
+        self.leases.remove(lease_id);
+    }
+
+    /// Revokes a lease whose writer may still be writing: quarantine its blocks, then fence
+    /// the writer in the background and release only once it has provably stopped.
+    fn revoke(&self, lease_id: u64, epoch: u64, writer: &str) {
+        if self.leases.quarantine(lease_id).is_none() {
+            return;
+        }
+        tracing::info!(
+            lease_id,
+            epoch,
+            writer,
+            "lease revoked; blocks quarantined until the writer is fenced"
+        );
+        let client = self.client(writer).ok();
+        let engine = self.engine.clone();
+        let leases = self.leases.clone();
+        let owner = self.instance_id;
+        let writer = writer.to_owned();
+        let rpc_timeout = self.ttl.max(Duration::from_secs(5));
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(50);
+            let proof = loop {
+                if let Some(mut c) = client.clone() {
+                    let fence = c.fence_lease(FenceLeaseRequest {
+                        owner_instance_id: owner,
+                        lease_id,
+                        epoch,
+                    });
+                    match tokio::time::timeout(rpc_timeout, fence).await {
+                        Ok(Ok(_)) => break FenceProof::Acknowledged,
+                        Ok(Err(s)) => tracing::debug!(lease_id, "FenceLease: {s}"),
+                        Err(_) => tracing::debug!(lease_id, "FenceLease timed out"),
+                    }
+                }
+                if listener_gone(&writer).await {
+                    break FenceProof::WriterGone;
+                }
+                tracing::warn!(lease_id, %writer, "cannot fence the writer yet; lease stays quarantined");
+                // Retry pacing for a production fault path (not a test synchronisation).
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            };
+            count_fence(proof);
+            if let Err(e) = engine.release_reservation(lease_id).await {
+                tracing::warn!(lease_id, "releasing a fenced reservation: {e}");
+            }
+            leases.remove(lease_id);
+            tracing::info!(
+                lease_id,
+                proof = proof.label(),
+                "quarantined lease released"
+            );
+        });
+    }
+}
+
+/// Whether a Prefill error came from the prefill worker's handler after its writes stopped
+/// (the codes it answers with), as opposed to a transport failure that proves nothing.
+fn writer_stopped(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::InvalidArgument
+            | Code::FailedPrecondition
+            | Code::ResourceExhausted
+            | Code::Aborted
+            | Code::AlreadyExists
+            | Code::Unimplemented
+    )
+}
