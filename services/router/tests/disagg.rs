@@ -375,6 +375,26 @@ async fn equality(transport: &str) {
     for w in &d {
         assert_eq!(worker_stats(&addr(w)).await.prompt_tokens_computed, 0);
     }
+    // Transfers and leases show in metrics (Dynamo's TRT-LLM names for transfers).
+    let metrics = |p: &Proc| {
+        let url = format!("http://{}/metrics", field(&p.ready_line, "http="));
+        async move { reqwest::get(url).await.expect("metrics").text().await.expect("body") }
+    };
+    let pm = metrics(&p[0]).await;
+    for name in [
+        "trtllm_kv_transfer_success_total",
+        "trtllm_kv_transfer_latency_seconds",
+        "trtllm_kv_transfer_bytes",
+        "trtllm_kv_transfer_speed_gb_s",
+    ] {
+        assert!(pm.contains(name), "{name} missing from the prefill worker's metrics");
+    }
+    let dm = metrics(&d[0]).await;
+    assert!(
+        dm.contains("tandem_kv_leases{state=\"live\"} 0")
+            && dm.contains("tandem_kv_leases{state=\"quarantined\"} 0"),
+        "lease gauges missing: {dm}"
+    );
     let _ = std::fs::remove_dir_all(&disc);
 }
 
