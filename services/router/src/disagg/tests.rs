@@ -1,0 +1,376 @@
+//! Unit tests of the disaggregation decision and prefill planning.
+
+use super::*;
+
+const POLICY: DisaggPolicy = DisaggPolicy {
+    enforce: false,
+    prefill_threshold_tokens: 256,
+    decode_hit_ratio: 0.8,
+};
+const ENFORCED: DisaggPolicy = DisaggPolicy {
+    enforce: true,
+    ..POLICY
+};
+
+fn input(role: &str, prompt_len: usize, cached: usize, n: usize, prefill: usize) -> Decision {
+    input_with(&POLICY, role, prompt_len, cached, n, prefill)
+}
+
+fn input_with(
+    policy: &DisaggPolicy,
+    role: &str,
+    prompt_len: usize,
+    cached: usize,
+    n: usize,
+    prefill: usize,
+) -> Decision {
+    decide(
+        policy,
+        &DecisionInput {
+            decode_role: role,
+            prompt_len,
+            cached_tokens: cached,
+            n,
+            compatible_prefill: prefill,
+        },
+    )
+}
+
+use Decision::*;
+
+#[test]
+fn agg_workers_always_prefill_locally() {
+    assert_eq!(input("agg", 4096, 0, 1, 3), Local(LocalReason::AggWorker));
+    assert_eq!(
+        input_with(&ENFORCED, "agg", 4096, 0, 4, 0),
+        Local(LocalReason::AggWorker)
+    );
+    assert_eq!(input("", 4096, 0, 1, 3), Local(LocalReason::AggWorker));
+}
+
+#[test]
+fn pd_long_uncached_prompt_goes_remote() {
+    assert_eq!(
+        input("pd", 1024, 0, 1, 1),
+        Remote(RemoteReason::UncachedPrompt)
+    );
+    // Exactly the threshold of uncached tokens is enough.
+    assert_eq!(
+        input("pd", 256, 0, 1, 1),
+        Remote(RemoteReason::UncachedPrompt)
+    );
+}
+
+#[test]
+fn pd_local_shortcuts() {
+    assert_eq!(
+        input("pd", 1024, 0, 1, 0),
+        Local(LocalReason::NoPrefillWorker)
+    );
+    assert_eq!(input("pd", 255, 0, 1, 2), Local(LocalReason::ShortPrompt));
+    // 1024 prompt, 800 cached: 224 uncached < 256.
+    assert_eq!(
+        input("pd", 1024, 800, 1, 2),
+        Local(LocalReason::ShortPrompt)
+    );
+    // 4096 prompt, 3300 cached: 796 uncached, but 80.6% cached.
+    assert_eq!(
+        input("pd", 4096, 3300, 1, 2),
+        Local(LocalReason::DecodeCacheHit)
+    );
+    // 4096 prompt, 3200 cached: 78.1% < 80%.
+    assert_eq!(
+        input("pd", 4096, 3200, 1, 2),
+        Remote(RemoteReason::UncachedPrompt)
+    );
+    assert_eq!(
+        input("pd", 4096, 0, 2, 2),
+        Local(LocalReason::MultipleChoices)
+    );
+}
+
+#[test]
+fn thresholds_at_their_limits() {
+    let never_local = DisaggPolicy {
+        enforce: false,
+        prefill_threshold_tokens: 0,
+        decode_hit_ratio: 1.0,
+    };
+    assert_eq!(
+        input_with(&never_local, "pd", 1, 0, 1, 1),
+        Remote(RemoteReason::UncachedPrompt)
+    );
+    // Fully cached with ratio 1.0: the whole prompt is on D, prefill there.
+    let full = DisaggPolicy {
+        prefill_threshold_tokens: 0,
+        ..never_local
+    };
+    assert_eq!(
+        input_with(&full, "pd", 64, 64, 1, 1),
+        Local(LocalReason::DecodeCacheHit)
+    );
+    let always_local = DisaggPolicy {
+        decode_hit_ratio: 0.0,
+        ..never_local
+    };
+    assert_eq!(
+        input_with(&always_local, "pd", 4096, 0, 1, 1),
+        Local(LocalReason::DecodeCacheHit)
+    );
+    // Cached tokens over the prompt length (cannot happen, but must not underflow).
+    assert_eq!(input("pd", 100, 200, 1, 1), Local(LocalReason::ShortPrompt));
+}
+
+#[test]
+fn enforced_pd_has_no_shortcuts() {
+    assert_eq!(
+        input_with(&ENFORCED, "pd", 8, 8, 1, 1),
+        Remote(RemoteReason::Enforced)
+    );
+    assert_eq!(
+        input_with(&ENFORCED, "pd", 8, 0, 1, 0),
+        Refuse {
+            what: Refusal::NoPrefillWorker,
+            cause: RemoteReason::Enforced
+        }
+    );
+    assert_eq!(
+        input_with(&ENFORCED, "pd", 8, 0, 2, 1),
+        Refuse {
+            what: Refusal::MultipleChoices,
+            cause: RemoteReason::Enforced
+        }
+    );
+}
+
+#[test]
+fn decode_workers_are_always_disaggregated() {
+    assert_eq!(
+        input("decode", 8, 8, 1, 1),
+        Remote(RemoteReason::DecodeOnly)
+    );
+    assert_eq!(
+        input("decode", 4096, 0, 1, 0),
+        Refuse {
+            what: Refusal::NoPrefillWorker,
+            cause: RemoteReason::DecodeOnly
+        }
+    );
+    assert_eq!(
+        input("decode", 4096, 0, 3, 2),
+        Refuse {
+            what: Refusal::MultipleChoices,
+            cause: RemoteReason::DecodeOnly
+        }
+    );
+}
+
+fn entry(role: &str, layout: &str, id: u64) -> WorkerEntry {
+    WorkerEntry {
+        card: tandem_protocol::ModelCard {
+            served_model_name: "m".into(),
+            tokenizer_hash: "h".into(),
+            context_length: 4096,
+            kv_cache_block_size: 32,
+            kv_dtype: "float32".into(),
+            kv_layout_id: layout.into(),
+            total_kv_blocks: 100,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+            role: role.into(),
+            grpc_addr: format!("127.0.0.1:{}", 9000 + id),
+            http_addr: String::new(),
+            instance_id: id,
+            eos_token_ids: vec![],
+        },
+        client: crate::models::connect_lazy("127.0.0.1:1").expect("client"),
+    }
+}
+
+#[tokio::test]
+async fn refusal_errors_name_the_cause() {
+    let d = entry("pd", "L1", 7);
+    let e = refusal_error(Refusal::MultipleChoices, RemoteReason::Enforced, &d);
+    assert_eq!(e.status.as_u16(), 400);
+    assert_eq!(e.param.as_deref(), Some("n"));
+    assert_eq!(
+        e.message,
+        "n > 1 is not supported with disaggregated prefill/decode (--enforce-disagg)"
+    );
+    let e = refusal_error(Refusal::NoPrefillWorker, RemoteReason::Enforced, &d);
+    assert_eq!(e.status.as_u16(), 503);
+    assert!(e.message.contains("--enforce-disagg"), "{}", e.message);
+    assert!(e.message.contains("L1"), "{}", e.message);
+    let e = refusal_error(Refusal::NoPrefillWorker, RemoteReason::DecodeOnly, &d);
+    assert_eq!(e.status.as_u16(), 503);
+    assert!(e.message.contains("`decode` mode"), "{}", e.message);
+}
+
+#[tokio::test]
+async fn only_prefill_workers_of_the_same_layout_pair() {
+    let prefill = vec![
+        entry("prefill", "L1", 2),
+        entry("prefill", "L2", 3),
+        entry("prefill", "", 4),
+        entry("prefill", "L1", 5),
+    ];
+    let mut ids: Vec<u64> = compatible_prefill(&prefill, &entry("pd", "L1", 1))
+        .iter()
+        .map(|w| w.card.instance_id)
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, vec![2, 5]);
+    // A decode worker with no layout id pairs with nothing.
+    assert!(compatible_prefill(&prefill, &entry("pd", "", 9)).is_empty());
+}
+
+fn state(flags: &[&str]) -> AppState {
+    let args: Vec<String> = std::iter::once("tandem-router")
+        .chain(flags.iter().copied())
+        .map(String::from)
+        .collect();
+    let cfg = tandem_config::parse_router(&args, &|_| None).expect("config");
+    let kv = || {
+        std::sync::Arc::new(tandem_kv_router::KvRouter::new(
+            crate::app::kv_router_config(&cfg).expect("kv config"),
+            Some(7),
+        ))
+    };
+    AppState {
+        registry: Default::default(),
+        kv: kv(),
+        prefill_kv: kv(),
+        dumps: Default::default(),
+        config: std::sync::Arc::new(cfg),
+    }
+}
+
+fn selection(worker_id: u64, cached_tokens: usize, prompt_len: usize) -> Selection {
+    Selection {
+        worker_id,
+        mode: tandem_kv_router::RouterMode::Kv,
+        overlap_blocks: (cached_tokens / 32) as u32,
+        cached_tokens,
+        new_prefill_tokens: prompt_len - cached_tokens,
+        logit: None,
+    }
+}
+
+fn view(decode: WorkerEntry, prefill: Vec<WorkerEntry>) -> ModelView {
+    let dir = std::env::temp_dir().join(format!("tandem-router-disagg-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+           "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
+           "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"<unk>":1},
+           "unk_token":"<unk>"}}"#,
+    )
+    .expect("write");
+    let tokenizer = tandem_engine::tokenizer::Tokenizer::load(&dir).expect("tokenizer");
+    let _ = std::fs::remove_dir_all(&dir);
+    ModelView {
+        name: "m".into(),
+        assets: std::sync::Arc::new(crate::models::ModelAssets {
+            tokenizer,
+            template: None,
+            hash: "h".into(),
+        }),
+        workers: vec![decode],
+        prefill,
+    }
+}
+
+#[tokio::test]
+async fn plan_orders_prefill_workers_and_records_the_best() {
+    let st = state(&[]);
+    let prefill: Vec<WorkerEntry> = [2, 3, 4, 5]
+        .into_iter()
+        .map(|id| entry("prefill", "L1", id))
+        .chain([entry("prefill", "L2", 6)])
+        .collect();
+    let v = view(entry("pd", "L1", 1), prefill);
+    let prompt: Vec<u32> = (0..1024).collect();
+    let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, 32);
+    // Workers 2 and 3 are already busy prefilling other prompts: they come last.
+    let infos: Vec<WorkerInfo> = v.prefill.iter().map(worker_info).collect();
+    for (rid, id) in [("other-2", 2), ("other-3", 3)] {
+        st.prefill_kv
+            .route(
+                rid,
+                &hashes[..8],
+                256,
+                &infos,
+                &SelectOptions {
+                    worker_id: Some(id),
+                    ..Default::default()
+                },
+            )
+            .ok();
+    }
+    let loaded: Vec<u64> = [2, 3, 4, 5]
+        .into_iter()
+        .filter(|id| st.prefill_kv.worker_load(*id).active_requests > 0)
+        .collect();
+    let d = &v.workers[0];
+    let targets = plan(&st, &v, d, &selection(1, 0, 1024), "r1", &hashes, 1024, 1).expect("plan");
+    let ids: Vec<u64> = targets.iter().map(|t| t.instance_id).collect();
+    assert_eq!(ids.len(), MAX_PREFILL_CANDIDATES, "{ids:?}");
+    assert!(!ids.contains(&6), "another KV layout was paired: {ids:?}");
+    let mut unique = ids.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+    assert!(
+        !loaded.contains(&ids[0]),
+        "a loaded worker came first: {ids:?} {loaded:?}"
+    );
+    assert_eq!(targets[0].grpc_addr, format!("127.0.0.1:{}", 9000 + ids[0]));
+    // The request is recorded on the best prefill worker only.
+    let before = if loaded.contains(&ids[0]) { 1 } else { 0 };
+    assert_eq!(
+        st.prefill_kv.worker_load(ids[0]).active_requests,
+        before + 1
+    );
+    assert!(st.prefill_kv.free("r1"));
+
+    // A short prompt stays on the decode worker and records nothing.
+    let short: Vec<u32> = (0..40).collect();
+    let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
+    let t = plan(&st, &v, d, &selection(1, 0, 40), "r2", &h, 40, 1).expect("plan");
+    assert!(t.is_empty());
+    assert!(!st.prefill_kv.free("r2"));
+    // An agg worker never disaggregates.
+    let agg = entry("agg", "L1", 9);
+    let t = plan(
+        &st,
+        &v,
+        &agg,
+        &selection(9, 0, 1024),
+        "r3",
+        &hashes,
+        1024,
+        1,
+    )
+    .expect("plan");
+    assert!(t.is_empty());
+}
+
+#[tokio::test]
+async fn enforced_plan_refuses_what_cannot_run_disaggregated() {
+    let st = state(&["--enforce-disagg"]);
+    let v = view(entry("pd", "L1", 1), vec![entry("prefill", "L2", 2)]);
+    let short: Vec<u32> = (0..8).collect();
+    let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
+    let d = &v.workers[0];
+    let e = plan(&st, &v, d, &selection(1, 8, 8), "r1", &h, 8, 1).expect_err("no layout");
+    assert_eq!(e.status.as_u16(), 503);
+    assert!(e.message.contains("--enforce-disagg"), "{}", e.message);
+    let v = view(entry("pd", "L1", 1), vec![entry("prefill", "L1", 2)]);
+    let t = plan(&st, &v, &v.workers[0], &selection(1, 8, 8), "r2", &h, 8, 1).expect("plan");
+    assert_eq!(t.len(), 1);
+    assert_eq!(t[0].instance_id, 2);
+    let e = plan(&st, &v, &v.workers[0], &selection(1, 0, 8), "r3", &h, 8, 2).expect_err("n");
+    assert_eq!(e.status.as_u16(), 400);
+    assert_eq!(e.param.as_deref(), Some("n"));
+}
