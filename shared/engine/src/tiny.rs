@@ -9,6 +9,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use sha2::{Digest, Sha256};
 
 use crate::error::EngineError;
+use crate::model::config::{Family, ModelConfig};
 use crate::model::weights::hex;
 
 /// Bump when the generator's output changes; the cache folder name carries it.
@@ -67,6 +68,168 @@ pub const SHAPE_CHECK: TinyDims = TinyDims {
 pub const SHAPE_CHECK_SEED: u64 = 0x7a4d_656d_2024_0002;
 /// Bump when the shape-check model's generator output changes.
 pub const SHAPE_CHECK_VERSION: u32 = 1;
+
+/// Bump when a family model's generator output changes (the cache folder names carry it).
+pub const FAMILY_MODEL_VERSION: u32 = 1;
+
+/// The tiny random model of each family, checked against transformers like the tiny Qwen3
+/// (`tests/family_goldens.rs`). Vocab 1,024 (prompts are id lists; the folder carries the
+/// Qwen3 tokenizer only because the loader wants one); each family's model exercises what it
+/// adds to the decoder:
+/// - qwen2: q/k/v biases, no q/k norm, no `head_dim` key (hidden / heads), tied lm_head, an
+///   inactive sliding window (`use_sliding_window: false`);
+/// - llama3: `rope_scaling` of type llama3 with `original_max_position_embeddings` 64, so that
+///   all three frequency bands (kept, interpolated, divided by 8) occur within short prompts;
+///   4 query heads per KV head; untied lm_head;
+/// - mistral: a sliding window of 8 positions (far shorter than the prompts), `head_dim` 32 ≠
+///   hidden / heads (as Mistral Nemo); untied lm_head.
+pub fn family_dims(family: Family) -> TinyDims {
+    let base = TinyDims {
+        hidden: 64,
+        intermediate: 128,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        vocab: 1024,
+        tied: false,
+    };
+    match family {
+        Family::Qwen3 => TINY,
+        Family::Qwen2 => TinyDims { tied: true, ..base },
+        Family::Llama => TinyDims {
+            intermediate: 160,
+            kv_heads: 1,
+            ..base
+        },
+        Family::Mistral => TinyDims {
+            head_dim: 32,
+            ..base
+        },
+    }
+}
+
+/// Seed of a family model's weights.
+pub fn family_seed(family: Family) -> u64 {
+    0x7a4d_656d_2024_0100
+        + match family {
+            Family::Qwen3 => 0,
+            Family::Qwen2 => 1,
+            Family::Llama => 2,
+            Family::Mistral => 3,
+        }
+}
+
+/// The short name of a family (`tandem model tiny --family NAME`, cache folders, goldens).
+pub fn family_name(family: Family) -> &'static str {
+    match family {
+        Family::Qwen3 => "qwen3",
+        Family::Qwen2 => "qwen2",
+        Family::Llama => "llama3",
+        Family::Mistral => "mistral",
+    }
+}
+
+/// The family of a short name ([`family_name`]).
+pub fn family_by_name(name: &str) -> Option<Family> {
+    Family::ALL.into_iter().find(|f| family_name(*f) == name)
+}
+
+/// `config.json` of a family's model with these dimensions, shaped like the family's real
+/// configs on the Hub.
+pub fn family_config_json(family: Family, d: &TinyDims, dtype: &str) -> serde_json::Value {
+    if family == Family::Qwen3 {
+        return qwen3_config_json(d, dtype);
+    }
+    let mut c = serde_json::json!({
+        "architectures": [family.architecture()],
+        "model_type": family.model_type(),
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": d.intermediate,
+        "num_attention_heads": d.heads,
+        "num_hidden_layers": d.layers,
+        "num_key_value_heads": d.kv_heads,
+        "tie_word_embeddings": d.tied,
+        "torch_dtype": dtype,
+        "use_cache": true,
+        "vocab_size": d.vocab
+    });
+    let extra = match family {
+        Family::Qwen2 => serde_json::json!({
+            "max_position_embeddings": 32768,
+            "max_window_layers": d.layers,
+            "rms_norm_eps": 1e-6,
+            "rope_scaling": null,
+            "rope_theta": 1000000.0,
+            "sliding_window": 4096,
+            "use_sliding_window": false
+        }),
+        Family::Llama => serde_json::json!({
+            "attention_bias": false,
+            "head_dim": d.head_dim,
+            "max_position_embeddings": 131072,
+            "mlp_bias": false,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-5,
+            "rope_scaling": {
+                "factor": 8.0,
+                "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 64,
+                "rope_type": "llama3"
+            },
+            "rope_theta": 500000.0
+        }),
+        _ => serde_json::json!({
+            "head_dim": d.head_dim,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "sliding_window": 8
+        }),
+    };
+    if let (Some(c), Some(e)) = (c.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    c
+}
+
+/// Writes a family's tiny model ([`family_dims`], f32) into `out_dir`, with the tokenizer
+/// files when `with_tokenizer` (the engine's loader wants them; transformers needs only the
+/// weights). Qwen3's is the tiny model itself.
+pub fn write_family_model(
+    family: Family,
+    out_dir: &Path,
+    with_tokenizer: bool,
+) -> Result<(), EngineError> {
+    if family == Family::Qwen3 {
+        return write_tiny_model(out_dir);
+    }
+    let cfg = family_config_json(family, &family_dims(family), "float32");
+    write_random_model(out_dir, &cfg, family_seed(family), WeightDtype::F32)?;
+    if with_tokenizer {
+        copy_tokenizer_files(&ensure_tokenizer_files()?, out_dir)?;
+    }
+    Ok(())
+}
+
+/// A family's tiny model folder in the cache (with tokenizer files), built if absent.
+pub fn ensure_family_model(family: Family) -> Result<PathBuf, EngineError> {
+    if family == Family::Qwen3 {
+        return ensure_tiny_model();
+    }
+    let dir = cache_dir().join(format!(
+        "tiny-{}-v{FAMILY_MODEL_VERSION}",
+        family_name(family)
+    ));
+    build_once(&dir, |tmp| write_family_model(family, tmp, true))?;
+    Ok(dir)
+}
 
 /// Element type of a written checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,6 +294,9 @@ pub fn random_tensor(seed: u64, name: &str, n: usize, mean: f32, std: f32) -> Ve
 pub fn random_init(name: &str, shape: &[usize]) -> (f32, f32) {
     if name.ends_with("norm.weight") {
         (1.0, 0.1)
+    } else if name.ends_with(".bias") {
+        // Large enough to matter against the O(1) projections (Qwen2's k biases are large).
+        (0.0, 0.3)
     } else if name.contains("embed_tokens") || name.starts_with("lm_head") {
         (0.0, 0.1)
     } else {
@@ -139,33 +305,50 @@ pub fn random_init(name: &str, shape: &[usize]) -> (f32, f32) {
     }
 }
 
-/// The tensor names and shapes of a Qwen3 model with tied embeddings.
+/// The tensor names and shapes of a Qwen3 model with these dimensions.
 pub fn qwen3_tensor_shapes(d: &TinyDims) -> Vec<(String, Vec<usize>)> {
-    let (h, hd) = (d.hidden, d.head_dim);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![d.vocab, h])];
-    for l in 0..d.layers {
+    let json = serde_json::to_vec(&qwen3_config_json(d, "float32")).unwrap_or_default();
+    match ModelConfig::parse(&json, Path::new("<qwen3>")) {
+        Ok(cfg) => tensor_shapes(&cfg),
+        Err(_) => vec![],
+    }
+}
+
+/// The tensor names and shapes (Hugging Face names) of a decoder model with this config:
+/// biases and q/k norms as its family has them.
+pub fn tensor_shapes(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, hd, im) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let mut v = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![c.vocab_size, h],
+    )];
+    for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}.");
-        v.push((format!("{p}input_layernorm.weight"), vec![h]));
-        v.push((format!("{p}self_attn.q_proj.weight"), vec![d.heads * hd, h]));
-        v.push((
-            format!("{p}self_attn.k_proj.weight"),
-            vec![d.kv_heads * hd, h],
-        ));
-        v.push((
-            format!("{p}self_attn.v_proj.weight"),
-            vec![d.kv_heads * hd, h],
-        ));
-        v.push((format!("{p}self_attn.o_proj.weight"), vec![h, d.heads * hd]));
-        v.push((format!("{p}self_attn.q_norm.weight"), vec![hd]));
-        v.push((format!("{p}self_attn.k_norm.weight"), vec![hd]));
-        v.push((format!("{p}post_attention_layernorm.weight"), vec![h]));
-        v.push((format!("{p}mlp.gate_proj.weight"), vec![d.intermediate, h]));
-        v.push((format!("{p}mlp.up_proj.weight"), vec![d.intermediate, h]));
-        v.push((format!("{p}mlp.down_proj.weight"), vec![h, d.intermediate]));
+        let mut push = |name: &str, shape: Vec<usize>| v.push((format!("{p}{name}"), shape));
+        push("input_layernorm.weight", vec![h]);
+        for (proj, rows) in [("q", qd), ("k", kvd), ("v", kvd)] {
+            push(&format!("self_attn.{proj}_proj.weight"), vec![rows, h]);
+            if c.qkv_bias {
+                push(&format!("self_attn.{proj}_proj.bias"), vec![rows]);
+            }
+        }
+        push("self_attn.o_proj.weight", vec![h, qd]);
+        if c.o_bias {
+            push("self_attn.o_proj.bias", vec![h]);
+        }
+        if c.qk_norm {
+            push("self_attn.q_norm.weight", vec![hd]);
+            push("self_attn.k_norm.weight", vec![hd]);
+        }
+        push("post_attention_layernorm.weight", vec![h]);
+        push("mlp.gate_proj.weight", vec![im, h]);
+        push("mlp.up_proj.weight", vec![im, h]);
+        push("mlp.down_proj.weight", vec![h, im]);
     }
     v.push(("model.norm.weight".to_string(), vec![h]));
-    if !d.tied {
-        v.push(("lm_head.weight".to_string(), vec![d.vocab, h]));
+    if !c.tie_word_embeddings {
+        v.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
     }
     v
 }
@@ -235,8 +418,26 @@ pub fn write_random_qwen3(
     seed: u64,
     dtype: WeightDtype,
 ) -> Result<(), EngineError> {
+    let torch_dtype = match dtype {
+        WeightDtype::F32 => "float32",
+        WeightDtype::Bf16 => "bfloat16",
+    };
+    write_random_model(out_dir, &qwen3_config_json(dims, torch_dtype), seed, dtype)
+}
+
+/// Writes a random checkpoint of any supported family for this `config.json` (weights from
+/// [`random_tensor`] with [`random_init`], the tensors of [`tensor_shapes`]), the config and
+/// `generation_config.json` into `out_dir`.
+pub fn write_random_model(
+    out_dir: &Path,
+    cfg: &serde_json::Value,
+    seed: u64,
+    dtype: WeightDtype,
+) -> Result<(), EngineError> {
     std::fs::create_dir_all(out_dir).map_err(|e| EngineError::io(out_dir, e))?;
-    let shapes = qwen3_tensor_shapes(dims);
+    let cfg_bytes = pretty(cfg);
+    let parsed = ModelConfig::parse(&cfg_bytes, &out_dir.join("config.json"))?;
+    let shapes = tensor_shapes(&parsed);
     let data: Vec<(String, Vec<usize>, Vec<u8>)> = shapes
         .into_iter()
         .map(|(name, shape)| {
@@ -274,12 +475,7 @@ pub fn write_random_qwen3(
         message: e.to_string(),
     })?;
     write_file(&st_path, &bytes)?;
-    let torch_dtype = match dtype {
-        WeightDtype::F32 => "float32",
-        WeightDtype::Bf16 => "bfloat16",
-    };
-    let cfg = qwen3_config_json(dims, torch_dtype);
-    write_file(&out_dir.join("config.json"), &pretty(&cfg))?;
+    write_file(&out_dir.join("config.json"), &cfg_bytes)?;
     let gen = serde_json::json!({
         "bos_token_id": 151643,
         "do_sample": true,

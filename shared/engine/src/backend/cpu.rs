@@ -8,8 +8,9 @@ use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
-use crate::model::qwen3::{self, KvStore, Qwen3Weights};
+use crate::model::decoder::{self, KvStore};
 use crate::model::LoadedModel;
+use crate::model::Qwen3Weights;
 
 /// Default cap of the CPU KV pool when no size is configured: 4 GiB.
 pub const DEFAULT_CPU_KV_CAP_BYTES: u64 = 4 << 30;
@@ -320,7 +321,7 @@ impl Backend for CpuBackend {
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
         self.check_batch(batch)?;
         let bs = self.kv.layout.block_size;
-        qwen3::forward(&self.config, &self.weights, &mut self.kv, bs, batch)
+        decoder::forward(&self.config, &self.weights, &mut self.kv, bs, batch)
     }
 
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {

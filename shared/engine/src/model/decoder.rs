@@ -1,13 +1,15 @@
-//! The Qwen3 dense forward pass over a paged KV cache: embedding, per layer RMSNorm → fused
-//! q/k/v projection → per-head q_norm/k_norm → RoPE → grouped-query attention over the cached
-//! prefix and the new tokens → o_proj → residual → RMSNorm → SwiGLU MLP → residual, then the
-//! final norm and the (optionally tied) lm_head. Matches Hugging Face's `Qwen3ForCausalLM`.
+//! The dense Llama-like decoder forward pass over a paged KV cache, for every
+//! [`Family`](crate::model::config::Family): embedding, per layer RMSNorm → fused q/k/v
+//! projection (+ bias: Qwen2, `attention_bias`) → per-head q_norm/k_norm (Qwen3) → RoPE (plain
+//! or llama3-scaled) → grouped-query attention over the cached prefix and the new tokens (within
+//! the sliding window: Mistral) → o_proj (+ bias) → residual → RMSNorm → SwiGLU MLP → residual,
+//! then the final norm and the (optionally tied) lm_head. Matches Hugging Face's
+//! `Qwen3ForCausalLM`, `Qwen2ForCausalLM`, `LlamaForCausalLM` and `MistralForCausalLM`.
 
 use rayon::prelude::*;
 
 use crate::backend::cpu_ops::{
-    dot, matmul_t, rms_norm_rows, rms_norm_rows_inplace, rope_apply, rope_inv_freq, silu_mul,
-    Matrix,
+    dot, matmul_t, rms_norm_rows, rms_norm_rows_inplace, rope_apply, silu_mul, Matrix,
 };
 use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
@@ -16,23 +18,27 @@ use crate::model::config::ModelConfig;
 use crate::model::weights::Weights;
 
 /// One decoder layer's weights in the `[out, in]` layout of the checkpoint (matrices f32 or
-/// bf16 as stored, norms f32). q/k/v and gate/up are concatenated along `out` so that each is
-/// one GEMM.
+/// bf16 as stored, norms and biases f32). q/k/v and gate/up are concatenated along `out` so
+/// that each is one GEMM.
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     /// `[q_heads*head_dim + 2*kv_heads*head_dim, hidden]`: rows of q, then k, then v.
     pub qkv: Matrix,
-    pub q_norm: Vec<f32>,
-    pub k_norm: Vec<f32>,
+    /// q, k and v biases concatenated like `qkv`'s rows, when the family has them.
+    pub qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of q and k (Qwen3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
     pub o_proj: Matrix,
+    pub o_bias: Option<Vec<f32>>,
     pub post_norm: Vec<f32>,
     /// `[2*intermediate, hidden]`: rows of gate, then up.
     pub gate_up: Matrix,
     pub down: Matrix,
 }
 
-/// All weights of a Qwen3 model.
-pub struct Qwen3Weights {
+/// All weights of a decoder model.
+pub struct DecoderWeights {
     pub embed: Matrix,
     pub layers: Vec<LayerWeights>,
     pub norm: Vec<f32>,
@@ -40,7 +46,7 @@ pub struct Qwen3Weights {
     pub lm_head: Option<Matrix>,
 }
 
-impl Qwen3Weights {
+impl DecoderWeights {
     /// Loads from a mapped checkpoint, with Hugging Face tensor names.
     pub fn load(cfg: &ModelConfig, weights: &Weights) -> Result<Self, EngineError> {
         Self::from_source(cfg, |name, shape| weights.tensor_matrix(name, shape))
@@ -67,6 +73,23 @@ impl Qwen3Weights {
                 get(&format!("{p}self_attn.k_proj.weight"), &[kvd, h])?,
                 get(&format!("{p}self_attn.v_proj.weight"), &[kvd, h])?,
             ]);
+            let qkv_bias = if cfg.qkv_bias {
+                let mut b = get(&format!("{p}self_attn.q_proj.bias"), &[qd])?.into_f32();
+                b.extend(get(&format!("{p}self_attn.k_proj.bias"), &[kvd])?.into_f32());
+                b.extend(get(&format!("{p}self_attn.v_proj.bias"), &[kvd])?.into_f32());
+                Some(b)
+            } else {
+                None
+            };
+            let mut vector = |name: &str, len: usize, on: bool| -> Result<_, EngineError> {
+                Ok(match on {
+                    true => Some(get(&format!("{p}{name}"), &[len])?.into_f32()),
+                    false => None,
+                })
+            };
+            let q_norm = vector("self_attn.q_norm.weight", hd, cfg.qk_norm)?;
+            let k_norm = vector("self_attn.k_norm.weight", hd, cfg.qk_norm)?;
+            let o_bias = vector("self_attn.o_proj.bias", h, cfg.o_bias)?;
             let gate_up = Matrix::concat(vec![
                 get(&format!("{p}mlp.gate_proj.weight"), &[im, h])?,
                 get(&format!("{p}mlp.up_proj.weight"), &[im, h])?,
@@ -74,9 +97,11 @@ impl Qwen3Weights {
             layers.push(LayerWeights {
                 input_norm: get(&format!("{p}input_layernorm.weight"), &[h])?.into_f32(),
                 qkv,
-                q_norm: get(&format!("{p}self_attn.q_norm.weight"), &[hd])?.into_f32(),
-                k_norm: get(&format!("{p}self_attn.k_norm.weight"), &[hd])?.into_f32(),
+                qkv_bias,
+                q_norm,
+                k_norm,
                 o_proj: get(&format!("{p}self_attn.o_proj.weight"), &[h, qd])?,
+                o_bias,
                 post_norm: get(&format!("{p}post_attention_layernorm.weight"), &[h])?.into_f32(),
                 gate_up,
                 down: get(&format!("{p}mlp.down_proj.weight"), &[h, im])?,
@@ -88,7 +113,7 @@ impl Qwen3Weights {
         } else {
             Some(get("lm_head.weight", &[cfg.vocab_size, h])?)
         };
-        Ok(Qwen3Weights {
+        Ok(DecoderWeights {
             embed,
             layers,
             norm,
@@ -129,7 +154,7 @@ struct TokenRef {
 /// cover every position, block ids are in the pool).
 pub fn forward(
     cfg: &ModelConfig,
-    w: &Qwen3Weights,
+    w: &DecoderWeights,
     store: &mut impl KvStore,
     block_size: usize,
     batch: &[SeqInput<'_>],
@@ -144,7 +169,8 @@ pub fn forward(
     let qkv_w = qd + 2 * kvd;
     let im = cfg.intermediate_size;
     let eps = cfg.rms_norm_eps;
-    let inv_freq = rope_inv_freq(hd, cfg.rope_theta);
+    let inv_freq = cfg.rope_inv_freq();
+    let window = cfg.sliding_window.unwrap_or(usize::MAX);
     let scale = 1.0 / (hd as f32).sqrt();
 
     let tokens: Vec<TokenRef> = batch
@@ -186,19 +212,23 @@ pub fn forward(
         rms_norm_rows(&x, &lw.input_norm, eps, &mut normed);
         matmul_t(&normed, t, h, lw.qkv.as_ref(), qkv_w, &mut qkv);
 
-        // Per-head norms and RoPE on q and k, then store this step's k and v in the pool.
+        // Biases, per-head norms and RoPE on q and k, then store this step's k and v in the
+        // pool.
         qkv.par_chunks_exact_mut(qkv_w)
             .zip(tokens.par_iter())
             .for_each(|(row, tr)| {
+                if let Some(b) = &lw.qkv_bias {
+                    add_in_place(row, b);
+                }
                 let (q, kv) = row.split_at_mut(qd);
                 let k = &mut kv[..kvd];
-                for head in q.chunks_exact_mut(hd) {
-                    rms_norm_rows_inplace(head, &lw.q_norm, eps);
-                    rope_apply(head, tr.pos, &inv_freq);
-                }
-                for head in k.chunks_exact_mut(hd) {
-                    rms_norm_rows_inplace(head, &lw.k_norm, eps);
-                    rope_apply(head, tr.pos, &inv_freq);
+                for (heads, norm) in [(q, &lw.q_norm), (k, &lw.k_norm)] {
+                    for head in heads.chunks_exact_mut(hd) {
+                        if let Some(norm) = norm {
+                            rms_norm_rows_inplace(head, norm, eps);
+                        }
+                        rope_apply(head, tr.pos, &inv_freq);
+                    }
                 }
             });
         for (row, tr) in qkv.chunks_exact(qkv_w).zip(&tokens) {
@@ -210,8 +240,9 @@ pub fn forward(
         }
 
         // Attention: one task per (token, query head); each reads its sequence's cached
-        // positions 0..=pos from the pool (the prefix from earlier steps and this step's
-        // tokens alike), so chunked prefill and decode take the same path.
+        // positions from the pool (the prefix from earlier steps and this step's tokens alike),
+        // so chunked prefill and decode take the same path. With a sliding window of w, the
+        // token at pos sees pos+1-w..=pos (transformers' `kv_idx > q_idx - w`).
         let store_ref = &*store;
         attn.par_chunks_exact_mut(hd).enumerate().for_each_init(
             || (Vec::new(), vec![0.0f32; hd]),
@@ -221,10 +252,10 @@ pub fn forward(
                 let kvh = head / group;
                 let q = &qkv[ti * qkv_w + head * hd..ti * qkv_w + (head + 1) * hd];
                 let table = batch[tr.seq].block_table;
-                let n = tr.pos + 1;
+                let lo = (tr.pos + 1).saturating_sub(window);
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
-                for p in 0..n {
+                for p in lo..=tr.pos {
                     let kv = store_ref.read_head(
                         l,
                         table[p / block_size] as usize,
@@ -243,7 +274,7 @@ pub fn forward(
                     sum += *s;
                 }
                 out.fill(0.0);
-                for (p, s) in scores.iter().enumerate() {
+                for (p, s) in (lo..).zip(scores.iter()) {
                     let v = store_ref.read_head(
                         l,
                         table[p / block_size] as usize,
@@ -261,6 +292,10 @@ pub fn forward(
         );
 
         matmul_t(&attn, t, qd, lw.o_proj.as_ref(), h, &mut proj);
+        if let Some(b) = &lw.o_bias {
+            proj.chunks_exact_mut(h)
+                .for_each(|row| add_in_place(row, b));
+        }
         add_in_place(&mut x, &proj);
 
         rms_norm_rows(&x, &lw.post_norm, eps, &mut normed);

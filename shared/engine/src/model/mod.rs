@@ -2,8 +2,8 @@
 //! together into a [`LoadedModel`].
 
 pub mod config;
+pub mod decoder;
 pub mod generation_config;
-pub mod qwen3;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -13,9 +13,11 @@ use sha2::{Digest, Sha256};
 
 use crate::error::EngineError;
 use crate::tokenizer::{tokenizer_hash, ChatTemplate, Tokenizer};
-pub use config::ModelConfig;
+pub use config::{Family, ModelConfig};
+pub use decoder::DecoderWeights;
 pub use generation_config::GenerationConfig;
-pub use qwen3::Qwen3Weights;
+/// The former name of [`DecoderWeights`] (Qwen3 was the first family).
+pub type Qwen3Weights = DecoderWeights;
 pub use weights::Weights;
 
 /// What [`LoadedModel::load`] loads.
@@ -38,7 +40,7 @@ pub struct LoadedModel {
     pub config: ModelConfig,
     /// f32 compute weights, shared by every backend made from this model.
     /// Empty (no layers) when loaded with `LoadOptions { weights: false }`.
-    pub weights: Arc<Qwen3Weights>,
+    pub weights: Arc<DecoderWeights>,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub generation_config: GenerationConfig,
@@ -73,9 +75,9 @@ impl LoadedModel {
         let chat_template = ChatTemplate::load(path)?;
         let generation_config = GenerationConfig::load(path)?;
         let weights = if opts.weights {
-            Qwen3Weights::load(&config, &mapped)?
+            DecoderWeights::load(&config, &mapped)?
         } else {
-            Qwen3Weights {
+            DecoderWeights {
                 embed: crate::backend::cpu_ops::Matrix::F32(vec![]),
                 layers: vec![],
                 norm: vec![],
