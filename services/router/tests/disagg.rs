@@ -378,7 +378,14 @@ async fn equality(transport: &str) {
     // Transfers and leases show in metrics (Dynamo's TRT-LLM names for transfers).
     let metrics = |p: &Proc| {
         let url = format!("http://{}/metrics", field(&p.ready_line, "http="));
-        async move { reqwest::get(url).await.expect("metrics").text().await.expect("body") }
+        async move {
+            reqwest::get(url)
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("body")
+        }
     };
     let pm = metrics(&p[0]).await;
     for name in [
@@ -387,7 +394,10 @@ async fn equality(transport: &str) {
         "trtllm_kv_transfer_bytes",
         "trtllm_kv_transfer_speed_gb_s",
     ] {
-        assert!(pm.contains(name), "{name} missing from the prefill worker's metrics");
+        assert!(
+            pm.contains(name),
+            "{name} missing from the prefill worker's metrics"
+        );
     }
     let dm = metrics(&d[0]).await;
     assert!(
