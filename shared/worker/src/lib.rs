@@ -16,4 +16,4 @@ pub mod transport;
 
 pub use engine_setup::{build_engine, build_engine_on, build_engine_with, BuiltEngine};
 pub use grpc::WorkerService;
-pub use serve::{run, run_with, EngineBuilder};
+pub use serve::{run, run_with, run_with_transfer, EngineBuilder, KvTransfer};

@@ -23,6 +23,7 @@ use tokio::sync::{oneshot, watch, Notify};
 use tonic::Status;
 
 use crate::grpc::to_proto;
+use crate::transport::{KvWriter, SimulatedLink};
 
 /// Fenced leases remembered (so a Prefill arriving after its fence is refused).
 const FENCED_MEMORY: usize = 65_536;
@@ -57,7 +58,7 @@ impl Fenced {
 
 pub struct PrefillSide {
     engine: EngineHandle,
-    transport: Arc<AnyTransport>,
+    writer: KvWriter,
     layout_id: String,
     block_bytes: usize,
     connections: tokio::sync::Mutex<HashMap<PeerAddress, Arc<AnyConnection>>>,
@@ -76,12 +77,23 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// Where one lease's blocks go: a transport connection, or the simulated link.
+enum Link {
+    Real(Arc<AnyConnection>),
+    Simulated(Arc<SimulatedLink>),
+}
+
 impl PrefillSide {
     pub fn new(engine: EngineHandle, transport: Arc<AnyTransport>, layout_id: String) -> Self {
+        Self::with_writer(engine, KvWriter::Transport(transport), layout_id)
+    }
+
+    /// A prefill side whose writes go through `writer` (the transport, or a simulated link).
+    pub fn with_writer(engine: EngineHandle, writer: KvWriter, layout_id: String) -> Self {
         let block_bytes = engine.layout().block_bytes();
         PrefillSide {
             engine,
-            transport,
+            writer,
             layout_id,
             block_bytes,
             connections: tokio::sync::Mutex::new(HashMap::new()),
@@ -173,11 +185,17 @@ impl PrefillSide {
     }
 
     async fn connection(&self, peer: &PeerAddress) -> Result<Arc<AnyConnection>, Status> {
+        let transport = match &self.writer {
+            KvWriter::Transport(t) => t,
+            KvWriter::Simulated(_) => {
+                return Err(Status::internal("a simulated writer has no connections"))
+            }
+        };
         let mut m = self.connections.lock().await;
         if let Some(c) = m.get(peer) {
             return Ok(c.clone());
         }
-        let c = Arc::new(self.transport.connect(peer).await.map_err(|e| {
+        let c = Arc::new(transport.connect(peer).await.map_err(|e| {
             Status::aborted(format!(
                 "cannot connect to the decode worker's KV transport: {e}"
             ))
@@ -209,7 +227,10 @@ impl PrefillSide {
             .prefill(request, first_block)
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let conn = self.connection(&region.peer).await?;
+        let link = match &self.writer {
+            KvWriter::Transport(_) => Link::Real(self.connection(&region.peer).await?),
+            KvWriter::Simulated(s) => Link::Simulated(s.clone()),
+        };
         let bb = self.block_bytes;
         let mut sent_blocks = 0usize;
         let mut sent_bytes = 0u64;
@@ -246,24 +267,39 @@ impl PrefillSide {
                             first_block + want
                         )));
                     }
-                    let data = Bytes::from(data);
-                    let puts: Vec<Put> = (0..n)
-                        .map(|j| Put {
-                            local: data.slice(j * bb..(j + 1) * bb),
-                            offset: lease.block_offsets[at + j - first_block],
-                        })
-                        .collect();
-                    crate::failpoints::prefill_hold(&request_id, at + n - 1).await;
-                    if let Err(e) = conn.write(&region, puts).await {
-                        self.forget_connection(&region.peer).await;
-                        return Err(Status::aborted(format!(
-                            "writing KV blocks to the decode worker failed: {e}"
-                        )));
-                    }
+                    let offsets = &lease.block_offsets[at - first_block..at + n - first_block];
+                    let written = match &link {
+                        Link::Real(conn) => {
+                            let data = Bytes::from(data);
+                            let puts: Vec<Put> = (0..n)
+                                .map(|j| Put {
+                                    local: data.slice(j * bb..(j + 1) * bb),
+                                    offset: offsets[j],
+                                })
+                                .collect();
+                            crate::failpoints::prefill_hold(&request_id, at + n - 1).await;
+                            if let Err(e) = conn.write(&region, puts).await {
+                                self.forget_connection(&region.peer).await;
+                                return Err(Status::aborted(format!(
+                                    "writing KV blocks to the decode worker failed: {e}"
+                                )));
+                            }
+                            data.len() as u64
+                        }
+                        Link::Simulated(sim) => {
+                            // No bytes move: the export is dropped unread.
+                            drop(data);
+                            crate::failpoints::prefill_hold(&request_id, at + n - 1).await;
+                            sim.write(&region, offsets, bb as u64).await.map_err(|e| {
+                                Status::aborted(format!(
+                                    "writing KV blocks to the decode worker failed: {e}"
+                                ))
+                            })?
+                        }
+                    };
                     sent_blocks += n;
-                    sent_bytes += data.len() as u64;
-                    self.bytes_sent
-                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                    sent_bytes += written;
+                    self.bytes_sent.fetch_add(written, Ordering::Relaxed);
                 }
                 Some(PrefillEvent::Done { output, state }) => {
                     if output.finish_reason == Some(FinishReason::Abort) {

@@ -16,6 +16,7 @@ use crate::card::model_card;
 use crate::decode::DecodeSide;
 use crate::grpc::{ModelFilesSource, WorkerService};
 use crate::prefill::PrefillSide;
+use crate::transport::KvWriter;
 use crate::BuiltEngine;
 use tandem_config::DisaggregationMode;
 use tandem_kv_transfer::AnyTransport;
@@ -50,6 +51,18 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     .await
 }
 
+/// How the KV blocks of disaggregated serving move between workers.
+#[derive(Clone)]
+pub enum KvTransfer {
+    /// Through the transport the config names, into transport-registered pool memory.
+    Transport,
+    /// Not at all: a prefill worker's writes take simulated time on this link, and a decode
+    /// worker's engine builder supplies a [`crate::transport::simulated_region`] as its
+    /// `kv_region` (the mocker's simulated engines). Leases, fencing, the first-token handoff
+    /// and activation are the same code as with a transport.
+    Simulated(Arc<crate::transport::SimulatedLink>),
+}
+
 /// Like [`run`] with the engine from `build` and an outside shutdown token, so that one
 /// process can host several workers (each its own instance id, listeners and registration).
 pub async fn run_with(
@@ -57,14 +70,25 @@ pub async fn run_with(
     build: EngineBuilder,
     shutdown: tandem_runtime::shutdown::ShutdownToken,
 ) -> anyhow::Result<()> {
+    run_with_transfer(cfg, build, shutdown, KvTransfer::Transport).await
+}
+
+/// Like [`run_with`], with the KV blocks of disaggregated serving moved as `kv` says.
+pub async fn run_with_transfer(
+    cfg: WorkerConfig,
+    build: EngineBuilder,
+    shutdown: tandem_runtime::shutdown::ShutdownToken,
+    kv: KvTransfer,
+) -> anyhow::Result<()> {
     // Idempotent: every worker of a process shares the one recorder.
     let metrics_handle = tandem_runtime::metrics::install_recorder()?;
     let cfg = Arc::new(cfg);
     let mode = cfg.disaggregation.disaggregation_mode;
-    let transport = match mode {
-        DisaggregationMode::Pd | DisaggregationMode::Decode | DisaggregationMode::Prefill => {
-            Some(crate::transport::open(&cfg).await?)
-        }
+    let transport = match (mode, &kv) {
+        (
+            DisaggregationMode::Pd | DisaggregationMode::Decode | DisaggregationMode::Prefill,
+            KvTransfer::Transport,
+        ) => Some(crate::transport::open(&cfg).await?),
         _ => None,
     };
     let build_cfg = cfg.clone();
@@ -80,8 +104,8 @@ pub async fn run_with(
     let decode = match mode {
         DisaggregationMode::Pd | DisaggregationMode::Decode => {
             let region = built.kv_region.clone().context(
-                "this engine's KV pool is not in transport-registered memory, so it cannot \
-                 serve --disaggregation-mode pd/decode (the simulated backend cannot yet)",
+                "this engine's KV pool is not in transport-registered memory (nor a simulated \
+                 region), so it cannot serve --disaggregation-mode pd/decode",
             )?;
             Some(Arc::new(DecodeSide::new(
                 built.engine.clone(),
@@ -93,12 +117,19 @@ pub async fn run_with(
         }
         _ => None,
     };
-    let prefill = match (mode, &transport) {
-        (DisaggregationMode::Prefill, Some(t)) => Some(Arc::new(PrefillSide::new(
+    let prefill = match (mode, &transport, kv) {
+        (DisaggregationMode::Prefill, Some(t), _) => Some(Arc::new(PrefillSide::new(
             built.engine.clone(),
             t.clone(),
             layout_id.clone(),
         ))),
+        (DisaggregationMode::Prefill, None, KvTransfer::Simulated(link)) => {
+            Some(Arc::new(PrefillSide::with_writer(
+                built.engine.clone(),
+                KvWriter::Simulated(link),
+                layout_id.clone(),
+            )))
+        }
         _ => None,
     };
 
@@ -183,7 +214,10 @@ pub async fn run_with(
                     .max_encoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES),
             )
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                // Accepted streams need TCP_NODELAY themselves (the builder's setting only
+                // applies to listeners tonic binds): without it each streamed token after the
+                // first waits for the peer's delayed ACK (~40 ms).
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                 async move { server_token.cancelled().await },
             ),
     );

@@ -74,3 +74,129 @@ pub async fn allocate_pool(t: &AnyTransport, len: usize) -> anyhow::Result<Regis
         registration,
     })
 }
+
+/// How a prefill worker's KV writes reach decode workers.
+#[derive(Clone)]
+pub enum KvWriter {
+    /// Real puts through the KV transport into the decode worker's registered memory.
+    Transport(Arc<AnyTransport>),
+    /// No bytes move: each write takes the time its bytes need on a simulated link (the
+    /// simulated engine of `tandem-mocker`).
+    Simulated(Arc<SimulatedLink>),
+}
+
+/// The peer address that marks a simulated decode worker's KV region: a simulated writer
+/// writes only into such regions (and a real transport cannot connect to one), so a mixed
+/// fleet can never hand real KV to a simulated writer or the reverse.
+pub const SIMULATED_PEER: &[u8] = b"simulated-kv-region";
+
+/// The KV region a simulated decode worker advertises: `len` bytes (its pool's size in the
+/// layout's block bytes, so that lease offsets are bounds-checked as for a real one), no
+/// memory behind it.
+pub fn simulated_region(region_id: u64, len: u64) -> tandem_kv_transfer::RemoteRegion {
+    let mut r = tandem_kv_transfer::RemoteRegion {
+        backend: Backend::Tcp,
+        peer: tandem_kv_transfer::PeerAddress(SIMULATED_PEER.to_vec()),
+        region_id,
+        base: 0,
+        len,
+        rkey: Vec::new(),
+        memory: tandem_kv_transfer::MemoryKind::Host,
+        check: 0,
+    };
+    r.seal();
+    r
+}
+
+/// A prefill worker's simulated outbound link: one link per worker, shared by its concurrent
+/// writes (they queue on it FIFO, as on one NIC), at `bytes_per_sec`. A write of `b` bytes
+/// that finds the link free at `t` completes at `t + b / bytes_per_sec`.
+pub struct SimulatedLink {
+    bytes_per_sec: f64,
+    /// Bytes one block is on the wire; `None`: the layout's block size.
+    wire_block_bytes: Option<u64>,
+    free_at: std::sync::Mutex<tokio::time::Instant>,
+}
+
+impl SimulatedLink {
+    /// `bytes_per_sec` of simulated bandwidth (the caller folds any speed-up into it);
+    /// `wire_block_bytes` overrides the bytes a block counts for.
+    pub fn new(bytes_per_sec: f64, wire_block_bytes: Option<u64>) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            bytes_per_sec.is_finite() && bytes_per_sec > 0.0,
+            "the simulated KV transfer bandwidth must be > 0 (got {bytes_per_sec} bytes/s)"
+        );
+        anyhow::ensure!(
+            wire_block_bytes != Some(0),
+            "a simulated KV block must be > 0 bytes"
+        );
+        Ok(SimulatedLink {
+            bytes_per_sec,
+            wire_block_bytes,
+            free_at: std::sync::Mutex::new(tokio::time::Instant::now()),
+        })
+    }
+
+    pub fn bytes_per_sec(&self) -> f64 {
+        self.bytes_per_sec
+    }
+
+    /// The time `bytes` take on this link, alone.
+    pub fn duration_of(&self, bytes: u64) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec)
+    }
+
+    /// "Writes" blocks of `block_bytes` (the layout's) at `offsets` of `region`: checks them
+    /// as a real write would (a simulated region, every block inside it), waits for the
+    /// link, and returns the bytes that moved on the simulated wire.
+    pub async fn write(
+        &self,
+        region: &tandem_kv_transfer::RemoteRegion,
+        offsets: &[u64],
+        block_bytes: u64,
+    ) -> anyhow::Result<u64> {
+        anyhow::ensure!(
+            region.peer.0 == SIMULATED_PEER,
+            "the decode worker's KV region is real memory; a simulated prefill worker cannot \
+             write into it (do not mix simulated and real workers)"
+        );
+        for &o in offsets {
+            region.check_bounds(o, block_bytes)?;
+        }
+        let bytes = offsets.len() as u64 * self.wire_block_bytes.unwrap_or(block_bytes);
+        let end = {
+            let mut free = self.free_at.lock().unwrap_or_else(|p| p.into_inner());
+            let start = (*free).max(tokio::time::Instant::now());
+            *free = start + self.duration_of(bytes);
+            *free
+        };
+        tokio::time::sleep_until(end).await;
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn simulated_link_checks_like_a_write_and_counts_wire_bytes() {
+        let region = simulated_region(7, 4 * 100);
+        region.validate().expect("sealed");
+        let link = SimulatedLink::new(1e12, None).unwrap();
+        assert_eq!(link.write(&region, &[0, 300], 100).await.unwrap(), 200);
+        let wide = SimulatedLink::new(1e12, Some(5000)).unwrap();
+        assert_eq!(wide.write(&region, &[100], 100).await.unwrap(), 5000);
+        // Past the pool's end: refused as a real put would be.
+        assert!(link.write(&region, &[350], 100).await.is_err());
+        // A real decode worker's region: never "written" by a simulated writer.
+        let mut real = region.clone();
+        real.peer = tandem_kv_transfer::PeerAddress(b"127.0.0.1:1".to_vec());
+        real.seal();
+        let e = link.write(&real, &[0], 100).await.unwrap_err();
+        assert!(e.to_string().contains("real memory"), "{e}");
+        assert!(SimulatedLink::new(0.0, None).is_err());
+        assert!(SimulatedLink::new(1.0, Some(0)).is_err());
+        assert_eq!(link.duration_of(2_000_000_000_000), Duration::from_secs(2));
+    }
+}
