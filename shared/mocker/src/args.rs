@@ -64,13 +64,18 @@ pub struct MockerArgs {
     /// decode workers); 0 replays an aggregated fleet.
     #[arg(long, default_value_t = 0)]
     pub num_prefill_workers: usize,
-    /// Replay only: simulated KV transfer bandwidth prefill → decode, GB/s.
+    /// Simulated KV transfer bandwidth prefill → decode, GB/s (1e9 bytes/s), as Dynamo's
+    /// mocker. Live (`--disaggregation-mode prefill`): each prefill worker has one link at
+    /// this rate, divided by --speedup-ratio's inverse (the link is --speedup-ratio times
+    /// faster, like the steps), shared FIFO by its concurrent writes; no bytes move.
     #[arg(long, default_value_t = 64.0)]
     pub kv_transfer_bandwidth: f64,
-    /// Replay only: KV bytes per token (all layers, K+V); default Qwen3-0.6B in bf16
-    /// (28 layers × 8 KV heads × 128 dims × 2 × 2 bytes).
-    #[arg(long, default_value_t = 114_688)]
-    pub kv_bytes_per_token: usize,
+    /// KV bytes per token on the simulated wire (all layers, K+V). Replay default: Qwen3-0.6B
+    /// in bf16 (28 layers × 8 KV heads × 128 dims × 2 × 2 = 114688). Live default: the served
+    /// model's own KV layout (the tiny model's is small; pass e.g. 114688 to simulate
+    /// Qwen3-0.6B-sized transfers).
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<usize>,
     /// Replay only: goodput SLA on TTFT (virtual ms).
     #[arg(long)]
     pub sla_ttft_ms: Option<f64>,
@@ -110,7 +115,7 @@ const FLAGS: &[(&str, bool)] = &[
 /// Splits `args` (with the program name first) into (mocker args, worker args), each keeping
 /// the program name. `--help` goes to the mocker parser. The worker args get
 /// `--disaggregation-mode agg` unless they name a mode: the worker parser's default role is
-/// decode, and simulated workers are aggregated.
+/// decode, and simulated workers are aggregated unless asked otherwise.
 pub fn split(args: &[String]) -> (Vec<String>, Vec<String>) {
     let prog = args
         .first()
@@ -157,12 +162,25 @@ impl MockerArgs {
             ("--vocab-size", self.vocab_size),
             ("--max-model-len", Some(self.max_model_len)),
             ("--trace-block-size", Some(self.trace_block_size)),
+            ("--kv-bytes-per-token", self.kv_bytes_per_token),
         ] {
             if v == Some(0) {
                 return Err(format!("{name} must be > 0"));
             }
         }
+        if !(self.kv_transfer_bandwidth.is_finite() && self.kv_transfer_bandwidth > 0.0) {
+            return Err(format!(
+                "--kv-transfer-bandwidth must be > 0 GB/s (got {})",
+                self.kv_transfer_bandwidth
+            ));
+        }
         Ok(())
+    }
+
+    /// The live simulated link's rate in bytes per second: `--kv-transfer-bandwidth` GB/s,
+    /// times `--speedup-ratio` (simulated time runs that much faster everywhere).
+    pub fn live_link_bytes_per_sec(&self) -> f64 {
+        self.kv_transfer_bandwidth * 1e9 * self.speedup_ratio
     }
 
     pub fn prefix_caching(&self) -> bool {

@@ -95,7 +95,10 @@ impl Backend for SimBackend {
     }
 
     /// Simulated blocks hold no data; an export is zeros of the layout's size so that the
-    /// migration paths (which check sizes) still run.
+    /// migration and prefill handoff paths (which check sizes) still run. Nothing reads it:
+    /// a simulated prefill worker's link only counts its blocks. `vec![0; n]` is calloc, which
+    /// for large sizes maps fresh zero pages without writing them (the binary pins glibc's
+    /// mmap threshold at 1 MiB for this), so a big layout costs address space, not bandwidth.
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
         Ok(vec![0u8; blocks.len() * self.layout.block_bytes()])
     }

@@ -2,15 +2,26 @@
 //! scheduling at scale without GPUs. The engine (scheduler, KV block manager, prefix cache,
 //! KV events), the worker gRPC service, discovery and drain are the real ones; only the
 //! forward step is replaced by simulated time ([`backend::SimBackend`], [`cost::CostModel`]).
+//!
+//! Disaggregated roles (`--disaggregation-mode prefill`, `pd` or `decode`) run the worker
+//! crate's own disaggregated code (leases, quarantine and fencing, the first-token handoff,
+//! activation) with the KV transfer simulated: a decode worker advertises a simulated region
+//! ([`tandem_worker::transport::simulated_region`]) instead of registered memory, and a
+//! prefill worker's write of a batch of blocks takes `bytes / bandwidth` on a simulated link
+//! ([`tandem_worker::transport::SimulatedLink`]); no bytes move.
 
 pub mod args;
 pub mod backend;
 pub mod cost;
 pub mod replay;
 
-use tandem_config::WorkerConfig;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tandem_config::{DisaggregationMode, Role, WorkerConfig};
 use tandem_engine::model::LoadOptions;
-use tandem_worker::{BuiltEngine, EngineBuilder};
+use tandem_worker::transport::{simulated_region, SimulatedLink};
+use tandem_worker::{BuiltEngine, EngineBuilder, KvTransfer};
 
 use crate::args::MockerArgs;
 use crate::backend::{Pacer, SimBackend};
@@ -33,11 +44,13 @@ pub fn cost_model(a: &MockerArgs) -> anyhow::Result<CostModel> {
 pub fn apply(cfg: &mut WorkerConfig, a: &MockerArgs) -> anyhow::Result<()> {
     a.validate().map_err(anyhow::Error::msg)?;
     use tandem_config::DisaggregationMode as Mode;
-    // A simulated prefill or decode role needs the KV handoff and a simulated transfer; until
-    // then refuse rather than register an aggregated engine under another role.
-    if !matches!(cfg.disaggregation.disaggregation_mode, Mode::Agg) {
+    if !matches!(
+        cfg.disaggregation.disaggregation_mode,
+        Mode::Agg | Mode::Pd | Mode::Decode | Mode::Prefill
+    ) {
         anyhow::bail!(
-            "--disaggregation-mode {} is not simulated yet; the mocker serves agg only",
+            "--disaggregation-mode {} is not simulated; the mocker serves agg, pd, decode and \
+             prefill",
             cfg.disaggregation.disaggregation_mode.name()
         );
     }
@@ -87,7 +100,55 @@ pub fn build_sim_engine(
     )
 }
 
-/// An [`EngineBuilder`] for `tandem_worker::run_with` (wall-clock pacing).
+/// An [`EngineBuilder`] for `tandem_worker::run_with_transfer` (wall-clock pacing). A decode
+/// worker (`pd` / `decode`) gets a simulated KV region the size of its pool, so the leases it
+/// grants are bounds-checked by the (simulated) writer as real ones are.
 pub fn engine_builder(vocab: Option<usize>, cost: CostModel) -> EngineBuilder {
-    Box::new(move |cfg, _transport| build_sim_engine(cfg, vocab, cost, Pacer::Sleep))
+    Box::new(move |cfg, _transport| {
+        let mut built = build_sim_engine(cfg, vocab, cost, Pacer::Sleep)?;
+        if matches!(
+            cfg.disaggregation.disaggregation_mode,
+            DisaggregationMode::Pd | DisaggregationMode::Decode
+        ) {
+            let len = built.num_blocks as u64 * built.engine.layout().block_bytes() as u64;
+            built.kv_region = Some(simulated_region(next_region_id(), len));
+        }
+        Ok(built)
+    })
+}
+
+/// Distinct region ids for the simulated regions of one process.
+fn next_region_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    (u64::from(std::process::id()) << 32) | NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The config role a mocker's worker args ask for: the prefill parser for
+/// `--disaggregation-mode prefill`, the decode one (agg, pd, decode) otherwise.
+pub fn role_of(worker_args: &[String]) -> Role {
+    let mut it = worker_args.iter();
+    while let Some(a) = it.next() {
+        let mode = match a.strip_prefix("--disaggregation-mode") {
+            Some("") => it.next().map(String::as_str),
+            Some(v) => v.strip_prefix('='),
+            None => None,
+        };
+        if mode == Some("prefill") {
+            return Role::Prefill;
+        }
+    }
+    Role::Decode
+}
+
+/// How one simulated worker moves KV: a prefill worker gets its own simulated link (one per
+/// worker, as one NIC per machine) at `--kv-transfer-bandwidth` × `--speedup-ratio`, blocks
+/// counting `--kv-bytes-per-token` × block size bytes when that flag is given.
+pub fn kv_transfer(cfg: &WorkerConfig, a: &MockerArgs) -> anyhow::Result<KvTransfer> {
+    let wire_block_bytes = a
+        .kv_bytes_per_token
+        .map(|b| b as u64 * u64::from(cfg.kv_cache.kv_block_size));
+    Ok(KvTransfer::Simulated(Arc::new(SimulatedLink::new(
+        a.live_link_bytes_per_sec(),
+        wire_block_bytes,
+    )?)))
 }

@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Parser;
-use tandem_config::Role;
 use tandem_mocker::args::{split, MockerArgs};
 
 /// The i-th of N consecutive ports, or 0 (ephemeral) for all.
@@ -13,8 +12,23 @@ fn nth_port(base: u16, i: usize) -> anyhow::Result<u16> {
     u16::try_from(base as usize + i).context("port range runs past 65535")
 }
 
+/// Simulated prefill workers export their blocks as zeros of the layout's size (the engine's
+/// handoff checks sizes) that nobody reads. glibc's calloc hands out fresh mmap'd memory for
+/// large sizes without touching it, but its threshold adapts upwards (to 32 MiB) after the
+/// first free, and from the heap calloc must memset. Pinning the threshold at 1 MiB keeps a
+/// big layout's export (megabytes per block for a real model's config) a mapping that is
+/// never written: no memory traffic, a syscall per batch.
+fn untouched_large_zero_allocations() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only tunes the allocator, under the allocator's own lock.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    untouched_large_zero_allocations();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -25,14 +39,17 @@ async fn main() -> anyhow::Result<()> {
     let all: Vec<String> = std::env::args().collect();
     let (mine, rest) = split(&all);
     let margs = MockerArgs::parse_from(&mine);
-    let mut cfg =
-        match tandem_config::parse_worker(Role::Decode, &rest, &tandem_config::process_env) {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("tandem-mocker: error: {e}");
-                std::process::exit(e.exit_code());
-            }
-        };
+    let mut cfg = match tandem_config::parse_worker(
+        tandem_mocker::role_of(&rest),
+        &rest,
+        &tandem_config::process_env,
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("tandem-mocker: error: {e}");
+            std::process::exit(e.exit_code());
+        }
+    };
     for w in &cfg.warnings {
         tracing::warn!("{w}");
     }
@@ -58,7 +75,7 @@ async fn main() -> anyhow::Result<()> {
                 trace_block: m.trace_block_size,
                 router: m.replay_router,
                 transfer_gb_s: m.kv_transfer_bandwidth,
-                kv_bytes_per_token: m.kv_bytes_per_token,
+                kv_bytes_per_token: m.kv_bytes_per_token.unwrap_or(114_688),
                 sla_ttft_ms: m.sla_ttft_ms,
                 sla_itl_ms: m.sla_itl_ms,
             };
@@ -81,8 +98,9 @@ async fn main() -> anyhow::Result<()> {
         c.network.rpc_port = nth_port(cfg.network.rpc_port, i)?;
         c.network.system_port = nth_port(cfg.network.system_port, i)?;
         let builder = tandem_mocker::engine_builder(margs.vocab_size, cost.clone());
+        let kv = tandem_mocker::kv_transfer(&c, &margs)?;
         let token = shutdown.clone();
-        tasks.spawn(async move { tandem_worker::run_with(c, builder, token).await });
+        tasks.spawn(async move { tandem_worker::run_with_transfer(c, builder, token, kv).await });
     }
     // One failing worker takes the process down: a partial fleet would skew measurements.
     while let Some(r) = tasks.join_next().await {
