@@ -28,10 +28,13 @@ enum Command {
 #[derive(Subcommand)]
 enum ModelCommand {
     /// Write the built-in tiny Qwen3-architecture model (deterministic weights, the real Qwen3
-    /// tokenizer) into OUT_DIR.
+    /// tokenizer) into OUT_DIR, or with --family the tiny model of another family.
     Tiny {
         /// Folder to write (created if absent).
         out_dir: PathBuf,
+        /// qwen3, qwen2, llama3 or mistral.
+        #[arg(long, default_value = "qwen3")]
+        family: String,
     },
 }
 
@@ -42,9 +45,12 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Up(args) => up::run(args).await?,
         Command::Model {
-            command: ModelCommand::Tiny { out_dir },
+            command: ModelCommand::Tiny { out_dir, family },
         } => {
-            tandem_engine::tiny::write_tiny_model(&out_dir)
+            let f = tandem_engine::tiny::family_by_name(&family).with_context(|| {
+                format!("unknown family {family:?} (qwen3, qwen2, llama3, mistral)")
+            })?;
+            tandem_engine::tiny::write_family_model(f, &out_dir, true)
                 .with_context(|| format!("writing the tiny model to {}", out_dir.display()))?;
             println!("tiny model written to {}", out_dir.display());
         }
