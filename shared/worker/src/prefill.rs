@@ -7,6 +7,10 @@
 //! stops at the next batch boundary. `FenceLease` answers only once the lease's task has
 //! ended (or marks a lease it has not seen as fenced), which is what lets the decode worker
 //! reuse the blocks of a revoked lease safely.
+//!
+//! Where the blocks go is the [`KvWriter`]: the KV transport, or (simulated engines of
+//! `tandem-mocker`) a [`SimulatedLink`] that moves no bytes but takes their time; everything
+//! else here is the same code for both.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
