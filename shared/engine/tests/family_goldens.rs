@@ -1,6 +1,7 @@
 //! The CPU engine against transformers on the tiny random model of each family beside Qwen3
-//! (`tiny::family_dims`): Qwen2 (q/k/v biases), Llama 3 (`rope_scaling` of type llama3) and
-//! Mistral (a sliding window of 8). Goldens from `scripts/goldens/make_family_goldens.py`
+//! (`tiny::FAMILY_MODELS`): Qwen2 (q/k/v biases), Llama 3 (`rope_scaling` of type llama3),
+//! Mistral (a sliding window of 8) and a Llama with `attention_bias` (q/k/v and o_proj biases,
+//! plain RoPE, tied lm_head). Goldens from `scripts/goldens/make_family_goldens.py`
 //! (transformers in f32, eager attention): full logit rows at every 3rd position and the last,
 //! the argmax at every position, 16 free-running greedy tokens, and the RoPE inv_freq.
 //!
@@ -17,7 +18,7 @@ use tandem_engine::backend::{Backend, LogitsMode, SeqInput};
 use tandem_engine::kv::layout::KvDtype;
 use tandem_engine::model::weights::file_sha256;
 use tandem_engine::model::{DecoderWeights, Family, LoadOptions, LoadedModel, ModelConfig};
-use tandem_engine::tiny::{ensure_family_model, family_name};
+use tandem_engine::tiny::{ensure_named_model, LLAMA_BIAS};
 
 const TOL: f32 = 1e-4;
 const BLOCK: usize = 16;
@@ -62,7 +63,7 @@ fn std_of(row: &[f32]) -> f32 {
     (row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt() as f32
 }
 
-fn load_goldens(family: Family) -> (FamilyGoldens, Vec<f32>) {
+fn load_goldens(name: &str) -> (FamilyGoldens, Vec<f32>) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens");
     let g: Goldens = serde_json::from_str(
         &std::fs::read_to_string(dir.join("family_logits.json")).expect("read goldens"),
@@ -73,7 +74,6 @@ fn load_goldens(family: Family) -> (FamilyGoldens, Vec<f32>) {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    let name = family_name(family);
     let fg = g
         .families
         .into_iter()
@@ -82,9 +82,9 @@ fn load_goldens(family: Family) -> (FamilyGoldens, Vec<f32>) {
     (fg, rows)
 }
 
-/// Loads the family's model, checking that its weights are those the goldens were made from.
+/// Loads the named model, checking that its weights are those the goldens were made from.
 fn load_model(family: Family, g: &FamilyGoldens) -> LoadedModel {
-    let dir = ensure_family_model(family).expect("build the model");
+    let dir = ensure_named_model(&g.family).expect("build the model");
     let sha = file_sha256(&dir.join("model.safetensors")).expect("hash");
     assert_eq!(
         sha, g.weights_sha256,
@@ -138,9 +138,9 @@ fn backend(cfg: ModelConfig, w: Arc<DecoderWeights>) -> CpuBackend {
     CpuBackend::from_parts(cfg, w, "family".into(), KvDtype::F32, BLOCK, 16).expect("backend")
 }
 
-/// Checks the family against its goldens; returns the worst max|Δ|/std.
-fn check_family(family: Family) -> f32 {
-    let (g, rows) = load_goldens(family);
+/// Checks the named model of `family` against its goldens; returns the worst max|Δ|/std.
+fn check_model(name: &str, family: Family) -> f32 {
+    let (g, rows) = load_goldens(name);
     let m = load_model(family, &g);
     if let Some(gold) = &g.inv_freq {
         let ours = m.config.rope_inv_freq();
@@ -207,10 +207,11 @@ fn check_family(family: Family) -> f32 {
 /// With the family's feature switched off (by `alter`), the long prompt's logits must be far
 /// from the goldens: the goldens do check the feature.
 fn check_feature_matters(
+    name: &str,
     family: Family,
     alter: impl FnOnce(&mut ModelConfig, &mut DecoderWeights),
 ) {
-    let (g, rows) = load_goldens(family);
+    let (g, rows) = load_goldens(name);
     let m = load_model(family, &g);
     let mut cfg = m.config.clone();
     let mut weights = Arc::try_unwrap(m.weights).unwrap_or_else(|_| panic!("shared weights"));
@@ -228,16 +229,17 @@ fn check_feature_matters(
         "{}: without its feature the logits still match ({w:.2e}): the goldens do not check it",
         g.family
     );
+    eprintln!("{} with its feature off: max|Δ|/std {w:.2e}", g.family);
 }
 
 #[test]
 fn qwen2_matches_transformers() {
-    check_family(Family::Qwen2);
+    check_model("qwen2", Family::Qwen2);
 }
 
 #[test]
 fn qwen2_goldens_check_the_qkv_biases() {
-    check_feature_matters(Family::Qwen2, |cfg, w| {
+    check_feature_matters("qwen2", Family::Qwen2, |cfg, w| {
         assert!(cfg.qkv_bias && !cfg.qk_norm && !cfg.o_bias);
         for l in &mut w.layers {
             l.qkv_bias = None;
@@ -247,12 +249,12 @@ fn qwen2_goldens_check_the_qkv_biases() {
 
 #[test]
 fn llama3_matches_transformers() {
-    check_family(Family::Llama);
+    check_model("llama3", Family::Llama);
 }
 
 #[test]
 fn llama3_goldens_check_the_rope_scaling() {
-    check_feature_matters(Family::Llama, |cfg, _| {
+    check_feature_matters("llama3", Family::Llama, |cfg, _| {
         assert!(cfg.rope_scaling.is_some());
         cfg.rope_scaling = None;
     });
@@ -260,13 +262,29 @@ fn llama3_goldens_check_the_rope_scaling() {
 
 #[test]
 fn mistral_matches_transformers() {
-    check_family(Family::Mistral);
+    check_model("mistral", Family::Mistral);
 }
 
 #[test]
 fn mistral_goldens_check_the_sliding_window() {
-    check_feature_matters(Family::Mistral, |cfg, _| {
+    check_feature_matters("mistral", Family::Mistral, |cfg, _| {
         assert_eq!(cfg.sliding_window, Some(8));
         cfg.sliding_window = None;
+    });
+}
+
+#[test]
+fn llama_with_attention_bias_matches_transformers() {
+    check_model(LLAMA_BIAS, Family::Llama);
+}
+
+#[test]
+fn llama_bias_goldens_check_the_o_proj_bias() {
+    check_feature_matters(LLAMA_BIAS, Family::Llama, |cfg, w| {
+        assert!(cfg.qkv_bias && cfg.o_bias && cfg.tie_word_embeddings);
+        assert!(cfg.rope_scaling.is_none());
+        for l in &mut w.layers {
+            l.o_bias = None;
+        }
     });
 }

@@ -11,19 +11,23 @@ use crate::error::EngineError;
 use crate::model::config::Family;
 
 /// Bump when a family model's generator output changes (the cache folder names carry it).
-pub const FAMILY_MODEL_VERSION: u32 = 1;
+pub const FAMILY_MODEL_VERSION: u32 = 2;
 
 /// The tiny random model of each family, checked against transformers like the tiny Qwen3
 /// (`tests/family_goldens.rs`). Vocab 1,024 (prompts are id lists; the folder carries the
 /// Qwen3 tokenizer only because the loader wants one); each family's model exercises what it
 /// adds to the decoder:
-/// - qwen2: q/k/v biases, no q/k norm, no `head_dim` key (hidden / heads), tied lm_head, an
-///   inactive sliding window (`use_sliding_window: false`);
+/// - qwen2: q/k/v biases, no q/k norm, no `head_dim` key (hidden / heads), untied lm_head (as
+///   Qwen2.5-7B; tied, greedy decoding repeated one token), an inactive sliding window
+///   (`use_sliding_window: false`);
 /// - llama3: `rope_scaling` of type llama3 with `original_max_position_embeddings` 64, so that
 ///   all three frequency bands (kept, interpolated, divided by 8) occur within short prompts;
 ///   4 query heads per KV head; untied lm_head;
 /// - mistral: a sliding window of 8 positions (far shorter than the prompts), `head_dim` 32 ≠
 ///   hidden / heads (as Mistral Nemo); untied lm_head.
+///
+/// One more model, [`LLAMA_BIAS`], covers `attention_bias` (q/k/v and o_proj biases), plain
+/// RoPE and a tied lm_head in the Llama family.
 pub fn family_dims(family: Family) -> TinyDims {
     let base = TinyDims {
         hidden: 64,
@@ -37,7 +41,7 @@ pub fn family_dims(family: Family) -> TinyDims {
     };
     match family {
         Family::Qwen3 => TINY,
-        Family::Qwen2 => TinyDims { tied: true, ..base },
+        Family::Qwen2 => base,
         Family::Llama => TinyDims {
             intermediate: 160,
             kv_heads: 1,
@@ -140,9 +144,51 @@ pub fn family_config_json(family: Family, d: &TinyDims, dtype: &str) -> serde_js
     c
 }
 
-/// Writes a family's tiny model ([`family_dims`], f32) into `out_dir`, with the tokenizer
-/// files when `with_tokenizer` (the engine's loader wants them; transformers needs only the
-/// weights). Qwen3's is the tiny model itself.
+/// The name of the Llama model with `attention_bias: true`, plain RoPE and a tied lm_head.
+pub const LLAMA_BIAS: &str = "llama-bias";
+
+/// The tiny models checked against transformers beside the tiny Qwen3, by name (the
+/// folders of `examples/write_family_models.rs`, the entries of `family_logits.json`).
+pub const FAMILY_MODELS: [&str; 4] = ["qwen2", "llama3", "mistral", LLAMA_BIAS];
+
+/// The family, `config.json` and seed of a named tiny model ([`FAMILY_MODELS`]).
+pub fn family_model_spec(name: &str) -> Option<(Family, serde_json::Value, u64)> {
+    if name == LLAMA_BIAS {
+        let dims = TinyDims {
+            tied: true,
+            ..family_dims(Family::Llama)
+        };
+        let mut cfg = family_config_json(Family::Llama, &dims, "float32");
+        if let Some(c) = cfg.as_object_mut() {
+            c.insert("attention_bias".into(), true.into());
+            c.insert("rope_scaling".into(), serde_json::Value::Null);
+            c.remove("head_dim");
+        }
+        return Some((Family::Llama, cfg, family_seed(Family::Llama) + 0x10));
+    }
+    let family = family_by_name(name).filter(|f| *f != Family::Qwen3)?;
+    let cfg = family_config_json(family, &family_dims(family), "float32");
+    Some((family, cfg, family_seed(family)))
+}
+
+/// Writes a named tiny model ([`FAMILY_MODELS`], f32) into `out_dir`, with the tokenizer files
+/// when `with_tokenizer` (the engine's loader wants them; transformers needs only the weights).
+pub fn write_named_model(
+    name: &str,
+    out_dir: &Path,
+    with_tokenizer: bool,
+) -> Result<(), EngineError> {
+    let (_, cfg, seed) = family_model_spec(name)
+        .ok_or_else(|| EngineError::InvalidInput(format!("no tiny model named {name:?}")))?;
+    write_random_model(out_dir, &cfg, seed, WeightDtype::F32)?;
+    if with_tokenizer {
+        copy_tokenizer_files(&ensure_tokenizer_files()?, out_dir)?;
+    }
+    Ok(())
+}
+
+/// Writes a family's tiny model ([`family_dims`]) into `out_dir` (see [`write_named_model`]).
+/// Qwen3's is the tiny model itself.
 pub fn write_family_model(
     family: Family,
     out_dir: &Path,
@@ -151,12 +197,14 @@ pub fn write_family_model(
     if family == Family::Qwen3 {
         return write_tiny_model(out_dir);
     }
-    let cfg = family_config_json(family, &family_dims(family), "float32");
-    write_random_model(out_dir, &cfg, family_seed(family), WeightDtype::F32)?;
-    if with_tokenizer {
-        copy_tokenizer_files(&ensure_tokenizer_files()?, out_dir)?;
-    }
-    Ok(())
+    write_named_model(family_name(family), out_dir, with_tokenizer)
+}
+
+/// A named tiny model's folder in the cache (with tokenizer files), built if absent.
+pub fn ensure_named_model(name: &str) -> Result<PathBuf, EngineError> {
+    let dir = cache_dir().join(format!("tiny-{name}-v{FAMILY_MODEL_VERSION}"));
+    build_once(&dir, |tmp| write_named_model(name, tmp, true))?;
+    Ok(dir)
 }
 
 /// A family's tiny model folder in the cache (with tokenizer files), built if absent.
@@ -164,10 +212,5 @@ pub fn ensure_family_model(family: Family) -> Result<PathBuf, EngineError> {
     if family == Family::Qwen3 {
         return ensure_tiny_model();
     }
-    let dir = cache_dir().join(format!(
-        "tiny-{}-v{FAMILY_MODEL_VERSION}",
-        family_name(family)
-    ));
-    build_once(&dir, |tmp| write_family_model(family, tmp, true))?;
-    Ok(dir)
+    ensure_named_model(family_name(family))
 }
