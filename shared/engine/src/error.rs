@@ -23,8 +23,6 @@ pub enum EngineError {
     #[error("{path}: {message}")]
     BadFile { path: PathBuf, message: String },
     /// `config.json` names an architecture this engine does not run.
-    #[error("{path}: unsupported architecture {architecture:?} (supported: Qwen3ForCausalLM)")]
-    UnknownArchitecture { path: PathBuf, architecture: String },
     /// A tensor is missing, has the wrong shape or dtype, or its data is unreadable.
     #[error("{path}: tensor {tensor}: {message}")]
     Tensor {

@@ -111,7 +111,7 @@ impl KvStore for CpuKv {
     }
 }
 
-/// Runs Qwen3 on the CPU.
+/// Runs the decoder families of [`crate::model`] (Qwen3, Qwen2, Llama, Mistral) on the CPU.
 pub struct CpuBackend {
     config: ModelConfig,
     weights: Arc<Qwen3Weights>,
