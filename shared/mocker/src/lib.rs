@@ -152,3 +152,77 @@ pub fn kv_transfer(cfg: &WorkerConfig, a: &MockerArgs) -> anyhow::Result<KvTrans
         wire_block_bytes,
     )?)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    fn config(args: &[&str]) -> (WorkerConfig, MockerArgs) {
+        let (mine, rest) = args::split(&s(args));
+        let m = <MockerArgs as clap::Parser>::parse_from(&mine);
+        let mut cfg = tandem_config::parse_worker(role_of(&rest), &rest, &|_| None).unwrap();
+        apply(&mut cfg, &m).unwrap();
+        (cfg, m)
+    }
+
+    #[test]
+    fn every_serving_role_is_accepted_with_its_parser() {
+        assert_eq!(
+            role_of(&s(&["m", "--disaggregation-mode", "prefill"])),
+            Role::Prefill
+        );
+        assert_eq!(
+            role_of(&s(&["m", "--disaggregation-mode=prefill"])),
+            Role::Prefill
+        );
+        assert_eq!(
+            role_of(&s(&["m", "--disaggregation-mode", "pd"])),
+            Role::Decode
+        );
+        assert_eq!(role_of(&s(&["m"])), Role::Decode);
+        for mode in ["agg", "pd", "decode", "prefill"] {
+            let (cfg, _) = config(&["m", "--disaggregation-mode", mode]);
+            assert_eq!(cfg.disaggregation.disaggregation_mode.name(), mode);
+        }
+    }
+
+    #[test]
+    fn the_link_follows_bandwidth_speedup_and_bytes_per_token() {
+        let (cfg, m) = config(&[
+            "m",
+            "--disaggregation-mode",
+            "prefill",
+            "--kv-transfer-bandwidth",
+            "2",
+            "--speedup-ratio",
+            "5",
+            "--block-size",
+            "16",
+            "--kv-bytes-per-token",
+            "1000",
+        ]);
+        assert_eq!(m.live_link_bytes_per_sec(), 1e10);
+        let KvTransfer::Simulated(link) = kv_transfer(&cfg, &m).unwrap() else {
+            panic!("a mocker's transfer is simulated");
+        };
+        assert_eq!(link.bytes_per_sec(), 1e10);
+        let region = simulated_region(1, 1 << 20);
+        let bytes = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(link.write(&region, &[0, 4096], 4096))
+            .unwrap();
+        assert_eq!(bytes, 2 * 16 * 1000);
+        let bad =
+            <MockerArgs as clap::Parser>::parse_from(s(&["m", "--kv-transfer-bandwidth", "0"]));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .contains("--kv-transfer-bandwidth"));
+    }
+}
