@@ -130,20 +130,20 @@ async fn agg(addr: &str, rid: &str, prompt: &[u32], params: &Value) -> Out {
     collect(s).await.expect("aggregated stream")
 }
 
-async fn disagg_stream(
+fn target(p: &Proc) -> PrefillTarget {
+    PrefillTarget {
+        instance_id: field(&p.ready_line, "instance_id=").parse().expect("id"),
+        grpc_addr: field(&p.ready_line, "grpc="),
+    }
+}
+
+async fn disagg_to(
     decode: &str,
     rid: &str,
     prompt: &[u32],
     params: &Value,
-    prefill: &[&Proc],
+    targets: Vec<PrefillTarget>,
 ) -> Result<tonic::Streaming<GenerateOutput>, tonic::Status> {
-    let targets = prefill
-        .iter()
-        .map(|p| PrefillTarget {
-            instance_id: field(&p.ready_line, "instance_id=").parse().expect("id"),
-            grpc_addr: field(&p.ready_line, "grpc="),
-        })
-        .collect();
     Ok(worker_client(decode)
         .await
         .generate_disagg(GenerateDisaggRequest {
@@ -152,6 +152,42 @@ async fn disagg_stream(
         })
         .await?
         .into_inner())
+}
+
+async fn disagg_stream(
+    decode: &str,
+    rid: &str,
+    prompt: &[u32],
+    params: &Value,
+    prefill: &[&Proc],
+) -> Result<tonic::Streaming<GenerateOutput>, tonic::Status> {
+    disagg_to(
+        decode,
+        rid,
+        prompt,
+        params,
+        prefill.iter().map(|p| target(p)).collect(),
+    )
+    .await
+}
+
+/// A disaggregated request running in the background.
+fn spawn_disagg(
+    decode: &str,
+    rid: &str,
+    prompt: &[u32],
+    params: &Value,
+    targets: Vec<PrefillTarget>,
+) -> tokio::task::JoinHandle<Result<Out, tonic::Status>> {
+    let (decode, rid, prompt, params) = (
+        decode.to_owned(),
+        rid.to_owned(),
+        prompt.to_vec(),
+        params.clone(),
+    );
+    tokio::spawn(async move {
+        collect(disagg_to(&decode, &rid, &prompt, &params, targets).await?).await
+    })
 }
 
 async fn disagg(
@@ -340,25 +376,14 @@ async fn equality(transport: &str) {
     let mut set = tokio::task::JoinSet::new();
     for i in 0..6u64 {
         let (r, dd) = (r.clone(), if i % 2 == 0 { d0.clone() } else { d1.clone() });
-        let target = vec![PrefillTarget {
-            instance_id: field(&p[(i / 2 % 2) as usize].ready_line, "instance_id=")
-                .parse()
-                .expect("id"),
-            grpc_addr: addr(&p[(i / 2 % 2) as usize]),
-        }];
+        let targets = vec![target(&p[(i / 2 % 2) as usize])];
         set.spawn(async move {
             let prompt = tokens(100 + i, 40 + 17 * i as usize);
             let params = if i % 3 == 0 { sampled(20) } else { greedy(20) };
             let want = agg(&r, &format!("ref-c{i}"), &prompt, &params).await;
-            let s = worker_client(&dd)
+            let s = disagg_to(&dd, &format!("dis-c{i}"), &prompt, &params, targets)
                 .await
-                .generate_disagg(GenerateDisaggRequest {
-                    request: Some(request(&format!("dis-c{i}"), &prompt, &params)),
-                    prefill_workers: target,
-                })
-                .await
-                .expect("generate_disagg")
-                .into_inner();
+                .expect("generate_disagg");
             assert_eq!(collect(s).await.expect("stream"), want, "concurrent {i}");
         });
     }
@@ -567,32 +592,11 @@ async fn faults_free_every_block_and_never_touch_live_ones() {
     // listener is gone).
     let rid = "hold-kill-prefill";
     let p1p = p1.as_ref().expect("p1");
-    let call = {
-        let d0a = d0a.clone();
-        let prompt = prompt.clone();
-        let params = params.clone();
-        let targets = vec![
-            PrefillTarget {
-                instance_id: 1,
-                grpc_addr: p0a.clone(),
-            },
-            PrefillTarget {
-                instance_id: field(&p1p.ready_line, "instance_id=").parse().expect("id"),
-                grpc_addr: p1a.clone(),
-            },
-        ];
-        tokio::spawn(async move {
-            let s = worker_client(&d0a)
-                .await
-                .generate_disagg(GenerateDisaggRequest {
-                    request: Some(request(rid, &prompt, &params)),
-                    prefill_workers: targets,
-                })
-                .await?
-                .into_inner();
-            collect(s).await
-        })
+    let dead = PrefillTarget {
+        instance_id: 1,
+        grpc_addr: p0a.clone(),
     };
+    let call = spawn_disagg(&d0a, rid, &prompt, &params, vec![dead, target(p1p)]);
     wait_file(&reached(&holds, rid)).await;
     p0.take(); // kill -9
                // p1 holds the same request id too: let it through.
@@ -610,26 +614,7 @@ async fn faults_free_every_block_and_never_touch_live_ones() {
 
     // 5. SIGTERM of a prefill worker with a write held: it finishes that lease, then exits.
     let rid = "hold-sigterm";
-    let call = {
-        let d0a = d0a.clone();
-        let prompt = prompt.clone();
-        let params = params.clone();
-        let target = vec![PrefillTarget {
-            instance_id: field(&p1p.ready_line, "instance_id=").parse().expect("id"),
-            grpc_addr: p1a.clone(),
-        }];
-        tokio::spawn(async move {
-            let s = worker_client(&d0a)
-                .await
-                .generate_disagg(GenerateDisaggRequest {
-                    request: Some(request(rid, &prompt, &params)),
-                    prefill_workers: target,
-                })
-                .await?
-                .into_inner();
-            collect(s).await
-        })
-    };
+    let call = spawn_disagg(&d0a, rid, &prompt, &params, vec![target(p1p)]);
     wait_file(&reached(&holds, rid)).await;
     let mut p1proc = p1.take().expect("p1");
     let status = std::process::Command::new("kill")
@@ -838,18 +823,23 @@ async fn conditional_disaggregation_follows_the_threshold() {
     };
     let short = json!({"model": "tandem-tiny", "prompt": "Hi there", "max_tokens": 4});
     let long = json!({"model": "tandem-tiny", "prompt": "word ".repeat(300), "max_tokens": 4});
-    // Wait for the routers to see the decode worker.
-    let deadline = Instant::now() + READY_TIMEOUT;
-    while c
-        .get(format!("{}/health", base(&plain)))
-        .send()
-        .await
-        .map(|r| r.status().as_u16())
-        .unwrap_or(0)
-        != 200
-    {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // Wait for both routers to see the decode worker.
+    for r in [&plain, &enforced] {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while c
+            .get(format!("{}/health", base(r)))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+            != 200
+        {
+            assert!(
+                Instant::now() < deadline,
+                "a router never saw the decode worker"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
     // No prefill worker: local prefill, even for a long prompt.
     let (s, h, _) = post(base(&plain), long.clone()).await;

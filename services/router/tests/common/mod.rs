@@ -106,22 +106,7 @@ pub fn start_worker(discovery: &PathBuf, extra: &[&str]) -> Proc {
 }
 
 pub fn start_worker_env(discovery: &PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Proc {
-    let mut cmd = Command::new(bin("tandem-decode"));
-    cmd.envs(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    cmd.args([
-        "--disaggregation-mode",
-        "agg",
-        "--publish-kv-events",
-        "--rpc-host",
-        "127.0.0.1",
-        "--system-host",
-        "127.0.0.1",
-    ])
-    .args(["--trtllm.kv_cache_config.max_tokens", "8192"])
-    .args(extra)
-    .env("DYN_FILE_KV", discovery)
-    .env("DYN_DISCOVERY_BACKEND", "file");
-    spawn_ready(&mut cmd, "TANDEM_WORKER_READY")
+    start_role(discovery, "tandem-decode", "agg", extra, env)
 }
 
 pub fn start_router(discovery: &PathBuf, min_workers: usize, extra: &[&str]) -> Proc {
