@@ -108,6 +108,23 @@ pub fn simulated_region(region_id: u64, len: u64) -> tandem_kv_transfer::RemoteR
     r
 }
 
+/// The transports' `trtllm_kv_transfer_*` metrics, with a real prefill worker's labels, for a
+/// simulated write (latency includes waiting for the link, as a real put's includes queueing).
+fn record_simulated_transfer(bytes: u64, elapsed: Duration) {
+    let labels = [
+        ("engine_type", "tandem"),
+        ("disaggregation_mode", "prefill"),
+    ];
+    let secs = elapsed.as_secs_f64();
+    metrics::counter!("trtllm_kv_transfer_success_total", &labels).increment(1);
+    metrics::histogram!("trtllm_kv_transfer_latency_seconds", &labels).record(secs);
+    metrics::histogram!("trtllm_kv_transfer_bytes", &labels).record(bytes as f64);
+    if secs > 0.0 {
+        metrics::histogram!("trtllm_kv_transfer_speed_gb_s", &labels)
+            .record(bytes as f64 / secs / 1e9);
+    }
+}
+
 /// A prefill worker's simulated outbound link: one link per worker, shared by its concurrent
 /// writes (they queue on it FIFO, as on one NIC), at `bytes_per_sec`. A write of `b` bytes
 /// that finds the link free at `t` completes at `t + b / bytes_per_sec`.
@@ -164,6 +181,7 @@ impl SimulatedLink {
             region.check_bounds(o, block_bytes)?;
         }
         let bytes = offsets.len() as u64 * self.wire_block_bytes.unwrap_or(block_bytes);
+        let called = tokio::time::Instant::now();
         let end = {
             let mut free = self.free_at.lock().unwrap_or_else(|p| p.into_inner());
             let start = (*free).max(tokio::time::Instant::now());
@@ -171,6 +189,7 @@ impl SimulatedLink {
             *free
         };
         tokio::time::sleep_until(end).await;
+        record_simulated_transfer(bytes, called.elapsed());
         Ok(bytes)
     }
 }
