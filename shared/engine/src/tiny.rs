@@ -382,7 +382,7 @@ pub fn ensure_tokenizer_files() -> Result<PathBuf, EngineError> {
 
 /// Runs `build` into a fresh temp sibling of `dir` and renames it to `dir`, unless `dir`
 /// exists already (a complete folder, since it only ever appears by rename).
-fn build_once(
+pub(crate) fn build_once(
     dir: &Path,
     build: impl FnOnce(&Path) -> Result<(), EngineError>,
 ) -> Result<(), EngineError> {

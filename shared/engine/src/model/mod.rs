@@ -1,11 +1,12 @@
-//! Model folders: config, weights, tokenizer, chat template and generation defaults, loaded
-//! together into a [`LoadedModel`]. The families run (Qwen3, Qwen2/2.5, Llama 3.x, Mistral:
-//! [`Family`]) share one decoder ([`decoder`]), parameterised by the parsed [`ModelConfig`]:
+//! Model folders (and GGUF files: [`gguf`]): config, weights, tokenizer, chat template and
+//! generation defaults, loaded together into a [`LoadedModel`]. The families run (Qwen3,
+//! Qwen2/2.5, Llama 3.x, Mistral: [`Family`]) share one decoder ([`decoder`]), parameterised by the parsed [`ModelConfig`]:
 //! q/k norms, attention biases, RoPE scaling, sliding window, tied embeddings.
 
 pub mod config;
 pub mod decoder;
 pub mod generation_config;
+pub mod gguf;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -65,8 +66,12 @@ impl std::fmt::Debug for LoadedModel {
 }
 
 impl LoadedModel {
-    /// Loads a Hugging Face model folder. Errors name the file (and the tensor) at fault.
+    /// Loads a Hugging Face model folder, or a GGUF file (`*.gguf`, see [`gguf`]). Errors name
+    /// the file (and the tensor) at fault.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self, EngineError> {
+        if gguf::is_gguf(path) {
+            return gguf::load(path, opts);
+        }
         if !path.is_dir() {
             return Err(EngineError::ModelPathMissing(path.to_path_buf()));
         }

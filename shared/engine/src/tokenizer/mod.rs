@@ -2,6 +2,7 @@
 //! detokenization.
 
 pub mod chat;
+pub mod gguf;
 pub mod incremental;
 
 use std::path::Path;
@@ -15,6 +16,7 @@ pub use chat::ChatTemplate;
 pub use incremental::IncrementalDecoder;
 
 /// A model's tokenizer.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// sha256 of `tokenizer.json` (combined with the template in [`tokenizer_hash`]).
@@ -41,11 +43,16 @@ impl Tokenizer {
             });
         }
         let bytes = std::fs::read(&path).map_err(|e| EngineError::io(&path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| EngineError::Tokenizer(format!("{}: cannot load: {e}", path.display())))?;
+        Self::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// A tokenizer from the bytes of a `tokenizer.json`; `origin` names them in errors.
+    pub fn from_bytes(bytes: &[u8], origin: &str) -> Result<Self, EngineError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| EngineError::Tokenizer(format!("{origin}: cannot load: {e}")))?;
         Ok(Tokenizer {
             inner,
-            file_sha256: hex(&Sha256::digest(&bytes)),
+            file_sha256: hex(&Sha256::digest(bytes)),
         })
     }
 

@@ -1,0 +1,206 @@
+//! A `tokenizer.json` (the `tokenizers` crate's format) and a `tokenizer_config.json` (chat
+//! template, bos/eos tokens) built from a GGUF file's `tokenizer.*` metadata, so that a GGUF
+//! model is tokenized like its Hugging Face original and the files can be served to routers.
+//!
+//! Supported: `tokenizer.ggml.model = gpt2` (byte-level BPE: vocab, merges, token types,
+//! the pre-tokenizer named by `tokenizer.ggml.pre`). `llama` (SentencePiece) is not
+//! implemented yet and gives a clear error.
+
+use serde_json::{json, Value as Json};
+
+use crate::error::EngineError;
+use crate::model::gguf::file::{GgufFile, Value};
+
+/// The files derived from a GGUF's metadata, as bytes (written out as they are; the
+/// tokenizer hash is taken over these bytes).
+pub struct GgufTokenizerFiles {
+    pub tokenizer_json: Vec<u8>,
+    pub tokenizer_config_json: Vec<u8>,
+    pub generation_config_json: Vec<u8>,
+}
+
+/// The split regexes of Llama 3's and Qwen2's tokenizer.json (before a regex-free ByteLevel).
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+fn byte_level(use_regex: bool) -> Json {
+    json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
+}
+
+fn split(regex: &str) -> Json {
+    json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false})
+}
+
+/// The pre-tokenizer of a llama.cpp pre-tokenizer name (`tokenizer.ggml.pre`), as Hugging
+/// Face's tokenizer.json of those models has it.
+fn pre_tokenizer(pre: &str) -> Json {
+    match pre {
+        // llama.cpp: "\p{N}" then GPT-2's regex: single digits, then byte-level.
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true},
+                byte_level(true),
+            ]})
+        }
+        "llama3" | "llama-bpe" | "llama-v3" | "dbrx" | "smaug-bpe" | "falcon3" | "pixtral" => {
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_REGEX), byte_level(false)]})
+        }
+        "qwen2" | "deepseek-r1-qwen" | "megrez" => {
+            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_REGEX), byte_level(false)]})
+        }
+        "default" | "gpt2" | "gpt-2" | "" => byte_level(true),
+        other => {
+            tracing::warn!(
+                pre = other,
+                "GGUF pre-tokenizer {other:?} is not known here; using GPT-2's"
+            );
+            byte_level(true)
+        }
+    }
+}
+
+fn get<'a>(f: &'a GgufFile, key: &str) -> Result<&'a Value, EngineError> {
+    f.get(key).ok_or_else(|| EngineError::BadFile {
+        path: f.path.clone(),
+        message: format!("metadata {key} is missing"),
+    })
+}
+
+fn strings(f: &GgufFile, key: &str) -> Result<Vec<String>, EngineError> {
+    let bad = || EngineError::BadFile {
+        path: f.path.clone(),
+        message: format!("metadata {key} is not an array of strings"),
+    };
+    get(f, key)?
+        .as_array()
+        .ok_or_else(bad)?
+        .iter()
+        .map(|v| v.as_str().map(String::from).ok_or_else(bad))
+        .collect()
+}
+
+fn id(f: &GgufFile, key: &str) -> Option<u32> {
+    f.get(key).and_then(Value::as_u64).map(|v| v as u32)
+}
+
+/// Builds the tokenizer files of a GGUF file.
+pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> {
+    let model = get(f, "tokenizer.ggml.model")?.as_str().unwrap_or_default();
+    if model != "gpt2" {
+        return Err(EngineError::Tokenizer(format!(
+            "{}: tokenizer.ggml.model {model:?} is not implemented yet (only \"gpt2\", \
+             byte-level BPE, is)",
+            f.path.display()
+        )));
+    }
+    let tokens = strings(f, "tokenizer.ggml.tokens")?;
+    let merges = strings(f, "tokenizer.ggml.merges")?;
+    let types: Vec<u64> = f
+        .get("tokenizer.ggml.token_type")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
+        .unwrap_or_default();
+    let pre = f
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    let mut added = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.entry(t.clone()).or_insert(json!(i));
+        // Token types: 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte.
+        let ty = types.get(i).copied().unwrap_or(1);
+        if ty == 3 || ty == 4 {
+            added.push(json!({
+                "id": i, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": ty == 3,
+            }));
+        }
+    }
+    let token = |key: &str| id(f, key).and_then(|i| tokens.get(i as usize).cloned());
+    let bos = token("tokenizer.ggml.bos_token_id");
+    let eos = token("tokenizer.ggml.eos_token_id");
+    let add_bos = f
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let post = match (&bos, add_bos) {
+        (Some(b), true) => {
+            let bid = id(f, "tokenizer.ggml.bos_token_id");
+            json!({"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"SpecialToken": {"id": b, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {b.clone(): {"id": b, "ids": [bid], "tokens": [b]}}})
+        }
+        _ => Json::Null,
+    };
+    let tok = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer(pre),
+        "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": Json::Object(vocab),
+            "merges": merges,
+        }
+    });
+    let mut cfg = serde_json::Map::new();
+    if let Some(t) = f.get("tokenizer.chat_template").and_then(Value::as_str) {
+        cfg.insert("chat_template".into(), json!(t));
+    }
+    cfg.insert("add_bos_token".into(), json!(add_bos));
+    for (k, v) in [("bos_token", &bos), ("eos_token", &eos)] {
+        if let Some(v) = v {
+            cfg.insert(k.into(), json!(v));
+        }
+    }
+    if let Some(p) = token("tokenizer.ggml.padding_token_id") {
+        cfg.insert("pad_token".into(), json!(p));
+    }
+    cfg.insert("model_max_length".into(), json!(context_length(f)));
+    let mut eos_ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
+        .iter()
+        .filter_map(|k| id(f, k))
+        .collect();
+    eos_ids.dedup();
+    let mut gen = serde_json::Map::new();
+    gen.insert("eos_token_id".into(), json!(eos_ids));
+    for (k, key) in [
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ] {
+        if let Some(v) = id(f, key) {
+            gen.insert(k.into(), json!(v));
+        }
+    }
+    let bytes = |v: &Json| {
+        let mut b = serde_json::to_vec_pretty(v).unwrap_or_default();
+        b.push(b'\n');
+        b
+    };
+    Ok(GgufTokenizerFiles {
+        // Compact: the vocab and merges are large.
+        tokenizer_json: serde_json::to_vec(&tok).unwrap_or_default(),
+        tokenizer_config_json: bytes(&Json::Object(cfg)),
+        generation_config_json: bytes(&Json::Object(gen)),
+    })
+}
+
+fn context_length(f: &GgufFile) -> u64 {
+    let arch = f
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .unwrap_or("llama");
+    f.get(&format!("{arch}.context_length"))
+        .and_then(Value::as_u64)
+        .unwrap_or(2048)
+}
