@@ -242,6 +242,22 @@ async fn simulated_prefill_and_pd_workers_serve_behind_the_real_router() {
         "bytes the decode workers were told about"
     );
     assert_eq!(sent, expected, "bytes the prefill workers' links carried");
+    // The simulated writes show in the transfer metrics as real ones do.
+    let metrics = client
+        .get(format!(
+            "http://{}/metrics",
+            field(&prefill.ready[0], "http=")
+        ))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    assert!(
+        metrics.contains("trtllm_kv_transfer_success_total"),
+        "no transfer metrics on a simulated prefill worker"
+    );
 
     // Router decisions on the simulated engines' KV events: requests sharing a long prefix
     // go to the prefill worker that holds it.
