@@ -27,7 +27,8 @@ pub struct BuiltEngine {
     pub kv_region: Option<RemoteRegion>,
 }
 
-/// The model folder to load: `--model-path`, or the built-in tiny model (generated on first use).
+/// The model to load: `--model-path` (a folder, or a `.gguf` file), or the built-in tiny model
+/// (generated on first use).
 pub fn model_folder(cfg: &WorkerConfig) -> anyhow::Result<PathBuf> {
     match &cfg.model.model_path {
         Some(p) => Ok(PathBuf::from(p)),
@@ -147,9 +148,9 @@ pub fn build_engine_with(
         eos_token_ids: model.eos_token_ids(),
         dp_rank: 0,
     };
-    // The engine thread owns its own tokenizer handle; loading twice is cheaper than sharing
-    // the model's (which is not behind an Arc).
-    let tokenizer = Arc::new(tandem_engine::tokenizer::Tokenizer::load(&folder)?);
+    // The engine thread owns its own tokenizer handle (a clone of the model's: a GGUF model's
+    // tokenizer comes from its metadata, not from a tokenizer.json in a folder).
+    let tokenizer = Arc::new(model.tokenizer.clone());
     let engine = Engine::start(backend, Some(tokenizer), engine_cfg)?;
     tracing::info!(
         model = %folder.display(),

@@ -24,6 +24,7 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'stati
 /// Files a router needs to tokenize for this worker's model.
 #[derive(Clone, Debug)]
 pub struct ModelFilesSource {
+    /// The model folder, or a GGUF file.
     pub folder: PathBuf,
     pub tokenizer_hash: String,
 }
@@ -370,8 +371,16 @@ impl Worker for WorkerService {
         &self,
         _request: GrpcRequest<ModelFilesRequest>,
     ) -> Result<Response<ModelFiles>, Status> {
+        // A GGUF model has no tokenizer files: serve those derived from its metadata (written
+        // once into the cache; the tokenizer hash matches the loaded model's).
+        let folder = if tandem_engine::model::gguf::is_gguf(&self.files.folder) {
+            tandem_engine::model::gguf::write_model_files(&self.files.folder)
+                .map_err(|e| Status::internal(format!("GGUF tokenizer files: {e}")))?
+        } else {
+            self.files.folder.clone()
+        };
         let read = |name: &str, required: bool| -> Result<String, Status> {
-            match std::fs::read_to_string(self.files.folder.join(name)) {
+            match std::fs::read_to_string(folder.join(name)) {
                 Ok(text) => Ok(text),
                 Err(_) if !required => Ok(String::new()),
                 Err(e) => Err(Status::internal(format!("{name}: {e}"))),
