@@ -19,6 +19,7 @@ use tandem_engine::model::gguf::fetch::ensure_smollm2_gguf;
 use tandem_engine::model::{LoadOptions, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::tokenizer::chat::ChatRequest;
+use tandem_engine::tokenizer::{tokenizer_hash, ChatTemplate, Tokenizer};
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 64;
@@ -59,6 +60,14 @@ async fn smollm2_gguf_knows_the_capital_of_france() {
     assert!(c.tie_word_embeddings);
     assert_eq!(c.rope_theta, 100_000.0);
     assert_eq!(model.eos_token_ids(), vec![2]);
+    // The files served to routers (GetModelFiles) give the same tokenizer and template.
+    let files = tandem_engine::model::gguf::write_model_files(&path).expect("write files");
+    let served = Tokenizer::load(&files).expect("served tokenizer.json");
+    let served_template = ChatTemplate::load(&files).expect("served template");
+    assert_eq!(
+        tokenizer_hash(&served, served_template.as_ref()),
+        model.tokenizer_hash
+    );
     let tok = Arc::new(model.tokenizer.clone());
     let template = model
         .chat_template

@@ -85,6 +85,9 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// Per-frequency divisors (GGUF's `rope_freqs.weight`, how llama.cpp stores Llama 3.1+
+    /// scaling): `inv_freq[i] / factors[i]`, `head_dim / 2` of them.
+    Factors(Vec<f64>),
 }
 
 impl RopeScaling {
@@ -93,6 +96,11 @@ impl RopeScaling {
         let base = crate::backend::cpu_ops::rope_inv_freq(head_dim, theta);
         match scaling {
             None => base,
+            Some(RopeScaling::Factors(factors)) => base
+                .into_iter()
+                .zip(factors.iter().chain(std::iter::repeat(&1.0)))
+                .map(|(f, d)| f / d)
+                .collect(),
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -209,19 +217,19 @@ fn parse_rope(v: &serde_json::Value, key: &str) -> Result<Option<RopeScaling>, S
                     .and_then(|x| x.as_f64())
                     .ok_or_else(|| format!("{key} of rope_type llama3 lacks the number {key}.{k}"))
             };
+            let (factor, lo, hi, old) = (
+                num("factor")?,
+                num("low_freq_factor")?,
+                num("high_freq_factor")?,
+                num("original_max_position_embeddings")?,
+            );
             let s = RopeScaling::Llama3 {
-                factor: num("factor")?,
-                low_freq_factor: num("low_freq_factor")?,
-                high_freq_factor: num("high_freq_factor")?,
-                original_max_position_embeddings: num("original_max_position_embeddings")?,
-            };
-            let RopeScaling::Llama3 {
                 factor,
                 low_freq_factor: lo,
                 high_freq_factor: hi,
                 original_max_position_embeddings: old,
-            } = &s;
-            if *factor <= 0.0 || *lo <= 0.0 || hi <= lo || *old <= 0.0 {
+            };
+            if factor <= 0.0 || lo <= 0.0 || hi <= lo || old <= 0.0 {
                 return Err(format!(
                     "{key}: llama3 needs factor > 0, 0 < low_freq_factor < high_freq_factor and \
                      original_max_position_embeddings > 0: {v}"

@@ -1,7 +1,8 @@
 //! Model folders (and GGUF files: [`gguf`]): config, weights, tokenizer, chat template and
 //! generation defaults, loaded together into a [`LoadedModel`]. The families run (Qwen3,
-//! Qwen2/2.5, Llama 3.x, Mistral: [`Family`]) share one decoder ([`decoder`]), parameterised by the parsed [`ModelConfig`]:
-//! q/k norms, attention biases, RoPE scaling, sliding window, tied embeddings.
+//! Qwen2/2.5, Llama 3.x, Mistral: [`Family`]) share one decoder ([`decoder`]), parameterised
+//! by the parsed [`ModelConfig`]: q/k norms, attention biases, RoPE scaling, sliding window,
+//! tied embeddings.
 
 pub mod config;
 pub mod decoder;

@@ -3,7 +3,8 @@
 //! - the metadata (`{arch}.block_count`, `.embedding_length`, `.attention.head_count(_kv)`,
 //!   `.rope.freq_base`, `.context_length`, rms eps, ...) becomes a Hugging Face `config.json`
 //!   (kept as the config's raw bytes, so the model identity covers it) parsed by
-//!   [`ModelConfig::parse`];
+//!   [`ModelConfig::parse`]; Llama 3.1+ RoPE scaling comes from the `rope_freqs.weight`
+//!   factors ([`RopeScaling::Factors`]); other `rope.scaling.type`s than none are refused;
 //! - tensors (`token_embd`, `blk.N.attn_q`, ..., `output_norm`, `output`) are dequantized at
 //!   load to **f32** (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; see [`dequant`]): the
 //!   dequantized values are exact in f32, and the CPU kernels read f32 directly; other types
@@ -25,7 +26,7 @@ use sha2::{Digest, Sha256};
 
 use crate::backend::cpu_ops::Matrix;
 use crate::error::EngineError;
-use crate::model::config::ModelConfig;
+use crate::model::config::{ModelConfig, RopeScaling};
 use crate::model::decoder::DecoderWeights;
 use crate::model::generation_config::GenerationConfig;
 use crate::model::{weights, LoadOptions, LoadedModel};
@@ -100,13 +101,6 @@ pub fn config_json(f: &GgufFile) -> Result<serde_json::Value, EngineError> {
             ),
         ));
     }
-    if f.tensor("rope_freqs.weight").is_some() {
-        return Err(bad(
-            f,
-            "rope_freqs.weight (llama3 RoPE scaling baked into factors) is not supported yet"
-                .into(),
-        ));
-    }
     let (architecture, model_type) = match arch {
         "qwen2" => ("Qwen2ForCausalLM", "qwen2"),
         _ => ("LlamaForCausalLM", "llama"),
@@ -133,6 +127,25 @@ pub fn config_json(f: &GgufFile) -> Result<serde_json::Value, EngineError> {
         "torch_dtype": "float32",
         "gguf_file_type": f.get("general.file_type").and_then(Value::as_u64),
     }))
+}
+
+/// Llama 3.1+ RoPE scaling as llama.cpp stores it: `rope_freqs.weight`, one divisor per
+/// frequency (`head_dim / 2` of them).
+fn rope_factors(f: &GgufFile, cfg: &ModelConfig) -> Result<Option<RopeScaling>, EngineError> {
+    if f.tensor("rope_freqs.weight").is_none() {
+        return Ok(None);
+    }
+    let v = f.tensor_f32("rope_freqs.weight", &[cfg.head_dim / 2])?;
+    if v.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+        return Err(EngineError::Tensor {
+            path: f.path.clone(),
+            tensor: "rope_freqs.weight".into(),
+            message: "factors must be finite and > 0".into(),
+        });
+    }
+    Ok(Some(RopeScaling::Factors(
+        v.into_iter().map(f64::from).collect(),
+    )))
 }
 
 /// The GGUF name of a Hugging Face tensor name.
@@ -231,7 +244,8 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, EngineError>
     let f = GgufFile::open(path)?;
     let cfg_json = config_json(&f)?;
     let raw = serde_json::to_vec_pretty(&cfg_json).unwrap_or_default();
-    let config = ModelConfig::parse(&raw, &path.join("<metadata as config.json>"))?;
+    let mut config = ModelConfig::parse(&raw, &path.join("<metadata as config.json>"))?;
+    config.rope_scaling = rope_factors(&f, &config)?.or(config.rope_scaling);
     let files = tokenizer_files(&f)?;
     let tokenizer = Tokenizer::from_bytes(&files.tokenizer_json, &path.display().to_string())?;
     let chat_template = chat_template(&files)?;
@@ -323,6 +337,41 @@ mod tests {
             Some("output.weight")
         );
         assert_eq!(gguf_name("model.layers.0.self_attn.q_norm.weight"), None);
+    }
+
+    #[test]
+    fn rope_factors_reproduce_llama3_scaling() {
+        // llama.cpp's converter (LlamaModel.generate_extra_tensors) turns Llama 3.1's
+        // rope_scaling into per-frequency divisors; they must give transformers' frequencies.
+        let (factor, lo, hi, old) = (8.0, 1.0, 4.0, 8192.0);
+        let llama3 = RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: lo,
+            high_freq_factor: hi,
+            original_max_position_embeddings: old,
+        };
+        let base = RopeScaling::inv_freq(None, 128, 500_000.0);
+        let factors: Vec<f64> = base
+            .iter()
+            .map(|f| {
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                if wavelen < old / hi {
+                    1.0
+                } else if wavelen > old / lo {
+                    factor
+                } else {
+                    let smooth = (old / wavelen - lo) / (hi - lo);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                }
+            })
+            .map(|x| x as f32 as f64) // stored as f32 in the GGUF
+            .collect();
+        let want = RopeScaling::inv_freq(Some(&llama3), 128, 500_000.0);
+        let got = RopeScaling::inv_freq(Some(&RopeScaling::Factors(factors)), 128, 500_000.0);
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a / b - 1.0).abs() < 1e-6, "{a} {b}");
+        }
+        assert!(want.iter().zip(&base).any(|(a, b)| a != b));
     }
 
     #[test]
