@@ -3,8 +3,9 @@
 //! model is tokenized like its Hugging Face original and the files can be served to routers.
 //!
 //! Supported: `tokenizer.ggml.model = gpt2` (byte-level BPE: vocab, merges, token types,
-//! the pre-tokenizer named by `tokenizer.ggml.pre`). `llama` (SentencePiece) is not
-//! implemented yet and gives a clear error.
+//! the pre-tokenizer named by `tokenizer.ggml.pre`) and `llama` (SentencePiece BPE: pieces
+//! with scores and byte fallback, converted as transformers' `LlamaConverter` does — merges
+//! generated from the scores, `▁` for spaces, a dummy prefix when `add_space_prefix`).
 
 use serde_json::{json, Value as Json};
 
@@ -86,24 +87,19 @@ fn id(f: &GgufFile, key: &str) -> Option<u32> {
 /// Builds the tokenizer files of a GGUF file.
 pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> {
     let model = get(f, "tokenizer.ggml.model")?.as_str().unwrap_or_default();
-    if model != "gpt2" {
+    if model != "gpt2" && model != "llama" {
         return Err(EngineError::Tokenizer(format!(
-            "{}: tokenizer.ggml.model {model:?} is not implemented yet (only \"gpt2\", \
-             byte-level BPE, is)",
+            "{}: tokenizer.ggml.model {model:?} is not implemented (\"gpt2\", byte-level BPE, \
+             and \"llama\", SentencePiece, are)",
             f.path.display()
         )));
     }
     let tokens = strings(f, "tokenizer.ggml.tokens")?;
-    let merges = strings(f, "tokenizer.ggml.merges")?;
     let types: Vec<u64> = f
         .get("tokenizer.ggml.token_type")
         .and_then(Value::as_array)
         .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
         .unwrap_or_default();
-    let pre = f
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
 
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
@@ -124,7 +120,7 @@ pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> 
     let add_bos = f
         .get("tokenizer.ggml.add_bos_token")
         .and_then(Value::as_bool)
-        .unwrap_or(false);
+        .unwrap_or(model == "llama");
     let post = match (&bos, add_bos) {
         (Some(b), true) => {
             let bid = id(f, "tokenizer.ggml.bos_token_id");
@@ -136,22 +132,33 @@ pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> 
         }
         _ => Json::Null,
     };
+    let (normalizer, pre, decoder, bpe) = if model == "gpt2" {
+        let pre = f
+            .get("tokenizer.ggml.pre")
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let bpe = json!({
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": Json::Object(vocab),
+            "merges": strings(f, "tokenizer.ggml.merges")?,
+        });
+        let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+        (Json::Null, pre_tokenizer(pre), decoder, bpe)
+    } else {
+        spm_parts(f, &tokens, &types, vocab)?
+    };
     let tok = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(pre),
+        "normalizer": normalizer,
+        "pre_tokenizer": pre,
         "post_processor": post,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null,
-            "continuing_subword_prefix": null, "end_of_word_suffix": null,
-            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": Json::Object(vocab),
-            "merges": merges,
-        }
+        "decoder": decoder,
+        "model": bpe,
     });
     let mut cfg = serde_json::Map::new();
     if let Some(t) = f.get("tokenizer.chat_template").and_then(Value::as_str) {
@@ -203,4 +210,111 @@ fn context_length(f: &GgufFile) -> u64 {
     f.get(&format!("{arch}.context_length"))
         .and_then(Value::as_u64)
         .unwrap_or(2048)
+}
+
+/// A merge generated from a SentencePiece vocabulary: pieces `l` + `r` make piece `piece`.
+struct Merge<'a> {
+    score: f64,
+    len_l: usize,
+    len_r: usize,
+    piece: usize,
+    id_l: usize,
+    id_r: usize,
+    l: &'a str,
+    r: &'a str,
+}
+
+/// Normalizer, pre-tokenizer, decoder and model of a SentencePiece (`llama`) vocabulary, as
+/// transformers' `LlamaConverter` builds them: BPE over the pieces with byte fallback, merges
+/// generated from the piece scores (`generate_merges`: every split of a piece into two pieces,
+/// ordered by the merged piece's score, then the lengths of the halves).
+fn spm_parts(
+    f: &GgufFile,
+    tokens: &[String],
+    types: &[u64],
+    vocab: serde_json::Map<String, Json>,
+) -> Result<(Json, Json, Json, Json), EngineError> {
+    let scores: Vec<f64> = f
+        .get("tokenizer.ggml.scores")
+        .and_then(Value::as_array)
+        .ok_or_else(|| EngineError::BadFile {
+            path: f.path.clone(),
+            message: "metadata tokenizer.ggml.scores is missing (a SentencePiece vocab needs it)"
+                .into(),
+        })?
+        .iter()
+        .map(|v| v.as_f64().unwrap_or(0.0))
+        .collect();
+    let ids: std::collections::HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .rev()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let mut merges: Vec<Merge<'_>> = Vec::new();
+    for (pi, piece) in tokens.iter().enumerate() {
+        if types.get(pi).copied().unwrap_or(1) == 6 {
+            continue; // <0xXX> byte pieces are not merges
+        }
+        for (at, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(at);
+            if let (Some(&il), Some(&ir)) = (ids.get(l), ids.get(r)) {
+                let score = scores.get(pi).copied().unwrap_or(0.0);
+                merges.push(Merge {
+                    score,
+                    len_l: l.chars().count(),
+                    len_r: r.chars().count(),
+                    piece: pi,
+                    id_l: il,
+                    id_r: ir,
+                    l,
+                    r,
+                });
+            }
+        }
+    }
+    merges.sort_by(|a, b| {
+        b.score
+            .total_cmp(&a.score)
+            .then(b.len_l.cmp(&a.len_l))
+            .then(b.len_r.cmp(&a.len_r))
+            .then(a.piece.cmp(&b.piece))
+            .then(a.id_l.cmp(&b.id_l))
+            .then(a.id_r.cmp(&b.id_r))
+    });
+    let merges: Vec<Json> = merges.iter().map(|m| json!([m.l, m.r])).collect();
+    let unk =
+        id(f, "tokenizer.ggml.unknown_token_id").and_then(|i| tokens.get(i as usize).cloned());
+    let prefix = f
+        .get("tokenizer.ggml.add_space_prefix")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer = if prefix {
+        json!({"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"}, replace]})
+    } else {
+        replace
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let bpe = json!({
+        "type": "BPE", "dropout": null, "unk_token": unk,
+        "continuing_subword_prefix": null, "end_of_word_suffix": null,
+        "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+        "vocab": Json::Object(vocab),
+        "merges": merges,
+    });
+    Ok((
+        normalizer,
+        Json::Null,
+        json!({"type": "Sequence", "decoders": decoders}),
+        bpe,
+    ))
 }
