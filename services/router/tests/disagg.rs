@@ -502,7 +502,6 @@ async fn faults_free_every_block_and_never_touch_live_ones() {
     let mut d1 = Some(start_role(&disc, "tandem-decode", "pd", &common, &[]));
     let (r, d0a) = (addr(&reference), addr(&d0));
     let p0a = addr(p0.as_ref().expect("p0"));
-    let p1a = addr(p1.as_ref().expect("p1"));
     let prompt = tokens(11, 150);
     let params = greedy(16);
     let want = agg(&r, "ref-faults", &prompt, &params).await;
