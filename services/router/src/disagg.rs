@@ -22,6 +22,7 @@
 //! [`decide`] is the pure decision; [`plan`] applies it to a routed request.
 
 use tandem_config::RoutingConfig;
+use tandem_engine::sampler::SamplingParams;
 use tandem_kv_router::protocols::LocalBlockHash;
 use tandem_kv_router::{RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
 use tandem_protocol::worker::PrefillTarget;
@@ -66,6 +67,9 @@ pub struct DecisionInput<'a> {
     pub cached_tokens: usize,
     /// Choices asked for (`n`).
     pub n: usize,
+    /// `use_beam_search`: beams fork from the prompt on one engine, which a remote prefill
+    /// cannot hand over yet.
+    pub beam_search: bool,
     /// Prefill workers with the decode worker's KV layout.
     pub compatible_prefill: usize,
 }
@@ -79,6 +83,8 @@ pub enum LocalReason {
     NoPrefillWorker,
     /// `n > 1` cannot run disaggregated.
     MultipleChoices,
+    /// Beam search cannot run disaggregated.
+    BeamSearch,
     /// Fewer uncached prompt tokens than `--disagg-prefill-threshold-tokens`.
     ShortPrompt,
     /// The decode worker holds at least `--disagg-decode-hit-ratio` of the prompt.
@@ -93,6 +99,7 @@ impl LocalReason {
             LocalReason::AggWorker => "agg_worker",
             LocalReason::NoPrefillWorker => "no_prefill_worker",
             LocalReason::MultipleChoices => "n_gt_1",
+            LocalReason::BeamSearch => "beam_search",
             LocalReason::ShortPrompt => "short_prompt",
             LocalReason::DecodeCacheHit => "decode_cache_hit",
             LocalReason::PrefillBusy => "prefill_busy",
@@ -128,6 +135,8 @@ pub enum Refusal {
     NoPrefillWorker,
     /// `n > 1` (400).
     MultipleChoices,
+    /// `use_beam_search` (400).
+    BeamSearch,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,6 +159,12 @@ pub fn decide(policy: &DisaggPolicy, input: &DecisionInput<'_>) -> Decision {
         _ => return Decision::Local(LocalReason::AggWorker),
     };
     if forced != RemoteReason::UncachedPrompt {
+        if input.beam_search {
+            return Decision::Refuse {
+                what: Refusal::BeamSearch,
+                cause: forced,
+            };
+        }
         if input.n > 1 {
             return Decision::Refuse {
                 what: Refusal::MultipleChoices,
@@ -166,6 +181,9 @@ pub fn decide(policy: &DisaggPolicy, input: &DecisionInput<'_>) -> Decision {
     }
     if input.compatible_prefill == 0 {
         return Decision::Local(LocalReason::NoPrefillWorker);
+    }
+    if input.beam_search {
+        return Decision::Local(LocalReason::BeamSearch);
     }
     if input.n > 1 {
         return Decision::Local(LocalReason::MultipleChoices);
@@ -191,6 +209,15 @@ fn cause_text(cause: RemoteReason) -> &'static str {
 /// The client's error for a refusal, `decode` being the chosen decode worker.
 pub fn refusal_error(what: Refusal, cause: RemoteReason, decode: &WorkerEntry) -> ApiError {
     match what {
+        Refusal::BeamSearch => ApiError::bad_request(
+            format!(
+                "beam search (`use_beam_search`, `best_of`) is not supported with disaggregated \
+                 prefill/decode ({}); it runs on aggregated or `pd` workers without \
+                 --enforce-disagg",
+                cause_text(cause)
+            ),
+            Some("use_beam_search"),
+        ),
         Refusal::MultipleChoices => ApiError::bad_request(
             format!(
                 "n > 1 is not supported with disaggregated prefill/decode ({})",
@@ -290,8 +317,9 @@ pub fn plan(
     request_id: &str,
     hashes: &[LocalBlockHash],
     prompt_len: usize,
-    n: usize,
+    params: &SamplingParams,
 ) -> Result<Vec<PrefillTarget>, ApiError> {
+    let n = params.n;
     let policy = DisaggPolicy::from_config(&state.config.routing);
     let compatible = compatible_prefill(&view.prefill, decode);
     let input = DecisionInput {
@@ -299,6 +327,7 @@ pub fn plan(
         prompt_len,
         cached_tokens: selection.cached_tokens,
         n,
+        beam_search: params.use_beam_search,
         compatible_prefill: compatible.len(),
     };
     let local = |reason: LocalReason| {

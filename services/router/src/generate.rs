@@ -141,7 +141,7 @@ pub async fn start(
         request_id,
         &hashes,
         prompt.len(),
-        params.n,
+        &params,
     )
     .inspect_err(|_| free_all(request_id))?;
     let prefill_worker_id = prefill.first().map(|t| t.instance_id);

@@ -174,7 +174,6 @@ fn prepare_completion(
     let fail = |e: ApiError| (e, req.model.clone(), req.stream);
     for (set, field) in [
         (req.echo == Some(true), "echo"),
-        (req.best_of.is_some_and(|b| b > 1), "best_of"),
         (req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix"),
     ] {
         if set {

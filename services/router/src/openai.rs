@@ -48,6 +48,11 @@ pub struct CommonFields {
     pub min_tokens: Option<i64>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's extra parameters for beam search (width `best_of`, or `n`).
+    pub best_of: Option<i64>,
+    pub use_beam_search: Option<bool>,
+    pub length_penalty: Option<f32>,
+    pub early_stopping: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -83,6 +88,12 @@ pub struct ChatCompletionRequest {
     pub min_tokens: Option<i64>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's extra parameters for beam search (width `best_of`, or `n`).
+    /// Beam width (vLLM accepts it on chat too).
+    pub best_of: Option<i64>,
+    pub use_beam_search: Option<bool>,
+    pub length_penalty: Option<f32>,
+    pub early_stopping: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -121,6 +132,10 @@ pub struct CompletionRequest {
     pub min_tokens: Option<i64>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's extra parameters for beam search (width `best_of`, or `n`).
+    pub use_beam_search: Option<bool>,
+    pub length_penalty: Option<f32>,
+    pub early_stopping: Option<bool>,
 }
 
 macro_rules! common_of {
@@ -141,6 +156,10 @@ macro_rules! common_of {
             min_tokens: $r.min_tokens,
             stop_token_ids: $r.stop_token_ids.clone(),
             skip_special_tokens: $r.skip_special_tokens,
+            use_beam_search: $r.use_beam_search,
+            best_of: $r.best_of,
+            length_penalty: $r.length_penalty,
+            early_stopping: $r.early_stopping,
         }
     };
 }

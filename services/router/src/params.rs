@@ -103,6 +103,45 @@ pub fn sampling_params(
     if let Some(s) = c.skip_special_tokens {
         p.skip_special_tokens = s;
     }
+    p.use_beam_search = c.use_beam_search.unwrap_or(false);
+    if let Some(b) = c.best_of {
+        if !(1..=MAX_N).contains(&b) {
+            return Err(bad("best_of", &format!("must be between 1 and {MAX_N}")));
+        }
+        if (b as usize) < p.n {
+            return Err(bad("best_of", "must be >= n"));
+        }
+        if b as usize > p.n && !p.use_beam_search {
+            return Err(bad(
+                "best_of",
+                "> n is only supported with `use_beam_search: true` (sampling best_of is not \
+                 implemented)",
+            ));
+        }
+        p.best_of = Some(b as usize);
+    }
+    if let Some(v) = c.length_penalty {
+        if !v.is_finite() {
+            return Err(bad("length_penalty", "must be finite"));
+        }
+        p.length_penalty = v;
+    }
+    p.early_stopping = c.early_stopping.unwrap_or(false);
+    if p.use_beam_search {
+        // Beam search is deterministic: the sampling knobs are ignored (see SamplingParams).
+        for (set, field) in [
+            (logprobs.is_some(), "logprobs"),
+            (!p.stop.is_empty(), "stop"),
+            (p.min_tokens > 0, "min_tokens"),
+            (p.repetition_penalty != 1.0, "repetition_penalty"),
+            (p.presence_penalty != 0.0, "presence_penalty"),
+            (p.frequency_penalty != 0.0, "frequency_penalty"),
+        ] {
+            if set {
+                return Err(bad(field, "is not supported with `use_beam_search`"));
+            }
+        }
+    }
     p.logprobs = logprobs;
     p.validate().map_err(|m| ApiError::bad_request(m, None))?;
     Ok(p)

@@ -124,7 +124,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
         "conversation-affinity-dp-rank-source",
         "attention-DP conversation affinity",
     ),
-    ("max-beam-width", "beam search"),
     ("enable-multimodal", "multimodal serving"),
     ("modality", "modalities other than text"),
     ("encode-endpoint", "encode workers (multimodal)"),
@@ -172,7 +171,7 @@ pub fn reject_unimplemented(cfg: &WorkerConfig, resolved: &Resolved) -> Result<(
         return Err(not_impl("--connector", "KV connectors (kvbm)"));
     }
     let e = &cfg.engine;
-    let checks: [(bool, &str, &str); 8] = [
+    let checks: [(bool, &str, &str); 7] = [
         (
             e.tensor_parallel_size > 1,
             "tensor_parallel_size",
@@ -193,7 +192,6 @@ pub fn reject_unimplemented(cfg: &WorkerConfig, resolved: &Resolved) -> Result<(
             "enable_attention_dp",
             "attention data parallelism",
         ),
-        (e.max_beam_width > 1, "max_beam_width", "beam search"),
         (
             e.guided_decoding_backend.is_some(),
             "guided_decoding_backend",

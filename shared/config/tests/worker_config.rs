@@ -390,7 +390,6 @@ fn every_not_implemented_flag_exits_with_a_message_naming_it() {
         ("lora_config", r#"{"max_lora_rank": 8}"#),
         ("tensor_parallel_size", "2"),
         ("enable_attention_dp", "true"),
-        ("max_beam_width", "4"),
         ("backend", r#""tensorrt""#),
     ] {
         let e = err(&["--override-engine-args", &format!("{{\"{key}\": {value}}}")]);
@@ -400,6 +399,9 @@ fn every_not_implemented_flag_exits_with_a_message_naming_it() {
         );
     }
     assert!(err(&["--tensor-parallel-size", "2"]).contains("not implemented yet"));
+    // Beam search is implemented: a wider beam is accepted.
+    assert!(parse(&["--max-beam-width", "4"]).is_ok());
+    assert!(parse(&["--override-engine-args", r#"{"max_beam_width": 4}"#]).is_ok());
     // One expert-parallel rank is no parallelism at all.
     assert!(parse(&["--expert-parallel-size", "1"]).is_ok());
     let e = err(&[

@@ -21,6 +21,9 @@
 //! state, or [`EngineHandle::release_reservation`]s it. Both halves together produce exactly
 //! what one engine would.
 
+mod beam;
+#[cfg(test)]
+mod beam_tests;
 mod core;
 #[cfg(test)]
 mod disagg_tests;
@@ -82,6 +85,9 @@ pub struct EngineConfig {
     pub eos_token_ids: Vec<u32>,
     /// Data-parallel rank stamped on KV events.
     pub dp_rank: u32,
+    /// Widest beam search accepted (`use_beam_search` with `best_of`/`n`); 1 refuses beam
+    /// search wider than one beam.
+    pub max_beam_width: usize,
 }
 
 impl Default for EngineConfig {
@@ -98,6 +104,7 @@ impl Default for EngineConfig {
             capacity_scheduler_policy: CapacitySchedulerPolicy::GuaranteedNoEvict,
             eos_token_ids: Vec::new(),
             dp_rank: 0,
+            max_beam_width: 1,
         }
     }
 }
@@ -163,6 +170,7 @@ impl Engine {
             ("max_num_tokens", config.max_num_tokens),
             ("max_seq_len", config.max_seq_len),
             ("num_blocks", config.num_blocks),
+            ("max_beam_width", config.max_beam_width),
         ] {
             if v == 0 {
                 return Err(EngineError::Config(format!("{name} must be > 0")));

@@ -47,6 +47,10 @@ pub struct RequestOutput {
     pub usage: Option<Usage>,
     /// Set when the engine failed the request (the finish reason is then `abort`).
     pub error: Option<String>,
+    /// Beam search: the hypothesis' score (`sum_logprobs / len ** length_penalty`), on its
+    /// only output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<f32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

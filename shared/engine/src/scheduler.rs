@@ -16,6 +16,10 @@
 //!    policy allows it; otherwise admission stops, so a large old request is never overtaken by
 //!    small new ones.
 //!
+//! 3. **If nothing was scheduled while sequences wait**, the newest running sequence is
+//!    preempted. Only a running sequence with nothing to compute can cause that: a beam of a
+//!    beam search whose step waits for sibling beams that are still waiting for blocks.
+//!
 //! **No deadlock, no starvation.** Admission (in the engine) refuses any request that could not
 //! complete alone in the whole pool (`prompt + max_tokens` blocks ≤ `num_blocks`) or within
 //! `max_seq_len`. Only referenced blocks are unavailable, and those belong to running sequences;
@@ -279,6 +283,30 @@ impl Scheduler {
 
         if out.preempted.is_empty() {
             self.admit(&mut out, &mut budget);
+        }
+        if out.seqs.is_empty() && out.preempted.is_empty() && !self.waiting.is_empty() {
+            // Nothing could run, yet sequences wait: the blocks are held by waiting sequences
+            // (forked beams) or by running ones with nothing to compute (beams waiting for
+            // their siblings, see `engine/beam.rs`). Free the newest waiting holder, else
+            // preempt the newest running sequence, so the oldest can go on.
+            let head = self.waiting.front().copied();
+            let holder = self
+                .waiting
+                .iter()
+                .rev()
+                .copied()
+                .find(|w| Some(*w) != head && !self.seqs[w].table.is_empty());
+            if let Some(h) = holder {
+                if let Some(seq) = self.seqs.get_mut(&h) {
+                    self.blocks.release(&mut seq.table);
+                    seq.num_computed = 0;
+                    seq.num_preemptions += 1;
+                }
+                out.preempted.push(h);
+            } else if let Some(&victim) = self.running.last() {
+                self.preempt(victim);
+                out.preempted.push(victim);
+            }
         }
         out
     }

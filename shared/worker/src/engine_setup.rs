@@ -147,6 +147,7 @@ pub fn build_engine_with(
         },
         eos_token_ids: model.eos_token_ids(),
         dp_rank: 0,
+        max_beam_width: opts.max_beam_width.max(1) as usize,
     };
     // The engine thread owns its own tokenizer handle (a clone of the model's: a GGUF model's
     // tokenizer comes from its metadata, not from a tokenizer.json in a folder).

@@ -31,12 +31,54 @@ fn input_with(
             prompt_len,
             cached_tokens: cached,
             n,
+            beam_search: false,
             compatible_prefill: prefill,
         },
     )
 }
 
+fn beam(policy: &DisaggPolicy, role: &str, prefill: usize) -> Decision {
+    decide(
+        policy,
+        &DecisionInput {
+            decode_role: role,
+            prompt_len: 4096,
+            cached_tokens: 0,
+            n: 2,
+            beam_search: true,
+            compatible_prefill: prefill,
+        },
+    )
+}
+
+#[test]
+fn beam_search_runs_aggregated_or_is_refused_when_disagg_is_forced() {
+    assert_eq!(beam(&POLICY, "agg", 2), Local(LocalReason::AggWorker));
+    assert_eq!(beam(&POLICY, "pd", 2), Local(LocalReason::BeamSearch));
+    assert_eq!(LocalReason::BeamSearch.label(), "beam_search");
+    for (policy, role, cause) in [
+        (&ENFORCED, "pd", RemoteReason::Enforced),
+        (&POLICY, "decode", RemoteReason::DecodeOnly),
+        (&ENFORCED, "decode", RemoteReason::DecodeOnly),
+    ] {
+        assert_eq!(
+            beam(policy, role, 2),
+            Refuse {
+                what: Refusal::BeamSearch,
+                cause
+            }
+        );
+    }
+}
+
 use Decision::*;
+
+fn sp(n: usize) -> SamplingParams {
+    SamplingParams {
+        n,
+        ..SamplingParams::default()
+    }
+}
 
 #[test]
 fn agg_workers_always_prefill_locally() {
@@ -204,6 +246,12 @@ async fn refusal_errors_name_the_cause() {
     let e = refusal_error(Refusal::NoPrefillWorker, RemoteReason::DecodeOnly, &d);
     assert_eq!(e.status.as_u16(), 503);
     assert!(e.message.contains("`decode` mode"), "{}", e.message);
+    for cause in [RemoteReason::Enforced, RemoteReason::DecodeOnly] {
+        let e = refusal_error(Refusal::BeamSearch, cause, &d);
+        assert_eq!(e.status.as_u16(), 400);
+        assert_eq!(e.param.as_deref(), Some("use_beam_search"));
+        assert!(e.message.contains("beam search"), "{}", e.message);
+    }
 }
 
 #[tokio::test]
@@ -313,7 +361,17 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
         .filter(|id| st.prefill_kv.worker_load(*id).active_requests > 0)
         .collect();
     let d = &v.workers[0];
-    let targets = plan(&st, &v, d, &selection(1, 0, 1024), "r1", &hashes, 1024, 1).expect("plan");
+    let targets = plan(
+        &st,
+        &v,
+        d,
+        &selection(1, 0, 1024),
+        "r1",
+        &hashes,
+        1024,
+        &sp(1),
+    )
+    .expect("plan");
     let ids: Vec<u64> = targets.iter().map(|t| t.instance_id).collect();
     assert_eq!(ids.len(), MAX_PREFILL_CANDIDATES, "{ids:?}");
     assert!(!ids.contains(&6), "another KV layout was paired: {ids:?}");
@@ -337,7 +395,7 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
     // A short prompt stays on the decode worker and records nothing.
     let short: Vec<u32> = (0..40).collect();
     let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
-    let t = plan(&st, &v, d, &selection(1, 0, 40), "r2", &h, 40, 1).expect("plan");
+    let t = plan(&st, &v, d, &selection(1, 0, 40), "r2", &h, 40, &sp(1)).expect("plan");
     assert!(t.is_empty());
     assert!(!st.prefill_kv.free("r2"));
     // An agg worker never disaggregates.
@@ -350,7 +408,7 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
         "r3",
         &hashes,
         1024,
-        1,
+        &sp(1),
     )
     .expect("plan");
     assert!(t.is_empty());
@@ -363,14 +421,52 @@ async fn enforced_plan_refuses_what_cannot_run_disaggregated() {
     let short: Vec<u32> = (0..8).collect();
     let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
     let d = &v.workers[0];
-    let e = plan(&st, &v, d, &selection(1, 8, 8), "r1", &h, 8, 1).expect_err("no layout");
+    let e = plan(&st, &v, d, &selection(1, 8, 8), "r1", &h, 8, &sp(1)).expect_err("no layout");
     assert_eq!(e.status.as_u16(), 503);
     assert!(e.message.contains("--enforce-disagg"), "{}", e.message);
     let v = view(entry("pd", "L1", 1), vec![entry("prefill", "L1", 2)]);
-    let t = plan(&st, &v, &v.workers[0], &selection(1, 8, 8), "r2", &h, 8, 1).expect("plan");
+    let t = plan(
+        &st,
+        &v,
+        &v.workers[0],
+        &selection(1, 8, 8),
+        "r2",
+        &h,
+        8,
+        &sp(1),
+    )
+    .expect("plan");
     assert_eq!(t.len(), 1);
     assert_eq!(t[0].instance_id, 2);
-    let e = plan(&st, &v, &v.workers[0], &selection(1, 0, 8), "r3", &h, 8, 2).expect_err("n");
+    let e = plan(
+        &st,
+        &v,
+        &v.workers[0],
+        &selection(1, 0, 8),
+        "r3",
+        &h,
+        8,
+        &sp(2),
+    )
+    .expect_err("n");
     assert_eq!(e.status.as_u16(), 400);
     assert_eq!(e.param.as_deref(), Some("n"));
+    let beams = SamplingParams {
+        use_beam_search: true,
+        best_of: Some(4),
+        ..sp(2)
+    };
+    let e = plan(
+        &st,
+        &v,
+        &v.workers[0],
+        &selection(1, 0, 8),
+        "r4",
+        &h,
+        8,
+        &beams,
+    )
+    .expect_err("beam search");
+    assert_eq!(e.status.as_u16(), 400);
+    assert_eq!(e.param.as_deref(), Some("use_beam_search"));
 }

@@ -355,6 +355,22 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+
+    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+        let bb = self.kv.layout.block_bytes();
+        for &(src, dst) in pairs {
+            self.check_blocks(&[src, dst])?;
+            if src == dst {
+                continue;
+            }
+            let (lo, hi) = (src.min(dst) as usize, src.max(dst) as usize);
+            // SAFETY: blocks the engine owns, under `&mut self`; one span covering both.
+            let span = unsafe { self.kv.mem.slice_mut::<u8>(lo * bb, (hi - lo + 1) * bb) };
+            let (s, d) = ((src as usize - lo) * bb, (dst as usize - lo) * bb);
+            span.copy_within(s..s + bb, d);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -53,4 +53,14 @@ pub trait Backend: Send {
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError>;
     /// Writes whole blocks (as [`Backend::export_blocks`] returns them) into `blocks`.
     fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError>;
+    /// Copies whole blocks, `(src, dst)` each (beam search's copy-on-write of a partial
+    /// block). The default goes through [`Backend::export_blocks`] and
+    /// [`Backend::import_blocks`].
+    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+        for &(src, dst) in pairs {
+            let data = self.export_blocks(&[src])?;
+            self.import_blocks(&[dst], &data)?;
+        }
+        Ok(())
+    }
 }

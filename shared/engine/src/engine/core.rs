@@ -106,6 +106,8 @@ pub(crate) struct Core {
     pub(super) prefill_next: HashMap<SeqId, usize>,
     /// Tokens at prompt positions that went through a forward pass, ever.
     pub(super) prompt_tokens_computed: u64,
+    /// Beam groups by request id (see `beam.rs`).
+    pub(super) beams: HashMap<String, super::beam::BeamGroup>,
 }
 
 pub(super) fn output(request_id: &str, index: usize) -> RequestOutput {
@@ -119,6 +121,7 @@ pub(super) fn output(request_id: &str, index: usize) -> RequestOutput {
         stop_reason: None,
         usage: None,
         error: None,
+        score: None,
     }
 }
 
@@ -183,6 +186,7 @@ impl Core {
             leases: HashMap::new(),
             prefill_next: HashMap::new(),
             prompt_tokens_computed: 0,
+            beams: HashMap::new(),
         }
     }
 
@@ -353,6 +357,19 @@ impl Core {
     ) -> Result<usize, EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         params.validate().map_err(EngineError::InvalidRequest)?;
+        let width = params.beam_width();
+        if width > self.cfg.max_beam_width {
+            return bad(format!(
+                "the beam width ({width}) exceeds the engine's max_beam_width ({})",
+                self.cfg.max_beam_width
+            ));
+        }
+        if width > self.cfg.max_batch_size {
+            return bad(format!(
+                "the beam width ({width}) exceeds max_batch_size ({})",
+                self.cfg.max_batch_size
+            ));
+        }
         if prompt.is_empty() {
             return bad("the prompt is empty".into());
         }
@@ -389,10 +406,16 @@ impl Core {
                 prompt.len() + max_tokens
             ));
         }
-        let need = self.sched.blocks().blocks_for(prompt.len() + max_tokens);
+        // Beams share their prefix, but each may grow to the full length alone.
+        let need = self.sched.blocks().blocks_for(prompt.len() + max_tokens) * width;
         if need > self.cfg.num_blocks {
             return bad(format!(
-                "prompt + max_tokens needs {need} KV blocks; the pool has {}",
+                "prompt + max_tokens needs {need} KV blocks{}; the pool has {}",
+                if width > 1 {
+                    format!(" ({width} beams)")
+                } else {
+                    String::new()
+                },
                 self.cfg.num_blocks
             ));
         }
@@ -417,8 +440,10 @@ impl Core {
         let seed = req.params.seed.unwrap_or_else(Rng::random_seed);
         let params = Arc::new(req.params);
         let rid: Arc<str> = Arc::from(req.request_id.as_str());
-        let mut seqs = Vec::with_capacity(params.n);
-        for index in 0..params.n {
+        // A beam request starts as one sequence; its beams fork from it (see `beam.rs`).
+        let choices = if params.use_beam_search { 1 } else { params.n };
+        let mut seqs = Vec::with_capacity(choices);
+        for index in 0..choices {
             let id = self.next_seq;
             self.next_seq += 1;
             self.next_arrival += 1;
@@ -433,6 +458,10 @@ impl Core {
                 SamplerState::new(seed, index as u64),
             );
             seq.decoder = self.new_decoder(&params);
+            if params.use_beam_search {
+                seq.decoder = None;
+                self.submit_beams(id, &seq);
+            }
             self.sched.add(seq);
             self.seq_req.insert(id, req.request_id.clone());
             seqs.push(id);
@@ -489,6 +518,10 @@ impl Core {
 
     /// Ends every choice of a request with `abort` (and an error message, if any).
     pub(super) fn fail(&mut self, request_id: &str, error: Option<String>) {
+        if self.beams.contains_key(request_id) {
+            self.finish_beams(request_id, Some(error));
+            return;
+        }
         let Some(e) = self.reqs.get(request_id) else {
             return;
         };
@@ -582,6 +615,7 @@ impl Core {
             }
         };
         self.prompt_tokens_computed += prompt_tokens as u64;
+        let mut beam_reqs: Vec<String> = Vec::new();
         for (i, p) in pieces.iter().enumerate() {
             self.sched.mark_computed(p);
             if self.prefill_next.contains_key(&p.id) {
@@ -596,8 +630,19 @@ impl Core {
                     .and_then(|rows| rows.last())
                     .filter(|r| !r.is_empty())
                     .map(|r| r.as_slice());
-                self.sample_and_emit(p.id, row);
+                if self.beams.is_empty() {
+                    self.sample_and_emit(p.id, row);
+                } else if let Some(rid) = self.beam_row(p.id, row) {
+                    if !beam_reqs.contains(&rid) {
+                        beam_reqs.push(rid);
+                    }
+                } else {
+                    self.sample_and_emit(p.id, row);
+                }
             }
+        }
+        for rid in beam_reqs {
+            self.beam_step(&rid);
         }
         true
     }

@@ -47,6 +47,11 @@ impl Core {
             return Err(EngineError::DuplicateLease(lease_id));
         }
         self.validate_prompt(&prompt, params)?;
+        if params.use_beam_search {
+            return Err(EngineError::InvalidRequest(
+                "beam search (use_beam_search) cannot be served by a decode reservation".into(),
+            ));
+        }
         let bm = self.sched.blocks_mut();
         let mut table = BlockTable::default();
         let cached_tokens = bm.attach_prefix(&mut table, &prompt);

@@ -22,6 +22,11 @@ impl Core {
                 "request {request_id:?} is a prefill; it hands its state over when done"
             )));
         }
+        if self.beams.contains_key(request_id) {
+            return Err(EngineError::BadSnapshot(format!(
+                "request {request_id:?} is a beam search; it cannot be exported"
+            )));
+        }
         if e.seqs.len() != 1 {
             return Err(EngineError::BadSnapshot(format!(
                 "request {request_id:?} has {} live choices; only n = 1 can be exported",

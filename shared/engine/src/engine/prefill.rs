@@ -105,6 +105,11 @@ impl Core {
         key: u64,
         out: tmpsc::UnboundedSender<PrefillEvent>,
     ) -> Result<(), EngineError> {
+        if req.params.use_beam_search {
+            return Err(EngineError::InvalidRequest(
+                "beam search (use_beam_search) cannot run as a remote prefill".into(),
+            ));
+        }
         if req.params.n != 1 {
             return Err(EngineError::InvalidRequest(format!(
                 "a prefill request must have n = 1, not {}",

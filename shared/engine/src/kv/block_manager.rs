@@ -300,6 +300,44 @@ impl BlockManager {
         None
     }
 
+    /// A table for a sequence forked from one whose table is `parent` with `computed` tokens
+    /// of KV (beam search): the parent's full blocks are shared (reference counts go up), and
+    /// when `computed` ends inside a block, that partial block goes to a fresh block, to be
+    /// copied by the caller (copy-on-write: the two sequences write different tokens after
+    /// it). Returns the table, the `(src, dst)` copy to make, and how many leading tokens the
+    /// new table has KV for: `computed`, or only the full blocks' tokens when no fresh block
+    /// is available (the fork then recomputes the rest).
+    pub fn fork(
+        &mut self,
+        parent: &BlockTable,
+        computed: usize,
+    ) -> (BlockTable, Option<(u32, u32)>, usize) {
+        let full = (computed / self.block_size).min(parent.len());
+        let mut t = BlockTable::default();
+        for &id in &parent.blocks[..full] {
+            self.incref(id);
+            t.blocks.push(id);
+        }
+        if parent.num_hashed <= full {
+            t.num_hashed = parent.num_hashed;
+            t.last_hash = parent.last_hash;
+        }
+        // Otherwise (not expected) the hashes are recomputed from the start on commit, where
+        // already registered blocks are skipped.
+        let partial = !computed.is_multiple_of(self.block_size) && parent.len() > full;
+        if !partial {
+            return (t, None, full * self.block_size);
+        }
+        match self.take_block() {
+            Some(dst) => {
+                self.incref(dst);
+                t.blocks.push(dst);
+                (t, Some((parent.blocks[full], dst)), computed)
+            }
+            None => (t, None, full * self.block_size),
+        }
+    }
+
     /// Releases every block of `table` and empties it. Blocks are released tail first so that,
     /// with equal recency, a prefix's later blocks are evicted before its earlier ones (an
     /// earlier block is worth more: every longer prefix needs it).

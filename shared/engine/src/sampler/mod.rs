@@ -127,6 +127,12 @@ fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// The `k` most likely tokens of a logits row with their log-probabilities (log-softmax of
+/// the raw row), most likely first, ties to the lowest id: a beam's candidates.
+pub fn top_k_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    top_logprobs(&log_softmax(logits), k)
+}
+
 fn top_logprobs(lp: &[f32], k: usize) -> Vec<(u32, f32)> {
     if k == 0 {
         return Vec::new();

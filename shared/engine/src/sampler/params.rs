@@ -18,6 +18,18 @@ use serde::{Deserialize, Serialize};
 /// - `n`: independent choices; choice `i` draws from its own stream seeded from `(seed, i)`.
 /// - `logprobs`: `Some(k)` returns the chosen token's log-probability and the `k` most likely
 ///   alternatives.
+/// - `use_beam_search` (vLLM's extra parameter): beam search of width `best_of` (or `n` when
+///   `best_of` is unset), returning the `n` best hypotheses, best first. It follows Hugging Face
+///   transformers' `generate(num_beams=width, do_sample=False)`: each step keeps the `width`
+///   best continuations by cumulative log-probability; a hypothesis ends at EOS (or a stop
+///   token id) or at `max_tokens`, scored `sum_logprobs / generated_len ** length_penalty`
+///   (the EOS token counted in both). `early_stopping = false` (the default, as in
+///   transformers) stops once `width` hypotheses are finished and the best running beam can no
+///   longer beat the worst of them at its current length; `true` stops as soon as `width` are
+///   finished. Beam search is deterministic: `temperature`, `top_k`, `top_p`, `min_p` and
+///   `seed` are ignored; penalties, `min_tokens`, stop strings and `logprobs` are refused.
+/// - `best_of` without beam search must equal `n` (sampling `best_of > n` is not
+///   implemented and is refused).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
@@ -38,6 +50,12 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     /// Leave special tokens out of the decoded text.
     pub skip_special_tokens: bool,
+    pub use_beam_search: bool,
+    /// Beam width with `use_beam_search` (None: `n`).
+    pub best_of: Option<usize>,
+    /// Exponent of the generated length in a finished hypothesis' score (transformers').
+    pub length_penalty: f32,
+    pub early_stopping: bool,
 }
 
 impl Default for SamplingParams {
@@ -59,6 +77,10 @@ impl Default for SamplingParams {
             max_tokens: None,
             logprobs: None,
             skip_special_tokens: true,
+            use_beam_search: false,
+            best_of: None,
+            length_penalty: 1.0,
+            early_stopping: false,
         }
     }
 }
@@ -75,6 +97,15 @@ impl SamplingParams {
     /// it could overflow to infinity, and the distribution is one-hot anyway.
     pub fn is_greedy(&self) -> bool {
         self.temperature < 1e-5 || self.top_k == 1
+    }
+
+    /// The beam width: `best_of` (or `n`) with beam search, else 1.
+    pub fn beam_width(&self) -> usize {
+        if self.use_beam_search {
+            self.best_of.unwrap_or(self.n)
+        } else {
+            1
+        }
     }
 
     /// Checks ranges; returns a message naming the offending field.
@@ -112,6 +143,37 @@ impl SamplingParams {
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
             return Err("frequency_penalty must be in [-2, 2]".into());
+        }
+        finite("length_penalty", self.length_penalty)?;
+        if let Some(b) = self.best_of {
+            if b < self.n {
+                return Err(format!("best_of ({b}) must be >= n ({})", self.n));
+            }
+            if b != self.n && !self.use_beam_search {
+                return Err(
+                    "best_of > n is only supported with use_beam_search (sampling best_of is \
+                     not implemented)"
+                        .into(),
+                );
+            }
+        }
+        if self.use_beam_search {
+            let refuse = |what: &str| Err(format!("{what} is not supported with use_beam_search"));
+            if self.repetition_penalty != 1.0
+                || self.presence_penalty != 0.0
+                || self.frequency_penalty != 0.0
+            {
+                return refuse("a repetition, presence or frequency penalty");
+            }
+            if self.min_tokens > 0 {
+                return refuse("min_tokens");
+            }
+            if !self.stop.is_empty() {
+                return refuse("stop");
+            }
+            if self.logprobs.is_some() {
+                return refuse("logprobs");
+            }
         }
         if let Some(m) = self.max_tokens {
             if m == 0 {
