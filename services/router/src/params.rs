@@ -172,3 +172,48 @@ pub fn completion_logprobs(k: Option<i64>) -> Result<Option<usize>, ApiError> {
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn beams(n: i64, best_of: i64) -> CommonFields {
+        CommonFields {
+            n: Some(n),
+            best_of: Some(best_of),
+            use_beam_search: Some(true),
+            length_penalty: Some(0.5),
+            max_tokens: Some(8),
+            ..CommonFields::default()
+        }
+    }
+
+    #[test]
+    fn beam_search_fields_pass_through_and_are_checked() {
+        let p = sampling_params(beams(2, 4), None).unwrap();
+        assert!(p.use_beam_search);
+        assert_eq!((p.n, p.best_of, p.beam_width()), (2, Some(4), 4));
+        assert_eq!(p.length_penalty, 0.5);
+        // best_of > n needs beam search; best_of < n never works.
+        let c = CommonFields {
+            use_beam_search: None,
+            ..beams(2, 4)
+        };
+        let e = sampling_params(c, None).unwrap_err();
+        assert_eq!(
+            (e.status.as_u16(), e.param.as_deref()),
+            (400, Some("best_of"))
+        );
+        let e = sampling_params(beams(4, 2), None).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("best_of"));
+        // Sampling-only options are refused with beam search, naming the field.
+        let e = sampling_params(beams(2, 4), Some(1)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
+        let c = CommonFields {
+            length_penalty: Some(f32::NAN),
+            ..beams(2, 4)
+        };
+        let e = sampling_params(c, None).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("length_penalty"));
+    }
+}
