@@ -8,16 +8,13 @@
 //! registering them in the prefix cache (their content is unknown); activating it makes its
 //! blocks the table of a new sequence and registers the prompt's full blocks.
 
-use std::sync::Arc;
-
 use tokio::sync::mpsc as tmpsc;
 
-use super::core::{Core, Entry, Sink};
+use super::core::Core;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockTable;
 use crate::request::{RequestOutput, SequenceState};
 use crate::sampler::SamplingParams;
-use crate::sequence::Sequence;
 
 /// Blocks held for a prompt whose KV a remote prefill writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,58 +122,15 @@ impl Core {
         if st.tokens.len() <= pl {
             return bad("the state has no generated token to continue from".into());
         }
-        if st.params.n != 1 && st.index >= st.params.n {
-            return bad("choice index out of range".into());
-        }
-        let max_tokens = self.validate(&st.request_id, &st.tokens[..pl], &st.params)?;
-        if st.max_tokens > max_tokens || st.tokens.len() - pl > st.max_tokens {
-            return bad("max_tokens does not fit this engine or is already exceeded".into());
-        }
-        let vocab = self.backend.vocab_size();
-        if st.tokens.iter().any(|&t| t as usize >= vocab) {
-            return bad("a token id is outside the vocabulary".into());
-        }
-
-        let lease = self.leases.remove(&lease_id).expect("checked above");
-        let id = self.next_seq;
-        self.next_seq += 1;
-        self.next_arrival += 1;
-        let params = Arc::new(st.params);
-        let mut seq = Sequence::new(
-            id,
-            Arc::from(st.request_id.as_str()),
-            st.index,
-            st.tokens,
-            st.max_tokens,
-            self.next_arrival,
-            params.clone(),
-            st.sampler,
-        );
-        seq.prompt_len = pl;
-        seq.stop = st.stop;
+        self.check_continuable(&st)?;
+        let Some(lease) = self.leases.remove(&lease_id) else {
+            return Err(EngineError::UnknownLease(lease_id));
+        };
+        let state_cached = st.cached_prompt_tokens;
+        let (mut seq, request_id) = self.continued_sequence(st);
         seq.table = lease.table;
-        seq.num_computed = pl;
-        seq.cached_prompt_tokens = Some(st.cached_prompt_tokens.max(lease.cached_tokens));
-        self.sched
-            .blocks_mut()
-            .commit_computed(&mut seq.table, &seq.tokens, pl);
-        // The detokenizer's state is a function of the generated ids: replay them.
-        seq.decoder = self.new_decoder(&params);
-        if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), self.tokenizer.as_deref()) {
-            for &t in &seq.tokens[pl..] {
-                let _ = dec.push(tk, t);
-            }
-        }
-        self.sched.add(seq);
-        self.seq_req.insert(id, st.request_id.clone());
-        self.reqs.insert(
-            st.request_id,
-            Entry {
-                key,
-                seqs: vec![id],
-                out: Sink::Stream(out),
-            },
-        );
+        seq.cached_prompt_tokens = Some(state_cached.max(lease.cached_tokens));
+        self.queue_continued(seq, pl, request_id, key, out);
         Ok(())
     }
 }

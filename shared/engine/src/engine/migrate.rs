@@ -8,7 +8,7 @@ use tokio::sync::mpsc as tmpsc;
 
 use super::core::{output, state_of, usage, Core, Entry, Sink};
 use crate::error::EngineError;
-use crate::request::{FinishReason, RequestOutput, RequestSnapshot};
+use crate::request::{FinishReason, RequestOutput, RequestSnapshot, SequenceState};
 use crate::sequence::Sequence;
 
 impl Core {
@@ -82,6 +82,37 @@ impl Core {
         if st.num_computed >= st.tokens.len() {
             return bad("num_computed must leave the last token to compute");
         }
+        self.check_continuable(&st)?;
+        let bm = self.sched.blocks_mut();
+        let nblocks = bm.blocks_for(st.num_computed);
+        let want = nblocks * snap.layout.block_bytes();
+        if snap.kv.len() != want {
+            return Err(EngineError::BadSnapshot(format!(
+                "KV data has {} bytes; {nblocks} blocks need {want}",
+                snap.kv.len()
+            )));
+        }
+        let num_computed = st.num_computed;
+        let (mut seq, request_id) = self.continued_sequence(st);
+        let bm = self.sched.blocks_mut();
+        bm.ensure_capacity(&mut seq.table, num_computed)
+            .map_err(|e| EngineError::OutOfBlocks {
+                needed: e.needed,
+                available: e.available,
+            })?;
+        if let Err(e) = self.backend.import_blocks(seq.table.ids(), &snap.kv) {
+            self.sched.blocks_mut().release(&mut seq.table);
+            return Err(e);
+        }
+        seq.cached_prompt_tokens = Some(num_computed.min(seq.prompt_len));
+        self.queue_continued(seq, num_computed, request_id, key, out);
+        Ok(())
+    }
+
+    /// Checks a state to continue here against this engine's limits (shared by import and
+    /// activation).
+    pub(super) fn check_continuable(&self, st: &SequenceState) -> Result<(), EngineError> {
+        let bad = |m: &str| Err(EngineError::BadSnapshot(m.to_owned()));
         if st.params.n != 1 && st.index >= st.params.n {
             return bad("choice index out of range");
         }
@@ -93,19 +124,15 @@ impl Core {
         if st.tokens.iter().any(|&t| t as usize >= vocab) {
             return bad("a token id is outside the vocabulary");
         }
-        let bm = self.sched.blocks_mut();
-        let nblocks = bm.blocks_for(st.num_computed);
-        let want = nblocks * snap.layout.block_bytes();
-        if snap.kv.len() != want {
-            return Err(EngineError::BadSnapshot(format!(
-                "KV data has {} bytes; {nblocks} blocks need {want}",
-                snap.kv.len()
-            )));
-        }
+        Ok(())
+    }
+
+    /// A new sequence continuing `st` (its blocks are the caller's to attach); returns it with
+    /// its request id.
+    pub(super) fn continued_sequence(&mut self, st: SequenceState) -> (Sequence, String) {
         let id = self.next_seq;
         self.next_seq += 1;
         self.next_arrival += 1;
-        let params = Arc::new(st.params);
         let mut seq = Sequence::new(
             id,
             Arc::from(st.request_id.as_str()),
@@ -113,43 +140,45 @@ impl Core {
             st.tokens,
             st.max_tokens,
             self.next_arrival,
-            params.clone(),
+            Arc::new(st.params),
             st.sampler,
         );
         seq.prompt_len = st.prompt_len;
         seq.stop = st.stop;
-        let bm = self.sched.blocks_mut();
-        bm.ensure_capacity(&mut seq.table, st.num_computed)
-            .map_err(|e| EngineError::OutOfBlocks {
-                needed: e.needed,
-                available: e.available,
-            })?;
-        if let Err(e) = self.backend.import_blocks(seq.table.ids(), &snap.kv) {
-            self.sched.blocks_mut().release(&mut seq.table);
-            return Err(e);
-        }
-        seq.num_computed = st.num_computed;
-        seq.cached_prompt_tokens = Some(st.num_computed.min(st.prompt_len));
+        (seq, st.request_id)
+    }
+
+    /// Marks the first `computed` tokens computed (registering their full blocks for reuse),
+    /// replays the detokenizer over the generated ids (its state is a function of them) and
+    /// queues the sequence.
+    pub(super) fn queue_continued(
+        &mut self,
+        mut seq: Sequence,
+        computed: usize,
+        request_id: String,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+    ) {
+        seq.num_computed = computed;
         self.sched
             .blocks_mut()
-            .commit_computed(&mut seq.table, &seq.tokens, st.num_computed);
-        // The detokenizer's state is a function of the generated ids: replay them.
-        seq.decoder = self.new_decoder(&params);
+            .commit_computed(&mut seq.table, &seq.tokens, computed);
+        seq.decoder = self.new_decoder(&seq.params);
         if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), self.tokenizer.as_deref()) {
             for &t in &seq.tokens[seq.prompt_len..] {
                 let _ = dec.push(tk, t);
             }
         }
+        let id = seq.id;
         self.sched.add(seq);
-        self.seq_req.insert(id, st.request_id.clone());
+        self.seq_req.insert(id, request_id.clone());
         self.reqs.insert(
-            st.request_id,
+            request_id,
             Entry {
                 key,
                 seqs: vec![id],
                 out: Sink::Stream(out),
             },
         );
-        Ok(())
     }
 }
