@@ -6,6 +6,9 @@ pub mod cpu;
 pub mod cpu_ops;
 pub mod pool_memory;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 pub use pool_memory::KvPoolMemory;
 
 use crate::error::EngineError;

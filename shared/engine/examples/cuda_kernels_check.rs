@@ -1,0 +1,423 @@
+//! Checks every CUDA kernel (compiled by NVRTC for the GPU it runs on) and the cuBLAS GEMM
+//! against the CPU implementation (`cpu_ops`, the decoder's attention, the KV layout's address
+//! function) on random inputs, and prints a JSON report of max |Δ| per check. Exits 1 when a
+//! check fails, 2 when there is no usable GPU.
+//!
+//! Build here (no CUDA needed), run on the GPU machine:
+//! `cargo build --release -p tandem-engine --features cuda --example cuda_kernels_check`
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("cuda_kernels_check needs the `cuda` feature: --features cuda");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    match check::run() {
+        Ok(pass) => std::process::exit(if pass { 0 } else { 1 }),
+        Err(e) => {
+            println!("{}", serde_json::json!({ "error": e.to_string() }));
+            std::process::exit(2);
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod check {
+    use std::time::Instant;
+
+    use serde_json::{json, Value};
+    use tandem_engine::backend::cpu_ops::{
+        bf16_to_f32, dot, matmul_t, rms_norm_rows, rms_norm_rows_inplace, rope_apply,
+        rope_inv_freq, silu_mul, MatRef, Matrix,
+    };
+    use tandem_engine::backend::cuda::{
+        check_libraries, CudaDevice, DeviceMatrix, KvPool, PoolShape,
+    };
+    use tandem_engine::error::EngineError;
+    use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
+
+    /// xorshift64*: reproducible inputs without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        /// Uniform in [-1, 1).
+        fn f(&mut self) -> f32 {
+            ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn vec(&mut self, n: usize) -> Vec<f32> {
+            (0..n).map(|_| self.f()).collect()
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    fn bf16(v: f32) -> u16 {
+        half::bf16::from_f32(v).to_bits()
+    }
+
+    struct Report {
+        checks: Vec<Value>,
+        pass: bool,
+    }
+
+    impl Report {
+        fn add(&mut self, kernel: &str, case: &str, got: &[f32], want: &[f32], tol: f32) {
+            let mut max = 0.0f32;
+            let mut max_ref = 0.0f32;
+            let mut nan = got.len() != want.len();
+            for (g, w) in got.iter().zip(want) {
+                if g.is_nan() != w.is_nan() {
+                    nan = true;
+                }
+                max = max.max((g - w).abs());
+                max_ref = max_ref.max(w.abs());
+            }
+            let ok = !nan && max <= tol;
+            self.pass &= ok;
+            self.checks.push(json!({
+                "kernel": kernel, "case": case, "elements": want.len(),
+                "max_abs_diff": max, "max_abs_ref": max_ref, "tol": tol, "pass": ok,
+            }));
+        }
+    }
+
+    // Qwen3-0.6B-like shapes.
+    const HIDDEN: usize = 1024;
+    const NQ: usize = 16;
+    const NKV: usize = 8;
+    const HD: usize = 128;
+    const IM: usize = 3072;
+    const VOCAB: usize = 1000;
+    const EPS: f32 = 1e-6;
+    const BS: usize = 16;
+    const LAYERS: usize = 2;
+    const ROW: usize = (NQ + 2 * NKV) * HD;
+
+    /// The step's sequences: (block table, positions this step).
+    fn sequences() -> Vec<(Vec<u32>, std::ops::Range<usize>)> {
+        // A decode token at position 100, a prefill chunk over a cached prefix (40..60) and a
+        // fresh prefill (0..33); block ids permuted over a pool of 16.
+        vec![
+            (vec![3, 9, 0, 14, 6, 11, 1], 100..101),
+            (vec![5, 12, 2, 8], 40..60),
+            (vec![15, 4, 10], 0..33),
+        ]
+    }
+
+    pub fn run() -> Result<bool, EngineError> {
+        check_libraries()?;
+        let t0 = Instant::now();
+        let dev = CudaDevice::new(0)?;
+        let init_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut rep = Report {
+            checks: Vec::new(),
+            pass: true,
+        };
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let seqs = sequences();
+        let seq_refs: Vec<(&[u32], std::ops::Range<usize>)> = seqs
+            .iter()
+            .map(|(t, r)| (t.as_slice(), r.clone()))
+            .collect();
+        let tokens: Vec<(usize, usize)> = seqs
+            .iter()
+            .enumerate()
+            .flat_map(|(s, (_, r))| r.clone().map(move |p| (s, p)))
+            .collect();
+        let t = tokens.len();
+
+        // Embedding (exact).
+        let table = rng.vec(VOCAB * HIDDEN);
+        let ids: Vec<u32> = (0..t).map(|_| rng.below(VOCAB) as u32).collect();
+        for bf in [false, true] {
+            let m = if bf {
+                Matrix::Bf16(table.iter().map(|v| bf16(*v)).collect())
+            } else {
+                Matrix::F32(table.clone())
+            };
+            let mut want = vec![0.0f32; t * HIDDEN];
+            for (row, id) in want.chunks_exact_mut(HIDDEN).zip(&ids) {
+                m.row_into(*id as usize, HIDDEN, row);
+            }
+            let dm = match &m {
+                Matrix::F32(v) => DeviceMatrix::F32(dev.upload(v)?),
+                Matrix::Bf16(v) => DeviceMatrix::Bf16(dev.upload(v)?),
+            };
+            let mut out = dev.zeros::<f32>(t * HIDDEN)?;
+            dev.embedding(&mut out, &dm, &ids, HIDDEN)?;
+            let got = dev.download(&out)?;
+            rep.add(
+                "embedding",
+                if bf { "bf16" } else { "f32" },
+                &got,
+                &want,
+                0.0,
+            );
+        }
+        // An out-of-vocabulary id is refused on the host.
+        {
+            let dm = DeviceMatrix::F32(dev.upload(&table)?);
+            let mut out = dev.zeros::<f32>(HIDDEN)?;
+            let refused = dev
+                .embedding(&mut out, &dm, &[VOCAB as u32], HIDDEN)
+                .is_err();
+            rep.checks.push(
+                json!({"kernel": "embedding", "case": "id outside vocab refused", "pass": refused}),
+            );
+            rep.pass &= refused;
+        }
+
+        // RMSNorm, plain and with the fused residual add.
+        let w = rng.vec(HIDDEN);
+        let x0 = rng.vec(t * HIDDEN);
+        let res = rng.vec(t * HIDDEN);
+        let dw = dev.upload(&w)?;
+        for fused in [false, true] {
+            let mut xs = x0.clone();
+            if fused {
+                for (a, b) in xs.iter_mut().zip(&res) {
+                    *a += b;
+                }
+            }
+            let mut want = vec![0.0f32; t * HIDDEN];
+            rms_norm_rows(&xs, &w, EPS, &mut want);
+            let mut dx = dev.upload(&x0)?;
+            let dres = dev.upload(&res)?;
+            let mut out = dev.zeros::<f32>(t * HIDDEN)?;
+            dev.rms_norm(&mut out, &mut dx, fused.then_some(&dres), &dw, t, EPS)?;
+            let got = dev.download(&out)?;
+            let case = if fused { "residual add + norm" } else { "norm" };
+            rep.add("rms_norm", case, &got, &want, 1e-5);
+            if fused {
+                rep.add(
+                    "rms_norm",
+                    "residual sum written back",
+                    &dev.download(&dx)?,
+                    &xs,
+                    0.0,
+                );
+            }
+        }
+
+        // Per-head q/k norm + RoPE (Qwen3), and RoPE alone (Llama-like), at positions up to
+        // several thousand.
+        let inv64 = rope_inv_freq(HD, 1_000_000.0);
+        let inv32: Vec<f32> = inv64.iter().map(|v| *v as f32).collect();
+        let dinv = dev.upload(&inv32)?;
+        let qn = rng.vec(HD);
+        let kn = rng.vec(HD);
+        let (dqn, dkn) = (dev.upload(&qn)?, dev.upload(&kn)?);
+        let qkv0 = rng.vec(t * ROW);
+        let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
+        for norm in [true, false] {
+            let mut want = qkv0.clone();
+            for (row, (_, pos)) in want.chunks_exact_mut(ROW).zip(&tokens) {
+                for (h, head) in row[..(NQ + NKV) * HD].chunks_exact_mut(HD).enumerate() {
+                    if norm {
+                        rms_norm_rows_inplace(head, if h < NQ { &qn } else { &kn }, EPS);
+                    }
+                    rope_apply(head, *pos, &inv64);
+                }
+            }
+            let mut dq = dev.upload(&qkv0)?;
+            let (a, b) = if norm {
+                (Some(&dqn), Some(&dkn))
+            } else {
+                (None, None)
+            };
+            dev.qk_norm_rope(&mut dq, ROW, NQ, NKV, HD, &maps, &dinv, a, b, EPS)?;
+            let got = dev.download(&dq)?;
+            let case = if norm { "q/k norm + rope" } else { "rope only" };
+            rep.add("qk_norm_rope", case, &got, &want, 2e-5);
+        }
+        {
+            // Long positions: the angle rounding of f32 inv_freq × pos as in HF.
+            let long: Vec<(Vec<u32>, std::ops::Range<usize>)> =
+                vec![((0..400).collect(), 6000..6040)];
+            let long_refs: Vec<(&[u32], std::ops::Range<usize>)> = long
+                .iter()
+                .map(|(t, r)| (t.as_slice(), r.clone()))
+                .collect();
+            let lmaps = dev.token_maps(&long_refs, BS, usize::MAX)?;
+            let q0 = rng.vec(40 * ROW);
+            let mut want = q0.clone();
+            for (row, pos) in want.chunks_exact_mut(ROW).zip(6000..6040) {
+                for head in row[..(NQ + NKV) * HD].chunks_exact_mut(HD) {
+                    rope_apply(head, pos, &inv64);
+                }
+            }
+            let mut dq = dev.upload(&q0)?;
+            dev.qk_norm_rope(&mut dq, ROW, NQ, NKV, HD, &lmaps, &dinv, None, None, EPS)?;
+            rep.add(
+                "qk_norm_rope",
+                "rope at positions 6000..6040",
+                &dev.download(&dq)?,
+                &want,
+                1e-4,
+            );
+        }
+
+        // SiLU·mul.
+        let gu = rng
+            .vec(t * 2 * IM)
+            .iter()
+            .map(|v| v * 8.0)
+            .collect::<Vec<_>>();
+        let mut want = vec![0.0f32; t * IM];
+        for (o, row) in want.chunks_exact_mut(IM).zip(gu.chunks_exact(2 * IM)) {
+            let (g, u) = row.split_at(IM);
+            let mut g = g.to_vec();
+            silu_mul(&mut g, u);
+            o.copy_from_slice(&g);
+        }
+        let dgu = dev.upload(&gu)?;
+        let mut dout = dev.zeros::<f32>(t * IM)?;
+        dev.silu_mul(&mut dout, &dgu, t, IM)?;
+        rep.add("silu_mul", "f32", &dev.download(&dout)?, &want, 1e-5);
+
+        // KV write and paged attention, f32 and bf16 pools.
+        let shape = PoolShape {
+            num_blocks: 16,
+            num_layers: LAYERS,
+            block_size: BS,
+            num_kv_heads: NKV,
+            head_dim: HD,
+        };
+        let n = shape.elems();
+        let qkv = rng.vec(t * ROW);
+        let dqkv = dev.upload(&qkv)?;
+        let scale = 1.0 / (HD as f32).sqrt();
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let layout = KvLayout {
+                version: LAYOUT_VERSION,
+                model_id: "check".into(),
+                dtype,
+                block_size: BS,
+                num_layers: LAYERS,
+                num_kv_heads: NKV,
+                head_dim: HD,
+            };
+            let el = |block: usize, layer: usize, part: KvPart, slot: usize, head: usize| {
+                layout.token_offset(block, layer, part, slot, head) / dtype.bytes()
+            };
+            let layer = 1;
+            // Host pool: random (the cached prefix), as f32 values exactly representable in
+            // the pool's dtype.
+            let mut host: Vec<f32> = rng.vec(n);
+            if dtype == KvDtype::Bf16 {
+                host.iter_mut().for_each(|v| *v = bf16_to_f32(bf16(*v)));
+            }
+            let mut pool = match dtype {
+                KvDtype::F32 => KvPool::F32(dev.upload(&host)?),
+                KvDtype::Bf16 => {
+                    KvPool::Bf16(dev.upload(&host.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?)
+                }
+            };
+            // Reference write: the layout's address function, values rounded like the CPU
+            // backend's store.
+            let round = |v: f32| match dtype {
+                KvDtype::F32 => v,
+                KvDtype::Bf16 => bf16_to_f32(bf16(v)),
+            };
+            for (row, (s, pos)) in qkv.chunks_exact(ROW).zip(&tokens) {
+                let block = seqs[*s].0[pos / BS] as usize;
+                for (part, off) in [(KvPart::K, NQ * HD), (KvPart::V, (NQ + NKV) * HD)] {
+                    let at = el(block, layer, part, pos % BS, 0);
+                    for i in 0..NKV * HD {
+                        host[at + i] = round(row[off + i]);
+                    }
+                }
+            }
+            dev.kv_write(&mut pool, shape, layer, &dqkv, ROW, NQ * HD, &maps)?;
+            let got: Vec<f32> = match &pool {
+                KvPool::F32(p) => dev.download(p)?,
+                KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
+            };
+            rep.add("kv_write", &dtype.to_string(), &got, &host, 0.0);
+
+            // Attention over the pool as written, without and with a sliding window.
+            for window in [usize::MAX, 8] {
+                let maps_w = dev.token_maps(&seq_refs, BS, window)?;
+                let mut want = vec![0.0f32; t * NQ * HD];
+                for (ti, (s, pos)) in tokens.iter().enumerate() {
+                    let table = &seqs[*s].0;
+                    let lo = (pos + 1).saturating_sub(window);
+                    for h in 0..NQ {
+                        let kvh = h / (NQ / NKV);
+                        let q = &qkv[ti * ROW + h * HD..ti * ROW + (h + 1) * HD];
+                        let head = |p: usize, part| {
+                            let at = el(table[p / BS] as usize, layer, part, p % BS, kvh);
+                            &host[at..at + HD]
+                        };
+                        let scores: Vec<f32> = (lo..=*pos)
+                            .map(|p| dot(q, head(p, KvPart::K)) * scale)
+                            .collect();
+                        let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                        let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                        let sum: f32 = e.iter().sum();
+                        let out = &mut want[(ti * NQ + h) * HD..(ti * NQ + h + 1) * HD];
+                        for (p, ev) in (lo..=*pos).zip(&e) {
+                            let a = ev / sum;
+                            for (o, v) in out.iter_mut().zip(head(p, KvPart::V)) {
+                                *o += a * v;
+                            }
+                        }
+                    }
+                }
+                let mut dout = dev.zeros::<f32>(t * NQ * HD)?;
+                dev.attention(
+                    &mut dout, &dqkv, ROW, &pool, shape, layer, NQ, &maps_w, scale,
+                )?;
+                let case = if window == usize::MAX {
+                    format!("{dtype} pool, decode + chunked prefill + prefill")
+                } else {
+                    format!("{dtype} pool, sliding window {window}")
+                };
+                rep.add("attention", &case, &dev.download(&dout)?, &want, 1e-5);
+            }
+        }
+
+        // GEMM (cuBLAS sgemm, the f32 mode) at decode and prefill row counts.
+        for (m, k, nn) in [(1, HIDDEN, ROW), (37, HIDDEN, 2 * IM), (37, IM, HIDDEN)] {
+            let x = rng.vec(m * k);
+            let wv = rng.vec(nn * k);
+            let mut want = vec![0.0f32; m * nn];
+            matmul_t(&x, m, k, MatRef::F32(&wv), nn, &mut want);
+            let dx = dev.upload(&x)?;
+            let dwm = DeviceMatrix::F32(dev.upload(&wv)?);
+            let mut dout = dev.zeros::<f32>(m * nn)?;
+            dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+            rep.add(
+                "gemm_sgemm",
+                &format!("{m}x{k}x{nn}"),
+                &dev.download(&dout)?,
+                &want,
+                1e-3,
+            );
+        }
+        dev.synchronize()?;
+        let (free, total) = dev.mem_info()?;
+        let report = json!({
+            "device": dev.name(),
+            "arch": dev.arch(),
+            "init_and_nvrtc_compile_ms": init_ms,
+            "total_ms": t0.elapsed().as_secs_f64() * 1e3,
+            "mem_free_total_bytes": [free, total],
+            "checks": rep.checks,
+            "all_pass": rep.pass,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+        Ok(rep.pass)
+    }
+}

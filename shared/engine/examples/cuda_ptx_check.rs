@@ -1,0 +1,55 @@
+//! Compiles every CUDA kernel to PTX with NVRTC, without a GPU: only libnvrtc is needed (the
+//! PyPI wheel `nvidia-cuda-nvrtc` 13.0.x provides it; put its `lib` folder on
+//! LD_LIBRARY_PATH). A kernel that does not compile fails this program. Arguments: the
+//! architectures (default `sm_90`). Prints one JSON line per architecture.
+//!
+//! `cargo run -p tandem-engine --features cuda --example cuda_ptx_check -- sm_90`
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("cuda_ptx_check needs the `cuda` feature: --features cuda");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    use tandem_engine::backend::cuda::kernels;
+    // SAFETY: only tries to dlopen libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("libnvrtc not found (LD_LIBRARY_PATH); nothing compiled");
+        std::process::exit(2);
+    }
+    let mut archs: Vec<String> = std::env::args().skip(1).collect();
+    if archs.is_empty() {
+        archs.push("sm_90".into());
+    }
+    let mut ok = true;
+    for arch in &archs {
+        let t0 = std::time::Instant::now();
+        match kernels::ptx_for(arch) {
+            Ok(ptx) => {
+                let missing: Vec<&str> = kernels::KERNEL_NAMES
+                    .iter()
+                    .filter(|n| !ptx.contains(&format!(".entry {n}(")))
+                    .copied()
+                    .collect();
+                ok &= missing.is_empty();
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "arch": arch, "ptx_bytes": ptx.len(), "kernels": kernels::KERNEL_NAMES.len(),
+                        "missing": missing, "ms": t0.elapsed().as_secs_f64() * 1e3,
+                    })
+                );
+            }
+            Err(e) => {
+                ok = false;
+                println!(
+                    "{}",
+                    serde_json::json!({ "arch": arch, "error": e.to_string() })
+                );
+            }
+        }
+    }
+    std::process::exit(if ok { 0 } else { 1 });
+}

@@ -1,0 +1,126 @@
+//! The kernel sources and their compilation: the `.cu` files of `kernels/` are embedded in the
+//! binary, concatenated (prelude first) into one NVRTC program, compiled for the device's own
+//! architecture at start-up and cached per process, keyed by architecture.
+//!
+//! Development mode: with `TANDEM_CUDA_KERNEL_DIR` set to a folder holding the same file
+//! names, the sources are read from there instead, so a kernel edit needs no Rust rebuild.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use crate::error::EngineError;
+
+/// The environment variable of the development mode.
+pub const KERNEL_DIR_ENV: &str = "TANDEM_CUDA_KERNEL_DIR";
+
+/// The kernel files, in the order they are concatenated.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("prelude.cu", include_str!("kernels/prelude.cu")),
+    ("embedding.cu", include_str!("kernels/embedding.cu")),
+    ("rms_norm.cu", include_str!("kernels/rms_norm.cu")),
+    ("qk_norm_rope.cu", include_str!("kernels/qk_norm_rope.cu")),
+    ("silu_mul.cu", include_str!("kernels/silu_mul.cu")),
+    ("kv_write.cu", include_str!("kernels/kv_write.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+];
+
+/// Every `extern "C"` kernel of the program; each is loaded at start-up, so a missing one is
+/// an error then rather than at its first launch.
+pub const KERNEL_NAMES: &[&str] = &[
+    "embedding_f32",
+    "embedding_bf16",
+    "rms_norm_f32",
+    "qk_norm_rope_f32",
+    "silu_mul_f32",
+    "kv_write_f32",
+    "kv_write_bf16",
+    "attention_f32",
+    "attention_bf16",
+];
+
+/// The program's source: the embedded files, or those of [`KERNEL_DIR_ENV`] when it is set.
+pub fn program_source() -> Result<String, EngineError> {
+    let dir = std::env::var_os(KERNEL_DIR_ENV);
+    let mut src = String::new();
+    for (name, embedded) in SOURCES {
+        match &dir {
+            Some(dir) => {
+                let path = std::path::Path::new(dir).join(name);
+                let text = std::fs::read_to_string(&path).map_err(|e| EngineError::io(&path, e))?;
+                src.push_str(&text);
+            }
+            None => src.push_str(embedded),
+        }
+        src.push('\n');
+    }
+    Ok(src)
+}
+
+/// `sm_XY` for compute capability (X, Y).
+pub fn arch_for(major: i32, minor: i32) -> String {
+    format!("sm_{major}{minor}")
+}
+
+fn cache() -> &'static Mutex<HashMap<String, String>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// PTX of the program for `arch` (e.g. `sm_90`), compiled by NVRTC on first use in this
+/// process and cached. The caller must have checked that NVRTC is present
+/// ([`super::check_libraries`]): cudarc panics on a missing library.
+pub fn ptx_for(arch: &str) -> Result<String, EngineError> {
+    let mut cache = cache()
+        .lock()
+        .map_err(|_| EngineError::Backend("CUDA kernel cache lock poisoned".into()))?;
+    if let Some(ptx) = cache.get(arch) {
+        return Ok(ptx.clone());
+    }
+    let src = program_source()?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        // Exact division and square root, no flush-to-zero: the f32 mode is compared with the
+        // CPU backend.
+        ftz: Some(false),
+        prec_sqrt: Some(true),
+        prec_div: Some(true),
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("tandem_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| {
+        let detail = match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        };
+        EngineError::Backend(format!(
+            "NVRTC could not compile the kernels for {arch}: {detail}"
+        ))
+    })?;
+    let text = ptx.to_src();
+    cache.insert(arch.to_string(), text.clone());
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_name_is_defined_in_the_sources() {
+        let src: String = SOURCES.iter().map(|(_, s)| *s).collect();
+        for name in KERNEL_NAMES {
+            assert!(
+                src.contains(&format!("__global__ void {name}(")),
+                "kernel {name} not found in the sources"
+            );
+        }
+    }
+
+    #[test]
+    fn arch_names_follow_nvrtc() {
+        assert_eq!(arch_for(9, 0), "sm_90");
+        assert_eq!(arch_for(8, 6), "sm_86");
+    }
+}

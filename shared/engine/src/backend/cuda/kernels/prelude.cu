@@ -1,0 +1,49 @@
+// Shared helpers of every kernel file; the files are concatenated after this one into a single
+// NVRTC program, so they need no #include (NVRTC then needs no include path either).
+
+// bf16 as its bit pattern: the engine stores bf16 as u16 on the host too, and this avoids
+// cuda_bf16.h.
+typedef unsigned short bf16_t;
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+
+// Round to nearest even, NaN stays NaN: what half::bf16::from_f32 does on the CPU.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (bf16_t)((u >> 16) | 0x40u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float load_f(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load_f(const bf16_t* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void store_f(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// Sum of `v` over the whole block; every thread gets the result. blockDim.x must be a
+// multiple of 32 (at most 1024) and every thread of the block must call it.
+__device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = (blockDim.x + 31) >> 5;
+        float s = lane < warps ? warp_sums[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    const float r = total;
+    __syncthreads();  // the next call may overwrite the shared slots
+    return r;
+}

@@ -1,0 +1,21 @@
+// RMSNorm of each `dim`-long row, as Hugging Face's Qwen3RMSNorm computes it in f32:
+// out = w * (x * 1/sqrt(mean(x^2) + eps)). With `residual` non-null the residual is added
+// first and the sum written back to x (x += residual; out = norm(x)), the decoder's
+// "residual add, then the next norm" in one pass. One block per row; `out` may equal `x`.
+extern "C" __global__ void rms_norm_f32(float* out, float* x, const float* residual, const float* w, int dim, float eps) {
+    const long long base = (long long)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = x[base + i];
+        if (residual != nullptr) {
+            v += residual[base + i];
+            x[base + i] = v;
+        }
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        out[base + i] = w[i] * (x[base + i] * r);
+    }
+}
