@@ -13,11 +13,15 @@
 //!   Qwen3 q/k-norm + RoPE, SiLU·mul, KV write into paged blocks and a paged attention for
 //!   decode and prefill), all following the CPU path's math (`cpu_ops`, `model::decoder`) and
 //!   the KV address function of [`crate::kv::layout`].
+//! - [`CudaBackend`]: the `Backend` trait on these, f32 mode (checked against the CPU backend).
 //!
-//! Not here yet (see README.md beside this file): a `Backend` implementation, bf16 GEMMs,
+//! Not here yet (see README.md beside this file): worker wiring, bf16 GEMMs,
 //! fast attention, GPU sampling and CUDA graphs.
 
+pub mod backend;
 pub mod kernels;
+
+pub use backend::CudaBackend;
 
 use std::collections::HashMap;
 use std::sync::Arc;
