@@ -243,14 +243,29 @@ impl EngineHandle {
     ) -> impl Future<Output = Result<RequestStream, EngineError>> + Send + 'static {
         let n = request.params.n;
         let request_id = request.request_id.clone();
-        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        let (out_tx, out_rx) = tmpsc::unbounded_channel();
-        let ack = self.call(move |ack| Command::Submit {
+        self.open_stream(request_id, n, move |key, out, ack| Command::Submit {
             request,
             key,
-            out: out_tx,
+            out,
             ack,
-        });
+        })
+    }
+
+    /// Sends a command that starts a request with its own output stream (submit, import,
+    /// activate) and awaits its acknowledgement.
+    fn open_stream(
+        &self,
+        request_id: String,
+        n: usize,
+        make: impl FnOnce(
+            u64,
+            tmpsc::UnboundedSender<RequestOutput>,
+            oneshot::Sender<Result<(), EngineError>>,
+        ) -> Command,
+    ) -> impl Future<Output = Result<RequestStream, EngineError>> + Send + 'static {
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let (out_tx, out_rx) = tmpsc::unbounded_channel();
+        let ack = self.call(move |ack| make(key, out_tx, ack));
         let tx = self.tx.clone();
         async move {
             ack.await??;
@@ -306,19 +321,12 @@ impl EngineHandle {
         snapshot: RequestSnapshot,
     ) -> impl Future<Output = Result<RequestStream, EngineError>> + Send + 'static {
         let request_id = snapshot.state.request_id.clone();
-        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        let (out_tx, out_rx) = tmpsc::unbounded_channel();
-        let ack = self.call(move |ack| Command::Import {
+        self.open_stream(request_id, 1, move |key, out, ack| Command::Import {
             snapshot: Box::new(snapshot),
             key,
-            out: out_tx,
+            out,
             ack,
-        });
-        let tx = self.tx.clone();
-        async move {
-            ack.await??;
-            Ok(RequestStream::new(request_id, key, 1, out_rx, tx))
-        }
+        })
     }
 
     /// Holds blocks for `prompt` under `lease_id`: the locally cached prefix (attached, so it
@@ -366,20 +374,13 @@ impl EngineHandle {
         state: SequenceState,
     ) -> impl Future<Output = Result<RequestStream, EngineError>> + Send + 'static {
         let request_id = state.request_id.clone();
-        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        let (out_tx, out_rx) = tmpsc::unbounded_channel();
-        let ack = self.call(move |ack| Command::Activate {
+        self.open_stream(request_id, 1, move |key, out, ack| Command::Activate {
             lease_id,
             state: Box::new(state),
             key,
-            out: out_tx,
+            out,
             ack,
-        });
-        let tx = self.tx.clone();
-        async move {
-            ack.await??;
-            Ok(RequestStream::new(request_id, key, 1, out_rx, tx))
-        }
+        })
     }
 
     /// Runs the prompt of `request` (n must be 1) here — with this engine's prefix cache and

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::backend::pool_memory::KvPoolMemory;
-use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
+use crate::backend::{Backend, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
@@ -274,34 +274,11 @@ impl CpuBackend {
     }
 
     fn check_blocks(&self, blocks: &[u32]) -> Result<(), EngineError> {
-        match blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
-            Some(b) => Err(EngineError::InvalidInput(format!(
-                "block id {b} is outside the pool of {} blocks",
-                self.num_blocks
-            ))),
-            None => Ok(()),
-        }
+        super::check_blocks(blocks, self.num_blocks)
     }
 
     fn check_batch(&self, batch: &[SeqInput<'_>]) -> Result<(), EngineError> {
-        let bs = self.kv.layout.block_size;
-        for (i, seq) in batch.iter().enumerate() {
-            let end = seq.start_pos + seq.tokens.len();
-            if seq.tokens.is_empty() && seq.logits != LogitsMode::None {
-                return Err(EngineError::InvalidInput(format!(
-                    "sequence {i}: logits asked for an empty step"
-                )));
-            }
-            if seq.block_table.len() < end.div_ceil(bs) {
-                return Err(EngineError::InvalidInput(format!(
-                    "sequence {i}: block table of {} blocks does not cover positions 0..{end} \
-                     (block size {bs})",
-                    seq.block_table.len()
-                )));
-            }
-            self.check_blocks(&seq.block_table[..end.div_ceil(bs)])?;
-        }
-        Ok(())
+        super::check_batch(batch, self.kv.layout.block_size, self.num_blocks)
     }
 }
 
@@ -377,6 +354,7 @@ impl Backend for CpuBackend {
 mod tests {
     use super::*;
     use crate::backend::cpu_ops::Matrix;
+    use crate::backend::LogitsMode;
     use crate::tiny::{qwen3_config_json, random_init, random_tensor, TinyDims};
 
     /// A micro Qwen3 (vocab 50, hidden 16) built in memory, no files.

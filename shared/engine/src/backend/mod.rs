@@ -67,3 +67,40 @@ pub trait Backend: Send {
         Ok(())
     }
 }
+
+/// Checks that every block id lies in a pool of `num_blocks` (shared by the backends).
+pub(crate) fn check_blocks(blocks: &[u32], num_blocks: usize) -> Result<(), EngineError> {
+    match blocks.iter().find(|&&b| b as usize >= num_blocks) {
+        Some(b) => Err(EngineError::InvalidInput(format!(
+            "block id {b} is outside the pool of {num_blocks} blocks"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Checks a step's inputs against the pool: no logits for an empty piece, and a block table
+/// that covers every position and names only blocks of the pool.
+pub(crate) fn check_batch(
+    batch: &[SeqInput<'_>],
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<(), EngineError> {
+    for (i, seq) in batch.iter().enumerate() {
+        let end = seq.start_pos + seq.tokens.len();
+        if seq.tokens.is_empty() && seq.logits != LogitsMode::None {
+            return Err(EngineError::InvalidInput(format!(
+                "sequence {i}: logits asked for an empty step"
+            )));
+        }
+        let needed = end.div_ceil(block_size);
+        if seq.block_table.len() < needed {
+            return Err(EngineError::InvalidInput(format!(
+                "sequence {i}: block table of {} blocks does not cover positions 0..{end} \
+                 (block size {block_size})",
+                seq.block_table.len()
+            )));
+        }
+        check_blocks(&seq.block_table[..needed], num_blocks)?;
+    }
+    Ok(())
+}

@@ -154,37 +154,11 @@ impl CudaBackend {
     }
 
     fn check_blocks(&self, blocks: &[u32]) -> Result<(), EngineError> {
-        match blocks
-            .iter()
-            .find(|&&b| b as usize >= self.shape.num_blocks)
-        {
-            Some(b) => Err(EngineError::InvalidInput(format!(
-                "block id {b} is outside the pool of {} blocks",
-                self.shape.num_blocks
-            ))),
-            None => Ok(()),
-        }
+        crate::backend::check_blocks(blocks, self.shape.num_blocks)
     }
 
     fn check_batch(&self, batch: &[SeqInput<'_>]) -> Result<(), EngineError> {
-        let bs = self.layout.block_size;
-        for (i, seq) in batch.iter().enumerate() {
-            let end = seq.start_pos + seq.tokens.len();
-            if seq.tokens.is_empty() && seq.logits != LogitsMode::None {
-                return Err(EngineError::InvalidInput(format!(
-                    "sequence {i}: logits asked for an empty step"
-                )));
-            }
-            if seq.block_table.len() < end.div_ceil(bs) {
-                return Err(EngineError::InvalidInput(format!(
-                    "sequence {i}: block table of {} blocks does not cover positions 0..{end} \
-                     (block size {bs})",
-                    seq.block_table.len()
-                )));
-            }
-            self.check_blocks(&seq.block_table[..end.div_ceil(bs)])?;
-        }
-        Ok(())
+        crate::backend::check_batch(batch, self.layout.block_size, self.shape.num_blocks)
     }
 
     fn block_range(&self, b: u32) -> std::ops::Range<usize> {
