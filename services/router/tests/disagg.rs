@@ -861,6 +861,21 @@ async fn conditional_disaggregation_follows_the_threshold() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The plain router learns of the prefill worker on its own schedule: wait until a long
+    // warm-up prompt (not used below) goes remote there too.
+    let deadline = Instant::now() + READY_TIMEOUT;
+    for i in 0.. {
+        let warm = json!({"model": "tandem-tiny", "prompt": format!("warm{i} ").repeat(300), "max_tokens": 1});
+        let (s, h, _) = post(base(&plain), warm).await;
+        if s == 200 && h.get("x-tandem-prefill-worker-id").is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the plain router never saw the prefill worker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let before_d = worker_stats(&addr(&d)).await.prompt_tokens_computed;
     let before_p = worker_stats(&addr(&p)).await.prompt_tokens_computed;
     let (s, h, _) = post(base(&plain), short).await;
