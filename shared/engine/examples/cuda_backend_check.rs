@@ -1,11 +1,13 @@
 //! Runs the tiny model (its exact weights, made in memory from the tiny model's seed: no files
-//! or tokenizer needed) on the CPU backend and on the CUDA backend in f32 mode, over the same
-//! steps (two prefills, a chunked prefill over a cached prefix, decodes, then 24 greedy steps),
-//! for f32 and bf16 KV pools, and prints a JSON report: max |Δ| of logits over the CPU logits'
-//! std per step, greedy token agreement, and the exported KV blocks' max |Δ|. Exits 1 when
-//! max |Δ| / std exceeds the tolerance (1e-4 with an f32 KV pool, issue 7's f32 criterion;
-//! 1e-3 with a bf16 pool, where a 1e-6 difference can flip one bf16 rounding of a cached K/V
-//! value, 1 ulp = 2e-3 relative) or a greedy token differs, 2 without a GPU.
+//! or tokenizer needed) on the CPU backend and on the CUDA backend, over the same steps (two
+//! prefills, a chunked prefill over a cached prefix, decodes, then 24 greedy steps), in f32
+//! mode with f32 and bf16 KV pools and in bf16 mode, and prints a JSON report: max |Δ| of
+//! logits over the CPU logits' std per step, greedy token agreement, the device argmax against
+//! the host argmax of the same logits, and the exported KV blocks' max |Δ|. Exits 1 when
+//! max |Δ| / std exceeds the tolerance (1e-4 in f32 mode with an f32 KV pool, issue 7's f32
+//! criterion; 1e-3 with a bf16 pool, where a 1e-6 difference can flip one bf16 rounding of a
+//! cached K/V value, 1 ulp = 2e-3 relative; 5e-2 in bf16 mode, whose greedy tokens may
+//! differ and are only reported) or an f32-mode greedy token differs, 2 without a GPU.
 //!
 //! `cargo build --release -p tandem-engine --features cuda --example cuda_backend_check`
 
@@ -33,7 +35,9 @@ mod check {
     use serde_json::{json, Value};
     use tandem_engine::backend::cpu::CpuBackend;
     use tandem_engine::backend::cpu_ops::Matrix;
-    use tandem_engine::backend::cuda::{CudaBackend, CudaDevice};
+    use tandem_engine::backend::cuda::{
+        ComputeMode, CudaBackend, CudaDevice, CudaOptions, PoolSize,
+    };
     use tandem_engine::backend::{Backend, LogitsMode, SeqInput};
     use tandem_engine::error::EngineError;
     use tandem_engine::kv::layout::KvDtype;
@@ -47,6 +51,8 @@ mod check {
     const TOL: f64 = 1e-4;
     /// With a bf16 KV pool: the H200 run of 2026-11-30 measured 1.5e-4 (greedy tokens identical).
     const TOL_BF16_KV: f64 = 1e-3;
+    /// In bf16 compute mode (weights and GEMM inputs rounded to bf16).
+    const TOL_BF16_MODE: f64 = 5e-2;
 
     fn argmax(v: &[f32]) -> u32 {
         let mut best = 0;
@@ -89,15 +95,27 @@ mod check {
         let w = Arc::new(w);
         let mut all_pass = true;
         let mut runs: Vec<Value> = Vec::new();
-        for kv in [KvDtype::F32, KvDtype::Bf16] {
+        for (mode, kv) in [
+            (ComputeMode::F32, KvDtype::F32),
+            (ComputeMode::F32, KvDtype::Bf16),
+            (ComputeMode::Bf16, KvDtype::Bf16),
+        ] {
             let mut cpu =
                 CpuBackend::from_parts(cfg.clone(), w.clone(), "tiny".into(), kv, BS, BLOCKS)?;
             let dev = CudaDevice::new(0)?;
-            let mut gpu =
-                CudaBackend::from_parts(dev, cfg.clone(), &w, "tiny".into(), kv, BS, BLOCKS)?;
-            let tol = match kv {
-                KvDtype::F32 => TOL,
-                KvDtype::Bf16 => TOL_BF16_KV,
+            let opts = CudaOptions {
+                ordinal: 0,
+                mode,
+                kv_dtype: kv,
+                block_size: BS,
+                pool: PoolSize::Blocks(BLOCKS),
+                max_step_tokens: 64,
+            };
+            let mut gpu = CudaBackend::from_parts(dev, cfg.clone(), &w, "tiny".into(), &opts)?;
+            let tol = match (mode, kv) {
+                (ComputeMode::Bf16, _) => TOL_BF16_MODE,
+                (_, KvDtype::F32) => TOL,
+                (_, KvDtype::Bf16) => TOL_BF16_KV,
             };
             let mut steps: Vec<Value> = Vec::new();
             let mut worst = 0.0f64;
@@ -157,6 +175,7 @@ mod check {
             let mut agree = 0;
             let mut first_diff: Option<usize> = None;
             let mut greedy_max_rel = 0.0f64;
+            let mut device_argmax_mismatches = 0;
             for step in 0..24 {
                 let pos = 21 + step;
                 let in_c = [tok_cpu];
@@ -167,13 +186,19 @@ mod check {
                     block_table: tab_a,
                     logits: LogitsMode::Last,
                 }])?;
-                let b = gpu.forward(&[SeqInput {
+                let step_g = [SeqInput {
                     tokens: &in_g,
                     start_pos: pos,
                     block_table: tab_a,
                     logits: LogitsMode::Last,
-                }])?;
-                if tok_cpu == tok_gpu {
+                }];
+                // Device argmax first (it rewrites this position's K/V with the same values).
+                let dev_tok = gpu.forward_greedy(&step_g)?;
+                let b = gpu.forward(&step_g)?;
+                if dev_tok.first().and_then(|r| r.first()) != Some(&argmax(&b.logits[0][0])) {
+                    device_argmax_mismatches += 1;
+                }
+                if tok_cpu == tok_gpu && first_diff.is_none() {
                     let (max, std, _) = compare(&a.logits, &b.logits);
                     greedy_max_rel = greedy_max_rel.max(max / std.max(1e-30));
                 }
@@ -186,7 +211,10 @@ mod check {
                 }
             }
             worst = worst.max(greedy_max_rel);
-            pass &= first_diff.is_none() && greedy_max_rel <= tol;
+            let greedy_required = mode == ComputeMode::F32;
+            pass &= (first_diff.is_none() || !greedy_required)
+                && greedy_max_rel <= tol
+                && device_argmax_mismatches == 0;
             // The KV blocks both backends wrote, in layout byte order.
             let blocks: Vec<u32> = [tab_a, tab_b, &tab_c[..2]].concat();
             let (ea, eb) = (cpu.export_blocks(&blocks)?, gpu.export_blocks(&blocks)?);
@@ -214,7 +242,9 @@ mod check {
             pass &= round_trip && ea.len() == eb.len();
             all_pass &= pass;
             runs.push(json!({
+                "mode": format!("{mode:?}"),
                 "kv_dtype": kv.to_string(),
+                "device_argmax_mismatches": device_argmax_mismatches,
                 "tol_max_abs_diff_over_std": tol,
                 "steps": steps,
                 "greedy": {"steps": 24, "agree": agree, "first_difference": first_diff, "max_rel": greedy_max_rel},

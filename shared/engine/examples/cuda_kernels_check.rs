@@ -33,7 +33,7 @@ mod check {
         rope_inv_freq, silu_mul, MatRef, Matrix,
     };
     use tandem_engine::backend::cuda::{
-        check_libraries, CudaDevice, DeviceMatrix, KvPool, PoolShape,
+        check_libraries, AttentionScratch, CudaDevice, DeviceMatrix, KvPool, PoolShape,
     };
     use tandem_engine::error::EngineError;
     use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
@@ -61,6 +61,15 @@ mod check {
 
     fn bf16(v: f32) -> u16 {
         half::bf16::from_f32(v).to_bits()
+    }
+
+    fn widen(v: &[u16]) -> Vec<f32> {
+        v.iter().map(|b| bf16_to_f32(*b)).collect()
+    }
+
+    /// One bf16 rounding of the largest value (2⁻⁸ relative), plus the f32 tolerance.
+    fn bf16_tol(want: &[f32]) -> f32 {
+        want.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 256.0 + 1e-5
     }
 
     struct Report {
@@ -196,6 +205,13 @@ mod check {
             let got = dev.download(&out)?;
             let case = if fused { "residual add + norm" } else { "norm" };
             rep.add("rms_norm", case, &got, &want, 1e-5);
+            if !fused {
+                let mut dx = dev.upload(&x0)?;
+                let mut out16 = dev.zeros::<u16>(t * HIDDEN)?;
+                dev.rms_norm(&mut out16, &mut dx, None, &dw, t, EPS)?;
+                let got = widen(&dev.download(&out16)?);
+                rep.add("rms_norm", "norm, bf16 out", &got, &want, bf16_tol(&want));
+            }
             if fused {
                 rep.add(
                     "rms_norm",
@@ -282,6 +298,12 @@ mod check {
         let mut dout = dev.zeros::<f32>(t * IM)?;
         dev.silu_mul(&mut dout, &dgu, t, IM)?;
         rep.add("silu_mul", "f32", &dev.download(&dout)?, &want, 1e-5);
+        {
+            let mut dout = dev.zeros::<u16>(t * IM)?;
+            dev.silu_mul(&mut dout, &dgu, t, IM)?;
+            let got = widen(&dev.download(&dout)?);
+            rep.add("silu_mul", "bf16 out", &got, &want, bf16_tol(&want));
+        }
 
         // KV write and paged attention, f32 and bf16 pools.
         let shape = PoolShape {
@@ -295,6 +317,7 @@ mod check {
         let qkv = rng.vec(t * ROW);
         let dqkv = dev.upload(&qkv)?;
         let scale = 1.0 / (HD as f32).sqrt();
+        let mut scratch = AttentionScratch::new(&dev)?;
         for dtype in [KvDtype::F32, KvDtype::Bf16] {
             let layout = KvLayout {
                 version: LAYOUT_VERSION,
@@ -382,6 +405,82 @@ mod check {
                     format!("{dtype} pool, sliding window {window}")
                 };
                 rep.add("attention", &case, &dev.download(&dout)?, &want, 1e-5);
+                let mut fast = dev.zeros::<f32>(t * NQ * HD)?;
+                dev.attention_fast(
+                    &mut fast,
+                    &dqkv,
+                    ROW,
+                    &pool,
+                    shape,
+                    layer,
+                    NQ,
+                    &maps_w,
+                    scale,
+                    &mut scratch,
+                )?;
+                rep.add("attention_fast", &case, &dev.download(&fast)?, &want, 1e-5);
+                let mut fast16 = dev.zeros::<u16>(t * NQ * HD)?;
+                dev.attention_fast(
+                    &mut fast16,
+                    &dqkv,
+                    ROW,
+                    &pool,
+                    shape,
+                    layer,
+                    NQ,
+                    &maps_w,
+                    scale,
+                    &mut scratch,
+                )?;
+                let got = widen(&dev.download(&fast16)?);
+                rep.add(
+                    "attention_fast",
+                    &format!("{case}, bf16 out"),
+                    &got,
+                    &want,
+                    bf16_tol(&want),
+                );
+                // Only the decode token of each sequence: few (token, head) pairs, so the
+                // positions split over several blocks merged in the launch.
+                let last: Vec<(&[u32], std::ops::Range<usize>)> = seq_refs
+                    .iter()
+                    .map(|(tb, r)| (*tb, r.end - 1..r.end))
+                    .collect();
+                let maps_d = dev.token_maps(&last, BS, window)?;
+                let mut want_d = Vec::new();
+                let mut at = 0;
+                for (_, r) in &seq_refs {
+                    at += r.len();
+                    want_d.extend_from_slice(&want[(at - 1) * NQ * HD..at * NQ * HD]);
+                }
+                let mut qkv_d = Vec::new();
+                let mut at = 0;
+                for (_, r) in &seq_refs {
+                    at += r.len();
+                    qkv_d.extend_from_slice(&qkv[(at - 1) * ROW..at * ROW]);
+                }
+                let dqkv_d = dev.upload(&qkv_d)?;
+                let mut split = dev.zeros::<f32>(last.len() * NQ * HD)?;
+                dev.attention_fast(
+                    &mut split,
+                    &dqkv_d,
+                    ROW,
+                    &pool,
+                    shape,
+                    layer,
+                    NQ,
+                    &maps_d,
+                    scale,
+                    &mut scratch,
+                )?;
+                let splits = scratch.splits_for(last.len() * NKV);
+                rep.add(
+                    "attention_fast",
+                    &format!("{case}, decode rows only ({splits} splits)"),
+                    &dev.download(&split)?,
+                    &want_d,
+                    1e-5,
+                );
             }
         }
 
@@ -403,6 +502,106 @@ mod check {
                 1e-3,
             );
         }
+        // GEMM in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
+        // product of the same rounded values.
+        for (m, k, nn) in [(1, HIDDEN, ROW), (64, HIDDEN, 2 * IM), (300, IM, HIDDEN)] {
+            let x: Vec<f32> = rng
+                .vec(m * k)
+                .into_iter()
+                .map(|v| bf16_to_f32(bf16(v)))
+                .collect();
+            let wv: Vec<f32> = rng
+                .vec(nn * k)
+                .into_iter()
+                .map(|v| bf16_to_f32(bf16(v)))
+                .collect();
+            let mut want = vec![0.0f32; m * nn];
+            matmul_t(&x, m, k, MatRef::F32(&wv), nn, &mut want);
+            let dx = dev.upload(&x.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?;
+            let dwm =
+                DeviceMatrix::Bf16(dev.upload(&wv.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?);
+            let mut dout = dev.zeros::<f32>(m * nn)?;
+            dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+            rep.add(
+                "gemm_bf16",
+                &format!("{m}x{k}x{nn}"),
+                &dev.download(&dout)?,
+                &want,
+                1e-3,
+            );
+        }
+        // A bf16 GEMM input against f32 weights is refused.
+        {
+            let dx = dev.zeros::<u16>(HIDDEN)?;
+            let dwm = DeviceMatrix::F32(dev.zeros::<f32>(HIDDEN)?);
+            let mut dout = dev.zeros::<f32>(1)?;
+            let refused = dev.matmul_t(&dx, 1, HIDDEN, &dwm, 1, &mut dout).is_err();
+            rep.checks
+                .push(json!({"kernel": "gemm", "case": "mixed dtypes refused", "pass": refused}));
+            rep.pass &= refused;
+        }
+
+        // Row gather into f32 and bf16, and the bias add.
+        {
+            let src = rng.vec(t * HIDDEN);
+            let rows: Vec<u32> = vec![0, (t - 1) as u32, 5, 5];
+            let want: Vec<f32> = rows
+                .iter()
+                .flat_map(|r| src[*r as usize * HIDDEN..(*r as usize + 1) * HIDDEN].to_vec())
+                .collect();
+            let dsrc = dev.upload(&src)?;
+            let mut out = dev.zeros::<f32>(rows.len() * HIDDEN)?;
+            dev.gather_rows(&mut out, &dsrc, t, &rows, HIDDEN)?;
+            rep.add("gather_rows", "f32", &dev.download(&out)?, &want, 0.0);
+            let mut out16 = dev.zeros::<u16>(rows.len() * HIDDEN)?;
+            dev.gather_rows(&mut out16, &dsrc, t, &rows, HIDDEN)?;
+            let want16: Vec<f32> = want.iter().map(|v| bf16_to_f32(bf16(*v))).collect();
+            rep.add(
+                "gather_rows",
+                "bf16 out",
+                &widen(&dev.download(&out16)?),
+                &want16,
+                0.0,
+            );
+            let b = rng.vec(HIDDEN);
+            let mut want_b = src.clone();
+            for row in want_b.chunks_exact_mut(HIDDEN) {
+                for (v, bb) in row.iter_mut().zip(&b) {
+                    *v += bb;
+                }
+            }
+            let mut dx = dev.upload(&src)?;
+            dev.bias_add(&mut dx, &dev.upload(&b)?, t)?;
+            rep.add("bias_add", "f32", &dev.download(&dx)?, &want_b, 0.0);
+        }
+
+        // Device argmax over vocabulary-sized rows, with a planted tie (lowest index wins).
+        {
+            const V: usize = 151_936;
+            let rows = 5;
+            let mut logits = rng.vec(rows * V);
+            logits[2 * V + 70_000] = 50.0;
+            logits[2 * V + 90_000] = 50.0;
+            logits[4 * V + V - 1] = 60.0;
+            let want: Vec<f32> = logits
+                .chunks_exact(V)
+                .map(|r| {
+                    let mut best = 0;
+                    for (i, x) in r.iter().enumerate() {
+                        if *x > r[best] {
+                            best = i;
+                        }
+                    }
+                    best as f32
+                })
+                .collect();
+            let dl = dev.upload(&logits)?;
+            let mut ids = dev.zeros::<i32>(rows)?;
+            dev.argmax(&mut ids, &dl, rows, V)?;
+            let got: Vec<f32> = dev.download(&ids)?.into_iter().map(|i| i as f32).collect();
+            rep.add("argmax", "5 rows of 151936, tie", &got, &want, 0.0);
+        }
+
         dev.synchronize()?;
         let (free, total) = dev.mem_info()?;
         let report = json!({

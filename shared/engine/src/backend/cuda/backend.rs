@@ -1,13 +1,16 @@
-//! [`CudaBackend`]: the decoder forward pass of [`crate::model::decoder`] on one GPU, in the
-//! f32 mode (weights widened to f32 on upload, f32 activations, cuBLAS sgemm), with the paged
-//! KV pool in GPU memory in the layout's dtype (f32 or bf16). It follows the CPU path step for
-//! step so that the two can be compared exactly; speed (bf16 GEMMs, fused/fast attention,
-//! CUDA graphs, GPU sampling) comes later. Families with q/k/v or o biases (Qwen2) are refused
-//! with an error until a bias kernel exists.
+//! [`CudaBackend`]: the decoder forward pass of [`crate::model::decoder`] on one GPU.
+//!
+//! Two compute modes: [`ComputeMode::F32`] (weights widened to f32, f32 GEMMs: the exact
+//! mode, compared with the CPU backend) and [`ComputeMode::Bf16`] (weights resident in bf16,
+//! bf16 × bf16 GEMMs accumulating in f32; the producers of each GEMM input write bf16
+//! directly). The residual stream, norms, RoPE and softmax stay in f32 in both. The paged KV
+//! pool lives in GPU memory in the layout's dtype, with the same [`KvLayout`] as the CPU
+//! backend, so exported blocks are interchangeable. Activations live in a workspace reused
+//! from step to step (grown when a step is larger than any before).
 
 use cudarc::driver::CudaSlice;
 
-use super::{CudaDevice, DeviceMatrix, KvPool, PoolShape};
+use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape};
 use crate::backend::cpu_ops::Matrix;
 use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
@@ -16,22 +19,54 @@ use crate::model::config::ModelConfig;
 use crate::model::decoder::DecoderWeights;
 use crate::model::LoadedModel;
 
+/// The element type of weights and GEMM inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ComputeMode {
+    /// f32 weights and GEMMs: for exact comparisons with the CPU backend.
+    F32,
+    /// bf16 weights and GEMM inputs, f32 accumulation: the serving mode.
+    Bf16,
+}
+
+/// How many KV blocks the pool gets.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PoolSize {
+    Blocks(usize),
+    /// This fraction of the device memory free once the weights and the workspace are
+    /// allocated (`kv_cache_config.free_gpu_memory_fraction`).
+    FreeFraction(f64),
+}
+
+/// Everything [`CudaBackend::new`] needs besides the model.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    pub ordinal: usize,
+    pub mode: ComputeMode,
+    pub kv_dtype: KvDtype,
+    pub block_size: usize,
+    pub pool: PoolSize,
+    /// Tokens per step the workspace is sized for up front (`max_num_tokens`), so that the
+    /// pool, sized after it, leaves room for the activations.
+    pub max_step_tokens: usize,
+}
+
 struct DeviceLayer {
     input_norm: CudaSlice<f32>,
     qkv: DeviceMatrix,
+    qkv_bias: Option<CudaSlice<f32>>,
     q_norm: Option<CudaSlice<f32>>,
     k_norm: Option<CudaSlice<f32>>,
     o_proj: DeviceMatrix,
+    o_bias: Option<CudaSlice<f32>>,
     post_norm: CudaSlice<f32>,
     gate_up: DeviceMatrix,
     down: DeviceMatrix,
 }
 
-/// The decoder on one GPU (f32 mode).
-pub struct CudaBackend {
+/// The weights and the KV pool on the device.
+struct DeviceModel {
     dev: CudaDevice,
     config: ModelConfig,
-    layout: KvLayout,
     shape: PoolShape,
     pool: KvPool,
     embed: DeviceMatrix,
@@ -39,32 +74,120 @@ pub struct CudaBackend {
     norm: CudaSlice<f32>,
     lm_head: Option<DeviceMatrix>,
     inv_freq: CudaSlice<f32>,
+    scratch: AttentionScratch,
+}
+
+/// Activation buffers of a step; `A` is the GEMM input type (f32 or bf16 as u16).
+struct Workspace<A: DeviceElem> {
+    tokens: usize,
+    x: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    normed: CudaSlice<A>,
+    attn: CudaSlice<A>,
+    act: CudaSlice<A>,
+    rows: usize,
+    sel_x: CudaSlice<f32>,
+    sel_res: CudaSlice<f32>,
+    sel: CudaSlice<A>,
+    logits: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+}
+
+impl<A: DeviceElem> Workspace<A> {
+    fn new(
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        tokens: usize,
+        rows: usize,
+    ) -> Result<Self, EngineError> {
+        let (h, qd, kvd, im) = dims(cfg);
+        let (t, r) = (tokens.max(1), rows.max(1));
+        Ok(Workspace {
+            tokens: t,
+            x: dev.zeros(t * h)?,
+            qkv: dev.zeros(t * (qd + 2 * kvd))?,
+            proj: dev.zeros(t * h)?,
+            gu: dev.zeros(t * 2 * im)?,
+            normed: dev.zeros(t * h)?,
+            attn: dev.zeros(t * qd)?,
+            act: dev.zeros(t * im)?,
+            rows: r,
+            sel_x: dev.zeros(r * h)?,
+            sel_res: dev.zeros(r * h)?,
+            sel: dev.zeros(r * h)?,
+            logits: dev.zeros(r * cfg.vocab_size)?,
+            ids: dev.zeros(r)?,
+        })
+    }
+
+    /// Grows to hold `tokens` tokens and `rows` logits rows.
+    fn ensure(
+        &mut self,
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        tokens: usize,
+        rows: usize,
+    ) -> Result<(), EngineError> {
+        if tokens > self.tokens || rows > self.rows {
+            *self = Workspace::new(dev, cfg, tokens.max(self.tokens), rows.max(self.rows))?;
+        }
+        Ok(())
+    }
+}
+
+enum AnyWorkspace {
+    F32(Workspace<f32>),
+    Bf16(Workspace<u16>),
+}
+
+/// (hidden, q width, kv width, intermediate).
+fn dims(cfg: &ModelConfig) -> (usize, usize, usize, usize) {
+    (
+        cfg.hidden_size,
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+}
+
+/// What a step brings back from the device.
+enum Readout {
+    Logits,
+    Argmax,
+}
+
+/// The flattened rows a step brought back, in the order of the batch.
+enum StepRows {
+    Logits(Vec<f32>),
+    Ids(Vec<i32>),
+}
+
+/// The decoder on one GPU.
+pub struct CudaBackend {
+    model: DeviceModel,
+    ws: AnyWorkspace,
+    layout: KvLayout,
+    mode: ComputeMode,
 }
 
 impl CudaBackend {
-    /// A backend on GPU `ordinal` over `model`'s weights with a zeroed pool of `num_blocks`.
-    pub fn new(
-        model: &LoadedModel,
-        ordinal: usize,
-        kv_dtype: KvDtype,
-        block_size: usize,
-        num_blocks: usize,
-    ) -> Result<Self, EngineError> {
+    /// A backend on GPU `opts.ordinal` over `model`'s weights with a zeroed pool.
+    pub fn new(model: &LoadedModel, opts: &CudaOptions) -> Result<Self, EngineError> {
         if !model.weights_loaded {
             return Err(EngineError::InvalidInput(format!(
                 "{} was loaded without its weights",
                 model.path.display()
             )));
         }
-        let dev = CudaDevice::new(ordinal)?;
+        let dev = CudaDevice::new(opts.ordinal)?;
         Self::from_parts(
             dev,
             model.config.clone(),
             &model.weights,
             model.model_id.clone(),
-            kv_dtype,
-            block_size,
-            num_blocks,
+            opts,
         )
     }
 
@@ -74,46 +197,38 @@ impl CudaBackend {
         config: ModelConfig,
         weights: &DecoderWeights,
         model_id: String,
-        kv_dtype: KvDtype,
-        block_size: usize,
-        num_blocks: usize,
+        opts: &CudaOptions,
     ) -> Result<Self, EngineError> {
-        if block_size == 0 || num_blocks == 0 {
-            return Err(EngineError::InvalidInput(format!(
-                "block_size ({block_size}) and num_blocks ({num_blocks}) must be > 0"
-            )));
-        }
-        if config.qkv_bias || config.o_bias {
-            return Err(EngineError::Config(
-                "the CUDA backend does not run models with attention biases (Qwen2) yet".into(),
-            ));
+        let block_size = opts.block_size;
+        if block_size == 0 {
+            return Err(EngineError::InvalidInput("block_size must be > 0".into()));
         }
         let layout = KvLayout {
             version: LAYOUT_VERSION,
             model_id,
-            dtype: kv_dtype,
+            dtype: opts.kv_dtype,
             block_size,
             num_layers: config.num_hidden_layers,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
         };
-        let shape = PoolShape {
-            num_blocks,
-            num_layers: layout.num_layers,
-            block_size,
-            num_kv_heads: layout.num_kv_heads,
-            head_dim: layout.head_dim,
-        };
-        let pool = match kv_dtype {
-            KvDtype::F32 => KvPool::F32(dev.zeros(shape.elems())?),
-            KvDtype::Bf16 => KvPool::Bf16(dev.zeros(shape.elems())?),
-        };
+        let mode = opts.mode;
         let up = |m: &Matrix| -> Result<DeviceMatrix, EngineError> {
-            // f32 mode: bf16 weights are widened (exactly) to f32.
-            Ok(DeviceMatrix::F32(match m {
-                Matrix::F32(v) => dev.upload(v)?,
-                Matrix::Bf16(_) => dev.upload(&m.clone().into_f32())?,
-            }))
+            Ok(match (mode, m) {
+                (ComputeMode::F32, Matrix::F32(v)) => DeviceMatrix::F32(dev.upload(v)?),
+                // Widening bf16 to f32 is exact.
+                (ComputeMode::F32, Matrix::Bf16(_)) => {
+                    DeviceMatrix::F32(dev.upload(&m.clone().into_f32())?)
+                }
+                (ComputeMode::Bf16, Matrix::Bf16(v)) => DeviceMatrix::Bf16(dev.upload(v)?),
+                (ComputeMode::Bf16, Matrix::F32(v)) => DeviceMatrix::Bf16(
+                    dev.upload(
+                        &v.iter()
+                            .map(|x| half::bf16::from_f32(*x).to_bits())
+                            .collect::<Vec<u16>>(),
+                    )?,
+                ),
+            })
         };
         let vec = |v: &[f32]| dev.upload(v);
         let opt = |v: &Option<Vec<f32>>| v.as_deref().map(|v| dev.upload(v)).transpose();
@@ -122,9 +237,11 @@ impl CudaBackend {
             layers.push(DeviceLayer {
                 input_norm: vec(&lw.input_norm)?,
                 qkv: up(&lw.qkv)?,
+                qkv_bias: opt(&lw.qkv_bias)?,
                 q_norm: opt(&lw.q_norm)?,
                 k_norm: opt(&lw.k_norm)?,
                 o_proj: up(&lw.o_proj)?,
+                o_bias: opt(&lw.o_bias)?,
                 post_norm: vec(&lw.post_norm)?,
                 gate_up: up(&lw.gate_up)?,
                 down: up(&lw.down)?,
@@ -135,62 +252,134 @@ impl CudaBackend {
         let lm_head = weights.lm_head.as_ref().map(&up).transpose()?;
         let norm = vec(&weights.norm)?;
         let inv_freq = dev.upload(&inv)?;
+        // The workspace first, at the step size the engine schedules, so the pool sized from
+        // the free memory leaves it room.
+        let rows = 256;
+        let ws = match mode {
+            ComputeMode::F32 => {
+                AnyWorkspace::F32(Workspace::new(&dev, &config, opts.max_step_tokens, rows)?)
+            }
+            ComputeMode::Bf16 => {
+                AnyWorkspace::Bf16(Workspace::new(&dev, &config, opts.max_step_tokens, rows)?)
+            }
+        };
+        let scratch = AttentionScratch::new(&dev)?;
+        let per_block = layout.block_bytes();
+        let num_blocks = match opts.pool {
+            PoolSize::Blocks(n) => n,
+            PoolSize::FreeFraction(f) => {
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(EngineError::InvalidInput(format!(
+                        "free_gpu_memory_fraction must be in (0, 1], got {f}"
+                    )));
+                }
+                dev.synchronize()?;
+                let (free, _) = dev.mem_info()?;
+                (free as f64 * f) as usize / per_block.max(1)
+            }
+        };
+        if num_blocks == 0 {
+            return Err(EngineError::Config(format!(
+                "the KV pool gets no block of {per_block} bytes (pool size {:?})",
+                opts.pool
+            )));
+        }
+        let shape = PoolShape {
+            num_blocks,
+            num_layers: layout.num_layers,
+            block_size,
+            num_kv_heads: layout.num_kv_heads,
+            head_dim: layout.head_dim,
+        };
+        let pool = match layout.dtype {
+            KvDtype::F32 => KvPool::F32(dev.zeros(shape.elems())?),
+            KvDtype::Bf16 => KvPool::Bf16(dev.zeros(shape.elems())?),
+        };
+        tracing::info!(
+            device = dev.name(),
+            arch = dev.arch(),
+            ?mode,
+            num_blocks,
+            pool_gib = (num_blocks * per_block) as f64 / (1u64 << 30) as f64,
+            "CUDA backend ready"
+        );
         Ok(CudaBackend {
-            dev,
-            config,
+            model: DeviceModel {
+                dev,
+                config,
+                shape,
+                pool,
+                embed,
+                layers,
+                norm,
+                lm_head,
+                inv_freq,
+                scratch,
+            },
+            ws,
             layout,
-            shape,
-            pool,
-            embed,
-            layers,
-            norm,
-            lm_head,
-            inv_freq,
+            mode,
         })
     }
 
     pub fn device(&self) -> &CudaDevice {
-        &self.dev
+        &self.model.dev
     }
 
-    fn check_blocks(&self, blocks: &[u32]) -> Result<(), EngineError> {
-        crate::backend::check_blocks(blocks, self.shape.num_blocks)
+    pub fn mode(&self) -> ComputeMode {
+        self.mode
     }
 
-    fn check_batch(&self, batch: &[SeqInput<'_>]) -> Result<(), EngineError> {
-        crate::backend::check_batch(batch, self.layout.block_size, self.shape.num_blocks)
+    /// One step with greedy sampling on the device: per sequence, the argmax token of each
+    /// row it asked for (the logits never leave the GPU).
+    pub fn forward_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<u32>>, EngineError> {
+        let (counts, rows) = self.step(batch, Readout::Argmax)?;
+        let ids = match rows {
+            StepRows::Ids(ids) => ids,
+            StepRows::Logits(_) => Vec::new(),
+        };
+        let mut it = ids.into_iter();
+        Ok(counts
+            .iter()
+            .map(|&c| it.by_ref().take(c).map(|id| id as u32).collect())
+            .collect())
+    }
+
+    /// Runs a step; returns the number of rows per sequence and the rows.
+    fn step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        readout: Readout,
+    ) -> Result<(Vec<usize>, StepRows), EngineError> {
+        crate::backend::check_batch(batch, self.layout.block_size, self.model.shape.num_blocks)?;
+        match &mut self.ws {
+            AnyWorkspace::F32(ws) => self.model.step(ws, batch, readout),
+            AnyWorkspace::Bf16(ws) => self.model.step(ws, batch, readout),
+        }
     }
 
     fn block_range(&self, b: u32) -> std::ops::Range<usize> {
-        let per = self.shape.elems() / self.shape.num_blocks;
+        let per = self.model.shape.elems() / self.model.shape.num_blocks;
         b as usize * per..(b as usize + 1) * per
     }
 }
 
-impl Backend for CudaBackend {
-    fn layout(&self) -> &KvLayout {
-        &self.layout
-    }
-
-    fn num_blocks(&self) -> usize {
-        self.shape.num_blocks
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.config.vocab_size
-    }
-
-    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
-        self.check_batch(batch)?;
+impl DeviceModel {
+    fn step<A: DeviceElem>(
+        &mut self,
+        ws: &mut Workspace<A>,
+        batch: &[SeqInput<'_>],
+        readout: Readout,
+    ) -> Result<(Vec<usize>, StepRows), EngineError> {
         let cfg = &self.config;
         let dev = &self.dev;
-        let (h, hd, nq, nkv) = (
-            cfg.hidden_size,
+        let (h, qd, kvd, im) = dims(cfg);
+        let (hd, nq, nkv, eps) = (
             cfg.head_dim,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
+            cfg.rms_norm_eps,
         );
-        let (qd, kvd, im, eps) = (nq * hd, nkv * hd, cfg.intermediate_size, cfg.rms_norm_eps);
         let qkv_w = qd + 2 * kvd;
         let window = cfg.sliding_window.unwrap_or(usize::MAX);
         let scale = 1.0 / (hd as f32).sqrt();
@@ -199,58 +388,7 @@ impl Backend for CudaBackend {
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
         let t = ids.len();
-        if t == 0 {
-            return Ok(StepOutput {
-                logits: vec![Vec::new(); batch.len()],
-            });
-        }
-        let seqs: Vec<(&[u32], std::ops::Range<usize>)> = batch
-            .iter()
-            .map(|s| (s.block_table, s.start_pos..s.start_pos + s.tokens.len()))
-            .collect();
-        let maps = dev.token_maps(&seqs, self.layout.block_size, window)?;
-
-        let mut x = dev.zeros::<f32>(t * h)?;
-        dev.embedding(&mut x, &self.embed, &ids, h)?;
-        let mut normed = dev.zeros::<f32>(t * h)?;
-        let mut qkv = dev.zeros::<f32>(t * qkv_w)?;
-        let mut attn = dev.zeros::<f32>(t * qd)?;
-        let mut proj = dev.zeros::<f32>(t * h)?;
-        let mut gu = dev.zeros::<f32>(t * 2 * im)?;
-        let mut act = dev.zeros::<f32>(t * im)?;
-
-        for (l, lw) in self.layers.iter().enumerate() {
-            // The previous layer's MLP output joins the residual stream here (fused add).
-            let residual = (l > 0).then_some(&proj);
-            dev.rms_norm(&mut normed, &mut x, residual, &lw.input_norm, t, eps)?;
-            dev.matmul_t(&normed, t, h, &lw.qkv, qkv_w, &mut qkv)?;
-            dev.qk_norm_rope(
-                &mut qkv,
-                qkv_w,
-                nq,
-                nkv,
-                hd,
-                &maps,
-                &self.inv_freq,
-                lw.q_norm.as_ref(),
-                lw.k_norm.as_ref(),
-                eps,
-            )?;
-            dev.kv_write(&mut self.pool, self.shape, l, &qkv, qkv_w, qd, &maps)?;
-            dev.attention(
-                &mut attn, &qkv, qkv_w, &self.pool, self.shape, l, nq, &maps, scale,
-            )?;
-            dev.matmul_t(&attn, t, qd, &lw.o_proj, h, &mut proj)?;
-            dev.rms_norm(&mut normed, &mut x, Some(&proj), &lw.post_norm, t, eps)?;
-            dev.matmul_t(&normed, t, h, &lw.gate_up, 2 * im, &mut gu)?;
-            dev.silu_mul(&mut act, &gu, t, im)?;
-            dev.matmul_t(&act, t, im, &lw.down, h, &mut proj)?;
-        }
-        let residual = (!self.layers.is_empty()).then_some(&proj);
-        dev.rms_norm(&mut normed, &mut x, residual, &self.norm, t, eps)?;
-
-        // Logits only for the rows asked for: gather them (the embedding kernel over the
-        // normed rows), then the lm_head GEMM.
+        // The rows whose logits are wanted, and how many per sequence.
         let mut rows: Vec<u32> = Vec::new();
         let mut counts = Vec::with_capacity(batch.len());
         let mut first = 0u32;
@@ -266,20 +404,129 @@ impl Backend for CudaBackend {
             counts.push(rows.len() - before);
             first += n;
         }
-        let r = rows.len();
-        let v = cfg.vocab_size;
-        let mut out_rows: Vec<Vec<f32>> = Vec::with_capacity(r);
-        if r > 0 {
-            let normed = DeviceMatrix::F32(normed);
-            let mut sel = dev.zeros::<f32>(r * h)?;
-            dev.embedding(&mut sel, &normed, &rows, h)?;
-            let mut logits = dev.zeros::<f32>(r * v)?;
-            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-            dev.matmul_t(&sel, r, h, head, v, &mut logits)?;
-            let host = dev.download(&logits)?;
-            out_rows = host.chunks_exact(v).map(<[f32]>::to_vec).collect();
+        let empty = match readout {
+            Readout::Logits => StepRows::Logits(Vec::new()),
+            Readout::Argmax => StepRows::Ids(Vec::new()),
+        };
+        if t == 0 {
+            return Ok((counts, empty));
         }
-        let mut it = out_rows.into_iter();
+        let r = rows.len();
+        ws.ensure(dev, cfg, t, r)?;
+        let seqs: Vec<(&[u32], std::ops::Range<usize>)> = batch
+            .iter()
+            .map(|s| (s.block_table, s.start_pos..s.start_pos + s.tokens.len()))
+            .collect();
+        let maps = dev.token_maps(&seqs, self.shape.block_size, window)?;
+
+        dev.embedding(&mut ws.x, &self.embed, &ids, h)?;
+        for (l, lw) in self.layers.iter().enumerate() {
+            // The previous layer's MLP output joins the residual stream here (fused add).
+            let residual = (l > 0).then_some(&ws.proj);
+            dev.rms_norm(&mut ws.normed, &mut ws.x, residual, &lw.input_norm, t, eps)?;
+            dev.matmul_t(&ws.normed, t, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
+            if let Some(b) = &lw.qkv_bias {
+                dev.bias_add(&mut ws.qkv, b, t)?;
+            }
+            dev.qk_norm_rope(
+                &mut ws.qkv,
+                qkv_w,
+                nq,
+                nkv,
+                hd,
+                &maps,
+                &self.inv_freq,
+                lw.q_norm.as_ref(),
+                lw.k_norm.as_ref(),
+                eps,
+            )?;
+            dev.kv_write(&mut self.pool, self.shape, l, &ws.qkv, qkv_w, qd, &maps)?;
+            dev.attention_fast(
+                &mut ws.attn,
+                &ws.qkv,
+                qkv_w,
+                &self.pool,
+                self.shape,
+                l,
+                nq,
+                &maps,
+                scale,
+                &mut self.scratch,
+            )?;
+            dev.matmul_t(&ws.attn, t, qd, &lw.o_proj, h, &mut ws.proj)?;
+            if let Some(b) = &lw.o_bias {
+                dev.bias_add(&mut ws.proj, b, t)?;
+            }
+            dev.rms_norm(
+                &mut ws.normed,
+                &mut ws.x,
+                Some(&ws.proj),
+                &lw.post_norm,
+                t,
+                eps,
+            )?;
+            dev.matmul_t(&ws.normed, t, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
+            dev.silu_mul(&mut ws.act, &ws.gu, t, im)?;
+            dev.matmul_t(&ws.act, t, im, &lw.down, h, &mut ws.proj)?;
+        }
+        if r == 0 {
+            return Ok((counts, empty));
+        }
+        // Only the wanted rows: gather the residual stream and the last MLP output, then the
+        // final norm (with its fused add) and the lm_head GEMM on those rows alone.
+        dev.gather_rows(&mut ws.sel_x, &ws.x, t, &rows, h)?;
+        let residual = if self.layers.is_empty() {
+            None
+        } else {
+            dev.gather_rows(&mut ws.sel_res, &ws.proj, t, &rows, h)?;
+            Some(&ws.sel_res)
+        };
+        dev.rms_norm(&mut ws.sel, &mut ws.sel_x, residual, &self.norm, r, eps)?;
+        let v = cfg.vocab_size;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        dev.matmul_t(&ws.sel, r, h, head, v, &mut ws.logits)?;
+        let out = match readout {
+            Readout::Logits => {
+                let host: Vec<f32> = dev
+                    .stream()
+                    .clone_dtoh(&ws.logits.slice(..r * v))
+                    .map_err(|e| EngineError::Backend(format!("CUDA logits copy: {e:?}")))?;
+                StepRows::Logits(host)
+            }
+            Readout::Argmax => {
+                dev.argmax(&mut ws.ids, &ws.logits, r, v)?;
+                let host: Vec<i32> = dev
+                    .stream()
+                    .clone_dtoh(&ws.ids.slice(..r))
+                    .map_err(|e| EngineError::Backend(format!("CUDA argmax copy: {e:?}")))?;
+                StepRows::Ids(host)
+            }
+        };
+        Ok((counts, out))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.model.shape.num_blocks
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config.vocab_size
+    }
+
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
+        let (counts, rows) = self.step(batch, Readout::Logits)?;
+        let flat = match rows {
+            StepRows::Logits(v) => v,
+            StepRows::Ids(_) => Vec::new(),
+        };
+        let v = self.model.config.vocab_size;
+        let mut it = flat.chunks_exact(v).map(<[f32]>::to_vec);
         let logits = counts
             .iter()
             .map(|&c| it.by_ref().take(c).collect())
@@ -288,13 +535,13 @@ impl Backend for CudaBackend {
     }
 
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
-        self.check_blocks(blocks)?;
+        crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
         let mut out = Vec::with_capacity(blocks.len() * self.layout.block_bytes());
-        let stream = self.dev.stream();
+        let stream = self.model.dev.stream();
         let err = |e| EngineError::Backend(format!("CUDA block export: {e:?}"));
         for &b in blocks {
             let range = self.block_range(b);
-            match &self.pool {
+            match &self.model.pool {
                 KvPool::F32(p) => {
                     let v: Vec<f32> = stream.clone_dtoh(&p.slice(range)).map_err(err)?;
                     out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
@@ -309,7 +556,7 @@ impl Backend for CudaBackend {
     }
 
     fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
-        self.check_blocks(blocks)?;
+        crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
         let bb = self.layout.block_bytes();
         if data.len() != blocks.len() * bb {
             return Err(EngineError::InvalidInput(format!(
@@ -322,8 +569,8 @@ impl Backend for CudaBackend {
         let err = |e| EngineError::Backend(format!("CUDA block import: {e:?}"));
         for (&b, bytes) in blocks.iter().zip(data.chunks_exact(bb)) {
             let range = self.block_range(b);
-            let stream = self.dev.stream().clone();
-            match &mut self.pool {
+            let stream = self.model.dev.stream().clone();
+            match &mut self.model.pool {
                 KvPool::F32(p) => {
                     let v: Vec<f32> = bytes
                         .chunks_exact(4)
@@ -344,7 +591,7 @@ impl Backend for CudaBackend {
                 }
             }
             // The copy reads `v`, dropped at the end of this iteration.
-            self.dev.synchronize()?;
+            self.model.dev.synchronize()?;
         }
         Ok(())
     }

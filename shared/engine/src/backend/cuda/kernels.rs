@@ -22,6 +22,11 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("silu_mul.cu", include_str!("kernels/silu_mul.cu")),
     ("kv_write.cu", include_str!("kernels/kv_write.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    (
+        "attention_fast.cu",
+        include_str!("kernels/attention_fast.cu"),
+    ),
+    ("sampling.cu", include_str!("kernels/sampling.cu")),
 ];
 
 /// Every `extern "C"` kernel of the program; each is loaded at start-up, so a missing one is
@@ -29,13 +34,35 @@ pub const SOURCES: &[(&str, &str)] = &[
 pub const KERNEL_NAMES: &[&str] = &[
     "embedding_f32",
     "embedding_bf16",
+    "gather_rows_f32",
+    "gather_rows_bf16",
+    "bias_add_f32",
     "rms_norm_f32",
+    "rms_norm_bf16",
     "qk_norm_rope_f32",
     "silu_mul_f32",
+    "silu_mul_bf16",
     "kv_write_f32",
     "kv_write_bf16",
     "attention_f32",
     "attention_bf16",
+    "attention_fast_f32_f32_e1",
+    "attention_fast_f32_f32_e2",
+    "attention_fast_f32_f32_e4",
+    "attention_fast_f32_f32_e8",
+    "attention_fast_f32_bf16_e1",
+    "attention_fast_f32_bf16_e2",
+    "attention_fast_f32_bf16_e4",
+    "attention_fast_f32_bf16_e8",
+    "attention_fast_bf16_f32_e1",
+    "attention_fast_bf16_f32_e2",
+    "attention_fast_bf16_f32_e4",
+    "attention_fast_bf16_f32_e8",
+    "attention_fast_bf16_bf16_e1",
+    "attention_fast_bf16_bf16_e2",
+    "attention_fast_bf16_bf16_e4",
+    "attention_fast_bf16_bf16_e8",
+    "argmax_f32",
 ];
 
 /// The program's source: the embedded files, or those of [`KERNEL_DIR_ENV`] when it is set.
@@ -111,8 +138,10 @@ mod tests {
     fn every_kernel_name_is_defined_in_the_sources() {
         let src: String = SOURCES.iter().map(|(_, s)| *s).collect();
         for name in KERNEL_NAMES {
+            // Direct definitions, or instances of the attention macro.
             assert!(
-                src.contains(&format!("__global__ void {name}(")),
+                src.contains(&format!("__global__ void {name}("))
+                    || src.contains(&format!("ATTENTION_FAST({name},")),
                 "kernel {name} not found in the sources"
             );
         }

@@ -16,3 +16,31 @@ extern "C" __global__ void embedding_f32(float* out, const float* table, const u
 extern "C" __global__ void embedding_bf16(float* out, const bf16_t* table, const unsigned int* ids, int hidden) {
     embedding_impl(out, table, ids, hidden);
 }
+
+// Row gather of f32 rows (the rows whose logits a step wants) into the lm_head GEMM's input
+// type: out[r, :] = src[rows[r], :]. One block per output row.
+template <typename O>
+__device__ void gather_rows_impl(O* out, const float* src, const unsigned int* rows, int width) {
+    const long long r = blockIdx.x;
+    const long long from = rows[r];
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        store_f(out, r * width + i, src[from * width + i]);
+    }
+}
+
+extern "C" __global__ void gather_rows_f32(float* out, const float* src, const unsigned int* rows, int width) {
+    gather_rows_impl(out, src, rows, width);
+}
+
+extern "C" __global__ void gather_rows_bf16(bf16_t* out, const float* src, const unsigned int* rows, int width) {
+    gather_rows_impl(out, src, rows, width);
+}
+
+// x[r, c] += b[c] for rows x cols (Qwen2's q/k/v and o biases after their GEMMs).
+extern "C" __global__ void bias_add_f32(float* x, const float* b, int rows, int cols) {
+    const long long n = (long long)rows * cols;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        x[idx] += b[idx % cols];
+    }
+}

@@ -1,0 +1,230 @@
+//! Launch wrappers of the paged attention kernels.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{
+    bad, check_len, cuda_err, threads_for, to_i32, CudaDevice, DeviceElem, KvPool, PoolShape,
+    TokenMaps,
+};
+use crate::error::EngineError;
+
+impl CudaDevice {
+    /// Paged attention of every token of `maps` over positions `lo_pos ..= pos` of its
+    /// sequence in `layer` of the pool; q is `qkv[t, 0 .. nq*head_dim]`; `out` is
+    /// `[tokens, nq * head_dim]`. This step's K/V must be written first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        out: &mut CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+        nq: usize,
+        maps: &TokenMaps,
+        scale: f32,
+    ) -> Result<(), EngineError> {
+        let t = maps.tokens;
+        if t == 0 {
+            return Ok(());
+        }
+        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
+        if nkv == 0 || !nq.is_multiple_of(nkv) || nq * hd > row_stride || layer >= shape.num_layers
+        {
+            return Err(bad(format!(
+                "attention: {nq} q heads over {nkv} KV heads, head_dim {hd}, row stride {row_stride}, layer {layer}"
+            )));
+        }
+        check_len("attention pool", pool.len(), shape.elems())?;
+        check_len("attention qkv", qkv.len(), t * row_stride)?;
+        check_len("attention out", out.len(), t * nq * hd)?;
+        let ints = [
+            to_i32("row stride", row_stride)?,
+            to_i32("nq", nq)?,
+            to_i32("nkv", nkv)?,
+            to_i32("head_dim", hd)?,
+            to_i32("block size", shape.block_size)?,
+            to_i32("layer", layer)?,
+            to_i32("layers", shape.num_layers)?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, nq as u32, 1),
+            block_dim: (threads_for(hd), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = match pool {
+            KvPool::F32(_) => "attention_f32",
+            KvPool::Bf16(_) => "attention_bf16",
+        };
+        let f = self.func(name)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(qkv).arg(&ints[0]);
+        match pool {
+            KvPool::F32(p) => b.arg(p),
+            KvPool::Bf16(p) => b.arg(p),
+        };
+        b.arg(&maps.tables)
+            .arg(&maps.table_start)
+            .arg(&maps.positions)
+            .arg(&maps.lo_pos)
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(&ints[5])
+            .arg(&ints[6])
+            .arg(&scale);
+        // SAFETY: signature matches; shapes checked above, block ids validated by the caller.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention"))?;
+        Ok(())
+    }
+
+    /// The fast paged attention (`attention_fast.cu`): same inputs and result as
+    /// [`CudaDevice::attention`], one block per (token, KV head) serving the whole q-head
+    /// group, warps over positions, and for few (token, head) pairs the positions split over
+    /// several blocks merged in the same launch. `out` is f32 or bf16 (the o_proj GEMM's input).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_fast<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+        nq: usize,
+        maps: &TokenMaps,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+    ) -> Result<(), EngineError> {
+        let t = maps.tokens;
+        if t == 0 {
+            return Ok(());
+        }
+        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
+        if nkv == 0
+            || !nq.is_multiple_of(nkv)
+            || nq / nkv > ATT_GMAX
+            || hd > ATT_HDMAX
+            || nq * hd > row_stride
+            || layer >= shape.num_layers
+        {
+            return Err(bad(format!(
+                "attention_fast: {nq} q heads over {nkv} KV heads (group ≤ {ATT_GMAX}), head_dim {hd} \
+                 (≤ {ATT_HDMAX}), row stride {row_stride}, layer {layer}"
+            )));
+        }
+        check_len("attention pool", pool.len(), shape.elems())?;
+        check_len("attention qkv", qkv.len(), t * row_stride)?;
+        check_len("attention out", out.len(), t * nq * hd)?;
+        let group = nq / nkv;
+        let splits = scratch.splits_for(t * nkv);
+        if splits > 1 {
+            scratch.ensure(self, t * nkv * splits * group, hd, t * nkv)?;
+        }
+        let e = match hd.div_ceil(32) {
+            1 => 1,
+            2 => 2,
+            3 | 4 => 4,
+            _ => 8,
+        };
+        let pool_t = match pool {
+            KvPool::F32(_) => "f32",
+            KvPool::Bf16(_) => "bf16",
+        };
+        let name = format!("attention_fast_{pool_t}_{}_e{e}", O::SUFFIX);
+        let ints = [
+            to_i32("row stride", row_stride)?,
+            to_i32("nq", nq)?,
+            to_i32("nkv", nkv)?,
+            to_i32("head_dim", hd)?,
+            to_i32("block size", shape.block_size)?,
+            to_i32("layer", layer)?,
+            to_i32("layers", shape.num_layers)?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, nkv as u32, splits as u32),
+            block_dim: (ATT_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func(&name)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(qkv).arg(&ints[0]);
+        match pool {
+            KvPool::F32(p) => b.arg(p),
+            KvPool::Bf16(p) => b.arg(p),
+        };
+        b.arg(&maps.tables)
+            .arg(&maps.table_start)
+            .arg(&maps.positions)
+            .arg(&maps.lo_pos)
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(&ints[5])
+            .arg(&ints[6])
+            .arg(&scale)
+            .arg(&scratch.part_acc)
+            .arg(&scratch.part_ml)
+            .arg(&scratch.counters);
+        // SAFETY: signature matches; shapes checked above; with splits > 1 the scratch holds
+        // every partial state and counter the launch touches (ensured above); block ids were
+        // validated by the caller.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_fast"))?;
+        Ok(())
+    }
+}
+
+/// Warps per block and the group / head size limits of `attention_fast.cu` (its ATT_* macros).
+const ATT_WARPS: u32 = 4;
+const ATT_GMAX: usize = 8;
+const ATT_HDMAX: usize = 256;
+/// At most this many blocks share one (token, KV head)'s positions.
+const MAX_SPLITS: usize = 32;
+
+/// Device scratch of the split attention: the partial states and the per-(token, head)
+/// counters (zeroed once; the merging block resets its counter).
+pub struct AttentionScratch {
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
+    sms: usize,
+}
+
+impl AttentionScratch {
+    pub fn new(dev: &CudaDevice) -> Result<Self, EngineError> {
+        Ok(AttentionScratch {
+            part_acc: dev.zeros(1)?,
+            part_ml: dev.zeros(1)?,
+            counters: dev.zeros(1)?,
+            sms: dev.sm_count(),
+        })
+    }
+
+    /// Blocks per (token, head) for `pairs` (token, KV head) pairs: enough to give every SM
+    /// about two blocks, so that decoding a few long sequences still fills the GPU. Depends
+    /// on the pair count only (a captured graph replays it at any context length).
+    pub fn splits_for(&self, pairs: usize) -> usize {
+        (2 * self.sms).div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS)
+    }
+
+    /// Room for `states` partial states of `head_dim` and `pairs` counters.
+    fn ensure(
+        &mut self,
+        dev: &CudaDevice,
+        states: usize,
+        head_dim: usize,
+        pairs: usize,
+    ) -> Result<(), EngineError> {
+        if self.part_acc.len() < states * head_dim {
+            self.part_acc = dev.zeros(states * head_dim)?;
+            self.part_ml = dev.zeros(2 * states)?;
+        }
+        if self.counters.len() < pairs {
+            self.counters = dev.zeros(pairs)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,340 @@
+//! Launch wrappers of the elementwise, normalisation, embedding and KV-write kernels.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{
+    bad, check_len, cuda_err, threads_for, to_i32, CudaDevice, DeviceElem, DeviceMatrix, KvPool,
+    PoolShape, TokenMaps,
+};
+use crate::error::EngineError;
+
+impl CudaDevice {
+    /// `out[t, :] = table[ids[t], :]` as f32 (`hidden` columns). Ids must be below the
+    /// table's row count; `vocab` is checked here on the host copy of the ids.
+    pub fn embedding(
+        &self,
+        out: &mut CudaSlice<f32>,
+        table: &DeviceMatrix,
+        ids_host: &[u32],
+        hidden: usize,
+    ) -> Result<(), EngineError> {
+        let vocab = table.len() / hidden.max(1);
+        if let Some(id) = ids_host.iter().find(|&&id| id as usize >= vocab) {
+            return Err(bad(format!(
+                "token id {id} is outside the vocabulary ({vocab})"
+            )));
+        }
+        let t = ids_host.len();
+        if t == 0 {
+            return Ok(());
+        }
+        check_len("embedding out", out.len(), t * hidden)?;
+        let ids = self.upload(ids_host)?;
+        let h = to_i32("hidden", hidden)?;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, 1, 1),
+            block_dim: (threads_for(hidden).min(256), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = match table {
+            DeviceMatrix::F32(_) => "embedding_f32",
+            DeviceMatrix::Bf16(_) => "embedding_bf16",
+        };
+        let f = self.func(name)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out);
+        match table {
+            DeviceMatrix::F32(s) => b.arg(s),
+            DeviceMatrix::Bf16(s) => b.arg(s),
+        };
+        b.arg(&ids).arg(&h);
+        // SAFETY: the argument list matches the kernel's signature; every index is in bounds
+        // (ids < vocab checked above, out holds t*hidden).
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching embedding"))?;
+        Ok(())
+    }
+
+    /// RMSNorm of `rows` rows of `dim`: with `residual`, first `x += residual` (written back),
+    /// then `out = w * x / sqrt(mean(x²) + eps)`; `out` is f32 or bf16 (a bf16 GEMM's input).
+    pub fn rms_norm<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        x: &mut CudaSlice<f32>,
+        residual: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(), EngineError> {
+        let dim = w.len();
+        if rows == 0 {
+            return Ok(());
+        }
+        check_len("rms_norm out", out.len(), rows * dim)?;
+        check_len("rms_norm x", x.len(), rows * dim)?;
+        if let Some(r) = residual {
+            check_len("rms_norm residual", r.len(), rows * dim)?;
+        }
+        let d = to_i32("dim", dim)?;
+        let null = 0u64;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads_for(dim).min(256), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func(&format!("rms_norm_{}", O::SUFFIX))?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(x);
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
+        b.arg(w).arg(&d).arg(&eps);
+        // SAFETY: signature matches; every buffer holds rows*dim (checked), w holds dim.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching rms_norm"))?;
+        Ok(())
+    }
+
+    /// Per-head RMSNorm (when `q_norm`/`k_norm` are given, each `head_dim` long) and RoPE in
+    /// place on the first `nq + nkv` heads of each of the `maps.tokens` rows of `qkv` (rows
+    /// `row_stride` apart). `inv_freq` holds `head_dim / 2` frequencies (as f32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        row_stride: usize,
+        nq: usize,
+        nkv: usize,
+        head_dim: usize,
+        maps: &TokenMaps,
+        inv_freq: &CudaSlice<f32>,
+        q_norm: Option<&CudaSlice<f32>>,
+        k_norm: Option<&CudaSlice<f32>>,
+        eps: f32,
+    ) -> Result<(), EngineError> {
+        let t = maps.tokens;
+        if t == 0 {
+            return Ok(());
+        }
+        if !head_dim.is_multiple_of(2) || (nq + nkv) * head_dim > row_stride {
+            return Err(bad(format!(
+                "qk_norm_rope: head_dim {head_dim}, {nq}+{nkv} heads, row stride {row_stride}"
+            )));
+        }
+        check_len("qk_norm_rope qkv", qkv.len(), t * row_stride)?;
+        check_len("qk_norm_rope inv_freq", inv_freq.len(), head_dim / 2)?;
+        for n in [q_norm, k_norm].into_iter().flatten() {
+            check_len("qk_norm_rope norm weight", n.len(), head_dim)?;
+        }
+        let (rs, q, hd) = (
+            to_i32("row stride", row_stride)?,
+            to_i32("nq", nq)?,
+            to_i32("head_dim", head_dim)?,
+        );
+        let null = 0u64;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, (nq + nkv) as u32, 1),
+            block_dim: (threads_for(head_dim / 2), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func("qk_norm_rope_f32")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(qkv)
+            .arg(&rs)
+            .arg(&q)
+            .arg(&hd)
+            .arg(&maps.positions)
+            .arg(inv_freq);
+        for n in [q_norm, k_norm] {
+            match n {
+                Some(n) => b.arg(n),
+                None => b.arg(&null),
+            };
+        }
+        b.arg(&eps);
+        // SAFETY: signature matches; shapes checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching qk_norm_rope"))?;
+        Ok(())
+    }
+
+    /// `out[r, c] = silu(gu[r, c]) * gu[r, im + c]` for `rows` rows; `out` f32 or bf16.
+    pub fn silu_mul<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        gu: &CudaSlice<f32>,
+        rows: usize,
+        im: usize,
+    ) -> Result<(), EngineError> {
+        if rows * im == 0 {
+            return Ok(());
+        }
+        check_len("silu_mul out", out.len(), rows * im)?;
+        check_len("silu_mul gu", gu.len(), rows * 2 * im)?;
+        let (r, i) = (to_i32("rows", rows)?, to_i32("im", im)?);
+        let blocks = (rows * im).div_ceil(256).min(65_535 * 8) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func(&format!("silu_mul_{}", O::SUFFIX))?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(gu).arg(&r).arg(&i);
+        // SAFETY: signature matches; shapes checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching silu_mul"))?;
+        Ok(())
+    }
+
+    /// Stores the K and V of every token of `maps` (in `qkv` at column `k_off`, K then V,
+    /// `num_kv_heads * head_dim` each) into `layer` of the pool, at the layout's address.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        pool: &mut KvPool,
+        shape: PoolShape,
+        layer: usize,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        k_off: usize,
+        maps: &TokenMaps,
+    ) -> Result<(), EngineError> {
+        let t = maps.tokens;
+        if t == 0 {
+            return Ok(());
+        }
+        let kvd = shape.num_kv_heads * shape.head_dim;
+        if k_off + 2 * kvd > row_stride || layer >= shape.num_layers {
+            return Err(bad(format!(
+                "kv_write: k offset {k_off} + 2×{kvd} over row stride {row_stride}, or layer {layer} ≥ {}",
+                shape.num_layers
+            )));
+        }
+        check_len("kv_write pool", pool.len(), shape.elems())?;
+        check_len("kv_write qkv", qkv.len(), t * row_stride)?;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, 1, 1),
+            block_dim: (threads_for(kvd).min(256), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            to_i32("row stride", row_stride)?,
+            to_i32("k offset", k_off)?,
+            to_i32("kv width", kvd)?,
+        ];
+        let tail = [
+            to_i32("block size", shape.block_size)?,
+            to_i32("layer", layer)?,
+            to_i32("layers", shape.num_layers)?,
+        ];
+        let name = match pool {
+            KvPool::F32(_) => "kv_write_f32",
+            KvPool::Bf16(_) => "kv_write_bf16",
+        };
+        let f = self.func(name)?;
+        let mut b = self.stream.launch_builder(f);
+        match pool {
+            KvPool::F32(p) => b.arg(p),
+            KvPool::Bf16(p) => b.arg(p),
+        };
+        b.arg(qkv)
+            .arg(&args[0])
+            .arg(&args[1])
+            .arg(&args[2])
+            .arg(&maps.token_block)
+            .arg(&maps.positions)
+            .arg(&tail[0])
+            .arg(&tail[1])
+            .arg(&tail[2]);
+        // SAFETY: signature matches; the pool holds the whole shape (checked) and the block
+        // ids come from tables the caller validated against `shape.num_blocks`.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching kv_write"))?;
+        Ok(())
+    }
+
+    /// `out[r, :] = src[rows[r], :]` for `width`-long f32 rows, into f32 or bf16: the rows a
+    /// step wants logits for, as the lm_head GEMM's input. `src_rows` bounds the row ids.
+    pub fn gather_rows<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        src: &CudaSlice<f32>,
+        src_rows: usize,
+        rows_host: &[u32],
+        width: usize,
+    ) -> Result<(), EngineError> {
+        if let Some(r) = rows_host.iter().find(|&&r| r as usize >= src_rows) {
+            return Err(bad(format!("gather: row {r} of {src_rows}")));
+        }
+        let r = rows_host.len();
+        if r == 0 {
+            return Ok(());
+        }
+        check_len("gather out", out.len(), r * width)?;
+        check_len("gather src", src.len(), src_rows * width)?;
+        let rows = self.upload(rows_host)?;
+        let w = to_i32("width", width)?;
+        let cfg = LaunchConfig {
+            grid_dim: (r as u32, 1, 1),
+            block_dim: (threads_for(width).min(256), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func(&format!("gather_rows_{}", O::SUFFIX))?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(src).arg(&rows).arg(&w);
+        // SAFETY: signature matches; rows < src_rows (checked), out holds r*width.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching gather_rows"))?;
+        Ok(())
+    }
+
+    /// `x[r, c] += b[c]` over `rows` rows of `b.len()` columns.
+    pub fn bias_add(
+        &self,
+        x: &mut CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), EngineError> {
+        let cols = b.len();
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        check_len("bias_add x", x.len(), rows * cols)?;
+        let (r, c) = (to_i32("rows", rows)?, to_i32("cols", cols)?);
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * cols).div_ceil(256).min(65_535 * 8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func("bias_add_f32")?;
+        let mut lb = self.stream.launch_builder(f);
+        lb.arg(x).arg(b).arg(&r).arg(&c);
+        // SAFETY: signature matches; x holds rows*cols (checked).
+        unsafe { lb.launch(cfg) }.map_err(cuda_err("launching bias_add"))?;
+        Ok(())
+    }
+
+    /// Greedy sampling on the device: `out[r]` = the index of the largest of logits row `r`
+    /// (`rows` rows of `vocab`), ties to the lowest index like the CPU sampler.
+    pub fn argmax(
+        &self,
+        out: &mut CudaSlice<i32>,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<(), EngineError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        check_len("argmax out", out.len(), rows)?;
+        check_len("argmax logits", logits.len(), rows * vocab)?;
+        let v = to_i32("vocab", vocab)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func("argmax_f32")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(logits).arg(&v);
+        // SAFETY: signature matches; shapes checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching argmax"))?;
+        Ok(())
+    }
+}
