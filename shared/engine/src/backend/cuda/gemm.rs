@@ -41,6 +41,7 @@ impl CudaDevice {
         check_len("matmul out", out.len(), m * n)?;
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
         let (alpha, beta) = (1.0f32, 0.0f32);
+        self.count_launch();
         let stream = &self.stream;
         let (x_ptr, _gx) = x.device_ptr(stream);
         let (w_ptr, _gw) = match w {

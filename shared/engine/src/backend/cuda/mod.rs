@@ -175,6 +175,8 @@ pub struct CudaDevice {
     arch: String,
     name: String,
     sms: usize,
+    /// Kernel launches and cuBLAS calls so far (benchmarks count them per step).
+    launches: std::sync::atomic::AtomicU64,
 }
 
 impl CudaDevice {
@@ -219,6 +221,7 @@ impl CudaDevice {
             arch,
             name,
             sms,
+            launches: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -274,7 +277,20 @@ impl CudaDevice {
         self.stream.alloc_zeros(n).map_err(cuda_err("allocation"))
     }
 
+    /// Kernel launches and cuBLAS calls issued so far.
+    pub fn launch_count(&self) -> u64 {
+        self.launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn count_launch(&self) {
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The kernel `name`, counted as one launch (every launch wrapper looks its kernel up
+    /// right before launching it).
     fn func(&self, name: &str) -> Result<&CudaFunction, EngineError> {
+        self.count_launch();
         self.funcs
             .get(name)
             .ok_or_else(|| EngineError::Backend(format!("CUDA kernel {name} is not loaded")))
