@@ -65,6 +65,11 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("load-format", Str, ModelLoading,
         "Model weight loading format; `auto` detects it from the files.")
         .env("DYN_TRTLLM_LOAD_FORMAT").default("auto"),
+    FlagSpec::new("device", Choice(&["auto", "cpu", "cuda"]), ModelLoading,
+        "Where the engine runs: cuda (the GPU backend; needs a binary built with `--features \
+         cuda` and the CUDA driver, NVRTC and cuBLAS libraries), cpu, or auto (cuda when this \
+         binary has it and a GPU is visible, else cpu).")
+        .env("DYN_TRTLLM_DEVICE").default("auto"),
     FlagSpec::new("model-loader-extra-config", Str, ModelLoading,
         "JSON object passed as extra configuration to the model loader.")
         .env("DYN_TRTLLM_MODEL_LOADER_EXTRA_CONFIG").default(""),

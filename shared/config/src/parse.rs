@@ -122,6 +122,7 @@ fn worker_from_resolved(
             served_model_name: g.opt_string("served-model-name")?,
             load_format: g.string("load-format")?,
             model_loader_extra_config,
+            device: g.string("device")?,
         },
         parallelism: Parallelism {
             tensor_parallel_size: g.u32("tensor-parallel-size")?,

@@ -84,6 +84,8 @@ pub struct ModelLoading {
     pub served_model_name: Option<String>,
     pub load_format: String,
     pub model_loader_extra_config: Option<serde_json::Value>,
+    /// `auto`, `cpu` or `cuda` (`--device`).
+    pub device: String,
 }
 
 #[derive(Clone, Debug, Serialize)]

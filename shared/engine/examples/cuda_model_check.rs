@@ -8,7 +8,8 @@
 //!   written to `OUT/tandem_greedy.json` (`{"greedy": [[ids]...]}`).
 //!
 //! `scripts/gpu/compare_logits.py` then computes the figures. Usage:
-//! `cuda_model_check --model DIR --cases cases.json --out-dir OUT [--mode bf16|f32]`
+//! `cuda_model_check --model DIR --cases cases.json --out-dir OUT [--mode bf16|f32]
+//!  [--kv-dtype bf16|f32]`
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -46,11 +47,13 @@ mod run {
         cases: PathBuf,
         out: PathBuf,
         mode: ComputeMode,
+        kv: KvDtype,
     }
 
     fn args() -> Res<Args> {
         let mut a = std::env::args().skip(1);
         let (mut model, mut cases, mut out, mut mode) = (None, None, None, ComputeMode::Bf16);
+        let mut kv = KvDtype::Bf16;
         while let Some(k) = a.next() {
             let mut v = || a.next().ok_or(format!("{k} needs a value"));
             match k.as_str() {
@@ -64,6 +67,15 @@ mod run {
                         other => return Err(format!("--mode must be bf16 or f32, not {other}")),
                     }
                 }
+                "--kv-dtype" => {
+                    kv = match v()?.as_str() {
+                        "bf16" => KvDtype::Bf16,
+                        "f32" => KvDtype::F32,
+                        other => {
+                            return Err(format!("--kv-dtype must be bf16 or f32, not {other}"))
+                        }
+                    }
+                }
                 other => return Err(format!("unknown argument {other}")),
             }
         }
@@ -72,6 +84,7 @@ mod run {
             cases: cases.ok_or("--cases is required")?,
             out: out.ok_or("--out-dir is required")?,
             mode,
+            kv,
         })
     }
 
@@ -114,7 +127,7 @@ mod run {
         let opts = CudaOptions {
             ordinal: 0,
             mode: a.mode,
-            kv_dtype: KvDtype::Bf16,
+            kv_dtype: a.kv,
             block_size: BLOCK,
             pool: PoolSize::Blocks(per_seq * prompts.len()),
             max_step_tokens: TF_GROUP * longest,
@@ -206,6 +219,7 @@ mod run {
         let report = serde_json::json!({
             "device": gpu.device().name(),
             "mode": format!("{:?}", a.mode),
+            "kv_dtype": a.kv.to_string(),
             "prompts": prompts.len(),
             "steps": steps,
             "load_s": load_s,

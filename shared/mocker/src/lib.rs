@@ -87,6 +87,8 @@ pub fn build_sim_engine(
     tandem_worker::build_engine_with(
         cfg,
         &LoadOptions { weights: false },
+        // The simulated backend models time only; its layout follows the CPU defaults.
+        tandem_worker::Device::Cpu,
         move |model, layout, num_blocks| {
             let vocab = vocab.unwrap_or(model.config.vocab_size);
             Ok(Box::new(SimBackend::new(

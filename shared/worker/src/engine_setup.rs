@@ -36,11 +36,62 @@ pub fn model_folder(cfg: &WorkerConfig) -> anyhow::Result<PathBuf> {
     }
 }
 
-fn kv_dtype(dtype: KvCacheDtype) -> KvDtype {
-    match dtype {
+/// The device a worker's engine computes on (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Resolves `--device auto|cpu|cuda`: `cuda` is an error when this binary lacks the `cuda`
+/// feature or no GPU can be used; `auto` takes CUDA when it can be used, else the CPU.
+pub fn choose_device(requested: &str) -> anyhow::Result<Device> {
+    match requested {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => cuda_device(),
+        "auto" | "" => Ok(if cuda_usable() {
+            Device::Cuda
+        } else {
+            Device::Cpu
+        }),
+        other => anyhow::bail!("--device {other}: expected auto, cpu or cuda"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device() -> anyhow::Result<Device> {
+    tandem_engine::backend::cuda::check_libraries()?;
+    anyhow::ensure!(
+        tandem_engine::backend::cuda::available(),
+        "--device cuda: the CUDA driver sees no GPU (check CUDA_VISIBLE_DEVICES and the driver)"
+    );
+    Ok(Device::Cuda)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device() -> anyhow::Result<Device> {
+    anyhow::bail!(
+        "--device cuda: this binary was built without CUDA support; build it with \
+         `cargo build --release --features cuda` or run with --device cpu"
+    )
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_usable() -> bool {
+    tandem_engine::backend::cuda::available()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_usable() -> bool {
+    false
+}
+
+fn kv_dtype(dtype: KvCacheDtype, device: Device) -> KvDtype {
+    match (dtype, device) {
         // The CPU backend computes in f32; keeping the cache in f32 makes it exact.
-        KvCacheDtype::Auto | KvCacheDtype::Float32 => KvDtype::F32,
-        KvCacheDtype::Bfloat16 => KvDtype::Bf16,
+        (KvCacheDtype::Auto, Device::Cpu) | (KvCacheDtype::Float32, _) => KvDtype::F32,
+        // The CUDA backend computes in bf16.
+        (KvCacheDtype::Auto, Device::Cuda) | (KvCacheDtype::Bfloat16, _) => KvDtype::Bf16,
     }
 }
 
@@ -56,9 +107,16 @@ pub fn build_engine_on(
     cfg: &WorkerConfig,
     transport: Option<Arc<AnyTransport>>,
 ) -> anyhow::Result<BuiltEngine> {
+    let device = choose_device(&cfg.model.device)?;
+    if device == Device::Cuda {
+        return build_cuda_engine(cfg, transport);
+    }
     let mut region = None;
-    let mut built =
-        build_engine_with(cfg, &LoadOptions::default(), |model, layout, num_blocks| {
+    let mut built = build_engine_with(
+        cfg,
+        &LoadOptions::default(),
+        device,
+        |model, layout, num_blocks| {
             let Some(t) = transport else {
                 let backend = CpuBackend::new(model, layout.dtype, layout.block_size, num_blocks)?;
                 return Ok(Box::new(backend) as Box<dyn Backend>);
@@ -80,9 +138,77 @@ pub fn build_engine_on(
             let backend =
                 CpuBackend::new_in(model, layout.dtype, layout.block_size, num_blocks, memory)?;
             Ok(Box::new(backend) as Box<dyn Backend>)
-        })?;
+        },
+    )?;
     built.kv_region = region;
     Ok(built)
+}
+
+/// The engine on the CUDA backend (bf16 weights and GEMMs), its KV pool in GPU memory sized
+/// by `kv_cache_config.max_tokens` or else `free_gpu_memory_fraction` of the memory left free
+/// by the weights and the activation workspace.
+#[cfg(feature = "cuda")]
+fn build_cuda_engine(
+    cfg: &WorkerConfig,
+    transport: Option<Arc<AnyTransport>>,
+) -> anyhow::Result<BuiltEngine> {
+    use tandem_engine::backend::cuda::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
+    let opts = &cfg.engine;
+    let mut region = None;
+    let mut built = build_engine_with(
+        cfg,
+        &LoadOptions::default(),
+        Device::Cuda,
+        |model, layout, num_blocks| {
+            // With a transport the pool is mirrored in registered host memory that remote
+            // prefills write into, so it keeps the host-memory size computed by the caller.
+            let pool = match (opts.kv_cache_config.max_tokens, &transport) {
+                (None, None) => {
+                    PoolSize::FreeFraction(opts.kv_cache_config.free_gpu_memory_fraction)
+                }
+                _ => PoolSize::Blocks(num_blocks),
+            };
+            let cuda = CudaOptions {
+                ordinal: 0,
+                mode: ComputeMode::Bf16,
+                kv_dtype: layout.dtype,
+                block_size: layout.block_size,
+                pool,
+                max_step_tokens: opts.max_num_tokens as usize,
+            };
+            let backend = CudaBackend::new(model, &cuda)?;
+            let Some(t) = transport else {
+                return Ok(Box::new(backend) as Box<dyn Backend>);
+            };
+            let len = backend.num_blocks() * layout.block_bytes();
+            let pool = tokio::runtime::Handle::try_current()
+                .context("allocating a registered KV pool needs a tokio runtime")?
+                .block_on(crate::transport::allocate_pool(&t, len))?;
+            region = Some(pool.descriptor.clone());
+            // SAFETY: as in build_engine_on: `len` bytes at `ptr`, kept alive by the
+            // registration moved into the memory.
+            let memory = unsafe {
+                KvPoolMemory::external(
+                    pool.ptr,
+                    pool.len,
+                    Box::new(RegistrationGuard(pool.registration)),
+                )?
+            };
+            Ok(Box::new(backend.with_staging(memory)?) as Box<dyn Backend>)
+        },
+    )?;
+    built.kv_region = region;
+    Ok(built)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn build_cuda_engine(
+    _cfg: &WorkerConfig,
+    _transport: Option<Arc<AnyTransport>>,
+) -> anyhow::Result<BuiltEngine> {
+    Err(cuda_device()
+        .err()
+        .unwrap_or_else(|| anyhow::anyhow!("this binary has no CUDA backend")))
 }
 
 /// Keeps a transport registration alive inside the KV pool that lives in its memory.
@@ -93,13 +219,14 @@ struct RegistrationGuard(#[allow(dead_code)] AnyRegistration);
 pub fn build_engine_with(
     cfg: &WorkerConfig,
     load: &LoadOptions,
+    device: Device,
     backend: impl FnOnce(&LoadedModel, &KvLayout, usize) -> anyhow::Result<Box<dyn Backend>>,
 ) -> anyhow::Result<BuiltEngine> {
     let folder = model_folder(cfg)?;
     let model = Arc::new(LoadedModel::load(&folder, load)?);
     let opts = &cfg.engine;
     let block_size = cfg.kv_cache.kv_block_size as usize;
-    let dtype = kv_dtype(opts.kv_cache_config.dtype);
+    let dtype = kv_dtype(opts.kv_cache_config.dtype, device);
     let layout = KvLayout {
         version: LAYOUT_VERSION,
         model_id: model.model_id.clone(),
@@ -129,6 +256,8 @@ pub fn build_engine_with(
         .map(|v| v as usize)
         .unwrap_or(model.config.max_position_embeddings);
     let backend = backend(&model, &layout, num_blocks)?;
+    // The backend may size its own pool (the CUDA backend, from the free GPU memory).
+    let num_blocks = backend.num_blocks();
     let engine_cfg = EngineConfig {
         max_batch_size: opts.max_batch_size as usize,
         max_num_tokens: opts.max_num_tokens as usize,
@@ -155,6 +284,7 @@ pub fn build_engine_with(
     let engine = Engine::start(backend, Some(tokenizer), engine_cfg)?;
     tracing::info!(
         model = %folder.display(),
+        ?device,
         num_blocks,
         block_size,
         max_seq_len,
@@ -166,4 +296,36 @@ pub fn build_engine_with(
         num_blocks,
         kv_region: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_choice_is_explicit_about_cuda() {
+        assert_eq!(choose_device("cpu").ok(), Some(Device::Cpu));
+        assert!(choose_device("gpu").is_err());
+        match choose_device("cuda") {
+            // A CUDA build on a GPU machine.
+            Ok(d) => assert_eq!(d, Device::Cuda),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("--device") || msg.contains("CUDA libraries not found"),
+                    "{msg}"
+                );
+                // Without a usable GPU, auto falls back to the CPU.
+                assert_eq!(choose_device("auto").ok(), Some(Device::Cpu));
+            }
+        }
+    }
+
+    #[test]
+    fn the_kv_cache_dtype_follows_the_device() {
+        assert_eq!(kv_dtype(KvCacheDtype::Auto, Device::Cpu), KvDtype::F32);
+        assert_eq!(kv_dtype(KvCacheDtype::Auto, Device::Cuda), KvDtype::Bf16);
+        assert_eq!(kv_dtype(KvCacheDtype::Float32, Device::Cuda), KvDtype::F32);
+        assert_eq!(kv_dtype(KvCacheDtype::Bfloat16, Device::Cpu), KvDtype::Bf16);
+    }
 }

@@ -14,6 +14,8 @@ pub mod serve;
 pub mod stats;
 pub mod transport;
 
-pub use engine_setup::{build_engine, build_engine_on, build_engine_with, BuiltEngine};
+pub use engine_setup::{
+    build_engine, build_engine_on, build_engine_with, choose_device, BuiltEngine, Device,
+};
 pub use grpc::WorkerService;
 pub use serve::{run, run_with, run_with_transfer, EngineBuilder, KvTransfer};

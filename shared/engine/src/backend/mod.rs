@@ -56,6 +56,13 @@ pub trait Backend: Send {
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError>;
     /// Writes whole blocks (as [`Backend::export_blocks`] returns them) into `blocks`.
     fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError>;
+    /// Makes blocks a remote prefill wrote into this backend's transfer memory visible to
+    /// compute. A no-op where that memory is the pool itself (the CPU backend); the CUDA
+    /// backend copies them from its host staging memory into the GPU pool.
+    fn load_received_blocks(&mut self, blocks: &[u32]) -> Result<(), EngineError> {
+        let _ = blocks;
+        Ok(())
+    }
     /// Copies whole blocks, `(src, dst)` each (beam search's copy-on-write of a partial
     /// block). The default goes through [`Backend::export_blocks`] and
     /// [`Backend::import_blocks`].

@@ -126,6 +126,14 @@ impl Core {
         let Some(lease) = self.leases.remove(&lease_id) else {
             return Err(EngineError::UnknownLease(lease_id));
         };
+        // The blocks the remote prefill wrote become visible to compute (a backend whose
+        // transfer memory is not its pool copies them in; the CPU pool is that memory).
+        let bs = self.sched.blocks_mut().block_size();
+        let fresh = &lease.table.ids()[(lease.cached_tokens / bs).min(lease.table.ids().len())..];
+        if let Err(e) = self.backend.load_received_blocks(fresh) {
+            self.leases.insert(lease_id, lease);
+            return Err(e);
+        }
         let state_cached = st.cached_prompt_tokens;
         let (mut seq, request_id) = self.continued_sequence(st);
         seq.table = lease.table;

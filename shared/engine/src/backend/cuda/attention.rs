@@ -146,7 +146,8 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (t as u32, nkv as u32, splits as u32),
             block_dim: (ATT_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+            // The warps' states merge in [ATT_WARPS][group][head_dim] floats.
+            shared_mem_bytes: (ATT_WARPS as usize * group * hd * 4) as u32,
         };
         let f = self.func(&name)?;
         let mut b = self.stream.launch_builder(f);
@@ -204,10 +205,11 @@ impl AttentionScratch {
     }
 
     /// Blocks per (token, head) for `pairs` (token, KV head) pairs: enough to give every SM
-    /// about two blocks, so that decoding a few long sequences still fills the GPU. Depends
-    /// on the pair count only (a captured graph replays it at any context length).
+    /// about eight blocks (32 warps), so that decoding a few long sequences keeps enough
+    /// loads in flight to use the memory bandwidth. Depends on the pair count only (a captured
+    /// graph replays it at any context length).
     pub fn splits_for(&self, pairs: usize) -> usize {
-        (2 * self.sms).div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS)
+        (8 * self.sms).div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS)
     }
 
     /// Room for `states` partial states of `head_dim` and `pairs` counters.

@@ -12,7 +12,7 @@ use cudarc::driver::CudaSlice;
 
 use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape};
 use crate::backend::cpu_ops::Matrix;
-use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
+use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
@@ -170,6 +170,9 @@ pub struct CudaBackend {
     ws: AnyWorkspace,
     layout: KvLayout,
     mode: ComputeMode,
+    /// Host memory remote prefills write blocks into (a decode worker of disaggregated
+    /// serving), laid out as the pool; copied into the GPU pool on activation.
+    staging: Option<KvPoolMemory>,
 }
 
 impl CudaBackend {
@@ -319,7 +322,22 @@ impl CudaBackend {
             ws,
             layout,
             mode,
+            staging: None,
         })
+    }
+
+    /// Gives the backend host memory that remote prefills write KV blocks into (the
+    /// transport-registered region of a decode worker); it must hold the whole pool's bytes.
+    pub fn with_staging(mut self, memory: KvPoolMemory) -> Result<Self, EngineError> {
+        let need = self.model.shape.num_blocks * self.layout.block_bytes();
+        if memory.len() < need {
+            return Err(EngineError::InvalidInput(format!(
+                "KV staging memory of {} bytes, the pool needs {need}",
+                memory.len()
+            )));
+        }
+        self.staging = Some(memory);
+        Ok(self)
     }
 
     pub fn device(&self) -> &CudaDevice {
@@ -532,6 +550,24 @@ impl Backend for CudaBackend {
             .map(|&c| it.by_ref().take(c).collect())
             .collect();
         Ok(StepOutput { logits })
+    }
+
+    fn load_received_blocks(&mut self, blocks: &[u32]) -> Result<(), EngineError> {
+        let Some(staging) = &self.staging else {
+            return Ok(());
+        };
+        crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
+        let bb = self.layout.block_bytes();
+        let mut data = Vec::with_capacity(blocks.len() * bb);
+        for &b in blocks {
+            let at = b as usize * bb;
+            // SAFETY: the staging memory holds the whole pool (checked in with_staging) and
+            // the block id is in the pool (checked above); the remote writer finished these
+            // blocks before the activation that calls this.
+            let bytes = unsafe { std::slice::from_raw_parts(staging.as_ptr().add(at), bb) };
+            data.extend_from_slice(bytes);
+        }
+        self.import_blocks(blocks, &data)
     }
 
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {

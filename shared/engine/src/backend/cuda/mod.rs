@@ -64,6 +64,11 @@ pub fn check_libraries() -> Result<(), EngineError> {
     }
 }
 
+/// Whether a CUDA GPU can be used here: the libraries load and the driver sees a device.
+pub fn available() -> bool {
+    check_libraries().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
+}
+
 fn cuda_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> EngineError + '_ {
     move |e| EngineError::Backend(format!("CUDA {what}: {e:?}"))
 }

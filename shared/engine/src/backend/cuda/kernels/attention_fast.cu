@@ -3,9 +3,11 @@
 // Grid (tokens, nkv, splits); block ATT_WARPS warps. One block serves one token and one KV
 // head with all the q heads of its group (GQA: each K/V row is read once for the group).
 // Each lane owns E = ceil(head_dim / 32) consecutive elements of a head; the warps of the
-// block take positions round-robin, each keeping a running (max, sum, acc) per q head, so the
-// dot product is a warp shuffle reduction with no block barrier per position. The warps'
-// states merge in shared memory at the end.
+// block take runs of ATT_UNROLL positions round-robin (all their K/V loads issued before any
+// use, so each warp keeps several loads in flight), each keeping a running (max, sum, acc)
+// per q head, so the dot product is a warp shuffle reduction with no block barrier per
+// position. The warps' states merge in shared memory at the end (dynamic shared memory of
+// ATT_WARPS * group * head_dim floats).
 //
 // Long contexts with few (token, head) pairs split the positions over `splits` blocks
 // (blockIdx.z): each writes its partial state to `part_acc` / `part_ml`, and the block that
@@ -14,6 +16,7 @@
 #define ATT_WARPS 4
 #define ATT_GMAX 8
 #define ATT_HDMAX 256
+#define ATT_UNROLL 4
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -65,37 +68,47 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
     const int chunk = (n + splits - 1) / splits;
     const int beg = lo + s * chunk;
     const int end = min(pos + 1, beg + chunk);
-    for (int p = beg + warp; p < end; p += ATT_WARPS) {
-        const long long base = (long long)table[p / block_size] * block_e + (long long)layer * layer_e +
-                               (long long)(p % block_size) * kvd + (long long)g * head_dim;
-        float k[E], v[E];
+    for (int p0 = beg + warp * ATT_UNROLL; p0 < end; p0 += ATT_WARPS * ATT_UNROLL) {
+        float k[ATT_UNROLL][E], v[ATT_UNROLL][E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int d = d0 + e;
-            k[e] = d < head_dim ? load_f(pool, base + d) : 0.0f;
-            v[e] = d < head_dim ? load_f(pool, base + part_e + d) : 0.0f;
+        for (int u = 0; u < ATT_UNROLL; ++u) {
+            const int p = p0 + u;
+            const bool in = p < end;
+            const long long base = in ? (long long)table[p / block_size] * block_e + (long long)layer * layer_e +
+                                            (long long)(p % block_size) * kvd + (long long)g * head_dim
+                                      : 0;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const int d = d0 + e;
+                k[u][e] = (in && d < head_dim) ? load_f(pool, base + d) : 0.0f;
+                v[u][e] = (in && d < head_dim) ? load_f(pool, base + part_e + d) : 0.0f;
+            }
         }
 #pragma unroll
-        for (int j = 0; j < ATT_GMAX; ++j) {
-            if (j >= G) break;
-            float dot = 0.0f;
+        for (int u = 0; u < ATT_UNROLL; ++u) {
+            if (p0 + u >= end) break;  // uniform over the warp
 #pragma unroll
-            for (int e = 0; e < E; ++e) dot += q[j][e] * k[e];
-            const float sc = warp_sum(dot) * scale;
-            const float m2 = fmaxf(m[j], sc);
-            const float corr = expf(m[j] - m2);
-            const float w = expf(sc - m2);
-            l[j] = l[j] * corr + w;
+            for (int j = 0; j < ATT_GMAX; ++j) {
+                if (j >= G) break;
+                float dot = 0.0f;
 #pragma unroll
-            for (int e = 0; e < E; ++e) acc[j][e] = acc[j][e] * corr + w * v[e];
-            m[j] = m2;
+                for (int e = 0; e < E; ++e) dot += q[j][e] * k[u][e];
+                const float sc = warp_sum(dot) * scale;
+                const float m2 = fmaxf(m[j], sc);
+                const float corr = expf(m[j] - m2);
+                const float w = expf(sc - m2);
+                l[j] = l[j] * corr + w;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[j][e] = acc[j][e] * corr + w * v[u][e];
+                m[j] = m2;
+            }
         }
     }
 
     // Merge the warps' states.
     __shared__ float sm_m[ATT_WARPS][ATT_GMAX];
     __shared__ float sm_l[ATT_WARPS][ATT_GMAX];
-    __shared__ float sm_acc[ATT_WARPS][ATT_GMAX][ATT_HDMAX];
+    extern __shared__ float sm_acc[];  // [ATT_WARPS][G][head_dim]
 #pragma unroll
     for (int j = 0; j < ATT_GMAX; ++j) {
         if (j >= G) break;
@@ -106,7 +119,7 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const int d = d0 + e;
-            if (d < head_dim) sm_acc[warp][j][d] = acc[j][e];
+            if (d < head_dim) sm_acc[(warp * G + j) * head_dim + d] = acc[j][e];
         }
     }
     __syncthreads();
@@ -120,7 +133,7 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
         for (int w = 0; w < ATT_WARPS; ++w) {
             const float f = merge_weight(sm_m[w][j], sm_l[w][j], big);
             sum += sm_l[w][j] * f;
-            a += sm_acc[w][j][d] * f;
+            a += sm_acc[(w * G + j) * head_dim + d] * f;
         }
         if (splits == 1) {
             store_f(out, (long long)t * nq * head_dim + (long long)(g * G + j) * head_dim + d, a / sum);

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The serving stage of scripts/gpu-check: the real worker binaries on --device cuda, started
+# by `tandem up` on the given model, driven by tandem-loadtest. Cases:
+#   agg        aggregated worker, 32 concurrent requests (continuous batching)
+#   pressure   a small KV pool (kv_cache_config.max_tokens 12288) and max_num_tokens 512:
+#              chunked prefill and preemption under 32 concurrent requests of up to 1k tokens
+#   cancel     streams cut by the client mid-generation, then the worker still serves a
+#              normal load, and once idle no KV block stays referenced (worker metrics)
+#   disagg     a CUDA prefill worker pushing KV over TCP into a CUDA decode worker, with the
+#              router enforcing disaggregation
+# Usage: serve_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
+set -uo pipefail
+BIN=$1
+MODEL=$2
+OUT=$3
+PORT=${TANDEM_SERVE_PORT:-18080}
+URL=http://127.0.0.1:$PORT
+fails=0
+pid=
+
+stop() {
+    if [ -n "$pid" ]; then
+        kill -INT "$pid" 2>/dev/null
+        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+        kill -KILL "$pid" 2>/dev/null
+        pid=
+    fi
+}
+trap stop EXIT
+
+up() { # name, extra args for tandem up...
+    local name=$1; shift
+    "$BIN/tandem" up --model-path "$MODEL" --http-port "$PORT" --worker-arg=--device --worker-arg=cuda \
+        "$@" > "$OUT/serve_$name.log" 2>&1 &
+    pid=$!
+}
+
+load() { # name, loadtest args...
+    local name=$1; shift
+    "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/load_$name" "$@" \
+        > "$OUT/load_$name.txt" 2>&1
+    python3 - "$OUT/load_$name/report.json" "$name" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["summary"]
+ok = r["failed"] == 0 and r["succeeded"] == r["requests"] > 0
+print(f"{sys.argv[2]}: {r['succeeded']}/{r['requests']} ok, {r['output_token_throughput']:.0f} out tok/s, "
+      f"TTFT p50 {r['ttft_ms']['p50']:.1f} ms, ITL p50 {r['itl_ms']['p50']:.2f} ms, errors {r['errors']}")
+sys.exit(0 if ok else 1)
+PY
+}
+
+case_result() { if [ "$2" -eq 0 ]; then echo "case $1: PASS"; else echo "case $1: FAIL"; fails=$((fails + 1)); fi; }
+
+# agg: continuous batching on one CUDA worker.
+up agg --topology agg
+load agg --num-requests 256 --concurrency 32 --isl uniform:64:1024 --osl 64 --vocab-hi 150000
+case_result agg $?
+stop
+
+# pressure: chunked prefill + preemption.
+METRICS=http://127.0.0.1:18091/metrics
+up pressure --topology agg --worker-arg=--system-port --worker-arg=18091 \
+    --worker-arg=--max-num-tokens --worker-arg=512 \
+    --worker-arg=--override-engine-args --worker-arg='{"kv_cache_config":{"max_tokens":12288}}'
+load pressure --num-requests 128 --concurrency 32 --isl uniform:256:1024 --osl 128 --vocab-hi 150000
+rc=$?
+curl -s "$METRICS" | grep -E '^dynamo_component_(preemptions_total|kv_cache_active_blocks)' \
+    | tee "$OUT/pressure_metrics.txt"
+case_result pressure $rc
+
+# cancel (same topology): cut streams, then a normal request must still complete.
+rc=0
+name=$(curl -s "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+for i in $(seq 1 8); do
+    curl -sN --max-time 0.5 "$URL/v1/completions" -H 'content-type: application/json' \
+        -d "{\"model\":\"$name\",\"prompt\":[$(seq -s, 100 900)],\"max_tokens\":4000,\"stream\":true,\"ignore_eos\":true}" \
+        > /dev/null 2>&1
+done
+load cancel_after --num-requests 32 --concurrency 8 --isl 512 --osl 32 --vocab-hi 150000 || rc=1
+# Idle again: no KV block may stay referenced (cut streams release theirs).
+active=-1
+for _ in $(seq 1 50); do
+    active=$(curl -s "$METRICS" | awk '/^dynamo_component_kv_cache_active_blocks/ {s += $2} END {print s + 0}')
+    [ "$active" = 0 ] && break
+    sleep 0.2
+done
+echo "cancel: referenced KV blocks when idle: $active"
+[ "$active" = 0 ] || rc=1
+case_result cancel $rc
+stop
+
+# disagg: CUDA prefill → CUDA decode over TCP, router enforcing disaggregation.
+up disagg --topology disagg --kv-transport tcp --router-arg=--enforce-disagg
+load disagg --num-requests 128 --concurrency 16 --isl uniform:256:1024 --osl 64 --vocab-hi 150000
+case_result disagg $?
+stop
+
+echo "serve_check: $fails case(s) failed"
+[ "$fails" -eq 0 ]
