@@ -4,6 +4,8 @@
 #   agg        aggregated worker, 32 concurrent requests (continuous batching)
 #   pressure   a small KV pool (kv_cache_config.max_tokens 12288) and max_num_tokens 512:
 #              chunked prefill and preemption under 32 concurrent requests of up to 1k tokens
+#              (the router's busy thresholds lifted so that the engine, not the router, meets
+#              the pressure)
 #   cancel     streams cut by the client mid-generation, then the worker still serves a
 #              normal load, and once idle no KV block stays referenced (worker metrics)
 #   disagg     a CUDA prefill worker pushing KV over TCP into a CUDA decode worker, with the
@@ -61,7 +63,9 @@ stop
 METRICS=http://127.0.0.1:18091/metrics
 up pressure --topology agg --worker-arg=--system-port --worker-arg=18091 \
     --worker-arg=--max-num-tokens --worker-arg=512 \
-    --worker-arg=--override-engine-args --worker-arg='{"kv_cache_config":{"max_tokens":12288}}'
+    --worker-arg=--override-engine-args --worker-arg='{"kv_cache_config":{"max_tokens":12288}}' \
+    --router-arg=--active-decode-blocks-threshold --router-arg=1000 \
+    --router-arg=--active-prefill-tokens-threshold-frac --router-arg=1000
 load pressure --num-requests 128 --concurrency 32 --isl uniform:256:1024 --osl 128 --vocab-hi 150000
 rc=$?
 curl -s "$METRICS" | grep -E '^dynamo_component_(preemptions_total|kv_cache_active_blocks)' \

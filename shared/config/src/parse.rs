@@ -123,6 +123,7 @@ fn worker_from_resolved(
             load_format: g.string("load-format")?,
             model_loader_extra_config,
             device: g.string("device")?,
+            cuda_precision: g.string("cuda-precision")?,
         },
         parallelism: Parallelism {
             tensor_parallel_size: g.u32("tensor-parallel-size")?,

@@ -86,6 +86,8 @@ pub struct ModelLoading {
     pub model_loader_extra_config: Option<serde_json::Value>,
     /// `auto`, `cpu` or `cuda` (`--device`).
     pub device: String,
+    /// `bf16` or `bf16x2` (`--cuda-precision`).
+    pub cuda_precision: String,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -10,7 +10,7 @@
 //!   (the step's FLOPs, attention included, over the measured GEMM rate).
 //!
 //! `cuda_bench --model DIR [--batches 1,8,64,256] [--context 1024] [--prefill 512,2048,8192]
-//!  [--steps 32]` prints one JSON object.
+//!  [--steps 32] [--mode bf16|bf16x2]` prints one JSON object.
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -116,6 +116,7 @@ mod bench {
 
     pub fn run() -> Res<()> {
         let mut model_dir = None;
+        let mut mode = ComputeMode::Bf16;
         let (mut batches, mut context, mut prefills, mut steps) = (
             vec![1, 8, 64, 256],
             1024usize,
@@ -131,6 +132,13 @@ mod bench {
                 "--context" => context = v.parse().map_err(|_| "--context: a number")?,
                 "--prefill" => prefills = list(&v)?,
                 "--steps" => steps = v.parse().map_err(|_| "--steps: a number")?,
+                "--mode" => {
+                    mode = match v.as_str() {
+                        "bf16" => ComputeMode::Bf16,
+                        "bf16x2" => ComputeMode::Bf16Split,
+                        other => return Err(format!("--mode must be bf16 or bf16x2, not {other}")),
+                    }
+                }
                 other => return Err(format!("unknown argument {other}")),
             }
         }
@@ -143,7 +151,7 @@ mod bench {
         let blocks = (max_b * per_seq).max(longest_prefill.div_ceil(BLOCK));
         let opts = CudaOptions {
             ordinal: 0,
-            mode: ComputeMode::Bf16,
+            mode,
             kv_dtype: KvDtype::Bf16,
             block_size: BLOCK,
             pool: PoolSize::Blocks(blocks),
@@ -264,6 +272,7 @@ mod bench {
         }
         let report = json!({
             "device": gpu.device().name(),
+            "mode": format!("{mode:?}"),
             "model": model_dir.display().to_string(),
             "weights_bytes_bf16": wbytes,
             "kv_bytes_per_token": kvtok,

@@ -201,16 +201,46 @@ mod check {
             let mut dx = dev.upload(&x0)?;
             let dres = dev.upload(&res)?;
             let mut out = dev.zeros::<f32>(t * HIDDEN)?;
-            dev.rms_norm(&mut out, &mut dx, fused.then_some(&dres), &dw, t, EPS)?;
+            dev.rms_norm(
+                &mut out,
+                &mut dx,
+                fused.then_some(&dres),
+                &dw,
+                t,
+                EPS,
+                false,
+            )?;
             let got = dev.download(&out)?;
             let case = if fused { "residual add + norm" } else { "norm" };
             rep.add("rms_norm", case, &got, &want, 1e-5);
             if !fused {
                 let mut dx = dev.upload(&x0)?;
                 let mut out16 = dev.zeros::<u16>(t * HIDDEN)?;
-                dev.rms_norm(&mut out16, &mut dx, None, &dw, t, EPS)?;
+                dev.rms_norm(&mut out16, &mut dx, None, &dw, t, EPS, false)?;
                 let got = widen(&dev.download(&out16)?);
                 rep.add("rms_norm", "norm, bf16 out", &got, &want, bf16_tol(&want));
+                // Split bf16 (hi rows, then lo rows): hi + lo carries ~16 bits.
+                let mut dx = dev.upload(&x0)?;
+                let mut split = dev.zeros::<u16>(2 * t * HIDDEN)?;
+                dev.rms_norm(&mut split, &mut dx, None, &dw, t, EPS, true)?;
+                let halves = widen(&dev.download(&split)?);
+                let (hi, lo) = halves.split_at(t * HIDDEN);
+                let got: Vec<f32> = hi.iter().zip(lo).map(|(a, b)| a + b).collect();
+                let tol = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 32768.0 + 1e-5;
+                rep.add(
+                    "rms_norm",
+                    "norm, split bf16 out (hi + lo)",
+                    &got,
+                    &want,
+                    tol,
+                );
+                // The fold of a split GEMM output: first half += second half.
+                let a = rng.vec(2 * HIDDEN);
+                let want_f: Vec<f32> = (0..HIDDEN).map(|i| a[i] + a[HIDDEN + i]).collect();
+                let mut da = dev.upload(&a)?;
+                dev.fold_rows(&mut da, HIDDEN)?;
+                let got_f = dev.download(&da)?;
+                rep.add("fold_rows", "f32", &got_f[..HIDDEN], &want_f, 0.0);
             }
             if fused {
                 rep.add(
@@ -296,11 +326,11 @@ mod check {
         }
         let dgu = dev.upload(&gu)?;
         let mut dout = dev.zeros::<f32>(t * IM)?;
-        dev.silu_mul(&mut dout, &dgu, t, IM)?;
+        dev.silu_mul(&mut dout, &dgu, t, IM, false)?;
         rep.add("silu_mul", "f32", &dev.download(&dout)?, &want, 1e-5);
         {
             let mut dout = dev.zeros::<u16>(t * IM)?;
-            dev.silu_mul(&mut dout, &dgu, t, IM)?;
+            dev.silu_mul(&mut dout, &dgu, t, IM, false)?;
             let got = widen(&dev.download(&dout)?);
             rep.add("silu_mul", "bf16 out", &got, &want, bf16_tol(&want));
         }
@@ -417,6 +447,7 @@ mod check {
                     &maps_w,
                     scale,
                     &mut scratch,
+                    false,
                 )?;
                 rep.add("attention_fast", &case, &dev.download(&fast)?, &want, 1e-5);
                 let mut fast16 = dev.zeros::<u16>(t * NQ * HD)?;
@@ -431,6 +462,7 @@ mod check {
                     &maps_w,
                     scale,
                     &mut scratch,
+                    false,
                 )?;
                 let got = widen(&dev.download(&fast16)?);
                 rep.add(
@@ -472,6 +504,7 @@ mod check {
                     &maps_d,
                     scale,
                     &mut scratch,
+                    false,
                 )?;
                 let splits = scratch.splits_for(last.len() * NKV);
                 rep.add(
@@ -551,10 +584,10 @@ mod check {
                 .collect();
             let dsrc = dev.upload(&src)?;
             let mut out = dev.zeros::<f32>(rows.len() * HIDDEN)?;
-            dev.gather_rows(&mut out, &dsrc, t, &rows, HIDDEN)?;
+            dev.gather_rows(&mut out, &dsrc, t, &rows, HIDDEN, false)?;
             rep.add("gather_rows", "f32", &dev.download(&out)?, &want, 0.0);
             let mut out16 = dev.zeros::<u16>(rows.len() * HIDDEN)?;
-            dev.gather_rows(&mut out16, &dsrc, t, &rows, HIDDEN)?;
+            dev.gather_rows(&mut out16, &dsrc, t, &rows, HIDDEN, false)?;
             let want16: Vec<f32> = want.iter().map(|v| bf16_to_f32(bf16(*v))).collect();
             rep.add(
                 "gather_rows",

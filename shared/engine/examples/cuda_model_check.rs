@@ -8,7 +8,7 @@
 //!   written to `OUT/tandem_greedy.json` (`{"greedy": [[ids]...]}`).
 //!
 //! `scripts/gpu/compare_logits.py` then computes the figures. Usage:
-//! `cuda_model_check --model DIR --cases cases.json --out-dir OUT [--mode bf16|f32]
+//! `cuda_model_check --model DIR --cases cases.json --out-dir OUT [--mode bf16|bf16x2|f32]
 //!  [--kv-dtype bf16|f32]`
 
 #[cfg(not(feature = "cuda"))]
@@ -64,7 +64,10 @@ mod run {
                     mode = match v()?.as_str() {
                         "bf16" => ComputeMode::Bf16,
                         "f32" => ComputeMode::F32,
-                        other => return Err(format!("--mode must be bf16 or f32, not {other}")),
+                        "bf16x2" => ComputeMode::Bf16Split,
+                        other => {
+                            return Err(format!("--mode must be bf16, bf16x2 or f32, not {other}"))
+                        }
                     }
                 }
                 "--kv-dtype" => {

@@ -170,7 +170,11 @@ fn build_cuda_engine(
             };
             let cuda = CudaOptions {
                 ordinal: 0,
-                mode: ComputeMode::Bf16,
+                mode: if cfg.model.cuda_precision == "bf16x2" {
+                    ComputeMode::Bf16Split
+                } else {
+                    ComputeMode::Bf16
+                },
                 kv_dtype: layout.dtype,
                 block_size: layout.block_size,
                 pool,

@@ -2,6 +2,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::kernels::AttentionInstance;
 use super::{
     bad, check_len, cuda_err, threads_for, to_i32, CudaDevice, DeviceElem, KvPool, PoolShape,
     TokenMaps,
@@ -97,6 +98,7 @@ impl CudaDevice {
         maps: &TokenMaps,
         scale: f32,
         scratch: &mut AttentionScratch,
+        split: bool,
     ) -> Result<(), EngineError> {
         let t = maps.tokens;
         if t == 0 {
@@ -105,7 +107,7 @@ impl CudaDevice {
         let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
         if nkv == 0
             || !nq.is_multiple_of(nkv)
-            || nq / nkv > ATT_GMAX
+            || !(1..=ATT_GMAX).contains(&(nq / nkv))
             || hd > ATT_HDMAX
             || nq * hd > row_stride
             || layer >= shape.num_layers
@@ -117,7 +119,7 @@ impl CudaDevice {
         }
         check_len("attention pool", pool.len(), shape.elems())?;
         check_len("attention qkv", qkv.len(), t * row_stride)?;
-        check_len("attention out", out.len(), t * nq * hd)?;
+        let lo_off = super::ops::lo_offset::<O>("attention out", out.len(), t * nq * hd, split)?;
         let group = nq / nkv;
         let splits = scratch.splits_for(t * nkv);
         if splits > 1 {
@@ -125,15 +127,18 @@ impl CudaDevice {
         }
         let e = match hd.div_ceil(32) {
             1 => 1,
-            2 => 2,
-            3 | 4 => 4,
+            2..=4 => 4,
             _ => 8,
         };
-        let pool_t = match pool {
-            KvPool::F32(_) => "f32",
-            KvPool::Bf16(_) => "bf16",
+        let inst = AttentionInstance {
+            pool: match pool {
+                KvPool::F32(_) => "f32",
+                KvPool::Bf16(_) => "bf16",
+            },
+            out: O::SUFFIX,
+            e,
+            g: group,
         };
-        let name = format!("attention_fast_{pool_t}_{}_e{e}", O::SUFFIX);
         let ints = [
             to_i32("row stride", row_stride)?,
             to_i32("nq", nq)?,
@@ -149,8 +154,8 @@ impl CudaDevice {
             // The warps' states merge in [ATT_WARPS][group][head_dim] floats.
             shared_mem_bytes: (ATT_WARPS as usize * group * hd * 4) as u32,
         };
-        let f = self.func(&name)?;
-        let mut b = self.stream.launch_builder(f);
+        let f = self.instance_func(inst)?;
+        let mut b = self.stream.launch_builder(&f);
         b.arg(out).arg(qkv).arg(&ints[0]);
         match pool {
             KvPool::F32(p) => b.arg(p),
@@ -169,7 +174,8 @@ impl CudaDevice {
             .arg(&scale)
             .arg(&scratch.part_acc)
             .arg(&scratch.part_ml)
-            .arg(&scratch.counters);
+            .arg(&scratch.counters)
+            .arg(&lo_off);
         // SAFETY: signature matches; shapes checked above; with splits > 1 the scratch holds
         // every partial state and counter the launch touches (ensured above); block ids were
         // validated by the caller.

@@ -24,8 +24,13 @@ use crate::model::LoadedModel;
 pub enum ComputeMode {
     /// f32 weights and GEMMs: for exact comparisons with the CPU backend.
     F32,
-    /// bf16 weights and GEMM inputs, f32 accumulation: the serving mode.
+    /// bf16 weights and GEMM inputs, f32 accumulation: the fast serving mode.
     Bf16,
+    /// bf16 weights; each GEMM input split into two bf16 terms (hi = bf16(x), lo =
+    /// bf16(x - hi)) stacked as twice the rows of one GEMM whose output halves are then
+    /// added, so activations keep ~16 bits of mantissa: near-f32 results with the weights
+    /// resident (and read once) in bf16, for twice the GEMM FLOPs.
+    Bf16Split,
 }
 
 /// How many KV blocks the pool gets.
@@ -80,6 +85,8 @@ struct DeviceModel {
 /// Activation buffers of a step; `A` is the GEMM input type (f32 or bf16 as u16).
 struct Workspace<A: DeviceElem> {
     tokens: usize,
+    /// Split-bf16 GEMM inputs ([`ComputeMode::Bf16Split`]).
+    split: bool,
     x: CudaSlice<f32>,
     qkv: CudaSlice<f32>,
     proj: CudaSlice<f32>,
@@ -101,23 +108,27 @@ impl<A: DeviceElem> Workspace<A> {
         cfg: &ModelConfig,
         tokens: usize,
         rows: usize,
+        split: bool,
     ) -> Result<Self, EngineError> {
         let (h, qd, kvd, im) = dims(cfg);
         let (t, r) = (tokens.max(1), rows.max(1));
+        // Split mode: GEMM inputs and outputs hold twice the rows (hi and lo halves).
+        let m = if split { 2 } else { 1 };
         Ok(Workspace {
             tokens: t,
+            split,
             x: dev.zeros(t * h)?,
-            qkv: dev.zeros(t * (qd + 2 * kvd))?,
-            proj: dev.zeros(t * h)?,
-            gu: dev.zeros(t * 2 * im)?,
-            normed: dev.zeros(t * h)?,
-            attn: dev.zeros(t * qd)?,
-            act: dev.zeros(t * im)?,
+            qkv: dev.zeros(m * t * (qd + 2 * kvd))?,
+            proj: dev.zeros(m * t * h)?,
+            gu: dev.zeros(m * t * 2 * im)?,
+            normed: dev.zeros(m * t * h)?,
+            attn: dev.zeros(m * t * qd)?,
+            act: dev.zeros(m * t * im)?,
             rows: r,
             sel_x: dev.zeros(r * h)?,
             sel_res: dev.zeros(r * h)?,
-            sel: dev.zeros(r * h)?,
-            logits: dev.zeros(r * cfg.vocab_size)?,
+            sel: dev.zeros(m * r * h)?,
+            logits: dev.zeros(m * r * cfg.vocab_size)?,
             ids: dev.zeros(r)?,
         })
     }
@@ -131,7 +142,8 @@ impl<A: DeviceElem> Workspace<A> {
         rows: usize,
     ) -> Result<(), EngineError> {
         if tokens > self.tokens || rows > self.rows {
-            *self = Workspace::new(dev, cfg, tokens.max(self.tokens), rows.max(self.rows))?;
+            let (t, r) = (tokens.max(self.tokens), rows.max(self.rows));
+            *self = Workspace::new(dev, cfg, t, r, self.split)?;
         }
         Ok(())
     }
@@ -223,8 +235,10 @@ impl CudaBackend {
                 (ComputeMode::F32, Matrix::Bf16(_)) => {
                     DeviceMatrix::F32(dev.upload(&m.clone().into_f32())?)
                 }
-                (ComputeMode::Bf16, Matrix::Bf16(v)) => DeviceMatrix::Bf16(dev.upload(v)?),
-                (ComputeMode::Bf16, Matrix::F32(v)) => DeviceMatrix::Bf16(
+                (ComputeMode::Bf16 | ComputeMode::Bf16Split, Matrix::Bf16(v)) => {
+                    DeviceMatrix::Bf16(dev.upload(v)?)
+                }
+                (ComputeMode::Bf16 | ComputeMode::Bf16Split, Matrix::F32(v)) => DeviceMatrix::Bf16(
                     dev.upload(
                         &v.iter()
                             .map(|x| half::bf16::from_f32(*x).to_bits())
@@ -259,12 +273,20 @@ impl CudaBackend {
         // the free memory leaves it room.
         let rows = 256;
         let ws = match mode {
-            ComputeMode::F32 => {
-                AnyWorkspace::F32(Workspace::new(&dev, &config, opts.max_step_tokens, rows)?)
-            }
-            ComputeMode::Bf16 => {
-                AnyWorkspace::Bf16(Workspace::new(&dev, &config, opts.max_step_tokens, rows)?)
-            }
+            ComputeMode::F32 => AnyWorkspace::F32(Workspace::new(
+                &dev,
+                &config,
+                opts.max_step_tokens,
+                rows,
+                false,
+            )?),
+            ComputeMode::Bf16 | ComputeMode::Bf16Split => AnyWorkspace::Bf16(Workspace::new(
+                &dev,
+                &config,
+                opts.max_step_tokens,
+                rows,
+                mode == ComputeMode::Bf16Split,
+            )?),
         };
         let scratch = AttentionScratch::new(&dev)?;
         let per_block = layout.block_bytes();
@@ -437,12 +459,32 @@ impl DeviceModel {
             .collect();
         let maps = dev.token_maps(&seqs, self.shape.block_size, window)?;
 
+        // Split mode: each GEMM runs over the stacked [hi; lo] rows of its input (m rows),
+        // then its output's halves are folded into the first t rows.
+        let split = ws.split;
+        let m = if split { 2 * t } else { t };
+        let fold = |dev: &CudaDevice, out: &mut CudaSlice<f32>, elems: usize| {
+            if split {
+                dev.fold_rows(out, elems)
+            } else {
+                Ok(())
+            }
+        };
         dev.embedding(&mut ws.x, &self.embed, &ids, h)?;
         for (l, lw) in self.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (fused add).
             let residual = (l > 0).then_some(&ws.proj);
-            dev.rms_norm(&mut ws.normed, &mut ws.x, residual, &lw.input_norm, t, eps)?;
-            dev.matmul_t(&ws.normed, t, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
+            dev.rms_norm(
+                &mut ws.normed,
+                &mut ws.x,
+                residual,
+                &lw.input_norm,
+                t,
+                eps,
+                split,
+            )?;
+            dev.matmul_t(&ws.normed, m, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
+            fold(dev, &mut ws.qkv, t * qkv_w)?;
             if let Some(b) = &lw.qkv_bias {
                 dev.bias_add(&mut ws.qkv, b, t)?;
             }
@@ -470,8 +512,10 @@ impl DeviceModel {
                 &maps,
                 scale,
                 &mut self.scratch,
+                split,
             )?;
-            dev.matmul_t(&ws.attn, t, qd, &lw.o_proj, h, &mut ws.proj)?;
+            dev.matmul_t(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj)?;
+            fold(dev, &mut ws.proj, t * h)?;
             if let Some(b) = &lw.o_bias {
                 dev.bias_add(&mut ws.proj, b, t)?;
             }
@@ -482,27 +526,40 @@ impl DeviceModel {
                 &lw.post_norm,
                 t,
                 eps,
+                split,
             )?;
-            dev.matmul_t(&ws.normed, t, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
-            dev.silu_mul(&mut ws.act, &ws.gu, t, im)?;
-            dev.matmul_t(&ws.act, t, im, &lw.down, h, &mut ws.proj)?;
+            dev.matmul_t(&ws.normed, m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
+            fold(dev, &mut ws.gu, t * 2 * im)?;
+            dev.silu_mul(&mut ws.act, &ws.gu, t, im, split)?;
+            dev.matmul_t(&ws.act, m, im, &lw.down, h, &mut ws.proj)?;
+            fold(dev, &mut ws.proj, t * h)?;
         }
         if r == 0 {
             return Ok((counts, empty));
         }
         // Only the wanted rows: gather the residual stream and the last MLP output, then the
         // final norm (with its fused add) and the lm_head GEMM on those rows alone.
-        dev.gather_rows(&mut ws.sel_x, &ws.x, t, &rows, h)?;
+        dev.gather_rows(&mut ws.sel_x, &ws.x, t, &rows, h, false)?;
         let residual = if self.layers.is_empty() {
             None
         } else {
-            dev.gather_rows(&mut ws.sel_res, &ws.proj, t, &rows, h)?;
+            dev.gather_rows(&mut ws.sel_res, &ws.proj, t, &rows, h, false)?;
             Some(&ws.sel_res)
         };
-        dev.rms_norm(&mut ws.sel, &mut ws.sel_x, residual, &self.norm, r, eps)?;
+        dev.rms_norm(
+            &mut ws.sel,
+            &mut ws.sel_x,
+            residual,
+            &self.norm,
+            r,
+            eps,
+            split,
+        )?;
         let v = cfg.vocab_size;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        dev.matmul_t(&ws.sel, r, h, head, v, &mut ws.logits)?;
+        let head_rows = if split { 2 * r } else { r };
+        dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
+        fold(dev, &mut ws.logits, r * v)?;
         let out = match readout {
             Readout::Logits => {
                 let host: Vec<f32> = dev

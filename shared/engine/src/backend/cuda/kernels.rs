@@ -46,24 +46,56 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_write_bf16",
     "attention_f32",
     "attention_bf16",
-    "attention_fast_f32_f32_e1",
-    "attention_fast_f32_f32_e2",
-    "attention_fast_f32_f32_e4",
-    "attention_fast_f32_f32_e8",
-    "attention_fast_f32_bf16_e1",
-    "attention_fast_f32_bf16_e2",
-    "attention_fast_f32_bf16_e4",
-    "attention_fast_f32_bf16_e8",
-    "attention_fast_bf16_f32_e1",
-    "attention_fast_bf16_f32_e2",
-    "attention_fast_bf16_f32_e4",
-    "attention_fast_bf16_f32_e8",
-    "attention_fast_bf16_bf16_e1",
-    "attention_fast_bf16_bf16_e2",
-    "attention_fast_bf16_bf16_e4",
-    "attention_fast_bf16_bf16_e8",
     "argmax_f32",
+    "fold_rows_f32",
 ];
+
+/// One instance of `attention_fast.cu`'s template: pool element type, output element type
+/// (`f32` / `bf16`), elements per lane `e` and q heads per KV head `g`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttentionInstance {
+    pub pool: &'static str,
+    pub out: &'static str,
+    pub e: usize,
+    pub g: usize,
+}
+
+impl AttentionInstance {
+    pub fn name(&self) -> String {
+        format!(
+            "attention_fast_{}_{}_e{}_g{}",
+            self.pool, self.out, self.e, self.g
+        )
+    }
+
+    /// The macro line that instantiates it.
+    pub fn source_line(&self) -> String {
+        let ty = |t: &str| if t == "bf16" { "bf16_t" } else { "float" };
+        format!(
+            "ATTENTION_FAST({}, {}, {}, {}, {})\n",
+            self.name(),
+            ty(self.pool),
+            ty(self.out),
+            self.e,
+            self.g
+        )
+    }
+
+    /// Every instance the launch wrapper may ask for.
+    pub fn all() -> Vec<AttentionInstance> {
+        let mut v = Vec::new();
+        for pool in ["f32", "bf16"] {
+            for out in ["f32", "bf16"] {
+                for e in [1, 4, 8] {
+                    for g in 1..=8 {
+                        v.push(AttentionInstance { pool, out, e, g });
+                    }
+                }
+            }
+        }
+        v
+    }
+}
 
 /// The program's source: the embedded files, or those of [`KERNEL_DIR_ENV`] when it is set.
 pub fn program_source() -> Result<String, EngineError> {
@@ -97,13 +129,27 @@ fn cache() -> &'static Mutex<HashMap<String, String>> {
 /// process and cached. The caller must have checked that NVRTC is present
 /// ([`super::check_libraries`]): cudarc panics on a missing library.
 pub fn ptx_for(arch: &str) -> Result<String, EngineError> {
+    ptx_with_instances(arch, &[])
+}
+
+/// PTX of the program plus the given attention instances (cached per arch and list).
+pub fn ptx_with_instances(
+    arch: &str,
+    instances: &[AttentionInstance],
+) -> Result<String, EngineError> {
+    let key = instances
+        .iter()
+        .fold(arch.to_string(), |k, i| k + "/" + &i.name());
     let mut cache = cache()
         .lock()
         .map_err(|_| EngineError::Backend("CUDA kernel cache lock poisoned".into()))?;
-    if let Some(ptx) = cache.get(arch) {
+    if let Some(ptx) = cache.get(&key) {
         return Ok(ptx.clone());
     }
-    let src = program_source()?;
+    let mut src = program_source()?;
+    for i in instances {
+        src.push_str(&i.source_line());
+    }
     let opts = cudarc::nvrtc::CompileOptions {
         // Exact division and square root, no flush-to-zero: the f32 mode is compared with the
         // CPU backend.
@@ -126,7 +172,7 @@ pub fn ptx_for(arch: &str) -> Result<String, EngineError> {
         ))
     })?;
     let text = ptx.to_src();
-    cache.insert(arch.to_string(), text.clone());
+    cache.insert(key, text.clone());
     Ok(text)
 }
 
@@ -138,10 +184,8 @@ mod tests {
     fn every_kernel_name_is_defined_in_the_sources() {
         let src: String = SOURCES.iter().map(|(_, s)| *s).collect();
         for name in KERNEL_NAMES {
-            // Direct definitions, or instances of the attention macro.
             assert!(
-                src.contains(&format!("__global__ void {name}("))
-                    || src.contains(&format!("ATTENTION_FAST({name},")),
+                src.contains(&format!("__global__ void {name}(")),
                 "kernel {name} not found in the sources"
             );
         }

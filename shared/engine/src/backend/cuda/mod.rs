@@ -176,7 +176,9 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    funcs: HashMap<&'static str, CudaFunction>,
+    funcs: HashMap<String, CudaFunction>,
+    /// Attention instances compiled on first use (see kernels::AttentionInstance).
+    lazy_funcs: std::sync::Mutex<HashMap<String, CudaFunction>>,
     arch: String,
     name: String,
     sms: usize,
@@ -213,7 +215,7 @@ impl CudaDevice {
             let f = module
                 .load_function(name)
                 .map_err(cuda_err(&format!("loading kernel {name}")))?;
-            funcs.insert(*name, f);
+            funcs.insert(name.to_string(), f);
         }
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone())
@@ -223,6 +225,7 @@ impl CudaDevice {
             stream,
             blas,
             funcs,
+            lazy_funcs: std::sync::Mutex::new(HashMap::new()),
             arch,
             name,
             sms,
@@ -299,6 +302,32 @@ impl CudaDevice {
         self.funcs
             .get(name)
             .ok_or_else(|| EngineError::Backend(format!("CUDA kernel {name} is not loaded")))
+    }
+
+    /// An attention instance, compiled by NVRTC and loaded on first use (cached per process
+    /// by kernels::ptx_with_instances), counted as one launch like [`CudaDevice::func`].
+    fn instance_func(&self, inst: kernels::AttentionInstance) -> Result<CudaFunction, EngineError> {
+        self.count_launch();
+        let name = inst.name();
+        let mut lazy = self
+            .lazy_funcs
+            .lock()
+            .map_err(|_| EngineError::Backend("CUDA kernel table lock poisoned".into()))?;
+        if let Some(f) = lazy.get(&name) {
+            return Ok(f.clone());
+        }
+        let t0 = std::time::Instant::now();
+        let ptx = kernels::ptx_with_instances(&self.arch, &[inst])?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(cuda_err("loading an attention kernel"))?;
+        let f = module
+            .load_function(&name)
+            .map_err(cuda_err(&format!("loading kernel {name}")))?;
+        tracing::info!(kernel = %name, ms = t0.elapsed().as_millis() as u64, "CUDA kernel compiled");
+        lazy.insert(name, f.clone());
+        Ok(f)
     }
 
     /// Builds the [`TokenMaps`] of a step on the device. `seqs` gives, per sequence, its block

@@ -64,12 +64,13 @@ impl CudaDevice {
         w: &CudaSlice<f32>,
         rows: usize,
         eps: f32,
+        split: bool,
     ) -> Result<(), EngineError> {
         let dim = w.len();
         if rows == 0 {
             return Ok(());
         }
-        check_len("rms_norm out", out.len(), rows * dim)?;
+        let lo_off = lo_offset::<O>("rms_norm out", out.len(), rows * dim, split)?;
         check_len("rms_norm x", x.len(), rows * dim)?;
         if let Some(r) = residual {
             check_len("rms_norm residual", r.len(), rows * dim)?;
@@ -88,8 +89,9 @@ impl CudaDevice {
             Some(r) => b.arg(r),
             None => b.arg(&null),
         };
-        b.arg(w).arg(&d).arg(&eps);
-        // SAFETY: signature matches; every buffer holds rows*dim (checked), w holds dim.
+        b.arg(w).arg(&d).arg(&eps).arg(&lo_off);
+        // SAFETY: signature matches; every buffer holds rows*dim (checked; out twice that when
+        // split), w holds dim.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching rms_norm"))?;
         Ok(())
     }
@@ -163,11 +165,12 @@ impl CudaDevice {
         gu: &CudaSlice<f32>,
         rows: usize,
         im: usize,
+        split: bool,
     ) -> Result<(), EngineError> {
         if rows * im == 0 {
             return Ok(());
         }
-        check_len("silu_mul out", out.len(), rows * im)?;
+        let lo_off = lo_offset::<O>("silu_mul out", out.len(), rows * im, split)?;
         check_len("silu_mul gu", gu.len(), rows * 2 * im)?;
         let (r, i) = (to_i32("rows", rows)?, to_i32("im", im)?);
         let blocks = (rows * im).div_ceil(256).min(65_535 * 8) as u32;
@@ -178,7 +181,7 @@ impl CudaDevice {
         };
         let f = self.func(&format!("silu_mul_{}", O::SUFFIX))?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(gu).arg(&r).arg(&i);
+        b.arg(out).arg(gu).arg(&r).arg(&i).arg(&lo_off);
         // SAFETY: signature matches; shapes checked above.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching silu_mul"))?;
         Ok(())
@@ -259,6 +262,7 @@ impl CudaDevice {
         src_rows: usize,
         rows_host: &[u32],
         width: usize,
+        split: bool,
     ) -> Result<(), EngineError> {
         if let Some(r) = rows_host.iter().find(|&&r| r as usize >= src_rows) {
             return Err(bad(format!("gather: row {r} of {src_rows}")));
@@ -267,7 +271,7 @@ impl CudaDevice {
         if r == 0 {
             return Ok(());
         }
-        check_len("gather out", out.len(), r * width)?;
+        let lo_off = lo_offset::<O>("gather out", out.len(), r * width, split)?;
         check_len("gather src", src.len(), src_rows * width)?;
         let rows = self.upload(rows_host)?;
         let w = to_i32("width", width)?;
@@ -278,9 +282,29 @@ impl CudaDevice {
         };
         let f = self.func(&format!("gather_rows_{}", O::SUFFIX))?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(src).arg(&rows).arg(&w);
+        b.arg(out).arg(src).arg(&rows).arg(&w).arg(&lo_off);
         // SAFETY: signature matches; rows < src_rows (checked), out holds r*width.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gather_rows"))?;
+        Ok(())
+    }
+
+    /// `x[i] += x[half + i]` for `i < half`: the fold of a split-bf16 GEMM's output.
+    pub fn fold_rows(&self, x: &mut CudaSlice<f32>, half: usize) -> Result<(), EngineError> {
+        if half == 0 {
+            return Ok(());
+        }
+        check_len("fold_rows x", x.len(), 2 * half)?;
+        let h = half as i64;
+        let cfg = LaunchConfig {
+            grid_dim: (half.div_ceil(256).min(65_535 * 8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.func("fold_rows_f32")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&h);
+        // SAFETY: signature matches; x holds 2*half (checked).
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching fold_rows"))?;
         Ok(())
     }
 
@@ -337,4 +361,19 @@ impl CudaDevice {
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching argmax"))?;
         Ok(())
     }
+}
+
+/// The kernels' `lo_off` for an output of `elems` elements: 0 unsplit; with `split` (bf16
+/// outputs only), the offset of the remainder half, which `out` must also hold.
+pub(super) fn lo_offset<O: DeviceElem>(
+    what: &str,
+    len: usize,
+    elems: usize,
+    split: bool,
+) -> Result<i64, EngineError> {
+    if split && O::SUFFIX != "bf16" {
+        return Err(bad(format!("{what}: a split output must be bf16")));
+    }
+    check_len(what, len, if split { 2 * elems } else { elems })?;
+    Ok(if split { elems as i64 } else { 0 })
 }

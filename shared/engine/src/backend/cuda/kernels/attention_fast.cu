@@ -14,13 +14,34 @@
 // finishes last (an atomic counter per (token, head), reset by that block) merges them, so a
 // step is still one launch. The math is attention_impl's (online softmax in f32).
 #define ATT_WARPS 4
-#define ATT_GMAX 8
 #define ATT_HDMAX 256
-#define ATT_UNROLL 4
+#define ATT_UNROLL 2
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+// Elements d0 .. d0+E of a head row starting at element `base` (zero past head_dim): four
+// bf16 in one 8-byte load when the whole run is in the row (E = 4, head_dim % 4 == 0).
+template <int E>
+__device__ __forceinline__ void load_row(const float* pool, long long base, int d0, int head_dim, float (&out)[E]) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = d0 + e < head_dim ? pool[base + d0 + e] : 0.0f;
+}
+
+template <int E>
+__device__ __forceinline__ void load_row(const bf16_t* pool, long long base, int d0, int head_dim, float (&out)[E]) {
+    if (E == 4 && (head_dim & 3) == 0 && d0 + 4 <= head_dim) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(pool + base + d0);
+        out[0] = bf16_to_f32((bf16_t)(raw.x & 0xffffu));
+        out[1 % E] = bf16_to_f32((bf16_t)(raw.x >> 16));
+        out[2 % E] = bf16_to_f32((bf16_t)(raw.y & 0xffffu));
+        out[3 % E] = bf16_to_f32((bf16_t)(raw.y >> 16));
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = d0 + e < head_dim ? bf16_to_f32(pool[base + d0 + e]) : 0.0f;
 }
 
 // exp(m - M) as a merge weight, 0 for an empty state (l == 0, m == -inf).
@@ -28,17 +49,16 @@ __device__ __forceinline__ float merge_weight(float m, float l, float big) {
     return l > 0.0f ? expf(m - big) : 0.0f;
 }
 
-template <typename T, typename O, int E>
+template <typename T, typename O, int E, int G>
 __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, const T* pool,
                                     const int* tables, const int* table_start, const int* positions,
                                     const int* lo_pos, int nq, int nkv, int head_dim, int block_size,
                                     int layer, int num_layers, float scale, float* part_acc,
-                                    float* part_ml, unsigned int* counters) {
+                                    float* part_ml, unsigned int* counters, long long lo_off) {
     const int t = blockIdx.x;
     const int g = blockIdx.y;
     const int s = blockIdx.z;
     const int splits = gridDim.z;
-    const int G = nq / nkv;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int d0 = lane * E;
@@ -47,17 +67,19 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
 
-    float q[ATT_GMAX][E];
-    float m[ATT_GMAX], l[ATT_GMAX], acc[ATT_GMAX][E];
+    // Sized by the group (a template parameter), so the per-head state stays in registers
+    // and occupancy stays high.
+    float q[G][E];
+    float m[G], l[G], acc[G][E];
     const float* qrow = qkv + (long long)t * row_stride + (long long)g * G * head_dim;
 #pragma unroll
-    for (int j = 0; j < ATT_GMAX; ++j) {
+    for (int j = 0; j < G; ++j) {
         m[j] = NEG_INF;
         l[j] = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const int d = d0 + e;
-            q[j][e] = (j < G && d < head_dim) ? qrow[j * head_dim + d] : 0.0f;
+            q[j][e] = d < head_dim ? qrow[j * head_dim + d] : 0.0f;
             acc[j][e] = 0.0f;
         }
     }
@@ -69,49 +91,51 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
     const int beg = lo + s * chunk;
     const int end = min(pos + 1, beg + chunk);
     for (int p0 = beg + warp * ATT_UNROLL; p0 < end; p0 += ATT_WARPS * ATT_UNROLL) {
+        // Loads of the whole run first, then its scores (independent shuffle reductions),
+        // then one online-softmax update for the run: the serial chain is per run, not per
+        // position.
         float k[ATT_UNROLL][E], v[ATT_UNROLL][E];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; ++u) {
-            const int p = p0 + u;
-            const bool in = p < end;
-            const long long base = in ? (long long)table[p / block_size] * block_e + (long long)layer * layer_e +
-                                            (long long)(p % block_size) * kvd + (long long)g * head_dim
-                                      : 0;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const int d = d0 + e;
-                k[u][e] = (in && d < head_dim) ? load_f(pool, base + d) : 0.0f;
-                v[u][e] = (in && d < head_dim) ? load_f(pool, base + part_e + d) : 0.0f;
-            }
+            const int p = min(p0 + u, end - 1);  // past the end: a valid row, weight 0 below
+            const long long base = (long long)table[p / block_size] * block_e + (long long)layer * layer_e +
+                                   (long long)(p % block_size) * kvd + (long long)g * head_dim;
+            load_row<E>(pool, base, d0, head_dim, k[u]);
+            load_row<E>(pool, base + part_e, d0, head_dim, v[u]);
         }
 #pragma unroll
-        for (int u = 0; u < ATT_UNROLL; ++u) {
-            if (p0 + u >= end) break;  // uniform over the warp
+        for (int j = 0; j < G; ++j) {
+            float sc[ATT_UNROLL];
+            float big = m[j];
 #pragma unroll
-            for (int j = 0; j < ATT_GMAX; ++j) {
-                if (j >= G) break;
+            for (int u = 0; u < ATT_UNROLL; ++u) {
                 float dot = 0.0f;
 #pragma unroll
                 for (int e = 0; e < E; ++e) dot += q[j][e] * k[u][e];
-                const float sc = warp_sum(dot) * scale;
-                const float m2 = fmaxf(m[j], sc);
-                const float corr = expf(m[j] - m2);
-                const float w = expf(sc - m2);
-                l[j] = l[j] * corr + w;
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[j][e] = acc[j][e] * corr + w * v[u][e];
-                m[j] = m2;
+                sc[u] = p0 + u < end ? warp_sum(dot) * scale : NEG_INF;
+                big = fmaxf(big, sc[u]);
             }
+            const float corr = expf(m[j] - big);
+            l[j] *= corr;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[j][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < ATT_UNROLL; ++u) {
+                const float w = expf(sc[u] - big);  // 0 past the end
+                l[j] += w;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[j][e] += w * v[u][e];
+            }
+            m[j] = big;
         }
     }
 
     // Merge the warps' states.
-    __shared__ float sm_m[ATT_WARPS][ATT_GMAX];
-    __shared__ float sm_l[ATT_WARPS][ATT_GMAX];
+    __shared__ float sm_m[ATT_WARPS][G];
+    __shared__ float sm_l[ATT_WARPS][G];
     extern __shared__ float sm_acc[];  // [ATT_WARPS][G][head_dim]
 #pragma unroll
-    for (int j = 0; j < ATT_GMAX; ++j) {
-        if (j >= G) break;
+    for (int j = 0; j < G; ++j) {
         if (lane == 0) {
             sm_m[warp][j] = m[j];
             sm_l[warp][j] = l[j];
@@ -136,7 +160,7 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
             a += sm_acc[(w * G + j) * head_dim + d] * f;
         }
         if (splits == 1) {
-            store_f(out, (long long)t * nq * head_dim + (long long)(g * G + j) * head_dim + d, a / sum);
+            store_in(out, (long long)t * nq * head_dim + (long long)(g * G + j) * head_dim + d, a / sum, lo_off);
         } else {
             part_acc[(pi * G + j) * head_dim + d] = a;
             if (d == 0) {
@@ -170,36 +194,23 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
             sum += pl * f;
             a += __ldcg(part_acc + ((p0 + x) * G + j) * head_dim + d) * f;
         }
-        store_f(out, (long long)t * nq * head_dim + (long long)(g * G + j) * head_dim + d, a / sum);
+        store_in(out, (long long)t * nq * head_dim + (long long)(g * G + j) * head_dim + d, a / sum, lo_off);
     }
     if (threadIdx.x == 0) *counter = 0u;  // ready for the next launch
 }
 
-// One entry point per (pool type, output type, elements per lane).
-#define ATTENTION_FAST(NAME, T, O, E)                                                                   \
+// One entry point per (pool type, output type, elements per lane, q heads per KV head).
+#define ATTENTION_FAST(NAME, T, O, E, G)                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) NAME(                                 \
         O* out, const float* qkv, int row_stride, const T* pool, const int* tables,                    \
         const int* table_start, const int* positions, const int* lo_pos, int nq, int nkv, int head_dim, \
         int block_size, int layer, int num_layers, float scale, float* part_acc, float* part_ml,       \
-        unsigned int* counters) {                                                                      \
-        attention_fast_impl<T, O, E>(out, qkv, row_stride, pool, tables, table_start, positions,       \
-                                     lo_pos, nq, nkv, head_dim, block_size, layer, num_layers, scale,  \
-                                     part_acc, part_ml, counters);                                     \
+        unsigned int* counters, long long lo_off) {                                                    \
+        attention_fast_impl<T, O, E, G>(out, qkv, row_stride, pool, tables, table_start, positions,    \
+                                        lo_pos, nq, nkv, head_dim, block_size, layer, num_layers,      \
+                                        scale, part_acc, part_ml, counters, lo_off);                   \
     }
 
-ATTENTION_FAST(attention_fast_f32_f32_e1, float, float, 1)
-ATTENTION_FAST(attention_fast_f32_f32_e2, float, float, 2)
-ATTENTION_FAST(attention_fast_f32_f32_e4, float, float, 4)
-ATTENTION_FAST(attention_fast_f32_f32_e8, float, float, 8)
-ATTENTION_FAST(attention_fast_f32_bf16_e1, float, bf16_t, 1)
-ATTENTION_FAST(attention_fast_f32_bf16_e2, float, bf16_t, 2)
-ATTENTION_FAST(attention_fast_f32_bf16_e4, float, bf16_t, 4)
-ATTENTION_FAST(attention_fast_f32_bf16_e8, float, bf16_t, 8)
-ATTENTION_FAST(attention_fast_bf16_f32_e1, bf16_t, float, 1)
-ATTENTION_FAST(attention_fast_bf16_f32_e2, bf16_t, float, 2)
-ATTENTION_FAST(attention_fast_bf16_f32_e4, bf16_t, float, 4)
-ATTENTION_FAST(attention_fast_bf16_f32_e8, bf16_t, float, 8)
-ATTENTION_FAST(attention_fast_bf16_bf16_e1, bf16_t, bf16_t, 1)
-ATTENTION_FAST(attention_fast_bf16_bf16_e2, bf16_t, bf16_t, 2)
-ATTENTION_FAST(attention_fast_bf16_bf16_e4, bf16_t, bf16_t, 4)
-ATTENTION_FAST(attention_fast_bf16_bf16_e8, bf16_t, bf16_t, 8)
+// The instances are not listed here: the engine compiles the one a model needs on first use
+// (kernels.rs appends `ATTENTION_FAST(name, T, O, E, G)`), since all 96 of them take NVRTC
+// and the driver half a minute.

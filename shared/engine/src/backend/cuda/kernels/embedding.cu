@@ -20,20 +20,20 @@ extern "C" __global__ void embedding_bf16(float* out, const bf16_t* table, const
 // Row gather of f32 rows (the rows whose logits a step wants) into the lm_head GEMM's input
 // type: out[r, :] = src[rows[r], :]. One block per output row.
 template <typename O>
-__device__ void gather_rows_impl(O* out, const float* src, const unsigned int* rows, int width) {
+__device__ void gather_rows_impl(O* out, const float* src, const unsigned int* rows, int width, long long lo_off) {
     const long long r = blockIdx.x;
     const long long from = rows[r];
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        store_f(out, r * width + i, src[from * width + i]);
+        store_in(out, r * width + i, src[from * width + i], lo_off);
     }
 }
 
-extern "C" __global__ void gather_rows_f32(float* out, const float* src, const unsigned int* rows, int width) {
-    gather_rows_impl(out, src, rows, width);
+extern "C" __global__ void gather_rows_f32(float* out, const float* src, const unsigned int* rows, int width, long long lo_off) {
+    gather_rows_impl(out, src, rows, width, lo_off);
 }
 
-extern "C" __global__ void gather_rows_bf16(bf16_t* out, const float* src, const unsigned int* rows, int width) {
-    gather_rows_impl(out, src, rows, width);
+extern "C" __global__ void gather_rows_bf16(bf16_t* out, const float* src, const unsigned int* rows, int width, long long lo_off) {
+    gather_rows_impl(out, src, rows, width, lo_off);
 }
 
 // x[r, c] += b[c] for rows x cols (Qwen2's q/k/v and o biases after their GEMMs).
@@ -42,5 +42,14 @@ extern "C" __global__ void bias_add_f32(float* x, const float* b, int rows, int 
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x) {
         x[idx] += b[idx % cols];
+    }
+}
+
+// x[i] += x[half + i] for i < half: adds the lo-row half of a split-bf16 GEMM's output to its
+// hi-row half (see store_in in the prelude).
+extern "C" __global__ void fold_rows_f32(float* x, long long half) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < half;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] += x[half + i];
     }
 }

@@ -24,6 +24,17 @@ __device__ __forceinline__ float load_f(const bf16_t* p, long long i) { return b
 __device__ __forceinline__ void store_f(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_f(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 
+// A GEMM input: f32 as is; bf16 rounded, and with lo_off != 0 also the rounding's remainder
+// (v - hi, itself in bf16) lo_off elements further on. A GEMM over the stacked [hi; lo] rows,
+// whose two output halves are then added (fold_rows_f32), sees v to about 2^-16 instead of
+// bf16's 2^-8: the split-bf16 ("bf16x2") mode.
+__device__ __forceinline__ void store_in(float* p, long long i, float v, long long lo_off) { p[i] = v; }
+__device__ __forceinline__ void store_in(bf16_t* p, long long i, float v, long long lo_off) {
+    const bf16_t hi = f32_to_bf16(v);
+    p[i] = hi;
+    if (lo_off != 0) p[i + lo_off] = f32_to_bf16(v - bf16_to_f32(hi));
+}
+
 #define NEG_INF __int_as_float(0xff800000)
 
 // Sum of `v` over the whole block; every thread gets the result. blockDim.x must be a

@@ -4,7 +4,7 @@
 // "residual add, then the next norm" in one pass. One block per row; `out` may equal `x`.
 // rms_norm_bf16 writes its output as bf16: the input of a bf16 GEMM, with no separate cast.
 template <typename O>
-__device__ void rms_norm_impl(O* out, float* x, const float* residual, const float* w, int dim, float eps) {
+__device__ void rms_norm_impl(O* out, float* x, const float* residual, const float* w, int dim, float eps, long long lo_off) {
     const long long base = (long long)blockIdx.x * dim;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -18,14 +18,14 @@ __device__ void rms_norm_impl(O* out, float* x, const float* residual, const flo
     ss = block_sum(ss);
     const float r = 1.0f / sqrtf(ss / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        store_f(out, base + i, w[i] * (x[base + i] * r));
+        store_in(out, base + i, w[i] * (x[base + i] * r), lo_off);
     }
 }
 
-extern "C" __global__ void rms_norm_f32(float* out, float* x, const float* residual, const float* w, int dim, float eps) {
-    rms_norm_impl(out, x, residual, w, dim, eps);
+extern "C" __global__ void rms_norm_f32(float* out, float* x, const float* residual, const float* w, int dim, float eps, long long lo_off) {
+    rms_norm_impl(out, x, residual, w, dim, eps, lo_off);
 }
 
-extern "C" __global__ void rms_norm_bf16(bf16_t* out, float* x, const float* residual, const float* w, int dim, float eps) {
-    rms_norm_impl(out, x, residual, w, dim, eps);
+extern "C" __global__ void rms_norm_bf16(bf16_t* out, float* x, const float* residual, const float* w, int dim, float eps, long long lo_off) {
+    rms_norm_impl(out, x, residual, w, dim, eps, lo_off);
 }

@@ -2,7 +2,7 @@
 // gate_up GEMM's output, rows 2*im long); silu(g) = g / (1 + exp(-g)) as cpu_ops::silu_mul.
 // silu_mul_bf16 writes bf16: the input of the down projection's bf16 GEMM.
 template <typename O>
-__device__ void silu_mul_impl(O* out, const float* gu, int rows, int im) {
+__device__ void silu_mul_impl(O* out, const float* gu, int rows, int im, long long lo_off) {
     const long long n = (long long)rows * im;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -10,14 +10,14 @@ __device__ void silu_mul_impl(O* out, const float* gu, int rows, int im) {
         const long long c = idx % im;
         const float g = gu[r * 2 * im + c];
         const float u = gu[r * 2 * im + im + c];
-        store_f(out, idx, g / (1.0f + expf(-g)) * u);
+        store_in(out, idx, g / (1.0f + expf(-g)) * u, lo_off);
     }
 }
 
-extern "C" __global__ void silu_mul_f32(float* out, const float* gu, int rows, int im) {
-    silu_mul_impl(out, gu, rows, im);
+extern "C" __global__ void silu_mul_f32(float* out, const float* gu, int rows, int im, long long lo_off) {
+    silu_mul_impl(out, gu, rows, im, lo_off);
 }
 
-extern "C" __global__ void silu_mul_bf16(bf16_t* out, const float* gu, int rows, int im) {
-    silu_mul_impl(out, gu, rows, im);
+extern "C" __global__ void silu_mul_bf16(bf16_t* out, const float* gu, int rows, int im, long long lo_off) {
+    silu_mul_impl(out, gu, rows, im, lo_off);
 }
