@@ -2,8 +2,9 @@
 # The serving stage of scripts/gpu-check: the real worker binaries on --device cuda, started
 # by `tandem up` on the given model, driven by tandem-loadtest. Cases:
 #   agg        aggregated worker, 32 concurrent requests (continuous batching)
-#   pressure   a small KV pool (kv_cache_config.max_tokens 12288) and max_num_tokens 512:
-#              chunked prefill and preemption under 32 concurrent requests of up to 1k tokens
+#   pressure   a small KV pool (kv_cache_config.max_tokens 12288), max_num_tokens 512 and the
+#              MAX_UTILIZATION policy: chunked prefill and preemption (counted by the worker's
+#              metrics, must be > 0) under 32 concurrent requests of up to 1k tokens
 #              (the router's busy thresholds lifted so that the engine, not the router, meets
 #              the pressure)
 #   cancel     streams cut by the client mid-generation, then the worker still serves a
@@ -63,13 +64,18 @@ stop
 METRICS=http://127.0.0.1:18091/metrics
 up pressure --topology agg --worker-arg=--system-port --worker-arg=18091 \
     --worker-arg=--max-num-tokens --worker-arg=512 \
-    --worker-arg=--override-engine-args --worker-arg='{"kv_cache_config":{"max_tokens":12288}}' \
+    --worker-arg=--override-engine-args \
+    --worker-arg='{"kv_cache_config":{"max_tokens":12288},"scheduler_config":{"capacity_scheduler_policy":"MAX_UTILIZATION"}}' \
     --router-arg=--active-decode-blocks-threshold --router-arg=1000 \
     --router-arg=--active-prefill-tokens-threshold-frac --router-arg=1000
 load pressure --num-requests 128 --concurrency 32 --isl uniform:256:1024 --osl 128 --vocab-hi 150000
 rc=$?
 curl -s "$METRICS" | grep -E '^dynamo_component_(preemptions_total|kv_cache_active_blocks)' \
     | tee "$OUT/pressure_metrics.txt"
+# MAX_UTILIZATION admits more than the pool holds to completion: it must have preempted.
+preempted=$(awk '/^dynamo_component_preemptions_total/ {s += $2} END {print s + 0}' "$OUT/pressure_metrics.txt")
+echo "pressure: preemptions $preempted"
+[ "${preempted%.*}" -gt 0 ] || rc=1
 case_result pressure $rc
 
 # cancel (same topology): cut streams, then a normal request must still complete.

@@ -134,6 +134,8 @@ mod run {
             block_size: BLOCK,
             pool: PoolSize::Blocks(per_seq * prompts.len()),
             max_step_tokens: TF_GROUP * longest,
+            // The greedy decode of all prompts replays a captured graph.
+            graph_max_batch: 128,
         };
         let mut gpu = CudaBackend::new(&model, &opts).map_err(|e| e.to_string())?;
         let vocab = gpu.vocab_size();
@@ -199,7 +201,7 @@ mod run {
             })
             .collect();
         let first = gpu.forward_greedy(&batch).map_err(|e| e.to_string())?;
-        let mut greedy: Vec<Vec<u32>> = first.iter().map(|r| r.clone()).collect();
+        let mut greedy: Vec<Vec<u32>> = first;
         for step in 1..steps {
             let last: Vec<[u32; 1]> = greedy.iter().map(|g| [g[g.len() - 1]]).collect();
             let batch: Vec<SeqInput<'_>> = (0..prompts.len())
