@@ -1,9 +1,10 @@
 //! [`CudaBackend`]: the decoder forward pass of [`crate::model::decoder`] on one GPU.
 //!
-//! Two compute modes: [`ComputeMode::F32`] (weights widened to f32, f32 GEMMs: the exact
-//! mode, compared with the CPU backend) and [`ComputeMode::Bf16`] (weights resident in bf16,
-//! bf16 × bf16 GEMMs accumulating in f32; the producers of each GEMM input write bf16
-//! directly). The residual stream, norms, RoPE and softmax stay in f32 in both. The paged KV
+//! Compute modes: [`ComputeMode::F32`] (weights widened to f32, f32 GEMMs: the exact mode,
+//! compared with the CPU backend), [`ComputeMode::Bf16`] (weights resident in bf16, bf16 ×
+//! bf16 GEMMs accumulating in f32; the producers of each GEMM input write bf16 directly) and
+//! [`ComputeMode::Bf16Split`] (bf16 weights, each GEMM input as hi + lo bf16 rows). The
+//! residual stream, norms, RoPE and softmax stay in f32 in all. The paged KV
 //! pool lives in GPU memory in the layout's dtype, with the same [`KvLayout`] as the CPU
 //! backend, so exported blocks are interchangeable. Activations live in a workspace reused
 //! from step to step (grown when a step is larger than any before).

@@ -9,14 +9,15 @@
 //!   [`kernels`], compiled by NVRTC for the device's own architecture (its compute capability)
 //!   and cached per process; typed launch wrappers that check their shapes on the host, so a
 //!   bad call is an error and never an out-of-bounds access on the device.
-//! - `kernels/*.cu`: the device code (embedding gather, RMSNorm with fused residual add,
-//!   Qwen3 q/k-norm + RoPE, SiLU·mul, KV write into paged blocks and a paged attention for
-//!   decode and prefill), all following the CPU path's math (`cpu_ops`, `model::decoder`) and
-//!   the KV address function of [`crate::kv::layout`].
-//! - [`CudaBackend`]: the `Backend` trait on these, f32 mode (checked against the CPU backend).
+//! - `kernels/*.cu`: the device code (embedding and row gathers, RMSNorm with fused residual
+//!   add, Qwen3 q/k-norm + RoPE, SiLU·mul, bias add, KV write into paged blocks, paged
+//!   attention for decode and prefill, argmax), all following the CPU path's math (`cpu_ops`,
+//!   `model::decoder`) and the KV address function of [`crate::kv::layout`]; GEMMs through
+//!   cuBLAS GemmEx (`gemm.rs`).
+//! - [`CudaBackend`]: the `Backend` trait on these in f32, bf16 and split-bf16 modes.
 //!
-//! Not here yet (see README.md beside this file): worker wiring, bf16 GEMMs,
-//! fast attention, GPU sampling and CUDA graphs.
+//! Not here yet (see README.md beside this file): CUDA graphs, flash-style prefill attention,
+//! sampling on the GPU beyond argmax.
 
 mod attention;
 pub mod backend;
