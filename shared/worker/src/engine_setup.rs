@@ -121,20 +121,8 @@ pub fn build_engine_on(
                 let backend = CpuBackend::new(model, layout.dtype, layout.block_size, num_blocks)?;
                 return Ok(Box::new(backend) as Box<dyn Backend>);
             };
-            let len = num_blocks * layout.block_bytes();
-            let pool = tokio::runtime::Handle::try_current()
-                .context("allocating a registered KV pool needs a tokio runtime")?
-                .block_on(crate::transport::allocate_pool(&t, len))?;
-            region = Some(pool.descriptor.clone());
-            // SAFETY: the transport allocated `len` bytes at `ptr`, valid until the registration
-            // (moved into the pool as its keep-alive) is dropped with the engine's backend.
-            let memory = unsafe {
-                KvPoolMemory::external(
-                    pool.ptr,
-                    pool.len,
-                    Box::new(RegistrationGuard(pool.registration)),
-                )?
-            };
+            let (memory, descriptor) = registered_memory(&t, num_blocks * layout.block_bytes())?;
+            region = Some(descriptor);
             let backend =
                 CpuBackend::new_in(model, layout.dtype, layout.block_size, num_blocks, memory)?;
             Ok(Box::new(backend) as Box<dyn Backend>)
@@ -184,20 +172,9 @@ fn build_cuda_engine(
             let Some(t) = transport else {
                 return Ok(Box::new(backend) as Box<dyn Backend>);
             };
-            let len = backend.num_blocks() * layout.block_bytes();
-            let pool = tokio::runtime::Handle::try_current()
-                .context("allocating a registered KV pool needs a tokio runtime")?
-                .block_on(crate::transport::allocate_pool(&t, len))?;
-            region = Some(pool.descriptor.clone());
-            // SAFETY: as in build_engine_on: `len` bytes at `ptr`, kept alive by the
-            // registration moved into the memory.
-            let memory = unsafe {
-                KvPoolMemory::external(
-                    pool.ptr,
-                    pool.len,
-                    Box::new(RegistrationGuard(pool.registration)),
-                )?
-            };
+            let (memory, descriptor) =
+                registered_memory(&t, backend.num_blocks() * layout.block_bytes())?;
+            region = Some(descriptor);
             Ok(Box::new(backend.with_staging(memory)?) as Box<dyn Backend>)
         },
     )?;
@@ -213,6 +190,28 @@ fn build_cuda_engine(
     Err(cuda_device()
         .err()
         .unwrap_or_else(|| anyhow::anyhow!("this binary has no CUDA backend")))
+}
+
+/// `len` bytes of memory allocated and registered by the transport (remote writers reach it
+/// through the returned descriptor), owning its registration. Needs a current tokio runtime.
+fn registered_memory(
+    t: &Arc<AnyTransport>,
+    len: usize,
+) -> anyhow::Result<(KvPoolMemory, RemoteRegion)> {
+    let pool = tokio::runtime::Handle::try_current()
+        .context("allocating a registered KV pool needs a tokio runtime")?
+        .block_on(crate::transport::allocate_pool(t, len))?;
+    let descriptor = pool.descriptor.clone();
+    // SAFETY: the transport allocated `pool.len` bytes at `pool.ptr`, valid until the
+    // registration (moved into the memory as its keep-alive) is dropped with the backend.
+    let memory = unsafe {
+        KvPoolMemory::external(
+            pool.ptr,
+            pool.len,
+            Box::new(RegistrationGuard(pool.registration)),
+        )?
+    };
+    Ok((memory, descriptor))
 }
 
 /// Keeps a transport registration alive inside the KV pool that lives in its memory.
