@@ -8,9 +8,11 @@ use std::sync::Arc;
 use super::test_backend::{TestBackend, EOS, T};
 use super::*;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
 use crate::backend::KvPoolMemory;
+use crate::error::EngineError;
 use crate::kv::events::KvCacheEventData;
-use crate::kv::layout::KvDtype;
+use crate::kv::layout::{KvDtype, KvLayout};
 use crate::model::{LoadOptions, LoadedModel};
 use crate::sampler::SamplingParams;
 
@@ -93,6 +95,66 @@ impl Decode {
             };
         }
     }
+}
+
+/// A backend whose transfer memory is not its pool, as the CUDA backend's host staging:
+/// remote writes land in `staging`, and `load_received_blocks` imports them into the pool.
+struct StagedBackend {
+    inner: CpuBackend,
+    staging: Vec<u64>,
+}
+
+impl Backend for StagedBackend {
+    fn layout(&self) -> &KvLayout {
+        self.inner.layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn forward(
+        &mut self,
+        batch: &[crate::backend::SeqInput<'_>],
+    ) -> Result<crate::backend::StepOutput, EngineError> {
+        self.inner.forward(batch)
+    }
+    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
+        self.inner.export_blocks(blocks)
+    }
+    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
+        self.inner.import_blocks(blocks, data)
+    }
+    fn load_received_blocks(&mut self, blocks: &[u32]) -> Result<(), EngineError> {
+        let bb = self.layout().block_bytes();
+        // SAFETY: plain bytes of the u64 buffer, which holds the whole pool's bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(self.staging.as_ptr() as *const u8, self.staging.len() * 8)
+        };
+        for &b in blocks {
+            let off = self.layout().block_offset(b) as usize;
+            let data = bytes[off..off + bb].to_vec();
+            self.inner.import_blocks(&[b], &data)?;
+        }
+        Ok(())
+    }
+}
+
+/// A decode engine over a [`StagedBackend`]: the test writes blocks into the staging memory.
+fn staged_decode_engine(t: &Tiny, max_num_tokens: usize) -> Decode {
+    let inner = CpuBackend::new(&t.model, KvDtype::F32, BLOCK, BLOCKS).unwrap();
+    let len = BLOCKS * inner.layout().block_bytes();
+    let mut staging = vec![0u64; len.div_ceil(8)];
+    // The Vec's heap buffer does not move when the Vec moves into the backend.
+    let base = staging.as_mut_ptr() as usize;
+    let h = Engine::start(
+        Box::new(StagedBackend { inner, staging }),
+        Some(t.tokenizer.clone()),
+        tiny_config(t, max_num_tokens),
+    )
+    .unwrap();
+    Decode { h, base, len }
 }
 
 fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
@@ -592,4 +654,29 @@ async fn preempted_prefill_restarts_without_resending() {
     let s = stats(&a).await;
     assert!(s.preemptions > 0, "no preemption happened: {s:?}");
     assert_eq!(s.blocks.referenced, 0);
+}
+
+/// The engine hands exactly the blocks a remote prefill wrote (not the reserved prefix it
+/// had cached) to `load_received_blocks` on activation: with a backend whose transfer memory
+/// is separate from its pool (the CUDA backend's host staging), the result still equals an
+/// aggregated run, and the cached prefix is not overwritten by the (empty) staging copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_transfer_memory_is_loaded_on_activation() {
+    let t = tiny();
+    let (w, x) = prefixed(&t);
+    let reference = owned_engine(&t, 64);
+    let a = owned_engine(&t, 64);
+    let b = staged_decode_engine(&t, 64);
+    for h in [&reference, &a, &b.h] {
+        run(h, req("w", w.clone(), greedy(2))).await;
+    }
+    let want = run(&reference, req("x", x.clone(), greedy(12))).await;
+    let d = disagg(&a, &b, 9, req("x", x.clone(), greedy(12))).await;
+    assert_eq!(d.reservation.cached_tokens, 3 * BLOCK);
+    assert_same(&d.outs, &want);
+    // And a prompt with nothing cached on the decode side.
+    let fresh: Vec<u32> = x.iter().rev().copied().collect();
+    let want = run(&reference, req("y", fresh.clone(), greedy(8))).await;
+    let d = disagg(&a, &b, 10, req("y", fresh, greedy(8))).await;
+    assert_same(&d.outs, &want);
 }
