@@ -1,88 +1,18 @@
-//! Launch wrappers of the paged attention kernels.
+//! Launch wrapper of the paged attention kernel and its split-merge scratch.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::kernels::AttentionInstance;
 use super::{
-    bad, check_len, cuda_err, threads_for, to_i32, CudaDevice, DeviceElem, KvPool, PoolShape,
-    TokenMaps,
+    bad, check_len, cuda_err, to_i32, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps,
 };
 use crate::error::EngineError;
 
 impl CudaDevice {
-    /// Paged attention of every token of `maps` over positions `lo_pos ..= pos` of its
-    /// sequence in `layer` of the pool; q is `qkv[t, 0 .. nq*head_dim]`; `out` is
-    /// `[tokens, nq * head_dim]`. This step's K/V must be written first.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
-        &self,
-        out: &mut CudaSlice<f32>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        pool: &KvPool,
-        shape: PoolShape,
-        layer: usize,
-        nq: usize,
-        maps: &TokenMaps,
-        scale: f32,
-    ) -> Result<(), EngineError> {
-        let t = maps.tokens;
-        if t == 0 {
-            return Ok(());
-        }
-        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
-        if nkv == 0 || !nq.is_multiple_of(nkv) || nq * hd > row_stride || layer >= shape.num_layers
-        {
-            return Err(bad(format!(
-                "attention: {nq} q heads over {nkv} KV heads, head_dim {hd}, row stride {row_stride}, layer {layer}"
-            )));
-        }
-        check_len("attention pool", pool.len(), shape.elems())?;
-        check_len("attention qkv", qkv.len(), t * row_stride)?;
-        check_len("attention out", out.len(), t * nq * hd)?;
-        let ints = [
-            to_i32("row stride", row_stride)?,
-            to_i32("nq", nq)?,
-            to_i32("nkv", nkv)?,
-            to_i32("head_dim", hd)?,
-            to_i32("block size", shape.block_size)?,
-            to_i32("layer", layer)?,
-            to_i32("layers", shape.num_layers)?,
-        ];
-        let cfg = LaunchConfig {
-            grid_dim: (t as u32, nq as u32, 1),
-            block_dim: (threads_for(hd), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let name = match pool {
-            KvPool::F32(_) => "attention_f32",
-            KvPool::Bf16(_) => "attention_bf16",
-        };
-        let f = self.func(name)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(qkv).arg(&ints[0]);
-        match pool {
-            KvPool::F32(p) => b.arg(p),
-            KvPool::Bf16(p) => b.arg(p),
-        };
-        b.arg(&maps.tables)
-            .arg(&maps.table_start)
-            .arg(&maps.positions)
-            .arg(&maps.lo_pos)
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4])
-            .arg(&ints[5])
-            .arg(&ints[6])
-            .arg(&scale);
-        // SAFETY: signature matches; shapes checked above, block ids validated by the caller.
-        unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention"))?;
-        Ok(())
-    }
-
-    /// The fast paged attention (`attention_fast.cu`): same inputs and result as
-    /// [`CudaDevice::attention`], one block per (token, KV head) serving the whole q-head
+    /// Paged attention (`attention_fast.cu`) of every token of `maps` over positions
+    /// `lo_pos ..= pos` of its sequence in `layer` of the pool (q is `qkv[t, 0 .. nq*head_dim]`,
+    /// `out` is `[tokens, nq * head_dim]`; this step's K/V must be written first): one block
+    /// per (token, KV head) serving the whole q-head
     /// group, warps over positions, and for few (token, head) pairs the positions split over
     /// several blocks merged in the same launch. `out` is f32 or bf16 (the o_proj GEMM's input).
     #[allow(clippy::too_many_arguments)]

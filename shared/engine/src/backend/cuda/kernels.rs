@@ -21,7 +21,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("qk_norm_rope.cu", include_str!("kernels/qk_norm_rope.cu")),
     ("silu_mul.cu", include_str!("kernels/silu_mul.cu")),
     ("kv_write.cu", include_str!("kernels/kv_write.cu")),
-    ("attention.cu", include_str!("kernels/attention.cu")),
     (
         "attention_fast.cu",
         include_str!("kernels/attention_fast.cu"),
@@ -44,8 +43,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "silu_mul_bf16",
     "kv_write_f32",
     "kv_write_bf16",
-    "attention_f32",
-    "attention_bf16",
     "argmax_f32",
     "fold_rows_f32",
 ];

@@ -12,7 +12,7 @@
 // Long contexts with few (token, head) pairs split the positions over `splits` blocks
 // (blockIdx.z): each writes its partial state to `part_acc` / `part_ml`, and the block that
 // finishes last (an atomic counter per (token, head), reset by that block) merges them, so a
-// step is still one launch. The math is attention_impl's (online softmax in f32).
+// step is still one launch. Online softmax in f32, as the CPU decoder's attention.
 #define ATT_WARPS 4
 #define ATT_HDMAX 256
 #define ATT_UNROLL 2
