@@ -132,6 +132,9 @@ mod check {
                 block_size: BS,
                 pool: PoolSize::Blocks(BLOCKS),
                 max_step_tokens: 64,
+                // The single-sequence greedy steps are captured and replayed from their
+                // second occurrence on, so the check covers graph replays too.
+                graph_max_batch: 8,
             };
             let mut gpu = CudaBackend::from_parts(dev, cfg.clone(), &w_run, "tiny".into(), &opts)?;
             let tol = match (mode, kv) {

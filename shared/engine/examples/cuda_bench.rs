@@ -10,7 +10,8 @@
 //!   (the step's FLOPs, attention included, over the measured GEMM rate).
 //!
 //! `cuda_bench --model DIR [--batches 1,8,64,256] [--context 1024] [--prefill 512,2048,8192]
-//!  [--steps 32] [--mode bf16|bf16x2]` prints one JSON object.
+//!  [--steps 32] [--mode bf16|bf16x2] [--graphs 256]` prints one JSON object (`--graphs 0`:
+//!  no CUDA graphs).
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -117,6 +118,8 @@ mod bench {
     pub fn run() -> Res<()> {
         let mut model_dir = None;
         let mut mode = ComputeMode::Bf16;
+        // Decode steps of up to this many sequences run as CUDA graphs (0: eager).
+        let mut graphs = 256usize;
         let (mut batches, mut context, mut prefills, mut steps) = (
             vec![1, 8, 64, 256],
             1024usize,
@@ -132,6 +135,7 @@ mod bench {
                 "--context" => context = v.parse().map_err(|_| "--context: a number")?,
                 "--prefill" => prefills = list(&v)?,
                 "--steps" => steps = v.parse().map_err(|_| "--steps: a number")?,
+                "--graphs" => graphs = v.parse().map_err(|_| "--graphs: a number")?,
                 "--mode" => {
                     mode = match v.as_str() {
                         "bf16" => ComputeMode::Bf16,
@@ -156,6 +160,7 @@ mod bench {
             block_size: BLOCK,
             pool: PoolSize::Blocks(blocks),
             max_step_tokens: MAX_STEP_TOKENS,
+            graph_max_batch: graphs,
         };
         let mut gpu = CudaBackend::new(&model, &opts).map_err(e)?;
         let bw = bandwidth(gpu.device())?;
@@ -273,6 +278,7 @@ mod bench {
         let report = json!({
             "device": gpu.device().name(),
             "mode": format!("{mode:?}"),
+            "graph_max_batch": graphs,
             "model": model_dir.display().to_string(),
             "weights_bytes_bf16": wbytes,
             "kv_bytes_per_token": kvtok,

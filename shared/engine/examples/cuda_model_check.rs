@@ -134,6 +134,8 @@ mod run {
             block_size: BLOCK,
             pool: PoolSize::Blocks(per_seq * prompts.len()),
             max_step_tokens: TF_GROUP * longest,
+            // The greedy decode of all prompts replays a captured graph.
+            graph_max_batch: 128,
         };
         let mut gpu = CudaBackend::new(&model, &opts).map_err(|e| e.to_string())?;
         let vocab = gpu.vocab_size();

@@ -167,6 +167,10 @@ fn build_cuda_engine(
                 block_size: layout.block_size,
                 pool,
                 max_step_tokens: opts.max_num_tokens as usize,
+                graph_max_batch: opts
+                    .cuda_graph_config
+                    .as_ref()
+                    .map_or(0, |g| g.max_batch_size as usize),
             };
             let backend = CudaBackend::new(model, &cuda)?;
             let Some(t) = transport else {

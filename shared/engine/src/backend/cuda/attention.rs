@@ -128,6 +128,8 @@ pub struct AttentionScratch {
     part_ml: CudaSlice<f32>,
     counters: CudaSlice<u32>,
     sms: usize,
+    /// Bumped when a buffer is reallocated (graphs captured before hold stale addresses).
+    pub generation: u64,
 }
 
 impl AttentionScratch {
@@ -137,7 +139,19 @@ impl AttentionScratch {
             part_ml: dev.zeros(1)?,
             counters: dev.zeros(1)?,
             sms: dev.sm_count(),
+            generation: 0,
         })
+    }
+
+    /// Scratch already sized for every split launch of a model with `group` q heads per KV
+    /// head of `head_dim` (splits > 1 only when pairs < 8 × SMs, so pairs × splits < 16 ×
+    /// SMs): it never grows, and captured graphs keep valid addresses.
+    pub fn for_model(dev: &CudaDevice, group: usize, head_dim: usize) -> Result<Self, EngineError> {
+        let mut s = Self::new(dev)?;
+        let sms = s.sms;
+        s.ensure(dev, 16 * sms * group.max(1), head_dim.max(1), 8 * sms)?;
+        s.generation = 0;
+        Ok(s)
     }
 
     /// Blocks per (token, head) for `pairs` (token, KV head) pairs: enough to give every SM
@@ -156,12 +170,14 @@ impl AttentionScratch {
         head_dim: usize,
         pairs: usize,
     ) -> Result<(), EngineError> {
-        if self.part_acc.len() < states * head_dim {
+        if self.part_acc.len() < states * head_dim || self.part_ml.len() < 2 * states {
             self.part_acc = dev.zeros(states * head_dim)?;
             self.part_ml = dev.zeros(2 * states)?;
+            self.generation += 1;
         }
         if self.counters.len() < pairs {
             self.counters = dev.zeros(pairs)?;
+            self.generation += 1;
         }
         Ok(())
     }

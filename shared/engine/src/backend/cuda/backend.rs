@@ -9,8 +9,11 @@
 //! backend, so exported blocks are interchangeable. Activations live in a workspace reused
 //! from step to step (grown when a step is larger than any before).
 
-use cudarc::driver::CudaSlice;
+use std::collections::{HashMap, HashSet};
 
+use super::step::{
+    AnyWorkspace, DeviceLayer, DeviceModel, Readout, StepInputs, StepRows, Workspace,
+};
 use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape};
 use crate::backend::cpu_ops::Matrix;
 use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
@@ -54,127 +57,10 @@ pub struct CudaOptions {
     /// Tokens per step the workspace is sized for up front (`max_num_tokens`), so that the
     /// pool, sized after it, leaves room for the activations.
     pub max_step_tokens: usize,
-}
-
-struct DeviceLayer {
-    input_norm: CudaSlice<f32>,
-    qkv: DeviceMatrix,
-    qkv_bias: Option<CudaSlice<f32>>,
-    q_norm: Option<CudaSlice<f32>>,
-    k_norm: Option<CudaSlice<f32>>,
-    o_proj: DeviceMatrix,
-    o_bias: Option<CudaSlice<f32>>,
-    post_norm: CudaSlice<f32>,
-    gate_up: DeviceMatrix,
-    down: DeviceMatrix,
-}
-
-/// The weights and the KV pool on the device.
-struct DeviceModel {
-    dev: CudaDevice,
-    config: ModelConfig,
-    shape: PoolShape,
-    pool: KvPool,
-    embed: DeviceMatrix,
-    layers: Vec<DeviceLayer>,
-    norm: CudaSlice<f32>,
-    lm_head: Option<DeviceMatrix>,
-    inv_freq: CudaSlice<f32>,
-    scratch: AttentionScratch,
-}
-
-/// Activation buffers of a step; `A` is the GEMM input type (f32 or bf16 as u16).
-struct Workspace<A: DeviceElem> {
-    tokens: usize,
-    /// Split-bf16 GEMM inputs ([`ComputeMode::Bf16Split`]).
-    split: bool,
-    x: CudaSlice<f32>,
-    qkv: CudaSlice<f32>,
-    proj: CudaSlice<f32>,
-    gu: CudaSlice<f32>,
-    normed: CudaSlice<A>,
-    attn: CudaSlice<A>,
-    act: CudaSlice<A>,
-    rows: usize,
-    sel_x: CudaSlice<f32>,
-    sel_res: CudaSlice<f32>,
-    sel: CudaSlice<A>,
-    logits: CudaSlice<f32>,
-    ids: CudaSlice<i32>,
-}
-
-impl<A: DeviceElem> Workspace<A> {
-    fn new(
-        dev: &CudaDevice,
-        cfg: &ModelConfig,
-        tokens: usize,
-        rows: usize,
-        split: bool,
-    ) -> Result<Self, EngineError> {
-        let (h, qd, kvd, im) = dims(cfg);
-        let (t, r) = (tokens.max(1), rows.max(1));
-        // Split mode: GEMM inputs and outputs hold twice the rows (hi and lo halves).
-        let m = if split { 2 } else { 1 };
-        Ok(Workspace {
-            tokens: t,
-            split,
-            x: dev.zeros(t * h)?,
-            qkv: dev.zeros(m * t * (qd + 2 * kvd))?,
-            proj: dev.zeros(m * t * h)?,
-            gu: dev.zeros(m * t * 2 * im)?,
-            normed: dev.zeros(m * t * h)?,
-            attn: dev.zeros(m * t * qd)?,
-            act: dev.zeros(m * t * im)?,
-            rows: r,
-            sel_x: dev.zeros(r * h)?,
-            sel_res: dev.zeros(r * h)?,
-            sel: dev.zeros(m * r * h)?,
-            logits: dev.zeros(m * r * cfg.vocab_size)?,
-            ids: dev.zeros(r)?,
-        })
-    }
-
-    /// Grows to hold `tokens` tokens and `rows` logits rows.
-    fn ensure(
-        &mut self,
-        dev: &CudaDevice,
-        cfg: &ModelConfig,
-        tokens: usize,
-        rows: usize,
-    ) -> Result<(), EngineError> {
-        if tokens > self.tokens || rows > self.rows {
-            let (t, r) = (tokens.max(self.tokens), rows.max(self.rows));
-            *self = Workspace::new(dev, cfg, t, r, self.split)?;
-        }
-        Ok(())
-    }
-}
-
-enum AnyWorkspace {
-    F32(Workspace<f32>),
-    Bf16(Workspace<u16>),
-}
-
-/// (hidden, q width, kv width, intermediate).
-fn dims(cfg: &ModelConfig) -> (usize, usize, usize, usize) {
-    (
-        cfg.hidden_size,
-        cfg.num_attention_heads * cfg.head_dim,
-        cfg.num_key_value_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
-}
-
-/// What a step brings back from the device.
-enum Readout {
-    Logits,
-    Argmax,
-}
-
-/// The flattened rows a step brought back, in the order of the batch.
-enum StepRows {
-    Logits(Vec<f32>),
-    Ids(Vec<i32>),
+    /// Decode steps (one token per sequence) of at most this many sequences are captured
+    /// into CUDA graphs, one per batch size, on their second occurrence, and replayed
+    /// after (`cuda_graph_config.max_batch_size`; 0 turns graphs off).
+    pub graph_max_batch: usize,
 }
 
 /// The decoder on one GPU.
@@ -186,6 +72,26 @@ pub struct CudaBackend {
     /// Host memory remote prefills write blocks into (a decode worker of disaggregated
     /// serving), laid out as the pool; copied into the GPU pool on activation.
     staging: Option<KvPoolMemory>,
+    graphs: GraphCache,
+}
+
+/// A captured graph owned by the backend.
+struct OwnedGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: CUDA graph objects are not internally synchronised but may be used from any thread
+// when calls on one object are serialised; the graph is owned by the backend, which is used
+// by one thread at a time (`&mut self` for every launch) and only moved between threads.
+unsafe impl Send for OwnedGraph {}
+
+/// Captured decode steps, keyed by (sequences, readout), valid for one buffer generation.
+struct GraphCache {
+    max_batch: usize,
+    generation: u64,
+    graphs: HashMap<(usize, Readout), OwnedGraph>,
+    /// Keys run eagerly once (the warm-up that compiles kernels and sizes buffers).
+    seen: HashSet<(usize, Readout)>,
+    /// Keys whose capture failed or whose replay did not match the eager step.
+    refused: HashSet<(usize, Readout)>,
 }
 
 impl CudaBackend {
@@ -289,7 +195,12 @@ impl CudaBackend {
                 mode == ComputeMode::Bf16Split,
             )?),
         };
-        let scratch = AttentionScratch::new(&dev)?;
+        let scratch = AttentionScratch::for_model(
+            &dev,
+            config.num_attention_heads / config.num_key_value_heads.max(1),
+            config.head_dim,
+        )?;
+        let inputs = StepInputs::new(&dev, opts.max_step_tokens)?;
         let per_block = layout.block_bytes();
         let num_blocks = match opts.pool {
             PoolSize::Blocks(n) => n,
@@ -341,11 +252,19 @@ impl CudaBackend {
                 lm_head,
                 inv_freq,
                 scratch,
+                inputs,
             },
             ws,
             layout,
             mode,
             staging: None,
+            graphs: GraphCache {
+                max_batch: opts.graph_max_batch,
+                generation: 0,
+                graphs: HashMap::new(),
+                seen: HashSet::new(),
+                refused: HashSet::new(),
+            },
         })
     }
 
@@ -387,198 +306,42 @@ impl CudaBackend {
     }
 
     /// Runs a step; returns the number of rows per sequence and the rows.
+    /// Runs a step; returns the number of rows per sequence and the rows. Decode steps
+    /// (one token and its logits per sequence) replay a captured CUDA graph when one exists.
     fn step(
         &mut self,
         batch: &[SeqInput<'_>],
         readout: Readout,
     ) -> Result<(Vec<usize>, StepRows), EngineError> {
         crate::backend::check_batch(batch, self.layout.block_size, self.model.shape.num_blocks)?;
+        let decode_shaped = !batch.is_empty()
+            && batch
+                .iter()
+                .all(|s| s.tokens.len() == 1 && s.logits == LogitsMode::Last);
+        let graphable = decode_shaped && batch.len() <= self.graphs.max_batch;
         match &mut self.ws {
-            AnyWorkspace::F32(ws) => self.model.step(ws, batch, readout),
-            AnyWorkspace::Bf16(ws) => self.model.step(ws, batch, readout),
+            AnyWorkspace::F32(ws) => run_step(
+                &mut self.model,
+                ws,
+                &mut self.graphs,
+                batch,
+                readout,
+                graphable,
+            ),
+            AnyWorkspace::Bf16(ws) => run_step(
+                &mut self.model,
+                ws,
+                &mut self.graphs,
+                batch,
+                readout,
+                graphable,
+            ),
         }
     }
 
     fn block_range(&self, b: u32) -> std::ops::Range<usize> {
         let per = self.model.shape.elems() / self.model.shape.num_blocks;
         b as usize * per..(b as usize + 1) * per
-    }
-}
-
-impl DeviceModel {
-    fn step<A: DeviceElem>(
-        &mut self,
-        ws: &mut Workspace<A>,
-        batch: &[SeqInput<'_>],
-        readout: Readout,
-    ) -> Result<(Vec<usize>, StepRows), EngineError> {
-        let cfg = &self.config;
-        let dev = &self.dev;
-        let (h, qd, kvd, im) = dims(cfg);
-        let (hd, nq, nkv, eps) = (
-            cfg.head_dim,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.rms_norm_eps,
-        );
-        let qkv_w = qd + 2 * kvd;
-        let window = cfg.sliding_window.unwrap_or(usize::MAX);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let ids: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect();
-        let t = ids.len();
-        // The rows whose logits are wanted, and how many per sequence.
-        let mut rows: Vec<u32> = Vec::new();
-        let mut counts = Vec::with_capacity(batch.len());
-        let mut first = 0u32;
-        for seq in batch {
-            let n = seq.tokens.len() as u32;
-            let before = rows.len();
-            match seq.logits {
-                LogitsMode::None => {}
-                LogitsMode::Last if n > 0 => rows.push(first + n - 1),
-                LogitsMode::Last => {}
-                LogitsMode::All => rows.extend(first..first + n),
-            }
-            counts.push(rows.len() - before);
-            first += n;
-        }
-        let empty = match readout {
-            Readout::Logits => StepRows::Logits(Vec::new()),
-            Readout::Argmax => StepRows::Ids(Vec::new()),
-        };
-        if t == 0 {
-            return Ok((counts, empty));
-        }
-        let r = rows.len();
-        ws.ensure(dev, cfg, t, r)?;
-        let seqs: Vec<(&[u32], std::ops::Range<usize>)> = batch
-            .iter()
-            .map(|s| (s.block_table, s.start_pos..s.start_pos + s.tokens.len()))
-            .collect();
-        let maps = dev.token_maps(&seqs, self.shape.block_size, window)?;
-
-        // Split mode: each GEMM runs over the stacked [hi; lo] rows of its input (m rows),
-        // then its output's halves are folded into the first t rows.
-        let split = ws.split;
-        let m = if split { 2 * t } else { t };
-        let fold = |dev: &CudaDevice, out: &mut CudaSlice<f32>, elems: usize| {
-            if split {
-                dev.fold_rows(out, elems)
-            } else {
-                Ok(())
-            }
-        };
-        dev.embedding(&mut ws.x, &self.embed, &ids, h)?;
-        for (l, lw) in self.layers.iter().enumerate() {
-            // The previous layer's MLP output joins the residual stream here (fused add).
-            let residual = (l > 0).then_some(&ws.proj);
-            dev.rms_norm(
-                &mut ws.normed,
-                &mut ws.x,
-                residual,
-                &lw.input_norm,
-                t,
-                eps,
-                split,
-            )?;
-            dev.matmul_t(&ws.normed, m, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
-            fold(dev, &mut ws.qkv, t * qkv_w)?;
-            if let Some(b) = &lw.qkv_bias {
-                dev.bias_add(&mut ws.qkv, b, t)?;
-            }
-            dev.qk_norm_rope(
-                &mut ws.qkv,
-                qkv_w,
-                nq,
-                nkv,
-                hd,
-                &maps,
-                &self.inv_freq,
-                lw.q_norm.as_ref(),
-                lw.k_norm.as_ref(),
-                eps,
-            )?;
-            dev.kv_write(&mut self.pool, self.shape, l, &ws.qkv, qkv_w, qd, &maps)?;
-            dev.attention_fast(
-                &mut ws.attn,
-                &ws.qkv,
-                qkv_w,
-                &self.pool,
-                self.shape,
-                l,
-                nq,
-                &maps,
-                scale,
-                &mut self.scratch,
-                split,
-            )?;
-            dev.matmul_t(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj)?;
-            fold(dev, &mut ws.proj, t * h)?;
-            if let Some(b) = &lw.o_bias {
-                dev.bias_add(&mut ws.proj, b, t)?;
-            }
-            dev.rms_norm(
-                &mut ws.normed,
-                &mut ws.x,
-                Some(&ws.proj),
-                &lw.post_norm,
-                t,
-                eps,
-                split,
-            )?;
-            dev.matmul_t(&ws.normed, m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
-            fold(dev, &mut ws.gu, t * 2 * im)?;
-            dev.silu_mul(&mut ws.act, &ws.gu, t, im, split)?;
-            dev.matmul_t(&ws.act, m, im, &lw.down, h, &mut ws.proj)?;
-            fold(dev, &mut ws.proj, t * h)?;
-        }
-        if r == 0 {
-            return Ok((counts, empty));
-        }
-        // Only the wanted rows: gather the residual stream and the last MLP output, then the
-        // final norm (with its fused add) and the lm_head GEMM on those rows alone.
-        dev.gather_rows(&mut ws.sel_x, &ws.x, t, &rows, h, false)?;
-        let residual = if self.layers.is_empty() {
-            None
-        } else {
-            dev.gather_rows(&mut ws.sel_res, &ws.proj, t, &rows, h, false)?;
-            Some(&ws.sel_res)
-        };
-        dev.rms_norm(
-            &mut ws.sel,
-            &mut ws.sel_x,
-            residual,
-            &self.norm,
-            r,
-            eps,
-            split,
-        )?;
-        let v = cfg.vocab_size;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let head_rows = if split { 2 * r } else { r };
-        dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
-        fold(dev, &mut ws.logits, r * v)?;
-        let out = match readout {
-            Readout::Logits => {
-                let host: Vec<f32> = dev
-                    .stream()
-                    .clone_dtoh(&ws.logits.slice(..r * v))
-                    .map_err(|e| EngineError::Backend(format!("CUDA logits copy: {e:?}")))?;
-                StepRows::Logits(host)
-            }
-            Readout::Argmax => {
-                dev.argmax(&mut ws.ids, &ws.logits, r, v)?;
-                let host: Vec<i32> = dev
-                    .stream()
-                    .clone_dtoh(&ws.ids.slice(..r))
-                    .map_err(|e| EngineError::Backend(format!("CUDA argmax copy: {e:?}")))?;
-                StepRows::Ids(host)
-            }
-        };
-        Ok((counts, out))
     }
 }
 
@@ -688,5 +451,103 @@ impl Backend for CudaBackend {
             self.model.dev.synchronize()?;
         }
         Ok(())
+    }
+}
+
+/// One step: prepare, then launch eagerly, or through the graph of its key (capturing it on
+/// the key's second occurrence, checked against an eager run of the same step), then read
+/// back. A capture that fails or disagrees leaves the key eager for good (logged).
+fn run_step<A: DeviceElem>(
+    model: &mut DeviceModel,
+    ws: &mut Workspace<A>,
+    graphs: &mut GraphCache,
+    batch: &[SeqInput<'_>],
+    readout: Readout,
+    graphable: bool,
+) -> Result<(Vec<usize>, StepRows), EngineError> {
+    let p = model.prepare(ws, batch)?;
+    let key = (p.t, readout);
+    let generation = model.generation(ws);
+    if generation != graphs.generation {
+        // Buffers moved: every captured graph holds stale addresses.
+        graphs.graphs.clear();
+        graphs.generation = generation;
+    }
+    if !graphable || graphs.refused.contains(&key) {
+        model.launch(ws, p.t, p.r, readout)?;
+        return Ok((p.counts, model.read_back(ws, p.r, readout)?));
+    }
+    if let Some(g) = graphs.graphs.get(&key) {
+        g.0.launch()
+            .map_err(|e| EngineError::Backend(format!("CUDA graph launch: {e:?}")))?;
+        return Ok((p.counts, model.read_back(ws, p.r, readout)?));
+    }
+    // Eager first (warm-up; on the second occurrence also the reference for the capture).
+    model.launch(ws, p.t, p.r, readout)?;
+    let eager = model.read_back(ws, p.r, readout)?;
+    if !graphs.seen.insert(key) {
+        match capture(model, ws, p.t, p.r, readout) {
+            Ok(g) => {
+                // The replay recomputes the same step (the same K/V values are rewritten).
+                let replay = g
+                    .launch()
+                    .map_err(|e| EngineError::Backend(format!("CUDA graph launch: {e:?}")))
+                    .and_then(|_| model.read_back(ws, p.r, readout));
+                match replay {
+                    Ok(rows) if same_rows(&rows, &eager) => {
+                        tracing::debug!(batch = p.t, ?readout, "CUDA graph captured");
+                        graphs.graphs.insert(key, OwnedGraph(g));
+                    }
+                    Ok(_) => {
+                        tracing::warn!(batch = p.t, "CUDA graph replay differs from the eager step; this batch size stays eager");
+                        graphs.refused.insert(key);
+                    }
+                    Err(e) => {
+                        tracing::warn!(batch = p.t, error = %e, "CUDA graph replay failed; this batch size stays eager");
+                        graphs.refused.insert(key);
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(batch = p.t, error = %e, "CUDA graph capture failed; this batch size stays eager");
+                graphs.refused.insert(key);
+            }
+        }
+    }
+    Ok((p.counts, eager))
+}
+
+/// Captures the launches of a prepared step into a graph.
+fn capture<A: DeviceElem>(
+    model: &mut DeviceModel,
+    ws: &mut Workspace<A>,
+    t: usize,
+    r: usize,
+    readout: Readout,
+) -> Result<cudarc::driver::CudaGraph, EngineError> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let stream = model.dev.stream().clone();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| EngineError::Backend(format!("CUDA graph capture: {e:?}")))?;
+    let launched = model.launch(ws, t, r, readout);
+    // Always end the capture, also after a failed launch, so the stream is usable again.
+    let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+    launched?;
+    ended
+        .map_err(|e| EngineError::Backend(format!("CUDA graph capture: {e:?}")))?
+        .ok_or_else(|| EngineError::Backend("CUDA graph capture produced no graph".into()))
+}
+
+/// Whether a replay produced what the eager step did: the same argmax ids, or logits within
+/// 1e-4 of the row's largest magnitude (cuBLAS may pick another algorithm under capture).
+fn same_rows(a: &StepRows, b: &StepRows) -> bool {
+    match (a, b) {
+        (StepRows::Ids(x), StepRows::Ids(y)) => x == y,
+        (StepRows::Logits(x), StepRows::Logits(y)) => {
+            let scale = y.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| (p - q).abs() <= 1e-4 * scale)
+        }
+        _ => false,
     }
 }

@@ -24,6 +24,7 @@ pub mod backend;
 mod gemm;
 pub mod kernels;
 mod ops;
+mod step;
 
 pub use attention::AttentionScratch;
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
@@ -170,13 +171,36 @@ pub struct TokenMaps {
     pub lo_pos: CudaSlice<i32>,
     pub token_block: CudaSlice<i32>,
     pub tokens: usize,
+    /// Bumped whenever a buffer is reallocated (graphs captured before hold stale addresses).
+    pub generation: u64,
 }
+
+impl TokenMaps {
+    /// Maps with room for one token (grown by [`CudaDevice::fill_token_maps`]).
+    pub fn empty(dev: &CudaDevice) -> Result<Self, EngineError> {
+        Ok(TokenMaps {
+            tables: dev.zeros(1)?,
+            table_start: dev.zeros(1)?,
+            positions: dev.zeros(1)?,
+            lo_pos: dev.zeros(1)?,
+            token_block: dev.zeros(1)?,
+            tokens: 0,
+            generation: 0,
+        })
+    }
+}
+
+/// cuBLAS workspace size: what cuBLAS asks for on Hopper (32 MiB).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// One GPU: context, stream, cuBLAS handle and the compiled kernels.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace (see BLAS_WORKSPACE_BYTES); dropped after `blas` (field order).
+    #[allow(dead_code)]
+    blas_workspace: CudaSlice<u8>,
     funcs: HashMap<String, CudaFunction>,
     /// Attention instances compiled on first use (see kernels::AttentionInstance).
     lazy_funcs: std::sync::Mutex<HashMap<String, CudaFunction>>,
@@ -218,13 +242,37 @@ impl CudaDevice {
                 .map_err(cuda_err(&format!("loading kernel {name}")))?;
             funcs.insert(name.to_string(), f);
         }
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::Backend(format!("cuBLAS: {e:?}")))?;
+        // A fixed cuBLAS workspace, so that GEMMs captured in a graph allocate nothing.
+        let blas_workspace = stream
+            .alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)
+            .map_err(cuda_err("allocating the cuBLAS workspace"))?;
+        {
+            use cudarc::driver::DevicePtr;
+            let (ptr, _guard) = blas_workspace.device_ptr(&stream);
+            // SAFETY: a live device buffer of BLAS_WORKSPACE_BYTES on the handle's stream, kept
+            // as long as the handle (both are fields of the device).
+            let status = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE_BYTES,
+                )
+            };
+            if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(EngineError::Backend(format!(
+                    "cuBLAS: setting the workspace: {status:?}"
+                )));
+            }
+        }
         Ok(CudaDevice {
             ctx,
             stream,
             blas,
+            blas_workspace,
             funcs,
             lazy_funcs: std::sync::Mutex::new(HashMap::new()),
             arch,
@@ -331,15 +379,29 @@ impl CudaDevice {
         Ok(f)
     }
 
-    /// Builds the [`TokenMaps`] of a step on the device. `seqs` gives, per sequence, its block
-    /// table and the positions of its tokens this step; `window` is the sliding window
-    /// (`usize::MAX` for none).
+    /// Builds the [`TokenMaps`] of a step on the device (fresh buffers). `seqs` gives, per
+    /// sequence, its block table and the positions of its tokens this step; `window` is the
+    /// sliding window (`usize::MAX` for none).
     pub fn token_maps(
         &self,
         seqs: &[(&[u32], std::ops::Range<usize>)],
         block_size: usize,
         window: usize,
     ) -> Result<TokenMaps, EngineError> {
+        let mut maps = TokenMaps::empty(self)?;
+        self.fill_token_maps(&mut maps, seqs, block_size, window)?;
+        Ok(maps)
+    }
+
+    /// Writes a step's maps into `maps`' buffers, growing them (by doubling, which bumps
+    /// `maps.generation`: captured graphs hold the old addresses) only when too small.
+    pub fn fill_token_maps(
+        &self,
+        maps: &mut TokenMaps,
+        seqs: &[(&[u32], std::ops::Range<usize>)],
+        block_size: usize,
+        window: usize,
+    ) -> Result<(), EngineError> {
         let mut tables = Vec::new();
         let (mut table_start, mut positions, mut lo_pos, mut token_block) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -362,17 +424,33 @@ impl CudaDevice {
             }
         }
         let tokens = positions.len();
-        if tables.is_empty() {
-            tables.push(0); // no zero-length device buffers
+        if tables.len() > maps.tables.len() {
+            maps.tables = self.zeros(tables.len().next_power_of_two())?;
+            maps.generation += 1;
         }
-        Ok(TokenMaps {
-            tables: self.upload(&tables)?,
-            table_start: self.upload(&table_start)?,
-            positions: self.upload(&positions)?,
-            lo_pos: self.upload(&lo_pos)?,
-            token_block: self.upload(&token_block)?,
-            tokens,
-        })
+        if tokens > maps.positions.len() {
+            let n = tokens.next_power_of_two();
+            maps.table_start = self.zeros(n)?;
+            maps.positions = self.zeros(n)?;
+            maps.lo_pos = self.zeros(n)?;
+            maps.token_block = self.zeros(n)?;
+            maps.generation += 1;
+        }
+        let s = &self.stream;
+        let copy = |src: &[i32], dst: &mut CudaSlice<i32>| -> Result<(), EngineError> {
+            if src.is_empty() {
+                return Ok(());
+            }
+            s.memcpy_htod(src, &mut dst.slice_mut(..src.len()))
+                .map_err(cuda_err("host→device copy"))
+        };
+        copy(&tables, &mut maps.tables)?;
+        copy(&table_start, &mut maps.table_start)?;
+        copy(&positions, &mut maps.positions)?;
+        copy(&lo_pos, &mut maps.lo_pos)?;
+        copy(&token_block, &mut maps.token_block)?;
+        maps.tokens = tokens;
+        Ok(())
     }
 }
 

@@ -28,8 +28,25 @@ impl CudaDevice {
         if t == 0 {
             return Ok(());
         }
-        check_len("embedding out", out.len(), t * hidden)?;
         let ids = self.upload(ids_host)?;
+        self.embedding_dev(out, table, &ids, t, hidden)
+    }
+
+    /// [`CudaDevice::embedding`] with the first `t` ids already on the device: the caller
+    /// has checked them against the vocabulary (no copy: graph-capturable).
+    pub fn embedding_dev(
+        &self,
+        out: &mut CudaSlice<f32>,
+        table: &DeviceMatrix,
+        ids: &CudaSlice<u32>,
+        t: usize,
+        hidden: usize,
+    ) -> Result<(), EngineError> {
+        if t == 0 {
+            return Ok(());
+        }
+        check_len("embedding out", out.len(), t * hidden)?;
+        check_len("embedding ids", ids.len(), t)?;
         let h = to_i32("hidden", hidden)?;
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
@@ -47,9 +64,9 @@ impl CudaDevice {
             DeviceMatrix::F32(s) => b.arg(s),
             DeviceMatrix::Bf16(s) => b.arg(s),
         };
-        b.arg(&ids).arg(&h);
+        b.arg(ids).arg(&h);
         // SAFETY: the argument list matches the kernel's signature; every index is in bounds
-        // (ids < vocab checked above, out holds t*hidden).
+        // (ids < vocab checked by the caller, out holds t*hidden).
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching embedding"))?;
         Ok(())
     }
@@ -272,9 +289,29 @@ impl CudaDevice {
         if r == 0 {
             return Ok(());
         }
+        let rows = self.upload(rows_host)?;
+        self.gather_rows_dev(out, src, src_rows, &rows, r, width, split)
+    }
+
+    /// [`CudaDevice::gather_rows`] with the first `r` row ids already on the device, checked
+    /// by the caller against `src_rows` (no copy: graph-capturable).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows_dev<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        src: &CudaSlice<f32>,
+        src_rows: usize,
+        rows: &CudaSlice<u32>,
+        r: usize,
+        width: usize,
+        split: bool,
+    ) -> Result<(), EngineError> {
+        if r == 0 {
+            return Ok(());
+        }
         let lo_off = lo_offset::<O>("gather out", out.len(), r * width, split)?;
         check_len("gather src", src.len(), src_rows * width)?;
-        let rows = self.upload(rows_host)?;
+        check_len("gather rows", rows.len(), r)?;
         let w = to_i32("width", width)?;
         let cfg = LaunchConfig {
             grid_dim: (r as u32, 1, 1),
@@ -283,7 +320,7 @@ impl CudaDevice {
         };
         let f = self.func(&format!("gather_rows_{}", O::SUFFIX))?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(src).arg(&rows).arg(&w).arg(&lo_off);
+        b.arg(out).arg(src).arg(rows).arg(&w).arg(&lo_off);
         // SAFETY: signature matches; rows < src_rows (checked), out holds r*width.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gather_rows"))?;
         Ok(())

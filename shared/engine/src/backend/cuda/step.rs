@@ -1,0 +1,421 @@
+//! The device state of [`super::CudaBackend`] and one decoder step, in three parts so that
+//! the middle one can be captured into a CUDA graph: [`DeviceModel::prepare`] (host checks,
+//! the step's inputs copied into persistent device buffers), [`DeviceModel::launch`] (kernels
+//! and GEMMs only: no copy, no allocation) and [`DeviceModel::read_back`].
+
+use cudarc::driver::CudaSlice;
+
+use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps};
+use crate::backend::{LogitsMode, SeqInput};
+use crate::error::EngineError;
+use crate::model::config::ModelConfig;
+
+pub(super) struct DeviceLayer {
+    pub(super) input_norm: CudaSlice<f32>,
+    pub(super) qkv: DeviceMatrix,
+    pub(super) qkv_bias: Option<CudaSlice<f32>>,
+    pub(super) q_norm: Option<CudaSlice<f32>>,
+    pub(super) k_norm: Option<CudaSlice<f32>>,
+    pub(super) o_proj: DeviceMatrix,
+    pub(super) o_bias: Option<CudaSlice<f32>>,
+    pub(super) post_norm: CudaSlice<f32>,
+    pub(super) gate_up: DeviceMatrix,
+    pub(super) down: DeviceMatrix,
+}
+
+/// The weights and the KV pool on the device.
+pub(super) struct DeviceModel {
+    pub(super) dev: CudaDevice,
+    pub(super) config: ModelConfig,
+    pub(super) shape: PoolShape,
+    pub(super) pool: KvPool,
+    pub(super) embed: DeviceMatrix,
+    pub(super) layers: Vec<DeviceLayer>,
+    pub(super) norm: CudaSlice<f32>,
+    pub(super) lm_head: Option<DeviceMatrix>,
+    pub(super) inv_freq: CudaSlice<f32>,
+    pub(super) scratch: AttentionScratch,
+    pub(super) inputs: StepInputs,
+}
+
+/// Activation buffers of a step; `A` is the GEMM input type (f32 or bf16 as u16).
+pub(super) struct Workspace<A: DeviceElem> {
+    pub(super) tokens: usize,
+    /// Bumped on every reallocation (see DeviceModel::generation).
+    pub(super) generation: u64,
+    /// Split-bf16 GEMM inputs ([`ComputeMode::Bf16Split`]).
+    pub(super) split: bool,
+    pub(super) x: CudaSlice<f32>,
+    pub(super) qkv: CudaSlice<f32>,
+    pub(super) proj: CudaSlice<f32>,
+    pub(super) gu: CudaSlice<f32>,
+    pub(super) normed: CudaSlice<A>,
+    pub(super) attn: CudaSlice<A>,
+    pub(super) act: CudaSlice<A>,
+    pub(super) rows: usize,
+    pub(super) sel_x: CudaSlice<f32>,
+    pub(super) sel_res: CudaSlice<f32>,
+    pub(super) sel: CudaSlice<A>,
+    pub(super) logits: CudaSlice<f32>,
+    pub(super) ids: CudaSlice<i32>,
+}
+
+impl<A: DeviceElem> Workspace<A> {
+    pub(super) fn new(
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        tokens: usize,
+        rows: usize,
+        split: bool,
+    ) -> Result<Self, EngineError> {
+        let (h, qd, kvd, im) = dims(cfg);
+        let (t, r) = (tokens.max(1), rows.max(1));
+        // Split mode: GEMM inputs and outputs hold twice the rows (hi and lo halves).
+        let m = if split { 2 } else { 1 };
+        Ok(Workspace {
+            tokens: t,
+            generation: 0,
+            split,
+            x: dev.zeros(t * h)?,
+            qkv: dev.zeros(m * t * (qd + 2 * kvd))?,
+            proj: dev.zeros(m * t * h)?,
+            gu: dev.zeros(m * t * 2 * im)?,
+            normed: dev.zeros(m * t * h)?,
+            attn: dev.zeros(m * t * qd)?,
+            act: dev.zeros(m * t * im)?,
+            rows: r,
+            sel_x: dev.zeros(r * h)?,
+            sel_res: dev.zeros(r * h)?,
+            sel: dev.zeros(m * r * h)?,
+            logits: dev.zeros(m * r * cfg.vocab_size)?,
+            ids: dev.zeros(r)?,
+        })
+    }
+
+    /// Grows to hold `tokens` tokens and `rows` logits rows.
+    pub(super) fn ensure(
+        &mut self,
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        tokens: usize,
+        rows: usize,
+    ) -> Result<(), EngineError> {
+        if tokens > self.tokens || rows > self.rows {
+            let (t, r) = (tokens.max(self.tokens), rows.max(self.rows));
+            let generation = self.generation + 1;
+            *self = Workspace::new(dev, cfg, t, r, self.split)?;
+            self.generation = generation;
+        }
+        Ok(())
+    }
+}
+
+pub(super) enum AnyWorkspace {
+    F32(Workspace<f32>),
+    Bf16(Workspace<u16>),
+}
+
+/// (hidden, q width, kv width, intermediate).
+pub(super) fn dims(cfg: &ModelConfig) -> (usize, usize, usize, usize) {
+    (
+        cfg.hidden_size,
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+}
+
+/// What a step brings back from the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Readout {
+    Logits,
+    Argmax,
+}
+
+/// The flattened rows a step brought back, in the order of the batch.
+pub(super) enum StepRows {
+    Logits(Vec<f32>),
+    Ids(Vec<i32>),
+}
+
+/// A step's inputs on the device, in buffers kept from step to step (a captured graph reads
+/// them at fixed addresses): token ids, the rows whose logits are wanted, the token maps.
+pub(super) struct StepInputs {
+    pub(super) ids: CudaSlice<u32>,
+    pub(super) rows: CudaSlice<u32>,
+    pub(super) maps: TokenMaps,
+    /// Bumped when `ids` or `rows` is reallocated.
+    generation: u64,
+}
+
+impl StepInputs {
+    pub(super) fn new(dev: &CudaDevice, tokens: usize) -> Result<Self, EngineError> {
+        Ok(StepInputs {
+            ids: dev.zeros(tokens.max(1))?,
+            rows: dev.zeros(tokens.max(1))?,
+            maps: TokenMaps::empty(dev)?,
+            generation: 0,
+        })
+    }
+
+    /// Changes whenever any buffer moved.
+    pub(super) fn generation(&self) -> u64 {
+        self.generation + self.maps.generation
+    }
+
+    fn fill(
+        &mut self,
+        dev: &CudaDevice,
+        ids: &[u32],
+        rows: &[u32],
+        seqs: &[(&[u32], std::ops::Range<usize>)],
+        block_size: usize,
+        window: usize,
+    ) -> Result<(), EngineError> {
+        let err = |e| EngineError::Backend(format!("CUDA host→device copy: {e:?}"));
+        if ids.len() > self.ids.len() {
+            self.ids = dev.zeros(ids.len().next_power_of_two())?;
+            self.generation += 1;
+        }
+        if rows.len() > self.rows.len() {
+            self.rows = dev.zeros(rows.len().next_power_of_two())?;
+            self.generation += 1;
+        }
+        let s = dev.stream();
+        if !ids.is_empty() {
+            s.memcpy_htod(ids, &mut self.ids.slice_mut(..ids.len()))
+                .map_err(err)?;
+        }
+        if !rows.is_empty() {
+            s.memcpy_htod(rows, &mut self.rows.slice_mut(..rows.len()))
+                .map_err(err)?;
+        }
+        dev.fill_token_maps(&mut self.maps, seqs, block_size, window)
+    }
+}
+
+/// What [`DeviceModel::prepare`] found: tokens, logits rows, rows per sequence.
+pub(super) struct Prepared {
+    pub(super) t: usize,
+    pub(super) r: usize,
+    pub(super) counts: Vec<usize>,
+}
+
+impl DeviceModel {
+    /// Host side of a step: checks, workspace size, inputs copied to the device.
+    pub(super) fn prepare<A: DeviceElem>(
+        &mut self,
+        ws: &mut Workspace<A>,
+        batch: &[SeqInput<'_>],
+    ) -> Result<Prepared, EngineError> {
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let t = ids.len();
+        let vocab = self.config.vocab_size;
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {id} is outside the vocabulary ({vocab})"
+            )));
+        }
+        // The rows whose logits are wanted, and how many per sequence.
+        let mut rows: Vec<u32> = Vec::new();
+        let mut counts = Vec::with_capacity(batch.len());
+        let mut first = 0u32;
+        for seq in batch {
+            let n = seq.tokens.len() as u32;
+            let before = rows.len();
+            match seq.logits {
+                LogitsMode::None => {}
+                LogitsMode::Last if n > 0 => rows.push(first + n - 1),
+                LogitsMode::Last => {}
+                LogitsMode::All => rows.extend(first..first + n),
+            }
+            counts.push(rows.len() - before);
+            first += n;
+        }
+        let r = rows.len();
+        if t == 0 {
+            return Ok(Prepared { t, r, counts });
+        }
+        ws.ensure(&self.dev, &self.config, t, r)?;
+        let window = self.config.sliding_window.unwrap_or(usize::MAX);
+        let seqs: Vec<(&[u32], std::ops::Range<usize>)> = batch
+            .iter()
+            .map(|s| (s.block_table, s.start_pos..s.start_pos + s.tokens.len()))
+            .collect();
+        self.inputs
+            .fill(&self.dev, &ids, &rows, &seqs, self.shape.block_size, window)?;
+        Ok(Prepared { t, r, counts })
+    }
+
+    /// Buffer generation of everything a launch reads or writes: a graph captured at one
+    /// generation is valid only while it is unchanged.
+    pub(super) fn generation<A: DeviceElem>(&self, ws: &Workspace<A>) -> u64 {
+        self.inputs.generation() + self.scratch.generation + ws.generation
+    }
+
+    /// The kernels of a prepared step of `t` tokens and `r` logits rows (argmax too for
+    /// `Readout::Argmax`). No copy or allocation happens here.
+    pub(super) fn launch<A: DeviceElem>(
+        &mut self,
+        ws: &mut Workspace<A>,
+        t: usize,
+        r: usize,
+        readout: Readout,
+    ) -> Result<(), EngineError> {
+        if t == 0 {
+            return Ok(());
+        }
+        let cfg = &self.config;
+        let dev = &self.dev;
+        let inputs = &self.inputs;
+        let (h, qd, kvd, im) = dims(cfg);
+        let (hd, nq, nkv, eps) = (
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.rms_norm_eps,
+        );
+        let qkv_w = qd + 2 * kvd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Split mode: each GEMM runs over the stacked [hi; lo] rows of its input (m rows),
+        // then its output's halves are folded into the first t rows.
+        let split = ws.split;
+        let m = if split { 2 * t } else { t };
+        let fold = |dev: &CudaDevice, out: &mut CudaSlice<f32>, elems: usize| {
+            if split {
+                dev.fold_rows(out, elems)
+            } else {
+                Ok(())
+            }
+        };
+        dev.embedding_dev(&mut ws.x, &self.embed, &inputs.ids, t, h)?;
+        for (l, lw) in self.layers.iter().enumerate() {
+            // The previous layer's MLP output joins the residual stream here (fused add).
+            let residual = (l > 0).then_some(&ws.proj);
+            dev.rms_norm(
+                &mut ws.normed,
+                &mut ws.x,
+                residual,
+                &lw.input_norm,
+                t,
+                eps,
+                split,
+            )?;
+            dev.matmul_t(&ws.normed, m, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
+            fold(dev, &mut ws.qkv, t * qkv_w)?;
+            if let Some(b) = &lw.qkv_bias {
+                dev.bias_add(&mut ws.qkv, b, t)?;
+            }
+            dev.qk_norm_rope(
+                &mut ws.qkv,
+                qkv_w,
+                nq,
+                nkv,
+                hd,
+                &inputs.maps,
+                &self.inv_freq,
+                lw.q_norm.as_ref(),
+                lw.k_norm.as_ref(),
+                eps,
+            )?;
+            dev.kv_write(
+                &mut self.pool,
+                self.shape,
+                l,
+                &ws.qkv,
+                qkv_w,
+                qd,
+                &inputs.maps,
+            )?;
+            dev.attention_fast(
+                &mut ws.attn,
+                &ws.qkv,
+                qkv_w,
+                &self.pool,
+                self.shape,
+                l,
+                nq,
+                &inputs.maps,
+                scale,
+                &mut self.scratch,
+                split,
+            )?;
+            dev.matmul_t(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj)?;
+            fold(dev, &mut ws.proj, t * h)?;
+            if let Some(b) = &lw.o_bias {
+                dev.bias_add(&mut ws.proj, b, t)?;
+            }
+            dev.rms_norm(
+                &mut ws.normed,
+                &mut ws.x,
+                Some(&ws.proj),
+                &lw.post_norm,
+                t,
+                eps,
+                split,
+            )?;
+            dev.matmul_t(&ws.normed, m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
+            fold(dev, &mut ws.gu, t * 2 * im)?;
+            dev.silu_mul(&mut ws.act, &ws.gu, t, im, split)?;
+            dev.matmul_t(&ws.act, m, im, &lw.down, h, &mut ws.proj)?;
+            fold(dev, &mut ws.proj, t * h)?;
+        }
+        if r == 0 {
+            return Ok(());
+        }
+        // Only the wanted rows: gather the residual stream and the last MLP output, then the
+        // final norm (with its fused add) and the lm_head GEMM on those rows alone.
+        dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, &inputs.rows, r, h, false)?;
+        let residual = if self.layers.is_empty() {
+            None
+        } else {
+            dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, &inputs.rows, r, h, false)?;
+            Some(&ws.sel_res)
+        };
+        dev.rms_norm(
+            &mut ws.sel,
+            &mut ws.sel_x,
+            residual,
+            &self.norm,
+            r,
+            eps,
+            split,
+        )?;
+        let v = cfg.vocab_size;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let head_rows = if split { 2 * r } else { r };
+        dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
+        fold(dev, &mut ws.logits, r * v)?;
+        if readout == Readout::Argmax {
+            dev.argmax(&mut ws.ids, &ws.logits, r, v)?;
+        }
+        Ok(())
+    }
+
+    /// Copies back what a launched step produced.
+    pub(super) fn read_back<A: DeviceElem>(
+        &self,
+        ws: &Workspace<A>,
+        r: usize,
+        readout: Readout,
+    ) -> Result<StepRows, EngineError> {
+        let s = self.dev.stream();
+        Ok(match readout {
+            Readout::Logits => StepRows::Logits(if r == 0 {
+                Vec::new()
+            } else {
+                s.clone_dtoh(&ws.logits.slice(..r * self.config.vocab_size))
+                    .map_err(|e| EngineError::Backend(format!("CUDA logits copy: {e:?}")))?
+            }),
+            Readout::Argmax => StepRows::Ids(if r == 0 {
+                Vec::new()
+            } else {
+                s.clone_dtoh(&ws.ids.slice(..r))
+                    .map_err(|e| EngineError::Backend(format!("CUDA argmax copy: {e:?}")))?
+            }),
+        })
+    }
+}
