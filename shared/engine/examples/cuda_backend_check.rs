@@ -43,6 +43,7 @@ mod check {
     use tandem_engine::kv::layout::KvDtype;
     use tandem_engine::model::config::ModelConfig;
     use tandem_engine::model::Qwen3Weights;
+    use tandem_engine::sampler::SamplePlan;
     use tandem_engine::tiny::{qwen3_config_json, random_init, random_tensor, TINY, TINY_SEED};
 
     const BS: usize = 16;
@@ -202,6 +203,7 @@ mod check {
             let mut first_diff: Option<usize> = None;
             let mut greedy_max_rel = 0.0f64;
             let mut device_argmax_mismatches = 0;
+            let mut device_sample_mismatches = 0;
             for step in 0..24 {
                 let pos = 21 + step;
                 let in_c = [tok_cpu];
@@ -224,6 +226,26 @@ mod check {
                 if dev_tok.first().and_then(|r| r.first()) != Some(&argmax(&b.logits[0][0])) {
                     device_argmax_mismatches += 1;
                 }
+                // Sampling on the device (penalties, temperature, top-k/top-p/min-p) against the
+                // CPU rule on this step's logits, with the same uniform.
+                let plan = SamplePlan {
+                    greedy: false,
+                    temperature: 0.8,
+                    top_k: if step % 2 == 0 { 40 } else { 0 },
+                    top_p: 0.9,
+                    min_p: if step % 3 == 0 { 0.05 } else { 0.0 },
+                    repetition_penalty: 1.2,
+                    frequency_penalty: 0.4,
+                    presence_penalty: 0.2,
+                    seen: vec![1, 5, tok_gpu],
+                    counts: vec![(tok_gpu, 2)],
+                    masked: vec![0],
+                    uniform: ((step as f64 + 0.5) * 0.618_033_988_75).fract(),
+                };
+                let sampled = gpu.forward_sampled(&step_g, &[Some(&plan)])?;
+                if sampled.first().copied().flatten() != Some(plan.sample_row(&b.logits[0][0])) {
+                    device_sample_mismatches += 1;
+                }
                 if tok_cpu == tok_gpu && first_diff.is_none() {
                     let (max, std, _) = compare(&a.logits, &b.logits);
                     greedy_max_rel = greedy_max_rel.max(max / std.max(1e-30));
@@ -240,7 +262,9 @@ mod check {
             let greedy_required = mode != ComputeMode::Bf16;
             pass &= (first_diff.is_none() || !greedy_required)
                 && greedy_max_rel <= tol
-                && device_argmax_mismatches == 0;
+                && device_argmax_mismatches == 0
+                && device_sample_mismatches == 0;
+            let gs = gpu.graph_stats();
             // The KV blocks both backends wrote, in layout byte order.
             let blocks: Vec<u32> = [tab_a, tab_b, &tab_c[..2]].concat();
             let (ea, eb) = (cpu.export_blocks(&blocks)?, gpu.export_blocks(&blocks)?);
@@ -271,6 +295,9 @@ mod check {
                 "mode": format!("{mode:?}"),
                 "kv_dtype": kv.to_string(),
                 "device_argmax_mismatches": device_argmax_mismatches,
+                "device_sample_mismatches": device_sample_mismatches,
+                "graphs": {"captured": gs.captured, "refused": gs.refused, "replays": gs.replays,
+                           "last_refusal": gs.last_refusal},
                 "tol_max_abs_diff_over_std": tol,
                 "steps": steps,
                 "greedy": {"steps": 24, "agree": agree, "first_difference": first_diff, "max_rel": greedy_max_rel},

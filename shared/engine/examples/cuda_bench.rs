@@ -10,8 +10,9 @@
 //!   (the step's FLOPs, attention included, over the measured GEMM rate).
 //!
 //! `cuda_bench --model DIR [--batches 1,8,64,256] [--context 1024] [--prefill 512,2048,8192]
-//!  [--steps 32] [--mode bf16|bf16x2] [--graphs 256]` prints one JSON object (`--graphs 0`:
-//!  no CUDA graphs).
+//!  [--steps 32] [--mode bf16|bf16x2] [--graphs 256] [--profile 1]` prints one JSON object
+//!  (`--graphs 0`: no CUDA graphs; `--profile 1`: one more step of each case run eagerly with
+//!  an event per launch, its GPU time per kernel reported as `breakdown`).
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -115,11 +116,24 @@ mod bench {
         c.num_hidden_layers as f64 * (per_token * n + attn) + 2.0 * (h * c.vocab_size) as f64
     }
 
+    /// GPU time per kernel of what `f` launches, as JSON rows (longest first).
+    fn profiled(gpu: &mut CudaBackend, f: impl FnOnce(&mut CudaBackend) -> Res<()>) -> Res<Value> {
+        gpu.device().start_profile();
+        let ran = f(gpu);
+        let times = gpu.device().finish_profile().map_err(e)?;
+        ran?;
+        Ok(times
+            .iter()
+            .map(|t| json!({"kernel": t.name, "launches": t.launches, "ms": t.ms}))
+            .collect())
+    }
+
     pub fn run() -> Res<()> {
         let mut model_dir = None;
         let mut mode = ComputeMode::Bf16;
         // Decode steps of up to this many sequences run as CUDA graphs (0: eager).
         let mut graphs = 256usize;
+        let mut profile = false;
         let (mut batches, mut context, mut prefills, mut steps) = (
             vec![1, 8, 64, 256],
             1024usize,
@@ -136,6 +150,7 @@ mod bench {
                 "--prefill" => prefills = list(&v)?,
                 "--steps" => steps = v.parse().map_err(|_| "--steps: a number")?,
                 "--graphs" => graphs = v.parse().map_err(|_| "--graphs: a number")?,
+                "--profile" => profile = v != "0",
                 "--mode" => {
                     mode = match v.as_str() {
                         "bf16" => ComputeMode::Bf16,
@@ -227,12 +242,31 @@ mod bench {
             let ctx_avg = context as f64 + warmup as f64 + steps as f64 / 2.0;
             let bytes = wbytes + b as f64 * ctx_avg * kvtok;
             let limit_s = bytes / bw;
+            let breakdown = if profile {
+                let batch: Vec<SeqInput<'_>> = (0..b)
+                    .map(|i| SeqInput {
+                        tokens: &last[i],
+                        start_pos: context + warmup + steps,
+                        block_table: &tables[i],
+                        logits: LogitsMode::Last,
+                    })
+                    .collect();
+                profiled(&mut gpu, |g| {
+                    g.forward_greedy(&batch).map(|_| ()).map_err(e)
+                })?
+            } else {
+                Value::Null
+            };
+            let gs = gpu.graph_stats();
             let row = json!({
+                "graphs": {"captured": gs.captured, "refused": gs.refused, "replays": gs.replays,
+                           "last_refusal": gs.last_refusal},
                 "batch": b, "context": context, "steps": steps,
                 "tok_s": b as f64 / step_s, "step_ms": step_s * 1e3,
                 "bytes_per_step": bytes, "limit_step_ms": limit_s * 1e3,
                 "fraction_of_bandwidth_limit": limit_s / step_s,
                 "launches_per_step": launches,
+                "breakdown": breakdown,
             });
             eprintln!("decode {row}");
             decode.push(row);
@@ -242,10 +276,8 @@ mod bench {
         for &n in &prefills {
             let tokens: Vec<u32> = (0..n).map(|p| token(p * 31 + 5)).collect();
             let table: Vec<u32> = (0..n.div_ceil(BLOCK) as u32).collect();
-            let mut times = Vec::new();
-            for _ in 0..4 {
-                // Chunks of at most MAX_STEP_TOKENS, as the engine schedules them.
-                let t = Instant::now();
+            // Chunks of at most MAX_STEP_TOKENS, as the engine schedules them.
+            let run_prefill = |gpu: &mut CudaBackend| -> Res<()> {
                 let mut start = 0;
                 while start < n {
                     let end = (start + MAX_STEP_TOKENS).min(n);
@@ -262,8 +294,19 @@ mod bench {
                     gpu.forward_greedy(&batch).map_err(e)?;
                     start = end;
                 }
+                Ok(())
+            };
+            let mut times = Vec::new();
+            for _ in 0..4 {
+                let t = Instant::now();
+                run_prefill(&mut gpu)?;
                 times.push(t.elapsed().as_secs_f64());
             }
+            let breakdown = if profile {
+                profiled(&mut gpu, run_prefill)?
+            } else {
+                Value::Null
+            };
             times.remove(0); // warm-up
             times.sort_by(f64::total_cmp);
             let s = times[times.len() / 2];
@@ -271,6 +314,7 @@ mod bench {
             let row = json!({
                 "tokens": n, "ms": s * 1e3, "flops": f, "limit_ms": f / flops * 1e3,
                 "fraction_of_gemm_limit": f / flops / s, "tok_s": n as f64 / s,
+                "breakdown": breakdown,
             });
             eprintln!("prefill {row}");
             prefill.push(row);
@@ -279,6 +323,7 @@ mod bench {
             "device": gpu.device().name(),
             "mode": format!("{mode:?}"),
             "graph_max_batch": graphs,
+            "profiled": profile,
             "model": model_dir.display().to_string(),
             "weights_bytes_bf16": wbytes,
             "kv_bytes_per_token": kvtok,

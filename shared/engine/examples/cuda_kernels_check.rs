@@ -32,11 +32,14 @@ mod check {
         bf16_to_f32, dot, matmul_t, rms_norm_rows, rms_norm_rows_inplace, rope_apply,
         rope_inv_freq, silu_mul, MatRef, Matrix,
     };
+    use tandem_engine::backend::cuda::ops::ArgmaxScratch;
+    use tandem_engine::backend::cuda::sampling::SamplingInputs;
     use tandem_engine::backend::cuda::{
         check_libraries, AttentionScratch, CudaDevice, DeviceMatrix, KvPool, PoolShape,
     };
     use tandem_engine::error::EngineError;
     use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
+    use tandem_engine::sampler::SamplePlan;
 
     /// xorshift64*: reproducible inputs without a dependency.
     struct Rng(u64);
@@ -112,11 +115,12 @@ mod check {
 
     /// The step's sequences: (block table, positions this step).
     fn sequences() -> Vec<(Vec<u32>, std::ops::Range<usize>)> {
-        // A decode token at position 100, a prefill chunk over a cached prefix (40..60) and a
-        // fresh prefill (0..33); block ids permuted over a pool of 16.
+        // A decode token at position 100, a prefill chunk over a cached prefix (40..90: two
+        // tiles of the tensor-core prefill, keys in two runs) and a fresh prefill (0..33); block
+        // ids permuted over a pool of 16.
         vec![
             (vec![3, 9, 0, 14, 6, 11, 1], 100..101),
-            (vec![5, 12, 2, 8], 40..60),
+            (vec![5, 12, 2, 8, 13, 7], 40..90),
             (vec![15, 4, 10], 0..33),
         ]
     }
@@ -467,6 +471,40 @@ mod check {
                     &want,
                     bf16_tol(&want),
                 );
+                // The tensor-core prefill for the chunks, attention_fast for the decode row (Q
+                // and P rounded to bf16: within a bf16 step of the largest V value).
+                if let (KvDtype::Bf16, Some(n)) =
+                    (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
+                {
+                    let mut maps_t = dev.token_maps(&seq_refs, BS, window)?;
+                    maps_t.tile_tokens = n;
+                    dev.fill_token_maps(&mut maps_t, &seq_refs, BS, window)?;
+                    let mut tiled = dev.zeros::<f32>(t * NQ * HD)?;
+                    dev.attention(
+                        &mut tiled,
+                        &dqkv,
+                        ROW,
+                        &pool,
+                        shape,
+                        layer,
+                        NQ,
+                        &maps_t,
+                        scale,
+                        &mut scratch,
+                        false,
+                    )?;
+                    let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    rep.add(
+                        "attention_prefill",
+                        &format!(
+                            "{case}, {} tiles + {} single rows",
+                            maps_t.n_tiles, maps_t.n_singles
+                        ),
+                        &dev.download(&tiled)?,
+                        &want,
+                        vmax / 256.0,
+                    );
+                }
                 // Only the decode token of each sequence: few (token, head) pairs, so the
                 // positions split over several blocks merged in the launch.
                 let last: Vec<(&[u32], std::ops::Range<usize>)> = seq_refs
@@ -532,7 +570,16 @@ mod check {
         }
         // GEMM in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
         // product of the same rounded values.
-        for (m, k, nn) in [(1, HIDDEN, ROW), (64, HIDDEN, 2 * IM), (300, IM, HIDDEN)] {
+        // Few rows go through gemv.cu (k = 1000 and 8: its tail loop), more through cuBLAS.
+        for (m, k, nn) in [
+            (1, HIDDEN, ROW),
+            (2, IM, HIDDEN),
+            (1, 1000, 77),
+            (2, 8, 33),
+            (8, HIDDEN, 2 * IM),
+            (64, HIDDEN, 2 * IM),
+            (300, IM, HIDDEN),
+        ] {
             let x: Vec<f32> = rng
                 .vec(m * k)
                 .into_iter()
@@ -551,7 +598,11 @@ mod check {
             let mut dout = dev.zeros::<f32>(m * nn)?;
             dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
             rep.add(
-                "gemm_bf16",
+                if m <= 8 {
+                    "gemm_bf16 (gemv)"
+                } else {
+                    "gemm_bf16"
+                },
                 &format!("{m}x{k}x{nn}"),
                 &dev.download(&dout)?,
                 &want,
@@ -625,9 +676,113 @@ mod check {
                 .collect();
             let dl = dev.upload(&logits)?;
             let mut ids = dev.zeros::<i32>(rows)?;
-            dev.argmax(&mut ids, &dl, rows, V)?;
+            let mut scratch = ArgmaxScratch::new(&dev, rows)?;
+            // Twice: the second launch finds the counters reset by the first.
+            for round in ["", ", again"] {
+                dev.argmax(&mut ids, &dl, rows, V, &mut scratch)?;
+                let got: Vec<f32> = dev.download(&ids)?.into_iter().map(|i| i as f32).collect();
+                rep.add(
+                    "argmax",
+                    &format!("5 rows of 151936, tie{round}"),
+                    &got,
+                    &want,
+                    0.0,
+                );
+            }
+        }
+
+        // Sampling on the device against the CPU rule (SamplePlan::sample_row) with the same
+        // uniforms: penalties, mask, greedy, temperature, top-k, top-p, min-p and mixes, on
+        // vocabulary-sized rows, 8 uniforms per plan.
+        {
+            const V: usize = 151_936;
+            let base = SamplePlan {
+                greedy: false,
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+                frequency_penalty: 0.0,
+                presence_penalty: 0.0,
+                seen: Vec::new(),
+                counts: Vec::new(),
+                masked: Vec::new(),
+                uniform: 0.0,
+            };
+            let seen: Vec<u32> = (0..300).map(|i| (i * 499 % V) as u32).collect();
+            let with = |f: &dyn Fn(&mut SamplePlan)| {
+                let mut p = base.clone();
+                f(&mut p);
+                p
+            };
+            let kinds: Vec<(&str, SamplePlan)> = vec![
+                (
+                    "greedy + repetition 1.3 + mask",
+                    with(&|p| {
+                        p.greedy = true;
+                        p.repetition_penalty = 1.3;
+                        p.seen = seen.clone();
+                        p.masked = vec![7, 151_643];
+                    }),
+                ),
+                ("temperature 0.7", with(&|p| p.temperature = 0.7)),
+                ("top_k 50", with(&|p| p.top_k = 50)),
+                ("top_p 0.9", with(&|p| p.top_p = 0.9)),
+                ("min_p 0.05", with(&|p| p.min_p = 0.05)),
+                (
+                    "top_k 40 + top_p 0.8 + min_p 0.02 + penalties",
+                    with(&|p| {
+                        p.top_k = 40;
+                        p.top_p = 0.8;
+                        p.min_p = 0.02;
+                        p.temperature = 0.9;
+                        p.frequency_penalty = 0.5;
+                        p.presence_penalty = 0.3;
+                        p.counts = vec![(11, 3), (500, 1), (70_000, 2)];
+                    }),
+                ),
+                (
+                    "top_p 0.95 at temperature 5 (wide nucleus)",
+                    with(&|p| {
+                        p.top_p = 0.95;
+                        p.temperature = 5.0;
+                    }),
+                ),
+            ];
+            let per = 8;
+            let mut plans = Vec::new();
+            let mut logits = Vec::new();
+            for (_, plan) in &kinds {
+                for _ in 0..per {
+                    let mut p = plan.clone();
+                    p.uniform = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+                    plans.push(p);
+                    // Logits like a model's: a spread of 3 and a few strong candidates.
+                    let mut row: Vec<f32> = (0..V).map(|_| rng.f() * 3.0).collect();
+                    for j in 0..20 {
+                        row[rng.below(V)] = 8.0 + j as f32 * 0.25;
+                    }
+                    logits.extend(row);
+                }
+            }
+            let rows = plans.len();
+            let want: Vec<f32> = plans
+                .iter()
+                .zip(logits.chunks_exact(V))
+                .map(|(p, r)| p.sample_row(r) as f32)
+                .collect();
+            let mut inputs = SamplingInputs::new(&dev)?;
+            let refs: Vec<&SamplePlan> = plans.iter().collect();
+            inputs.fill(&dev, &refs)?;
+            let mut dl = dev.upload(&logits)?;
+            let mut ids = dev.zeros::<i32>(rows)?;
+            dev.sample_rows(&mut ids, &mut dl, rows, V, &inputs)?;
             let got: Vec<f32> = dev.download(&ids)?.into_iter().map(|i| i as f32).collect();
-            rep.add("argmax", "5 rows of 151936, tie", &got, &want, 0.0);
+            for (k, (name, _)) in kinds.iter().enumerate() {
+                let r = k * per..(k + 1) * per;
+                rep.add("sample_rows", name, &got[r.clone()], &want[r], 0.0);
+            }
         }
 
         dev.synchronize()?;

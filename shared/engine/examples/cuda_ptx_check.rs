@@ -1,7 +1,9 @@
 //! Compiles every CUDA kernel to PTX with NVRTC, without a GPU: only libnvrtc is needed (the
 //! PyPI wheel `nvidia-cuda-nvrtc` 13.0.x provides it; put its `lib` folder on
 //! LD_LIBRARY_PATH). A kernel that does not compile fails this program. Arguments: the
-//! architectures (default `sm_90`). Prints one JSON line per architecture.
+//! architectures (default `sm_90`), and `--write FILE` to save the PTX of the last one (the
+//! torch kernel harness, `scripts/gpu/torch_kernels.py`, loads it). Prints one JSON line per
+//! architecture.
 //!
 //! `cargo run -p tandem-engine --features cuda --example cuda_ptx_check -- sm_90`
 
@@ -19,7 +21,20 @@ fn main() {
         eprintln!("libnvrtc not found (LD_LIBRARY_PATH); nothing compiled");
         std::process::exit(2);
     }
-    let mut archs: Vec<String> = std::env::args().skip(1).collect();
+    let mut archs: Vec<String> = Vec::new();
+    let mut write: Option<String> = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--write" {
+            let Some(path) = args.next() else {
+                eprintln!("--write needs a file name");
+                std::process::exit(2);
+            };
+            write = Some(path);
+        } else {
+            archs.push(a);
+        }
+    }
     if archs.is_empty() {
         archs.push("sm_90".into());
     }
@@ -40,6 +55,12 @@ fn main() {
                     .filter(|n| !ptx.contains(&format!(".entry {n}(")))
                     .collect();
                 ok &= missing.is_empty();
+                if let Some(path) = &write {
+                    if let Err(e) = std::fs::write(path, &ptx) {
+                        eprintln!("writing {path}: {e}");
+                        ok = false;
+                    }
+                }
                 println!(
                     "{}",
                     serde_json::json!({

@@ -13,6 +13,7 @@ pub use pool_memory::KvPoolMemory;
 
 use crate::error::EngineError;
 use crate::kv::layout::KvLayout;
+use crate::sampler::SamplePlan;
 
 /// Which logits a sequence wants back from a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +53,23 @@ pub trait Backend: Send {
     fn vocab_size(&self) -> usize;
     /// Runs one step: writes the new tokens' K/V into their blocks and returns the asked logits.
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError>;
+    /// Whether [`Backend::forward_sampled`] samples on the backend's own device.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// A step whose sequences sample on the device: `plans[i]` is given for each sequence
+    /// with [`LogitsMode::Last`] (and only for those); returns per sequence its sampled token
+    /// (None where it had no plan). Follows the CPU rules of [`SamplePlan::sample_row`].
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        plans: &[Option<&SamplePlan>],
+    ) -> Result<Vec<Option<u32>>, EngineError> {
+        let _ = (batch, plans);
+        Err(EngineError::Backend(
+            "this backend does not sample on a device (samples_on_device is false)".into(),
+        ))
+    }
     /// The concatenation of whole blocks, in layout byte order.
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError>;
     /// Writes whole blocks (as [`Backend::export_blocks`] returns them) into `blocks`.

@@ -15,7 +15,7 @@ use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
 use crate::kv::events::KvEventPublisher;
 use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, Usage};
-use crate::sampler::{Rng, SamplerState, SamplingParams};
+use crate::sampler::{Rng, SampleContext, SamplePlan, SamplerState, SamplingParams};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::sequence::{SeqId, Sequence};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -80,6 +80,12 @@ pub(super) enum Sink {
     /// A [`super::PrefillStream`]: KV blocks, then one `Done` with the first output and the
     /// state that continues the request elsewhere.
     Prefill(tmpsc::UnboundedSender<PrefillEvent>),
+}
+
+/// What a step's backend call returned: logits rows to sample here, or tokens it sampled.
+enum StepResult {
+    Logits(crate::backend::StepOutput),
+    Tokens(Vec<Option<u32>>),
 }
 
 pub(super) struct Entry {
@@ -545,6 +551,43 @@ impl Core {
         self.drop_leases();
     }
 
+    /// The sampling plans of a step whose sampling the backend does on its device (None:
+    /// sample here, from logits rows). Taking a plan advances the sequence's RNG.
+    fn device_sample_plans(
+        &mut self,
+        pieces: &[crate::scheduler::ScheduledSeq],
+    ) -> Option<Vec<Option<SamplePlan>>> {
+        if !self.backend.samples_on_device() || !self.beams.is_empty() {
+            return None;
+        }
+        let needs_row = pieces.iter().any(|p| {
+            p.sample
+                && self
+                    .sched
+                    .get(p.id)
+                    .is_none_or(|s| s.params.logprobs.is_some() || s.params.use_beam_search)
+        });
+        if needs_row {
+            return None;
+        }
+        let eos = &self.cfg.eos_token_ids;
+        let mut plans = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let plan = if p.sample {
+                let seq = self.sched.get_mut(p.id)?;
+                let ctx = SampleContext {
+                    all_tokens: &seq.tokens,
+                    eos_token_ids: eos,
+                };
+                Some(SamplePlan::new(&seq.params, &mut seq.sampler, &ctx))
+            } else {
+                None
+            };
+            plans.push(plan);
+        }
+        Some(plans)
+    }
+
     /// One step. Returns false when nothing could be scheduled.
     fn step(&mut self) -> bool {
         let sch = self.sched.schedule();
@@ -579,6 +622,10 @@ impl Core {
                 Some((p.start + p.len).min(s.prompt_len).saturating_sub(p.start))
             })
             .sum();
+        // Sampling on the backend's device when it can, and no sequence needs its logits row
+        // here (logprobs, beam search): the plans take each draw's uniform from the
+        // sequence's RNG now, exactly as the CPU sampler would.
+        let device_plans = self.device_sample_plans(&pieces);
         let result = {
             let inputs: Vec<SeqInput<'_>> = pieces
                 .iter()
@@ -596,10 +643,38 @@ impl Core {
                     })
                 })
                 .collect();
-            self.backend.forward(&inputs)
+            match &device_plans {
+                Some(plans) => {
+                    let refs: Vec<Option<&SamplePlan>> = plans.iter().map(Option::as_ref).collect();
+                    self.backend
+                        .forward_sampled(&inputs, &refs)
+                        .map(StepResult::Tokens)
+                }
+                None => self.backend.forward(&inputs).map(StepResult::Logits),
+            }
         };
         let out = match result {
-            Ok(o) => o,
+            Ok(StepResult::Logits(o)) => o,
+            Ok(StepResult::Tokens(tokens)) => {
+                self.prompt_tokens_computed += prompt_tokens as u64;
+                for (p, token) in pieces.iter().zip(tokens) {
+                    self.sched.mark_computed(p);
+                    if self.prefill_next.contains_key(&p.id) {
+                        self.flush_prefill(p.id);
+                    }
+                    match (p.sample, token) {
+                        (true, Some(t)) => self.emit_device_sample(p.id, t),
+                        (true, None) => {
+                            let msg = "the backend returned no sampled token".to_string();
+                            if let Some(rid) = self.seq_req.get(&p.id).cloned() {
+                                self.fail(&rid, Some(msg));
+                            }
+                        }
+                        (false, _) => {}
+                    }
+                }
+                return true;
+            }
             Err(e) => {
                 // The batch's KV is in an unknown state: fail its requests, keep serving others.
                 tracing::error!("engine step failed: {e}");

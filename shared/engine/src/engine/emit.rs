@@ -3,14 +3,15 @@
 
 use super::core::{output, Core, Sink};
 use crate::request::{FinishReason, StopReason};
-use crate::sampler::{sample, sample_without_logits, SampleContext, TokenLogprob};
+use crate::sampler::{
+    record_device_sample, sample, sample_without_logits, SampleContext, Sampled, TokenLogprob,
+};
 use crate::sequence::SeqId;
 
 impl Core {
     pub(super) fn sample_and_emit(&mut self, id: SeqId, row: Option<&[f32]>) {
         let vocab = self.backend.vocab_size();
         let eos = &self.cfg.eos_token_ids;
-        let tokenizer = self.tokenizer.clone();
         let Some(seq) = self.sched.get_mut(id) else {
             return;
         };
@@ -25,6 +26,26 @@ impl Core {
             }
             None => sample_without_logits(vocab, &mut seq.sampler),
         };
+        self.emit_sampled(id, sampled);
+    }
+
+    /// Emits a token the backend sampled on its device (with the plan taken before the step).
+    pub(super) fn emit_device_sample(&mut self, id: SeqId, token: u32) {
+        let Some(seq) = self.sched.get_mut(id) else {
+            return;
+        };
+        let sampled = record_device_sample(&mut seq.sampler, token);
+        self.emit_sampled(id, sampled);
+    }
+
+    /// Appends a sampled token: stop checks, detokenizing, and the output (or the end).
+    fn emit_sampled(&mut self, id: SeqId, sampled: Sampled) {
+        let eos = &self.cfg.eos_token_ids;
+        let tokenizer = self.tokenizer.clone();
+        let Some(seq) = self.sched.get_mut(id) else {
+            return;
+        };
+        let params = seq.params.clone();
         let tok = sampled.token;
         seq.tokens.push(tok);
         let mut o = output(&seq.request_id, seq.index);

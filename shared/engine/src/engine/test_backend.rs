@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
+use crate::sampler::SamplePlan;
 
 pub(super) const VOCAB: usize = 64;
 pub(super) const EOS: u32 = 63;
@@ -22,6 +23,10 @@ pub(super) struct TestBackend {
     pub(super) computed: Arc<AtomicUsize>,
     /// Return no logits rows, like the simulator.
     pub(super) no_logits: bool,
+    /// Sample "on the device" (forward_sampled with the engine's plans), as the CUDA backend.
+    pub(super) device_sampling: bool,
+    /// Steps that went through forward_sampled.
+    pub(super) sampled_steps: Arc<AtomicUsize>,
     /// When set, every step first takes one permit: the test decides how far the engine runs.
     gate: Option<std::sync::mpsc::Receiver<()>>,
     /// When set, told after every step.
@@ -46,6 +51,8 @@ impl TestBackend {
             pool,
             computed: Arc::new(AtomicUsize::new(0)),
             no_logits: false,
+            device_sampling: false,
+            sampled_steps: Arc::new(AtomicUsize::new(0)),
             gate: None,
             done: None,
         }
@@ -149,6 +156,31 @@ impl Backend for TestBackend {
             let _ = d.send(());
         }
         Ok(StepOutput { logits })
+    }
+    fn samples_on_device(&self) -> bool {
+        self.device_sampling
+    }
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        plans: &[Option<&SamplePlan>],
+    ) -> Result<Vec<Option<u32>>, EngineError> {
+        if !self.device_sampling || plans.len() != batch.len() {
+            return Err(EngineError::InvalidInput(
+                "unexpected forward_sampled".into(),
+            ));
+        }
+        self.sampled_steps.fetch_add(1, Ordering::Relaxed);
+        let out = self.forward(batch)?;
+        Ok(out
+            .logits
+            .iter()
+            .zip(plans)
+            .map(|(rows, plan)| match (rows.last(), plan) {
+                (Some(row), Some(p)) => Some(p.sample_row(row)),
+                _ => None,
+            })
+            .collect())
     }
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
         let bb = self.layout.block_bytes();

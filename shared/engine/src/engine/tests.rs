@@ -534,3 +534,47 @@ async fn export_mid_prefill_continues_exactly() {
         .unwrap();
     assert_eq!(tokens(&outs), want);
 }
+
+/// With a backend that samples on its device, the engine hands it plans (taking each draw's
+/// uniform from the sequence's RNG) and emits its tokens: the same outputs as sampling here,
+/// for greedy, seeded filtered sampling with penalties, min_tokens and stop ids; requests
+/// asking for logprobs keep the logits path.
+#[tokio::test]
+async fn device_sampling_matches_host_sampling() {
+    let params: Vec<SamplingParams> = vec![
+        greedy(12),
+        sampled(12, 3),
+        SamplingParams {
+            min_tokens: 4,
+            stop_token_ids: vec![9],
+            ..sampled(12, 5)
+        },
+        SamplingParams {
+            logprobs: Some(2),
+            ..sampled(6, 8)
+        },
+    ];
+    let host = start(4, 64, config(64));
+    let mut want = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        want.push(run(&host, req("h", prompt(i as u32, 9), p.clone())).await);
+    }
+    let mut b = TestBackend::new(4, 64);
+    b.device_sampling = true;
+    let sampled_steps = b.sampled_steps.clone();
+    let dev = Engine::start(Box::new(b), None, config(64)).unwrap();
+    for (i, p) in params.iter().enumerate() {
+        let before = sampled_steps.load(Ordering::Relaxed);
+        let got = run(&dev, req("d", prompt(i as u32, 9), p.clone())).await;
+        assert_eq!(tokens(&got), tokens(&want[i]), "request {i}");
+        let logprobs: Vec<_> = got.iter().flat_map(|o| o.logprobs.clone()).collect();
+        let want_lp: Vec<_> = want[i].iter().flat_map(|o| o.logprobs.clone()).collect();
+        assert_eq!(logprobs, want_lp, "request {i}");
+        let on_device = sampled_steps.load(Ordering::Relaxed) - before;
+        if p.logprobs.is_some() {
+            assert_eq!(on_device, 0, "request {i} needs logits rows");
+        } else {
+            assert!(on_device > 0, "request {i} never sampled on the device");
+        }
+    }
+}

@@ -16,6 +16,7 @@
 //! the number of sampled tokens and can be exported with the rest of [`SamplerState`].
 
 pub mod params;
+pub mod plan;
 pub mod rng;
 pub mod stop;
 
@@ -24,6 +25,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use params::SamplingParams;
+pub use plan::SamplePlan;
 pub use rng::Rng;
 pub use stop::{StopFeed, StopMatcher};
 
@@ -77,38 +79,6 @@ pub struct SampleContext<'a> {
     pub eos_token_ids: &'a [u32],
 }
 
-/// Applies the penalties of `params` in place.
-fn apply_penalties(
-    logits: &mut [f32],
-    params: &SamplingParams,
-    state: &SamplerState,
-    all_tokens: &[u32],
-) {
-    if params.repetition_penalty != 1.0 {
-        let mut seen = vec![false; logits.len()];
-        for &t in all_tokens {
-            if let Some(s) = seen.get_mut(t as usize) {
-                if !*s {
-                    *s = true;
-                    let l = &mut logits[t as usize];
-                    if *l > 0.0 {
-                        *l /= params.repetition_penalty;
-                    } else {
-                        *l *= params.repetition_penalty;
-                    }
-                }
-            }
-        }
-    }
-    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
-        for (&t, &c) in &state.output_counts {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l -= params.frequency_penalty * c as f32 + params.presence_penalty;
-            }
-        }
-    }
-}
-
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
@@ -155,24 +125,13 @@ pub fn sample(
     state: &mut SamplerState,
     ctx: &SampleContext<'_>,
 ) -> Sampled {
+    let plan = SamplePlan::new(params, state, ctx);
     let mut l = logits.to_vec();
-    apply_penalties(&mut l, params, state, ctx.all_tokens);
-    if state.num_generated() < params.min_tokens {
-        for &t in ctx.eos_token_ids.iter().chain(&params.stop_token_ids) {
-            if let Some(x) = l.get_mut(t as usize) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
+    plan.penalize(&mut l);
+    if !plan.greedy {
+        plan.scale(&mut l);
     }
-    let token = if params.is_greedy() {
-        argmax(&l)
-    } else {
-        let inv_t = 1.0 / params.temperature;
-        for x in l.iter_mut() {
-            *x *= inv_t;
-        }
-        draw(&l, params, &mut state.rng)
-    };
+    let token = plan.choose(&l);
     let logprob = params.logprobs.map(|k| {
         let lp = log_softmax(&l);
         TokenLogprob {
@@ -183,6 +142,16 @@ pub fn sample(
     });
     state.record(token);
     Sampled { token, logprob }
+}
+
+/// Records a token sampled elsewhere (on a backend's device, with `plan`) in the state, as
+/// [`sample`] does for its own.
+pub fn record_device_sample(state: &mut SamplerState, token: u32) -> Sampled {
+    state.record(token);
+    Sampled {
+        token,
+        logprob: None,
+    }
 }
 
 /// Draws a token for a backend that returned no logits (the simulator): uniform over the
@@ -196,15 +165,14 @@ pub fn sample_without_logits(vocab_size: usize, state: &mut SamplerState) -> Sam
     }
 }
 
-/// Draws from temperature-scaled logits after the truncating filters.
-fn draw(scaled: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
+/// Draws from temperature-scaled logits after the truncating filters, with uniform `u`.
+fn draw_with(scaled: &[f32], top_k: usize, top_p: f32, min_p: f32, u: f64) -> u32 {
     let max = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let u = rng.next_f64();
     if !max.is_finite() {
         // Everything masked: nothing sensible to draw; fall back to the lowest id.
         return 0;
     }
-    let filtered = params.top_k > 0 || params.top_p < 1.0 || params.min_p > 0.0;
+    let filtered = top_k > 0 || top_p < 1.0 || min_p > 0.0;
     if !filtered {
         // Inverse CDF in token-id order over the full vocabulary.
         let probs: Vec<f64> = scaled.iter().map(|&x| ((x - max) as f64).exp()).collect();
@@ -222,9 +190,9 @@ fn draw(scaled: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
             .total_cmp(&scaled[*a as usize])
             .then(a.cmp(b))
     };
-    if params.top_k > 0 && params.top_k < cand.len() {
-        cand.select_nth_unstable_by(params.top_k - 1, cmp);
-        cand.truncate(params.top_k);
+    if top_k > 0 && top_k < cand.len() {
+        cand.select_nth_unstable_by(top_k - 1, cmp);
+        cand.truncate(top_k);
     }
     cand.sort_by(cmp);
     let mut probs: Vec<f64> = cand
@@ -232,9 +200,9 @@ fn draw(scaled: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
         .map(|&i| ((scaled[i as usize] - max) as f64).exp())
         .collect();
     let total: f64 = probs.iter().sum();
-    if params.top_p < 1.0 {
+    if top_p < 1.0 {
         // Smallest prefix whose mass reaches top_p; always at least one token.
-        let target = params.top_p as f64 * total;
+        let target = top_p as f64 * total;
         let mut acc = 0.0;
         let mut keep = probs.len();
         for (i, p) in probs.iter().enumerate() {
@@ -247,9 +215,9 @@ fn draw(scaled: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
         probs.truncate(keep);
         cand.truncate(keep);
     }
-    if params.min_p > 0.0 {
+    if min_p > 0.0 {
         // probs[0] is the largest; relative threshold, so no renormalisation needed first.
-        let thr = params.min_p as f64 * probs[0];
+        let thr = min_p as f64 * probs[0];
         let keep = probs.iter().take_while(|&&p| p >= thr).count().max(1);
         probs.truncate(keep);
         cand.truncate(keep);

@@ -161,8 +161,55 @@ fn penalties_follow_vllm_semantics() {
     });
     let mut l = vec![1.0f32, -1.0, 4.0, 0.5];
     // Prompt contains token 1 (negative logit) and output contains 2 (positive).
-    apply_penalties(&mut l, &p, &st, &[1, 2, 2]);
+    let ctx = SampleContext {
+        all_tokens: &[1, 2, 2],
+        eos_token_ids: &[],
+    };
+    SamplePlan::new(&p, &mut st, &ctx).penalize(&mut l);
     assert_eq!(l, vec![1.0, -2.0, 4.0 / 2.0 - 0.5 * 2.0 - 0.25, 0.5]);
+}
+
+/// A backend sampling on its device takes the plan (and its uniform) before the step and
+/// applies `SamplePlan::sample_row` there: the same tokens and the same RNG position as
+/// `sample` on the CPU, step after step, whatever the parameters.
+#[test]
+fn plan_then_sample_row_matches_sample() {
+    let mut r = Rng::for_stream(7, 0);
+    let cases = [
+        params(|_| {}),
+        params(|p| p.temperature = 0.0),
+        params(|p| {
+            p.top_k = 5;
+            p.top_p = 0.7;
+            p.min_p = 0.05;
+            p.temperature = 0.8;
+        }),
+        params(|p| {
+            p.repetition_penalty = 1.3;
+            p.frequency_penalty = 0.4;
+            p.presence_penalty = 0.2;
+            p.min_tokens = 3;
+            p.stop_token_ids = vec![4];
+        }),
+    ];
+    for (i, p) in cases.iter().enumerate() {
+        let mut cpu = SamplerState::new(11, i as u64);
+        let mut dev = cpu.clone();
+        let mut tokens = vec![1u32, 2, 3];
+        for _ in 0..50 {
+            let logits: Vec<f32> = (0..40).map(|_| (r.next_f64() * 6.0 - 3.0) as f32).collect();
+            let ctx = SampleContext {
+                all_tokens: &tokens,
+                eos_token_ids: &[0],
+            };
+            let want = sample(&logits, p, &mut cpu, &ctx).token;
+            let plan = SamplePlan::new(p, &mut dev, &ctx);
+            let got = record_device_sample(&mut dev, plan.sample_row(&logits)).token;
+            assert_eq!(got, want, "case {i}");
+            assert_eq!(dev, cpu, "case {i}: the states diverged");
+            tokens.push(got);
+        }
+    }
 }
 
 #[test]

@@ -30,10 +30,157 @@ impl CudaDevice {
         scratch: &mut AttentionScratch,
         split: bool,
     ) -> Result<(), EngineError> {
+        self.attention_fast_rows(
+            out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, None,
+        )
+    }
+
+    /// The attention of a step: with tiles in `maps` (see [`TokenMaps::tile_tokens`]) the
+    /// prefill chunks on tensor cores and the single-token rows by `attention_fast`, else every
+    /// token by `attention_fast`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+        nq: usize,
+        maps: &TokenMaps,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        split: bool,
+    ) -> Result<(), EngineError> {
+        if maps.n_tiles == 0 {
+            return self.attention_fast(
+                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split,
+            );
+        }
+        self.attention_prefill(
+            out, qkv, row_stride, pool, shape, layer, nq, maps, scale, split,
+        )?;
+        if maps.n_singles > 0 {
+            let rows = Some((&maps.singles, maps.n_singles));
+            self.attention_fast_rows(
+                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, rows,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Whether [`CudaDevice::attention_prefill`] serves this shape: a bf16 pool, head_dim 64
+    /// or 128; the tokens per tile then (64 rows of (token, q head) pairs).
+    pub fn prefill_tile_tokens(pool_bf16: bool, head_dim: usize, group: usize) -> Option<usize> {
+        (pool_bf16 && matches!(head_dim, 64 | 128) && (1..=FA_ROWS).contains(&group))
+            .then_some(FA_ROWS / group)
+    }
+
+    /// Causal attention of the tiles of `maps` (`attention_prefill.cu`: tensor cores, Q and P
+    /// rounded to bf16, f32 accumulation), over a bf16 pool.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_prefill<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+        nq: usize,
+        maps: &TokenMaps,
+        scale: f32,
+        split: bool,
+    ) -> Result<(), EngineError> {
+        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
+        let KvPool::Bf16(p) = pool else {
+            return Err(bad("attention_prefill: needs a bf16 pool".into()));
+        };
+        let group = if nkv > 0 && nq.is_multiple_of(nkv) {
+            nq / nkv
+        } else {
+            0
+        };
+        let Some(tile_tokens) = Self::prefill_tile_tokens(true, hd, group) else {
+            return Err(bad(format!(
+                "attention_prefill: head_dim {hd} (64 or 128), {nq} q heads over {nkv} KV heads"
+            )));
+        };
+        if maps.tile_tokens > tile_tokens || nq * hd > row_stride || layer >= shape.num_layers {
+            return Err(bad(format!(
+                "attention_prefill: tiles of {} tokens (at most {tile_tokens}), row stride \
+                 {row_stride}, layer {layer}",
+                maps.tile_tokens
+            )));
+        }
+        check_len("attention pool", pool.len(), shape.elems())?;
+        check_len("attention qkv", qkv.len(), maps.tokens * row_stride)?;
+        let lo_off =
+            super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
+        let ints = [
+            to_i32("row stride", row_stride)?,
+            to_i32("nq", nq)?,
+            to_i32("nkv", nkv)?,
+            to_i32("group", group)?,
+            to_i32("block size", shape.block_size)?,
+            to_i32("layer", layer)?,
+            to_i32("layers", shape.num_layers)?,
+        ];
+        let name = format!("attention_prefill_{}_hd{hd}", O::SUFFIX);
+        let f = self.func(&name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (maps.n_tiles as u32, nkv as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: prefill_smem_bytes(hd),
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(qkv)
+            .arg(&ints[0])
+            .arg(p)
+            .arg(&maps.tables)
+            .arg(&maps.table_start)
+            .arg(&maps.positions)
+            .arg(&maps.lo_pos)
+            .arg(&maps.tiles)
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(&ints[5])
+            .arg(&ints[6])
+            .arg(&scale)
+            .arg(&lo_off);
+        // SAFETY: signature matches; shapes checked above; the tiles were built with the
+        // token maps (each within one sequence, tokens in range); block ids were validated by
+        // the caller.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_prefill"))?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_fast_rows<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+        nq: usize,
+        maps: &TokenMaps,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        split: bool,
+        rows: Option<(&CudaSlice<i32>, usize)>,
+    ) -> Result<(), EngineError> {
         let t = maps.tokens;
         if t == 0 {
             return Ok(());
         }
+        // Blocks along x: the listed rows, or every token.
+        let bx = rows.map_or(t, |(_, n)| n);
         let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
         if nkv == 0
             || !nq.is_multiple_of(nkv)
@@ -51,9 +198,9 @@ impl CudaDevice {
         check_len("attention qkv", qkv.len(), t * row_stride)?;
         let lo_off = super::ops::lo_offset::<O>("attention out", out.len(), t * nq * hd, split)?;
         let group = nq / nkv;
-        let splits = scratch.splits_for(t * nkv);
+        let splits = scratch.splits_for(bx * nkv);
         if splits > 1 {
-            scratch.ensure(self, t * nkv * splits * group, hd, t * nkv)?;
+            scratch.ensure(self, bx * nkv * splits * group, hd, bx * nkv)?;
         }
         let e = match hd.div_ceil(32) {
             1 => 1,
@@ -79,7 +226,7 @@ impl CudaDevice {
             to_i32("layers", shape.num_layers)?,
         ];
         let cfg = LaunchConfig {
-            grid_dim: (t as u32, nkv as u32, splits as u32),
+            grid_dim: (bx as u32, nkv as u32, splits as u32),
             block_dim: (ATT_WARPS * 32, 1, 1),
             // The warps' states merge in [ATT_WARPS][group][head_dim] floats.
             shared_mem_bytes: (ATT_WARPS as usize * group * hd * 4) as u32,
@@ -106,6 +253,12 @@ impl CudaDevice {
             .arg(&scratch.part_ml)
             .arg(&scratch.counters)
             .arg(&lo_off);
+        // A null list: every token.
+        let null: u64 = 0;
+        match rows {
+            Some((list, _)) => b.arg(list),
+            None => b.arg(&null),
+        };
         // SAFETY: signature matches; shapes checked above; with splits > 1 the scratch holds
         // every partial state and counter the launch touches (ensured above); block ids were
         // validated by the caller.
@@ -118,6 +271,16 @@ impl CudaDevice {
 const ATT_WARPS: u32 = 4;
 const ATT_GMAX: usize = 8;
 const ATT_HDMAX: usize = 256;
+/// Rows ((token, q head) pairs) per tile of `attention_prefill.cu` (its FA_BQ).
+const FA_ROWS: usize = 64;
+/// Keys per run and row padding of `attention_prefill.cu` (FA_BK, FA_PAD).
+const FA_KEYS: usize = 64;
+const FA_PAD: usize = 8;
+
+/// Dynamic shared memory of `attention_prefill.cu` at `head_dim`: 2 stages of K and V runs.
+pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
+    (2 * 2 * FA_KEYS * (head_dim + FA_PAD) * 2) as u32
+}
 /// At most this many blocks share one (token, KV head)'s positions.
 const MAX_SPLITS: usize = 32;
 

@@ -22,6 +22,7 @@ use crate::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
 use crate::model::decoder::DecoderWeights;
 use crate::model::LoadedModel;
+use crate::sampler::SamplePlan;
 
 /// The element type of weights and GEMM inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,6 +93,19 @@ struct GraphCache {
     seen: HashSet<(usize, Readout)>,
     /// Keys whose capture failed or whose replay did not match the eager step.
     refused: HashSet<(usize, Readout)>,
+    /// Steps run by replaying a graph.
+    replays: u64,
+    /// The last refusal's reason (benchmarks and checks report it).
+    last_refusal: Option<String>,
+}
+
+/// What the decode-step graphs did so far.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GraphStats {
+    pub captured: usize,
+    pub refused: usize,
+    pub replays: u64,
+    pub last_refusal: Option<String>,
 }
 
 impl CudaBackend {
@@ -200,7 +214,18 @@ impl CudaBackend {
             config.num_attention_heads / config.num_key_value_heads.max(1),
             config.head_dim,
         )?;
-        let inputs = StepInputs::new(&dev, opts.max_step_tokens)?;
+        let mut inputs = StepInputs::new(&dev, opts.max_step_tokens)?;
+        // Prefill chunks on tensor cores in the bf16 mode; the f32 and split modes keep the
+        // exact attention for their comparisons.
+        if mode == ComputeMode::Bf16 && tiled_prefill_attention()? {
+            let group = config.num_attention_heads / config.num_key_value_heads.max(1);
+            let bf16_pool = opts.kv_dtype == KvDtype::Bf16;
+            if let Some(n) = CudaDevice::prefill_tile_tokens(bf16_pool, config.head_dim, group) {
+                inputs.maps.tile_tokens = n;
+                inputs.maps.single_tile_min =
+                    decode_tile_min(dev.sm_count(), config.num_key_value_heads.max(1))?;
+            }
+        }
         let per_block = layout.block_bytes();
         let num_blocks = match opts.pool {
             PoolSize::Blocks(n) => n,
@@ -262,6 +287,8 @@ impl CudaBackend {
                 max_batch: opts.graph_max_batch,
                 generation: 0,
                 graphs: HashMap::new(),
+                replays: 0,
+                last_refusal: None,
                 seen: HashSet::new(),
                 refused: HashSet::new(),
             },
@@ -290,19 +317,21 @@ impl CudaBackend {
         self.mode
     }
 
+    /// Captured, refused and replayed decode-step graphs so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        GraphStats {
+            captured: self.graphs.graphs.len(),
+            refused: self.graphs.refused.len(),
+            replays: self.graphs.replays,
+            last_refusal: self.graphs.last_refusal.clone(),
+        }
+    }
+
     /// One step with greedy sampling on the device: per sequence, the argmax token of each
     /// row it asked for (the logits never leave the GPU).
     pub fn forward_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<u32>>, EngineError> {
-        let (counts, rows) = self.step(batch, Readout::Argmax)?;
-        let ids = match rows {
-            StepRows::Ids(ids) => ids,
-            StepRows::Logits(_) => Vec::new(),
-        };
-        let mut it = ids.into_iter();
-        Ok(counts
-            .iter()
-            .map(|&c| it.by_ref().take(c).map(|id| id as u32).collect())
-            .collect())
+        let (counts, rows) = self.step(batch, Readout::Argmax, None)?;
+        Ok(ids_per_sequence(&counts, rows))
     }
 
     /// Runs a step; returns the number of rows per sequence and the rows.
@@ -312,13 +341,15 @@ impl CudaBackend {
         &mut self,
         batch: &[SeqInput<'_>],
         readout: Readout,
+        plans: Option<&[Option<&SamplePlan>]>,
     ) -> Result<(Vec<usize>, StepRows), EngineError> {
         crate::backend::check_batch(batch, self.layout.block_size, self.model.shape.num_blocks)?;
         let decode_shaped = !batch.is_empty()
             && batch
                 .iter()
                 .all(|s| s.tokens.len() == 1 && s.logits == LogitsMode::Last);
-        let graphable = decode_shaped && batch.len() <= self.graphs.max_batch;
+        let graphable =
+            decode_shaped && batch.len() <= self.graphs.max_batch && !self.model.dev.profiling();
         match &mut self.ws {
             AnyWorkspace::F32(ws) => run_step(
                 &mut self.model,
@@ -326,6 +357,7 @@ impl CudaBackend {
                 &mut self.graphs,
                 batch,
                 readout,
+                plans,
                 graphable,
             ),
             AnyWorkspace::Bf16(ws) => run_step(
@@ -334,6 +366,7 @@ impl CudaBackend {
                 &mut self.graphs,
                 batch,
                 readout,
+                plans,
                 graphable,
             ),
         }
@@ -359,7 +392,7 @@ impl Backend for CudaBackend {
     }
 
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
-        let (counts, rows) = self.step(batch, Readout::Logits)?;
+        let (counts, rows) = self.step(batch, Readout::Logits, None)?;
         let flat = match rows {
             StepRows::Logits(v) => v,
             StepRows::Ids(_) => Vec::new(),
@@ -371,6 +404,29 @@ impl Backend for CudaBackend {
             .map(|&c| it.by_ref().take(c).collect())
             .collect();
         Ok(StepOutput { logits })
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        plans: &[Option<&SamplePlan>],
+    ) -> Result<Vec<Option<u32>>, EngineError> {
+        if plans.len() != batch.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "device sampling: {} plans for {} sequences",
+                plans.len(),
+                batch.len()
+            )));
+        }
+        let (counts, rows) = self.step(batch, Readout::Sample, Some(plans))?;
+        Ok(ids_per_sequence(&counts, rows)
+            .into_iter()
+            .map(|ids| ids.last().copied())
+            .collect())
     }
 
     fn load_received_blocks(&mut self, blocks: &[u32]) -> Result<(), EngineError> {
@@ -454,6 +510,57 @@ impl Backend for CudaBackend {
     }
 }
 
+/// A step's token ids split per sequence (`counts[i]` rows each, in batch order).
+fn ids_per_sequence(counts: &[usize], rows: StepRows) -> Vec<Vec<u32>> {
+    let ids = match rows {
+        StepRows::Ids(ids) => ids,
+        StepRows::Logits(_) => Vec::new(),
+    };
+    let mut it = ids.into_iter();
+    counts
+        .iter()
+        .map(|&c| it.by_ref().take(c).map(|id| id as u32).collect())
+        .collect()
+}
+
+/// `TANDEM_CUDA_PREFILL_ATTENTION`: `tiled` (the default: prefill chunks on tensor cores
+/// where the shape allows) or `fast` (every token by `attention_fast`, for comparisons).
+pub const PREFILL_ATTENTION_ENV: &str = "TANDEM_CUDA_PREFILL_ATTENTION";
+
+fn tiled_prefill_attention() -> Result<bool, EngineError> {
+    match std::env::var(PREFILL_ATTENTION_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(true),
+        Ok(v) if v == "tiled" => Ok(true),
+        Ok(v) if v == "fast" => Ok(false),
+        Ok(v) => Err(EngineError::InvalidInput(format!(
+            "{PREFILL_ATTENTION_ENV} must be `tiled` or `fast`, not `{v}`"
+        ))),
+        Err(e) => Err(EngineError::InvalidInput(format!(
+            "{PREFILL_ATTENTION_ENV}: {e}"
+        ))),
+    }
+}
+
+/// `TANDEM_CUDA_DECODE_ATTENTION`: `auto` (the default: decode rows through the tiled kernel
+/// when a step has enough of them to fill the GPU, else the split kernel), `tiled` or `split`.
+pub const DECODE_ATTENTION_ENV: &str = "TANDEM_CUDA_DECODE_ATTENTION";
+
+/// The fewest decode rows a step tiles (see [`super::TokenMaps::single_tile_min`]).
+fn decode_tile_min(sms: usize, nkv: usize) -> Result<usize, EngineError> {
+    match std::env::var(DECODE_ATTENTION_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok((2 * sms).div_ceil(nkv)),
+        Ok(v) if v == "auto" => Ok((2 * sms).div_ceil(nkv)),
+        Ok(v) if v == "tiled" => Ok(0),
+        Ok(v) if v == "split" => Ok(usize::MAX),
+        Ok(v) => Err(EngineError::InvalidInput(format!(
+            "{DECODE_ATTENTION_ENV} must be `auto`, `tiled` or `split`, not `{v}`"
+        ))),
+        Err(e) => Err(EngineError::InvalidInput(format!(
+            "{DECODE_ATTENTION_ENV}: {e}"
+        ))),
+    }
+}
+
 /// One step: prepare, then launch eagerly, or through the graph of its key (capturing it on
 /// the key's second occurrence, checked against an eager run of the same step), then read
 /// back. A capture that fails or disagrees leaves the key eager for good (logged).
@@ -463,9 +570,10 @@ fn run_step<A: DeviceElem>(
     graphs: &mut GraphCache,
     batch: &[SeqInput<'_>],
     readout: Readout,
+    plans: Option<&[Option<&SamplePlan>]>,
     graphable: bool,
 ) -> Result<(Vec<usize>, StepRows), EngineError> {
-    let p = model.prepare(ws, batch)?;
+    let p = model.prepare(ws, batch, plans)?;
     let key = (p.t, readout);
     let generation = model.generation(ws);
     if generation != graphs.generation {
@@ -480,6 +588,7 @@ fn run_step<A: DeviceElem>(
     if let Some(g) = graphs.graphs.get(&key) {
         g.0.launch()
             .map_err(|e| EngineError::Backend(format!("CUDA graph launch: {e:?}")))?;
+        graphs.replays += 1;
         return Ok((p.counts, model.read_back(ws, p.r, readout)?));
     }
     // Eager first (warm-up; on the second occurrence also the reference for the capture).
@@ -501,16 +610,19 @@ fn run_step<A: DeviceElem>(
                     Ok(_) => {
                         tracing::warn!(batch = p.t, "CUDA graph replay differs from the eager step; this batch size stays eager");
                         graphs.refused.insert(key);
+                        graphs.last_refusal = Some(format!("batch {}: replay differs", p.t));
                     }
                     Err(e) => {
                         tracing::warn!(batch = p.t, error = %e, "CUDA graph replay failed; this batch size stays eager");
                         graphs.refused.insert(key);
+                        graphs.last_refusal = Some(format!("batch {}: replay: {e}", p.t));
                     }
                 }
             }
             Err(e) => {
                 tracing::warn!(batch = p.t, error = %e, "CUDA graph capture failed; this batch size stays eager");
                 graphs.refused.insert(key);
+                graphs.last_refusal = Some(format!("batch {}: capture: {e}", p.t));
             }
         }
     }

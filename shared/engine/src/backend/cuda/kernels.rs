@@ -25,7 +25,12 @@ pub const SOURCES: &[(&str, &str)] = &[
         "attention_fast.cu",
         include_str!("kernels/attention_fast.cu"),
     ),
+    (
+        "attention_prefill.cu",
+        include_str!("kernels/attention_prefill.cu"),
+    ),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
 ];
 
 /// Every `extern "C"` kernel of the program; each is loaded at start-up, so a missing one is
@@ -44,7 +49,14 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_write_f32",
     "kv_write_bf16",
     "argmax_f32",
+    "sample_rows_f32",
     "fold_rows_f32",
+    "attention_prefill_f32_hd64",
+    "attention_prefill_bf16_hd64",
+    "attention_prefill_f32_hd128",
+    "attention_prefill_bf16_hd128",
+    "gemv_bf16_m1",
+    "gemv_bf16_m2",
 ];
 
 /// One instance of `attention_fast.cu`'s template: pool element type, output element type

@@ -23,11 +23,12 @@ mod attention;
 pub mod backend;
 mod gemm;
 pub mod kernels;
-mod ops;
+pub mod ops;
+pub mod sampling;
 mod step;
 
 pub use attention::AttentionScratch;
-pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
+pub use backend::{ComputeMode, CudaBackend, CudaOptions, GraphStats, PoolSize};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -171,6 +172,20 @@ pub struct TokenMaps {
     pub lo_pos: CudaSlice<i32>,
     pub token_block: CudaSlice<i32>,
     pub tokens: usize,
+    /// Tokens per tile of the tensor-core prefill attention (0: no tiles, every token goes to
+    /// `attention_fast`). Set by the owner; [`CudaDevice::fill_token_maps`] then splits the
+    /// step: sequences with several tokens into `tiles`, the others into `singles`.
+    pub tile_tokens: usize,
+    /// With tiles on: single-token sequences (decode rows) also become tiles (of one token)
+    /// when a step has at least this many of them (the tiled kernel reads K/V in wide runs,
+    /// faster when there are enough rows to fill the GPU; fewer go to the split kernel).
+    pub single_tile_min: usize,
+    /// (first token, tokens) per tile, each within one sequence.
+    pub tiles: CudaSlice<i32>,
+    pub n_tiles: usize,
+    /// The tokens of single-token sequences (decode rows) when there are tiles.
+    pub singles: CudaSlice<i32>,
+    pub n_singles: usize,
     /// Bumped whenever a buffer is reallocated (graphs captured before hold stale addresses).
     pub generation: u64,
 }
@@ -185,6 +200,12 @@ impl TokenMaps {
             lo_pos: dev.zeros(1)?,
             token_block: dev.zeros(1)?,
             tokens: 0,
+            tile_tokens: 0,
+            single_tile_min: usize::MAX,
+            tiles: dev.zeros(2)?,
+            n_tiles: 0,
+            singles: dev.zeros(1)?,
+            n_singles: 0,
             generation: 0,
         })
     }
@@ -209,6 +230,35 @@ pub struct CudaDevice {
     sms: usize,
     /// Kernel launches and cuBLAS calls so far (benchmarks count them per step).
     launches: std::sync::atomic::AtomicU64,
+    /// While profiling (benchmarks' per-kernel breakdown): an event recorded before each
+    /// launch, with the launch's name.
+    profile: std::sync::Mutex<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
+    /// bf16 GEMMs of at most 8 rows by `gemv.cu` rather than cuBLAS ([`SMALL_GEMM_ENV`]).
+    small_m_gemv: bool,
+}
+
+/// `TANDEM_CUDA_SMALL_GEMM`: `gemv` (the default: bf16 GEMMs of ≤ 8 rows, the decode steps of
+/// few sequences, by the weight-streaming kernel of `gemv.cu`) or `cublas` (for comparisons).
+pub const SMALL_GEMM_ENV: &str = "TANDEM_CUDA_SMALL_GEMM";
+
+fn small_m_gemv_from_env() -> Result<bool, EngineError> {
+    match std::env::var(SMALL_GEMM_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(true),
+        Ok(v) if v == "gemv" => Ok(true),
+        Ok(v) if v == "cublas" => Ok(false),
+        Ok(v) => Err(EngineError::InvalidInput(format!(
+            "{SMALL_GEMM_ENV} must be `gemv` or `cublas`, not `{v}`"
+        ))),
+        Err(e) => Err(EngineError::InvalidInput(format!("{SMALL_GEMM_ENV}: {e}"))),
+    }
+}
+
+/// GPU time of one kind of launch over a profiled stretch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchTime {
+    pub name: String,
+    pub launches: usize,
+    pub ms: f64,
 }
 
 impl CudaDevice {
@@ -240,6 +290,19 @@ impl CudaDevice {
             let f = module
                 .load_function(name)
                 .map_err(cuda_err(&format!("loading kernel {name}")))?;
+            // The tiled prefill attention takes more than the default 48 KiB of dynamic
+            // shared memory.
+            if let Some(hd) = name
+                .strip_prefix("attention_prefill_")
+                .and_then(|r| r.rsplit_once("_hd"))
+                .and_then(|(_, hd)| hd.parse::<usize>().ok())
+            {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    attention::prefill_smem_bytes(hd) as i32,
+                )
+                .map_err(cuda_err(&format!("sizing the shared memory of {name}")))?;
+            }
             funcs.insert(name.to_string(), f);
         }
         // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
@@ -279,6 +342,8 @@ impl CudaDevice {
             name,
             sms,
             launches: std::sync::atomic::AtomicU64::new(0),
+            profile: std::sync::Mutex::new(None),
+            small_m_gemv: small_m_gemv_from_env()?,
         })
     }
 
@@ -339,15 +404,71 @@ impl CudaDevice {
         self.launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn count_launch(&self) {
+    /// Counts a launch about to be issued; while profiling, also records an event before it
+    /// (the GPU time between consecutive events is the launch's, gaps included).
+    fn count_launch(&self, name: impl FnOnce() -> String) {
         self.launches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut guard) = self.profile.lock() {
+            if let Some(events) = guard.as_mut() {
+                let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                match self.stream.record_event(flags) {
+                    Ok(ev) => events.push((name(), ev)),
+                    Err(e) => tracing::warn!(error = ?e, "profiling event not recorded"),
+                }
+            }
+        }
+    }
+
+    /// Starts timing every launch (see [`CudaDevice::finish_profile`]). Launches are then
+    /// slower by an event each, and decode steps run eagerly (no graph).
+    pub fn start_profile(&self) {
+        if let Ok(mut guard) = self.profile.lock() {
+            *guard = Some(Vec::new());
+        }
+    }
+
+    /// Whether [`CudaDevice::start_profile`] is in effect.
+    pub fn profiling(&self) -> bool {
+        self.profile.lock().map(|g| g.is_some()).unwrap_or(false)
+    }
+
+    /// Stops profiling and sums the GPU time per launch name, longest first.
+    pub fn finish_profile(&self) -> Result<Vec<LaunchTime>, EngineError> {
+        let events = self
+            .profile
+            .lock()
+            .map_err(|_| EngineError::Backend("CUDA profile lock poisoned".into()))?
+            .take()
+            .unwrap_or_default();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let end = self
+            .stream
+            .record_event(flags)
+            .map_err(cuda_err("recording the profile's end"))?;
+        self.synchronize()?;
+        let mut sums: HashMap<String, (usize, f64)> = HashMap::new();
+        for (i, (name, ev)) in events.iter().enumerate() {
+            let next = events.get(i + 1).map(|(_, e)| e).unwrap_or(&end);
+            let ms = ev
+                .elapsed_ms(next)
+                .map_err(cuda_err("reading a profile event"))?;
+            let entry = sums.entry(name.clone()).or_default();
+            entry.0 += 1;
+            entry.1 += ms as f64;
+        }
+        let mut out: Vec<LaunchTime> = sums
+            .into_iter()
+            .map(|(name, (launches, ms))| LaunchTime { name, launches, ms })
+            .collect();
+        out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(out)
     }
 
     /// The kernel `name`, counted as one launch (every launch wrapper looks its kernel up
     /// right before launching it).
     fn func(&self, name: &str) -> Result<&CudaFunction, EngineError> {
-        self.count_launch();
+        self.count_launch(|| name.to_string());
         self.funcs
             .get(name)
             .ok_or_else(|| EngineError::Backend(format!("CUDA kernel {name} is not loaded")))
@@ -356,7 +477,7 @@ impl CudaDevice {
     /// An attention instance, compiled by NVRTC and loaded on first use (cached per process
     /// by kernels::ptx_with_instances), counted as one launch like [`CudaDevice::func`].
     fn instance_func(&self, inst: kernels::AttentionInstance) -> Result<CudaFunction, EngineError> {
-        self.count_launch();
+        self.count_launch(|| "attention".to_string());
         let name = inst.name();
         let mut lazy = self
             .lazy_funcs
@@ -405,7 +526,22 @@ impl CudaDevice {
         let mut tables = Vec::new();
         let (mut table_start, mut positions, mut lo_pos, mut token_block) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut tiles, mut singles) = (Vec::new(), Vec::new());
+        let single_seqs = seqs.iter().filter(|(_, r)| r.len() == 1).count();
+        let tile_singles = single_seqs >= maps.single_tile_min;
         for (table, range) in seqs {
+            let first = positions.len();
+            if maps.tile_tokens > 0 && (range.len() > 1 || (range.len() == 1 && tile_singles)) {
+                let mut at = 0;
+                while at < range.len() {
+                    let n = maps.tile_tokens.min(range.len() - at);
+                    tiles.push(to_i32("token", first + at)?);
+                    tiles.push(to_i32("tile tokens", n)?);
+                    at += n;
+                }
+            } else if range.len() == 1 {
+                singles.push(to_i32("token", first)?);
+            }
             let start = to_i32("block table offset", tables.len())?;
             for &b in *table {
                 tables.push(to_i32("block id", b as usize)?);
@@ -434,6 +570,11 @@ impl CudaDevice {
             maps.positions = self.zeros(n)?;
             maps.lo_pos = self.zeros(n)?;
             maps.token_block = self.zeros(n)?;
+            maps.singles = self.zeros(n)?;
+            maps.generation += 1;
+        }
+        if tiles.len() > maps.tiles.len() {
+            maps.tiles = self.zeros(tiles.len().next_power_of_two())?;
             maps.generation += 1;
         }
         let s = &self.stream;
@@ -449,6 +590,12 @@ impl CudaDevice {
         copy(&positions, &mut maps.positions)?;
         copy(&lo_pos, &mut maps.lo_pos)?;
         copy(&token_block, &mut maps.token_block)?;
+        maps.n_tiles = tiles.len() / 2;
+        maps.n_singles = if tiles.is_empty() { 0 } else { singles.len() };
+        if !tiles.is_empty() {
+            copy(&tiles, &mut maps.tiles)?;
+            copy(&singles, &mut maps.singles)?;
+        }
         maps.tokens = tokens;
         Ok(())
     }

@@ -373,31 +373,62 @@ impl CudaDevice {
     }
 
     /// Greedy sampling on the device: `out[r]` = the index of the largest of logits row `r`
-    /// (`rows` rows of `vocab`), ties to the lowest index like the CPU sampler.
+    /// (`rows` rows of `vocab`), ties to the lowest index like the CPU sampler; each row is
+    /// scanned by several blocks whose results meet through `scratch` (sized for the rows).
     pub fn argmax(
         &self,
         out: &mut CudaSlice<i32>,
         logits: &CudaSlice<f32>,
         rows: usize,
         vocab: usize,
+        scratch: &mut ArgmaxScratch,
     ) -> Result<(), EngineError> {
         if rows == 0 {
             return Ok(());
         }
         check_len("argmax out", out.len(), rows)?;
         check_len("argmax logits", logits.len(), rows * vocab)?;
+        check_len("argmax scratch", scratch.counters.len(), rows)?;
         let v = to_i32("vocab", vocab)?;
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
+            grid_dim: (rows as u32, ARGMAX_SPLITS, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let f = self.func("argmax_f32")?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(logits).arg(&v);
-        // SAFETY: signature matches; shapes checked above.
+        b.arg(out)
+            .arg(logits)
+            .arg(&v)
+            .arg(&mut scratch.part_v)
+            .arg(&mut scratch.part_i)
+            .arg(&mut scratch.counters);
+        // SAFETY: signature matches; shapes checked above (the scratch holds ARGMAX_SPLITS
+        // partials and a zeroed counter per row, which the merging block resets).
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching argmax"))?;
         Ok(())
+    }
+}
+
+/// Blocks per row of `argmax_f32` (its ARGMAX_SPLITS).
+const ARGMAX_SPLITS: u32 = 32;
+
+/// The per-row partial results and counters of the split argmax.
+pub struct ArgmaxScratch {
+    part_v: CudaSlice<f32>,
+    part_i: CudaSlice<i32>,
+    counters: CudaSlice<u32>,
+}
+
+impl ArgmaxScratch {
+    /// Room for `rows` rows (zeroed counters).
+    pub fn new(dev: &CudaDevice, rows: usize) -> Result<Self, EngineError> {
+        let r = rows.max(1);
+        Ok(ArgmaxScratch {
+            part_v: dev.zeros(r * ARGMAX_SPLITS as usize)?,
+            part_i: dev.zeros(r * ARGMAX_SPLITS as usize)?,
+            counters: dev.zeros(r)?,
+        })
     }
 }
 

@@ -5,10 +5,13 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::ops::ArgmaxScratch;
+use super::sampling::SamplingInputs;
 use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps};
 use crate::backend::{LogitsMode, SeqInput};
 use crate::error::EngineError;
 use crate::model::config::ModelConfig;
+use crate::sampler::SamplePlan;
 
 pub(super) struct DeviceLayer {
     pub(super) input_norm: CudaSlice<f32>,
@@ -58,6 +61,7 @@ pub(super) struct Workspace<A: DeviceElem> {
     pub(super) sel: CudaSlice<A>,
     pub(super) logits: CudaSlice<f32>,
     pub(super) ids: CudaSlice<i32>,
+    pub(super) argmax: ArgmaxScratch,
 }
 
 impl<A: DeviceElem> Workspace<A> {
@@ -89,6 +93,7 @@ impl<A: DeviceElem> Workspace<A> {
             sel: dev.zeros(m * r * h)?,
             logits: dev.zeros(m * r * cfg.vocab_size)?,
             ids: dev.zeros(r)?,
+            argmax: ArgmaxScratch::new(dev, r)?,
         })
     }
 
@@ -130,6 +135,8 @@ pub(super) fn dims(cfg: &ModelConfig) -> (usize, usize, usize, usize) {
 pub(super) enum Readout {
     Logits,
     Argmax,
+    /// One token per row by the step's sampling plans (`sampling.cu`).
+    Sample,
 }
 
 /// The flattened rows a step brought back, in the order of the batch.
@@ -144,6 +151,7 @@ pub(super) struct StepInputs {
     pub(super) ids: CudaSlice<u32>,
     pub(super) rows: CudaSlice<u32>,
     pub(super) maps: TokenMaps,
+    pub(super) sampling: SamplingInputs,
     /// Bumped when `ids` or `rows` is reallocated.
     generation: u64,
 }
@@ -154,13 +162,14 @@ impl StepInputs {
             ids: dev.zeros(tokens.max(1))?,
             rows: dev.zeros(tokens.max(1))?,
             maps: TokenMaps::empty(dev)?,
+            sampling: SamplingInputs::new(dev)?,
             generation: 0,
         })
     }
 
     /// Changes whenever any buffer moved.
     pub(super) fn generation(&self) -> u64 {
-        self.generation + self.maps.generation
+        self.generation + self.maps.generation + self.sampling.generation
     }
 
     fn fill(
@@ -202,11 +211,13 @@ pub(super) struct Prepared {
 }
 
 impl DeviceModel {
-    /// Host side of a step: checks, workspace size, inputs copied to the device.
+    /// Host side of a step: checks, workspace size, inputs copied to the device (with
+    /// `plans`, one per sequence, those of the sampled rows too).
     pub(super) fn prepare<A: DeviceElem>(
         &mut self,
         ws: &mut Workspace<A>,
         batch: &[SeqInput<'_>],
+        plans: Option<&[Option<&SamplePlan>]>,
     ) -> Result<Prepared, EngineError> {
         let ids: Vec<u32> = batch
             .iter()
@@ -247,6 +258,25 @@ impl DeviceModel {
             .collect();
         self.inputs
             .fill(&self.dev, &ids, &rows, &seqs, self.shape.block_size, window)?;
+        if let Some(plans) = plans {
+            // Every row is one sequence's last token (LogitsMode::Last), in batch order.
+            let mut row_plans = Vec::with_capacity(r);
+            for (i, seq) in batch.iter().enumerate() {
+                match (seq.logits, plans.get(i).copied().flatten()) {
+                    (LogitsMode::Last, Some(p)) if !seq.tokens.is_empty() => row_plans.push(p),
+                    (LogitsMode::None, None) => {}
+                    (LogitsMode::Last, None) if seq.tokens.is_empty() => {}
+                    _ => {
+                        return Err(EngineError::InvalidInput(format!(
+                            "device sampling: sequence {i} needs a plan exactly when it asks \
+                             for its last row (it asks for {:?})",
+                            seq.logits
+                        )))
+                    }
+                }
+            }
+            self.inputs.sampling.fill(&self.dev, &row_plans)?;
+        }
         Ok(Prepared { t, r, counts })
     }
 
@@ -330,7 +360,7 @@ impl DeviceModel {
                 qd,
                 &inputs.maps,
             )?;
-            dev.attention_fast(
+            dev.attention(
                 &mut ws.attn,
                 &ws.qkv,
                 qkv_w,
@@ -389,8 +419,12 @@ impl DeviceModel {
         let head_rows = if split { 2 * r } else { r };
         dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
         fold(dev, &mut ws.logits, r * v)?;
-        if readout == Readout::Argmax {
-            dev.argmax(&mut ws.ids, &ws.logits, r, v)?;
+        match readout {
+            Readout::Argmax => dev.argmax(&mut ws.ids, &ws.logits, r, v, &mut ws.argmax)?,
+            Readout::Sample => {
+                dev.sample_rows(&mut ws.ids, &mut ws.logits, r, v, &inputs.sampling)?
+            }
+            Readout::Logits => {}
         }
         Ok(())
     }
@@ -410,7 +444,7 @@ impl DeviceModel {
                 s.clone_dtoh(&ws.logits.slice(..r * self.config.vocab_size))
                     .map_err(|e| EngineError::Backend(format!("CUDA logits copy: {e:?}")))?
             }),
-            Readout::Argmax => StepRows::Ids(if r == 0 {
+            Readout::Argmax | Readout::Sample => StepRows::Ids(if r == 0 {
                 Vec::new()
             } else {
                 s.clone_dtoh(&ws.ids.slice(..r))

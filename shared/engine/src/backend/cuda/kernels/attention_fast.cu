@@ -3,8 +3,8 @@
 // Grid (tokens, nkv, splits); block ATT_WARPS warps. One block serves one token and one KV
 // head with all the q heads of its group (GQA: each K/V row is read once for the group).
 // Each lane owns E = ceil(head_dim / 32) consecutive elements of a head; the warps of the
-// block take runs of ATT_UNROLL positions round-robin (all their K/V loads issued before any
-// use, so each warp keeps several loads in flight), each keeping a running (max, sum, acc)
+// block take runs of ATT_UNROLL positions round-robin (the next run's K/V loads issued before
+// the current run's math, so each warp keeps two runs of loads in flight), each keeping a running (max, sum, acc)
 // per q head, so the dot product is a warp shuffle reduction with no block barrier per
 // position. The warps' states merge in shared memory at the end (dynamic shared memory of
 // ATT_WARPS * group * head_dim floats).
@@ -15,33 +15,53 @@
 // step is still one launch. Online softmax in f32, as the CPU decoder's attention.
 #define ATT_WARPS 4
 #define ATT_HDMAX 256
-#define ATT_UNROLL 2
+#ifndef ATT_UNROLL
+#define ATT_UNROLL 4
+#endif
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
-// Elements d0 .. d0+E of a head row starting at element `base` (zero past head_dim): four
-// bf16 in one 8-byte load when the whole run is in the row (E = 4, head_dim % 4 == 0).
-template <int E>
-__device__ __forceinline__ void load_row(const float* pool, long long base, int d0, int head_dim, float (&out)[E]) {
+// A lane's E elements of a head row as loaded (converted to f32 only when used, so a run of
+// prefetched rows costs half the registers in bf16): four bf16 are one 8-byte load.
+template <typename T, int E>
+struct RowRaw {
+    T v[E];
+};
+template <>
+struct RowRaw<bf16_t, 4> {
+    uint2 v;
+};
+
+// Loads elements d0 .. d0+E of the head row starting at element `base` (zero past head_dim).
+template <typename T, int E>
+__device__ __forceinline__ void load_raw(const T* pool, long long base, int d0, int head_dim, RowRaw<T, E>& out) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = d0 + e < head_dim ? pool[base + d0 + e] : 0.0f;
+    for (int e = 0; e < E; ++e) out.v[e] = d0 + e < head_dim ? pool[base + d0 + e] : (T)0;
+}
+__device__ __forceinline__ void load_raw(const bf16_t* pool, long long base, int d0, int head_dim, RowRaw<bf16_t, 4>& out) {
+    if ((head_dim & 3) == 0 && d0 + 4 <= head_dim) {
+        out.v = *reinterpret_cast<const uint2*>(pool + base + d0);
+    } else {
+        unsigned int e[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) e[i] = d0 + i < head_dim ? pool[base + d0 + i] : 0u;
+        out.v = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+    }
 }
 
-template <int E>
-__device__ __forceinline__ void load_row(const bf16_t* pool, long long base, int d0, int head_dim, float (&out)[E]) {
-    if (E == 4 && (head_dim & 3) == 0 && d0 + 4 <= head_dim) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(pool + base + d0);
-        out[0] = bf16_to_f32((bf16_t)(raw.x & 0xffffu));
-        out[1 % E] = bf16_to_f32((bf16_t)(raw.x >> 16));
-        out[2 % E] = bf16_to_f32((bf16_t)(raw.y & 0xffffu));
-        out[3 % E] = bf16_to_f32((bf16_t)(raw.y >> 16));
-        return;
-    }
+template <typename T, int E>
+__device__ __forceinline__ void unpack(const RowRaw<T, E>& r, float (&out)[E]) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = d0 + e < head_dim ? bf16_to_f32(pool[base + d0 + e]) : 0.0f;
+    for (int e = 0; e < E; ++e) out[e] = load_f(r.v, e);
+}
+__device__ __forceinline__ void unpack(const RowRaw<bf16_t, 4>& r, float (&out)[4]) {
+    out[0] = __uint_as_float(r.v.x << 16);
+    out[1] = __uint_as_float(r.v.x & 0xffff0000u);
+    out[2] = __uint_as_float(r.v.y << 16);
+    out[3] = __uint_as_float(r.v.y & 0xffff0000u);
 }
 
 // exp(m - M) as a merge weight, 0 for an empty state (l == 0, m == -inf).
@@ -54,8 +74,12 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
                                     const int* tables, const int* table_start, const int* positions,
                                     const int* lo_pos, int nq, int nkv, int head_dim, int block_size,
                                     int layer, int num_layers, float scale, float* part_acc,
-                                    float* part_ml, unsigned int* counters, long long lo_off) {
-    const int t = blockIdx.x;
+                                    float* part_ml, unsigned int* counters, long long lo_off,
+                                    const int* token_list) {
+    // With a token list, block x serves token token_list[x] (the single-token rows of a step
+    // whose prefill chunks go to attention_prefill); the split scratch is indexed by x.
+    const int bx = blockIdx.x;
+    const int t = token_list != nullptr ? token_list[bx] : bx;
     const int g = blockIdx.y;
     const int s = blockIdx.z;
     const int splits = gridDim.z;
@@ -90,19 +114,31 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
     const int chunk = (n + splits - 1) / splits;
     const int beg = lo + s * chunk;
     const int end = min(pos + 1, beg + chunk);
-    for (int p0 = beg + warp * ATT_UNROLL; p0 < end; p0 += ATT_WARPS * ATT_UNROLL) {
-        // Loads of the whole run first, then its scores (independent shuffle reductions),
-        // then one online-softmax update for the run: the serial chain is per run, not per
-        // position.
-        float k[ATT_UNROLL][E], v[ATT_UNROLL][E];
+    // Software pipelined: the next run's K/V loads are issued before this run's math, so each
+    // warp keeps two runs of loads in flight.
+    const int stride = ATT_WARPS * ATT_UNROLL;
+    RowRaw<T, E> kn[ATT_UNROLL], vn[ATT_UNROLL];
+    auto issue = [&](int p0) {
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; ++u) {
             const int p = min(p0 + u, end - 1);  // past the end: a valid row, weight 0 below
             const long long base = (long long)table[p / block_size] * block_e + (long long)layer * layer_e +
                                    (long long)(p % block_size) * kvd + (long long)g * head_dim;
-            load_row<E>(pool, base, d0, head_dim, k[u]);
-            load_row<E>(pool, base + part_e, d0, head_dim, v[u]);
+            load_raw(pool, base, d0, head_dim, kn[u]);
+            load_raw(pool, base + part_e, d0, head_dim, vn[u]);
         }
+    };
+    if (beg + warp * ATT_UNROLL < end) issue(beg + warp * ATT_UNROLL);
+    for (int p0 = beg + warp * ATT_UNROLL; p0 < end; p0 += stride) {
+        float k[ATT_UNROLL][E], v[ATT_UNROLL][E];
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; ++u) {
+            unpack(kn[u], k[u]);
+            unpack(vn[u], v[u]);
+        }
+        if (p0 + stride < end) issue(p0 + stride);
+        // Scores of the run (independent shuffle reductions), then one online-softmax update
+        // per q head: the serial chain is per run, not per position.
 #pragma unroll
         for (int j = 0; j < G; ++j) {
             float sc[ATT_UNROLL];
@@ -147,7 +183,7 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
         }
     }
     __syncthreads();
-    const long long pi = ((long long)t * nkv + g) * splits + s;
+    const long long pi = ((long long)bx * nkv + g) * splits + s;
     for (int idx = threadIdx.x; idx < G * head_dim; idx += blockDim.x) {
         const int j = idx / head_dim;
         const int d = idx % head_dim;
@@ -175,12 +211,12 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
     __shared__ bool last;
     __threadfence();
     __syncthreads();
-    unsigned int* counter = counters + (long long)t * nkv + g;
+    unsigned int* counter = counters + (long long)bx * nkv + g;
     if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const long long p0 = ((long long)t * nkv + g) * splits;
+    const long long p0 = ((long long)bx * nkv + g) * splits;
     for (int idx = threadIdx.x; idx < G * head_dim; idx += blockDim.x) {
         const int j = idx / head_dim;
         const int d = idx % head_dim;
@@ -205,10 +241,10 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
         O* out, const float* qkv, int row_stride, const T* pool, const int* tables,                    \
         const int* table_start, const int* positions, const int* lo_pos, int nq, int nkv, int head_dim, \
         int block_size, int layer, int num_layers, float scale, float* part_acc, float* part_ml,       \
-        unsigned int* counters, long long lo_off) {                                                    \
+        unsigned int* counters, long long lo_off, const int* token_list) {                             \
         attention_fast_impl<T, O, E, G>(out, qkv, row_stride, pool, tables, table_start, positions,    \
                                         lo_pos, nq, nkv, head_dim, block_size, layer, num_layers,      \
-                                        scale, part_acc, part_ml, counters, lo_off);                   \
+                                        scale, part_acc, part_ml, counters, lo_off, token_list);       \
     }
 
 // The instances are not listed here: the engine compiles the one a model needs on first use

@@ -1,0 +1,253 @@
+// Causal paged attention for prefill chunks on tensor cores (flash-attention 2 style), over a
+// bf16 pool: the cached prefix and the chunk's own keys alike.
+//
+// Grid (tiles, nkv); block 4 warps. A tile is up to FA_BQ / group consecutive tokens of one
+// sequence (`tiles` holds (first token, tokens) pairs); its FA_BQ rows are (token, q head)
+// pairs of one KV head's group, 16 per warp. The block walks the keys in runs of FA_BK: the
+// run's K and V rows are gathered from their blocks into shared memory by cp.async, double
+// buffered (the next run loads while this one computes; dynamic shared memory of
+// 2 stages × (K, V) × FA_BK × (HD + FA_PAD) bf16), the B fragments come from ldmatrix, and
+// each warp computes its
+// 16 × FA_BK scores with mma.sync (bf16 in, f32 out), masks them by each row's own causal and
+// sliding-window limits, updates its running max / sum in registers, and adds P·V (P rounded
+// to bf16) into f32 accumulators. The fragment layouts are those of m16n8k16 (PTX ISA), so
+// the scores' accumulator fragment is reused as the A operand of P·V without a round trip
+// through shared memory.
+#define FA_BQ 64
+#define FA_BK 64
+#define FA_PAD 8
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8×8 b16 matrices from shared memory (rows addressed by lanes 8i..8i+7 for matrix i);
+// .trans delivers them transposed.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* row) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// 16 bytes global → shared without a register round trip; zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+template <typename O, int HD>
+__device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride, const bf16_t* pool,
+                                       const int* tables, const int* table_start, const int* positions,
+                                       const int* lo_pos, const int* tiles, int nq, int nkv, int group,
+                                       int block_size, int layer, int num_layers, float scale,
+                                       long long lo_off) {
+    constexpr int ROW = HD + FA_PAD;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    // [stage][K or V][FA_BK][ROW]
+    bf16_t* smem = reinterpret_cast<bf16_t*>(fa_smem);
+    const int g = blockIdx.y;
+    const int tok0 = tiles[2 * blockIdx.x];
+    const int ntok = tiles[2 * blockIdx.x + 1];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int qr = lane >> 2;  // fragment row (and +8)
+    const int qc = lane & 3;   // fragment column pair
+    const long long kvd = (long long)nkv * HD;
+    const long long part_e = (long long)block_size * kvd;
+    const long long layer_e = 2 * part_e;
+    const long long block_e = (long long)num_layers * layer_e;
+
+    // This thread's two rows (qr and qr + 8 of its warp's 16): token, head, key limits.
+    int row_tok[2], row_head[2], row_pos[2], row_lo[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = warp * 16 + qr + 8 * i;
+        const int ti = r / group;
+        row_ok[i] = ti < ntok;
+        row_tok[i] = tok0 + min(ti, ntok - 1);
+        row_head[i] = g * group + r % group;
+        row_pos[i] = row_ok[i] ? positions[row_tok[i]] : -1;
+        row_lo[i] = lo_pos[row_tok[i]];
+    }
+    int warp_pos = max(row_pos[0], row_pos[1]);
+    for (int o = 16; o > 0; o >>= 1) warp_pos = max(warp_pos, __shfl_xor_sync(0xffffffffu, warp_pos, o));
+
+    // Q as A fragments (bf16), one per 16 columns of the head.
+    unsigned qa[HD / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float* q = qkv + (long long)row_tok[i] * row_stride + (long long)row_head[i] * HD + kc * 16 + 2 * qc;
+            const float2 lo = *reinterpret_cast<const float2*>(q);
+            const float2 hi = *reinterpret_cast<const float2*>(q + 8);
+            qa[kc][i] = pack_bf16(lo.x, lo.y);
+            qa[kc][2 + i] = pack_bf16(hi.x, hi.y);
+        }
+    }
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF};
+    float l[2] = {0.0f, 0.0f};
+
+    const int* table = tables + table_start[tok0];
+    const int kbeg = lo_pos[tok0];
+    const int kend = positions[tok0 + ntok - 1] + 1;
+    // Queues the K/V rows of the run starting at k0 into stage `st` (zeros past kend).
+    auto stage = [&](int st, int k0) {
+        bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
+        bf16_t* sv = sk + FA_BK * ROW;
+        for (int idx = threadIdx.x; idx < FA_BK * (HD / 8); idx += blockDim.x) {
+            const int key = idx / (HD / 8);
+            const int c = (idx % (HD / 8)) * 8;
+            const int p = k0 + key;
+            const bool ok = p < kend;
+            const int pp = ok ? p : kbeg;  // a valid address; nothing is read when !ok
+            const long long base = (long long)table[pp / block_size] * block_e + (long long)layer * layer_e +
+                                   (long long)(pp % block_size) * kvd + (long long)g * HD + c;
+            cp_async16(sk + key * ROW + c, pool + base, ok);
+            cp_async16(sv + key * ROW + c, pool + base + part_e, ok);
+        }
+        cp_async_commit();
+    };
+    stage(0, kbeg);
+    int st = 0;
+    for (int k0 = kbeg; k0 < kend; k0 += FA_BK, st ^= 1) {
+        if (k0 + FA_BK < kend) {
+            stage(st ^ 1, k0 + FA_BK);  // the next run loads during this one
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
+        const bf16_t* sv = sk + FA_BK * ROW;
+        if (k0 <= warp_pos) {  // else every row of this warp is before the run
+            const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
+            const int mr = lane & 7;   // and its row
+            float s[FA_BK / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < FA_BK / 8; ++nt) {
+                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+                for (int kc = 0; kc < HD / 16; kc += 2) {
+                    // Matrices: (kc, lo 8 cols), (kc, hi 8), (kc+1, lo), (kc+1, hi) of keys nt*8..+8.
+                    unsigned b[4];
+                    ldsm_x4(b, sk + (nt * 8 + mr) * ROW + kc * 16 + mi * 8);
+                    mma_16816(s[nt], qa[kc], b[0], b[1]);
+                    mma_16816(s[nt], qa[kc + 1], b[2], b[3]);
+                }
+            }
+            // Mask and scale; the rows' maxima over the quad of lanes sharing a row.
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int nt = 0; nt < FA_BK / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = e >> 1;
+                    const int key = k0 + nt * 8 + 2 * qc + (e & 1);
+                    const bool ok = key >= row_lo[i] && key <= row_pos[i];
+                    s[nt][e] = ok ? s[nt][e] * scale : NEG_INF;
+                    mx[i] = fmaxf(mx[i], s[nt][e]);
+                }
+            }
+            float corr[2], base[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                const float big = fmaxf(m[i], mx[i]);
+                base[i] = big == NEG_INF ? 0.0f : big;  // a row with nothing visible yet stays empty
+                corr[i] = expf(m[i] - base[i]);
+                m[i] = big;
+                l[i] *= corr[i];
+            }
+#pragma unroll
+            for (int nt = 0; nt < FA_BK / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[nt][e] = expf(s[nt][e] - base[e >> 1]);
+                    l[e >> 1] += s[nt][e];
+                }
+            }
+#pragma unroll
+            for (int dn = 0; dn < HD / 8; ++dn) {
+                o[dn][0] *= corr[0];
+                o[dn][1] *= corr[0];
+                o[dn][2] *= corr[1];
+                o[dn][3] *= corr[1];
+            }
+            // O += P·V, P's accumulator fragments reused as A fragments; V's B fragments by
+            // ldmatrix.trans (matrices: keys kc*16 + 0..8 / 8..16 of columns dn*8, then dn+1).
+#pragma unroll
+            for (int kc = 0; kc < FA_BK / 16; ++kc) {
+                const unsigned pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
+                                        pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                                        pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+                for (int dn = 0; dn < HD / 8; dn += 2) {
+                    unsigned b[4];
+                    ldsm_x4_t(b, sv + (kc * 16 + (mi & 1) * 8 + mr) * ROW + (dn + (mi >> 1)) * 8);
+                    mma_16816(o[dn], pa, b[0], b[1]);
+                    mma_16816(o[dn + 1], pa, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // this stage is refilled two runs on
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (!row_ok[i]) continue;
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        const long long at = ((long long)row_tok[i] * nq + row_head[i]) * HD + 2 * qc;
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) {
+            store_in(out, at + dn * 8, o[dn][2 * i] * inv, lo_off);
+            store_in(out, at + dn * 8 + 1, o[dn][2 * i + 1] * inv, lo_off);
+        }
+    }
+}
+
+#define ATTENTION_PREFILL(NAME, O, HD)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                \
+        O* out, const float* qkv, int row_stride, const bf16_t* pool, const int* tables,                   \
+        const int* table_start, const int* positions, const int* lo_pos, const int* tiles, int nq, int nkv, \
+        int group, int block_size, int layer, int num_layers, float scale, long long lo_off) {             \
+        attention_prefill_impl<O, HD>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos,  \
+                                      tiles, nq, nkv, group, block_size, layer, num_layers, scale, lo_off); \
+    }
+
+ATTENTION_PREFILL(attention_prefill_f32_hd64, float, 64)
+ATTENTION_PREFILL(attention_prefill_bf16_hd64, bf16_t, 64)
+ATTENTION_PREFILL(attention_prefill_f32_hd128, float, 128)
+ATTENTION_PREFILL(attention_prefill_bf16_hd128, bf16_t, 128)
