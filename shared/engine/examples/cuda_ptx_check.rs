@@ -77,6 +77,30 @@ fn main() {
                 );
             }
         }
+        // The programs the engine compiles on demand: one attention instance alone with the
+        // prelude (one per pool and output type).
+        for inst in kernels::AttentionInstance::all()
+            .into_iter()
+            .filter(|i| i.e == 4 && i.g == 2)
+        {
+            let t1 = std::time::Instant::now();
+            let name = inst.name();
+            let found = match kernels::instance_ptx(arch, inst) {
+                Ok(ptx) => ptx.contains(&format!(".entry {name}(")),
+                Err(e) => {
+                    eprintln!("{name}: {e}");
+                    false
+                }
+            };
+            ok &= found;
+            println!(
+                "{}",
+                serde_json::json!({
+                    "arch": arch, "instance_alone": name, "compiled": found,
+                    "ms": t1.elapsed().as_secs_f64() * 1e3,
+                })
+            );
+        }
     }
     std::process::exit(if ok { 0 } else { 1 });
 }

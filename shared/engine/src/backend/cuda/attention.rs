@@ -202,20 +202,7 @@ impl CudaDevice {
         if splits > 1 {
             scratch.ensure(self, bx * nkv * splits * group, hd, bx * nkv)?;
         }
-        let e = match hd.div_ceil(32) {
-            1 => 1,
-            2..=4 => 4,
-            _ => 8,
-        };
-        let inst = AttentionInstance {
-            pool: match pool {
-                KvPool::F32(_) => "f32",
-                KvPool::Bf16(_) => "bf16",
-            },
-            out: O::SUFFIX,
-            e,
-            g: group,
-        };
+        let inst = attention_instance(matches!(pool, KvPool::Bf16(_)), O::SUFFIX, hd, group);
         let ints = [
             to_i32("row stride", row_stride)?,
             to_i32("nq", nq)?,
@@ -264,6 +251,42 @@ impl CudaDevice {
         // validated by the caller.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_fast"))?;
         Ok(())
+    }
+}
+
+/// The `attention_fast.cu` instance for a pool (bf16 or f32), an output type suffix, a head
+/// size and a group size.
+pub(super) fn attention_instance(
+    pool_bf16: bool,
+    out: &'static str,
+    head_dim: usize,
+    group: usize,
+) -> AttentionInstance {
+    let e = match head_dim.div_ceil(32) {
+        1 => 1,
+        2..=4 => 4,
+        _ => 8,
+    };
+    AttentionInstance {
+        pool: if pool_bf16 { "bf16" } else { "f32" },
+        out,
+        e,
+        g: group,
+    }
+}
+
+impl CudaDevice {
+    /// Compiles and loads the `attention_fast` instance a model will launch, so that the first
+    /// decode step does not wait for NVRTC (a worker does this before it reports ready).
+    pub fn preload_attention(
+        &self,
+        pool_bf16: bool,
+        out: &'static str,
+        head_dim: usize,
+        group: usize,
+    ) -> Result<(), EngineError> {
+        self.load_instance(attention_instance(pool_bf16, out, head_dim, group))
+            .map(|_| ())
     }
 }
 

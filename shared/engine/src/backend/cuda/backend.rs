@@ -209,16 +209,18 @@ impl CudaBackend {
                 mode == ComputeMode::Bf16Split,
             )?),
         };
-        let scratch = AttentionScratch::for_model(
-            &dev,
-            config.num_attention_heads / config.num_key_value_heads.max(1),
-            config.head_dim,
-        )?;
+        let group = config.num_attention_heads / config.num_key_value_heads.max(1);
+        let scratch = AttentionScratch::for_model(&dev, group, config.head_dim)?;
+        // The attention instance decode launches, compiled now rather than in the first step.
+        let out = match mode {
+            ComputeMode::F32 => "f32",
+            ComputeMode::Bf16 | ComputeMode::Bf16Split => "bf16",
+        };
+        dev.preload_attention(opts.kv_dtype == KvDtype::Bf16, out, config.head_dim, group)?;
         let mut inputs = StepInputs::new(&dev, opts.max_step_tokens)?;
         // Prefill chunks on tensor cores in the bf16 mode; the f32 and split modes keep the
         // exact attention for their comparisons.
         if mode == ComputeMode::Bf16 && tiled_prefill_attention()? {
-            let group = config.num_attention_heads / config.num_key_value_heads.max(1);
             let bf16_pool = opts.kv_dtype == KvDtype::Bf16;
             if let Some(n) = CudaDevice::prefill_tile_tokens(bf16_pool, config.head_dim, group) {
                 inputs.maps.tile_tokens = n;
@@ -435,16 +437,46 @@ impl Backend for CudaBackend {
         };
         crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
         let bb = self.layout.block_bytes();
-        let mut data = Vec::with_capacity(blocks.len() * bb);
-        for &b in blocks {
-            let at = b as usize * bb;
-            // SAFETY: the staging memory holds the whole pool (checked in with_staging) and
-            // the block id is in the pool (checked above); the remote writer finished these
-            // blocks before the activation that calls this.
-            let bytes = unsafe { std::slice::from_raw_parts(staging.as_ptr().add(at), bb) };
-            data.extend_from_slice(bytes);
+        let base = staging.as_ptr();
+        let elem = match self.model.pool {
+            KvPool::F32(_) => std::mem::size_of::<f32>(),
+            KvPool::Bf16(_) => std::mem::size_of::<u16>(),
+        };
+        if !(base as usize).is_multiple_of(elem) || !bb.is_multiple_of(elem) {
+            return Err(EngineError::Backend(format!(
+                "staging memory at {base:p} is not aligned to the pool's {elem}-byte elements"
+            )));
         }
-        self.import_blocks(blocks, &data)
+        let stream = self.model.dev.stream().clone();
+        let err = |e| EngineError::Backend(format!("CUDA received-block copy: {e:?}"));
+        // Straight from the staging memory into the pool, one copy per block and one wait.
+        for &b in blocks {
+            let range = self.block_range(b);
+            let n = range.len();
+            // SAFETY: the staging memory holds the whole pool (checked in with_staging), the
+            // block id is in the pool (checked above) and the start is aligned for the element
+            // type (checked above); the remote writer finished these blocks before the
+            // activation that calls this, and nothing writes them until the wait below.
+            let at = unsafe { base.add(b as usize * bb) };
+            match &mut self.model.pool {
+                KvPool::F32(p) => {
+                    // SAFETY: as above; n f32 elements are one block's bytes.
+                    let src = unsafe { std::slice::from_raw_parts(at as *const f32, n) };
+                    stream
+                        .memcpy_htod(src, &mut p.slice_mut(range))
+                        .map_err(err)?;
+                }
+                KvPool::Bf16(p) => {
+                    // SAFETY: as above; n bf16 elements are one block's bytes.
+                    let src = unsafe { std::slice::from_raw_parts(at as *const u16, n) };
+                    stream
+                        .memcpy_htod(src, &mut p.slice_mut(range))
+                        .map_err(err)?;
+                }
+            }
+        }
+        // The copies read the staging memory, which the transport may reuse after this.
+        self.model.dev.synchronize()
     }
 
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {

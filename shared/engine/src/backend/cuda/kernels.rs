@@ -108,9 +108,14 @@ impl AttentionInstance {
 
 /// The program's source: the embedded files, or those of [`KERNEL_DIR_ENV`] when it is set.
 pub fn program_source() -> Result<String, EngineError> {
+    source_of(|_| true)
+}
+
+/// The concatenation of the source files `keep` selects, in program order.
+fn source_of(keep: impl Fn(&str) -> bool) -> Result<String, EngineError> {
     let dir = std::env::var_os(KERNEL_DIR_ENV);
     let mut src = String::new();
-    for (name, embedded) in SOURCES {
+    for (name, embedded) in SOURCES.iter().filter(|(n, _)| keep(n)) {
         match &dir {
             Some(dir) => {
                 let path = std::path::Path::new(dir).join(name);
@@ -149,15 +154,29 @@ pub fn ptx_with_instances(
     let key = instances
         .iter()
         .fold(arch.to_string(), |k, i| k + "/" + &i.name());
+    let mut src = program_source()?;
+    for i in instances {
+        src.push_str(&i.source_line());
+    }
+    compile_cached(arch, key, &src)
+}
+
+/// PTX of one attention instance alone (the prelude and `attention_fast.cu`): what the engine
+/// compiles on demand. The whole program took the H200's NVRTC and driver 7.5 s; this part
+/// is a fraction of it.
+pub fn instance_ptx(arch: &str, inst: AttentionInstance) -> Result<String, EngineError> {
+    let key = format!("{arch}/only/{}", inst.name());
+    let mut src = source_of(|n| n == "prelude.cu" || n == "attention_fast.cu")?;
+    src.push_str(&inst.source_line());
+    compile_cached(arch, key, &src)
+}
+
+fn compile_cached(arch: &str, key: String, src: &str) -> Result<String, EngineError> {
     let mut cache = cache()
         .lock()
         .map_err(|_| EngineError::Backend("CUDA kernel cache lock poisoned".into()))?;
     if let Some(ptx) = cache.get(&key) {
         return Ok(ptx.clone());
-    }
-    let mut src = program_source()?;
-    for i in instances {
-        src.push_str(&i.source_line());
     }
     let opts = cudarc::nvrtc::CompileOptions {
         // Exact division and square root, no flush-to-zero: the f32 mode is compared with the
@@ -169,7 +188,7 @@ pub fn ptx_with_instances(
         name: Some("tandem_kernels.cu".into()),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| {
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| {
         let detail = match &e {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
                 log.to_string_lossy().into_owned()

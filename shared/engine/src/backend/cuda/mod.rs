@@ -475,9 +475,14 @@ impl CudaDevice {
     }
 
     /// An attention instance, compiled by NVRTC and loaded on first use (cached per process
-    /// by kernels::ptx_with_instances), counted as one launch like [`CudaDevice::func`].
+    /// by kernels::instance_ptx), counted as one launch like [`CudaDevice::func`].
     fn instance_func(&self, inst: kernels::AttentionInstance) -> Result<CudaFunction, EngineError> {
         self.count_launch(|| "attention".to_string());
+        self.load_instance(inst)
+    }
+
+    /// The loaded attention instance, compiling it first if this device has not yet.
+    fn load_instance(&self, inst: kernels::AttentionInstance) -> Result<CudaFunction, EngineError> {
         let name = inst.name();
         let mut lazy = self
             .lazy_funcs
@@ -487,7 +492,7 @@ impl CudaDevice {
             return Ok(f.clone());
         }
         let t0 = std::time::Instant::now();
-        let ptx = kernels::ptx_with_instances(&self.arch, &[inst])?;
+        let ptx = kernels::instance_ptx(&self.arch, inst)?;
         let module = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
