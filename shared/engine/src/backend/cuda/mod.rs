@@ -22,13 +22,18 @@
 mod attention;
 pub mod backend;
 mod gemm;
+mod graphs;
 pub mod kernels;
 pub mod ops;
+mod profile;
 pub mod sampling;
 mod step;
+pub mod switches;
 
 pub use attention::AttentionScratch;
-pub use backend::{ComputeMode, CudaBackend, CudaOptions, GraphStats, PoolSize};
+pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
+pub use graphs::GraphStats;
+pub use profile::LaunchTime;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -233,32 +238,9 @@ pub struct CudaDevice {
     /// While profiling (benchmarks' per-kernel breakdown): an event recorded before each
     /// launch, with the launch's name.
     profile: std::sync::Mutex<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
-    /// bf16 GEMMs of at most 8 rows by `gemv.cu` rather than cuBLAS ([`SMALL_GEMM_ENV`]).
+    /// bf16 GEMMs of one or two rows by `gemv.cu` rather than cuBLAS
+    /// ([`switches::SMALL_GEMM_ENV`]).
     small_m_gemv: bool,
-}
-
-/// `TANDEM_CUDA_SMALL_GEMM`: `gemv` (the default: bf16 GEMMs of ≤ 8 rows, the decode steps of
-/// few sequences, by the weight-streaming kernel of `gemv.cu`) or `cublas` (for comparisons).
-pub const SMALL_GEMM_ENV: &str = "TANDEM_CUDA_SMALL_GEMM";
-
-fn small_m_gemv_from_env() -> Result<bool, EngineError> {
-    match std::env::var(SMALL_GEMM_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(true),
-        Ok(v) if v == "gemv" => Ok(true),
-        Ok(v) if v == "cublas" => Ok(false),
-        Ok(v) => Err(EngineError::InvalidInput(format!(
-            "{SMALL_GEMM_ENV} must be `gemv` or `cublas`, not `{v}`"
-        ))),
-        Err(e) => Err(EngineError::InvalidInput(format!("{SMALL_GEMM_ENV}: {e}"))),
-    }
-}
-
-/// GPU time of one kind of launch over a profiled stretch.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LaunchTime {
-    pub name: String,
-    pub launches: usize,
-    pub ms: f64,
 }
 
 impl CudaDevice {
@@ -343,7 +325,7 @@ impl CudaDevice {
             sms,
             launches: std::sync::atomic::AtomicU64::new(0),
             profile: std::sync::Mutex::new(None),
-            small_m_gemv: small_m_gemv_from_env()?,
+            small_m_gemv: switches::small_m_gemv_from_env()?,
         })
     }
 
@@ -418,51 +400,6 @@ impl CudaDevice {
                 }
             }
         }
-    }
-
-    /// Starts timing every launch (see [`CudaDevice::finish_profile`]). Launches are then
-    /// slower by an event each, and decode steps run eagerly (no graph).
-    pub fn start_profile(&self) {
-        if let Ok(mut guard) = self.profile.lock() {
-            *guard = Some(Vec::new());
-        }
-    }
-
-    /// Whether [`CudaDevice::start_profile`] is in effect.
-    pub fn profiling(&self) -> bool {
-        self.profile.lock().map(|g| g.is_some()).unwrap_or(false)
-    }
-
-    /// Stops profiling and sums the GPU time per launch name, longest first.
-    pub fn finish_profile(&self) -> Result<Vec<LaunchTime>, EngineError> {
-        let events = self
-            .profile
-            .lock()
-            .map_err(|_| EngineError::Backend("CUDA profile lock poisoned".into()))?
-            .take()
-            .unwrap_or_default();
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let end = self
-            .stream
-            .record_event(flags)
-            .map_err(cuda_err("recording the profile's end"))?;
-        self.synchronize()?;
-        let mut sums: HashMap<String, (usize, f64)> = HashMap::new();
-        for (i, (name, ev)) in events.iter().enumerate() {
-            let next = events.get(i + 1).map(|(_, e)| e).unwrap_or(&end);
-            let ms = ev
-                .elapsed_ms(next)
-                .map_err(cuda_err("reading a profile event"))?;
-            let entry = sums.entry(name.clone()).or_default();
-            entry.0 += 1;
-            entry.1 += ms as f64;
-        }
-        let mut out: Vec<LaunchTime> = sums
-            .into_iter()
-            .map(|(name, (launches, ms))| LaunchTime { name, launches, ms })
-            .collect();
-        out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-        Ok(out)
     }
 
     /// The kernel `name`, counted as one launch (every launch wrapper looks its kernel up
