@@ -654,27 +654,7 @@ impl Core {
             }
         };
         let out = match result {
-            Ok(StepResult::Logits(o)) => o,
-            Ok(StepResult::Tokens(tokens)) => {
-                self.prompt_tokens_computed += prompt_tokens as u64;
-                for (p, token) in pieces.iter().zip(tokens) {
-                    self.sched.mark_computed(p);
-                    if self.prefill_next.contains_key(&p.id) {
-                        self.flush_prefill(p.id);
-                    }
-                    match (p.sample, token) {
-                        (true, Some(t)) => self.emit_device_sample(p.id, t),
-                        (true, None) => {
-                            let msg = "the backend returned no sampled token".to_string();
-                            if let Some(rid) = self.seq_req.get(&p.id).cloned() {
-                                self.fail(&rid, Some(msg));
-                            }
-                        }
-                        (false, _) => {}
-                    }
-                }
-                return true;
-            }
+            Ok(o) => o,
             Err(e) => {
                 // The batch's KV is in an unknown state: fail its requests, keep serving others.
                 tracing::error!("engine step failed: {e}");
@@ -697,6 +677,22 @@ impl Core {
                 self.flush_prefill(p.id);
             }
             if p.sample {
+                let out = match &out {
+                    StepResult::Logits(o) => o,
+                    StepResult::Tokens(tokens) => {
+                        // Sampled on the device with this step's plan.
+                        match tokens.get(i).copied().flatten() {
+                            Some(t) => self.emit_device_sample(p.id, t),
+                            None => {
+                                let msg = "the backend returned no sampled token".to_string();
+                                if let Some(rid) = self.seq_req.get(&p.id).cloned() {
+                                    self.fail(&rid, Some(msg));
+                                }
+                            }
+                        }
+                        continue;
+                    }
+                };
                 // A backend without logits (the simulator) returns no row: the token is then
                 // drawn from the sequence's RNG, still reproducible from the seed.
                 let row = out
