@@ -32,7 +32,7 @@ mod check {
         bf16_to_f32, dot, matmul_t, rms_norm_rows, rms_norm_rows_inplace, rope_apply,
         rope_inv_freq, silu_mul, MatRef, Matrix,
     };
-    use tandem_engine::backend::cuda::ops::ArgmaxScratch;
+    use tandem_engine::backend::cuda::ops::{ArgmaxScratch, HeadNorms};
     use tandem_engine::backend::cuda::sampling::SamplingInputs;
     use tandem_engine::backend::cuda::{
         check_libraries, AttentionScratch, CudaDevice, DeviceMatrix, KvPool, PoolShape,
@@ -328,7 +328,13 @@ mod check {
             silu_mul(&mut g, u);
             o.copy_from_slice(&g);
         }
-        let dgu = dev.upload(&gu)?;
+        // The device takes each row's gate and up values interleaved (g0, u0, g1, u1, ...),
+        // as the backend's interleaved gate_up weights produce them.
+        let gu_interleaved: Vec<f32> = gu
+            .chunks_exact(2 * IM)
+            .flat_map(|row| (0..IM).flat_map(move |c| [row[c], row[IM + c]]))
+            .collect();
+        let dgu = dev.upload(&gu_interleaved)?;
         let mut dout = dev.zeros::<f32>(t * IM)?;
         dev.silu_mul(&mut dout, &dgu, t, IM, false)?;
         rep.add("silu_mul", "f32", &dev.download(&dout)?, &want, 1e-5);
@@ -372,12 +378,65 @@ mod check {
             if dtype == KvDtype::Bf16 {
                 host.iter_mut().for_each(|v| *v = bf16_to_f32(bf16(*v)));
             }
-            let mut pool = match dtype {
-                KvDtype::F32 => KvPool::F32(dev.upload(&host)?),
-                KvDtype::Bf16 => {
-                    KvPool::Bf16(dev.upload(&host.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?)
-                }
+            let upload_pool = |host: &[f32]| -> Result<KvPool, EngineError> {
+                Ok(match dtype {
+                    KvDtype::F32 => KvPool::F32(dev.upload(host)?),
+                    KvDtype::Bf16 => KvPool::Bf16(
+                        dev.upload(&host.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?,
+                    ),
+                })
             };
+            let download_pool = |pool: &KvPool| -> Result<Vec<f32>, EngineError> {
+                Ok(match pool {
+                    KvPool::F32(p) => dev.download(p)?,
+                    KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
+                })
+            };
+            let mut pool = upload_pool(&host)?;
+            // The fused q/k norm + RoPE + KV write against the two kernels it replaces, on
+            // the same pool and rows: identical.
+            {
+                let heads = HeadNorms {
+                    nq: NQ,
+                    nkv: NKV,
+                    head_dim: HD,
+                    inv_freq: &dinv,
+                    q_norm: Some(&dqn),
+                    k_norm: Some(&dkn),
+                    eps: EPS,
+                };
+                let (mut q1, mut q2) = (dev.upload(&qkv)?, dev.upload(&qkv)?);
+                let (mut p1, mut p2) = (upload_pool(&host)?, upload_pool(&host)?);
+                dev.qk_norm_rope(
+                    &mut q1,
+                    ROW,
+                    NQ,
+                    NKV,
+                    HD,
+                    &maps,
+                    &dinv,
+                    Some(&dqn),
+                    Some(&dkn),
+                    EPS,
+                )?;
+                dev.kv_write(&mut p1, shape, layer, &q1, ROW, NQ * HD, &maps)?;
+                dev.qk_norm_rope_kv(&mut q2, ROW, &heads, &maps, &mut p2, shape, layer)?;
+                let case = format!("{dtype} pool");
+                rep.add(
+                    "qk_norm_rope_kv",
+                    &case,
+                    &download_pool(&p2)?,
+                    &download_pool(&p1)?,
+                    0.0,
+                );
+                rep.add(
+                    "qk_norm_rope_kv",
+                    &format!("{case}, rows"),
+                    &dev.download(&q2)?,
+                    &dev.download(&q1)?,
+                    0.0,
+                );
+            }
             // Reference write: the layout's address function, values rounded like the CPU
             // backend's store.
             let round = |v: f32| match dtype {
@@ -394,10 +453,7 @@ mod check {
                 }
             }
             dev.kv_write(&mut pool, shape, layer, &dqkv, ROW, NQ * HD, &maps)?;
-            let got: Vec<f32> = match &pool {
-                KvPool::F32(p) => dev.download(p)?,
-                KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
-            };
+            let got = download_pool(&pool)?;
             rep.add("kv_write", &dtype.to_string(), &got, &host, 0.0);
 
             // Attention over the pool as written, without and with a sliding window.
@@ -476,34 +532,44 @@ mod check {
                 if let (KvDtype::Bf16, Some(n)) =
                     (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
                 {
-                    let mut maps_t = dev.token_maps(&seq_refs, BS, window)?;
-                    maps_t.tile_tokens = n;
-                    dev.fill_token_maps(&mut maps_t, &seq_refs, BS, window)?;
-                    let mut tiled = dev.zeros::<f32>(t * NQ * HD)?;
-                    dev.attention(
-                        &mut tiled,
-                        &dqkv,
-                        ROW,
-                        &pool,
-                        shape,
-                        layer,
-                        NQ,
-                        &maps_t,
-                        scale,
-                        &mut scratch,
-                        false,
-                    )?;
-                    let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                    rep.add(
-                        "attention_prefill",
-                        &format!(
-                            "{case}, {} tiles + {} single rows",
-                            maps_t.n_tiles, maps_t.n_singles
-                        ),
-                        &dev.download(&tiled)?,
-                        &want,
-                        vmax / 256.0,
-                    );
+                    // Singles by attention_fast, then by the tensor-core decode kernel.
+                    for decode_tc_min in [usize::MAX, 0] {
+                        let mut maps_t = dev.token_maps(&seq_refs, BS, window)?;
+                        maps_t.tile_tokens = n;
+                        maps_t.decode_tc_min = decode_tc_min;
+                        dev.fill_token_maps(&mut maps_t, &seq_refs, BS, window)?;
+                        let mut tiled = dev.zeros::<f32>(t * NQ * HD)?;
+                        dev.attention(
+                            &mut tiled,
+                            &dqkv,
+                            ROW,
+                            &pool,
+                            shape,
+                            layer,
+                            NQ,
+                            &maps_t,
+                            scale,
+                            &mut scratch,
+                            false,
+                        )?;
+                        let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                        rep.add(
+                            "attention_prefill",
+                            &format!(
+                                "{case}, {} tiles + {} single rows ({})",
+                                maps_t.n_tiles,
+                                maps_t.n_singles,
+                                if maps_t.decode_tc {
+                                    "tensor-core decode"
+                                } else {
+                                    "attention_fast"
+                                }
+                            ),
+                            &dev.download(&tiled)?,
+                            &want,
+                            vmax / 256.0,
+                        );
+                    }
                 }
                 // Only the decode token of each sequence: few (token, head) pairs, so the
                 // positions split over several blocks merged in the launch.
@@ -547,6 +613,63 @@ mod check {
                     &want_d,
                     1e-5,
                 );
+                // The same rows on tensor cores (Q and P in bf16), one block per (row, head)
+                // and the keys split over 2 and 4 blocks, f32 and bf16 outputs.
+                if let (KvDtype::Bf16, Some(n)) =
+                    (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
+                {
+                    let mut maps_dt = dev.token_maps(&last, BS, window)?;
+                    maps_dt.tile_tokens = n;
+                    maps_dt.decode_tc_min = 0;
+                    dev.fill_token_maps(&mut maps_dt, &last, BS, window)?;
+                    let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    for splits in [1, 2, 4] {
+                        let mut got = dev.zeros::<f32>(last.len() * NQ * HD)?;
+                        dev.attention_decode(
+                            &mut got,
+                            &dqkv_d,
+                            ROW,
+                            &pool,
+                            shape,
+                            layer,
+                            NQ,
+                            &maps_dt,
+                            scale,
+                            &mut scratch,
+                            false,
+                            splits,
+                        )?;
+                        rep.add(
+                            "attention_decode",
+                            &format!("{case}, decode rows only ({splits} splits)"),
+                            &dev.download(&got)?,
+                            &want_d,
+                            vmax / 256.0,
+                        );
+                    }
+                    let mut got16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
+                    dev.attention(
+                        &mut got16,
+                        &dqkv_d,
+                        ROW,
+                        &pool,
+                        shape,
+                        layer,
+                        NQ,
+                        &maps_dt,
+                        scale,
+                        &mut scratch,
+                        false,
+                    )?;
+                    let got = widen(&dev.download(&got16)?);
+                    rep.add(
+                        "attention_decode",
+                        &format!("{case}, decode rows only, bf16 out (dispatcher)"),
+                        &got,
+                        &want_d,
+                        vmax / 256.0 + bf16_tol(&want_d),
+                    );
+                }
             }
         }
 
@@ -608,6 +731,78 @@ mod check {
                 &want,
                 1e-3,
             );
+        }
+        // The fused decode launches of gemv.cu (norm + GEMV, norm + gate_up + SiLU·mul)
+        // against the separate kernels they replace, on the same rows: equal but for the
+        // norm's summation order (a bf16 step of a normalised value, now and then).
+        for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
+            let x = rng.vec(m * k);
+            let res = rng.vec(m * k);
+            let nw = rng.vec(k);
+            let sum: Vec<f32> = x.iter().zip(&res).map(|(a, b)| a + b).collect();
+            let (dx, dres, dnw) = (dev.upload(&x)?, dev.upload(&res)?, dev.upload(&nw)?);
+            for (silu, n) in [(false, ROW), (true, IM)] {
+                let w_rows = if silu { 2 * n } else { n };
+                let dwm = DeviceMatrix::Bf16(
+                    dev.upload(
+                        &rng.vec(w_rows * k)
+                            .iter()
+                            .map(|v| bf16(*v))
+                            .collect::<Vec<u16>>(),
+                    )?,
+                );
+                let mut x_ref = dev.upload(&x)?;
+                let mut normed = dev.zeros::<u16>(m * k)?;
+                dev.rms_norm(&mut normed, &mut x_ref, Some(&dres), &dnw, m, EPS, false)?;
+                let mut gemm = dev.zeros::<f32>(m * w_rows)?;
+                dev.matmul_t(&normed, m, k, &dwm, w_rows, &mut gemm)?;
+                let mut x_out = dev.zeros::<f32>(m * k)?;
+                let case = format!("{m}x{k}x{n}{}", if silu { ", silu" } else { "" });
+                let (got, want) = if silu {
+                    let mut act = dev.zeros::<u16>(m * n)?;
+                    dev.silu_mul(&mut act, &gemm, m, n, false)?;
+                    let mut fused = dev.zeros::<u16>(m * n)?;
+                    dev.norm_gemv(
+                        &mut fused,
+                        &dx,
+                        Some(&dres),
+                        &mut x_out,
+                        &dnw,
+                        EPS,
+                        &dwm,
+                        m,
+                        k,
+                        n,
+                        true,
+                    )?;
+                    (widen(&dev.download(&fused)?), widen(&dev.download(&act)?))
+                } else {
+                    let mut fused = dev.zeros::<f32>(m * n)?;
+                    dev.norm_gemv(
+                        &mut fused,
+                        &dx,
+                        Some(&dres),
+                        &mut x_out,
+                        &dnw,
+                        EPS,
+                        &dwm,
+                        m,
+                        k,
+                        n,
+                        false,
+                    )?;
+                    (dev.download(&fused)?, dev.download(&gemm)?)
+                };
+                let tol = want.iter().fold(0.0f32, |a, v| a.max(v.abs())) / 64.0 + 1e-4;
+                rep.add("gemv_norm", &case, &got, &want, tol);
+                rep.add(
+                    "gemv_norm",
+                    &format!("{case}, residual sum"),
+                    &dev.download(&x_out)?,
+                    &sum,
+                    0.0,
+                );
+            }
         }
         // A bf16 GEMM input against f32 weights is refused.
         {

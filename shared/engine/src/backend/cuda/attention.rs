@@ -53,20 +53,127 @@ impl CudaDevice {
         scratch: &mut AttentionScratch,
         split: bool,
     ) -> Result<(), EngineError> {
-        if maps.n_tiles == 0 {
+        if maps.tile_tokens == 0 {
             return self.attention_fast(
                 out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split,
             );
         }
-        self.attention_prefill(
-            out, qkv, row_stride, pool, shape, layer, nq, maps, scale, split,
-        )?;
-        if maps.n_singles > 0 {
+        if maps.n_tiles > 0 {
+            self.attention_prefill(
+                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, split,
+            )?;
+        }
+        if maps.n_singles == 0 {
+            return Ok(());
+        }
+        if maps.decode_tc {
+            let splits = scratch.decode_splits(
+                self,
+                maps.n_singles * shape.num_kv_heads,
+                O::SUFFIX,
+                shape.head_dim,
+            )?;
+            self.attention_decode(
+                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, splits,
+            )
+        } else {
             let rows = Some((&maps.singles, maps.n_singles));
             self.attention_fast_rows(
                 out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, rows,
-            )?;
+            )
         }
+    }
+
+    /// The single-token rows of `maps` (decode) on tensor cores (`attention_decode.cu`, bf16
+    /// pool, head_dim 64 or 128, at most 16 q heads per KV head): the group's q heads as the
+    /// rows of one fragment, the keys split over the block's four warps and over `splits`
+    /// blocks per (row, KV head), merged in the same launch. Q and P are rounded to bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_decode<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+        nq: usize,
+        maps: &TokenMaps,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        split: bool,
+        splits: usize,
+    ) -> Result<(), EngineError> {
+        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
+        let KvPool::Bf16(p) = pool else {
+            return Err(bad("attention_decode: needs a bf16 pool".into()));
+        };
+        let group = if nkv > 0 && nq.is_multiple_of(nkv) {
+            nq / nkv
+        } else {
+            0
+        };
+        if !matches!(hd, 64 | 128)
+            || !(1..=16).contains(&group)
+            || nq * hd > row_stride
+            || layer >= shape.num_layers
+            || !(1..=MAX_SPLITS).contains(&splits)
+        {
+            return Err(bad(format!(
+                "attention_decode: head_dim {hd} (64 or 128), {nq} q heads over {nkv} KV heads                  (group ≤ 16), row stride {row_stride}, layer {layer}, {splits} splits"
+            )));
+        }
+        let rows = maps.n_singles;
+        if rows == 0 {
+            return Ok(());
+        }
+        check_len("attention pool", pool.len(), shape.elems())?;
+        check_len("attention qkv", qkv.len(), maps.tokens * row_stride)?;
+        let lo_off =
+            super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
+        if splits > 1 {
+            scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
+        }
+        let ints = [
+            to_i32("row stride", row_stride)?,
+            to_i32("nq", nq)?,
+            to_i32("nkv", nkv)?,
+            to_i32("group", group)?,
+            to_i32("block size", shape.block_size)?,
+            to_i32("layer", layer)?,
+            to_i32("layers", shape.num_layers)?,
+        ];
+        let f = self.func(&decode_kernel(O::SUFFIX, hd))?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, nkv as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: prefill_smem_bytes(hd),
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(qkv)
+            .arg(&ints[0])
+            .arg(p)
+            .arg(&maps.tables)
+            .arg(&maps.table_start)
+            .arg(&maps.positions)
+            .arg(&maps.lo_pos)
+            .arg(&maps.singles)
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(&ints[5])
+            .arg(&ints[6])
+            .arg(&scale)
+            .arg(&scratch.part_acc)
+            .arg(&scratch.part_ml)
+            .arg(&scratch.counters)
+            .arg(&lo_off);
+        // SAFETY: signature matches; shapes checked above; `singles` holds `rows` valid token
+        // indices (built with the maps); with splits > 1 the scratch holds every partial state
+        // and counter the launch touches (ensured above); block ids were validated by the caller.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_decode"))?;
         Ok(())
     }
 
@@ -307,6 +414,11 @@ pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
 /// At most this many blocks share one (token, KV head)'s positions.
 const MAX_SPLITS: usize = 32;
 
+/// The `attention_decode.cu` kernel for an output type and head size.
+fn decode_kernel(out: &str, head_dim: usize) -> String {
+    format!("attention_decode_{out}_hd{head_dim}")
+}
+
 /// Device scratch of the split attention: the partial states and the per-(token, head)
 /// counters (zeroed once; the merging block resets its counter).
 pub struct AttentionScratch {
@@ -314,6 +426,9 @@ pub struct AttentionScratch {
     part_ml: CudaSlice<f32>,
     counters: CudaSlice<u32>,
     sms: usize,
+    /// Blocks of `attention_decode.cu` resident at once on the whole GPU (occupancy × SMs),
+    /// found on its first launch.
+    decode_slots: Option<usize>,
     /// Bumped when a buffer is reallocated (graphs captured before hold stale addresses).
     pub generation: u64,
 }
@@ -325,6 +440,7 @@ impl AttentionScratch {
             part_ml: dev.zeros(1)?,
             counters: dev.zeros(1)?,
             sms: dev.sm_count(),
+            decode_slots: None,
             generation: 0,
         })
     }
@@ -348,6 +464,37 @@ impl AttentionScratch {
         (8 * self.sms).div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS)
     }
 
+    /// Blocks per (row, KV head) of `attention_decode.cu` for `pairs` (row, KV head) pairs:
+    /// the count (≤ 32) whose blocks fill the GPU's resident slots in the most even waves
+    /// (64 rows × 8 heads on 132 SMs × 3 blocks: 1.3 waves at 1 split, 3.9 at 3; one row:
+    /// 32), within the scratch [`Self::for_model`] sized. Depends on the pair count only
+    /// (graphs stay valid at any context length; a split past the keys merges as empty).
+    pub fn decode_splits(
+        &mut self,
+        dev: &CudaDevice,
+        pairs: usize,
+        out: &str,
+        head_dim: usize,
+    ) -> Result<usize, EngineError> {
+        let slots = match self.decode_slots {
+            Some(n) => n,
+            None => {
+                let f = dev.loaded(&decode_kernel(out, head_dim))?;
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        128,
+                        prefill_smem_bytes(head_dim) as usize,
+                        None,
+                    )
+                    .map_err(cuda_err("attention_decode occupancy"))?;
+                let n = (per_sm as usize).max(1) * self.sms;
+                self.decode_slots = Some(n);
+                n
+            }
+        };
+        Ok(decode_splits_for(pairs, slots, self.sms))
+    }
+
     /// Room for `states` partial states of `head_dim` and `pairs` counters.
     fn ensure(
         &mut self,
@@ -366,5 +513,50 @@ impl AttentionScratch {
             self.generation += 1;
         }
         Ok(())
+    }
+}
+
+/// See [`AttentionScratch::decode_splits`]: splits of `pairs` over `slots` resident blocks,
+/// with at most 16 × `sms` partial states and 8 × `sms` counters (the scratch's size).
+fn decode_splits_for(pairs: usize, slots: usize, sms: usize) -> usize {
+    let pairs = pairs.max(1);
+    let mut best = (1, 0.0f64);
+    for s in 1..=MAX_SPLITS {
+        if s > 1 && (pairs * s > 16 * sms || pairs > 8 * sms) {
+            break;
+        }
+        let waves = (pairs * s) as f64 / slots.max(1) as f64;
+        // Below one wave, the share of the GPU filled (a few long sequences want many
+        // splits); from one wave on, how even the waves are.
+        let score = if waves < 1.0 {
+            waves
+        } else {
+            waves / waves.ceil()
+        };
+        // A split costs a merge: take more only for clearly (3%) better waves.
+        if score > best.1 * 1.03 {
+            best = (s, score);
+        }
+    }
+    best.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_splits_for;
+
+    #[test]
+    fn decode_splits_fill_even_waves_within_the_scratch() {
+        // H200: 132 SMs, 3 blocks each.
+        let (sms, slots) = (132, 396);
+        assert_eq!(decode_splits_for(64 * 8, slots, sms), 3);
+        assert_eq!(decode_splits_for(8 * 8, slots, sms), 6);
+        assert_eq!(decode_splits_for(8, slots, sms), 32);
+        assert_eq!(decode_splits_for(256 * 8, slots, sms), 1);
+        // 1,056 pairs: 2.7 waves alone, 5.3 at two splits (no more even); three would pass
+        // the scratch's 2,112 states.
+        assert_eq!(decode_splits_for(132 * 8, slots, sms), 1);
+        assert_eq!(decode_splits_for(1, slots, sms), 32);
+        assert_eq!(decode_splits_for(0, 0, 1), 1);
     }
 }

@@ -13,7 +13,7 @@ use super::graphs::{run_step, GraphCache, GraphStats};
 use super::step::{
     AnyWorkspace, DeviceLayer, DeviceModel, Readout, StepInputs, StepRows, Workspace,
 };
-use super::switches::{decode_tile_min, tiled_prefill_attention};
+use super::switches::{decode_tc_min, tiled_prefill_attention};
 use super::{AttentionScratch, CudaDevice, DeviceMatrix, KvPool, PoolShape};
 use crate::backend::cpu_ops::Matrix;
 use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
@@ -149,7 +149,7 @@ impl CudaBackend {
                 o_proj: up(&lw.o_proj)?,
                 o_bias: opt(&lw.o_bias)?,
                 post_norm: vec(&lw.post_norm)?,
-                gate_up: up(&lw.gate_up)?,
+                gate_up: up(&interleave_gate_up(&lw.gate_up, config.intermediate_size)?)?,
                 down: up(&lw.down)?,
             });
         }
@@ -192,8 +192,10 @@ impl CudaBackend {
             let bf16_pool = opts.kv_dtype == KvDtype::Bf16;
             if let Some(n) = CudaDevice::prefill_tile_tokens(bf16_pool, config.head_dim, group) {
                 inputs.maps.tile_tokens = n;
-                inputs.maps.single_tile_min =
-                    decode_tile_min(dev.sm_count(), config.num_key_value_heads.max(1))?;
+                // attention_decode.cu holds a group in one 16-row fragment.
+                if group <= 16 {
+                    inputs.maps.decode_tc_min = decode_tc_min()?;
+                }
             }
         }
         let per_block = layout.block_bytes();
@@ -508,4 +510,48 @@ fn ids_per_sequence(counts: &[usize], rows: StepRows) -> Vec<Vec<u32>> {
         .iter()
         .map(|&c| it.by_ref().take(c).map(|id| id as u32).collect())
         .collect()
+}
+
+/// The fused `[gate; up]` weights (2 · `im` rows) with their rows interleaved (row 2c = gate
+/// c, 2c + 1 = up c): the order `silu_mul.cu` and the fused decode GEMV of `gemv.cu` read.
+fn interleave_gate_up(m: &Matrix, im: usize) -> Result<Matrix, EngineError> {
+    fn rows<T: Copy>(v: &[T], im: usize) -> Result<Vec<T>, EngineError> {
+        if im == 0 || !v.len().is_multiple_of(2 * im) {
+            return Err(EngineError::InvalidInput(format!(
+                "gate_up weights of {} elements are not 2 × {im} rows",
+                v.len()
+            )));
+        }
+        let cols = v.len() / (2 * im);
+        let mut out = Vec::with_capacity(v.len());
+        for c in 0..im {
+            out.extend_from_slice(&v[c * cols..(c + 1) * cols]);
+            out.extend_from_slice(&v[(im + c) * cols..(im + c + 1) * cols]);
+        }
+        Ok(out)
+    }
+    Ok(match m {
+        Matrix::F32(v) => Matrix::F32(rows(v, im)?),
+        Matrix::Bf16(v) => Matrix::Bf16(rows(v, im)?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gate_up_rows_interleave() {
+        // im = 2, 3 columns: gate rows g0 g1, up rows u0 u1.
+        let m = Matrix::F32((0..12).map(|v| v as f32).collect());
+        let Matrix::F32(v) = interleave_gate_up(&m, 2).unwrap() else {
+            panic!("f32 in, f32 out")
+        };
+        assert_eq!(
+            v,
+            [0., 1., 2., 6., 7., 8., 3., 4., 5., 9., 10., 11.].to_vec()
+        );
+        assert!(interleave_gate_up(&Matrix::Bf16(vec![0; 10]), 3).is_err());
+        assert!(interleave_gate_up(&Matrix::Bf16(vec![0; 10]), 0).is_err());
+    }
 }

@@ -131,3 +131,106 @@ impl CudaDevice {
         Ok(())
     }
 }
+
+/// Shared memory `gemv.cu`'s fused norm GEMV may take for its normalised rows (the default
+/// limit of a launch): m · k bf16.
+const NORM_GEMV_SMEM_MAX: usize = 48 << 10;
+
+impl CudaDevice {
+    /// Whether [`Self::norm_gemv`] takes `m` rows of `k` over weights `w`: bf16 weights, at
+    /// most two rows, k a multiple of 8 whose rows fit in shared memory, the GEMV switch on.
+    pub fn norm_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix) -> bool {
+        self.small_m_gemv
+            && matches!(w, DeviceMatrix::Bf16(_))
+            && gemv_rows(m, k).is_some_and(|rows| rows * k * 2 <= NORM_GEMV_SMEM_MAX)
+    }
+
+    /// A decode step's RMSNorm and GEMV in one launch (`gemv.cu`'s `gemv_norm_*`): the rows
+    /// `x + residual` (stored to `x_out`, the residual stream's other buffer) normalised by
+    /// `norm_w`, rounded to bf16, times `wᵀ` into `out[m, n]` (f32). With `silu`, `w` holds
+    /// the gate and up rows interleaved (2n rows) and `out` gets silu(gate) · up in bf16.
+    /// Shapes must pass [`Self::norm_gemv_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_gemv<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        x: &CudaSlice<f32>,
+        residual: Option<&CudaSlice<f32>>,
+        x_out: &mut CudaSlice<f32>,
+        norm_w: &CudaSlice<f32>,
+        eps: f32,
+        w: &DeviceMatrix,
+        m: usize,
+        k: usize,
+        n: usize,
+        silu: bool,
+    ) -> Result<(), EngineError> {
+        let (DeviceMatrix::Bf16(ws), Some(rows), true) =
+            (w, gemv_rows(m, k), self.norm_gemv_fits(m, k, w))
+        else {
+            return Err(EngineError::Backend(format!(
+                "norm_gemv: {m} rows of {k} over {} weights is not a fused-GEMV shape",
+                match w {
+                    DeviceMatrix::F32(_) => "f32",
+                    DeviceMatrix::Bf16(_) => "bf16",
+                }
+            )));
+        };
+        let want_out = if silu { "bf16" } else { "f32" };
+        if O::SUFFIX != want_out {
+            return Err(EngineError::Backend(format!(
+                "norm_gemv: {} output, expected {want_out}",
+                O::SUFFIX
+            )));
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        check_len("norm_gemv x", x.len(), m * k)?;
+        if let Some(r) = residual {
+            check_len("norm_gemv residual", r.len(), m * k)?;
+        }
+        check_len("norm_gemv x_out", x_out.len(), m * k)?;
+        check_len("norm_gemv norm weight", norm_w.len(), k)?;
+        let w_rows = if silu { 2 * n } else { n };
+        if ws.len() != w_rows * k {
+            return Err(EngineError::Backend(format!(
+                "norm_gemv: weights of {} elements, expected {w_rows} × {k}",
+                ws.len()
+            )));
+        }
+        check_len("norm_gemv out", out.len(), m * n)?;
+        let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
+        let name = if silu {
+            format!("gemv_norm_silu_bf16_m{rows}")
+        } else {
+            format!("gemv_norm_bf16_m{rows}")
+        };
+        let f = self.func(&name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (rows * k * 2) as u32,
+        };
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(x);
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
+        b.arg(x_out)
+            .arg(norm_w)
+            .arg(&eps)
+            .arg(ws)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki);
+        // SAFETY: signature matches; every buffer's length was checked above (x, residual and
+        // x_out m·k, w (silu ? 2n : n)·k, out m·n), k is a multiple of 8 and the buffers'
+        // starts are 256-byte aligned for the 16-byte weight loads; the shared memory holds
+        // the instance's rows of k bf16.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_norm"))?;
+        Ok(())
+    }
+}

@@ -181,16 +181,18 @@ pub struct TokenMaps {
     /// `attention_fast`). Set by the owner; [`CudaDevice::fill_token_maps`] then splits the
     /// step: sequences with several tokens into `tiles`, the others into `singles`.
     pub tile_tokens: usize,
-    /// With tiles on: single-token sequences (decode rows) also become tiles (of one token)
-    /// when a step has at least this many of them (the tiled kernel reads K/V in wide runs,
-    /// faster when there are enough rows to fill the GPU; fewer go to the split kernel).
-    pub single_tile_min: usize,
+    /// With tiles on: the single-token rows (decode) go to the tensor-core decode kernel
+    /// when a step has at least this many of them (it reads K/V in wide runs, faster once
+    /// the rows fill the GPU), else to `attention_fast`. Set by the owner.
+    pub decode_tc_min: usize,
     /// (first token, tokens) per tile, each within one sequence.
     pub tiles: CudaSlice<i32>,
     pub n_tiles: usize,
-    /// The tokens of single-token sequences (decode rows) when there are tiles.
+    /// The tokens of single-token sequences (decode rows) when tiles are on.
     pub singles: CudaSlice<i32>,
     pub n_singles: usize,
+    /// Whether this step's singles go to the tensor-core decode kernel (see `decode_tc_min`).
+    pub decode_tc: bool,
     /// Bumped whenever a buffer is reallocated (graphs captured before hold stale addresses).
     pub generation: u64,
 }
@@ -206,11 +208,12 @@ impl TokenMaps {
             token_block: dev.zeros(1)?,
             tokens: 0,
             tile_tokens: 0,
-            single_tile_min: usize::MAX,
+            decode_tc_min: usize::MAX,
             tiles: dev.zeros(2)?,
             n_tiles: 0,
             singles: dev.zeros(1)?,
             n_singles: 0,
+            decode_tc: false,
             generation: 0,
         })
     }
@@ -272,10 +275,11 @@ impl CudaDevice {
             let f = module
                 .load_function(name)
                 .map_err(cuda_err(&format!("loading kernel {name}")))?;
-            // The tiled prefill attention takes more than the default 48 KiB of dynamic
-            // shared memory.
+            // The tensor-core attention kernels take more than the default 48 KiB of
+            // dynamic shared memory.
             if let Some(hd) = name
                 .strip_prefix("attention_prefill_")
+                .or_else(|| name.strip_prefix("attention_decode_"))
                 .and_then(|r| r.rsplit_once("_hd"))
                 .and_then(|(_, hd)| hd.parse::<usize>().ok())
             {
@@ -406,6 +410,11 @@ impl CudaDevice {
     /// right before launching it).
     fn func(&self, name: &str) -> Result<&CudaFunction, EngineError> {
         self.count_launch(|| name.to_string());
+        self.loaded(name)
+    }
+
+    /// The kernel `name`, not counted (for queries such as occupancy).
+    fn loaded(&self, name: &str) -> Result<&CudaFunction, EngineError> {
         self.funcs
             .get(name)
             .ok_or_else(|| EngineError::Backend(format!("CUDA kernel {name} is not loaded")))
@@ -469,11 +478,9 @@ impl CudaDevice {
         let (mut table_start, mut positions, mut lo_pos, mut token_block) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut tiles, mut singles) = (Vec::new(), Vec::new());
-        let single_seqs = seqs.iter().filter(|(_, r)| r.len() == 1).count();
-        let tile_singles = single_seqs >= maps.single_tile_min;
         for (table, range) in seqs {
             let first = positions.len();
-            if maps.tile_tokens > 0 && (range.len() > 1 || (range.len() == 1 && tile_singles)) {
+            if maps.tile_tokens > 0 && range.len() > 1 {
                 let mut at = 0;
                 while at < range.len() {
                     let n = maps.tile_tokens.min(range.len() - at);
@@ -533,8 +540,13 @@ impl CudaDevice {
         copy(&lo_pos, &mut maps.lo_pos)?;
         copy(&token_block, &mut maps.token_block)?;
         maps.n_tiles = tiles.len() / 2;
-        maps.n_singles = if tiles.is_empty() { 0 } else { singles.len() };
-        if !tiles.is_empty() {
+        maps.n_singles = if maps.tile_tokens > 0 {
+            singles.len()
+        } else {
+            0
+        };
+        maps.decode_tc = maps.n_singles >= maps.decode_tc_min;
+        if maps.tile_tokens > 0 {
             copy(&tiles, &mut maps.tiles)?;
             copy(&singles, &mut maps.singles)?;
         }

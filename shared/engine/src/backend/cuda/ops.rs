@@ -8,6 +8,19 @@ use super::{
 };
 use crate::error::EngineError;
 
+/// The per-head work of [`CudaDevice::qk_norm_rope_kv`]: head counts and size, RoPE
+/// frequencies (`head_dim / 2`, f32) and the optional q / k RMSNorm weights.
+#[derive(Clone, Copy)]
+pub struct HeadNorms<'a> {
+    pub nq: usize,
+    pub nkv: usize,
+    pub head_dim: usize,
+    pub inv_freq: &'a CudaSlice<f32>,
+    pub q_norm: Option<&'a CudaSlice<f32>>,
+    pub k_norm: Option<&'a CudaSlice<f32>>,
+    pub eps: f32,
+}
+
 impl CudaDevice {
     /// `out[t, :] = table[ids[t], :]` as f32 (`hidden` columns). Ids must be below the
     /// table's row count; `vocab` is checked here on the host copy of the ids.
@@ -131,6 +144,69 @@ impl CudaDevice {
         k_norm: Option<&CudaSlice<f32>>,
         eps: f32,
     ) -> Result<(), EngineError> {
+        let heads = HeadNorms {
+            nq,
+            nkv,
+            head_dim,
+            inv_freq,
+            q_norm,
+            k_norm,
+            eps,
+        };
+        self.qk_norm_rope_into(qkv, row_stride, &heads, maps, None)
+    }
+
+    /// [`Self::qk_norm_rope`], then the rotated K and the V heads (after the k heads in each
+    /// row) stored into `layer` of the pool: the KV write of [`Self::kv_write`] in the same
+    /// launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope_kv(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        row_stride: usize,
+        heads: &HeadNorms<'_>,
+        maps: &TokenMaps,
+        pool: &mut KvPool,
+        shape: PoolShape,
+        layer: usize,
+    ) -> Result<(), EngineError> {
+        if shape.num_kv_heads != heads.nkv
+            || shape.head_dim != heads.head_dim
+            || layer >= shape.num_layers
+            || (heads.nq + 2 * heads.nkv) * heads.head_dim > row_stride
+        {
+            return Err(bad(format!(
+                "qk_norm_rope_kv: {}+2×{} heads of {} over row stride {row_stride} into a pool of \
+                 {} KV heads of {}, layer {layer} of {}",
+                heads.nq,
+                heads.nkv,
+                heads.head_dim,
+                shape.num_kv_heads,
+                shape.head_dim,
+                shape.num_layers
+            )));
+        }
+        check_len("qk_norm_rope_kv pool", pool.len(), shape.elems())?;
+        self.qk_norm_rope_into(qkv, row_stride, heads, maps, Some((pool, shape, layer)))
+    }
+
+    fn qk_norm_rope_into(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        row_stride: usize,
+        heads: &HeadNorms<'_>,
+        maps: &TokenMaps,
+        pool: Option<(&mut KvPool, PoolShape, usize)>,
+    ) -> Result<(), EngineError> {
+        let HeadNorms {
+            nq,
+            nkv,
+            head_dim,
+            inv_freq,
+            q_norm,
+            k_norm,
+            eps,
+        } = *heads;
         let t = maps.tokens;
         if t == 0 {
             return Ok(());
@@ -145,25 +221,35 @@ impl CudaDevice {
         for n in [q_norm, k_norm].into_iter().flatten() {
             check_len("qk_norm_rope norm weight", n.len(), head_dim)?;
         }
-        let (rs, q, hd) = (
+        let (rs, q, kv, hd) = (
             to_i32("row stride", row_stride)?,
             to_i32("nq", nq)?,
+            to_i32("nkv", nkv)?,
             to_i32("head_dim", head_dim)?,
         );
         let null = 0u64;
+        let grid_heads = if pool.is_some() {
+            nq + 2 * nkv
+        } else {
+            nq + nkv
+        };
         let cfg = LaunchConfig {
-            grid_dim: (t as u32, (nq + nkv) as u32, 1),
+            grid_dim: (t as u32, grid_heads as u32, 1),
             block_dim: (threads_for(head_dim / 2), 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = self.func("qk_norm_rope_f32")?;
+        let name = match &pool {
+            None => "qk_norm_rope_f32",
+            Some((KvPool::F32(_), ..)) => "qk_norm_rope_kv_f32",
+            Some((KvPool::Bf16(_), ..)) => "qk_norm_rope_kv_bf16",
+        };
+        let f = self.func(name)?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(qkv)
-            .arg(&rs)
-            .arg(&q)
-            .arg(&hd)
-            .arg(&maps.positions)
-            .arg(inv_freq);
+        b.arg(qkv).arg(&rs).arg(&q);
+        if pool.is_some() {
+            b.arg(&kv);
+        }
+        b.arg(&hd).arg(&maps.positions).arg(inv_freq);
         for n in [q_norm, k_norm] {
             match n {
                 Some(n) => b.arg(n),
@@ -171,12 +257,31 @@ impl CudaDevice {
             };
         }
         b.arg(&eps);
-        // SAFETY: signature matches; shapes checked above.
+        let tail;
+        if let Some((pool, shape, layer)) = pool {
+            tail = [
+                to_i32("block size", shape.block_size)?,
+                to_i32("layer", layer)?,
+                to_i32("layers", shape.num_layers)?,
+            ];
+            match pool {
+                KvPool::F32(p) => b.arg(p),
+                KvPool::Bf16(p) => b.arg(p),
+            };
+            b.arg(&maps.token_block)
+                .arg(&tail[0])
+                .arg(&tail[1])
+                .arg(&tail[2]);
+        }
+        // SAFETY: signature matches (the pool arguments only for the _kv kernels); shapes
+        // checked above; with a pool, it holds the whole shape and the block ids come from
+        // tables the caller validated against `shape.num_blocks`.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching qk_norm_rope"))?;
         Ok(())
     }
 
-    /// `out[r, c] = silu(gu[r, c]) * gu[r, im + c]` for `rows` rows; `out` f32 or bf16.
+    /// `out[r, c] = silu(gu[r, 2c]) * gu[r, 2c + 1]` for `rows` rows (gate and up interleaved,
+    /// as the backend's gate_up weights are); `out` f32 or bf16.
     pub fn silu_mul<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,

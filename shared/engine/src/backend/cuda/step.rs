@@ -5,7 +5,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::ops::ArgmaxScratch;
+use super::ops::{ArgmaxScratch, HeadNorms};
 use super::sampling::SamplingInputs;
 use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps};
 use crate::backend::{LogitsMode, SeqInput};
@@ -49,6 +49,8 @@ pub(super) struct Workspace<A: DeviceElem> {
     /// Split-bf16 GEMM inputs ([`ComputeMode::Bf16Split`]).
     pub(super) split: bool,
     pub(super) x: CudaSlice<f32>,
+    /// The residual stream's second buffer: a fused norm GEMV reads one and writes the other.
+    pub(super) x2: CudaSlice<f32>,
     pub(super) qkv: CudaSlice<f32>,
     pub(super) proj: CudaSlice<f32>,
     pub(super) gu: CudaSlice<f32>,
@@ -81,6 +83,7 @@ impl<A: DeviceElem> Workspace<A> {
             generation: 0,
             split,
             x: dev.zeros(t * h)?,
+            x2: dev.zeros(t * h)?,
             qkv: dev.zeros(m * t * (qd + 2 * kvd))?,
             proj: dev.zeros(m * t * h)?,
             gu: dev.zeros(m * t * 2 * im)?,
@@ -325,40 +328,60 @@ impl DeviceModel {
         for (l, lw) in self.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (fused add).
             let residual = (l > 0).then_some(&ws.proj);
-            dev.rms_norm(
-                &mut ws.normed,
-                &mut ws.x,
-                residual,
-                &lw.input_norm,
-                t,
-                eps,
-                split,
-            )?;
-            dev.matmul_t(&ws.normed, m, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
-            fold(dev, &mut ws.qkv, t * qkv_w)?;
+            // Decode of one or two sequences: each norm rides in the GEMV after it, which
+            // reads the stream from `x` and writes the sum to `x2` (and back for the second
+            // norm), so the launches per layer drop from ten to six.
+            let fused = !split
+                && dev.norm_gemv_fits(t, h, &lw.qkv)
+                && dev.norm_gemv_fits(t, h, &lw.gate_up);
+            if fused {
+                dev.norm_gemv(
+                    &mut ws.qkv,
+                    &ws.x,
+                    residual,
+                    &mut ws.x2,
+                    &lw.input_norm,
+                    eps,
+                    &lw.qkv,
+                    t,
+                    h,
+                    qkv_w,
+                    false,
+                )?;
+            } else {
+                dev.rms_norm(
+                    &mut ws.normed,
+                    &mut ws.x,
+                    residual,
+                    &lw.input_norm,
+                    t,
+                    eps,
+                    split,
+                )?;
+                dev.matmul_t(&ws.normed, m, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
+                fold(dev, &mut ws.qkv, t * qkv_w)?;
+            }
             if let Some(b) = &lw.qkv_bias {
                 dev.bias_add(&mut ws.qkv, b, t)?;
             }
-            dev.qk_norm_rope(
-                &mut ws.qkv,
-                qkv_w,
+            // RoPE'd K and V into the pool in the same launch.
+            let heads = HeadNorms {
                 nq,
                 nkv,
-                hd,
-                &inputs.maps,
-                &self.inv_freq,
-                lw.q_norm.as_ref(),
-                lw.k_norm.as_ref(),
+                head_dim: hd,
+                inv_freq: &self.inv_freq,
+                q_norm: lw.q_norm.as_ref(),
+                k_norm: lw.k_norm.as_ref(),
                 eps,
-            )?;
-            dev.kv_write(
+            };
+            dev.qk_norm_rope_kv(
+                &mut ws.qkv,
+                qkv_w,
+                &heads,
+                &inputs.maps,
                 &mut self.pool,
                 self.shape,
                 l,
-                &ws.qkv,
-                qkv_w,
-                qd,
-                &inputs.maps,
             )?;
             dev.attention(
                 &mut ws.attn,
@@ -378,18 +401,34 @@ impl DeviceModel {
             if let Some(b) = &lw.o_bias {
                 dev.bias_add(&mut ws.proj, b, t)?;
             }
-            dev.rms_norm(
-                &mut ws.normed,
-                &mut ws.x,
-                Some(&ws.proj),
-                &lw.post_norm,
-                t,
-                eps,
-                split,
-            )?;
-            dev.matmul_t(&ws.normed, m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
-            fold(dev, &mut ws.gu, t * 2 * im)?;
-            dev.silu_mul(&mut ws.act, &ws.gu, t, im, split)?;
+            if fused {
+                dev.norm_gemv(
+                    &mut ws.act,
+                    &ws.x2,
+                    Some(&ws.proj),
+                    &mut ws.x,
+                    &lw.post_norm,
+                    eps,
+                    &lw.gate_up,
+                    t,
+                    h,
+                    im,
+                    true,
+                )?;
+            } else {
+                dev.rms_norm(
+                    &mut ws.normed,
+                    &mut ws.x,
+                    Some(&ws.proj),
+                    &lw.post_norm,
+                    t,
+                    eps,
+                    split,
+                )?;
+                dev.matmul_t(&ws.normed, m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
+                fold(dev, &mut ws.gu, t * 2 * im)?;
+                dev.silu_mul(&mut ws.act, &ws.gu, t, im, split)?;
+            }
             dev.matmul_t(&ws.act, m, im, &lw.down, h, &mut ws.proj)?;
             fold(dev, &mut ws.proj, t * h)?;
         }

@@ -69,6 +69,40 @@ __device__ __forceinline__ float merge_weight(float m, float l, float big) {
     return l > 0.0f ? expf(m - big) : 0.0f;
 }
 
+// The block of (token x = bx, KV head g) that finishes last of its `splits` merges every
+// split's partial state (part_acc / part_ml, `group` q heads of `head_dim`) into the output
+// rows of token t; the others return. Its counter is reset for the next launch.
+template <typename O>
+__device__ void merge_split_states(O* out, const float* part_acc, const float* part_ml, unsigned int* counters,
+                                   int bx, int g, int nkv, int splits, int group, int head_dim, int t, int nq,
+                                   long long lo_off) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    unsigned int* counter = counters + (long long)bx * nkv + g;
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const long long p0 = ((long long)bx * nkv + g) * splits;
+    for (int idx = threadIdx.x; idx < group * head_dim; idx += blockDim.x) {
+        const int j = idx / head_dim;
+        const int d = idx % head_dim;
+        float big = NEG_INF;
+        for (int x = 0; x < splits; ++x) big = fmaxf(big, __ldcg(part_ml + ((p0 + x) * group + j) * 2));
+        float sum = 0.0f, a = 0.0f;
+        for (int x = 0; x < splits; ++x) {
+            const float pm = __ldcg(part_ml + ((p0 + x) * group + j) * 2);
+            const float pl = __ldcg(part_ml + ((p0 + x) * group + j) * 2 + 1);
+            const float f = merge_weight(pm, pl, big);
+            sum += pl * f;
+            a += __ldcg(part_acc + ((p0 + x) * group + j) * head_dim + d) * f;
+        }
+        store_in(out, (long long)t * nq * head_dim + (long long)(g * group + j) * head_dim + d, a / sum, lo_off);
+    }
+    if (threadIdx.x == 0) *counter = 0u;  // ready for the next launch
+}
+
 template <typename T, typename O, int E, int G>
 __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, const T* pool,
                                     const int* tables, const int* table_start, const int* positions,
@@ -206,33 +240,7 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
         }
     }
     if (splits == 1) return;
-
-    // The last split block of this (token, head) merges every split's state.
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    unsigned int* counter = counters + (long long)bx * nkv + g;
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const long long p0 = ((long long)bx * nkv + g) * splits;
-    for (int idx = threadIdx.x; idx < G * head_dim; idx += blockDim.x) {
-        const int j = idx / head_dim;
-        const int d = idx % head_dim;
-        float big = NEG_INF;
-        for (int x = 0; x < splits; ++x) big = fmaxf(big, __ldcg(part_ml + ((p0 + x) * G + j) * 2));
-        float sum = 0.0f, a = 0.0f;
-        for (int x = 0; x < splits; ++x) {
-            const float pm = __ldcg(part_ml + ((p0 + x) * G + j) * 2);
-            const float pl = __ldcg(part_ml + ((p0 + x) * G + j) * 2 + 1);
-            const float f = merge_weight(pm, pl, big);
-            sum += pl * f;
-            a += __ldcg(part_acc + ((p0 + x) * G + j) * head_dim + d) * f;
-        }
-        store_in(out, (long long)t * nq * head_dim + (long long)(g * G + j) * head_dim + d, a / sum, lo_off);
-    }
-    if (threadIdx.x == 0) *counter = 0u;  // ready for the next launch
+    merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, G, head_dim, t, nq, lo_off);
 }
 
 // One entry point per (pool type, output type, elements per lane, q heads per KV head).

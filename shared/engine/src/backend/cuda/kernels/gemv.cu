@@ -72,3 +72,120 @@ __device__ void gemv_bf16_impl(float* out, const bf16_t* x, const bf16_t* w, int
 
 GEMV_BF16(gemv_bf16_m1, 1)
 GEMV_BF16(gemv_bf16_m2, 2)
+
+// A decode step's RMSNorm and the GEMV after it in one launch (m ≤ M rows, k ≤ 8 · blockDim
+// elements per row in shared memory): every block normalises the rows itself — x + residual
+// (the decoder's fused residual add), times w_norm / rms — into shared memory as the bf16 that
+// rms_norm_bf16 writes, and block 0 stores the sum to x_out (a second residual buffer: no block
+// reads a row another writes), then its warps take output columns as gemv_bf16 does. With SILU
+// the weight rows are the gate and up rows interleaved (2c gate c, 2c + 1 up c, read as one row
+// of 2k) and a warp writes silu(g) · u as bf16, the down projection's input: norm, gate_up and
+// SiLU·mul in one launch. Re-normalising per block reads the row from L2 (4 KB at hidden 1024)
+// beside the 16 KB of weights the block streams.
+template <int M, bool SILU, typename O>
+__device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
+                               const float* norm_w, float eps, const bf16_t* w, int m, int n, int k) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    bf16_t* xs = reinterpret_cast<bf16_t*>(gemv_smem);  // [M][k]
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        if (r < m) {  // uniform over the block
+            const float* xr = x + (long long)r * k;
+            const float* rr = residual != nullptr ? residual + (long long)r * k : nullptr;
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) {
+                const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
+                ss += v * v;
+            }
+            ss = block_sum(ss);
+            const float inv = 1.0f / sqrtf(ss / (float)k + eps);
+            for (int i = threadIdx.x; i < k; i += blockDim.x) {
+                const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
+                if (blockIdx.x == 0) x_out[(long long)r * k + i] = v;
+                xs[r * k + i] = f32_to_bf16(norm_w[i] * (v * inv));
+            }
+        }
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int col = blockIdx.x * GEMV_WARPS + warp;
+    if (col >= n) return;
+    const int kc = k >> 3;  // 8-element chunks per x row
+    if (!SILU) {
+        const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)col * k);
+        float acc[M];
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[r] = 0.0f;
+        int c = lane;
+        for (; c + 7 * 32 < kc; c += 8 * 32) gemv_run<M, 8>(acc, wr, xs, m, k, c);
+        for (; c + 3 * 32 < kc; c += 4 * 32) gemv_run<M, 4>(acc, wr, xs, m, k, c);
+        for (; c < kc; c += 32) gemv_run<M, 1>(acc, wr, xs, m, k, c);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            float v = acc[r];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && r < m) store_f(out, (long long)r * n + col, v);
+        }
+        return;
+    }
+    // Gate and up of column `col`: one row of 2k weights, chunks below kc the gate's.
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)col * 2 * k);
+    float gate[M], up[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) gate[r] = up[r] = 0.0f;
+    for (int c0 = lane; c0 < 2 * kc; c0 += 8 * 32) {
+        uint4 wv[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < 2 * kc) wv[u] = __ldg(wr + c);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < 2 * kc) {
+                const bool is_up = c >= kc;
+                const int xc = is_up ? c - kc : c;
+                float wf[8];
+                bf16x8_to_f32(wv[u], wf);
+#pragma unroll
+                for (int r = 0; r < M; ++r) {
+                    if (r < m) {
+                        float xf[8];
+                        bf16x8_to_f32(reinterpret_cast<const uint4*>(xs + r * k)[xc], xf);
+                        float d = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) d += wf[e] * xf[e];
+                        if (is_up) {
+                            up[r] += d;
+                        } else {
+                            gate[r] += d;
+                        }
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        float g = gate[r], u = up[r];
+        for (int o = 16; o > 0; o >>= 1) {
+            g += __shfl_xor_sync(0xffffffffu, g, o);
+            u += __shfl_xor_sync(0xffffffffu, u, o);
+        }
+        if (lane == 0 && r < m) store_f(out, (long long)r * n + col, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+#define GEMV_NORM(NAME, M, SILU, O)                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
+        NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
+             const bf16_t* w, int m, int n, int k) {                                                    \
+        gemv_norm_impl<M, SILU, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k);                   \
+    }
+
+GEMV_NORM(gemv_norm_bf16_m1, 1, false, float)
+GEMV_NORM(gemv_norm_bf16_m2, 2, false, float)
+GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, bf16_t)
+GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, bf16_t)

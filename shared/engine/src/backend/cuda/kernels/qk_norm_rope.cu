@@ -1,17 +1,39 @@
 // Per-head RMSNorm (Qwen3's q_norm / k_norm, optional) then RoPE, in place on the q and k
-// heads of each fused qkv row: a row holds nq q heads, then nkv k heads (then v, untouched),
+// heads of each fused qkv row: a row holds nq q heads, then nkv k heads, then nkv v heads,
 // each head_dim long, rows `row_stride` apart. RoPE is Hugging Face's rotate_half convention:
 // pairs (j, j + head_dim/2), angle = inv_freq[j] * pos computed in f32 (cpu_ops::rope_apply).
-// Grid (tokens, nq + nkv); blockDim.x = head_dim/2 rounded up to a multiple of 32.
-extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, int head_dim,
-                                            const int* positions, const float* inv_freq,
-                                            const float* q_norm, const float* k_norm, float eps) {
+// With a pool (qk_norm_rope_kv_*), the k heads as rotated and the v heads as they are are also
+// stored into the paged pool (kv_write.cu's address function): the KV write in the same
+// launch. Grid (tokens, nq + nkv, or nq + 2 * nkv with a pool); blockDim.x = head_dim/2
+// rounded up to a multiple of 32.
+template <typename T>
+__device__ void qk_norm_rope_impl(float* qkv, int row_stride, int nq, int nkv, int head_dim, const int* positions,
+                                  const float* inv_freq, const float* q_norm, const float* k_norm, float eps,
+                                  T* pool, const int* token_block, int block_size, int layer, int num_layers) {
     const int t = blockIdx.x;
     const int h = blockIdx.y;
     const int half = head_dim / 2;
     float* v = qkv + (long long)t * row_stride + (long long)h * head_dim;
     const int j = threadIdx.x;
     const bool active = j < half;
+    // This head's row in the pool: K for the k heads, V for the v heads.
+    long long at = -1;
+    if (pool != nullptr && h >= nq) {
+        const long long kvd = (long long)nkv * head_dim;
+        const long long part_e = (long long)block_size * kvd;
+        const long long layer_e = 2 * part_e;
+        const long long block_e = (long long)num_layers * layer_e;
+        const int kh = h - nq;
+        at = (long long)token_block[t] * block_e + (long long)layer * layer_e + (kh >= nkv ? part_e : 0) +
+             (long long)(positions[t] % block_size) * kvd + (long long)(kh % nkv) * head_dim;
+    }
+    if (at >= 0 && h >= nq + nkv) {  // a v head (uniform over the block): stored as is
+        if (active) {
+            store_f(pool, at + j, v[j]);
+            store_f(pool, at + j + half, v[j + half]);
+        }
+        return;
+    }
     float a = active ? v[j] : 0.0f;
     float b = active ? v[j + half] : 0.0f;
     const float* nw = h < nq ? q_norm : k_norm;
@@ -27,7 +49,33 @@ extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, 
         const float angle = inv_freq[j] * (float)positions[t];
         float s, c;
         sincosf(angle, &s, &c);
-        v[j] = a * c - b * s;
-        v[j + half] = b * c + a * s;
+        const float x = a * c - b * s;
+        const float y = b * c + a * s;
+        v[j] = x;
+        v[j + half] = y;
+        if (at >= 0) {
+            store_f(pool, at + j, x);
+            store_f(pool, at + j + half, y);
+        }
     }
 }
+
+extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, int head_dim,
+                                            const int* positions, const float* inv_freq,
+                                            const float* q_norm, const float* k_norm, float eps) {
+    // No pool: every head past the q heads is a k head (the grid has nq + nkv of them).
+    qk_norm_rope_impl<float>(qkv, row_stride, nq, 0, head_dim, positions, inv_freq, q_norm, k_norm, eps, nullptr,
+                             nullptr, 0, 0, 0);
+}
+
+#define QK_NORM_ROPE_KV(NAME, T)                                                                              \
+    extern "C" __global__ void NAME(float* qkv, int row_stride, int nq, int nkv, int head_dim,                \
+                                    const int* positions, const float* inv_freq, const float* q_norm,         \
+                                    const float* k_norm, float eps, T* pool, const int* token_block,          \
+                                    int block_size, int layer, int num_layers) {                              \
+        qk_norm_rope_impl<T>(qkv, row_stride, nq, nkv, head_dim, positions, inv_freq, q_norm, k_norm, eps,    \
+                             pool, token_block, block_size, layer, num_layers);                               \
+    }
+
+QK_NORM_ROPE_KV(qk_norm_rope_kv_f32, float)
+QK_NORM_ROPE_KV(qk_norm_rope_kv_bf16, bf16_t)

@@ -1,5 +1,6 @@
-// SwiGLU activation: out[r, c] = silu(g) * u with g = gu[r, c], u = gu[r, im + c] (the fused
-// gate_up GEMM's output, rows 2*im long); silu(g) = g / (1 + exp(-g)) as cpu_ops::silu_mul.
+// SwiGLU activation: out[r, c] = silu(g) * u with g = gu[r, 2c], u = gu[r, 2c + 1] (the fused
+// gate_up GEMM's output, rows 2*im long: the backend interleaves the gate and up weight rows,
+// which gemv.cu's fused decode GEMV needs); silu(g) = g / (1 + exp(-g)) as cpu_ops::silu_mul.
 // silu_mul_bf16 writes bf16: the input of the down projection's bf16 GEMM.
 template <typename O>
 __device__ void silu_mul_impl(O* out, const float* gu, int rows, int im, long long lo_off) {
@@ -8,8 +9,8 @@ __device__ void silu_mul_impl(O* out, const float* gu, int rows, int im, long lo
          idx += (long long)gridDim.x * blockDim.x) {
         const long long r = idx / im;
         const long long c = idx % im;
-        const float g = gu[r * 2 * im + c];
-        const float u = gu[r * 2 * im + im + c];
+        const float g = gu[r * 2 * im + 2 * c];
+        const float u = gu[r * 2 * im + 2 * c + 1];
         store_in(out, idx, g / (1.0f + expf(-g)) * u, lo_off);
     }
 }
