@@ -319,8 +319,14 @@ mod bench {
             eprintln!("prefill {row}");
             prefill.push(row);
         }
+        let decode_blocks_per_sm = gpu
+            .device()
+            .decode_attention_blocks_per_sm(cfg.head_dim)
+            .ok();
+        eprintln!("attention_decode blocks per SM: {decode_blocks_per_sm:?}");
         let report = json!({
             "device": gpu.device().name(),
+            "attention_decode_blocks_per_sm": decode_blocks_per_sm,
             "mode": format!("{mode:?}"),
             "graph_max_batch": graphs,
             "profiled": profile,

@@ -147,6 +147,8 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, nkv as u32, splits as u32),
             block_dim: (128, 1, 1),
+            // The prefill kernel's two stages; its merge area (4 × 16 × (head_dim + 2) f32)
+            // is smaller.
             shared_mem_bytes: prefill_smem_bytes(hd),
         };
         let mut b = self.stream.launch_builder(f);
@@ -383,6 +385,18 @@ pub(super) fn attention_instance(
 }
 
 impl CudaDevice {
+    /// Blocks of `attention_decode.cu` (bf16 output) one SM holds at once at `head_dim`
+    /// (benchmarks report it).
+    pub fn decode_attention_blocks_per_sm(&self, head_dim: usize) -> Result<u32, EngineError> {
+        self.loaded(&decode_kernel("bf16", head_dim))?
+            .occupancy_max_active_blocks_per_multiprocessor(
+                128,
+                prefill_smem_bytes(head_dim) as usize,
+                None,
+            )
+            .map_err(cuda_err("attention_decode occupancy"))
+    }
+
     /// Compiles and loads the `attention_fast` instance a model will launch, so that the first
     /// decode step does not wait for NVRTC (a worker does this before it reports ready).
     pub fn preload_attention(
@@ -411,6 +425,7 @@ const FA_PAD: usize = 8;
 pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
     (2 * 2 * FA_KEYS * (head_dim + FA_PAD) * 2) as u32
 }
+
 /// At most this many blocks share one (token, KV head)'s positions.
 const MAX_SPLITS: usize = 32;
 

@@ -5,13 +5,14 @@
 // the group's q heads are the rows of one m16 A fragment (rows past the group repeat the first
 // head and are dropped), so every K/V element staged in shared memory feeds the whole group.
 // The keys [lo, pos] are cut into runs of FA_BK, whole runs per split (blockIdx.z); the block
-// stages each run as attention_prefill.cu does (cp.async, double buffered) and warp w computes
+// stages each run as attention_prefill.cu does (stage_kv_run: cp.async, double buffered;
+// deeper rings measured slower on an H200, fewer blocks fitting per SM) and warp w computes
 // keys 16w .. 16w + 16 of it (QK: 16 mma, PV: 16 mma) with its own online softmax. The four
 // warps' states merge in shared memory, and with splits > 1 the splits merge as in
 // attention_fast.cu (the last block of a (row, head) does it). A one-token tile of the prefill
 // kernel left three of its four warps idle and read K/V faster than its one warp computed.
-// Needs attention_prefill.cu (mma, ldmatrix, cp.async helpers) and attention_fast.cu
-// (merge_split_states) before it in the program.
+// Needs attention_prefill.cu (staging, scores, softmax step and P·V helpers) and
+// attention_fast.cu (merge_split_states) before it in the program.
 #define FD_WARPS 4
 #define FD_WK (FA_BK / FD_WARPS)
 
@@ -40,18 +41,11 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
 
     // Q as A fragments: fragment row r is q head g * group + r (r < group), else the first.
     unsigned qa[HD / 16][4];
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int r = qr + 8 * i;
-            const int head = g * group + (r < group ? r : 0);
-            const float* q = qkv + (long long)t * row_stride + (long long)head * HD + kc * 16 + 2 * qc;
-            const float2 lo = *reinterpret_cast<const float2*>(q);
-            const float2 hi = *reinterpret_cast<const float2*>(q + 8);
-            qa[kc][i] = pack_bf16(lo.x, lo.y);
-            qa[kc][2 + i] = pack_bf16(hi.x, hi.y);
-        }
+    {
+        const float* qrow = qkv + (long long)t * row_stride;
+        const int r0 = qr < group ? qr : 0;
+        const int r1 = qr + 8 < group ? qr + 8 : 0;
+        load_q_fragments<HD>(qa, qrow + (long long)(g * group + r0) * HD, qrow + (long long)(g * group + r1) * HD);
     }
     float o[HD / 8][4];
 #pragma unroll
@@ -66,21 +60,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const int per = (runs + splits - 1) / splits;
     const int beg = lo + sp * per * FA_BK;
     const int end = min(pos + 1, beg + per * FA_BK);
+    const long long layer_off = (long long)layer * layer_e;
     auto stage = [&](int st, int k0) {
-        bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
-        bf16_t* sv = sk + FA_BK * ROW;
-        for (int idx = threadIdx.x; idx < FA_BK * (HD / 8); idx += blockDim.x) {
-            const int key = idx / (HD / 8);
-            const int c = (idx % (HD / 8)) * 8;
-            const int p = k0 + key;
-            const bool ok = p < end;
-            const int pp = ok ? p : lo;  // a valid address; nothing is read when !ok
-            const long long base = (long long)table[pp / block_size] * block_e + (long long)layer * layer_e +
-                                   (long long)(pp % block_size) * kvd + (long long)g * HD + c;
-            cp_async16(sk + key * ROW + c, pool + base, ok);
-            cp_async16(sv + key * ROW + c, pool + base + part_e, ok);
-        }
-        cp_async_commit();
+        stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, end, block_size, block_e,
+                         layer_off, kvd, part_e, g);
     };
     if (beg < end) stage(0, beg);
     int st = 0;
@@ -95,66 +78,18 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         const int kw = k0 + warp * FD_WK;  // this warp's first key of the run
         if (kw < end) {
             const bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW + warp * FD_WK * ROW;
-            const bf16_t* sv = sk + FA_BK * ROW;
-            const int mi = lane >> 3;
-            const int mr = lane & 7;
             float s[2][4];
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-                for (int kc = 0; kc < HD / 16; kc += 2) {
-                    unsigned b[4];
-                    ldsm_x4(b, sk + (nt * 8 + mr) * ROW + kc * 16 + mi * 8);
-                    mma_16816(s[nt], qa[kc], b[0], b[1]);
-                    mma_16816(s[nt], qa[kc + 1], b[2], b[3]);
-                }
-            }
-            float mx[2] = {NEG_INF, NEG_INF};
+            qk_scores<HD, 2>(s, qa, sk);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = kw + nt * 8 + 2 * qc + (e & 1);
                     s[nt][e] = key < end ? s[nt][e] * scale : NEG_INF;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
                 }
             }
-            float corr[2], base[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                const float big = fmaxf(m[i], mx[i]);
-                base[i] = big == NEG_INF ? 0.0f : big;
-                corr[i] = expf(m[i] - base[i]);
-                m[i] = big;
-                l[i] *= corr[i];
-            }
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[nt][e] = expf(s[nt][e] - base[e >> 1]);
-                    l[e >> 1] += s[nt][e];
-                }
-            }
-#pragma unroll
-            for (int dn = 0; dn < HD / 8; ++dn) {
-                o[dn][0] *= corr[0];
-                o[dn][1] *= corr[0];
-                o[dn][2] *= corr[1];
-                o[dn][3] *= corr[1];
-            }
-            const unsigned pa[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]),
-                                    pack_bf16(s[1][0], s[1][1]), pack_bf16(s[1][2], s[1][3])};
-#pragma unroll
-            for (int dn = 0; dn < HD / 8; dn += 2) {
-                unsigned b[4];
-                ldsm_x4_t(b, sv + ((mi & 1) * 8 + mr) * ROW + (dn + (mi >> 1)) * 8);
-                mma_16816(o[dn], pa, b[0], b[1]);
-                mma_16816(o[dn + 1], pa, b[2], b[3]);
-            }
+            softmax_step<HD, 2>(s, m, l, o);
+            pv_accumulate<HD, 2>(o, s, 0, sk + FA_BK * ROW);
         }
         __syncthreads();  // this stage is refilled two runs on
     }

@@ -56,6 +56,141 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
 }
 
+// Q rows as A fragments (bf16), one per 16 columns of the head: q0 and q1 start this lane's
+// fragment rows qr and qr + 8; the lane takes columns 2qc, 2qc + 1 and the same + 8.
+template <int HD>
+__device__ __forceinline__ void load_q_fragments(unsigned (&qa)[HD / 16][4], const float* q0, const float* q1) {
+    const int qc = threadIdx.x & 3;
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float* q = (i == 0 ? q0 : q1) + kc * 16 + 2 * qc;
+            const float2 lo = *reinterpret_cast<const float2*>(q);
+            const float2 hi = *reinterpret_cast<const float2*>(q + 8);
+            qa[kc][i] = pack_bf16(lo.x, lo.y);
+            qa[kc][2 + i] = pack_bf16(hi.x, hi.y);
+        }
+    }
+}
+
+// Queues the K and V rows of keys k0 .. k0 + FA_BK of KV head g (zero past `end`) into one
+// shared-memory slot ([FA_BK][HD + FA_PAD] of K, then of V) by cp.async and commits them as one
+// group. Each thread copies one 16-byte column of every (blockDim / (HD / 8))-th key, walking
+// the block table incrementally (one division per run, not one per copy).
+template <int HD>
+__device__ __forceinline__ void stage_kv_run(bf16_t* slot, const bf16_t* pool, const int* table, int k0, int end,
+                                             int block_size, long long block_e, long long layer_off, long long kvd,
+                                             long long part_e, int g) {
+    constexpr int ROW = HD + FA_PAD;
+    constexpr int CHUNKS = HD / 8;
+    const int key0 = threadIdx.x / CHUNKS;
+    const int step = blockDim.x / CHUNKS;
+    const int c = (threadIdx.x % CHUNKS) * 8;
+    bf16_t* sk = slot;
+    bf16_t* sv = slot + FA_BK * ROW;
+    int p = k0 + key0;
+    int blk = p / block_size;
+    int off = p - blk * block_size;
+    for (int key = key0; key < FA_BK; key += step) {
+        const bool ok = p < end;
+        // Past the end: nothing is read (zero fill); the pool's start is a valid address.
+        const long long base =
+            ok ? (long long)table[blk] * block_e + layer_off + (long long)off * kvd + (long long)g * HD + c : 0;
+        cp_async16(sk + key * ROW + c, pool + base, ok);
+        cp_async16(sv + key * ROW + c, pool + (ok ? base + part_e : 0), ok);
+        p += step;
+        off += step;
+        while (off >= block_size) {
+            off -= block_size;
+            ++blk;
+        }
+    }
+    cp_async_commit();
+}
+
+// The scores of a warp's 16 rows (Q as A fragments) against NT × 8 keys of a staged K slot,
+// starting at row `sk` (ldmatrix matrices: (kc, lo 8 cols), (kc, hi 8), (kc+1, lo), (kc+1, hi)).
+template <int HD, int NT>
+__device__ __forceinline__ void qk_scores(float (&s)[NT][4], const unsigned (&qa)[HD / 16][4], const bf16_t* sk) {
+    constexpr int ROW = HD + FA_PAD;
+    const int lane = threadIdx.x & 31;
+    const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
+    const int mr = lane & 7;   // and its row
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kc = 0; kc < HD / 16; kc += 2) {
+            unsigned b[4];
+            ldsm_x4(b, sk + (nt * 8 + mr) * ROW + kc * 16 + mi * 8);
+            mma_16816(s[nt], qa[kc], b[0], b[1]);
+            mma_16816(s[nt], qa[kc + 1], b[2], b[3]);
+        }
+    }
+}
+
+// One online-softmax step over masked, scaled scores (-inf where masked; a lane's rows qr and
+// qr + 8 in elements 0-1 and 2-3): the rows' maxima over the quad of lanes sharing a row,
+// the running max m and sum l rescaled, s turned into exp(s - max), the accumulators o
+// rescaled. A row with nothing visible yet stays empty.
+template <int HD, int NT>
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[HD / 8][4]) {
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+    }
+    float corr[2], base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float big = fmaxf(m[i], mx[i]);
+        base[i] = big == NEG_INF ? 0.0f : big;
+        corr[i] = expf(m[i] - base[i]);
+        m[i] = big;
+        l[i] *= corr[i];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nt][e] = expf(s[nt][e] - base[e >> 1]);
+            l[e >> 1] += s[nt][e];
+        }
+    }
+#pragma unroll
+    for (int dn = 0; dn < HD / 8; ++dn) {
+        o[dn][0] *= corr[0];
+        o[dn][1] *= corr[0];
+        o[dn][2] *= corr[1];
+        o[dn][3] *= corr[1];
+    }
+}
+
+// O += P·V for 16 keys (kc) of P's accumulator fragments, reused as A fragments, against the
+// staged V rows from `sv` (B fragments by ldmatrix.trans: keys 0..8 / 8..16 of columns dn*8,
+// then dn+1).
+template <int HD, int NT>
+__device__ __forceinline__ void pv_accumulate(float (&o)[HD / 8][4], const float (&s)[NT][4], int kc, const bf16_t* sv) {
+    constexpr int ROW = HD + FA_PAD;
+    const int lane = threadIdx.x & 31;
+    const int mi = lane >> 3;
+    const int mr = lane & 7;
+    const unsigned pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
+                            pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                            pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+    for (int dn = 0; dn < HD / 8; dn += 2) {
+        unsigned b[4];
+        ldsm_x4_t(b, sv + (kc * 16 + (mi & 1) * 8 + mr) * ROW + (dn + (mi >> 1)) * 8);
+        mma_16816(o[dn], pa, b[0], b[1]);
+        mma_16816(o[dn + 1], pa, b[2], b[3]);
+    }
+}
+
 template <typename O, int HD>
 __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride, const bf16_t* pool,
                                        const int* tables, const int* table_start, const int* positions,
@@ -94,19 +229,9 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     int warp_pos = max(row_pos[0], row_pos[1]);
     for (int o = 16; o > 0; o >>= 1) warp_pos = max(warp_pos, __shfl_xor_sync(0xffffffffu, warp_pos, o));
 
-    // Q as A fragments (bf16), one per 16 columns of the head.
     unsigned qa[HD / 16][4];
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float* q = qkv + (long long)row_tok[i] * row_stride + (long long)row_head[i] * HD + kc * 16 + 2 * qc;
-            const float2 lo = *reinterpret_cast<const float2*>(q);
-            const float2 hi = *reinterpret_cast<const float2*>(q + 8);
-            qa[kc][i] = pack_bf16(lo.x, lo.y);
-            qa[kc][2 + i] = pack_bf16(hi.x, hi.y);
-        }
-    }
+    load_q_fragments<HD>(qa, qkv + (long long)row_tok[0] * row_stride + (long long)row_head[0] * HD,
+                         qkv + (long long)row_tok[1] * row_stride + (long long)row_head[1] * HD);
 
     float o[HD / 8][4];
 #pragma unroll
@@ -117,22 +242,10 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     const int* table = tables + table_start[tok0];
     const int kbeg = lo_pos[tok0];
     const int kend = positions[tok0 + ntok - 1] + 1;
-    // Queues the K/V rows of the run starting at k0 into stage `st` (zeros past kend).
+    const long long layer_off = (long long)layer * layer_e;
     auto stage = [&](int st, int k0) {
-        bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
-        bf16_t* sv = sk + FA_BK * ROW;
-        for (int idx = threadIdx.x; idx < FA_BK * (HD / 8); idx += blockDim.x) {
-            const int key = idx / (HD / 8);
-            const int c = (idx % (HD / 8)) * 8;
-            const int p = k0 + key;
-            const bool ok = p < kend;
-            const int pp = ok ? p : kbeg;  // a valid address; nothing is read when !ok
-            const long long base = (long long)table[pp / block_size] * block_e + (long long)layer * layer_e +
-                                   (long long)(pp % block_size) * kvd + (long long)g * HD + c;
-            cp_async16(sk + key * ROW + c, pool + base, ok);
-            cp_async16(sv + key * ROW + c, pool + base + part_e, ok);
-        }
-        cp_async_commit();
+        stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, kend, block_size, block_e,
+                         layer_off, kvd, part_e, g);
     };
     stage(0, kbeg);
     int st = 0;
@@ -147,23 +260,9 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
         const bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
         const bf16_t* sv = sk + FA_BK * ROW;
         if (k0 <= warp_pos) {  // else every row of this warp is before the run
-            const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
-            const int mr = lane & 7;   // and its row
             float s[FA_BK / 8][4];
-#pragma unroll
-            for (int nt = 0; nt < FA_BK / 8; ++nt) {
-                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-                for (int kc = 0; kc < HD / 16; kc += 2) {
-                    // Matrices: (kc, lo 8 cols), (kc, hi 8), (kc+1, lo), (kc+1, hi) of keys nt*8..+8.
-                    unsigned b[4];
-                    ldsm_x4(b, sk + (nt * 8 + mr) * ROW + kc * 16 + mi * 8);
-                    mma_16816(s[nt], qa[kc], b[0], b[1]);
-                    mma_16816(s[nt], qa[kc + 1], b[2], b[3]);
-                }
-            }
-            // Mask and scale; the rows' maxima over the quad of lanes sharing a row.
-            float mx[2] = {NEG_INF, NEG_INF};
+            qk_scores<HD, FA_BK / 8>(s, qa, sk);
+            // Mask (each row's own causal and sliding-window limits) and scale.
 #pragma unroll
             for (int nt = 0; nt < FA_BK / 8; ++nt) {
 #pragma unroll
@@ -172,50 +271,11 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
                     const int key = k0 + nt * 8 + 2 * qc + (e & 1);
                     const bool ok = key >= row_lo[i] && key <= row_pos[i];
                     s[nt][e] = ok ? s[nt][e] * scale : NEG_INF;
-                    mx[i] = fmaxf(mx[i], s[nt][e]);
                 }
             }
-            float corr[2], base[2];
+            softmax_step<HD, FA_BK / 8>(s, m, l, o);
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                const float big = fmaxf(m[i], mx[i]);
-                base[i] = big == NEG_INF ? 0.0f : big;  // a row with nothing visible yet stays empty
-                corr[i] = expf(m[i] - base[i]);
-                m[i] = big;
-                l[i] *= corr[i];
-            }
-#pragma unroll
-            for (int nt = 0; nt < FA_BK / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[nt][e] = expf(s[nt][e] - base[e >> 1]);
-                    l[e >> 1] += s[nt][e];
-                }
-            }
-#pragma unroll
-            for (int dn = 0; dn < HD / 8; ++dn) {
-                o[dn][0] *= corr[0];
-                o[dn][1] *= corr[0];
-                o[dn][2] *= corr[1];
-                o[dn][3] *= corr[1];
-            }
-            // O += P·V, P's accumulator fragments reused as A fragments; V's B fragments by
-            // ldmatrix.trans (matrices: keys kc*16 + 0..8 / 8..16 of columns dn*8, then dn+1).
-#pragma unroll
-            for (int kc = 0; kc < FA_BK / 16; ++kc) {
-                const unsigned pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
-                                        pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                                        pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-#pragma unroll
-                for (int dn = 0; dn < HD / 8; dn += 2) {
-                    unsigned b[4];
-                    ldsm_x4_t(b, sv + (kc * 16 + (mi & 1) * 8 + mr) * ROW + (dn + (mi >> 1)) * 8);
-                    mma_16816(o[dn], pa, b[0], b[1]);
-                    mma_16816(o[dn + 1], pa, b[2], b[3]);
-                }
-            }
+            for (int kc = 0; kc < FA_BK / 16; ++kc) pv_accumulate<HD, FA_BK / 8>(o, s, kc, sv);
         }
         __syncthreads();  // this stage is refilled two runs on
     }
