@@ -260,7 +260,8 @@ mod bench {
             let gs = gpu.graph_stats();
             let row = json!({
                 "graphs": {"captured": gs.captured, "refused": gs.refused, "replays": gs.replays,
-                           "last_refusal": gs.last_refusal},
+                           "last_refusal": gs.last_refusal,
+                           "programmatic_edges": gs.programmatic_edges},
                 "batch": b, "context": context, "steps": steps,
                 "tok_s": b as f64 / step_s, "step_ms": step_s * 1e3,
                 "bytes_per_step": bytes, "limit_step_ms": limit_s * 1e3,

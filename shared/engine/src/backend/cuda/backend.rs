@@ -13,7 +13,7 @@ use super::graphs::{run_step, GraphCache, GraphStats};
 use super::step::{
     AnyWorkspace, DeviceLayer, DeviceModel, Readout, StepInputs, StepRows, Workspace,
 };
-use super::switches::{decode_tc_min, tiled_prefill_attention};
+use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
 use super::{AttentionScratch, CudaDevice, DeviceMatrix, KvPool, PoolShape};
 use crate::backend::cpu_ops::Matrix;
 use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
@@ -255,7 +255,7 @@ impl CudaBackend {
             layout,
             mode,
             staging: None,
-            graphs: GraphCache::new(opts.graph_max_batch),
+            graphs: GraphCache::new(opts.graph_max_batch, pdl_from_env()?),
         })
     }
 

@@ -3,6 +3,9 @@
 //! buffers stay where they were (a buffer generation).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream};
 
 use super::step::{DeviceModel, Readout, StepRows, Workspace};
 use super::DeviceElem;
@@ -10,13 +13,46 @@ use crate::backend::SeqInput;
 use crate::error::EngineError;
 use crate::sampler::SamplePlan;
 
-/// A captured graph owned by the backend.
-struct OwnedGraph(cudarc::driver::CudaGraph);
+/// A captured graph and its instantiation, owned by the backend (ended and instantiated here
+/// rather than by cudarc, so that its edges can be changed in between).
+struct OwnedGraph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    stream: Arc<CudaStream>,
+}
 
 // SAFETY: CUDA graph objects are not internally synchronised but may be used from any thread
 // when calls on one object are serialised; the graph is owned by the backend, which is used
 // by one thread at a time (`&mut self` for every launch) and only moved between threads.
 unsafe impl Send for OwnedGraph {}
+
+impl OwnedGraph {
+    fn launch(&self) -> Result<(), EngineError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| EngineError::Backend(format!("CUDA context: {e:?}")))?;
+        // SAFETY: a live instantiated graph, launched on the stream it was captured from.
+        unsafe { sys::cuGraphLaunch(self.exec, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| EngineError::Backend(format!("CUDA graph launch: {e:?}")))
+    }
+}
+
+impl Drop for OwnedGraph {
+    fn drop(&mut self) {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: both handles were created by `capture` and are destroyed once, here.
+        unsafe {
+            if !self.exec.is_null() {
+                let _ = sys::cuGraphExecDestroy(self.exec);
+            }
+            if !self.graph.is_null() {
+                let _ = sys::cuGraphDestroy(self.graph);
+            }
+        }
+    }
+}
 
 /// Captured decode steps, keyed by (sequences, readout), valid for one buffer generation.
 pub(super) struct GraphCache {
@@ -31,6 +67,11 @@ pub(super) struct GraphCache {
     replays: u64,
     /// The last refusal's reason (benchmarks and checks report it).
     last_refusal: Option<String>,
+    /// Make the edges between the program's own kernels programmatic
+    /// ([`super::switches::PDL_ENV`]).
+    pdl: bool,
+    /// Programmatic edges of the graphs captured so far.
+    programmatic_edges: usize,
 }
 
 /// What the decode-step graphs did so far.
@@ -40,10 +81,12 @@ pub struct GraphStats {
     pub refused: usize,
     pub replays: u64,
     pub last_refusal: Option<String>,
+    /// Kernel-to-kernel edges of the captured graphs made programmatic (PDL).
+    pub programmatic_edges: usize,
 }
 
 impl GraphCache {
-    pub(super) fn new(max_batch: usize) -> Self {
+    pub(super) fn new(max_batch: usize, pdl: bool) -> Self {
         GraphCache {
             max_batch,
             generation: 0,
@@ -52,6 +95,8 @@ impl GraphCache {
             refused: HashSet::new(),
             replays: 0,
             last_refusal: None,
+            pdl,
+            programmatic_edges: 0,
         }
     }
 
@@ -61,6 +106,7 @@ impl GraphCache {
             refused: self.refused.len(),
             replays: self.replays,
             last_refusal: self.last_refusal.clone(),
+            programmatic_edges: self.programmatic_edges,
         }
     }
 }
@@ -90,8 +136,7 @@ pub(super) fn run_step<A: DeviceElem>(
         return Ok((p.counts, model.read_back(ws, p.r, readout)?));
     }
     if let Some(g) = graphs.graphs.get(&key) {
-        g.0.launch()
-            .map_err(|e| EngineError::Backend(format!("CUDA graph launch: {e:?}")))?;
+        g.launch()?;
         graphs.replays += 1;
         return Ok((p.counts, model.read_back(ws, p.r, readout)?));
     }
@@ -99,17 +144,15 @@ pub(super) fn run_step<A: DeviceElem>(
     model.launch(ws, p.t, p.r, readout)?;
     let eager = model.read_back(ws, p.r, readout)?;
     if !graphs.seen.insert(key) {
-        match capture(model, ws, p.t, p.r, readout) {
-            Ok(g) => {
+        match capture(model, ws, p.t, p.r, readout, graphs.pdl) {
+            Ok((g, edges)) => {
                 // The replay recomputes the same step (the same K/V values are rewritten).
-                let replay = g
-                    .launch()
-                    .map_err(|e| EngineError::Backend(format!("CUDA graph launch: {e:?}")))
-                    .and_then(|_| model.read_back(ws, p.r, readout));
+                let replay = g.launch().and_then(|_| model.read_back(ws, p.r, readout));
                 match replay {
                     Ok(rows) if same_rows(&rows, &eager) => {
-                        tracing::debug!(batch = p.t, ?readout, "CUDA graph captured");
-                        graphs.graphs.insert(key, OwnedGraph(g));
+                        tracing::debug!(batch = p.t, ?readout, edges, "CUDA graph captured");
+                        graphs.graphs.insert(key, g);
+                        graphs.programmatic_edges += edges;
                     }
                     Ok(_) => {
                         tracing::warn!(batch = p.t, "CUDA graph replay differs from the eager step; this batch size stays eager");
@@ -133,26 +176,139 @@ pub(super) fn run_step<A: DeviceElem>(
     Ok((p.counts, eager))
 }
 
-/// Captures the launches of a prepared step into a graph.
+/// Captures the launches of a prepared step into a graph (with `pdl`, the edges between the
+/// program's own kernels made programmatic first); also returns how many edges changed.
 fn capture<A: DeviceElem>(
     model: &mut DeviceModel,
     ws: &mut Workspace<A>,
     t: usize,
     r: usize,
     readout: Readout,
-) -> Result<cudarc::driver::CudaGraph, EngineError> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    pdl: bool,
+) -> Result<(OwnedGraph, usize), EngineError> {
+    use cudarc::driver::sys::CUstreamCaptureMode;
+    let err =
+        |what: &str, e: sys::CUresult| EngineError::Backend(format!("CUDA graph {what}: {e:?}"));
     let stream = model.dev.stream().clone();
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(|e| EngineError::Backend(format!("CUDA graph capture: {e:?}")))?;
     let launched = model.launch(ws, t, r, readout);
     // Always end the capture, also after a failed launch, so the stream is usable again.
-    let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the stream is capturing (begun above, on this thread); `graph` receives the result.
+    let ended = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) };
+    let mut owned = OwnedGraph {
+        graph,
+        exec: std::ptr::null_mut(),
+        stream,
+    };
     launched?;
-    ended
-        .map_err(|e| EngineError::Backend(format!("CUDA graph capture: {e:?}")))?
-        .ok_or_else(|| EngineError::Backend("CUDA graph capture produced no graph".into()))
+    if ended != sys::CUresult::CUDA_SUCCESS {
+        return Err(err("capture", ended));
+    }
+    if owned.graph.is_null() {
+        return Err(EngineError::Backend(
+            "CUDA graph capture produced no graph".into(),
+        ));
+    }
+    let edges = if pdl {
+        // SAFETY: a live graph, not yet instantiated; the function handles belong to loaded
+        // modules of this device.
+        unsafe { programmatic_edges(owned.graph, &model.dev.own_functions()) }?
+    } else {
+        0
+    };
+    // SAFETY: a live graph; `exec` receives its instantiation (destroyed by OwnedGraph).
+    let status = unsafe { sys::cuGraphInstantiateWithFlags(&mut owned.exec, owned.graph, 0) };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(err("instantiation", status));
+    }
+    Ok((owned, edges))
+}
+
+/// Turns every plain edge between two kernel nodes of `ours` (the program's kernels, each of
+/// which starts with `griddepcontrol.wait`, see prelude.cu) into a programmatic one, so the
+/// dependent kernel is launched while its predecessor runs and waits in its first
+/// instruction: the launch latency between dependent kernels is hidden. Edges from or to
+/// other nodes (cuBLAS kernels, copies) stay as they are. Returns the number changed.
+///
+/// # Safety
+/// `graph` must be a live graph that is not being launched or changed elsewhere.
+unsafe fn programmatic_edges(
+    graph: sys::CUgraph,
+    ours: &HashSet<usize>,
+) -> Result<usize, EngineError> {
+    let err =
+        |what: &str, e: sys::CUresult| EngineError::Backend(format!("CUDA graph {what}: {e:?}"));
+    let mut n = 0usize;
+    let status = sys::cuGraphGetEdges_v2(
+        graph,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        &mut n,
+    );
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(err("edges", status));
+    }
+    let mut from = vec![std::ptr::null_mut(); n];
+    let mut to = vec![std::ptr::null_mut(); n];
+    let mut data = vec![
+        sys::CUgraphEdgeData {
+            from_port: 0,
+            to_port: 0,
+            type_: 0,
+            reserved: [0; 5],
+        };
+        n
+    ];
+    let status = sys::cuGraphGetEdges_v2(
+        graph,
+        from.as_mut_ptr(),
+        to.as_mut_ptr(),
+        data.as_mut_ptr(),
+        &mut n,
+    );
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(err("edges", status));
+    }
+    let is_ours = |node: sys::CUgraphNode| -> bool {
+        let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        if sys::cuGraphNodeGetType(node, &mut ty) != sys::CUresult::CUDA_SUCCESS
+            || ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
+        {
+            return false;
+        }
+        let mut params: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
+        sys::cuGraphKernelNodeGetParams_v2(node, &mut params) == sys::CUresult::CUDA_SUCCESS
+            && ours.contains(&(params.func as usize))
+    };
+    let programmatic = sys::CUgraphEdgeData {
+        from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+        to_port: 0,
+        type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+        reserved: [0; 5],
+    };
+    let mut changed = 0;
+    for i in 0..n.min(from.len()) {
+        if data[i].type_ != sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_DEFAULT as u8
+            || !is_ours(from[i])
+            || !is_ours(to[i])
+        {
+            continue;
+        }
+        let status = sys::cuGraphRemoveDependencies_v2(graph, &from[i], &to[i], &data[i], 1);
+        if status != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("edge removal", status));
+        }
+        let status = sys::cuGraphAddDependencies_v2(graph, &from[i], &to[i], &programmatic, 1);
+        if status != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("programmatic edge", status));
+        }
+        changed += 1;
+    }
+    Ok(changed)
 }
 
 /// Whether a replay produced what the eager step did: the same argmax ids, or logits within

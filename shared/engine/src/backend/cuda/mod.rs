@@ -413,6 +413,20 @@ impl CudaDevice {
         self.loaded(name)
     }
 
+    /// The raw handles of every kernel of the program loaded so far (attention instances
+    /// included): the kernels that start with `griddepcontrol.wait` (graphs.rs).
+    pub(super) fn own_functions(&self) -> std::collections::HashSet<usize> {
+        let mut set: std::collections::HashSet<usize> = self
+            .funcs
+            .values()
+            .map(|f| f.cu_function() as usize)
+            .collect();
+        if let Ok(lazy) = self.lazy_funcs.lock() {
+            set.extend(lazy.values().map(|f| f.cu_function() as usize));
+        }
+        set
+    }
+
     /// The kernel `name`, not counted (for queries such as occupancy).
     fn loaded(&self, name: &str) -> Result<&CudaFunction, EngineError> {
         self.funcs

@@ -60,3 +60,20 @@ pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
         Err(e) => Err(EngineError::InvalidInput(format!("{SMALL_GEMM_ENV}: {e}"))),
     }
 }
+
+/// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the
+/// program's kernels are programmatic, so each kernel launches while the one before it runs)
+/// or `off` (plain edges, for comparisons).
+pub const PDL_ENV: &str = "TANDEM_CUDA_PDL";
+
+pub(super) fn pdl_from_env() -> Result<bool, EngineError> {
+    match std::env::var(PDL_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(true),
+        Ok(v) if v == "on" => Ok(true),
+        Ok(v) if v == "off" => Ok(false),
+        Ok(v) => Err(EngineError::InvalidInput(format!(
+            "{PDL_ENV} must be `on` or `off`, not `{v}`"
+        ))),
+        Err(e) => Err(EngineError::InvalidInput(format!("{PDL_ENV}: {e}"))),
+    }
+}

@@ -149,7 +149,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         O* out, const float* qkv, int row_stride, const bf16_t* pool, const int* tables,                     \
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
-        float* part_ml, unsigned int* counters, long long lo_off) {                                          \
+        float* part_ml, unsigned int* counters, long long lo_off) { GRID_DEPENDENCY_SYNC();                                          \
         attention_decode_impl<O, HD>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos,     \
                                      token_list, nq, nkv, group, block_size, layer, num_layers, scale,       \
                                      part_acc, part_ml, counters, lo_off);                                   \

@@ -249,7 +249,7 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
         O* out, const float* qkv, int row_stride, const T* pool, const int* tables,                    \
         const int* table_start, const int* positions, const int* lo_pos, int nq, int nkv, int head_dim, \
         int block_size, int layer, int num_layers, float scale, float* part_acc, float* part_ml,       \
-        unsigned int* counters, long long lo_off, const int* token_list) {                             \
+        unsigned int* counters, long long lo_off, const int* token_list) { GRID_DEPENDENCY_SYNC();                             \
         attention_fast_impl<T, O, E, G>(out, qkv, row_stride, pool, tables, table_start, positions,    \
                                         lo_pos, nq, nkv, head_dim, block_size, layer, num_layers,      \
                                         scale, part_acc, part_ml, counters, lo_off, token_list);       \

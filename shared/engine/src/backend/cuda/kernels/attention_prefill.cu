@@ -302,7 +302,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                \
         O* out, const float* qkv, int row_stride, const bf16_t* pool, const int* tables,                   \
         const int* table_start, const int* positions, const int* lo_pos, const int* tiles, int nq, int nkv, \
-        int group, int block_size, int layer, int num_layers, float scale, long long lo_off) {             \
+        int group, int block_size, int layer, int num_layers, float scale, long long lo_off) { GRID_DEPENDENCY_SYNC();             \
         attention_prefill_impl<O, HD>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos,  \
                                       tiles, nq, nkv, group, block_size, layer, num_layers, scale, lo_off); \
     }

@@ -66,7 +66,7 @@ __device__ void gemv_bf16_impl(float* out, const bf16_t* x, const bf16_t* w, int
 
 #define GEMV_BF16(NAME, M)                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        NAME(float* out, const bf16_t* x, const bf16_t* w, int m, int n, int k) {                       \
+        NAME(float* out, const bf16_t* x, const bf16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                       \
         gemv_bf16_impl<M>(out, x, w, m, n, k);                                                          \
     }
 
@@ -181,7 +181,7 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
 #define GEMV_NORM(NAME, M, SILU, O)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
-             const bf16_t* w, int m, int n, int k) {                                                    \
+             const bf16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                                                    \
         gemv_norm_impl<M, SILU, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k);                   \
     }
 

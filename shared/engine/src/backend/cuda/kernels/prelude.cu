@@ -37,6 +37,17 @@ __device__ __forceinline__ void store_in(bf16_t* p, long long i, float v, long l
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (sm_90 on): in a CUDA graph whose edges between these kernels
+// are programmatic (graphs.rs), each kernel first waits until the kernels it depends on have
+// completed and their writes are visible, then lets its own dependents launch, so the next
+// kernel's blocks are resident when this one ends (one grid ahead at most). Every kernel of
+// the program starts with it; outside such graphs both instructions are no-ops.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define GRID_DEPENDENCY_SYNC() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define GRID_DEPENDENCY_SYNC()
+#endif
+
 // Sum of `v` over the whole block; every thread gets the result. blockDim.x must be a
 // multiple of 32 (at most 1024) and every thread of the block must call it.
 __device__ float block_sum(float v) {

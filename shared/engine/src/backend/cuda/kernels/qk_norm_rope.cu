@@ -63,6 +63,7 @@ __device__ void qk_norm_rope_impl(float* qkv, int row_stride, int nq, int nkv, i
 extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, int head_dim,
                                             const int* positions, const float* inv_freq,
                                             const float* q_norm, const float* k_norm, float eps) {
+    GRID_DEPENDENCY_SYNC();
     // No pool: every head past the q heads is a k head (the grid has nq + nkv of them).
     qk_norm_rope_impl<float>(qkv, row_stride, nq, 0, head_dim, positions, inv_freq, q_norm, k_norm, eps, nullptr,
                              nullptr, 0, 0, 0);
@@ -72,7 +73,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, 
     extern "C" __global__ void NAME(float* qkv, int row_stride, int nq, int nkv, int head_dim,                \
                                     const int* positions, const float* inv_freq, const float* q_norm,         \
                                     const float* k_norm, float eps, T* pool, const int* token_block,          \
-                                    int block_size, int layer, int num_layers) {                              \
+                                    int block_size, int layer, int num_layers) { GRID_DEPENDENCY_SYNC();                              \
         qk_norm_rope_impl<T>(qkv, row_stride, nq, nkv, head_dim, positions, inv_freq, q_norm, k_norm, eps,    \
                              pool, token_block, block_size, layer, num_layers);                               \
     }

@@ -23,6 +23,7 @@ __device__ __forceinline__ void warp_argmax(float& best, int& idx) {
 
 extern "C" __global__ void argmax_f32(int* out, const float* logits, int vocab, float* part_v, int* part_i,
                                       unsigned int* counters) {
+    GRID_DEPENDENCY_SYNC();
     const int r = blockIdx.x;
     const int s = blockIdx.y;
     const float* row = logits + (long long)r * vocab;
@@ -259,6 +260,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     int* out, float* logits, int vocab, const float* fparams, const int* iparams, const double* uniforms,
     const int* seen_off, const int* seen, const int* count_off, const int* counts, const int* mask_off,
     const int* masked) {
+    GRID_DEPENDENCY_SYNC();
     const int r = blockIdx.x;
     float* row = logits + (long long)r * vocab;
     const float temperature = fparams[r * 6 + 0];

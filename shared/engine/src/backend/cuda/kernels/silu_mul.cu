@@ -16,9 +16,11 @@ __device__ void silu_mul_impl(O* out, const float* gu, int rows, int im, long lo
 }
 
 extern "C" __global__ void silu_mul_f32(float* out, const float* gu, int rows, int im, long long lo_off) {
+    GRID_DEPENDENCY_SYNC();
     silu_mul_impl(out, gu, rows, im, lo_off);
 }
 
 extern "C" __global__ void silu_mul_bf16(bf16_t* out, const float* gu, int rows, int im, long long lo_off) {
+    GRID_DEPENDENCY_SYNC();
     silu_mul_impl(out, gu, rows, im, lo_off);
 }
