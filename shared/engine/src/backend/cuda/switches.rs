@@ -1,25 +1,41 @@
 //! Environment switches of the CUDA backend, for comparisons on a GPU (each refuses unknown
-//! values): which attention kernels serve prefill chunks and decode rows, and which GEMM serves
-//! steps of one or two rows.
+//! values): which attention kernels serve prefill chunks and decode rows, which GEMM serves
+//! steps of one or two rows, and whether decode graphs use programmatic dependent launch.
 
 use crate::error::EngineError;
+
+/// The value of `name` among `choices` (unset: the first choice); anything else is an error
+/// naming the accepted values.
+fn choice<T: Copy>(name: &str, choices: &[(&str, T)]) -> Result<T, EngineError> {
+    let accepted = || {
+        choices
+            .iter()
+            .map(|(v, _)| format!("`{v}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => Ok(choices[0].1),
+        Ok(v) => choices
+            .iter()
+            .find(|(c, _)| *c == v)
+            .map(|(_, t)| *t)
+            .ok_or_else(|| {
+                EngineError::InvalidInput(format!(
+                    "{name} must be one of {}, not `{v}`",
+                    accepted()
+                ))
+            }),
+        Err(e) => Err(EngineError::InvalidInput(format!("{name}: {e}"))),
+    }
+}
 
 /// `TANDEM_CUDA_PREFILL_ATTENTION`: `tiled` (the default: prefill chunks on tensor cores
 /// where the shape allows) or `fast` (every token by `attention_fast`, for comparisons).
 pub const PREFILL_ATTENTION_ENV: &str = "TANDEM_CUDA_PREFILL_ATTENTION";
 
 pub(super) fn tiled_prefill_attention() -> Result<bool, EngineError> {
-    match std::env::var(PREFILL_ATTENTION_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(true),
-        Ok(v) if v == "tiled" => Ok(true),
-        Ok(v) if v == "fast" => Ok(false),
-        Ok(v) => Err(EngineError::InvalidInput(format!(
-            "{PREFILL_ATTENTION_ENV} must be `tiled` or `fast`, not `{v}`"
-        ))),
-        Err(e) => Err(EngineError::InvalidInput(format!(
-            "{PREFILL_ATTENTION_ENV}: {e}"
-        ))),
-    }
+    choice(PREFILL_ATTENTION_ENV, &[("tiled", true), ("fast", false)])
 }
 
 /// `TANDEM_CUDA_DECODE_ATTENTION`: `auto` (the default: the decode rows of a step through the
@@ -31,34 +47,19 @@ pub const DECODE_ATTENTION_ENV: &str = "TANDEM_CUDA_DECODE_ATTENTION";
 /// The fewest decode rows a step sends to the tensor-core decode kernel (see
 /// [`super::TokenMaps::decode_tc_min`]).
 pub(super) fn decode_tc_min() -> Result<usize, EngineError> {
-    match std::env::var(DECODE_ATTENTION_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(2),
-        Ok(v) if v == "auto" => Ok(2),
-        Ok(v) if v == "tiled" => Ok(0),
-        Ok(v) if v == "split" => Ok(usize::MAX),
-        Ok(v) => Err(EngineError::InvalidInput(format!(
-            "{DECODE_ATTENTION_ENV} must be `auto`, `tiled` or `split`, not `{v}`"
-        ))),
-        Err(e) => Err(EngineError::InvalidInput(format!(
-            "{DECODE_ATTENTION_ENV}: {e}"
-        ))),
-    }
+    choice(
+        DECODE_ATTENTION_ENV,
+        &[("auto", 2), ("tiled", 0), ("split", usize::MAX)],
+    )
 }
 
-/// `TANDEM_CUDA_SMALL_GEMM`: `gemv` (the default: bf16 GEMMs of ≤ 8 rows, the decode steps of
-/// few sequences, by the weight-streaming kernel of `gemv.cu`) or `cublas` (for comparisons).
+/// `TANDEM_CUDA_SMALL_GEMM`: `gemv` (the default: bf16 GEMMs of one or two rows, the decode
+/// steps of few sequences, by the weight-streaming kernels of `gemv.cu`, with their fused
+/// norms) or `cublas` (for comparisons).
 pub const SMALL_GEMM_ENV: &str = "TANDEM_CUDA_SMALL_GEMM";
 
 pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
-    match std::env::var(SMALL_GEMM_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(true),
-        Ok(v) if v == "gemv" => Ok(true),
-        Ok(v) if v == "cublas" => Ok(false),
-        Ok(v) => Err(EngineError::InvalidInput(format!(
-            "{SMALL_GEMM_ENV} must be `gemv` or `cublas`, not `{v}`"
-        ))),
-        Err(e) => Err(EngineError::InvalidInput(format!("{SMALL_GEMM_ENV}: {e}"))),
-    }
+    choice(SMALL_GEMM_ENV, &[("gemv", true), ("cublas", false)])
 }
 
 /// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the
@@ -67,13 +68,27 @@ pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
 pub const PDL_ENV: &str = "TANDEM_CUDA_PDL";
 
 pub(super) fn pdl_from_env() -> Result<bool, EngineError> {
-    match std::env::var(PDL_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(true),
-        Ok(v) if v == "on" => Ok(true),
-        Ok(v) if v == "off" => Ok(false),
-        Ok(v) => Err(EngineError::InvalidInput(format!(
-            "{PDL_ENV} must be `on` or `off`, not `{v}`"
-        ))),
-        Err(e) => Err(EngineError::InvalidInput(format!("{PDL_ENV}: {e}"))),
+    choice(PDL_ENV, &[("on", true), ("off", false)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::choice;
+
+    #[test]
+    fn a_switch_takes_its_default_or_a_listed_value_and_names_the_rest() {
+        // A name no test or user sets.
+        let name = "TANDEM_CUDA_SWITCH_TEST_UNSET";
+        assert_eq!(choice(name, &[("a", 1), ("b", 2)]).unwrap(), 1);
+        std::env::set_var("TANDEM_CUDA_SWITCH_TEST_SET", "b");
+        assert_eq!(
+            choice("TANDEM_CUDA_SWITCH_TEST_SET", &[("a", 1), ("b", 2)]).unwrap(),
+            2
+        );
+        std::env::set_var("TANDEM_CUDA_SWITCH_TEST_BAD", "c");
+        let e = choice("TANDEM_CUDA_SWITCH_TEST_BAD", &[("a", 1), ("b", 2)]).unwrap_err();
+        assert!(e.to_string().contains("`a`, `b`"), "{e}");
+        assert!(e.to_string().contains("not `c`"), "{e}");
+        assert!(choice(name, &[("x", 0)]).is_ok());
     }
 }
