@@ -20,6 +20,7 @@
 //! sampling on the GPU beyond argmax.
 
 mod attention;
+mod attention_scratch;
 pub mod backend;
 mod gemm;
 mod graphs;
@@ -30,7 +31,7 @@ pub mod sampling;
 mod step;
 pub mod switches;
 
-pub use attention::AttentionScratch;
+pub use attention_scratch::AttentionScratch;
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
 pub use graphs::GraphStats;
 pub use profile::LaunchTime;

@@ -1,0 +1,352 @@
+//! The KV write and the attention kernels against the decoder's attention on the CPU.
+
+use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot, rope_inv_freq};
+use tandem_engine::backend::cuda::ops::HeadNorms;
+use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, KvPool, PoolShape};
+use tandem_engine::error::EngineError;
+use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
+
+use super::common::*;
+
+/// KV write (alone and fused with q/k norm + RoPE) and every paged attention kernel, f32 and bf16 pools, with and without a sliding window.
+pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    let seqs = sequences();
+    let (seq_refs, tokens) = step_tokens(&seqs);
+    let t = tokens.len();
+    // The q/k norm weights and RoPE frequencies of the model shape.
+    let inv64 = rope_inv_freq(HD, 1_000_000.0);
+    let inv32: Vec<f32> = inv64.iter().map(|v| *v as f32).collect();
+    let dinv = dev.upload(&inv32)?;
+    let (qn, kn) = (rng.vec(HD), rng.vec(HD));
+    let (dqn, dkn) = (dev.upload(&qn)?, dev.upload(&kn)?);
+    let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
+    // KV write and paged attention, f32 and bf16 pools.
+    let shape = PoolShape {
+        num_blocks: 16,
+        num_layers: LAYERS,
+        block_size: BS,
+        num_kv_heads: NKV,
+        head_dim: HD,
+    };
+    let n = shape.elems();
+    let qkv = rng.vec(t * ROW);
+    let dqkv = dev.upload(&qkv)?;
+    let scale = 1.0 / (HD as f32).sqrt();
+    let mut scratch = AttentionScratch::new(dev)?;
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let layout = KvLayout {
+            version: LAYOUT_VERSION,
+            model_id: "check".into(),
+            dtype,
+            block_size: BS,
+            num_layers: LAYERS,
+            num_kv_heads: NKV,
+            head_dim: HD,
+        };
+        let el = |block: usize, layer: usize, part: KvPart, slot: usize, head: usize| {
+            layout.token_offset(block, layer, part, slot, head) / dtype.bytes()
+        };
+        let layer = 1;
+        // Host pool: random (the cached prefix), as f32 values exactly representable in
+        // the pool's dtype.
+        let mut host: Vec<f32> = rng.vec(n);
+        if dtype == KvDtype::Bf16 {
+            host.iter_mut().for_each(|v| *v = bf16_to_f32(bf16(*v)));
+        }
+        let upload_pool = |host: &[f32]| -> Result<KvPool, EngineError> {
+            Ok(match dtype {
+                KvDtype::F32 => KvPool::F32(dev.upload(host)?),
+                KvDtype::Bf16 => {
+                    KvPool::Bf16(dev.upload(&host.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?)
+                }
+            })
+        };
+        let download_pool = |pool: &KvPool| -> Result<Vec<f32>, EngineError> {
+            Ok(match pool {
+                KvPool::F32(p) => dev.download(p)?,
+                KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
+            })
+        };
+        let mut pool = upload_pool(&host)?;
+        // The fused q/k norm + RoPE + KV write against the two kernels it replaces, on
+        // the same pool and rows: identical.
+        {
+            let heads = HeadNorms {
+                nq: NQ,
+                nkv: NKV,
+                head_dim: HD,
+                inv_freq: &dinv,
+                q_norm: Some(&dqn),
+                k_norm: Some(&dkn),
+                eps: EPS,
+            };
+            let (mut q1, mut q2) = (dev.upload(&qkv)?, dev.upload(&qkv)?);
+            let (mut p1, mut p2) = (upload_pool(&host)?, upload_pool(&host)?);
+            dev.qk_norm_rope(
+                &mut q1,
+                ROW,
+                NQ,
+                NKV,
+                HD,
+                &maps,
+                &dinv,
+                Some(&dqn),
+                Some(&dkn),
+                EPS,
+            )?;
+            dev.kv_write(&mut p1, shape, layer, &q1, ROW, NQ * HD, &maps)?;
+            dev.qk_norm_rope_kv(&mut q2, ROW, &heads, &maps, &mut p2, shape, layer)?;
+            let case = format!("{dtype} pool");
+            rep.add(
+                "qk_norm_rope_kv",
+                &case,
+                &download_pool(&p2)?,
+                &download_pool(&p1)?,
+                0.0,
+            );
+            rep.add(
+                "qk_norm_rope_kv",
+                &format!("{case}, rows"),
+                &dev.download(&q2)?,
+                &dev.download(&q1)?,
+                0.0,
+            );
+        }
+        // Reference write: the layout's address function, values rounded like the CPU
+        // backend's store.
+        let round = |v: f32| match dtype {
+            KvDtype::F32 => v,
+            KvDtype::Bf16 => bf16_to_f32(bf16(v)),
+        };
+        for (row, (s, pos)) in qkv.chunks_exact(ROW).zip(&tokens) {
+            let block = seqs[*s].0[pos / BS] as usize;
+            for (part, off) in [(KvPart::K, NQ * HD), (KvPart::V, (NQ + NKV) * HD)] {
+                let at = el(block, layer, part, pos % BS, 0);
+                for i in 0..NKV * HD {
+                    host[at + i] = round(row[off + i]);
+                }
+            }
+        }
+        dev.kv_write(&mut pool, shape, layer, &dqkv, ROW, NQ * HD, &maps)?;
+        let got = download_pool(&pool)?;
+        rep.add("kv_write", &dtype.to_string(), &got, &host, 0.0);
+
+        // Attention over the pool as written, without and with a sliding window.
+        for window in [usize::MAX, 8] {
+            let maps_w = dev.token_maps(&seq_refs, BS, window)?;
+            let mut want = vec![0.0f32; t * NQ * HD];
+            for (ti, (s, pos)) in tokens.iter().enumerate() {
+                let table = &seqs[*s].0;
+                let lo = (pos + 1).saturating_sub(window);
+                for h in 0..NQ {
+                    let kvh = h / (NQ / NKV);
+                    let q = &qkv[ti * ROW + h * HD..ti * ROW + (h + 1) * HD];
+                    let head = |p: usize, part| {
+                        let at = el(table[p / BS] as usize, layer, part, p % BS, kvh);
+                        &host[at..at + HD]
+                    };
+                    let scores: Vec<f32> = (lo..=*pos)
+                        .map(|p| dot(q, head(p, KvPart::K)) * scale)
+                        .collect();
+                    let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let sum: f32 = e.iter().sum();
+                    let out = &mut want[(ti * NQ + h) * HD..(ti * NQ + h + 1) * HD];
+                    for (p, ev) in (lo..=*pos).zip(&e) {
+                        let a = ev / sum;
+                        for (o, v) in out.iter_mut().zip(head(p, KvPart::V)) {
+                            *o += a * v;
+                        }
+                    }
+                }
+            }
+            let case = if window == usize::MAX {
+                format!("{dtype} pool, decode + chunked prefill + prefill")
+            } else {
+                format!("{dtype} pool, sliding window {window}")
+            };
+            let mut fast = dev.zeros::<f32>(t * NQ * HD)?;
+            dev.attention_fast(
+                &mut fast,
+                &dqkv,
+                ROW,
+                &pool,
+                shape,
+                layer,
+                NQ,
+                &maps_w,
+                scale,
+                &mut scratch,
+                false,
+            )?;
+            rep.add("attention_fast", &case, &dev.download(&fast)?, &want, 1e-5);
+            let mut fast16 = dev.zeros::<u16>(t * NQ * HD)?;
+            dev.attention_fast(
+                &mut fast16,
+                &dqkv,
+                ROW,
+                &pool,
+                shape,
+                layer,
+                NQ,
+                &maps_w,
+                scale,
+                &mut scratch,
+                false,
+            )?;
+            let got = widen(&dev.download(&fast16)?);
+            rep.add(
+                "attention_fast",
+                &format!("{case}, bf16 out"),
+                &got,
+                &want,
+                bf16_tol(&want),
+            );
+            // The tensor-core prefill for the chunks, attention_fast for the decode row (Q
+            // and P rounded to bf16: within a bf16 step of the largest V value).
+            if let (KvDtype::Bf16, Some(n)) =
+                (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
+            {
+                // Singles by attention_fast, then by the tensor-core decode kernel.
+                for decode_tc_min in [usize::MAX, 0] {
+                    let mut maps_t = dev.token_maps(&seq_refs, BS, window)?;
+                    maps_t.tile_tokens = n;
+                    maps_t.decode_tc_min = decode_tc_min;
+                    dev.fill_token_maps(&mut maps_t, &seq_refs, BS, window)?;
+                    let mut tiled = dev.zeros::<f32>(t * NQ * HD)?;
+                    dev.attention(
+                        &mut tiled,
+                        &dqkv,
+                        ROW,
+                        &pool,
+                        shape,
+                        layer,
+                        NQ,
+                        &maps_t,
+                        scale,
+                        &mut scratch,
+                        false,
+                    )?;
+                    let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    rep.add(
+                        "attention_prefill",
+                        &format!(
+                            "{case}, {} tiles + {} single rows ({})",
+                            maps_t.n_tiles,
+                            maps_t.n_singles,
+                            if maps_t.decode_tc {
+                                "tensor-core decode"
+                            } else {
+                                "attention_fast"
+                            }
+                        ),
+                        &dev.download(&tiled)?,
+                        &want,
+                        vmax / 256.0,
+                    );
+                }
+            }
+            // Only the decode token of each sequence: few (token, head) pairs, so the
+            // positions split over several blocks merged in the launch.
+            let last: Vec<(&[u32], std::ops::Range<usize>)> = seq_refs
+                .iter()
+                .map(|(tb, r)| (*tb, r.end - 1..r.end))
+                .collect();
+            let maps_d = dev.token_maps(&last, BS, window)?;
+            let mut want_d = Vec::new();
+            let mut at = 0;
+            for (_, r) in &seq_refs {
+                at += r.len();
+                want_d.extend_from_slice(&want[(at - 1) * NQ * HD..at * NQ * HD]);
+            }
+            let mut qkv_d = Vec::new();
+            let mut at = 0;
+            for (_, r) in &seq_refs {
+                at += r.len();
+                qkv_d.extend_from_slice(&qkv[(at - 1) * ROW..at * ROW]);
+            }
+            let dqkv_d = dev.upload(&qkv_d)?;
+            let mut split = dev.zeros::<f32>(last.len() * NQ * HD)?;
+            dev.attention_fast(
+                &mut split,
+                &dqkv_d,
+                ROW,
+                &pool,
+                shape,
+                layer,
+                NQ,
+                &maps_d,
+                scale,
+                &mut scratch,
+                false,
+            )?;
+            let splits = scratch.splits_for(last.len() * NKV);
+            rep.add(
+                "attention_fast",
+                &format!("{case}, decode rows only ({splits} splits)"),
+                &dev.download(&split)?,
+                &want_d,
+                1e-5,
+            );
+            // The same rows on tensor cores (Q and P in bf16), one block per (row, head)
+            // and the keys split over 2 and 4 blocks, f32 and bf16 outputs.
+            if let (KvDtype::Bf16, Some(n)) =
+                (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
+            {
+                let mut maps_dt = dev.token_maps(&last, BS, window)?;
+                maps_dt.tile_tokens = n;
+                maps_dt.decode_tc_min = 0;
+                dev.fill_token_maps(&mut maps_dt, &last, BS, window)?;
+                let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                for splits in [1, 2, 4] {
+                    let mut got = dev.zeros::<f32>(last.len() * NQ * HD)?;
+                    dev.attention_decode(
+                        &mut got,
+                        &dqkv_d,
+                        ROW,
+                        &pool,
+                        shape,
+                        layer,
+                        NQ,
+                        &maps_dt,
+                        scale,
+                        &mut scratch,
+                        false,
+                        splits,
+                    )?;
+                    rep.add(
+                        "attention_decode",
+                        &format!("{case}, decode rows only ({splits} splits)"),
+                        &dev.download(&got)?,
+                        &want_d,
+                        vmax / 256.0,
+                    );
+                }
+                let mut got16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
+                dev.attention(
+                    &mut got16,
+                    &dqkv_d,
+                    ROW,
+                    &pool,
+                    shape,
+                    layer,
+                    NQ,
+                    &maps_dt,
+                    scale,
+                    &mut scratch,
+                    false,
+                )?;
+                let got = widen(&dev.download(&got16)?);
+                rep.add(
+                    "attention_decode",
+                    &format!("{case}, decode rows only, bf16 out (dispatcher)"),
+                    &got,
+                    &want_d,
+                    vmax / 256.0 + bf16_tol(&want_d),
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! Inputs, tolerances and the report shared by the kernel checks.
+
+use serde_json::{json, Value};
+use tandem_engine::backend::cpu_ops::bf16_to_f32;
+use tandem_engine::backend::cuda::CudaDevice;
+
+/// xorshift64*: reproducible inputs without a dependency.
+pub(crate) struct Rng(pub(crate) u64);
+impl Rng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [-1, 1).
+    pub(crate) fn f(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub(crate) fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+pub(crate) fn bf16(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
+}
+
+pub(crate) fn widen(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|b| bf16_to_f32(*b)).collect()
+}
+
+/// One bf16 rounding of the largest value (2⁻⁸ relative), plus the f32 tolerance.
+pub(crate) fn bf16_tol(want: &[f32]) -> f32 {
+    want.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 256.0 + 1e-5
+}
+
+pub(crate) struct Report {
+    pub(crate) checks: Vec<Value>,
+    pub(crate) pass: bool,
+}
+
+impl Report {
+    pub(crate) fn add(&mut self, kernel: &str, case: &str, got: &[f32], want: &[f32], tol: f32) {
+        let mut max = 0.0f32;
+        let mut max_ref = 0.0f32;
+        let mut nan = got.len() != want.len();
+        for (g, w) in got.iter().zip(want) {
+            if g.is_nan() != w.is_nan() {
+                nan = true;
+            }
+            max = max.max((g - w).abs());
+            max_ref = max_ref.max(w.abs());
+        }
+        let ok = !nan && max <= tol;
+        self.pass &= ok;
+        self.checks.push(json!({
+            "kernel": kernel, "case": case, "elements": want.len(),
+            "max_abs_diff": max, "max_abs_ref": max_ref, "tol": tol, "pass": ok,
+        }));
+    }
+}
+
+// Qwen3-0.6B-like shapes.
+pub(crate) const HIDDEN: usize = 1024;
+pub(crate) const NQ: usize = 16;
+pub(crate) const NKV: usize = 8;
+pub(crate) const HD: usize = 128;
+pub(crate) const IM: usize = 3072;
+pub(crate) const VOCAB: usize = 1000;
+pub(crate) const EPS: f32 = 1e-6;
+pub(crate) const BS: usize = 16;
+pub(crate) const LAYERS: usize = 2;
+pub(crate) const ROW: usize = (NQ + 2 * NKV) * HD;
+
+/// The step's sequences: (block table, positions this step).
+pub(crate) fn sequences() -> Vec<(Vec<u32>, std::ops::Range<usize>)> {
+    // A decode token at position 100, a prefill chunk over a cached prefix (40..90: two
+    // tiles of the tensor-core prefill, keys in two runs) and a fresh prefill (0..33); block
+    // ids permuted over a pool of 16.
+    vec![
+        (vec![3, 9, 0, 14, 6, 11, 1], 100..101),
+        (vec![5, 12, 2, 8, 13, 7], 40..90),
+        (vec![15, 4, 10], 0..33),
+    ]
+}
+
+/// What every group of checks works with: the device, the report, the random stream.
+pub(crate) struct Ctx {
+    pub(crate) dev: CudaDevice,
+    pub(crate) rep: Report,
+    pub(crate) rng: Rng,
+}
+
+/// A sequence's block table and the positions it has in a step.
+pub(crate) type SeqRef<'a> = (&'a [u32], std::ops::Range<usize>);
+
+/// The step's sequences as borrowed tables and, per token, (sequence, position).
+pub(crate) fn step_tokens(
+    seqs: &[(Vec<u32>, std::ops::Range<usize>)],
+) -> (Vec<SeqRef<'_>>, Vec<(usize, usize)>) {
+    let seq_refs = seqs
+        .iter()
+        .map(|(t, r)| (t.as_slice(), r.clone()))
+        .collect();
+    let tokens = seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(s, (_, r))| r.clone().map(move |p| (s, p)))
+        .collect();
+    (seq_refs, tokens)
+}

@@ -1,0 +1,265 @@
+//! Embedding, norms, RoPE, SiLU·mul, gathers against the CPU code.
+
+use serde_json::json;
+use tandem_engine::backend::cpu_ops::{
+    bf16_to_f32, rms_norm_rows, rms_norm_rows_inplace, rope_apply, rope_inv_freq, silu_mul, Matrix,
+};
+use tandem_engine::backend::cuda::DeviceMatrix;
+use tandem_engine::error::EngineError;
+
+use super::common::*;
+
+/// Embedding (and an out-of-vocabulary id refused), RMSNorm plain and fused with the residual add, the split-bf16 output and the fold.
+pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    let seqs = sequences();
+    let (_, tokens) = step_tokens(&seqs);
+    let t = tokens.len();
+    // Embedding (exact).
+    let table = rng.vec(VOCAB * HIDDEN);
+    let ids: Vec<u32> = (0..t).map(|_| rng.below(VOCAB) as u32).collect();
+    for bf in [false, true] {
+        let m = if bf {
+            Matrix::Bf16(table.iter().map(|v| bf16(*v)).collect())
+        } else {
+            Matrix::F32(table.clone())
+        };
+        let mut want = vec![0.0f32; t * HIDDEN];
+        for (row, id) in want.chunks_exact_mut(HIDDEN).zip(&ids) {
+            m.row_into(*id as usize, HIDDEN, row);
+        }
+        let dm = match &m {
+            Matrix::F32(v) => DeviceMatrix::F32(dev.upload(v)?),
+            Matrix::Bf16(v) => DeviceMatrix::Bf16(dev.upload(v)?),
+        };
+        let mut out = dev.zeros::<f32>(t * HIDDEN)?;
+        dev.embedding(&mut out, &dm, &ids, HIDDEN)?;
+        let got = dev.download(&out)?;
+        rep.add(
+            "embedding",
+            if bf { "bf16" } else { "f32" },
+            &got,
+            &want,
+            0.0,
+        );
+    }
+    // An out-of-vocabulary id is refused on the host.
+    {
+        let dm = DeviceMatrix::F32(dev.upload(&table)?);
+        let mut out = dev.zeros::<f32>(HIDDEN)?;
+        let refused = dev
+            .embedding(&mut out, &dm, &[VOCAB as u32], HIDDEN)
+            .is_err();
+        rep.checks.push(
+            json!({"kernel": "embedding", "case": "id outside vocab refused", "pass": refused}),
+        );
+        rep.pass &= refused;
+    }
+
+    // RMSNorm, plain and with the fused residual add.
+    let w = rng.vec(HIDDEN);
+    let x0 = rng.vec(t * HIDDEN);
+    let res = rng.vec(t * HIDDEN);
+    let dw = dev.upload(&w)?;
+    for fused in [false, true] {
+        let mut xs = x0.clone();
+        if fused {
+            for (a, b) in xs.iter_mut().zip(&res) {
+                *a += b;
+            }
+        }
+        let mut want = vec![0.0f32; t * HIDDEN];
+        rms_norm_rows(&xs, &w, EPS, &mut want);
+        let mut dx = dev.upload(&x0)?;
+        let dres = dev.upload(&res)?;
+        let mut out = dev.zeros::<f32>(t * HIDDEN)?;
+        dev.rms_norm(
+            &mut out,
+            &mut dx,
+            fused.then_some(&dres),
+            &dw,
+            t,
+            EPS,
+            false,
+        )?;
+        let got = dev.download(&out)?;
+        let case = if fused { "residual add + norm" } else { "norm" };
+        rep.add("rms_norm", case, &got, &want, 1e-5);
+        if !fused {
+            let mut dx = dev.upload(&x0)?;
+            let mut out16 = dev.zeros::<u16>(t * HIDDEN)?;
+            dev.rms_norm(&mut out16, &mut dx, None, &dw, t, EPS, false)?;
+            let got = widen(&dev.download(&out16)?);
+            rep.add("rms_norm", "norm, bf16 out", &got, &want, bf16_tol(&want));
+            // Split bf16 (hi rows, then lo rows): hi + lo carries ~16 bits.
+            let mut dx = dev.upload(&x0)?;
+            let mut split = dev.zeros::<u16>(2 * t * HIDDEN)?;
+            dev.rms_norm(&mut split, &mut dx, None, &dw, t, EPS, true)?;
+            let halves = widen(&dev.download(&split)?);
+            let (hi, lo) = halves.split_at(t * HIDDEN);
+            let got: Vec<f32> = hi.iter().zip(lo).map(|(a, b)| a + b).collect();
+            let tol = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 32768.0 + 1e-5;
+            rep.add(
+                "rms_norm",
+                "norm, split bf16 out (hi + lo)",
+                &got,
+                &want,
+                tol,
+            );
+            // The fold of a split GEMM output: first half += second half.
+            let a = rng.vec(2 * HIDDEN);
+            let want_f: Vec<f32> = (0..HIDDEN).map(|i| a[i] + a[HIDDEN + i]).collect();
+            let mut da = dev.upload(&a)?;
+            dev.fold_rows(&mut da, HIDDEN)?;
+            let got_f = dev.download(&da)?;
+            rep.add("fold_rows", "f32", &got_f[..HIDDEN], &want_f, 0.0);
+        }
+        if fused {
+            rep.add(
+                "rms_norm",
+                "residual sum written back",
+                &dev.download(&dx)?,
+                &xs,
+                0.0,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Per-head q/k norm + RoPE and RoPE alone, at positions up to several thousand; SiLU·mul.
+pub(crate) fn rope_and_silu(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    let seqs = sequences();
+    let (seq_refs, tokens) = step_tokens(&seqs);
+    let t = tokens.len();
+    // Per-head q/k norm + RoPE (Qwen3), and RoPE alone (Llama-like), at positions up to
+    // several thousand.
+    let inv64 = rope_inv_freq(HD, 1_000_000.0);
+    let inv32: Vec<f32> = inv64.iter().map(|v| *v as f32).collect();
+    let dinv = dev.upload(&inv32)?;
+    let qn = rng.vec(HD);
+    let kn = rng.vec(HD);
+    let (dqn, dkn) = (dev.upload(&qn)?, dev.upload(&kn)?);
+    let qkv0 = rng.vec(t * ROW);
+    let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
+    for norm in [true, false] {
+        let mut want = qkv0.clone();
+        for (row, (_, pos)) in want.chunks_exact_mut(ROW).zip(&tokens) {
+            for (h, head) in row[..(NQ + NKV) * HD].chunks_exact_mut(HD).enumerate() {
+                if norm {
+                    rms_norm_rows_inplace(head, if h < NQ { &qn } else { &kn }, EPS);
+                }
+                rope_apply(head, *pos, &inv64);
+            }
+        }
+        let mut dq = dev.upload(&qkv0)?;
+        let (a, b) = if norm {
+            (Some(&dqn), Some(&dkn))
+        } else {
+            (None, None)
+        };
+        dev.qk_norm_rope(&mut dq, ROW, NQ, NKV, HD, &maps, &dinv, a, b, EPS)?;
+        let got = dev.download(&dq)?;
+        let case = if norm { "q/k norm + rope" } else { "rope only" };
+        rep.add("qk_norm_rope", case, &got, &want, 2e-5);
+    }
+    {
+        // Long positions: the angle rounding of f32 inv_freq × pos as in HF.
+        let long: Vec<(Vec<u32>, std::ops::Range<usize>)> = vec![((0..400).collect(), 6000..6040)];
+        let long_refs: Vec<(&[u32], std::ops::Range<usize>)> = long
+            .iter()
+            .map(|(t, r)| (t.as_slice(), r.clone()))
+            .collect();
+        let lmaps = dev.token_maps(&long_refs, BS, usize::MAX)?;
+        let q0 = rng.vec(40 * ROW);
+        let mut want = q0.clone();
+        for (row, pos) in want.chunks_exact_mut(ROW).zip(6000..6040) {
+            for head in row[..(NQ + NKV) * HD].chunks_exact_mut(HD) {
+                rope_apply(head, pos, &inv64);
+            }
+        }
+        let mut dq = dev.upload(&q0)?;
+        dev.qk_norm_rope(&mut dq, ROW, NQ, NKV, HD, &lmaps, &dinv, None, None, EPS)?;
+        rep.add(
+            "qk_norm_rope",
+            "rope at positions 6000..6040",
+            &dev.download(&dq)?,
+            &want,
+            1e-4,
+        );
+    }
+
+    // SiLU·mul.
+    let gu = rng
+        .vec(t * 2 * IM)
+        .iter()
+        .map(|v| v * 8.0)
+        .collect::<Vec<_>>();
+    let mut want = vec![0.0f32; t * IM];
+    for (o, row) in want.chunks_exact_mut(IM).zip(gu.chunks_exact(2 * IM)) {
+        let (g, u) = row.split_at(IM);
+        let mut g = g.to_vec();
+        silu_mul(&mut g, u);
+        o.copy_from_slice(&g);
+    }
+    // The device takes each row's gate and up values interleaved (g0, u0, g1, u1, ...),
+    // as the backend's interleaved gate_up weights produce them.
+    let gu_interleaved: Vec<f32> = gu
+        .chunks_exact(2 * IM)
+        .flat_map(|row| (0..IM).flat_map(move |c| [row[c], row[IM + c]]))
+        .collect();
+    let dgu = dev.upload(&gu_interleaved)?;
+    let mut dout = dev.zeros::<f32>(t * IM)?;
+    dev.silu_mul(&mut dout, &dgu, t, IM, false)?;
+    rep.add("silu_mul", "f32", &dev.download(&dout)?, &want, 1e-5);
+    {
+        let mut dout = dev.zeros::<u16>(t * IM)?;
+        dev.silu_mul(&mut dout, &dgu, t, IM, false)?;
+        let got = widen(&dev.download(&dout)?);
+        rep.add("silu_mul", "bf16 out", &got, &want, bf16_tol(&want));
+    }
+    Ok(())
+}
+
+/// Row gather into f32 and bf16, and the bias add.
+pub(crate) fn gather_and_bias(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    let seqs = sequences();
+    let (_, tokens) = step_tokens(&seqs);
+    let t = tokens.len();
+    // Row gather into f32 and bf16, and the bias add.
+    {
+        let src = rng.vec(t * HIDDEN);
+        let rows: Vec<u32> = vec![0, (t - 1) as u32, 5, 5];
+        let want: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| src[*r as usize * HIDDEN..(*r as usize + 1) * HIDDEN].to_vec())
+            .collect();
+        let dsrc = dev.upload(&src)?;
+        let mut out = dev.zeros::<f32>(rows.len() * HIDDEN)?;
+        dev.gather_rows(&mut out, &dsrc, t, &rows, HIDDEN, false)?;
+        rep.add("gather_rows", "f32", &dev.download(&out)?, &want, 0.0);
+        let mut out16 = dev.zeros::<u16>(rows.len() * HIDDEN)?;
+        dev.gather_rows(&mut out16, &dsrc, t, &rows, HIDDEN, false)?;
+        let want16: Vec<f32> = want.iter().map(|v| bf16_to_f32(bf16(*v))).collect();
+        rep.add(
+            "gather_rows",
+            "bf16 out",
+            &widen(&dev.download(&out16)?),
+            &want16,
+            0.0,
+        );
+        let b = rng.vec(HIDDEN);
+        let mut want_b = src.clone();
+        for row in want_b.chunks_exact_mut(HIDDEN) {
+            for (v, bb) in row.iter_mut().zip(&b) {
+                *v += bb;
+            }
+        }
+        let mut dx = dev.upload(&src)?;
+        dev.bias_add(&mut dx, &dev.upload(&b)?, t)?;
+        rep.add("bias_add", "f32", &dev.download(&dx)?, &want_b, 0.0);
+    }
+    Ok(())
+}

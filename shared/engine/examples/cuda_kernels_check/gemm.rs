@@ -1,0 +1,155 @@
+//! GEMMs and GEMVs against cpu_ops::matmul_t.
+
+use serde_json::json;
+use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
+use tandem_engine::backend::cuda::DeviceMatrix;
+use tandem_engine::error::EngineError;
+
+use super::common::*;
+
+/// cuBLAS sgemm and bf16 GEMMs, the GEMV kernels and their fused norm / SiLU forms, and a refused type mix.
+pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    // GEMM (cuBLAS sgemm, the f32 mode) at decode and prefill row counts.
+    for (m, k, nn) in [(1, HIDDEN, ROW), (37, HIDDEN, 2 * IM), (37, IM, HIDDEN)] {
+        let x = rng.vec(m * k);
+        let wv = rng.vec(nn * k);
+        let mut want = vec![0.0f32; m * nn];
+        matmul_t(&x, m, k, MatRef::F32(&wv), nn, &mut want);
+        let dx = dev.upload(&x)?;
+        let dwm = DeviceMatrix::F32(dev.upload(&wv)?);
+        let mut dout = dev.zeros::<f32>(m * nn)?;
+        dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+        rep.add(
+            "gemm_sgemm",
+            &format!("{m}x{k}x{nn}"),
+            &dev.download(&dout)?,
+            &want,
+            1e-3,
+        );
+    }
+    // GEMM in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
+    // product of the same rounded values.
+    // Few rows go through gemv.cu (k = 1000 and 8: its tail loop), more through cuBLAS.
+    for (m, k, nn) in [
+        (1, HIDDEN, ROW),
+        (2, IM, HIDDEN),
+        (1, 1000, 77),
+        (2, 8, 33),
+        (8, HIDDEN, 2 * IM),
+        (64, HIDDEN, 2 * IM),
+        (300, IM, HIDDEN),
+    ] {
+        let x: Vec<f32> = rng
+            .vec(m * k)
+            .into_iter()
+            .map(|v| bf16_to_f32(bf16(v)))
+            .collect();
+        let wv: Vec<f32> = rng
+            .vec(nn * k)
+            .into_iter()
+            .map(|v| bf16_to_f32(bf16(v)))
+            .collect();
+        let mut want = vec![0.0f32; m * nn];
+        matmul_t(&x, m, k, MatRef::F32(&wv), nn, &mut want);
+        let dx = dev.upload(&x.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?;
+        let dwm =
+            DeviceMatrix::Bf16(dev.upload(&wv.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?);
+        let mut dout = dev.zeros::<f32>(m * nn)?;
+        dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+        rep.add(
+            if m <= 8 {
+                "gemm_bf16 (gemv)"
+            } else {
+                "gemm_bf16"
+            },
+            &format!("{m}x{k}x{nn}"),
+            &dev.download(&dout)?,
+            &want,
+            1e-3,
+        );
+    }
+    // The fused decode launches of gemv.cu (norm + GEMV, norm + gate_up + SiLU·mul)
+    // against the separate kernels they replace, on the same rows: equal but for the
+    // norm's summation order (a bf16 step of a normalised value, now and then).
+    for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
+        let x = rng.vec(m * k);
+        let res = rng.vec(m * k);
+        let nw = rng.vec(k);
+        let sum: Vec<f32> = x.iter().zip(&res).map(|(a, b)| a + b).collect();
+        let (dx, dres, dnw) = (dev.upload(&x)?, dev.upload(&res)?, dev.upload(&nw)?);
+        for (silu, n) in [(false, ROW), (true, IM)] {
+            let w_rows = if silu { 2 * n } else { n };
+            let dwm = DeviceMatrix::Bf16(
+                dev.upload(
+                    &rng.vec(w_rows * k)
+                        .iter()
+                        .map(|v| bf16(*v))
+                        .collect::<Vec<u16>>(),
+                )?,
+            );
+            let mut x_ref = dev.upload(&x)?;
+            let mut normed = dev.zeros::<u16>(m * k)?;
+            dev.rms_norm(&mut normed, &mut x_ref, Some(&dres), &dnw, m, EPS, false)?;
+            let mut gemm = dev.zeros::<f32>(m * w_rows)?;
+            dev.matmul_t(&normed, m, k, &dwm, w_rows, &mut gemm)?;
+            let mut x_out = dev.zeros::<f32>(m * k)?;
+            let case = format!("{m}x{k}x{n}{}", if silu { ", silu" } else { "" });
+            let (got, want) = if silu {
+                let mut act = dev.zeros::<u16>(m * n)?;
+                dev.silu_mul(&mut act, &gemm, m, n, false)?;
+                let mut fused = dev.zeros::<u16>(m * n)?;
+                dev.norm_gemv(
+                    &mut fused,
+                    &dx,
+                    Some(&dres),
+                    &mut x_out,
+                    &dnw,
+                    EPS,
+                    &dwm,
+                    m,
+                    k,
+                    n,
+                    true,
+                )?;
+                (widen(&dev.download(&fused)?), widen(&dev.download(&act)?))
+            } else {
+                let mut fused = dev.zeros::<f32>(m * n)?;
+                dev.norm_gemv(
+                    &mut fused,
+                    &dx,
+                    Some(&dres),
+                    &mut x_out,
+                    &dnw,
+                    EPS,
+                    &dwm,
+                    m,
+                    k,
+                    n,
+                    false,
+                )?;
+                (dev.download(&fused)?, dev.download(&gemm)?)
+            };
+            let tol = want.iter().fold(0.0f32, |a, v| a.max(v.abs())) / 64.0 + 1e-4;
+            rep.add("gemv_norm", &case, &got, &want, tol);
+            rep.add(
+                "gemv_norm",
+                &format!("{case}, residual sum"),
+                &dev.download(&x_out)?,
+                &sum,
+                0.0,
+            );
+        }
+    }
+    // A bf16 GEMM input against f32 weights is refused.
+    {
+        let dx = dev.zeros::<u16>(HIDDEN)?;
+        let dwm = DeviceMatrix::F32(dev.zeros::<f32>(HIDDEN)?);
+        let mut dout = dev.zeros::<f32>(1)?;
+        let refused = dev.matmul_t(&dx, 1, HIDDEN, &dwm, 1, &mut dout).is_err();
+        rep.checks
+            .push(json!({"kernel": "gemm", "case": "mixed dtypes refused", "pass": refused}));
+        rep.pass &= refused;
+    }
+    Ok(())
+}

@@ -1,0 +1,153 @@
+//! [`AttentionScratch`]: the partial states and counters of attention split over several
+//! blocks per (token, KV head), and how many splits a launch gets.
+
+use cudarc::driver::CudaSlice;
+
+use super::attention::{decode_kernel, prefill_smem_bytes};
+use super::{cuda_err, CudaDevice};
+use crate::error::EngineError;
+
+/// At most this many blocks share one (token, KV head)'s positions.
+pub(super) const MAX_SPLITS: usize = 32;
+
+/// Device scratch of the split attention: the partial states and the per-(token, head)
+/// counters (zeroed once; the merging block resets its counter).
+pub struct AttentionScratch {
+    pub(super) part_acc: CudaSlice<f32>,
+    pub(super) part_ml: CudaSlice<f32>,
+    pub(super) counters: CudaSlice<u32>,
+    sms: usize,
+    /// Blocks of `attention_decode.cu` resident at once on the whole GPU (occupancy × SMs),
+    /// found on its first launch.
+    decode_slots: Option<usize>,
+    /// Bumped when a buffer is reallocated (graphs captured before hold stale addresses).
+    pub generation: u64,
+}
+
+impl AttentionScratch {
+    pub fn new(dev: &CudaDevice) -> Result<Self, EngineError> {
+        Ok(AttentionScratch {
+            part_acc: dev.zeros(1)?,
+            part_ml: dev.zeros(1)?,
+            counters: dev.zeros(1)?,
+            sms: dev.sm_count(),
+            decode_slots: None,
+            generation: 0,
+        })
+    }
+
+    /// Scratch already sized for every split launch of a model with `group` q heads per KV
+    /// head of `head_dim` (splits > 1 only when pairs < 8 × SMs, so pairs × splits < 16 ×
+    /// SMs): it never grows, and captured graphs keep valid addresses.
+    pub fn for_model(dev: &CudaDevice, group: usize, head_dim: usize) -> Result<Self, EngineError> {
+        let mut s = Self::new(dev)?;
+        let sms = s.sms;
+        s.ensure(dev, 16 * sms * group.max(1), head_dim.max(1), 8 * sms)?;
+        s.generation = 0;
+        Ok(s)
+    }
+
+    /// Blocks per (token, head) for `pairs` (token, KV head) pairs: enough to give every SM
+    /// about eight blocks (32 warps), so that decoding a few long sequences keeps enough
+    /// loads in flight to use the memory bandwidth. Depends on the pair count only (a captured
+    /// graph replays it at any context length).
+    pub fn splits_for(&self, pairs: usize) -> usize {
+        (8 * self.sms).div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS)
+    }
+
+    /// Blocks per (row, KV head) of `attention_decode.cu` for `pairs` (row, KV head) pairs:
+    /// the count (≤ 32) whose blocks fill the GPU's resident slots in the most even waves
+    /// (64 rows × 8 heads on 132 SMs × 3 blocks: 1.3 waves at 1 split, 3.9 at 3; one row:
+    /// 32), within the scratch [`Self::for_model`] sized. Depends on the pair count only
+    /// (graphs stay valid at any context length; a split past the keys merges as empty).
+    pub fn decode_splits(
+        &mut self,
+        dev: &CudaDevice,
+        pairs: usize,
+        out: &str,
+        head_dim: usize,
+    ) -> Result<usize, EngineError> {
+        let slots = match self.decode_slots {
+            Some(n) => n,
+            None => {
+                let f = dev.loaded(&decode_kernel(out, head_dim))?;
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        128,
+                        prefill_smem_bytes(head_dim) as usize,
+                        None,
+                    )
+                    .map_err(cuda_err("attention_decode occupancy"))?;
+                let n = (per_sm as usize).max(1) * self.sms;
+                self.decode_slots = Some(n);
+                n
+            }
+        };
+        Ok(decode_splits_for(pairs, slots, self.sms))
+    }
+
+    /// Room for `states` partial states of `head_dim` and `pairs` counters.
+    pub(super) fn ensure(
+        &mut self,
+        dev: &CudaDevice,
+        states: usize,
+        head_dim: usize,
+        pairs: usize,
+    ) -> Result<(), EngineError> {
+        if self.part_acc.len() < states * head_dim || self.part_ml.len() < 2 * states {
+            self.part_acc = dev.zeros(states * head_dim)?;
+            self.part_ml = dev.zeros(2 * states)?;
+            self.generation += 1;
+        }
+        if self.counters.len() < pairs {
+            self.counters = dev.zeros(pairs)?;
+            self.generation += 1;
+        }
+        Ok(())
+    }
+}
+
+/// See [`AttentionScratch::decode_splits`]: splits of `pairs` over `slots` resident blocks,
+/// with at most 16 × `sms` partial states and 8 × `sms` counters (the scratch's size).
+fn decode_splits_for(pairs: usize, slots: usize, sms: usize) -> usize {
+    let pairs = pairs.max(1);
+    let mut best = (1, 0.0f64);
+    for s in 1..=MAX_SPLITS {
+        if s > 1 && (pairs * s > 16 * sms || pairs > 8 * sms) {
+            break;
+        }
+        let waves = (pairs * s) as f64 / slots.max(1) as f64;
+        // Below one wave, the share of the GPU filled (a few long sequences want many
+        // splits); from one wave on, how even the waves are.
+        let score = if waves < 1.0 {
+            waves
+        } else {
+            waves / waves.ceil()
+        };
+        // A split costs a merge: take more only for clearly (3%) better waves.
+        if score > best.1 * 1.03 {
+            best = (s, score);
+        }
+    }
+    best.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_splits_for;
+
+    #[test]
+    fn decode_splits_fill_even_waves_within_the_scratch() {
+        // H200: 132 SMs, 3 blocks each.
+        let (sms, slots) = (132, 396);
+        assert_eq!(decode_splits_for(64 * 8, slots, sms), 3);
+        assert_eq!(decode_splits_for(8 * 8, slots, sms), 6);
+        assert_eq!(decode_splits_for(8, slots, sms), 32);
+        assert_eq!(decode_splits_for(256 * 8, slots, sms), 1);
+        // 1,056 pairs: 2.7 waves alone, 5.3 at two splits (no more even); three would pass
+        // the scratch's 2,112 states.
+        assert_eq!(decode_splits_for(132 * 8, slots, sms), 1);
+        assert_eq!(decode_splits_for(1, slots, sms), 32);
+        assert_eq!(decode_splits_for(0, 0, 1), 1);
+    }
+}
