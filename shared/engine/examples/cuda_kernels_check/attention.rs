@@ -1,6 +1,6 @@
 //! The KV write and the attention kernels against the decoder's attention on the CPU.
 
-use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot, rope_inv_freq};
+use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot};
 use tandem_engine::backend::cuda::ops::HeadNorms;
 use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, KvPool, PoolShape};
 use tandem_engine::error::EngineError;
@@ -14,12 +14,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
     let seqs = sequences();
     let (seq_refs, tokens) = step_tokens(&seqs);
     let t = tokens.len();
-    // The q/k norm weights and RoPE frequencies of the model shape.
-    let inv64 = rope_inv_freq(HD, 1_000_000.0);
-    let inv32: Vec<f32> = inv64.iter().map(|v| *v as f32).collect();
-    let dinv = dev.upload(&inv32)?;
-    let (qn, kn) = (rng.vec(HD), rng.vec(HD));
-    let (dqn, dkn) = (dev.upload(&qn)?, dev.upload(&kn)?);
+    let RopeInputs { dinv, dqn, dkn, .. } = rope_inputs(dev, rng)?;
     let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
     // KV write and paged attention, f32 and bf16 pools.
     let shape = PoolShape {

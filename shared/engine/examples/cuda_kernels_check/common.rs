@@ -1,8 +1,10 @@
 //! Inputs, tolerances and the report shared by the kernel checks.
 
+use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
-use tandem_engine::backend::cpu_ops::bf16_to_f32;
+use tandem_engine::backend::cpu_ops::{bf16_to_f32, rope_inv_freq};
 use tandem_engine::backend::cuda::CudaDevice;
+use tandem_engine::error::EngineError;
 
 /// xorshift64*: reproducible inputs without a dependency.
 pub(crate) struct Rng(pub(crate) u64);
@@ -112,4 +114,29 @@ pub(crate) fn step_tokens(
         .flat_map(|(s, (_, r))| r.clone().map(move |p| (s, p)))
         .collect();
     (seq_refs, tokens)
+}
+
+/// RoPE frequencies of the model shape (f64 for the CPU reference, on the device as f32) and
+/// random q / k norm weights, on the host and the device.
+pub(crate) struct RopeInputs {
+    pub(crate) inv64: Vec<f64>,
+    pub(crate) dinv: CudaSlice<f32>,
+    pub(crate) qn: Vec<f32>,
+    pub(crate) kn: Vec<f32>,
+    pub(crate) dqn: CudaSlice<f32>,
+    pub(crate) dkn: CudaSlice<f32>,
+}
+
+pub(crate) fn rope_inputs(dev: &CudaDevice, rng: &mut Rng) -> Result<RopeInputs, EngineError> {
+    let inv64 = rope_inv_freq(HD, 1_000_000.0);
+    let inv32: Vec<f32> = inv64.iter().map(|v| *v as f32).collect();
+    let (qn, kn) = (rng.vec(HD), rng.vec(HD));
+    Ok(RopeInputs {
+        dinv: dev.upload(&inv32)?,
+        dqn: dev.upload(&qn)?,
+        dkn: dev.upload(&kn)?,
+        inv64,
+        qn,
+        kn,
+    })
 }

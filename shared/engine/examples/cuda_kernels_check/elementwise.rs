@@ -2,7 +2,7 @@
 
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{
-    bf16_to_f32, rms_norm_rows, rms_norm_rows_inplace, rope_apply, rope_inv_freq, silu_mul, Matrix,
+    bf16_to_f32, rms_norm_rows, rms_norm_rows_inplace, rope_apply, silu_mul, Matrix,
 };
 use tandem_engine::backend::cuda::DeviceMatrix;
 use tandem_engine::error::EngineError;
@@ -135,12 +135,14 @@ pub(crate) fn rope_and_silu(cx: &mut Ctx) -> Result<(), EngineError> {
     let t = tokens.len();
     // Per-head q/k norm + RoPE (Qwen3), and RoPE alone (Llama-like), at positions up to
     // several thousand.
-    let inv64 = rope_inv_freq(HD, 1_000_000.0);
-    let inv32: Vec<f32> = inv64.iter().map(|v| *v as f32).collect();
-    let dinv = dev.upload(&inv32)?;
-    let qn = rng.vec(HD);
-    let kn = rng.vec(HD);
-    let (dqn, dkn) = (dev.upload(&qn)?, dev.upload(&kn)?);
+    let RopeInputs {
+        inv64,
+        dinv,
+        qn,
+        kn,
+        dqn,
+        dkn,
+    } = rope_inputs(dev, rng)?;
     let qkv0 = rng.vec(t * ROW);
     let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
     for norm in [true, false] {
