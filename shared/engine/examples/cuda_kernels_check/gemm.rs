@@ -58,7 +58,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         let mut dout = dev.zeros::<f32>(m * nn)?;
         dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
         rep.add(
-            if m <= 8 {
+            if m <= 2 {
                 "gemm_bf16 (gemv)"
             } else {
                 "gemm_bf16"

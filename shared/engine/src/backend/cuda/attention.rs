@@ -121,7 +121,8 @@ impl CudaDevice {
             || !(1..=MAX_SPLITS).contains(&splits)
         {
             return Err(bad(format!(
-                "attention_decode: head_dim {hd} (64 or 128), {nq} q heads over {nkv} KV heads                  (group ≤ 16), row stride {row_stride}, layer {layer}, {splits} splits"
+                "attention_decode: head_dim {hd} (64 or 128), {nq} q heads over {nkv} KV heads \
+                 (group ≤ 16), row stride {row_stride}, layer {layer}, {splits} splits"
             )));
         }
         let rows = maps.n_singles;

@@ -198,6 +198,9 @@ impl CudaBackend {
                 }
             }
         }
+        // Programmatic launch in decode graphs where the GPU and driver have it (asked for
+        // or not, TANDEM_CUDA_PDL is checked so a bad value is an error everywhere).
+        let pdl = pdl_from_env()? && dev.pdl_capable();
         let per_block = layout.block_bytes();
         let num_blocks = match opts.pool {
             PoolSize::Blocks(n) => n,
@@ -255,7 +258,7 @@ impl CudaBackend {
             layout,
             mode,
             staging: None,
-            graphs: GraphCache::new(opts.graph_max_batch, pdl_from_env()?),
+            graphs: GraphCache::new(opts.graph_max_batch, pdl),
         })
     }
 

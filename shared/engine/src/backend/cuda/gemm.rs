@@ -132,9 +132,10 @@ impl CudaDevice {
     }
 }
 
-/// Shared memory `gemv.cu`'s fused norm GEMV may take for its normalised rows (the default
-/// limit of a launch): m · k bf16.
-const NORM_GEMV_SMEM_MAX: usize = 48 << 10;
+/// Dynamic shared memory `gemv.cu`'s fused norm GEMV may take for its normalised rows
+/// (m · k bf16): the default 48 KiB limit of a launch less a margin for the kernel's static
+/// shared memory (block_sum's 132 bytes), which counts against the same limit.
+const NORM_GEMV_SMEM_MAX: usize = (48 << 10) - 1024;
 
 impl CudaDevice {
     /// Whether [`Self::norm_gemv`] takes `m` rows of `k` over weights `w`: bf16 weights, at

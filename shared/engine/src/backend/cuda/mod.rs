@@ -49,6 +49,19 @@ use crate::error::EngineError;
 /// Ok when the CUDA driver, NVRTC and cuBLAS libraries can be loaded; otherwise an error that
 /// names the missing ones. Call before anything else of this module (cudarc panics on a
 /// missing library).
+/// The driver's CUDA version as the driver API gives it (12030 for 12.3).
+fn driver_version() -> Result<i32, EngineError> {
+    let mut v = 0i32;
+    // SAFETY: an out-parameter for a plain integer; the library is present (checked before).
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(EngineError::Backend(format!(
+            "CUDA: reading the driver version: {status:?}"
+        )));
+    }
+    Ok(v)
+}
+
 pub fn check_libraries() -> Result<(), EngineError> {
     // SAFETY: these only try to dlopen the libraries and report whether that worked.
     let present = unsafe {
@@ -245,6 +258,10 @@ pub struct CudaDevice {
     /// bf16 GEMMs of one or two rows by `gemv.cu` rather than cuBLAS
     /// ([`switches::SMALL_GEMM_ENV`]).
     small_m_gemv: bool,
+    /// Programmatic dependent launch works here: compute capability 9.0 or later (the
+    /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
+    /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
+    pdl_capable: bool,
 }
 
 impl CudaDevice {
@@ -260,6 +277,7 @@ impl CudaDevice {
             .compute_capability()
             .map_err(cuda_err("reading the compute capability"))?;
         let arch = kernels::arch_for(major, minor);
+        let pdl_capable = major >= 9 && driver_version()? >= 12_030;
         let name = ctx.name().map_err(cuda_err("reading the device name"))?;
         let sms = ctx
             .attribute(
@@ -331,6 +349,7 @@ impl CudaDevice {
             launches: std::sync::atomic::AtomicU64::new(0),
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
+            pdl_capable,
         })
     }
 
@@ -426,6 +445,11 @@ impl CudaDevice {
             set.extend(lazy.values().map(|f| f.cu_function() as usize));
         }
         set
+    }
+
+    /// Whether decode graphs may use programmatic dependent launch (see `pdl_capable`).
+    pub(super) fn pdl_capable(&self) -> bool {
+        self.pdl_capable
     }
 
     /// The kernel `name`, not counted (for queries such as occupancy).
