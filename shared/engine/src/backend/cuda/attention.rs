@@ -1,6 +1,6 @@
 //! Launch wrapper of the paged attention kernel and its split-merge scratch.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::attention_scratch::{AttentionScratch, MAX_SPLITS};
 use super::kernels::AttentionInstance;
@@ -105,46 +105,23 @@ impl CudaDevice {
         split: bool,
         splits: usize,
     ) -> Result<(), EngineError> {
-        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
-        let KvPool::Bf16(p) = pool else {
-            return Err(bad("attention_decode: needs a bf16 pool".into()));
-        };
-        let group = if nkv > 0 && nq.is_multiple_of(nkv) {
-            nq / nkv
-        } else {
-            0
-        };
-        if !matches!(hd, 64 | 128)
-            || !(1..=16).contains(&group)
-            || nq * hd > row_stride
-            || layer >= shape.num_layers
-            || !(1..=MAX_SPLITS).contains(&splits)
-        {
+        let tc = TcShape::check("attention_decode", pool, shape, nq, row_stride, layer)?;
+        let (nkv, hd, group) = (tc.nkv, tc.hd, tc.group);
+        if group > 16 || !(1..=MAX_SPLITS).contains(&splits) {
             return Err(bad(format!(
-                "attention_decode: head_dim {hd} (64 or 128), {nq} q heads over {nkv} KV heads \
-                 (group ≤ 16), row stride {row_stride}, layer {layer}, {splits} splits"
+                "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits"
             )));
         }
         let rows = maps.n_singles;
         if rows == 0 {
             return Ok(());
         }
-        check_len("attention pool", pool.len(), shape.elems())?;
         check_len("attention qkv", qkv.len(), maps.tokens * row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
         if splits > 1 {
             scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
         }
-        let ints = [
-            to_i32("row stride", row_stride)?,
-            to_i32("nq", nq)?,
-            to_i32("nkv", nkv)?,
-            to_i32("group", group)?,
-            to_i32("block size", shape.block_size)?,
-            to_i32("layer", layer)?,
-            to_i32("layers", shape.num_layers)?,
-        ];
         let f = self.func(&decode_kernel(O::SUFFIX, hd))?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, nkv as u32, splits as u32),
@@ -154,23 +131,9 @@ impl CudaDevice {
             shared_mem_bytes: prefill_smem_bytes(hd),
         };
         let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(qkv)
-            .arg(&ints[0])
-            .arg(p)
-            .arg(&maps.tables)
-            .arg(&maps.table_start)
-            .arg(&maps.positions)
-            .arg(&maps.lo_pos)
-            .arg(&maps.singles)
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4])
-            .arg(&ints[5])
-            .arg(&ints[6])
-            .arg(&scale)
-            .arg(&scratch.part_acc)
+        b.arg(out);
+        tc.push_args(&mut b, qkv, maps, &maps.singles, &scale);
+        b.arg(&scratch.part_acc)
             .arg(&scratch.part_ml)
             .arg(&scratch.counters)
             .arg(&lo_off);
@@ -204,40 +167,22 @@ impl CudaDevice {
         scale: f32,
         split: bool,
     ) -> Result<(), EngineError> {
-        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
-        let KvPool::Bf16(p) = pool else {
-            return Err(bad("attention_prefill: needs a bf16 pool".into()));
-        };
-        let group = if nkv > 0 && nq.is_multiple_of(nkv) {
-            nq / nkv
-        } else {
-            0
-        };
-        let Some(tile_tokens) = Self::prefill_tile_tokens(true, hd, group) else {
+        let tc = TcShape::check("attention_prefill", pool, shape, nq, row_stride, layer)?;
+        let (nkv, hd) = (tc.nkv, tc.hd);
+        let Some(tile_tokens) = Self::prefill_tile_tokens(true, hd, tc.group) else {
             return Err(bad(format!(
-                "attention_prefill: head_dim {hd} (64 or 128), {nq} q heads over {nkv} KV heads"
+                "attention_prefill: {nq} q heads over {nkv} KV heads (group ≤ {FA_ROWS})"
             )));
         };
-        if maps.tile_tokens > tile_tokens || nq * hd > row_stride || layer >= shape.num_layers {
+        if maps.tile_tokens > tile_tokens {
             return Err(bad(format!(
-                "attention_prefill: tiles of {} tokens (at most {tile_tokens}), row stride \
-                 {row_stride}, layer {layer}",
+                "attention_prefill: tiles of {} tokens (at most {tile_tokens})",
                 maps.tile_tokens
             )));
         }
-        check_len("attention pool", pool.len(), shape.elems())?;
         check_len("attention qkv", qkv.len(), maps.tokens * row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        let ints = [
-            to_i32("row stride", row_stride)?,
-            to_i32("nq", nq)?,
-            to_i32("nkv", nkv)?,
-            to_i32("group", group)?,
-            to_i32("block size", shape.block_size)?,
-            to_i32("layer", layer)?,
-            to_i32("layers", shape.num_layers)?,
-        ];
         let name = format!("attention_prefill_{}_hd{hd}", O::SUFFIX);
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
@@ -246,23 +191,9 @@ impl CudaDevice {
             shared_mem_bytes: prefill_smem_bytes(hd),
         };
         let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(qkv)
-            .arg(&ints[0])
-            .arg(p)
-            .arg(&maps.tables)
-            .arg(&maps.table_start)
-            .arg(&maps.positions)
-            .arg(&maps.lo_pos)
-            .arg(&maps.tiles)
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4])
-            .arg(&ints[5])
-            .arg(&ints[6])
-            .arg(&scale)
-            .arg(&lo_off);
+        b.arg(out);
+        tc.push_args(&mut b, qkv, maps, &maps.tiles, &scale);
+        b.arg(&lo_off);
         // SAFETY: signature matches; shapes checked above; the tiles were built with the
         // token maps (each within one sequence, tokens in range); block ids were validated by
         // the caller.
@@ -362,6 +293,91 @@ impl CudaDevice {
         // validated by the caller.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_fast"))?;
         Ok(())
+    }
+}
+
+/// What the two tensor-core kernels (`attention_prefill.cu`, `attention_decode.cu`) check and
+/// take alike: a bf16 pool, head_dim 64 or 128, whole q-head groups, and the arguments
+/// between `out` and the kernel's own ones.
+struct TcShape<'a> {
+    pool: &'a CudaSlice<u16>,
+    nkv: usize,
+    hd: usize,
+    group: usize,
+    /// row stride, nq, nkv, group, block size, layer, layers.
+    ints: [i32; 7],
+}
+
+impl<'a> TcShape<'a> {
+    fn check(
+        kernel: &str,
+        pool: &'a KvPool,
+        shape: PoolShape,
+        nq: usize,
+        row_stride: usize,
+        layer: usize,
+    ) -> Result<Self, EngineError> {
+        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
+        let KvPool::Bf16(p) = pool else {
+            return Err(bad(format!("{kernel}: needs a bf16 pool")));
+        };
+        let group = if nkv > 0 && nq.is_multiple_of(nkv) {
+            nq / nkv
+        } else {
+            0
+        };
+        if !matches!(hd, 64 | 128)
+            || group == 0
+            || nq * hd > row_stride
+            || layer >= shape.num_layers
+        {
+            return Err(bad(format!(
+                "{kernel}: head_dim {hd} (64 or 128), {nq} q heads over {nkv} KV heads, row \
+                 stride {row_stride}, layer {layer} of {}",
+                shape.num_layers
+            )));
+        }
+        check_len("attention pool", pool.len(), shape.elems())?;
+        Ok(TcShape {
+            pool: p,
+            nkv,
+            hd,
+            group,
+            ints: [
+                to_i32("row stride", row_stride)?,
+                to_i32("nq", nq)?,
+                to_i32("nkv", nkv)?,
+                to_i32("group", group)?,
+                to_i32("block size", shape.block_size)?,
+                to_i32("layer", layer)?,
+                to_i32("layers", shape.num_layers)?,
+            ],
+        })
+    }
+
+    /// qkv, row stride, pool, the maps' tables / starts / positions / window starts, the
+    /// kernel's token list (tiles or single rows), nq, nkv, group, block size, layer,
+    /// layers, scale: the kernels' common parameters after `out`, in their order.
+    fn push_args<'b>(
+        &'b self,
+        b: &mut LaunchArgs<'b>,
+        qkv: &'b CudaSlice<f32>,
+        maps: &'b TokenMaps,
+        list: &'b CudaSlice<i32>,
+        scale: &'b f32,
+    ) {
+        b.arg(qkv)
+            .arg(&self.ints[0])
+            .arg(self.pool)
+            .arg(&maps.tables)
+            .arg(&maps.table_start)
+            .arg(&maps.positions)
+            .arg(&maps.lo_pos)
+            .arg(list);
+        for v in &self.ints[1..] {
+            b.arg(v);
+        }
+        b.arg(scale);
     }
 }
 

@@ -39,20 +39,19 @@ __device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const
     }
 }
 
-template <int M>
-__device__ void gemv_bf16_impl(float* out, const bf16_t* x, const bf16_t* w, int m, int n, int k) {
-    const int warp = threadIdx.x >> 5;
+// Column `col` of out[r, col] = Σ_k x[r, k] · w[col, k] for the m rows of x: runs of 8, then
+// 4, then single weight loads per lane, each run's loads issued before its math (k =
+// 1024..3072 needs one or two runs: a warp waits on memory about once), then the lanes' sums
+// meet in a shuffle reduction and lane 0 stores them (f32 or bf16).
+template <int M, typename O>
+__device__ __forceinline__ void gemv_column(O* out, const bf16_t* x, const bf16_t* w, int m, int n, int k, int col) {
     const int lane = threadIdx.x & 31;
-    const int col = blockIdx.x * GEMV_WARPS + warp;
-    if (col >= n) return;
     const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)col * k);
     const int chunks = k >> 3;
     float acc[M];
 #pragma unroll
     for (int r = 0; r < M; ++r) acc[r] = 0.0f;
     int c = lane;
-    // Runs of 8, then 4, then single weight loads per lane, each run's loads issued before its
-    // math (k = 1024..3072 needs one or two runs: a warp waits on memory about once).
     for (; c + 7 * 32 < chunks; c += 8 * 32) gemv_run<M, 8>(acc, wr, x, m, k, c);
     for (; c + 3 * 32 < chunks; c += 4 * 32) gemv_run<M, 4>(acc, wr, x, m, k, c);
     for (; c < chunks; c += 32) gemv_run<M, 1>(acc, wr, x, m, k, c);
@@ -60,8 +59,15 @@ __device__ void gemv_bf16_impl(float* out, const bf16_t* x, const bf16_t* w, int
     for (int r = 0; r < M; ++r) {
         float v = acc[r];
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0 && r < m) out[(long long)r * n + col] = v;
+        if (lane == 0 && r < m) store_f(out, (long long)r * n + col, v);
     }
+}
+
+template <int M>
+__device__ void gemv_bf16_impl(float* out, const bf16_t* x, const bf16_t* w, int m, int n, int k) {
+    const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (col >= n) return;
+    gemv_column<M>(out, x, w, m, n, k, col);
 }
 
 #define GEMV_BF16(NAME, M)                                                                              \
@@ -113,20 +119,7 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
     if (col >= n) return;
     const int kc = k >> 3;  // 8-element chunks per x row
     if (!SILU) {
-        const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)col * k);
-        float acc[M];
-#pragma unroll
-        for (int r = 0; r < M; ++r) acc[r] = 0.0f;
-        int c = lane;
-        for (; c + 7 * 32 < kc; c += 8 * 32) gemv_run<M, 8>(acc, wr, xs, m, k, c);
-        for (; c + 3 * 32 < kc; c += 4 * 32) gemv_run<M, 4>(acc, wr, xs, m, k, c);
-        for (; c < kc; c += 32) gemv_run<M, 1>(acc, wr, xs, m, k, c);
-#pragma unroll
-        for (int r = 0; r < M; ++r) {
-            float v = acc[r];
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && r < m) store_f(out, (long long)r * n + col, v);
-        }
+        gemv_column<M>(out, xs, w, m, n, k, col);
         return;
     }
     // Gate and up of column `col`: one row of 2k weights, chunks below kc the gate's.
