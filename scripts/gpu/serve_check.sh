@@ -11,6 +11,8 @@
 #              normal load, and once idle no KV block stays referenced (worker metrics)
 #   disagg     a CUDA prefill worker pushing KV over TCP into a CUDA decode worker, with the
 #              router enforcing disaggregation
+#   f16        the agg and disagg topologies again with --cuda-precision f16 (f16 weights,
+#              GEMM inputs and KV cache: the f16 blocks cross the transport too)
 # Usage: serve_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
 set -uo pipefail
 BIN=$1
@@ -103,6 +105,17 @@ stop
 up disagg --topology disagg --kv-transport tcp --router-arg=--enforce-disagg
 load disagg --num-requests 128 --concurrency 16 --isl uniform:256:1024 --osl 64 --vocab-hi 150000
 case_result disagg $?
+stop
+
+# f16: the f16 precision through the same worker paths, aggregated then disaggregated.
+up agg_f16 --topology agg --worker-arg=--cuda-precision --worker-arg=f16
+load agg_f16 --num-requests 128 --concurrency 32 --isl uniform:64:1024 --osl 64 --vocab-hi 150000
+rc=$?
+stop
+up disagg_f16 --topology disagg --kv-transport tcp --router-arg=--enforce-disagg \
+    --worker-arg=--cuda-precision --worker-arg=f16
+load disagg_f16 --num-requests 64 --concurrency 16 --isl uniform:256:1024 --osl 64 --vocab-hi 150000 || rc=1
+case_result f16 $rc
 stop
 
 echo "serve_check: $fails case(s) failed"

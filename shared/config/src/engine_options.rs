@@ -46,10 +46,13 @@ pub struct KvCacheConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvCacheDtype {
-    /// The model's compute dtype on the device (bf16 on CUDA, f32 on CPU).
+    /// The model's compute dtype on the device (on CUDA bf16, or f16 with
+    /// `--cuda-precision f16`; f32 on CPU).
     Auto,
     Float32,
     Bfloat16,
+    #[serde(alias = "fp16", alias = "half")]
+    Float16,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -86,7 +86,7 @@ pub struct ModelLoading {
     pub model_loader_extra_config: Option<serde_json::Value>,
     /// `auto`, `cpu` or `cuda` (`--device`).
     pub device: String,
-    /// `bf16` or `bf16x2` (`--cuda-precision`).
+    /// `bf16`, `bf16x2` or `f16` (`--cuda-precision`).
     pub cuda_precision: String,
 }
 

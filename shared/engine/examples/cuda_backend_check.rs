@@ -56,6 +56,10 @@ mod check {
     /// weights): a loose bound on a lossy mode; the H200 run of 2026-11-30 measured 7.0e-2
     /// on this random 2-layer model (greedy tokens reported, not required).
     const TOL_BF16_MODE: f64 = 1e-1;
+    /// In f16 mode (weights, GEMM inputs and KV pool in IEEE half, 3 mantissa bits more than
+    /// bf16): expected near an eighth of the bf16 mode's error; a bf16 program in its place
+    /// would fail it.
+    const TOL_F16_MODE: f64 = 2e-2;
     /// In split-bf16 mode (bf16 weights, GEMM inputs as hi + lo bf16 terms), f32 KV pool.
     const TOL_SPLIT_MODE: f64 = 1e-3;
 
@@ -105,12 +109,13 @@ mod check {
             (ComputeMode::F32, KvDtype::Bf16),
             (ComputeMode::Bf16, KvDtype::Bf16),
             (ComputeMode::Bf16Split, KvDtype::F32),
+            (ComputeMode::F16, KvDtype::F16),
         ] {
             // bf16 mode rounds the weights to bf16 on upload; the CPU reference gets the same
             // rounded weights, so the comparison measures the bf16 activations alone.
             let w_run = match mode {
                 ComputeMode::F32 => w.clone(),
-                ComputeMode::Bf16 | ComputeMode::Bf16Split => {
+                ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => {
                     Arc::new(Qwen3Weights::from_source(&cfg, |name, shape| {
                         let (mean, std) = random_init(name, shape);
                         let n = shape.iter().product();
@@ -125,7 +130,7 @@ mod check {
             };
             let mut cpu =
                 CpuBackend::from_parts(cfg.clone(), w_run.clone(), "tiny".into(), kv, BS, BLOCKS)?;
-            let dev = CudaDevice::new(0)?;
+            let dev = CudaDevice::with_float16(0, mode.float16())?;
             let opts = CudaOptions {
                 ordinal: 0,
                 mode,
@@ -141,8 +146,9 @@ mod check {
             let tol = match (mode, kv) {
                 (ComputeMode::Bf16, _) => TOL_BF16_MODE,
                 (ComputeMode::Bf16Split, _) => TOL_SPLIT_MODE,
+                (ComputeMode::F16, _) => TOL_F16_MODE,
                 (_, KvDtype::F32) => TOL,
-                (_, KvDtype::Bf16) => TOL_BF16_KV,
+                (_, KvDtype::Bf16 | KvDtype::F16) => TOL_BF16_KV,
             };
             let mut steps: Vec<Value> = Vec::new();
             let mut worst = 0.0f64;
@@ -259,7 +265,7 @@ mod check {
                 }
             }
             worst = worst.max(greedy_max_rel);
-            let greedy_required = mode != ComputeMode::Bf16;
+            let greedy_required = !matches!(mode, ComputeMode::Bf16 | ComputeMode::F16);
             pass &= (first_diff.is_none() || !greedy_required)
                 && greedy_max_rel <= tol
                 && device_argmax_mismatches == 0
@@ -277,6 +283,10 @@ mod check {
                     KvDtype::Bf16 => bytes
                         .chunks_exact(2)
                         .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                        .collect(),
+                    KvDtype::F16 => bytes
+                        .chunks_exact(2)
+                        .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
                         .collect(),
                 }
             };

@@ -38,7 +38,6 @@ mod bench {
         ComputeMode, CudaBackend, CudaDevice, CudaOptions, DeviceMatrix, PoolSize,
     };
     use tandem_engine::backend::{Backend, LogitsMode, SeqInput};
-    use tandem_engine::kv::layout::KvDtype;
     use tandem_engine::model::config::ModelConfig;
     use tandem_engine::model::{LoadOptions, LoadedModel};
 
@@ -155,7 +154,10 @@ mod bench {
                     mode = match v.as_str() {
                         "bf16" => ComputeMode::Bf16,
                         "bf16x2" => ComputeMode::Bf16Split,
-                        other => return Err(format!("--mode must be bf16 or bf16x2, not {other}")),
+                        "f16" => ComputeMode::F16,
+                        other => {
+                            return Err(format!("--mode must be bf16, bf16x2 or f16, not {other}"))
+                        }
                     }
                 }
                 other => return Err(format!("unknown argument {other}")),
@@ -171,7 +173,7 @@ mod bench {
         let opts = CudaOptions {
             ordinal: 0,
             mode,
-            kv_dtype: KvDtype::Bf16,
+            kv_dtype: mode.kv_dtype16(),
             block_size: BLOCK,
             pool: PoolSize::Blocks(blocks),
             max_step_tokens: MAX_STEP_TOKENS,

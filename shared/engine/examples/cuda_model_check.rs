@@ -53,7 +53,7 @@ mod run {
     fn args() -> Res<Args> {
         let mut a = std::env::args().skip(1);
         let (mut model, mut cases, mut out, mut mode) = (None, None, None, ComputeMode::Bf16);
-        let mut kv = KvDtype::Bf16;
+        let mut kv = None;
         while let Some(k) = a.next() {
             let mut v = || a.next().ok_or(format!("{k} needs a value"));
             match k.as_str() {
@@ -65,19 +65,19 @@ mod run {
                         "bf16" => ComputeMode::Bf16,
                         "f32" => ComputeMode::F32,
                         "bf16x2" => ComputeMode::Bf16Split,
+                        "f16" => ComputeMode::F16,
                         other => {
-                            return Err(format!("--mode must be bf16, bf16x2 or f32, not {other}"))
+                            return Err(format!(
+                                "--mode must be bf16, bf16x2, f16 or f32, not {other}"
+                            ))
                         }
                     }
                 }
                 "--kv-dtype" => {
-                    kv = match v()?.as_str() {
-                        "bf16" => KvDtype::Bf16,
-                        "f32" => KvDtype::F32,
-                        other => {
-                            return Err(format!("--kv-dtype must be bf16 or f32, not {other}"))
-                        }
-                    }
+                    kv = Some(
+                        v()?.parse::<KvDtype>()
+                            .map_err(|e| format!("--kv-dtype: {e}"))?,
+                    )
                 }
                 other => return Err(format!("unknown argument {other}")),
             }
@@ -87,7 +87,8 @@ mod run {
             cases: cases.ok_or("--cases is required")?,
             out: out.ok_or("--out-dir is required")?,
             mode,
-            kv,
+            // The mode's own 16-bit pool unless asked otherwise.
+            kv: kv.unwrap_or(mode.kv_dtype16()),
         })
     }
 

@@ -2,8 +2,9 @@
 //! PyPI wheel `nvidia-cuda-nvrtc` 13.0.x provides it; put its `lib` folder on
 //! LD_LIBRARY_PATH). A kernel that does not compile fails this program. Arguments: the
 //! architectures (default `sm_90`), and `--write FILE` to save the PTX of the last one (the
-//! torch kernel harness, `scripts/gpu/torch_kernels.py`, loads it). Prints one JSON line per
-//! architecture.
+//! torch kernel harness, `scripts/gpu/torch_kernels.py`, loads it: the bf16 program). Both
+//! flavours of the program are compiled (bf16, and IEEE half for the f16 compute mode). Prints
+//! one JSON line per architecture and flavour.
 //!
 //! `cargo run -p tandem-engine --features cuda --example cuda_ptx_check -- sm_90`
 
@@ -40,67 +41,90 @@ fn main() {
     }
     let mut ok = true;
     for arch in &archs {
-        let t0 = std::time::Instant::now();
-        // The program with every attention instance the engine may compile on demand.
-        let instances = kernels::AttentionInstance::all();
-        match kernels::ptx_with_instances(arch, &instances) {
-            Ok(ptx) => {
-                let mut names: Vec<String> = kernels::KERNEL_NAMES
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect();
-                names.extend(instances.iter().map(|i| i.name()));
-                let missing: Vec<&String> = names
-                    .iter()
-                    .filter(|n| !ptx.contains(&format!(".entry {n}(")))
-                    .collect();
-                ok &= missing.is_empty();
-                if let Some(path) = &write {
-                    if let Err(e) = std::fs::write(path, &ptx) {
-                        eprintln!("writing {path}: {e}");
-                        ok = false;
-                    }
-                }
-                println!(
-                    "{}",
-                    serde_json::json!({
-                        "arch": arch, "ptx_bytes": ptx.len(), "kernels": names.len(),
-                        "missing": missing, "ms": t0.elapsed().as_secs_f64() * 1e3,
-                    })
-                );
-            }
-            Err(e) => {
-                ok = false;
-                println!(
-                    "{}",
-                    serde_json::json!({ "arch": arch, "error": e.to_string() })
-                );
-            }
-        }
-        // The programs the engine compiles on demand: one attention instance alone with the
-        // prelude (one per pool and output type).
-        for inst in kernels::AttentionInstance::all()
-            .into_iter()
-            .filter(|i| i.e == 4 && i.g == 2)
-        {
-            let t1 = std::time::Instant::now();
-            let name = inst.name();
-            let found = match kernels::instance_ptx(arch, inst) {
-                Ok(ptx) => ptx.contains(&format!(".entry {name}(")),
-                Err(e) => {
-                    eprintln!("{name}: {e}");
-                    false
-                }
-            };
-            ok &= found;
-            println!(
-                "{}",
-                serde_json::json!({
-                    "arch": arch, "instance_alone": name, "compiled": found,
-                    "ms": t1.elapsed().as_secs_f64() * 1e3,
-                })
+        // Both flavours of the program: bf16, and IEEE half (the f16 compute mode).
+        for e16 in [kernels::Float16::Bf16, kernels::Float16::F16] {
+            ok &= check_program(
+                arch,
+                e16,
+                write.as_deref().filter(|_| e16 == kernels::Float16::Bf16),
             );
         }
     }
     std::process::exit(if ok { 0 } else { 1 });
+}
+
+/// Compiles the program for `arch` and `e16` with every attention instance, then the
+/// instances the engine compiles alone; prints a JSON line each. Writes the program's PTX to
+/// `write` when given. True when everything compiled with every entry point present.
+#[cfg(feature = "cuda")]
+fn check_program(
+    arch: &str,
+    e16: tandem_engine::backend::cuda::kernels::Float16,
+    write: Option<&str>,
+) -> bool {
+    use tandem_engine::backend::cuda::kernels;
+    let mut ok = true;
+    let t0 = std::time::Instant::now();
+    // The program with every attention instance the engine may compile on demand.
+    let instances = kernels::AttentionInstance::all();
+    match kernels::ptx_with_instances(arch, e16, &instances) {
+        Ok(ptx) => {
+            let mut names: Vec<String> = kernels::KERNEL_NAMES
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            names.extend(instances.iter().map(|i| i.name()));
+            let missing: Vec<&String> = names
+                .iter()
+                .filter(|n| !ptx.contains(&format!(".entry {n}(")))
+                .collect();
+            ok &= missing.is_empty();
+            if let Some(path) = write {
+                if let Err(e) = std::fs::write(path, &ptx) {
+                    eprintln!("writing {path}: {e}");
+                    ok = false;
+                }
+            }
+            println!(
+                "{}",
+                serde_json::json!({
+                    "arch": arch, "float16": e16.name(), "ptx_bytes": ptx.len(),
+                    "kernels": names.len(), "missing": missing,
+                    "ms": t0.elapsed().as_secs_f64() * 1e3,
+                })
+            );
+        }
+        Err(e) => {
+            ok = false;
+            println!(
+                "{}",
+                serde_json::json!({ "arch": arch, "float16": e16.name(), "error": e.to_string() })
+            );
+        }
+    }
+    // The programs the engine compiles on demand: one attention instance alone with the
+    // prelude (one per pool and output type).
+    for inst in kernels::AttentionInstance::all()
+        .into_iter()
+        .filter(|i| i.e == 4 && i.g == 2)
+    {
+        let t1 = std::time::Instant::now();
+        let name = inst.name();
+        let found = match kernels::instance_ptx(arch, e16, inst) {
+            Ok(ptx) => ptx.contains(&format!(".entry {name}(")),
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                false
+            }
+        };
+        ok &= found;
+        println!(
+            "{}",
+            serde_json::json!({
+                "arch": arch, "float16": e16.name(), "instance_alone": name,
+                "compiled": found, "ms": t1.elapsed().as_secs_f64() * 1e3,
+            })
+        );
+    }
+    ok
 }

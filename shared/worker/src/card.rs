@@ -29,6 +29,7 @@ pub fn model_card(
         kv_dtype: match layout.dtype {
             KvDtype::F32 => "float32".into(),
             KvDtype::Bf16 => "bfloat16".into(),
+            KvDtype::F16 => "float16".into(),
         },
         kv_layout_id: layout_id(layout),
         total_kv_blocks: built.num_blocks as u32,

@@ -86,12 +86,16 @@ fn cuda_usable() -> bool {
     false
 }
 
-fn kv_dtype(dtype: KvCacheDtype, device: Device) -> KvDtype {
+/// The KV pool's element type: `kv_cache_config.dtype`, where `auto` follows the device and,
+/// on CUDA, `--cuda-precision` (the f16 precision's kernels read an f16 pool).
+fn kv_dtype(dtype: KvCacheDtype, device: Device, cuda_precision: &str) -> KvDtype {
     match (dtype, device) {
         // The CPU backend computes in f32; keeping the cache in f32 makes it exact.
         (KvCacheDtype::Auto, Device::Cpu) | (KvCacheDtype::Float32, _) => KvDtype::F32,
-        // The CUDA backend computes in bf16.
+        (KvCacheDtype::Auto, Device::Cuda) if cuda_precision == "f16" => KvDtype::F16,
+        // The CUDA backend otherwise computes in bf16.
         (KvCacheDtype::Auto, Device::Cuda) | (KvCacheDtype::Bfloat16, _) => KvDtype::Bf16,
+        (KvCacheDtype::Float16, _) => KvDtype::F16,
     }
 }
 
@@ -158,10 +162,10 @@ fn build_cuda_engine(
             };
             let cuda = CudaOptions {
                 ordinal: 0,
-                mode: if cfg.model.cuda_precision == "bf16x2" {
-                    ComputeMode::Bf16Split
-                } else {
-                    ComputeMode::Bf16
+                mode: match cfg.model.cuda_precision.as_str() {
+                    "bf16x2" => ComputeMode::Bf16Split,
+                    "f16" => ComputeMode::F16,
+                    _ => ComputeMode::Bf16,
                 },
                 kv_dtype: layout.dtype,
                 block_size: layout.block_size,
@@ -233,7 +237,11 @@ pub fn build_engine_with(
     let model = Arc::new(LoadedModel::load(&folder, load)?);
     let opts = &cfg.engine;
     let block_size = cfg.kv_cache.kv_block_size as usize;
-    let dtype = kv_dtype(opts.kv_cache_config.dtype, device);
+    let dtype = kv_dtype(
+        opts.kv_cache_config.dtype,
+        device,
+        &cfg.model.cuda_precision,
+    );
     let layout = KvLayout {
         version: LAYOUT_VERSION,
         model_id: model.model_id.clone(),
@@ -330,9 +338,33 @@ mod tests {
 
     #[test]
     fn the_kv_cache_dtype_follows_the_device() {
-        assert_eq!(kv_dtype(KvCacheDtype::Auto, Device::Cpu), KvDtype::F32);
-        assert_eq!(kv_dtype(KvCacheDtype::Auto, Device::Cuda), KvDtype::Bf16);
-        assert_eq!(kv_dtype(KvCacheDtype::Float32, Device::Cuda), KvDtype::F32);
-        assert_eq!(kv_dtype(KvCacheDtype::Bfloat16, Device::Cpu), KvDtype::Bf16);
+        assert_eq!(
+            kv_dtype(KvCacheDtype::Auto, Device::Cpu, "f16"),
+            KvDtype::F32
+        );
+        assert_eq!(
+            kv_dtype(KvCacheDtype::Auto, Device::Cuda, "bf16"),
+            KvDtype::Bf16
+        );
+        assert_eq!(
+            kv_dtype(KvCacheDtype::Auto, Device::Cuda, "bf16x2"),
+            KvDtype::Bf16
+        );
+        assert_eq!(
+            kv_dtype(KvCacheDtype::Auto, Device::Cuda, "f16"),
+            KvDtype::F16
+        );
+        assert_eq!(
+            kv_dtype(KvCacheDtype::Float32, Device::Cuda, "f16"),
+            KvDtype::F32
+        );
+        assert_eq!(
+            kv_dtype(KvCacheDtype::Bfloat16, Device::Cpu, "bf16"),
+            KvDtype::Bf16
+        );
+        assert_eq!(
+            kv_dtype(KvCacheDtype::Float16, Device::Cpu, "bf16"),
+            KvDtype::F16
+        );
     }
 }

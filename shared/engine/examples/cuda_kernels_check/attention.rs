@@ -46,20 +46,36 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
         // Host pool: random (the cached prefix), as f32 values exactly representable in
         // the pool's dtype.
         let mut host: Vec<f32> = rng.vec(n);
-        if dtype == KvDtype::Bf16 {
-            host.iter_mut().for_each(|v| *v = bf16_to_f32(bf16(*v)));
-        }
+        let round = |v: f32| match dtype {
+            KvDtype::F32 => v,
+            KvDtype::Bf16 => bf16_to_f32(bf16(v)),
+            KvDtype::F16 => half::f16::from_f32(v).to_f32(),
+        };
+        host.iter_mut().for_each(|v| *v = round(*v));
         let upload_pool = |host: &[f32]| -> Result<KvPool, EngineError> {
             Ok(match dtype {
                 KvDtype::F32 => KvPool::F32(dev.upload(host)?),
                 KvDtype::Bf16 => {
                     KvPool::Bf16(dev.upload(&host.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?)
                 }
+                KvDtype::F16 => KvPool::Bf16(
+                    dev.upload(
+                        &host
+                            .iter()
+                            .map(|v| half::f16::from_f32(*v).to_bits())
+                            .collect::<Vec<_>>(),
+                    )?,
+                ),
             })
         };
         let download_pool = |pool: &KvPool| -> Result<Vec<f32>, EngineError> {
             Ok(match pool {
                 KvPool::F32(p) => dev.download(p)?,
+                KvPool::Bf16(p) if dtype == KvDtype::F16 => dev
+                    .download(p)?
+                    .into_iter()
+                    .map(|b| half::f16::from_bits(b).to_f32())
+                    .collect(),
                 KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
             })
         };
@@ -109,11 +125,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
             );
         }
         // Reference write: the layout's address function, values rounded like the CPU
-        // backend's store.
-        let round = |v: f32| match dtype {
-            KvDtype::F32 => v,
-            KvDtype::Bf16 => bf16_to_f32(bf16(v)),
-        };
+        // backend's store (`round`).
         for (row, (s, pos)) in qkv.chunks_exact(ROW).zip(&tokens) {
             let block = seqs[*s].0[pos / BS] as usize;
             for (part, off) in [(KvPart::K, NQ * HD), (KvPart::V, (NQ + NKV) * HD)] {

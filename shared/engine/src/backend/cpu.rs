@@ -81,6 +81,13 @@ impl KvStore for CpuKv {
                     *d = half::bf16::from_f32(*s).to_bits();
                 }
             }
+            KvDtype::F16 => {
+                // SAFETY: as above.
+                let d = unsafe { self.mem.slice_mut::<u16>(at, data.len()) };
+                for (d, s) in d.iter_mut().zip(data) {
+                    *d = half::f16::from_f32(*s).to_bits();
+                }
+            }
         }
     }
 
@@ -104,6 +111,14 @@ impl KvStore for CpuKv {
                 let s = unsafe { self.mem.slice::<u16>(at, hd) };
                 for (d, s) in scratch.iter_mut().zip(s) {
                     *d = f32::from_bits((*s as u32) << 16);
+                }
+                &scratch[..hd]
+            }
+            KvDtype::F16 => {
+                // SAFETY: as above.
+                let s = unsafe { self.mem.slice::<u16>(at, hd) };
+                for (d, s) in scratch.iter_mut().zip(s) {
+                    *d = half::f16::from_bits(*s).to_f32();
                 }
                 &scratch[..hd]
             }
@@ -460,24 +475,68 @@ mod tests {
     }
 
     #[test]
-    fn bf16_blocks_round_trip_through_export_and_import() {
-        let mut a = micro(KvDtype::Bf16, 4);
-        a.forward(&[seq(&[1, 2, 3, 4, 5, 6], 0, &[3, 1], LogitsMode::None)])
-            .unwrap();
-        let data = a.export_blocks(&[3, 1]).unwrap();
-        assert_eq!(data.len(), 2 * a.layout().block_bytes());
-        assert!(data.iter().any(|&b| b != 0));
-        let mut b = micro(KvDtype::Bf16, 4);
-        b.import_blocks(&[0, 2], &data).unwrap();
-        assert_eq!(b.export_blocks(&[0, 2]).unwrap(), data);
-        // Both continue identically from their own copies.
-        let la = a
-            .forward(&[seq(&[7], 6, &[3, 1], LogitsMode::Last)])
-            .unwrap();
-        let lb = b
-            .forward(&[seq(&[7], 6, &[0, 2], LogitsMode::Last)])
-            .unwrap();
-        assert_eq!(la, lb);
+    fn sixteen_bit_blocks_round_trip_through_export_and_import() {
+        for dtype in [KvDtype::Bf16, KvDtype::F16] {
+            let mut a = micro(dtype, 4);
+            a.forward(&[seq(&[1, 2, 3, 4, 5, 6], 0, &[3, 1], LogitsMode::None)])
+                .unwrap();
+            let data = a.export_blocks(&[3, 1]).unwrap();
+            assert_eq!(data.len(), 2 * a.layout().block_bytes());
+            assert!(data.iter().any(|&b| b != 0));
+            let mut b = micro(dtype, 4);
+            b.import_blocks(&[0, 2], &data).unwrap();
+            assert_eq!(b.export_blocks(&[0, 2]).unwrap(), data);
+            // Both continue identically from their own copies.
+            let la = a
+                .forward(&[seq(&[7], 6, &[3, 1], LogitsMode::Last)])
+                .unwrap();
+            let lb = b
+                .forward(&[seq(&[7], 6, &[0, 2], LogitsMode::Last)])
+                .unwrap();
+            assert_eq!(la, lb, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn an_f16_pool_holds_f16_values() {
+        // The cache holds each K/V element rounded to f16: 3 mantissa bits more than bf16,
+        // so logits over it stay closer to the f32 pool's.
+        let toks: Vec<u32> = (1..13).collect();
+        let logits = |dtype| {
+            let out = micro(dtype, 4)
+                .forward(&[seq(&toks, 0, &[0, 1, 2], LogitsMode::All)])
+                .unwrap();
+            out.logits.concat().concat()
+        };
+        let exact = logits(KvDtype::F32);
+        let err = |v: Vec<f32>| {
+            v.iter()
+                .zip(&exact)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max)
+        };
+        let (e16, eb16) = (err(logits(KvDtype::F16)), err(logits(KvDtype::Bf16)));
+        assert!(e16 > 0.0 && e16 * 3.0 < eb16, "f16 {e16} vs bf16 {eb16}");
+        // The first layer's K/V (computed before any attention read the pool) are the f16
+        // bit patterns of what an f32 pool holds.
+        let mut f32_pool = micro(KvDtype::F32, 4);
+        let mut f16_pool = micro(KvDtype::F16, 4);
+        for be in [&mut f32_pool, &mut f16_pool] {
+            be.forward(&[seq(&toks[..4], 0, &[2], LogitsMode::None)])
+                .unwrap();
+        }
+        let layer0 = f32_pool.layout().token_offset(0, 1, KvPart::K, 0, 0) / 4;
+        let wide = f32_pool.export_blocks(&[2]).unwrap();
+        let narrow = f16_pool.export_blocks(&[2]).unwrap();
+        let narrow = &narrow[..2 * layer0];
+        let want: Vec<u8> = wide[..4 * layer0]
+            .chunks_exact(4)
+            .flat_map(|c| {
+                let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                half::f16::from_f32(v).to_bits().to_le_bytes()
+            })
+            .collect();
+        assert_eq!(narrow, want);
     }
 
     /// A buffer the test owns, handed to the pool as external memory (as a transport
@@ -493,7 +552,7 @@ mod tests {
 
     #[test]
     fn external_pool_matches_owned_pool() {
-        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::F16] {
             let mut owned = micro(dtype, 6);
             let bb = owned.layout().block_bytes();
             let (mem, addr) = external(6 * bb);

@@ -36,6 +36,8 @@ pub const LAYOUT_VERSION: u32 = 1;
 pub enum KvDtype {
     F32,
     Bf16,
+    /// IEEE half (the CUDA backend's f16 precision).
+    F16,
 }
 
 impl KvDtype {
@@ -43,7 +45,7 @@ impl KvDtype {
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
-            KvDtype::Bf16 => 2,
+            KvDtype::Bf16 | KvDtype::F16 => 2,
         }
     }
 }
@@ -53,6 +55,7 @@ impl std::fmt::Display for KvDtype {
         f.write_str(match self {
             KvDtype::F32 => "f32",
             KvDtype::Bf16 => "bf16",
+            KvDtype::F16 => "f16",
         })
     }
 }
@@ -63,7 +66,10 @@ impl std::str::FromStr for KvDtype {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "float32" | "float" => Ok(KvDtype::F32),
             "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
-            other => Err(format!("unknown KV dtype {other:?} (expected f32 or bf16)")),
+            "f16" | "float16" | "fp16" | "half" => Ok(KvDtype::F16),
+            other => Err(format!(
+                "unknown KV dtype {other:?} (expected f32, bf16 or f16)"
+            )),
         }
     }
 }
@@ -287,5 +293,8 @@ mod tests {
         assert_eq!(serde_json::to_string(&KvDtype::Bf16).unwrap(), "\"bf16\"");
         assert_eq!("F32".parse::<KvDtype>().unwrap(), KvDtype::F32);
         assert!("f8".parse::<KvDtype>().is_err());
+        assert_eq!("float16".parse::<KvDtype>().unwrap(), KvDtype::F16);
+        assert_eq!(serde_json::to_string(&KvDtype::F16).unwrap(), "\"f16\"");
+        assert_eq!(KvDtype::F16.bytes(), 2);
     }
 }

@@ -2,14 +2,17 @@
 //!
 //! Compute modes: [`ComputeMode::F32`] (weights widened to f32, f32 GEMMs: the exact mode,
 //! compared with the CPU backend), [`ComputeMode::Bf16`] (weights resident in bf16, bf16 ×
-//! bf16 GEMMs accumulating in f32; the producers of each GEMM input write bf16 directly) and
-//! [`ComputeMode::Bf16Split`] (bf16 weights, each GEMM input as hi + lo bf16 rows). The
+//! bf16 GEMMs accumulating in f32; the producers of each GEMM input write bf16 directly),
+//! [`ComputeMode::Bf16Split`] (bf16 weights, each GEMM input as hi + lo bf16 rows) and
+//! [`ComputeMode::F16`] (the bf16 mode's kernels compiled for IEEE half: weights, GEMM inputs
+//! and KV in f16). The
 //! residual stream, norms, RoPE and softmax stay in f32 in all. The paged KV
 //! pool lives in GPU memory in the layout's dtype, with the same [`KvLayout`] as the CPU
 //! backend, so exported blocks are interchangeable. Activations live in a workspace reused
 //! from step to step (grown when a step is larger than any before).
 
 use super::graphs::{run_step, GraphCache, GraphStats};
+use super::kernels::Float16;
 use super::step::{
     AnyWorkspace, DeviceLayer, DeviceModel, Readout, StepInputs, StepRows, Workspace,
 };
@@ -36,6 +39,46 @@ pub enum ComputeMode {
     /// added, so activations keep ~16 bits of mantissa: near-f32 results with the weights
     /// resident (and read once) in bf16, for twice the GEMM FLOPs.
     Bf16Split,
+    /// IEEE half weights (converted from bf16 exactly: every bf16 weight in f16's normal range
+    /// is representable), GEMM inputs and KV pool, f32 accumulation: bf16's speed with 3 more
+    /// mantissa bits (8× finer rounding) for activations and KV, but a range of ±65,504 for
+    /// them (a weight beyond it is an error at load; an activation beyond it becomes inf).
+    F16,
+}
+
+impl ComputeMode {
+    /// The 16-bit element of the device program this mode needs.
+    pub fn float16(self) -> Float16 {
+        match self {
+            ComputeMode::F16 => Float16::F16,
+            ComputeMode::F32 | ComputeMode::Bf16 | ComputeMode::Bf16Split => Float16::Bf16,
+        }
+    }
+
+    /// The KV pool element a 16-bit pool must have in this mode (the program's own).
+    pub fn kv_dtype16(self) -> KvDtype {
+        match self.float16() {
+            Float16::Bf16 => KvDtype::Bf16,
+            Float16::F16 => KvDtype::F16,
+        }
+    }
+}
+
+/// f16 bit patterns of `values`; an error naming `what` when one is beyond f16's finite range
+/// (it would become inf). Values below f16's normal range keep f16's subnormal resolution.
+fn to_f16_bits(values: impl Iterator<Item = f32>, what: &str) -> Result<Vec<u16>, EngineError> {
+    values
+        .map(|v| {
+            let h = half::f16::from_f32(v);
+            if v.is_finite() && h.is_infinite() {
+                Err(EngineError::InvalidInput(format!(
+                    "{what}: weight {v} is outside f16's range (±65,504); use --cuda-precision bf16"
+                )))
+            } else {
+                Ok(h.to_bits())
+            }
+        })
+        .collect()
 }
 
 /// How many KV blocks the pool gets.
@@ -85,7 +128,7 @@ impl CudaBackend {
                 model.path.display()
             )));
         }
-        let dev = CudaDevice::new(opts.ordinal)?;
+        let dev = CudaDevice::with_float16(opts.ordinal, opts.mode.float16())?;
         Self::from_parts(
             dev,
             model.config.clone(),
@@ -117,6 +160,27 @@ impl CudaBackend {
             head_dim: config.head_dim,
         };
         let mode = opts.mode;
+        if dev.float16() != mode.float16() {
+            return Err(EngineError::InvalidInput(format!(
+                "{mode:?} mode needs a device compiled for {} (CudaDevice::with_float16), not {}",
+                mode.float16().name(),
+                dev.float16().name()
+            )));
+        }
+        if !matches!(opts.kv_dtype, KvDtype::F32) && opts.kv_dtype != mode.kv_dtype16() {
+            return Err(EngineError::Config(format!(
+                "a {} KV cache does not go with the CUDA {} precision (its 16-bit pool is {}; \
+                 kv_cache_config.dtype auto picks it, float32 works in every mode)",
+                opts.kv_dtype,
+                match mode {
+                    ComputeMode::F32 => "f32",
+                    ComputeMode::Bf16 => "bf16",
+                    ComputeMode::Bf16Split => "bf16x2",
+                    ComputeMode::F16 => "f16",
+                },
+                mode.kv_dtype16()
+            )));
+        }
         let up = |m: &Matrix| -> Result<DeviceMatrix, EngineError> {
             Ok(match (mode, m) {
                 (ComputeMode::F32, Matrix::F32(v)) => DeviceMatrix::F32(dev.upload(v)?),
@@ -134,6 +198,15 @@ impl CudaBackend {
                             .collect::<Vec<u16>>(),
                     )?,
                 ),
+                (ComputeMode::F16, Matrix::Bf16(v)) => {
+                    DeviceMatrix::Bf16(dev.upload(&to_f16_bits(
+                        v.iter().map(|b| half::bf16::from_bits(*b).to_f32()),
+                        "f16 mode",
+                    )?)?)
+                }
+                (ComputeMode::F16, Matrix::F32(v)) => {
+                    DeviceMatrix::Bf16(dev.upload(&to_f16_bits(v.iter().copied(), "f16 mode")?)?)
+                }
             })
         };
         let vec = |v: &[f32]| dev.upload(v);
@@ -169,28 +242,30 @@ impl CudaBackend {
                 rows,
                 false,
             )?),
-            ComputeMode::Bf16 | ComputeMode::Bf16Split => AnyWorkspace::Bf16(Workspace::new(
-                &dev,
-                &config,
-                opts.max_step_tokens,
-                rows,
-                mode == ComputeMode::Bf16Split,
-            )?),
+            ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => {
+                AnyWorkspace::Bf16(Workspace::new(
+                    &dev,
+                    &config,
+                    opts.max_step_tokens,
+                    rows,
+                    mode == ComputeMode::Bf16Split,
+                )?)
+            }
         };
         let group = config.num_attention_heads / config.num_key_value_heads.max(1);
         let scratch = AttentionScratch::for_model(&dev, group, config.head_dim)?;
         // The attention instance decode launches, compiled now rather than in the first step.
         let out = match mode {
             ComputeMode::F32 => "f32",
-            ComputeMode::Bf16 | ComputeMode::Bf16Split => "bf16",
+            ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => "bf16",
         };
-        dev.preload_attention(opts.kv_dtype == KvDtype::Bf16, out, config.head_dim, group)?;
+        let pool16 = opts.kv_dtype != KvDtype::F32;
+        dev.preload_attention(pool16, out, config.head_dim, group)?;
         let mut inputs = StepInputs::new(&dev, opts.max_step_tokens)?;
-        // Prefill chunks on tensor cores in the bf16 mode; the f32 and split modes keep the
-        // exact attention for their comparisons.
-        if mode == ComputeMode::Bf16 && tiled_prefill_attention()? {
-            let bf16_pool = opts.kv_dtype == KvDtype::Bf16;
-            if let Some(n) = CudaDevice::prefill_tile_tokens(bf16_pool, config.head_dim, group) {
+        // Prefill chunks on tensor cores in the bf16 and f16 modes; the f32 and split modes
+        // keep the exact attention for their comparisons.
+        if matches!(mode, ComputeMode::Bf16 | ComputeMode::F16) && tiled_prefill_attention()? {
+            if let Some(n) = CudaDevice::prefill_tile_tokens(pool16, config.head_dim, group) {
                 inputs.maps.tile_tokens = n;
                 // attention_decode.cu holds a group in one 16-row fragment.
                 if group <= 16 {
@@ -230,7 +305,8 @@ impl CudaBackend {
         };
         let pool = match layout.dtype {
             KvDtype::F32 => KvPool::F32(dev.zeros(shape.elems())?),
-            KvDtype::Bf16 => KvPool::Bf16(dev.zeros(shape.elems())?),
+            // The program's 16-bit element (checked above).
+            KvDtype::Bf16 | KvDtype::F16 => KvPool::Bf16(dev.zeros(shape.elems())?),
         };
         tracing::info!(
             device = dev.name(),
@@ -542,6 +618,37 @@ fn interleave_gate_up(m: &Matrix, im: usize) -> Result<Matrix, EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn f16_weights_are_exact_for_bf16_values_in_range() {
+        // Every bf16 with a normal f16 counterpart converts exactly.
+        let vals: Vec<f32> = [1.0f32, -0.0213, 3.5e-3, 1000.5, -65_280.0]
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
+        let bits = to_f16_bits(vals.iter().copied(), "test").unwrap();
+        for (v, b) in vals.iter().zip(bits) {
+            assert_eq!(half::f16::from_bits(b).to_f32(), *v);
+        }
+        // Beyond ±65,504 is an error naming the value and the way out.
+        let e = to_f16_bits([1.0f32, 70_000.0].into_iter(), "layer 3")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("layer 3") && e.contains("70000") && e.contains("--cuda-precision bf16"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn each_mode_names_its_program_and_pool() {
+        assert_eq!(ComputeMode::F16.float16(), Float16::F16);
+        assert_eq!(ComputeMode::F16.kv_dtype16(), KvDtype::F16);
+        for m in [ComputeMode::F32, ComputeMode::Bf16, ComputeMode::Bf16Split] {
+            assert_eq!(m.float16(), Float16::Bf16);
+            assert_eq!(m.kv_dtype16(), KvDtype::Bf16);
+        }
+    }
 
     #[test]
     fn gate_up_rows_interleave() {

@@ -1,5 +1,5 @@
-//! GEMMs through cuBLAS's `cublasGemmEx`: f32 × f32 (the exact mode) or bf16 × bf16 (weights
-//! and activations in bf16), both accumulating and writing f32.
+//! GEMMs through cuBLAS's `cublasGemmEx`: f32 × f32 (the exact mode) or 16-bit × 16-bit
+//! (weights and activations in the device's bf16 or f16), both accumulating and writing f32.
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -20,10 +20,11 @@ impl CudaDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), EngineError> {
         let (w_type, w_len) = match w {
-            DeviceMatrix::F32(s) => (f32::CUDA_TYPE, s.len()),
-            DeviceMatrix::Bf16(s) => (u16::CUDA_TYPE, s.len()),
+            DeviceMatrix::F32(s) => (f32::cuda_type(self.e16), s.len()),
+            DeviceMatrix::Bf16(s) => (u16::cuda_type(self.e16), s.len()),
         };
-        if w_type != X::CUDA_TYPE {
+        let x_type = X::cuda_type(self.e16);
+        if w_type != x_type {
             return Err(EngineError::Backend(format!(
                 "GEMM of {} activations with {} weights is not supported",
                 X::SUFFIX,
@@ -70,11 +71,11 @@ impl CudaDevice {
                 w_type,
                 ki,
                 x_ptr as *const _,
-                X::CUDA_TYPE,
+                x_type,
                 ki,
                 (&beta) as *const f32 as *const _,
                 o_ptr as *mut _,
-                f32::CUDA_TYPE,
+                f32::cuda_type(self.e16),
                 ni,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

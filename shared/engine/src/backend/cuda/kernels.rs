@@ -2,6 +2,9 @@
 //! binary, concatenated (prelude first) into one NVRTC program, compiled for the device's own
 //! architecture at start-up and cached per process, keyed by architecture.
 //!
+//! The program comes in two flavours of its 16-bit element ([`Float16`]): bf16, or IEEE half
+//! (compiled with `TANDEM_F16`, for the f16 compute mode); the entry points are the same.
+//!
 //! Development mode: with `TANDEM_CUDA_KERNEL_DIR` set to a folder holding the same file
 //! names, the sources are read from there instead, so a kernel edit needs no Rust rebuild.
 
@@ -73,6 +76,42 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_norm_silu_bf16_m2",
 ];
 
+/// What the program's 16-bit element (`e16_t`: weights, GEMM inputs, a 16-bit KV pool) is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Float16 {
+    /// bfloat16: 8 exponent bits, 7 mantissa bits (the default).
+    #[default]
+    Bf16,
+    /// IEEE half: 5 exponent bits (±65,504), 10 mantissa bits; compiled with `TANDEM_F16`.
+    F16,
+}
+
+impl Float16 {
+    /// Its name in messages and cache keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Float16::Bf16 => "bf16",
+            Float16::F16 => "f16",
+        }
+    }
+
+    /// cuBLAS's name for the type.
+    pub fn cuda_type(self) -> cudarc::cublas::sys::cudaDataType {
+        match self {
+            Float16::Bf16 => cudarc::cublas::sys::cudaDataType::CUDA_R_16BF,
+            Float16::F16 => cudarc::cublas::sys::cudaDataType::CUDA_R_16F,
+        }
+    }
+
+    /// The NVRTC options that select it.
+    fn defines(self) -> Vec<String> {
+        match self {
+            Float16::Bf16 => Vec::new(),
+            Float16::F16 => vec!["-DTANDEM_F16".into()],
+        }
+    }
+}
+
 /// One instance of `attention_fast.cu`'s template: pool element type, output element type
 /// (`f32` / `bf16`), elements per lane `e` and q heads per KV head `g`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -93,7 +132,7 @@ impl AttentionInstance {
 
     /// The macro line that instantiates it.
     pub fn source_line(&self) -> String {
-        let ty = |t: &str| if t == "bf16" { "bf16_t" } else { "float" };
+        let ty = |t: &str| if t == "bf16" { "e16_t" } else { "float" };
         format!(
             "ATTENTION_FAST({}, {}, {}, {}, {})\n",
             self.name(),
@@ -153,39 +192,44 @@ fn cache() -> &'static Mutex<HashMap<String, String>> {
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// PTX of the program for `arch` (e.g. `sm_90`), compiled by NVRTC on first use in this
-/// process and cached. The caller must have checked that NVRTC is present
-/// ([`super::check_libraries`]): cudarc panics on a missing library.
-pub fn ptx_for(arch: &str) -> Result<String, EngineError> {
-    ptx_with_instances(arch, &[])
+/// PTX of the program for `arch` (e.g. `sm_90`) and 16-bit element `e16`, compiled by NVRTC
+/// on first use in this process and cached. The caller must have checked that NVRTC is
+/// present ([`super::check_libraries`]): cudarc panics on a missing library.
+pub fn ptx_for(arch: &str, e16: Float16) -> Result<String, EngineError> {
+    ptx_with_instances(arch, e16, &[])
 }
 
-/// PTX of the program plus the given attention instances (cached per arch and list).
+/// PTX of the program plus the given attention instances (cached per arch, element and list).
 pub fn ptx_with_instances(
     arch: &str,
+    e16: Float16,
     instances: &[AttentionInstance],
 ) -> Result<String, EngineError> {
     let key = instances
         .iter()
-        .fold(arch.to_string(), |k, i| k + "/" + &i.name());
+        .fold(format!("{arch}/{}", e16.name()), |k, i| k + "/" + &i.name());
     let mut src = program_source()?;
     for i in instances {
         src.push_str(&i.source_line());
     }
-    compile_cached(arch, key, &src)
+    compile_cached(arch, e16, key, &src)
 }
 
 /// PTX of one attention instance alone (the prelude and `attention_fast.cu`): what the engine
 /// compiles on demand. The whole program took the H200's NVRTC and driver 7.5 s; this part
 /// is a fraction of it.
-pub fn instance_ptx(arch: &str, inst: AttentionInstance) -> Result<String, EngineError> {
-    let key = format!("{arch}/only/{}", inst.name());
+pub fn instance_ptx(
+    arch: &str,
+    e16: Float16,
+    inst: AttentionInstance,
+) -> Result<String, EngineError> {
+    let key = format!("{arch}/{}/only/{}", e16.name(), inst.name());
     let mut src = source_of(|n| n == "prelude.cu" || n == "attention_fast.cu")?;
     src.push_str(&inst.source_line());
-    compile_cached(arch, key, &src)
+    compile_cached(arch, e16, key, &src)
 }
 
-fn compile_cached(arch: &str, key: String, src: &str) -> Result<String, EngineError> {
+fn compile_cached(arch: &str, e16: Float16, key: String, src: &str) -> Result<String, EngineError> {
     let mut cache = cache()
         .lock()
         .map_err(|_| EngineError::Backend("CUDA kernel cache lock poisoned".into()))?;
@@ -198,7 +242,10 @@ fn compile_cached(arch: &str, key: String, src: &str) -> Result<String, EngineEr
         ftz: Some(false),
         prec_sqrt: Some(true),
         prec_div: Some(true),
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        options: [format!("--gpu-architecture={arch}"), "--std=c++17".into()]
+            .into_iter()
+            .chain(e16.defines())
+            .collect(),
         name: Some("tandem_kernels.cu".into()),
         ..Default::default()
     };
@@ -210,7 +257,8 @@ fn compile_cached(arch: &str, key: String, src: &str) -> Result<String, EngineEr
             other => format!("{other:?}"),
         };
         EngineError::Backend(format!(
-            "NVRTC could not compile the kernels for {arch}: {detail}"
+            "NVRTC could not compile the {} kernels for {arch}: {detail}",
+            e16.name()
         ))
     })?;
     let text = ptx.to_src();

@@ -110,25 +110,28 @@ fn to_i32(what: &str, v: usize) -> Result<i32, EngineError> {
     i32::try_from(v).map_err(|_| bad(format!("{what} = {v} does not fit in i32")))
 }
 
-/// An element type of the device buffers kernels read and write: f32, or bf16 held as its
-/// u16 bit pattern (as the host side stores bf16 too).
+/// An element type of the device buffers kernels read and write: f32, or a 16-bit float held
+/// as its u16 bit pattern (as the host side stores bf16 too): bf16, or IEEE half on a device
+/// whose program is the f16 one ([`CudaDevice::float16`]).
 pub trait DeviceElem: DeviceRepr + ValidAsZeroBits + Copy + Unpin + Send + Sync + 'static {
     /// The suffix of the kernels' entry points for this type (`rms_norm_f32`, `rms_norm_bf16`).
     const SUFFIX: &'static str;
-    /// cuBLAS's name for the type.
-    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType;
+    /// cuBLAS's name for the type on a device whose 16-bit element is `e16`.
+    fn cuda_type(e16: kernels::Float16) -> cudarc::cublas::sys::cudaDataType;
 }
 
 impl DeviceElem for f32 {
     const SUFFIX: &'static str = "f32";
-    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType =
-        cudarc::cublas::sys::cudaDataType::CUDA_R_32F;
+    fn cuda_type(_: kernels::Float16) -> cudarc::cublas::sys::cudaDataType {
+        cudarc::cublas::sys::cudaDataType::CUDA_R_32F
+    }
 }
 
 impl DeviceElem for u16 {
     const SUFFIX: &'static str = "bf16";
-    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType =
-        cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
+    fn cuda_type(e16: kernels::Float16) -> cudarc::cublas::sys::cudaDataType {
+        e16.cuda_type()
+    }
 }
 
 /// Threads for a block over `n` elements: a multiple of 32 (the kernels' block reductions
@@ -262,12 +265,22 @@ pub struct CudaDevice {
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
     pdl_capable: bool,
+    /// The program's 16-bit element: what `u16` buffers (weights, GEMM inputs, a 16-bit KV
+    /// pool) hold on this device.
+    e16: kernels::Float16,
 }
 
 impl CudaDevice {
-    /// Opens GPU `ordinal`, compiles the kernels for its architecture (cached per process) and
-    /// loads them. A machine without the CUDA libraries gets an error, not a panic.
+    /// Opens GPU `ordinal`, compiles the bf16 kernels for its architecture (cached per
+    /// process) and loads them. A machine without the CUDA libraries gets an error, not a
+    /// panic.
     pub fn new(ordinal: usize) -> Result<Self, EngineError> {
+        Self::with_float16(ordinal, kernels::Float16::Bf16)
+    }
+
+    /// Like [`Self::new`], with the program's 16-bit element `e16` (what every `u16` buffer
+    /// of this device holds: bf16, or IEEE half for the f16 compute mode).
+    pub fn with_float16(ordinal: usize, e16: kernels::Float16) -> Result<Self, EngineError> {
         check_libraries()?;
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("opening the device"))?;
         // SAFETY: the backend uses one stream only, so cudarc's per-buffer event tracking
@@ -285,7 +298,7 @@ impl CudaDevice {
             )
             .map_err(cuda_err("reading the SM count"))?
             .max(1) as usize;
-        let ptx = kernels::ptx_for(&arch)?;
+        let ptx = kernels::ptx_for(&arch, e16)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(cuda_err("loading the kernels"))?;
@@ -350,7 +363,13 @@ impl CudaDevice {
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
             pdl_capable,
+            e16,
         })
+    }
+
+    /// What this device's 16-bit buffers hold (the program it compiled).
+    pub fn float16(&self) -> kernels::Float16 {
+        self.e16
     }
 
     /// The architecture the kernels were compiled for (`sm_90` on an H200).
@@ -477,7 +496,7 @@ impl CudaDevice {
             return Ok(f.clone());
         }
         let t0 = std::time::Instant::now();
-        let ptx = kernels::instance_ptx(&self.arch, inst)?;
+        let ptx = kernels::instance_ptx(&self.arch, self.e16, inst)?;
         let module = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))

@@ -17,14 +17,14 @@
 #define FD_WK (FA_BK / FD_WARPS)
 
 template <typename O, int HD>
-__device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const bf16_t* pool,
+__device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
                                       const int* tables, const int* table_start, const int* positions,
                                       const int* lo_pos, const int* token_list, int nq, int nkv, int group,
                                       int block_size, int layer, int num_layers, float scale, float* part_acc,
                                       float* part_ml, unsigned int* counters, long long lo_off) {
     constexpr int ROW = HD + FA_PAD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    bf16_t* smem = reinterpret_cast<bf16_t*>(fa_smem);
+    e16_t* smem = reinterpret_cast<e16_t*>(fa_smem);
     const int bx = blockIdx.x;
     const int t = token_list[bx];
     const int g = blockIdx.y;
@@ -77,7 +77,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         __syncthreads();
         const int kw = k0 + warp * FD_WK;  // this warp's first key of the run
         if (kw < end) {
-            const bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW + warp * FD_WK * ROW;
+            const e16_t* sk = smem + (long long)st * 2 * FA_BK * ROW + warp * FD_WK * ROW;
             float s[2][4];
             qk_scores<HD, 2>(s, qa, sk);
 #pragma unroll
@@ -146,7 +146,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
 
 #define ATTENTION_DECODE(NAME, O, HD)                                                                        \
     extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
-        O* out, const float* qkv, int row_stride, const bf16_t* pool, const int* tables,                     \
+        O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                     \
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) { GRID_DEPENDENCY_SYNC();                                          \
@@ -156,6 +156,6 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     }
 
 ATTENTION_DECODE(attention_decode_f32_hd64, float, 64)
-ATTENTION_DECODE(attention_decode_bf16_hd64, bf16_t, 64)
+ATTENTION_DECODE(attention_decode_bf16_hd64, e16_t, 64)
 ATTENTION_DECODE(attention_decode_f32_hd128, float, 128)
-ATTENTION_DECODE(attention_decode_bf16_hd128, bf16_t, 128)
+ATTENTION_DECODE(attention_decode_bf16_hd128, e16_t, 128)

@@ -31,7 +31,7 @@ struct RowRaw {
     T v[E];
 };
 template <>
-struct RowRaw<bf16_t, 4> {
+struct RowRaw<e16_t, 4> {
     uint2 v;
 };
 
@@ -41,7 +41,7 @@ __device__ __forceinline__ void load_raw(const T* pool, long long base, int d0, 
 #pragma unroll
     for (int e = 0; e < E; ++e) out.v[e] = d0 + e < head_dim ? pool[base + d0 + e] : (T)0;
 }
-__device__ __forceinline__ void load_raw(const bf16_t* pool, long long base, int d0, int head_dim, RowRaw<bf16_t, 4>& out) {
+__device__ __forceinline__ void load_raw(const e16_t* pool, long long base, int d0, int head_dim, RowRaw<e16_t, 4>& out) {
     if ((head_dim & 3) == 0 && d0 + 4 <= head_dim) {
         out.v = *reinterpret_cast<const uint2*>(pool + base + d0);
     } else {
@@ -57,11 +57,11 @@ __device__ __forceinline__ void unpack(const RowRaw<T, E>& r, float (&out)[E]) {
 #pragma unroll
     for (int e = 0; e < E; ++e) out[e] = load_f(r.v, e);
 }
-__device__ __forceinline__ void unpack(const RowRaw<bf16_t, 4>& r, float (&out)[4]) {
-    out[0] = __uint_as_float(r.v.x << 16);
-    out[1] = __uint_as_float(r.v.x & 0xffff0000u);
-    out[2] = __uint_as_float(r.v.y << 16);
-    out[3] = __uint_as_float(r.v.y & 0xffff0000u);
+__device__ __forceinline__ void unpack(const RowRaw<e16_t, 4>& r, float (&out)[4]) {
+    out[0] = e16_lo(r.v.x);
+    out[1] = e16_hi(r.v.x);
+    out[2] = e16_lo(r.v.y);
+    out[3] = e16_hi(r.v.y);
 }
 
 // exp(m - M) as a merge weight, 0 for an empty state (l == 0, m == -inf).

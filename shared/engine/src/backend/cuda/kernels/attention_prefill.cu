@@ -1,5 +1,5 @@
 // Causal paged attention for prefill chunks on tensor cores (flash-attention 2 style), over a
-// bf16 pool: the cached prefix and the chunk's own keys alike.
+// 16-bit pool (bf16, or f16 in the f16 program): the cached prefix and the chunk's own keys alike.
 //
 // Grid (tiles, nkv); block 4 warps. A tile is up to FA_BQ / group consecutive tokens of one
 // sequence (`tiles` holds (first token, tokens) pairs); its FA_BQ rows are (token, q head)
@@ -19,7 +19,7 @@
 
 __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32." E16_MMA_TYPE "." E16_MMA_TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -52,8 +52,8 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+__device__ __forceinline__ unsigned pack_e16(float lo, float hi) {
+    return (unsigned)f32_to_e16(lo) | ((unsigned)f32_to_e16(hi) << 16);
 }
 
 // Q rows as A fragments (bf16), one per 16 columns of the head: q0 and q1 start this lane's
@@ -68,8 +68,8 @@ __device__ __forceinline__ void load_q_fragments(unsigned (&qa)[HD / 16][4], con
             const float* q = (i == 0 ? q0 : q1) + kc * 16 + 2 * qc;
             const float2 lo = *reinterpret_cast<const float2*>(q);
             const float2 hi = *reinterpret_cast<const float2*>(q + 8);
-            qa[kc][i] = pack_bf16(lo.x, lo.y);
-            qa[kc][2 + i] = pack_bf16(hi.x, hi.y);
+            qa[kc][i] = pack_e16(lo.x, lo.y);
+            qa[kc][2 + i] = pack_e16(hi.x, hi.y);
         }
     }
 }
@@ -79,7 +79,7 @@ __device__ __forceinline__ void load_q_fragments(unsigned (&qa)[HD / 16][4], con
 // group. Each thread copies one 16-byte column of every (blockDim / (HD / 8))-th key, walking
 // the block table incrementally (one division per run, not one per copy).
 template <int HD>
-__device__ __forceinline__ void stage_kv_run(bf16_t* slot, const bf16_t* pool, const int* table, int k0, int end,
+__device__ __forceinline__ void stage_kv_run(e16_t* slot, const e16_t* pool, const int* table, int k0, int end,
                                              int block_size, long long block_e, long long layer_off, long long kvd,
                                              long long part_e, int g) {
     constexpr int ROW = HD + FA_PAD;
@@ -87,8 +87,8 @@ __device__ __forceinline__ void stage_kv_run(bf16_t* slot, const bf16_t* pool, c
     const int key0 = threadIdx.x / CHUNKS;
     const int step = blockDim.x / CHUNKS;
     const int c = (threadIdx.x % CHUNKS) * 8;
-    bf16_t* sk = slot;
-    bf16_t* sv = slot + FA_BK * ROW;
+    e16_t* sk = slot;
+    e16_t* sv = slot + FA_BK * ROW;
     int p = k0 + key0;
     int blk = p / block_size;
     int off = p - blk * block_size;
@@ -112,7 +112,7 @@ __device__ __forceinline__ void stage_kv_run(bf16_t* slot, const bf16_t* pool, c
 // The scores of a warp's 16 rows (Q as A fragments) against NT × 8 keys of a staged K slot,
 // starting at row `sk` (ldmatrix matrices: (kc, lo 8 cols), (kc, hi 8), (kc+1, lo), (kc+1, hi)).
 template <int HD, int NT>
-__device__ __forceinline__ void qk_scores(float (&s)[NT][4], const unsigned (&qa)[HD / 16][4], const bf16_t* sk) {
+__device__ __forceinline__ void qk_scores(float (&s)[NT][4], const unsigned (&qa)[HD / 16][4], const e16_t* sk) {
     constexpr int ROW = HD + FA_PAD;
     const int lane = threadIdx.x & 31;
     const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
@@ -174,14 +174,14 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], f
 // staged V rows from `sv` (B fragments by ldmatrix.trans: keys 0..8 / 8..16 of columns dn*8,
 // then dn+1).
 template <int HD, int NT>
-__device__ __forceinline__ void pv_accumulate(float (&o)[HD / 8][4], const float (&s)[NT][4], int kc, const bf16_t* sv) {
+__device__ __forceinline__ void pv_accumulate(float (&o)[HD / 8][4], const float (&s)[NT][4], int kc, const e16_t* sv) {
     constexpr int ROW = HD + FA_PAD;
     const int lane = threadIdx.x & 31;
     const int mi = lane >> 3;
     const int mr = lane & 7;
-    const unsigned pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
-                            pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                            pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+    const unsigned pa[4] = {pack_e16(s[2 * kc][0], s[2 * kc][1]), pack_e16(s[2 * kc][2], s[2 * kc][3]),
+                            pack_e16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                            pack_e16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
 #pragma unroll
     for (int dn = 0; dn < HD / 8; dn += 2) {
         unsigned b[4];
@@ -192,7 +192,7 @@ __device__ __forceinline__ void pv_accumulate(float (&o)[HD / 8][4], const float
 }
 
 template <typename O, int HD>
-__device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride, const bf16_t* pool,
+__device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
                                        const int* tables, const int* table_start, const int* positions,
                                        const int* lo_pos, const int* tiles, int nq, int nkv, int group,
                                        int block_size, int layer, int num_layers, float scale,
@@ -200,7 +200,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     constexpr int ROW = HD + FA_PAD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     // [stage][K or V][FA_BK][ROW]
-    bf16_t* smem = reinterpret_cast<bf16_t*>(fa_smem);
+    e16_t* smem = reinterpret_cast<e16_t*>(fa_smem);
     const int g = blockIdx.y;
     const int tok0 = tiles[2 * blockIdx.x];
     const int ntok = tiles[2 * blockIdx.x + 1];
@@ -257,8 +257,8 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
             cp_async_wait<0>();
         }
         __syncthreads();
-        const bf16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
-        const bf16_t* sv = sk + FA_BK * ROW;
+        const e16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
+        const e16_t* sv = sk + FA_BK * ROW;
         if (k0 <= warp_pos) {  // else every row of this warp is before the run
             float s[FA_BK / 8][4];
             qk_scores<HD, FA_BK / 8>(s, qa, sk);
@@ -300,7 +300,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
 
 #define ATTENTION_PREFILL(NAME, O, HD)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                \
-        O* out, const float* qkv, int row_stride, const bf16_t* pool, const int* tables,                   \
+        O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                   \
         const int* table_start, const int* positions, const int* lo_pos, const int* tiles, int nq, int nkv, \
         int group, int block_size, int layer, int num_layers, float scale, long long lo_off) { GRID_DEPENDENCY_SYNC();             \
         attention_prefill_impl<O, HD>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos,  \
@@ -308,6 +308,6 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     }
 
 ATTENTION_PREFILL(attention_prefill_f32_hd64, float, 64)
-ATTENTION_PREFILL(attention_prefill_bf16_hd64, bf16_t, 64)
+ATTENTION_PREFILL(attention_prefill_bf16_hd64, e16_t, 64)
 ATTENTION_PREFILL(attention_prefill_f32_hd128, float, 128)
-ATTENTION_PREFILL(attention_prefill_bf16_hd128, bf16_t, 128)
+ATTENTION_PREFILL(attention_prefill_bf16_hd128, e16_t, 128)

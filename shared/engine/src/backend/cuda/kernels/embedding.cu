@@ -14,7 +14,7 @@ extern "C" __global__ void embedding_f32(float* out, const float* table, const u
     embedding_impl(out, table, ids, hidden);
 }
 
-extern "C" __global__ void embedding_bf16(float* out, const bf16_t* table, const unsigned int* ids, int hidden) {
+extern "C" __global__ void embedding_bf16(float* out, const e16_t* table, const unsigned int* ids, int hidden) {
     GRID_DEPENDENCY_SYNC();
     embedding_impl(out, table, ids, hidden);
 }
@@ -35,7 +35,7 @@ extern "C" __global__ void gather_rows_f32(float* out, const float* src, const u
     gather_rows_impl(out, src, rows, width, lo_off);
 }
 
-extern "C" __global__ void gather_rows_bf16(bf16_t* out, const float* src, const unsigned int* rows, int width, long long lo_off) {
+extern "C" __global__ void gather_rows_bf16(e16_t* out, const float* src, const unsigned int* rows, int width, long long lo_off) {
     GRID_DEPENDENCY_SYNC();
     gather_rows_impl(out, src, rows, width, lo_off);
 }

@@ -6,32 +6,32 @@
 // lanes' partial sums meet in a shuffle reduction. k must be a multiple of 8.
 #define GEMV_WARPS 8
 
-__device__ __forceinline__ void bf16x8_to_f32(const uint4 v, float (&f)[8]) {
-    f[0] = __uint_as_float(v.x << 16);
-    f[1] = __uint_as_float(v.x & 0xffff0000u);
-    f[2] = __uint_as_float(v.y << 16);
-    f[3] = __uint_as_float(v.y & 0xffff0000u);
-    f[4] = __uint_as_float(v.z << 16);
-    f[5] = __uint_as_float(v.z & 0xffff0000u);
-    f[6] = __uint_as_float(v.w << 16);
-    f[7] = __uint_as_float(v.w & 0xffff0000u);
+__device__ __forceinline__ void e16x8_to_f32(const uint4 v, float (&f)[8]) {
+    f[0] = e16_lo(v.x);
+    f[1] = e16_hi(v.x);
+    f[2] = e16_lo(v.y);
+    f[3] = e16_hi(v.y);
+    f[4] = e16_lo(v.z);
+    f[5] = e16_hi(v.z);
+    f[6] = e16_lo(v.w);
+    f[7] = e16_hi(v.w);
 }
 
 // U weight chunks (8 bf16 each) at c, c + 32, ..., loaded, then used for the m rows of x.
 template <int M, int U>
-__device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const bf16_t* x, int m, int k, int c) {
+__device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const e16_t* x, int m, int k, int c) {
     uint4 wv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) wv[u] = __ldg(wr + c + 32 * u);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         float wf[8];
-        bf16x8_to_f32(wv[u], wf);
+        e16x8_to_f32(wv[u], wf);
 #pragma unroll
         for (int r = 0; r < M; ++r) {
             if (r < m) {
                 float xf[8];
-                bf16x8_to_f32(reinterpret_cast<const uint4*>(x + (long long)r * k)[c + 32 * u], xf);
+                e16x8_to_f32(reinterpret_cast<const uint4*>(x + (long long)r * k)[c + 32 * u], xf);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[r] += wf[e] * xf[e];
             }
@@ -44,7 +44,7 @@ __device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const
 // 1024..3072 needs one or two runs: a warp waits on memory about once), then the lanes' sums
 // meet in a shuffle reduction and lane 0 stores them (f32 or bf16).
 template <int M, typename O>
-__device__ __forceinline__ void gemv_column(O* out, const bf16_t* x, const bf16_t* w, int m, int n, int k, int col) {
+__device__ __forceinline__ void gemv_column(O* out, const e16_t* x, const e16_t* w, int m, int n, int k, int col) {
     const int lane = threadIdx.x & 31;
     const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)col * k);
     const int chunks = k >> 3;
@@ -64,7 +64,7 @@ __device__ __forceinline__ void gemv_column(O* out, const bf16_t* x, const bf16_
 }
 
 template <int M>
-__device__ void gemv_bf16_impl(float* out, const bf16_t* x, const bf16_t* w, int m, int n, int k) {
+__device__ void gemv_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (col >= n) return;
     gemv_column<M>(out, x, w, m, n, k, col);
@@ -72,7 +72,7 @@ __device__ void gemv_bf16_impl(float* out, const bf16_t* x, const bf16_t* w, int
 
 #define GEMV_BF16(NAME, M)                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        NAME(float* out, const bf16_t* x, const bf16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                       \
+        NAME(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                       \
         gemv_bf16_impl<M>(out, x, w, m, n, k);                                                          \
     }
 
@@ -90,9 +90,9 @@ GEMV_BF16(gemv_bf16_m2, 2)
 // beside the 16 KB of weights the block streams.
 template <int M, bool SILU, typename O>
 __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
-                               const float* norm_w, float eps, const bf16_t* w, int m, int n, int k) {
+                               const float* norm_w, float eps, const e16_t* w, int m, int n, int k) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
-    bf16_t* xs = reinterpret_cast<bf16_t*>(gemv_smem);  // [M][k]
+    e16_t* xs = reinterpret_cast<e16_t*>(gemv_smem);  // [M][k]
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         if (r < m) {  // uniform over the block
@@ -108,7 +108,7 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
             for (int i = threadIdx.x; i < k; i += blockDim.x) {
                 const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
                 if (blockIdx.x == 0) x_out[(long long)r * k + i] = v;
-                xs[r * k + i] = f32_to_bf16(norm_w[i] * (v * inv));
+                xs[r * k + i] = f32_to_e16(norm_w[i] * (v * inv));
             }
         }
     }
@@ -141,12 +141,12 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
                 const bool is_up = c >= kc;
                 const int xc = is_up ? c - kc : c;
                 float wf[8];
-                bf16x8_to_f32(wv[u], wf);
+                e16x8_to_f32(wv[u], wf);
 #pragma unroll
                 for (int r = 0; r < M; ++r) {
                     if (r < m) {
                         float xf[8];
-                        bf16x8_to_f32(reinterpret_cast<const uint4*>(xs + r * k)[xc], xf);
+                        e16x8_to_f32(reinterpret_cast<const uint4*>(xs + r * k)[xc], xf);
                         float d = 0.0f;
 #pragma unroll
                         for (int e = 0; e < 8; ++e) d += wf[e] * xf[e];
@@ -174,11 +174,11 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
 #define GEMV_NORM(NAME, M, SILU, O)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
-             const bf16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                                                    \
+             const e16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                                                    \
         gemv_norm_impl<M, SILU, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k);                   \
     }
 
 GEMV_NORM(gemv_norm_bf16_m1, 1, false, float)
 GEMV_NORM(gemv_norm_bf16_m2, 2, false, float)
-GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, bf16_t)
-GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, bf16_t)
+GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, e16_t)
+GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, e16_t)

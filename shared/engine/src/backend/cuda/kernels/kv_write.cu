@@ -29,7 +29,7 @@ extern "C" __global__ void kv_write_f32(float* pool, const float* qkv, int row_s
     kv_write_impl(pool, qkv, row_stride, k_off, kvd, token_block, positions, block_size, layer, num_layers);
 }
 
-extern "C" __global__ void kv_write_bf16(bf16_t* pool, const float* qkv, int row_stride, int k_off, int kvd,
+extern "C" __global__ void kv_write_bf16(e16_t* pool, const float* qkv, int row_stride, int k_off, int kvd,
                                          const int* token_block, const int* positions, int block_size,
                                          int layer, int num_layers) {
     GRID_DEPENDENCY_SYNC();

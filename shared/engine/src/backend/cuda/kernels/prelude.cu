@@ -1,38 +1,60 @@
 // Shared helpers of every kernel file; the files are concatenated after this one into a single
 // NVRTC program, so they need no #include (NVRTC then needs no include path either).
 
-// bf16 as its bit pattern: the engine stores bf16 as u16 on the host too, and this avoids
-// cuda_bf16.h.
-typedef unsigned short bf16_t;
+// The program's 16-bit element (weights, GEMM inputs, KV pool) as its bit pattern: bf16, or
+// IEEE half when the program is compiled with TANDEM_F16 (the f16 compute mode). The engine
+// stores both as u16 on the host too, and the bit patterns avoid cuda_bf16.h / cuda_fp16.h.
+// Entry points keep their `_bf16` suffix in both programs: it names the 16-bit variant.
+typedef unsigned short e16_t;
 
-__device__ __forceinline__ float bf16_to_f32(bf16_t b) {
+#ifdef TANDEM_F16
+#define E16_MMA_TYPE "f16"
+__device__ __forceinline__ float e16_to_f32(e16_t b) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+}
+// Round to nearest even; beyond ±65504 the result is ±inf (the f16 mode's range limit).
+__device__ __forceinline__ e16_t f32_to_e16(float f) {
+    e16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+// The low and high element of a packed pair.
+__device__ __forceinline__ float e16_lo(unsigned int v) { return e16_to_f32((e16_t)(v & 0xffffu)); }
+__device__ __forceinline__ float e16_hi(unsigned int v) { return e16_to_f32((e16_t)(v >> 16)); }
+#else
+#define E16_MMA_TYPE "bf16"
+__device__ __forceinline__ float e16_to_f32(e16_t b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }
-
 // Round to nearest even, NaN stays NaN: what half::bf16::from_f32 does on the CPU.
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+__device__ __forceinline__ e16_t f32_to_e16(float f) {
     unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (bf16_t)((u >> 16) | 0x40u);
+        return (e16_t)((u >> 16) | 0x40u);
     }
     u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
+    return (e16_t)(u >> 16);
 }
+__device__ __forceinline__ float e16_lo(unsigned int v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float e16_hi(unsigned int v) { return __uint_as_float(v & 0xffff0000u); }
+#endif
 
 __device__ __forceinline__ float load_f(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load_f(const bf16_t* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ float load_f(const e16_t* p, long long i) { return e16_to_f32(p[i]); }
 __device__ __forceinline__ void store_f(float* p, long long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store_f(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+__device__ __forceinline__ void store_f(e16_t* p, long long i, float v) { p[i] = f32_to_e16(v); }
 
 // A GEMM input: f32 as is; bf16 rounded, and with lo_off != 0 also the rounding's remainder
 // (v - hi, itself in bf16) lo_off elements further on. A GEMM over the stacked [hi; lo] rows,
 // whose two output halves are then added (fold_rows_f32), sees v to about 2^-16 instead of
 // bf16's 2^-8: the split-bf16 ("bf16x2") mode.
 __device__ __forceinline__ void store_in(float* p, long long i, float v, long long lo_off) { p[i] = v; }
-__device__ __forceinline__ void store_in(bf16_t* p, long long i, float v, long long lo_off) {
-    const bf16_t hi = f32_to_bf16(v);
+__device__ __forceinline__ void store_in(e16_t* p, long long i, float v, long long lo_off) {
+    const e16_t hi = f32_to_e16(v);
     p[i] = hi;
-    if (lo_off != 0) p[i + lo_off] = f32_to_bf16(v - bf16_to_f32(hi));
+    if (lo_off != 0) p[i + lo_off] = f32_to_e16(v - e16_to_f32(hi));
 }
 
 #define NEG_INF __int_as_float(0xff800000)

@@ -27,7 +27,7 @@ extern "C" __global__ void rms_norm_f32(float* out, float* x, const float* resid
     rms_norm_impl(out, x, residual, w, dim, eps, lo_off);
 }
 
-extern "C" __global__ void rms_norm_bf16(bf16_t* out, float* x, const float* residual, const float* w, int dim, float eps, long long lo_off) {
+extern "C" __global__ void rms_norm_bf16(e16_t* out, float* x, const float* residual, const float* w, int dim, float eps, long long lo_off) {
     GRID_DEPENDENCY_SYNC();
     rms_norm_impl(out, x, residual, w, dim, eps, lo_off);
 }

@@ -20,7 +20,7 @@ extern "C" __global__ void silu_mul_f32(float* out, const float* gu, int rows, i
     silu_mul_impl(out, gu, rows, im, lo_off);
 }
 
-extern "C" __global__ void silu_mul_bf16(bf16_t* out, const float* gu, int rows, int im, long long lo_off) {
+extern "C" __global__ void silu_mul_bf16(e16_t* out, const float* gu, int rows, int im, long long lo_off) {
     GRID_DEPENDENCY_SYNC();
     silu_mul_impl(out, gu, rows, im, lo_off);
 }
