@@ -50,8 +50,9 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     float o[HD / 8][4];
 #pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF};
+    float m[2] = {NEG_INF, NEG_INF};  // log2 units (see fast_exp2)
     float l[2] = {0.0f, 0.0f};
+    const float scale_log2 = scale * LOG2E_F;
 
     const int* table = tables + table_start[t];
     const int pos = positions[t];
@@ -80,12 +81,13 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
             const e16_t* sk = smem + (long long)st * 2 * FA_BK * ROW + warp * FD_WK * ROW;
             float s[2][4];
             qk_scores<HD, 2>(s, qa, sk);
+            const bool full = kw + FD_WK <= end;  // warp-uniform: no key of the warp masked
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = kw + nt * 8 + 2 * qc + (e & 1);
-                    s[nt][e] = key < end ? s[nt][e] * scale : NEG_INF;
+                    s[nt][e] = full || key < end ? s[nt][e] * scale_log2 : NEG_INF;
                 }
             }
             softmax_step<HD, 2>(s, m, l, o);
@@ -126,7 +128,8 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         float sum = 0.0f, a = 0.0f;
         for (int w = 0; w < FD_WARPS; ++w) {
             const float wl = sml[2 * (w * 16 + j) + 1];
-            const float f = merge_weight(sml[2 * (w * 16 + j)], wl, big);
+            // merge_weight in log2 units
+            const float f = wl > 0.0f ? fast_exp2(sml[2 * (w * 16 + j)] - big) : 0.0f;
             sum += wl * f;
             a += so[(w * 16 + j) * HD + d] * f;
         }
@@ -135,7 +138,8 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         } else {
             part_acc[(pi * group + j) * HD + d] = a;
             if (d == 0) {
-                part_ml[(pi * group + j) * 2] = big;
+                // merge_split_states works in natural units (shared with attention_fast).
+                part_ml[(pi * group + j) * 2] = big * LN2_F;
                 part_ml[(pi * group + j) * 2 + 1] = sum;
             }
         }

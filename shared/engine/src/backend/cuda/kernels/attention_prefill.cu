@@ -17,8 +17,9 @@
 #define FA_BK 64
 #define FA_PAD 8
 
+// Not volatile: a pure register operation, so the compiler may interleave independent ones.
 __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32." E16_MMA_TYPE "." E16_MMA_TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -52,6 +53,17 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// 2^x in one instruction (ex2.approx, relative error ~2^-22; -inf gives 0): the tensor-core
+// kernels keep scores in log2 units (scaled by log2 e), as flash-attention does, since expf
+// costs a dozen instructions and their softmax runs once per 16 keys per warp.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#define LOG2E_F 1.4426950408889634f
+#define LN2_F 0.6931471805599453f
+
 __device__ __forceinline__ unsigned pack_e16(float lo, float hi) {
     return (unsigned)f32_to_e16(lo) | ((unsigned)f32_to_e16(hi) << 16);
 }
@@ -77,7 +89,7 @@ __device__ __forceinline__ void load_q_fragments(unsigned (&qa)[HD / 16][4], con
 // Queues the K and V rows of keys k0 .. k0 + FA_BK of KV head g (zero past `end`) into one
 // shared-memory slot ([FA_BK][HD + FA_PAD] of K, then of V) by cp.async and commits them as one
 // group. Each thread copies one 16-byte column of every (blockDim / (HD / 8))-th key, walking
-// the block table incrementally (one division per run, not one per copy).
+// the block table incrementally (one division per run, one table read per block crossed).
 template <int HD>
 __device__ __forceinline__ void stage_kv_run(e16_t* slot, const e16_t* pool, const int* table, int k0, int end,
                                              int block_size, long long block_e, long long layer_off, long long kvd,
@@ -92,18 +104,24 @@ __device__ __forceinline__ void stage_kv_run(e16_t* slot, const e16_t* pool, con
     int p = k0 + key0;
     int blk = p / block_size;
     int off = p - blk * block_size;
+    // Element offset of this thread's column in block `blk` (read from the table only while
+    // keys remain: the table does not reach past the sequence's last block).
+    const long long col = layer_off + (long long)g * HD + c;
+    long long blk_at = p < end ? (long long)table[blk] * block_e + col : 0;
     for (int key = key0; key < FA_BK; key += step) {
         const bool ok = p < end;
         // Past the end: nothing is read (zero fill); the pool's start is a valid address.
-        const long long base =
-            ok ? (long long)table[blk] * block_e + layer_off + (long long)off * kvd + (long long)g * HD + c : 0;
-        cp_async16(sk + key * ROW + c, pool + base, ok);
-        cp_async16(sv + key * ROW + c, pool + (ok ? base + part_e : 0), ok);
+        const long long at = ok ? blk_at + (long long)off * kvd : 0;
+        cp_async16(sk + key * ROW + c, pool + at, ok);
+        cp_async16(sv + key * ROW + c, pool + (ok ? at + part_e : 0), ok);
         p += step;
         off += step;
-        while (off >= block_size) {
-            off -= block_size;
-            ++blk;
+        if (off >= block_size) {
+            do {
+                off -= block_size;
+                ++blk;
+            } while (off >= block_size);
+            blk_at = p < end ? (long long)table[blk] * block_e + col : 0;
         }
     }
     cp_async_commit();
@@ -117,21 +135,35 @@ __device__ __forceinline__ void qk_scores(float (&s)[NT][4], const unsigned (&qa
     const int lane = threadIdx.x & 31;
     const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
     const int mr = lane & 7;   // and its row
+    // With few key tiles (decode) each tile's HD / 16 dependent mma are split over two
+    // accumulators (even and odd k chunks) so that they overlap; with many tiles (prefill)
+    // the tiles already do, and the registers are better spent elsewhere.
+    constexpr bool PAIR = NT <= 2;
+    float s2[PAIR ? NT : 1][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        if constexpr (PAIR) s2[nt][0] = s2[nt][1] = s2[nt][2] = s2[nt][3] = 0.0f;
 #pragma unroll
         for (int kc = 0; kc < HD / 16; kc += 2) {
             unsigned b[4];
             ldsm_x4(b, sk + (nt * 8 + mr) * ROW + kc * 16 + mi * 8);
             mma_16816(s[nt], qa[kc], b[0], b[1]);
-            mma_16816(s[nt], qa[kc + 1], b[2], b[3]);
+            if constexpr (PAIR) {
+                mma_16816(s2[nt], qa[kc + 1], b[2], b[3]);
+            } else {
+                mma_16816(s[nt], qa[kc + 1], b[2], b[3]);
+            }
+        }
+        if constexpr (PAIR) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
         }
     }
 }
 
-// One online-softmax step over masked, scaled scores (-inf where masked; a lane's rows qr and
-// qr + 8 in elements 0-1 and 2-3): the rows' maxima over the quad of lanes sharing a row,
+// One online-softmax step over masked, scaled scores in log2 units (-inf where masked; a lane's
+// rows qr and qr + 8 in elements 0-1 and 2-3): the rows' maxima over the quad of lanes sharing a row,
 // the running max m and sum l rescaled, s turned into exp(s - max), the accumulators o
 // rescaled. A row with nothing visible yet stays empty.
 template <int HD, int NT>
@@ -149,7 +181,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], f
         mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
         const float big = fmaxf(m[i], mx[i]);
         base[i] = big == NEG_INF ? 0.0f : big;
-        corr[i] = expf(m[i] - base[i]);
+        corr[i] = fast_exp2(m[i] - base[i]);
         m[i] = big;
         l[i] *= corr[i];
     }
@@ -157,7 +189,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], f
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[nt][e] = expf(s[nt][e] - base[e >> 1]);
+            s[nt][e] = fast_exp2(s[nt][e] - base[e >> 1]);
             l[e >> 1] += s[nt][e];
         }
     }
@@ -236,8 +268,9 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     float o[HD / 8][4];
 #pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF};
+    float m[2] = {NEG_INF, NEG_INF};  // log2 units
     float l[2] = {0.0f, 0.0f};
+    const float scale_log2 = scale * LOG2E_F;
 
     const int* table = tables + table_start[tok0];
     const int kbeg = lo_pos[tok0];
@@ -270,7 +303,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
                     const int i = e >> 1;
                     const int key = k0 + nt * 8 + 2 * qc + (e & 1);
                     const bool ok = key >= row_lo[i] && key <= row_pos[i];
-                    s[nt][e] = ok ? s[nt][e] * scale : NEG_INF;
+                    s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
                 }
             }
             softmax_step<HD, FA_BK / 8>(s, m, l, o);
