@@ -338,33 +338,21 @@ mod tests {
 
     #[test]
     fn the_kv_cache_dtype_follows_the_device() {
-        assert_eq!(
-            kv_dtype(KvCacheDtype::Auto, Device::Cpu, "f16"),
-            KvDtype::F32
-        );
-        assert_eq!(
-            kv_dtype(KvCacheDtype::Auto, Device::Cuda, "bf16"),
-            KvDtype::Bf16
-        );
-        assert_eq!(
-            kv_dtype(KvCacheDtype::Auto, Device::Cuda, "bf16x2"),
-            KvDtype::Bf16
-        );
-        assert_eq!(
-            kv_dtype(KvCacheDtype::Auto, Device::Cuda, "f16"),
-            KvDtype::F16
-        );
-        assert_eq!(
-            kv_dtype(KvCacheDtype::Float32, Device::Cuda, "f16"),
-            KvDtype::F32
-        );
-        assert_eq!(
-            kv_dtype(KvCacheDtype::Bfloat16, Device::Cpu, "bf16"),
-            KvDtype::Bf16
-        );
-        assert_eq!(
-            kv_dtype(KvCacheDtype::Float16, Device::Cpu, "bf16"),
-            KvDtype::F16
-        );
+        use KvCacheDtype::{Auto, Bfloat16, Float16, Float32};
+        for (dtype, device, precision, want) in [
+            (Auto, Device::Cpu, "f16", KvDtype::F32),
+            (Auto, Device::Cuda, "bf16", KvDtype::Bf16),
+            (Auto, Device::Cuda, "bf16x2", KvDtype::Bf16),
+            (Auto, Device::Cuda, "f16", KvDtype::F16),
+            (Float32, Device::Cuda, "f16", KvDtype::F32),
+            (Bfloat16, Device::Cpu, "bf16", KvDtype::Bf16),
+            (Float16, Device::Cpu, "bf16", KvDtype::F16),
+        ] {
+            assert_eq!(
+                kv_dtype(dtype, device, precision),
+                want,
+                "{dtype:?} {device:?} {precision}"
+            );
+        }
     }
 }
