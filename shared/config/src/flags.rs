@@ -73,8 +73,8 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("cuda-precision", Choice(&["bf16", "bf16x2", "f16"]), ModelLoading,
         "CUDA backend: GEMM inputs in bf16 (fast), bf16x2 (each input split into two bf16 \
          terms: near-f32 activations for twice the GEMM FLOPs, the weights still bf16 and read \
-         once per step), or f16 (weights converted exactly from bf16, GEMM inputs and KV cache \
-         in IEEE half: bf16's speed with 8x finer rounding, values limited to +-65504).")
+         once per step), or f16 (weights converted from bf16, exactly above ~1e-5, GEMM inputs and KV \
+         cache in IEEE half: bf16's speed with 8x finer rounding, values limited to +-65504).")
         .env("DYN_TRTLLM_CUDA_PRECISION").default("bf16"),
     FlagSpec::new("model-loader-extra-config", Str, ModelLoading,
         "JSON object passed as extra configuration to the model loader.")

@@ -1,7 +1,9 @@
 //! The CUDA backend's speed on a model folder (issue 7's benchmark), each figure beside its
 //! limit measured in the same run:
 //! - HBM bandwidth: a device-to-device copy (bytes read + written over the time);
-//! - bf16 GEMM rate: cuBLAS GemmEx 8192³ (bf16 inputs, f32 accumulation and output);
+//! - 16-bit GEMM rate: cuBLAS GemmEx 8192³ (the mode's 16-bit inputs — bf16, or f16 in the f16
+//!   mode — f32 accumulation and output; reported as `bf16_gemm_flops`, the name the reports
+//!   have always used);
 //! - decode: tokens/s at each batch size with `--context` tokens of context per sequence
 //!   (greedy on the device, so a step's logits never leave the GPU), and the fraction of the
 //!   bandwidth limit: (weights + KV bytes read per step) / bandwidth over the step time;
@@ -10,7 +12,7 @@
 //!   (the step's FLOPs, attention included, over the measured GEMM rate).
 //!
 //! `cuda_bench --model DIR [--batches 1,8,64,256] [--context 1024] [--prefill 512,2048,8192]
-//!  [--steps 32] [--mode bf16|bf16x2] [--graphs 256] [--profile 1]` prints one JSON object
+//!  [--steps 32] [--mode bf16|f16|bf16x2] [--graphs 256] [--profile 1]` prints one JSON object
 //!  (`--graphs 0`: no CUDA graphs; `--profile 1`: one more step of each case run eagerly with
 //!  an event per launch, its GPU time per kernel reported as `breakdown`).
 
@@ -73,7 +75,7 @@ mod bench {
         Ok(2.0 * (n * 4) as f64 / best)
     }
 
-    /// bf16 GEMM FLOP/s (GemmEx 8192³), best of 5.
+    /// 16-bit GEMM FLOP/s (GemmEx 8192³, the device's 16-bit type), best of 5.
     fn gemm_rate(dev: &CudaDevice) -> Res<f64> {
         let n = 8192;
         let x = dev.zeros::<u16>(n * n).map_err(e)?;
@@ -183,8 +185,9 @@ mod bench {
         let bw = bandwidth(gpu.device())?;
         let flops = gemm_rate(gpu.device())?;
         eprintln!(
-            "bandwidth {:.0} GB/s, bf16 GEMM {:.0} TFLOP/s",
+            "bandwidth {:.0} GB/s, {} GEMM {:.0} TFLOP/s",
             bw / 1e9,
+            gpu.device().float16().name(),
             flops / 1e12
         );
         let wbytes = weight_bytes(&cfg);

@@ -144,15 +144,16 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Whether [`CudaDevice::attention_prefill`] serves this shape: a bf16 pool, head_dim 64
+    /// Whether [`CudaDevice::attention_prefill`] serves this shape: a 16-bit pool (the
+    /// program's bf16 or f16), head_dim 64
     /// or 128; the tokens per tile then (64 rows of (token, q head) pairs).
-    pub fn prefill_tile_tokens(pool_bf16: bool, head_dim: usize, group: usize) -> Option<usize> {
-        (pool_bf16 && matches!(head_dim, 64 | 128) && (1..=FA_ROWS).contains(&group))
+    pub fn prefill_tile_tokens(pool16: bool, head_dim: usize, group: usize) -> Option<usize> {
+        (pool16 && matches!(head_dim, 64 | 128) && (1..=FA_ROWS).contains(&group))
             .then_some(FA_ROWS / group)
     }
 
     /// Causal attention of the tiles of `maps` (`attention_prefill.cu`: tensor cores, Q and P
-    /// rounded to bf16, f32 accumulation), over a bf16 pool.
+    /// rounded to the program's 16-bit type, f32 accumulation), over a 16-bit pool.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_prefill<O: DeviceElem>(
         &self,

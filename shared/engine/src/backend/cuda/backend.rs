@@ -39,8 +39,9 @@ pub enum ComputeMode {
     /// added, so activations keep ~16 bits of mantissa: near-f32 results with the weights
     /// resident (and read once) in bf16, for twice the GEMM FLOPs.
     Bf16Split,
-    /// IEEE half weights (converted from bf16 exactly: every bf16 weight in f16's normal range
-    /// is representable), GEMM inputs and KV pool, f32 accumulation: bf16's speed with 3 more
+    /// IEEE half weights (converted from bf16 exactly for |w| ≥ 2⁻¹⁷ ≈ 7.6e-6: every bf16
+    /// value in f16's normal range and its top subnormals is representable; smaller ones keep
+    /// f16's subnormal resolution), GEMM inputs and KV pool, f32 accumulation: bf16's speed with 3 more
     /// mantissa bits (8× finer rounding) for activations and KV, but a range of ±65,504 for
     /// them (a weight beyond it is an error at load; an activation beyond it becomes inf).
     F16,
@@ -181,7 +182,8 @@ impl CudaBackend {
                 mode.kv_dtype16()
             )));
         }
-        let up = |m: &Matrix| -> Result<DeviceMatrix, EngineError> {
+        // `what` names the tensor in the f16 range error.
+        let up = |m: &Matrix, what: &str| -> Result<DeviceMatrix, EngineError> {
             Ok(match (mode, m) {
                 (ComputeMode::F32, Matrix::F32(v)) => DeviceMatrix::F32(dev.upload(v)?),
                 // Widening bf16 to f32 is exact.
@@ -198,37 +200,41 @@ impl CudaBackend {
                             .collect::<Vec<u16>>(),
                     )?,
                 ),
-                (ComputeMode::F16, Matrix::Bf16(v)) => {
-                    DeviceMatrix::Bf16(dev.upload(&to_f16_bits(
-                        v.iter().map(|b| half::bf16::from_bits(*b).to_f32()),
-                        "f16 mode",
-                    )?)?)
-                }
+                (ComputeMode::F16, Matrix::Bf16(v)) => DeviceMatrix::Bf16(dev.upload(
+                    &to_f16_bits(v.iter().map(|b| half::bf16::from_bits(*b).to_f32()), what)?,
+                )?),
                 (ComputeMode::F16, Matrix::F32(v)) => {
-                    DeviceMatrix::Bf16(dev.upload(&to_f16_bits(v.iter().copied(), "f16 mode")?)?)
+                    DeviceMatrix::Bf16(dev.upload(&to_f16_bits(v.iter().copied(), what)?)?)
                 }
             })
         };
         let vec = |v: &[f32]| dev.upload(v);
         let opt = |v: &Option<Vec<f32>>| v.as_deref().map(|v| dev.upload(v)).transpose();
         let mut layers = Vec::with_capacity(weights.layers.len());
-        for lw in &weights.layers {
+        for (i, lw) in weights.layers.iter().enumerate() {
             layers.push(DeviceLayer {
                 input_norm: vec(&lw.input_norm)?,
-                qkv: up(&lw.qkv)?,
+                qkv: up(&lw.qkv, &format!("layer {i} qkv_proj"))?,
                 qkv_bias: opt(&lw.qkv_bias)?,
                 q_norm: opt(&lw.q_norm)?,
                 k_norm: opt(&lw.k_norm)?,
-                o_proj: up(&lw.o_proj)?,
+                o_proj: up(&lw.o_proj, &format!("layer {i} o_proj"))?,
                 o_bias: opt(&lw.o_bias)?,
                 post_norm: vec(&lw.post_norm)?,
-                gate_up: up(&interleave_gate_up(&lw.gate_up, config.intermediate_size)?)?,
-                down: up(&lw.down)?,
+                gate_up: up(
+                    &interleave_gate_up(&lw.gate_up, config.intermediate_size)?,
+                    &format!("layer {i} gate_up_proj"),
+                )?,
+                down: up(&lw.down, &format!("layer {i} down_proj"))?,
             });
         }
         let inv: Vec<f32> = config.rope_inv_freq().iter().map(|f| *f as f32).collect();
-        let embed = up(&weights.embed)?;
-        let lm_head = weights.lm_head.as_ref().map(&up).transpose()?;
+        let embed = up(&weights.embed, "embed_tokens")?;
+        let lm_head = weights
+            .lm_head
+            .as_ref()
+            .map(|m| up(m, "lm_head"))
+            .transpose()?;
         let norm = vec(&weights.norm)?;
         let inv_freq = dev.upload(&inv)?;
         // The workspace first, at the step size the engine schedules, so the pool sized from

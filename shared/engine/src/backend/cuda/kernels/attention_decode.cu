@@ -1,5 +1,5 @@
-// Decode attention on tensor cores over a bf16 pool: the single-token rows of a step (decode),
-// when there are enough of them to fill the GPU.
+// Decode attention on tensor cores over a 16-bit pool (bf16, or f16 in the f16 program): the
+// single-token rows of a step (decode), when there are enough of them to fill the GPU.
 //
 // Grid (rows, nkv, splits); block 4 warps. Block x serves token token_list[x] and one KV head;
 // the group's q heads are the rows of one m16 A fragment (rows past the group repeat the first
