@@ -107,16 +107,20 @@ load disagg --num-requests 128 --concurrency 16 --isl uniform:256:1024 --osl 64 
 case_result disagg $?
 stop
 
-# f16: the f16 precision through the same worker paths, aggregated then disaggregated.
+# f16: the f16 precision through the same worker paths, aggregated then disaggregated; the
+# workers' start-up line must name it (a flag that went unheard would pass the loads).
+f16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -q 'CUDA backend ready.*mode=F16'; }
 up agg_f16 --topology agg --worker-arg=--cuda-precision --worker-arg=f16
 load agg_f16 --num-requests 128 --concurrency 32 --isl uniform:64:1024 --osl 64 --vocab-hi 150000
 rc=$?
 stop
+f16_mode agg_f16 || { echo "agg_f16: no worker reported mode=F16"; rc=1; }
 up disagg_f16 --topology disagg --kv-transport tcp --router-arg=--enforce-disagg \
     --worker-arg=--cuda-precision --worker-arg=f16
 load disagg_f16 --num-requests 64 --concurrency 16 --isl uniform:256:1024 --osl 64 --vocab-hi 150000 || rc=1
-case_result f16 $rc
 stop
+f16_mode disagg_f16 || { echo "disagg_f16: no worker reported mode=F16"; rc=1; }
+case_result f16 $rc
 
 echo "serve_check: $fails case(s) failed"
 [ "$fails" -eq 0 ]
