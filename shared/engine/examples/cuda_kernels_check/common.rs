@@ -64,6 +64,13 @@ impl Report {
             "max_abs_diff": max, "max_abs_ref": max_ref, "tol": tol, "pass": ok,
         }));
     }
+
+    /// A check that is a condition rather than a comparison of values; `got` is reported.
+    pub(crate) fn flag(&mut self, kernel: &str, case: &str, ok: bool, got: Value) {
+        self.pass &= ok;
+        self.checks
+            .push(json!({"kernel": kernel, "case": case, "got": got, "pass": ok}));
+    }
 }
 
 // Qwen3-0.6B-like shapes.

@@ -50,10 +50,12 @@ pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
         let refused = dev
             .embedding(&mut out, &dm, &[VOCAB as u32], HIDDEN)
             .is_err();
-        rep.checks.push(
-            json!({"kernel": "embedding", "case": "id outside vocab refused", "pass": refused}),
+        rep.flag(
+            "embedding",
+            "id outside vocab refused",
+            refused,
+            json!(refused),
         );
-        rep.pass &= refused;
     }
 
     // RMSNorm, plain and with the fused residual add.

@@ -147,9 +147,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         let dwm = DeviceMatrix::F32(dev.zeros::<f32>(HIDDEN)?);
         let mut dout = dev.zeros::<f32>(1)?;
         let refused = dev.matmul_t(&dx, 1, HIDDEN, &dwm, 1, &mut dout).is_err();
-        rep.checks
-            .push(json!({"kernel": "gemm", "case": "mixed dtypes refused", "pass": refused}));
-        rep.pass &= refused;
+        rep.flag("gemm", "mixed dtypes refused", refused, json!(refused));
     }
     Ok(())
 }

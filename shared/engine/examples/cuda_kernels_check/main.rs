@@ -59,6 +59,7 @@ fn run() -> Result<bool, tandem_engine::error::EngineError> {
     gemm::gemms(&mut cx)?;
     elementwise::gather_and_bias(&mut cx)?;
     sampling::argmax_and_sampling(&mut cx)?;
+    sampling::f16_overflow_rows(&mut cx)?;
     let Ctx { dev, rep, .. } = cx;
     dev.synchronize()?;
     let (free, total) = dev.mem_info()?;

@@ -1,11 +1,43 @@
 //! Argmax and sampling on the device against the host rules.
 
+use tandem_engine::backend::cuda::kernels::Float16;
 use tandem_engine::backend::cuda::ops::ArgmaxScratch;
 use tandem_engine::backend::cuda::sampling::SamplingInputs;
+use tandem_engine::backend::cuda::CudaDevice;
 use tandem_engine::error::EngineError;
 use tandem_engine::sampler::SamplePlan;
 
 use super::common::*;
+
+/// The CPU's argmax rule: strict `>` in index order, so the lowest index wins a tie and NaN
+/// never wins (as an f32, for the report).
+fn host_argmax(row: &[f32]) -> f32 {
+    let mut best = 0;
+    for (i, x) in row.iter().enumerate() {
+        if *x > row[best] {
+            best = i;
+        }
+    }
+    best as f32
+}
+
+/// Sampling at temperature 1 with no filter or penalty (tests change what they exercise).
+fn plain_plan() -> SamplePlan {
+    SamplePlan {
+        greedy: false,
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        seen: Vec::new(),
+        counts: Vec::new(),
+        masked: Vec::new(),
+        uniform: 0.0,
+    }
+}
 
 /// Device argmax (with a planted tie) and device sampling against SamplePlan::sample_row.
 pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
@@ -18,18 +50,7 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
         logits[2 * V + 70_000] = 50.0;
         logits[2 * V + 90_000] = 50.0;
         logits[4 * V + V - 1] = 60.0;
-        let want: Vec<f32> = logits
-            .chunks_exact(V)
-            .map(|r| {
-                let mut best = 0;
-                for (i, x) in r.iter().enumerate() {
-                    if *x > r[best] {
-                        best = i;
-                    }
-                }
-                best as f32
-            })
-            .collect();
+        let want: Vec<f32> = logits.chunks_exact(V).map(host_argmax).collect();
         let dl = dev.upload(&logits)?;
         let mut ids = dev.zeros::<i32>(rows)?;
         let mut scratch = ArgmaxScratch::new(dev, rows)?;
@@ -52,20 +73,7 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
     // vocabulary-sized rows, 8 uniforms per plan.
     {
         const V: usize = 151_936;
-        let base = SamplePlan {
-            greedy: false,
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            seen: Vec::new(),
-            counts: Vec::new(),
-            masked: Vec::new(),
-            uniform: 0.0,
-        };
+        let base = plain_plan();
         let seen: Vec<u32> = (0..300).map(|i| (i * 499 % V) as u32).collect();
         let with = |f: &dyn Fn(&mut SamplePlan)| {
             let mut p = base.clone();
@@ -139,6 +147,65 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
             let r = k * per..(k + 1) * per;
             rep.add("sample_rows", name, &got[r.clone()], &want[r], 0.0);
         }
+    }
+    Ok(())
+}
+
+/// The f16 program's overflow check: rows whose logits hold NaN or +inf give -1 from the device
+/// argmax and from greedy and temperature sampling, finite rows (with -inf entries, as masking
+/// writes) their token; the bf16 program keeps the CPU's rule for the same rows (NaN never
+/// wins, +inf does).
+pub(crate) fn f16_overflow_rows(cx: &mut Ctx) -> Result<(), EngineError> {
+    const V: usize = 151_936;
+    let Ctx { dev, rep, rng } = cx;
+    let dev16 = CudaDevice::with_float16(0, Float16::F16)?;
+    // Rows: finite (max at 1234), one NaN, one +inf (at 77), finite with -inf entries (max 99).
+    let mut logits = rng.vec(4 * V);
+    logits[1234] = 40.0;
+    logits[V + 5000] = f32::NAN;
+    logits[2 * V + 77] = f32::INFINITY;
+    logits[3 * V + 99] = 40.0;
+    logits[3 * V + 10..3 * V + 20].fill(f32::NEG_INFINITY);
+    // The CPU rule (strict >, so NaN never wins), for the bf16 program.
+    let host: Vec<f32> = logits.chunks_exact(V).map(host_argmax).collect();
+    for (name, d, want) in [
+        ("f16 program", &dev16, vec![1234.0f32, -1.0, -1.0, 99.0]),
+        ("bf16 program", &*dev, host),
+    ] {
+        let dl = d.upload(&logits)?;
+        let mut ids = d.zeros::<i32>(4)?;
+        let mut scratch = ArgmaxScratch::new(d, 4)?;
+        d.argmax(&mut ids, &dl, 4, V, &mut scratch)?;
+        let got: Vec<f32> = d.download(&ids)?.into_iter().map(|i| i as f32).collect();
+        rep.add("argmax overflow check", name, &got, &want, 0.0);
+    }
+    for (kind, greedy, temperature) in [("greedy", true, 1.0f32), ("temperature 0.8", false, 0.8)] {
+        let plan = SamplePlan {
+            greedy,
+            temperature,
+            uniform: 0.5,
+            ..plain_plan()
+        };
+        let plans = [&plan, &plan, &plan, &plan];
+        let mut inputs = SamplingInputs::new(&dev16)?;
+        inputs.fill(&dev16, &plans)?;
+        let mut dl = dev16.upload(&logits)?;
+        let mut ids = dev16.zeros::<i32>(4)?;
+        dev16.sample_rows(&mut ids, &mut dl, 4, V, &inputs)?;
+        let got: Vec<i32> = dev16.download(&ids)?;
+        // Bad rows flagged; finite rows give a real token (the greedy one exactly).
+        let token = |i: i32| (0..V as i32).contains(&i);
+        let ok = got[1] == -1
+            && got[2] == -1
+            && token(got[0])
+            && token(got[3])
+            && (!greedy || (got[0] == 1234 && got[3] == 99));
+        rep.flag(
+            "sample_rows overflow check",
+            &format!("f16 program, {kind}"),
+            ok,
+            serde_json::json!(got),
+        );
     }
     Ok(())
 }

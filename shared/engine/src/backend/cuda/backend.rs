@@ -375,7 +375,7 @@ impl CudaBackend {
     /// row it asked for (the logits never leave the GPU).
     pub fn forward_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<u32>>, EngineError> {
         let (counts, rows) = self.step(batch, Readout::Argmax, None)?;
-        Ok(ids_per_sequence(&counts, rows))
+        ids_per_sequence(&counts, rows)
     }
 
     /// Runs a step; returns the number of rows per sequence and the rows.
@@ -467,7 +467,7 @@ impl Backend for CudaBackend {
             )));
         }
         let (counts, rows) = self.step(batch, Readout::Sample, Some(plans))?;
-        Ok(ids_per_sequence(&counts, rows)
+        Ok(ids_per_sequence(&counts, rows)?
             .into_iter()
             .map(|ids| ids.last().copied())
             .collect())
@@ -584,17 +584,27 @@ impl Backend for CudaBackend {
     }
 }
 
-/// A step's token ids split per sequence (`counts[i]` rows each, in batch order).
-fn ids_per_sequence(counts: &[usize], rows: StepRows) -> Vec<Vec<u32>> {
+/// A step's token ids split per sequence (`counts[i]` rows each, in batch order). A negative
+/// id is a row whose logits held NaN or +inf (the f16 program's `sampling.cu` check): an
+/// error for the step, naming the likely cause.
+fn ids_per_sequence(counts: &[usize], rows: StepRows) -> Result<Vec<Vec<u32>>, EngineError> {
     let ids = match rows {
         StepRows::Ids(ids) => ids,
         StepRows::Logits(_) => Vec::new(),
     };
+    let bad = ids.iter().filter(|&&id| id < 0).count();
+    if bad > 0 {
+        return Err(EngineError::Backend(format!(
+            "non-finite logits (NaN or +inf) in {bad} of the step's {} rows: an activation \
+             beyond f16's range (±65,504); run with --cuda-precision bf16",
+            ids.len()
+        )));
+    }
     let mut it = ids.into_iter();
-    counts
+    Ok(counts
         .iter()
         .map(|&c| it.by_ref().take(c).map(|id| id as u32).collect())
-        .collect()
+        .collect())
 }
 
 /// The fused `[gate; up]` weights (2 · `im` rows) with their rows interleaved (row 2c = gate
@@ -624,6 +634,19 @@ fn interleave_gate_up(m: &Matrix, im: usize) -> Result<Matrix, EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn device_ids_split_per_sequence_and_a_flagged_row_is_an_error() {
+        let ids = ids_per_sequence(&[2, 0, 1], StepRows::Ids(vec![5, 7, 9])).unwrap();
+        assert_eq!(ids, vec![vec![5, 7], vec![], vec![9]]);
+        let e = ids_per_sequence(&[1, 1], StepRows::Ids(vec![3, -1]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("1 of the step's 2 rows") && e.contains("--cuda-precision bf16"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn f16_weights_are_exact_for_bf16_values_in_range() {

@@ -6,6 +6,17 @@
 // step stays one launch.
 #define ARGMAX_SPLITS 32
 
+// In the f16 program a row holding NaN or +inf logits is an activation that left f16's range
+// (±65,504) upstream: its token is -1, which the host turns into an error naming the cause,
+// rather than a token drawn from garbage. (-inf is what masking writes; it is not counted.)
+// Elsewhere such a row keeps the CPU's rule: NaN never wins.
+#ifdef TANDEM_F16
+#define OVERFLOW_CHECK 1
+#else
+#define OVERFLOW_CHECK 0
+#endif
+__device__ __forceinline__ bool nan_or_pos_inf(float v) { return !(v == v) || v == __int_as_float(0x7f800000); }
+
 __device__ __forceinline__ void better(float& best, int& idx, float ob, int oi) {
     if (ob > best || (ob == best && oi < idx)) {
         best = ob;
@@ -32,13 +43,17 @@ extern "C" __global__ void argmax_f32(int* out, const float* logits, int vocab, 
     const int hi = min(vocab, lo + chunk);
     float best = NEG_INF;
     int idx = 0x7fffffff;
+    bool bad = false;
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         const float v = row[i];
+        if (OVERFLOW_CHECK) bad |= nan_or_pos_inf(v);
         if (v > best) {  // strided scan: the first hit per thread is its lowest index
             best = v;
             idx = i;
         }
     }
+    // -2: this slice of the row holds NaN or +inf (OVERFLOW_CHECK).
+    if (OVERFLOW_CHECK && __syncthreads_or(bad)) idx = -2;
     warp_argmax(best, idx);
     __shared__ float sb[32];
     __shared__ int si[32];
@@ -67,9 +82,10 @@ extern "C" __global__ void argmax_f32(int* out, const float* logits, int vocab, 
     __threadfence();
     best = lane < ARGMAX_SPLITS ? __ldcg(part_v + r * ARGMAX_SPLITS + lane) : NEG_INF;
     idx = lane < ARGMAX_SPLITS ? __ldcg(part_i + r * ARGMAX_SPLITS + lane) : 0x7fffffff;
+    const bool row_bad = OVERFLOW_CHECK && __any_sync(0xffffffffu, idx == -2);
     warp_argmax(best, idx);
     if (lane == 0) {
-        out[r] = idx == 0x7fffffff ? 0 : idx;
+        out[r] = row_bad ? -1 : idx == 0x7fffffff ? 0 : idx;
         counters[r] = 0u;  // ready for the next launch
     }
 }
@@ -302,12 +318,18 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
         // 2. Argmax, ties to the lowest id (the CPU's scan; NaN never wins).
         float best = NEG_INF;
         int idx = 0x7fffffff;
+        bool bad = false;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             const float v = row[i];
+            if (OVERFLOW_CHECK) bad |= nan_or_pos_inf(v);
             if (v > best) {
                 best = v;
                 idx = i;
             }
+        }
+        if (OVERFLOW_CHECK && __syncthreads_or(bad)) {
+            if (threadIdx.x == 0) out[r] = -1;
+            return;
         }
         __shared__ float sb[32];
         __shared__ int si[32];
@@ -339,10 +361,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     // 3. Temperature (x * (1 / t) in f32, as the CPU), and the maximum.
     const float inv_t = 1.0f / temperature;
     float mx = NEG_INF;
+    bool bad = false;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         const float v = row[i] * inv_t;
+        if (OVERFLOW_CHECK) bad |= nan_or_pos_inf(v);
         row[i] = v;
         mx = fmaxf(mx, v);
+    }
+    if (OVERFLOW_CHECK && __syncthreads_or(bad)) {
+        if (threadIdx.x == 0) out[r] = -1;
+        return;
     }
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     __shared__ float smx[32];
