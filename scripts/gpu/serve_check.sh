@@ -109,7 +109,9 @@ stop
 
 # f16: the f16 precision through the same worker paths, aggregated then disaggregated; the
 # workers' start-up line must name it (a flag that went unheard would pass the loads).
-f16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -q 'CUDA backend ready.*mode=F16'; }
+# (grep reads the whole stream: with -q it would stop at the first match and, under pipefail,
+# sed's SIGPIPE would fail the check.)
+f16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -c 'CUDA backend ready.*mode=F16' > /dev/null; }
 up agg_f16 --topology agg --worker-arg=--cuda-precision --worker-arg=f16
 load agg_f16 --num-requests 128 --concurrency 32 --isl uniform:64:1024 --osl 64 --vocab-hi 150000
 rc=$?

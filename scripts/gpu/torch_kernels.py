@@ -98,6 +98,60 @@ def bf16_bits(t):
     return t.to(torch.bfloat16).contiguous()
 
 
+def check_attention_decode(drv, rep, rand, dev):
+    """The tensor-core decode kernel (one token per row, transposed products) at every group
+    size it serves (1-16 q heads per KV head: one or two n8 tiles), both head sizes, 1 and 3
+    splits, full and sliding-window rows, against float64 attention over the bf16 pool."""
+    bs, layers, layer = 16, 2, 1
+    lengths = [1, 17, 64, 65, 300, 1000]  # keys per row: one, partial and whole runs of 64
+    for nq, nkv, hd in ((16, 8, 128), (8, 8, 64), (32, 8, 128), (64, 8, 128), (40, 4, 64), (16, 1, 128)):
+        grp = nq // nkv
+        kvd = nkv * hd
+        row = (nq + 2 * nkv) * hd
+        nblocks = sum((n + bs - 1) // bs for n in lengths) + 1
+        pool = rand(nblocks, layers, 2, bs, kvd).to(torch.bfloat16)
+        perm = torch.randperm(nblocks, device=dev).tolist()  # scattered blocks
+        tables_flat, starts, at = [], [], 0
+        for n in lengths:
+            starts.append(len(tables_flat))
+            k = (n + bs - 1) // bs
+            tables_flat += perm[at:at + k]
+            at += k
+        rows = len(lengths)
+        tables = torch.tensor(tables_flat, dtype=torch.int32, device=dev)
+        table_start = torch.tensor(starts, dtype=torch.int32, device=dev)
+        positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=dev)
+        token_list = torch.arange(rows, dtype=torch.int32, device=dev)
+        qkv = rand(rows, row, scale=2.0)
+        scale = 1.0 / math.sqrt(hd)
+        kern = f"attention_decode_f32_n{8 if grp <= 8 else 16}_hd{hd}"
+        for window in (1 << 30, 40):
+            lo = [max(0, n - window) for n in lengths]
+            lo_pos = torch.tensor(lo, dtype=torch.int32, device=dev)
+            want = torch.zeros(rows, nq * hd, dtype=torch.float64, device=dev)
+            for r, n in enumerate(lengths):
+                tab = tables_flat[starts[r]:starts[r] + (n + bs - 1) // bs]
+                keys = range(lo[r], n)
+                ks = torch.stack([pool[tab[x // bs], layer, 0, x % bs] for x in keys]).double()
+                vs = torch.stack([pool[tab[x // bs], layer, 1, x % bs] for x in keys]).double()
+                q = qkv[r, :nq * hd].double().view(nkv, grp, hd)
+                sc = torch.einsum("kgd,nkd->kgn", q, ks.view(-1, nkv, hd)) * scale
+                a = torch.softmax(sc, -1)
+                want[r] = torch.einsum("kgn,nkd->kgd", a, vs.view(-1, nkv, hd)).reshape(-1)
+            vmax = pool.float().abs().max().item()
+            for splits in (1, 3):
+                part_acc = torch.zeros(rows * nkv * splits * grp * hd, device=dev)
+                part_ml = torch.zeros(rows * nkv * splits * grp * 2, device=dev)
+                counters = torch.zeros(rows * nkv, dtype=torch.int32, device=dev)
+                out = torch.zeros(rows, nq * hd, device=dev)
+                drv.launch(kern, (rows, nkv, splits), (128,),
+                           [out, qkv, I(row), pool, tables, table_start, positions, lo_pos, token_list, I(nq),
+                            I(nkv), I(grp), I(bs), I(layer), I(layers), F(scale), part_acc, part_ml, counters,
+                            L(0)], smem=2 * 2 * 64 * (hd + 8) * 2)
+                wname = "full" if window > 1 << 20 else f"window {window}"
+                rep.add(kern, f"group {grp} ({nq}/{nkv}), {wname}, {splits} split(s)", out, want, vmax / 256)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ptx", required=True)
@@ -160,7 +214,8 @@ def main():
     gu = rand(T, 2 * im, scale=4.0)
     out = torch.empty(T, im, device=dev)
     drv.launch("silu_mul_f32", (64,), (256,), [out, gu, I(T), I(im), L(0)])
-    want = torch.nn.functional.silu(gu[:, :im].double()) * gu[:, im:].double()
+    # Gate and up interleaved (column 2c gate c, 2c + 1 up c), as the backend lays them out.
+    want = torch.nn.functional.silu(gu[:, 0::2].double()) * gu[:, 1::2].double()
     rep.add("silu_mul_f32", f"{T} rows of {im}", out, want, 1e-5 * want.abs().max().item())
 
     # --- paged KV pool, kv_write, attention (decode rows, chunks over a cached prefix) ---
@@ -242,6 +297,8 @@ def main():
                     I(grp), I(bs), I(layer), I(layers), F(scale), L(0)], smem=smem)
         vmax = pool16.float().abs().max().item()
         rep.add("attention_prefill (bf16 pool)", f"{wname}, {len(tiles) // 2} tiles", out, want16, vmax / 256)
+
+    check_attention_decode(drv, rep, rand, dev)
 
     # --- gemv (bf16 weights and rows, 1 or 2 rows) ---
     for m, k, n in ((1, 1024, 4096), (2, 3072, 1024), (1, 1000, 77)):

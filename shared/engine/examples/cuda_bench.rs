@@ -325,14 +325,19 @@ mod bench {
             eprintln!("prefill {row}");
             prefill.push(row);
         }
-        let decode_blocks_per_sm = gpu
-            .device()
-            .decode_attention_blocks_per_sm(cfg.head_dim)
-            .ok();
-        eprintln!("attention_decode blocks per SM: {decode_blocks_per_sm:?}");
+        let group = cfg.num_attention_heads / cfg.num_key_value_heads.max(1);
+        let decode_blocks_per_sm: Vec<Option<u32>> = [1, 2]
+            .iter()
+            .map(|&stages| {
+                gpu.device()
+                    .decode_attention_blocks_per_sm(group, cfg.head_dim, stages)
+                    .ok()
+            })
+            .collect();
+        eprintln!("attention_decode blocks per SM (1, 2 stages): {decode_blocks_per_sm:?}");
         let report = json!({
             "device": gpu.device().name(),
-            "attention_decode_blocks_per_sm": decode_blocks_per_sm,
+            "attention_decode_blocks_per_sm_1_2_stages": decode_blocks_per_sm,
             "mode": format!("{mode:?}"),
             "graph_max_batch": graphs,
             "profiled": profile,

@@ -2,7 +2,7 @@
 
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot};
 use tandem_engine::backend::cuda::ops::HeadNorms;
-use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, KvPool, PoolShape};
+use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, DecodeLaunch, KvPool, PoolShape};
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 
@@ -297,7 +297,8 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 1e-5,
             );
             // The same rows on tensor cores (Q and P in bf16), one block per (row, head)
-            // and the keys split over 2 and 4 blocks, f32 and bf16 outputs.
+            // and the keys split over 2, 3 and 4 blocks, with one and two shared-memory
+            // stages, f32 and bf16 outputs.
             if let (KvDtype::Bf16, Some(n)) =
                 (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
             {
@@ -306,7 +307,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 maps_dt.decode_tc_min = 0;
                 dev.fill_token_maps(&mut maps_dt, &last, BS, window)?;
                 let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                for splits in [1, 2, 4] {
+                for (splits, stages) in [(1, 2), (2, 2), (4, 2), (1, 1), (3, 1)] {
                     let mut got = dev.zeros::<f32>(last.len() * NQ * HD)?;
                     dev.attention_decode(
                         &mut got,
@@ -320,11 +321,11 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                         scale,
                         &mut scratch,
                         false,
-                        splits,
+                        DecodeLaunch { splits, stages },
                     )?;
                     rep.add(
                         "attention_decode",
-                        &format!("{case}, decode rows only ({splits} splits)"),
+                        &format!("{case}, decode rows only ({splits} splits, {stages} stages)"),
                         &dev.download(&got)?,
                         &want_d,
                         vmax / 256.0,

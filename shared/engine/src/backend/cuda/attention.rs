@@ -2,7 +2,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
-use super::attention_scratch::{AttentionScratch, MAX_SPLITS};
+use super::attention_scratch::{AttentionScratch, DecodeLaunch, MAX_SPLITS};
 use super::kernels::AttentionInstance;
 use super::{
     bad, check_len, cuda_err, to_i32, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps,
@@ -68,14 +68,15 @@ impl CudaDevice {
             return Ok(());
         }
         if maps.decode_tc {
-            let splits = scratch.decode_splits(
+            let launch = scratch.decode_launch(
                 self,
                 maps.n_singles * shape.num_kv_heads,
                 O::SUFFIX,
+                nq / shape.num_kv_heads.max(1),
                 shape.head_dim,
             )?;
             self.attention_decode(
-                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, splits,
+                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, launch,
             )
         } else {
             let rows = Some((&maps.singles, maps.n_singles));
@@ -86,8 +87,8 @@ impl CudaDevice {
     }
 
     /// The single-token rows of `maps` (decode) on tensor cores (`attention_decode.cu`, bf16
-    /// pool, head_dim 64 or 128, at most 16 q heads per KV head): the group's q heads as the
-    /// rows of one fragment, the keys split over the block's four warps and over `splits`
+    /// pool, head_dim 64 or 128, at most 16 q heads per KV head): transposed products with the
+    /// group's q heads on the narrow n8 side, the keys split over the block's four warps and over `splits`
     /// blocks per (row, KV head), merged in the same launch. Q and P are rounded to bf16.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_decode<O: DeviceElem>(
@@ -103,13 +104,15 @@ impl CudaDevice {
         scale: f32,
         scratch: &mut AttentionScratch,
         split: bool,
-        splits: usize,
+        launch: DecodeLaunch,
     ) -> Result<(), EngineError> {
         let tc = TcShape::check("attention_decode", pool, shape, nq, row_stride, layer)?;
         let (nkv, hd, group) = (tc.nkv, tc.hd, tc.group);
-        if group > 16 || !(1..=MAX_SPLITS).contains(&splits) {
+        let DecodeLaunch { splits, stages } = launch;
+        if group > 16 || !(1..=MAX_SPLITS).contains(&splits) || !(1..=2).contains(&stages) {
             return Err(bad(format!(
-                "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits"
+                "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits \
+                 (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
             )));
         }
         let rows = maps.n_singles;
@@ -122,13 +125,11 @@ impl CudaDevice {
         if splits > 1 {
             scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
         }
-        let f = self.func(&decode_kernel(O::SUFFIX, hd))?;
+        let f = self.func(&decode_kernel(O::SUFFIX, group, hd))?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, nkv as u32, splits as u32),
             block_dim: (128, 1, 1),
-            // The prefill kernel's two stages; its merge area (4 × 16 × (head_dim + 2) f32)
-            // is smaller.
-            shared_mem_bytes: prefill_smem_bytes(hd),
+            shared_mem_bytes: decode_smem_bytes(hd, stages),
         };
         let mut b = self.stream.launch_builder(f);
         b.arg(out);
@@ -404,13 +405,18 @@ pub(super) fn attention_instance(
 }
 
 impl CudaDevice {
-    /// Blocks of `attention_decode.cu` (bf16 output) one SM holds at once at `head_dim`
-    /// (benchmarks report it).
-    pub fn decode_attention_blocks_per_sm(&self, head_dim: usize) -> Result<u32, EngineError> {
-        self.loaded(&decode_kernel("bf16", head_dim))?
+    /// Blocks of `attention_decode.cu` (bf16 output) one SM holds at once at `group` q heads
+    /// per KV head, `head_dim` and `stages` shared-memory stages (benchmarks report it).
+    pub fn decode_attention_blocks_per_sm(
+        &self,
+        group: usize,
+        head_dim: usize,
+        stages: usize,
+    ) -> Result<u32, EngineError> {
+        self.loaded(&decode_kernel("bf16", group, head_dim))?
             .occupancy_max_active_blocks_per_multiprocessor(
                 128,
-                prefill_smem_bytes(head_dim) as usize,
+                decode_smem_bytes(head_dim, stages) as usize,
                 None,
             )
             .map_err(cuda_err("attention_decode occupancy"))
@@ -445,7 +451,52 @@ pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
     (2 * 2 * FA_KEYS * (head_dim + FA_PAD) * 2) as u32
 }
 
-/// The `attention_decode.cu` kernel for an output type and head size.
-pub(super) fn decode_kernel(out: &str, head_dim: usize) -> String {
-    format!("attention_decode_{out}_hd{head_dim}")
+/// Dynamic shared memory of `attention_decode.cu` at `head_dim` with `stages` stages of K and
+/// V runs (the prefill kernel's layout; the kernel double-buffers when given two), and at
+/// least its merge area: 4 warps × 16 heads × (head_dim + 4) f32 outputs and (max, sum) pairs.
+pub(super) fn decode_smem_bytes(head_dim: usize, stages: usize) -> u32 {
+    let runs = stages * 2 * FA_KEYS * (head_dim + FA_PAD) * 2;
+    let merge = 4 * 16 * (head_dim + 4 + 2) * 4;
+    runs.max(merge) as u32
+}
+
+/// The `attention_decode.cu` kernel for an output type, a group size (q heads per KV head, at
+/// most 16: one or two n8 tiles) and a head size.
+pub(super) fn decode_kernel(out: &str, group: usize, head_dim: usize) -> String {
+    let heads = if group <= 8 { 8 } else { 16 };
+    format!("attention_decode_{out}_n{heads}_hd{head_dim}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_kernel, decode_smem_bytes, prefill_smem_bytes};
+
+    #[test]
+    fn decode_shared_memory_holds_its_stages_and_merge_area() {
+        for hd in [64, 128] {
+            // Two stages are the prefill kernel's layout (the attribute set at load covers it).
+            assert_eq!(decode_smem_bytes(hd, 2), prefill_smem_bytes(hd));
+            let one = decode_smem_bytes(hd, 1);
+            assert_eq!(one * 2, prefill_smem_bytes(hd));
+            // The merge area: 4 warps × 16 heads × (hd + 4) outputs, plus (max, sum) pairs.
+            assert!(one as usize >= 4 * 16 * (hd + 4) * 4 + 4 * 16 * 2 * 4);
+        }
+    }
+
+    #[test]
+    fn decode_kernel_takes_one_or_two_head_tiles() {
+        assert_eq!(
+            decode_kernel("bf16", 2, 128),
+            "attention_decode_bf16_n8_hd128"
+        );
+        assert_eq!(decode_kernel("f32", 8, 64), "attention_decode_f32_n8_hd64");
+        assert_eq!(
+            decode_kernel("bf16", 9, 128),
+            "attention_decode_bf16_n16_hd128"
+        );
+        assert_eq!(
+            decode_kernel("bf16", 16, 64),
+            "attention_decode_bf16_n16_hd64"
+        );
+    }
 }

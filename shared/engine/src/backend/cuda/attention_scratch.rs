@@ -3,12 +3,20 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::attention::{decode_kernel, prefill_smem_bytes};
+use super::attention::{decode_kernel, decode_smem_bytes};
 use super::{cuda_err, CudaDevice};
 use crate::error::EngineError;
 
 /// At most this many blocks share one (token, KV head)'s positions.
 pub(super) const MAX_SPLITS: usize = 32;
+
+/// How one `attention_decode.cu` launch runs: blocks per (row, KV head) and shared-memory
+/// stages (1 or 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeLaunch {
+    pub splits: usize,
+    pub stages: usize,
+}
 
 /// Device scratch of the split attention: the partial states and the per-(token, head)
 /// counters (zeroed once; the merging block resets its counter).
@@ -17,9 +25,12 @@ pub struct AttentionScratch {
     pub(super) part_ml: CudaSlice<f32>,
     pub(super) counters: CudaSlice<u32>,
     sms: usize,
-    /// Blocks of `attention_decode.cu` resident at once on the whole GPU (occupancy × SMs),
-    /// found on its first launch.
-    decode_slots: Option<usize>,
+    /// Blocks of `attention_decode.cu` resident at once on the whole GPU (occupancy × SMs)
+    /// with one and two shared-memory stages, found on first use.
+    decode_slots: [Option<usize>; 2],
+    /// Shared-memory stages of `attention_decode.cu` fixed by
+    /// [`super::switches::DECODE_STAGES_ENV`] (`None`: chosen per launch).
+    decode_stages: Option<usize>,
     /// Bumped when a buffer is reallocated (graphs captured before hold stale addresses).
     pub generation: u64,
 }
@@ -31,7 +42,8 @@ impl AttentionScratch {
             part_ml: dev.zeros(1)?,
             counters: dev.zeros(1)?,
             sms: dev.sm_count(),
-            decode_slots: None,
+            decode_slots: [None; 2],
+            decode_stages: super::switches::decode_stages()?,
             generation: 0,
         })
     }
@@ -55,35 +67,47 @@ impl AttentionScratch {
         (8 * self.sms).div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS)
     }
 
-    /// Blocks per (row, KV head) of `attention_decode.cu` for `pairs` (row, KV head) pairs:
-    /// the count (≤ 32) whose blocks fill the GPU's resident slots in the most even waves
-    /// (64 rows × 8 heads on 132 SMs × 3 blocks: 1.3 waves at 1 split, 3.9 at 3; one row:
-    /// 32), within the scratch [`Self::for_model`] sized. Depends on the pair count only
-    /// (graphs stay valid at any context length; a split past the keys merges as empty).
-    pub fn decode_splits(
+    /// How `attention_decode.cu` serves `pairs` (row, KV head) pairs: its shared-memory stages
+    /// (unless [`super::switches::DECODE_STAGES_ENV`] fixes them, one from two pairs per SM
+    /// on: enough blocks then share each SM that their loads and math overlap, and one stage
+    /// lets twice as many fit; below that, double buffering overlaps them within a block —
+    /// measured on an H200, batch 64: 19.4k against 17.5k tok/s, batch 8: 4.9k against 5.0k),
+    /// and the splits per pair: the count (≤ 32) whose blocks fill the GPU's resident slots at
+    /// those stages in the most even waves, within the scratch [`Self::for_model`] sized.
+    /// Depends on the pair count only (graphs stay valid at any context length; a split past
+    /// the keys merges as empty).
+    pub fn decode_launch(
         &mut self,
         dev: &CudaDevice,
         pairs: usize,
         out: &str,
+        group: usize,
         head_dim: usize,
-    ) -> Result<usize, EngineError> {
-        let slots = match self.decode_slots {
+    ) -> Result<DecodeLaunch, EngineError> {
+        let stages = self
+            .decode_stages
+            .unwrap_or(if pairs >= 2 * self.sms { 1 } else { 2 });
+        let slot = &mut self.decode_slots[stages - 1];
+        let slots = match *slot {
             Some(n) => n,
             None => {
-                let f = dev.loaded(&decode_kernel(out, head_dim))?;
+                let f = dev.loaded(&decode_kernel(out, group, head_dim))?;
                 let per_sm = f
                     .occupancy_max_active_blocks_per_multiprocessor(
                         128,
-                        prefill_smem_bytes(head_dim) as usize,
+                        decode_smem_bytes(head_dim, stages) as usize,
                         None,
                     )
                     .map_err(cuda_err("attention_decode occupancy"))?;
                 let n = (per_sm as usize).max(1) * self.sms;
-                self.decode_slots = Some(n);
+                *slot = Some(n);
                 n
             }
         };
-        Ok(decode_splits_for(pairs, slots, self.sms))
+        Ok(DecodeLaunch {
+            splits: decode_splits_for(pairs, slots, self.sms),
+            stages,
+        })
     }
 
     /// Room for `states` partial states of `head_dim` and `pairs` counters.

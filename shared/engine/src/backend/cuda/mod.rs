@@ -31,7 +31,7 @@ pub mod sampling;
 mod step;
 pub mod switches;
 
-pub use attention_scratch::AttentionScratch;
+pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
 pub use graphs::GraphStats;
 pub use profile::LaunchTime;

@@ -38,18 +38,27 @@ pub(super) fn tiled_prefill_attention() -> Result<bool, EngineError> {
     choice(PREFILL_ATTENTION_ENV, &[("tiled", true), ("fast", false)])
 }
 
-/// `TANDEM_CUDA_DECODE_ATTENTION`: `auto` (the default: the decode rows of a step through the
-/// tensor-core decode kernel from two rows on, a single row through the CUDA-core split kernel,
-/// as measured faster on an H200), `tiled` (always the tensor-core kernel) or `split` (always
-/// the CUDA-core one).
+/// `TANDEM_CUDA_DECODE_ATTENTION`: `tiled` (the default: the decode rows of a 16-bit step
+/// through the tensor-core decode kernel, measured faster on an H200 from one row on: batch 1
+/// 893 against 822 tok/s) or `split` (the CUDA-core split kernel, for comparisons).
 pub const DECODE_ATTENTION_ENV: &str = "TANDEM_CUDA_DECODE_ATTENTION";
 
 /// The fewest decode rows a step sends to the tensor-core decode kernel (see
 /// [`super::TokenMaps::decode_tc_min`]).
 pub(super) fn decode_tc_min() -> Result<usize, EngineError> {
+    choice(DECODE_ATTENTION_ENV, &[("tiled", 0), ("split", usize::MAX)])
+}
+
+/// `TANDEM_CUDA_DECODE_STAGES`: shared-memory stages of the tensor-core decode kernel,
+/// `auto` (the default: chosen per launch, see [`super::AttentionScratch::decode_launch`]),
+/// `2` (each run of keys loads while the one before computes) or `1` (half the shared memory
+/// per block, so more blocks per SM hide each other's loads).
+pub const DECODE_STAGES_ENV: &str = "TANDEM_CUDA_DECODE_STAGES";
+
+pub(super) fn decode_stages() -> Result<Option<usize>, EngineError> {
     choice(
-        DECODE_ATTENTION_ENV,
-        &[("auto", 2), ("tiled", 0), ("split", usize::MAX)],
+        DECODE_STAGES_ENV,
+        &[("auto", None), ("2", Some(2)), ("1", Some(1))],
     )
 }
 

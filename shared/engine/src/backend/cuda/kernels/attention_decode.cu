@@ -1,28 +1,65 @@
 // Decode attention on tensor cores over a 16-bit pool (bf16, or f16 in the f16 program): the
 // single-token rows of a step (decode), when there are enough of them to fill the GPU.
 //
-// Grid (rows, nkv, splits); block 4 warps. Block x serves token token_list[x] and one KV head;
-// the group's q heads are the rows of one m16 A fragment (rows past the group repeat the first
-// head and are dropped), so every K/V element staged in shared memory feeds the whole group.
-// The keys [lo, pos] are cut into runs of FA_BK, whole runs per split (blockIdx.z); the block
-// stages each run as attention_prefill.cu does (stage_kv_run: cp.async, double buffered;
-// deeper rings measured slower on an H200, fewer blocks fitting per SM) and warp w computes
-// keys 16w .. 16w + 16 of it (QK: 16 mma, PV: 16 mma) with its own online softmax. The four
-// warps' states merge in shared memory, and with splits > 1 the splits merge as in
-// attention_fast.cu (the last block of a (row, head) does it). A one-token tile of the prefill
-// kernel left three of its four warps idle and read K/V faster than its one warp computed.
-// Needs attention_prefill.cu (staging, scores, softmax step and P·V helpers) and
-// attention_fast.cu (merge_split_states) before it in the program.
+// Grid (rows, nkv, splits); block 4 warps. Block x serves token token_list[x] and one KV head.
+// The products are computed transposed, S^T = K·Q^T and O^T = V^T·P^T, so that the keys and
+// the head dimension fill the m16 side of mma.sync m16n8k16 and the group's q heads (at most 8
+// per n8 tile, NH tiles) the narrow side: a group of two heads in m16 rows wasted 7/8 of each
+// mma and held 16 × 8 output registers per lane where 8 × 4 do now. K comes in as A fragments
+// (ldmatrix), V^T as A fragments (ldmatrix.trans), Q^T as B fragments from registers, and the
+// probabilities' accumulator fragment becomes P^T's B fragment by an in-register transpose
+// (movmatrix). The keys [lo, pos] are cut into runs of FA_BK, whole runs per split
+// (blockIdx.z); the block stages each run as attention_prefill.cu does (stage_kv_run:
+// cp.async, double buffered, or single buffered when the launch gives shared memory for one
+// stage) and warp w computes keys 16w .. 16w + 16 of it with its own
+// online softmax. The four warps' states merge in shared memory, and with splits > 1 the
+// splits merge as in attention_fast.cu (the last block of a (row, head) does it).
+// Needs attention_prefill.cu (staging, mma, ldmatrix, exp2 helpers) and attention_fast.cu
+// (merge_split_states) before it in the program.
 #define FD_WARPS 4
 #define FD_WK (FA_BK / FD_WARPS)
+// Row stride (floats) of the warps' output states in shared memory: padded so that the four
+// lanes of a quad (heads 2qc, 2qc + 1) store to different banks.
+#define FD_SO_PAD 4
 
-template <typename O, int HD>
+// An 8×8 b16 matrix in fragment layout (lane: row lane / 4, columns 2 (lane % 4) and + 1),
+// transposed across the warp.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// Q^T as B fragments (k16 × n8 per (tile, k chunk)): the lane's column is q head
+// g * group + 8 nt + qr (heads past the group repeat the group's first, and are dropped), its
+// rows the head dimensions 16 kc + 2 qc, + 1 and the same + 8.
+template <int HD, int NH>
+__device__ __forceinline__ void load_q_b_fragments(unsigned (&qb)[NH][HD / 16][2], const float* qrow, int g,
+                                                   int group) {
+    const int qr = (threadIdx.x & 31) >> 2;
+    const int qc = threadIdx.x & 3;
+#pragma unroll
+    for (int nt = 0; nt < NH; ++nt) {
+        const int j = nt * 8 + qr;
+        const float* q = qrow + (long long)(g * group + (j < group ? j : 0)) * HD + 2 * qc;
+#pragma unroll
+        for (int kc = 0; kc < HD / 16; ++kc) {
+            const float2 lo = *reinterpret_cast<const float2*>(q + kc * 16);
+            const float2 hi = *reinterpret_cast<const float2*>(q + kc * 16 + 8);
+            qb[nt][kc][0] = pack_e16(lo.x, lo.y);
+            qb[nt][kc][1] = pack_e16(hi.x, hi.y);
+        }
+    }
+}
+
+template <typename O, int HD, int NH>
 __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
                                       const int* tables, const int* table_start, const int* positions,
                                       const int* lo_pos, const int* token_list, int nq, int nkv, int group,
                                       int block_size, int layer, int num_layers, float scale, float* part_acc,
                                       float* part_ml, unsigned int* counters, long long lo_off) {
     constexpr int ROW = HD + FA_PAD;
+    constexpr int SO_ROW = HD + FD_SO_PAD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     e16_t* smem = reinterpret_cast<e16_t*>(fa_smem);
     const int bx = blockIdx.x;
@@ -34,24 +71,27 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const int lane = threadIdx.x & 31;
     const int qr = lane >> 2;
     const int qc = lane & 3;
+    const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
+    const int mr = lane & 7;   // and its row
     const long long kvd = (long long)nkv * HD;
     const long long part_e = (long long)block_size * kvd;
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
 
-    // Q as A fragments: fragment row r is q head g * group + r (r < group), else the first.
-    unsigned qa[HD / 16][4];
-    {
-        const float* qrow = qkv + (long long)t * row_stride;
-        const int r0 = qr < group ? qr : 0;
-        const int r1 = qr + 8 < group ? qr + 8 : 0;
-        load_q_fragments<HD>(qa, qrow + (long long)(g * group + r0) * HD, qrow + (long long)(g * group + r1) * HD);
-    }
-    float o[HD / 8][4];
+    unsigned qb[NH][HD / 16][2];
+    load_q_b_fragments<HD, NH>(qb, qkv + (long long)t * row_stride, g, group);
+    // O^T per (head tile, 16 dimensions): element e is dimension 16 dt + qr + 8 (e >> 1) of
+    // head 8 nt + 2 qc + (e & 1).
+    float o[NH][HD / 16][4];
 #pragma unroll
-    for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF};  // log2 units (see fast_exp2)
-    float l[2] = {0.0f, 0.0f};
+    for (int nt = 0; nt < NH; ++nt)
+#pragma unroll
+        for (int dt = 0; dt < HD / 16; ++dt) o[nt][dt][0] = o[nt][dt][1] = o[nt][dt][2] = o[nt][dt][3] = 0.0f;
+    // Running max (log2 units, see fast_exp2) and this lane's share of the sum, per head
+    // 8 nt + 2 qc + i.
+    float m[NH][2], l[NH][2];
+#pragma unroll
+    for (int nt = 0; nt < NH; ++nt) m[nt][0] = m[nt][1] = NEG_INF, l[nt][0] = l[nt][1] = 0.0f;
     const float scale_log2 = scale * LOG2E_F;
 
     const int* table = tables + table_start[t];
@@ -66,10 +106,15 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, end, block_size, block_e,
                          layer_off, kvd, part_e, g);
     };
+    // Two stages (the next run loads while this one computes) when the launch gave the
+    // shared memory for them, else one (more blocks per SM hide each other's loads instead).
+    unsigned smem_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    const bool ring = smem_bytes >= 2 * 2 * FA_BK * ROW * sizeof(e16_t);
     if (beg < end) stage(0, beg);
     int st = 0;
-    for (int k0 = beg; k0 < end; k0 += FA_BK, st ^= 1) {
-        if (k0 + FA_BK < end) {
+    for (int k0 = beg; k0 < end; k0 += FA_BK) {
+        if (ring && k0 + FA_BK < end) {
             stage(st ^ 1, k0 + FA_BK);
             cp_async_wait<1>();
         } else {
@@ -79,43 +124,116 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         const int kw = k0 + warp * FD_WK;  // this warp's first key of the run
         if (kw < end) {
             const e16_t* sk = smem + (long long)st * 2 * FA_BK * ROW + warp * FD_WK * ROW;
-            float s[2][4];
-            qk_scores<HD, 2>(s, qa, sk);
-            const bool full = kw + FD_WK <= end;  // warp-uniform: no key of the warp masked
+            const e16_t* sv = sk + FA_BK * ROW;
+            // S^T for the warp's 16 keys: element e is key qr + 8 (e >> 1), head 2 qc + (e & 1)
+            // of tile nt. Even and odd k chunks in two accumulators, so that the dependent
+            // mma of one tile overlap.
+            float s[NH][4], s2[NH][4];
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
+            for (int nt = 0; nt < NH; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kw + nt * 8 + 2 * qc + (e & 1);
-                    s[nt][e] = full || key < end ? s[nt][e] * scale_log2 : NEG_INF;
+                for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.0f;
+#pragma unroll
+            for (int kc = 0; kc < HD / 16; ++kc) {
+                unsigned a[4];
+                ldsm_x4(a, sk + ((mi & 1) * 8 + mr) * ROW + kc * 16 + (mi >> 1) * 8);
+#pragma unroll
+                for (int nt = 0; nt < NH; ++nt) {
+                    if (kc & 1) {
+                        mma_16816(s2[nt], a, qb[nt][kc][0], qb[nt][kc][1]);
+                    } else {
+                        mma_16816(s[nt], a, qb[nt][kc][0], qb[nt][kc][1]);
+                    }
                 }
             }
-            softmax_step<HD, 2>(s, m, l, o);
-            pv_accumulate<HD, 2>(o, s, 0, sk + FA_BK * ROW);
+            const bool full = kw + FD_WK <= end;  // warp-uniform: no key of the warp masked
+#pragma unroll
+            for (int nt = 0; nt < NH; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kw + qr + 8 * (e >> 1);
+                    const float v = (s[nt][e] + s2[nt][e]) * scale_log2;
+                    s[nt][e] = full || key < end ? v : NEG_INF;
+                }
+            }
+            // Online softmax per head (a column: the maxima over the lanes of other qr).
+            unsigned pb[NH][2];
+#pragma unroll
+            for (int nt = 0; nt < NH; ++nt) {
+                float corr[2], base[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float mx = fmaxf(s[nt][i], s[nt][i + 2]);
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+                    const float big = fmaxf(m[nt][i], mx);
+                    base[i] = big == NEG_INF ? 0.0f : big;
+                    corr[i] = fast_exp2(m[nt][i] - base[i]);
+                    m[nt][i] = big;
+                    l[nt][i] *= corr[i];
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[nt][e] = fast_exp2(s[nt][e] - base[e & 1]);
+                    l[nt][e & 1] += s[nt][e];
+                }
+#pragma unroll
+                for (int dt = 0; dt < HD / 16; ++dt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[nt][dt][e] *= corr[e & 1];
+                }
+                // P^T's B fragment (keys 2 qc, + 1 and + 8 of head qr) by transposing the two
+                // 8 × 8 halves (keys 0-7, 8-15) of the probabilities' fragment.
+                pb[nt][0] = movmatrix_trans(pack_e16(s[nt][0], s[nt][1]));
+                pb[nt][1] = movmatrix_trans(pack_e16(s[nt][2], s[nt][3]));
+            }
+            // O^T += V^T · P^T: V^T's A fragment per 16 dimensions (ldmatrix.trans of the
+            // staged V rows: keys 0-7 / 8-15 × dimensions lo / hi 8).
+#pragma unroll
+            for (int dt = 0; dt < HD / 16; ++dt) {
+                unsigned a[4];
+                ldsm_x4_t(a, sv + ((mi >> 1) * 8 + mr) * ROW + dt * 16 + (mi & 1) * 8);
+#pragma unroll
+                for (int nt = 0; nt < NH; ++nt) mma_16816(o[nt][dt], a, pb[nt][0], pb[nt][1]);
+            }
         }
-        __syncthreads();  // this stage is refilled two runs on
+        __syncthreads();  // this stage is refilled: two runs on, or next with one stage
+        if (ring) {
+            st ^= 1;
+        } else if (k0 + FA_BK < end) {
+            stage(st, k0 + FA_BK);
+        }
     }
 
     // The warps' states into shared memory (the stages are free: the loop ended on a barrier,
-    // or never ran), [warp][row][HD] and (m, l) per (warp, row); rows past the group unused.
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    }
+    // or never ran), [warp][head][SO_ROW] and (m, l) per (warp, head); heads past the group
+    // unused. A lane's sum covers its keys qr, qr + 8: summed over the column.
     float* so = reinterpret_cast<float*>(fa_smem);
-    float* sml = so + FD_WARPS * 16 * HD;
+    float* sml = so + FD_WARPS * 16 * SO_ROW;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = warp * 16 + qr + 8 * i;
+    for (int nt = 0; nt < NH; ++nt) {
 #pragma unroll
-        for (int dn = 0; dn < HD / 8; ++dn) {
-            so[r * HD + dn * 8 + 2 * qc] = o[dn][2 * i];
-            so[r * HD + dn * 8 + 2 * qc + 1] = o[dn][2 * i + 1];
+        for (int i = 0; i < 2; ++i) {
+            l[nt][i] += __shfl_xor_sync(0xffffffffu, l[nt][i], 4);
+            l[nt][i] += __shfl_xor_sync(0xffffffffu, l[nt][i], 8);
+            l[nt][i] += __shfl_xor_sync(0xffffffffu, l[nt][i], 16);
         }
-        if (qc == 0) {
-            sml[2 * r] = m[i];
-            sml[2 * r + 1] = l[i];
+#pragma unroll
+        for (int dt = 0; dt < HD / 16; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = nt * 8 + 2 * qc + (e & 1);
+                so[(warp * 16 + j) * SO_ROW + dt * 16 + qr + 8 * (e >> 1)] = o[nt][dt][e];
+            }
+        }
+        if (qr == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int j = nt * 8 + 2 * qc + i;
+                sml[2 * (warp * 16 + j)] = m[nt][i];
+                sml[2 * (warp * 16 + j) + 1] = l[nt][i];
+            }
         }
     }
     __syncthreads();
@@ -131,7 +249,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
             // merge_weight in log2 units
             const float f = wl > 0.0f ? fast_exp2(sml[2 * (w * 16 + j)] - big) : 0.0f;
             sum += wl * f;
-            a += so[(w * 16 + j) * HD + d] * f;
+            a += so[(w * 16 + j) * SO_ROW + d] * f;
         }
         if (splits == 1) {
             store_in(out, ((long long)t * nq + g * group + j) * HD + d, a / sum, lo_off);
@@ -148,18 +266,58 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, group, HD, t, nq, lo_off);
 }
 
-#define ATTENTION_DECODE(NAME, O, HD)                                                                        \
+// The K and V rows of the block's first run asked into L2 before the kernel waits on the one
+// before it (PDL): only the step's own key is written by that kernel (the q/k norm's KV write),
+// and L2 is where that write lands, so an early prefetch of its line is harmless. With a few
+// runs per block (few sequences) the first run's DRAM latency is most of the block's time.
+template <int HD>
+__device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int* tables, const int* table_start,
+                                                   const int* positions, const int* lo_pos, const int* token_list,
+                                                   int nkv, int block_size, int layer, int num_layers) {
+    constexpr int LINES = HD * (int)sizeof(e16_t) / 128;  // 128-byte lines per head row
+    const int t = token_list[blockIdx.x];
+    const int pos = positions[t];
+    const int lo = lo_pos[t];
+    const int splits = gridDim.z;
+    const int runs = (pos - lo + FA_BK) / FA_BK;
+    const int per = (runs + splits - 1) / splits;
+    const int beg = lo + blockIdx.z * per * FA_BK;
+    const int end = min(pos + 1, beg + FA_BK);
+    const int* table = tables + table_start[t];
+    const long long kvd = (long long)nkv * HD;
+    const long long part_e = (long long)block_size * kvd;
+    const long long block_e = (long long)num_layers * 2 * part_e;
+    for (int i = threadIdx.x; i < FA_BK * 2 * LINES; i += blockDim.x) {
+        const int key = beg + i / (2 * LINES);
+        if (key >= end) break;
+        const int part = (i / LINES) & 1;
+        const int line = i % LINES;
+        const long long at = (long long)table[key / block_size] * block_e + layer * 2 * part_e + part * part_e +
+                             (long long)(key % block_size) * kvd + (long long)blockIdx.y * HD + line * 64;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(pool + at));
+    }
+}
+
+// One entry point per (output type, q heads per KV head up to NH × 8, head size).
+#define ATTENTION_DECODE(NAME, O, NH, HD)                                                                    \
     extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
         O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                     \
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
-        float* part_ml, unsigned int* counters, long long lo_off) { GRID_DEPENDENCY_SYNC();                                          \
-        attention_decode_impl<O, HD>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos,     \
-                                     token_list, nq, nkv, group, block_size, layer, num_layers, scale,       \
-                                     part_acc, part_ml, counters, lo_off);                                   \
+        float* part_ml, unsigned int* counters, long long lo_off) {                                          \
+        prefetch_first_run<HD>(pool, tables, table_start, positions, lo_pos, token_list, nkv, block_size,    \
+                               layer, num_layers);                                                           \
+        GRID_DEPENDENCY_SYNC();                                                                              \
+        attention_decode_impl<O, HD, NH>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos, \
+                                         token_list, nq, nkv, group, block_size, layer, num_layers, scale,   \
+                                         part_acc, part_ml, counters, lo_off);                               \
     }
 
-ATTENTION_DECODE(attention_decode_f32_hd64, float, 64)
-ATTENTION_DECODE(attention_decode_bf16_hd64, e16_t, 64)
-ATTENTION_DECODE(attention_decode_f32_hd128, float, 128)
-ATTENTION_DECODE(attention_decode_bf16_hd128, e16_t, 128)
+ATTENTION_DECODE(attention_decode_f32_n8_hd64, float, 1, 64)
+ATTENTION_DECODE(attention_decode_bf16_n8_hd64, e16_t, 1, 64)
+ATTENTION_DECODE(attention_decode_f32_n8_hd128, float, 1, 128)
+ATTENTION_DECODE(attention_decode_bf16_n8_hd128, e16_t, 1, 128)
+ATTENTION_DECODE(attention_decode_f32_n16_hd64, float, 2, 64)
+ATTENTION_DECODE(attention_decode_bf16_n16_hd64, e16_t, 2, 64)
+ATTENTION_DECODE(attention_decode_f32_n16_hd128, float, 2, 128)
+ATTENTION_DECODE(attention_decode_bf16_n16_hd128, e16_t, 2, 128)

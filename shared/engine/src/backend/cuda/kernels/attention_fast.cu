@@ -69,14 +69,23 @@ __device__ __forceinline__ float merge_weight(float m, float l, float big) {
     return l > 0.0f ? expf(m - big) : 0.0f;
 }
 
+// Splits and q heads per KV head the merge below serves (MAX_SPLITS and the decode kernel's
+// group limit on the Rust side).
+#define MERGE_MAX_SPLITS 32
+#define MERGE_MAX_GROUP 16
+
 // The block of (token x = bx, KV head g) that finishes last of its `splits` merges every
 // split's partial state (part_acc / part_ml, `group` q heads of `head_dim`) into the output
-// rows of token t; the others return. Its counter is reset for the next launch.
+// rows of token t; the others return. Its counter is reset for the next launch. The splits'
+// weights exp(m - max) / Σ l·exp(m - max) are found once per head (a warp per head, a lane
+// per split: one round of loads, not a dependent walk over the splits per output element),
+// then each output element sums its splits' accumulators with independent loads.
 template <typename O>
 __device__ void merge_split_states(O* out, const float* part_acc, const float* part_ml, unsigned int* counters,
                                    int bx, int g, int nkv, int splits, int group, int head_dim, int t, int nq,
                                    long long lo_off) {
     __shared__ bool last;
+    __shared__ float weights[MERGE_MAX_GROUP][MERGE_MAX_SPLITS];
     __threadfence();
     __syncthreads();
     unsigned int* counter = counters + (long long)bx * nkv + g;
@@ -85,20 +94,33 @@ __device__ void merge_split_states(O* out, const float* part_acc, const float* p
     if (!last) return;
     __threadfence();
     const long long p0 = ((long long)bx * nkv + g) * splits;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    for (int j = warp; j < group; j += blockDim.x >> 5) {
+        float pm = NEG_INF, pl = 0.0f;
+        if (lane < splits) {
+            pm = __ldcg(part_ml + ((p0 + lane) * group + j) * 2);
+            pl = __ldcg(part_ml + ((p0 + lane) * group + j) * 2 + 1);
+        }
+        float big = pm;
+        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+        const float f = merge_weight(pm, pl, big);
+        const float sum = warp_sum(pl * f);
+        if (lane < splits) weights[j][lane] = f / sum;
+    }
+    __syncthreads();
     for (int idx = threadIdx.x; idx < group * head_dim; idx += blockDim.x) {
         const int j = idx / head_dim;
         const int d = idx % head_dim;
-        float big = NEG_INF;
-        for (int x = 0; x < splits; ++x) big = fmaxf(big, __ldcg(part_ml + ((p0 + x) * group + j) * 2));
-        float sum = 0.0f, a = 0.0f;
-        for (int x = 0; x < splits; ++x) {
-            const float pm = __ldcg(part_ml + ((p0 + x) * group + j) * 2);
-            const float pl = __ldcg(part_ml + ((p0 + x) * group + j) * 2 + 1);
-            const float f = merge_weight(pm, pl, big);
-            sum += pl * f;
-            a += __ldcg(part_acc + ((p0 + x) * group + j) * head_dim + d) * f;
+        const float* acc = part_acc + (p0 * group + j) * head_dim + d;
+        const long long stride = (long long)group * head_dim;
+        // Unrolled to the most splits, so that all the loads are in flight at once.
+        float a = 0.0f;
+#pragma unroll
+        for (int x = 0; x < MERGE_MAX_SPLITS; ++x) {
+            if (x < splits) a += __ldcg(acc + x * stride) * weights[j][x];
         }
-        store_in(out, (long long)t * nq * head_dim + (long long)(g * group + j) * head_dim + d, a / sum, lo_off);
+        store_in(out, (long long)t * nq * head_dim + (long long)(g * group + j) * head_dim + d, a, lo_off);
     }
     if (threadIdx.x == 0) *counter = 0u;  // ready for the next launch
 }

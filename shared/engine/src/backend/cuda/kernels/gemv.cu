@@ -87,12 +87,51 @@ GEMV_BF16(gemv_bf16_m2, 2)
 // the weight rows are the gate and up rows interleaved (2c gate c, 2c + 1 up c, read as one row
 // of 2k) and a warp writes silu(g) · u as bf16, the down projection's input: norm, gate_up and
 // SiLU·mul in one launch. Re-normalising per block reads the row from L2 (4 KB at hidden 1024)
-// beside the 16 KB of weights the block streams.
+// beside the 16 KB of weights the block streams. The warp's first GEMV_RUN weight chunks per
+// lane (a whole row up to 2,048 elements) are loaded before the norm, which does not need
+// them, so their DRAM latency and the norm's reductions overlap.
+#define GEMV_RUN 8
+template <int M, bool SILU>
+__device__ __forceinline__ void gemv_norm_chunk(float (&acc)[M], float (&up)[M], const uint4 wv, const e16_t* xs,
+                                                int m, int k, int c) {
+    const int kc = k >> 3;
+    const bool is_up = SILU && c >= kc;
+    const int xc = is_up ? c - kc : c;
+    float wf[8];
+    e16x8_to_f32(wv, wf);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        if (r < m) {
+            float xf[8];
+            e16x8_to_f32(reinterpret_cast<const uint4*>(xs + r * k)[xc], xf);
+            float d = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d += wf[e] * xf[e];
+            if (is_up) {
+                up[r] += d;
+            } else {
+                acc[r] += d;
+            }
+        }
+    }
+}
+
 template <int M, bool SILU, typename O>
 __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
                                const float* norm_w, float eps, const e16_t* w, int m, int n, int k) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     e16_t* xs = reinterpret_cast<e16_t*>(gemv_smem);  // [M][k]
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int col = blockIdx.x * GEMV_WARPS + warp;
+    const int row_chunks = (SILU ? 2 : 1) * (k >> 3);  // 8-element weight chunks per column
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)min(col, n - 1) * row_chunks * 8);
+    uint4 first[GEMV_RUN];
+#pragma unroll
+    for (int u = 0; u < GEMV_RUN; ++u) {
+        const int c = lane + 32 * u;
+        if (col < n && c < row_chunks) first[u] = __ldg(wr + c);
+    }
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         if (r < m) {  // uniform over the block
@@ -113,61 +152,38 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
         }
     }
     __syncthreads();
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-    const int col = blockIdx.x * GEMV_WARPS + warp;
     if (col >= n) return;
-    const int kc = k >> 3;  // 8-element chunks per x row
-    if (!SILU) {
-        gemv_column<M>(out, xs, w, m, n, k, col);
-        return;
+    // acc: the plain GEMV's sum, or the gate's with SILU (chunks below k / 8), up the up's.
+    float acc[M], up[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) acc[r] = up[r] = 0.0f;
+#pragma unroll
+    for (int u = 0; u < GEMV_RUN; ++u) {
+        const int c = lane + 32 * u;
+        if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, first[u], xs, m, k, c);
     }
-    // Gate and up of column `col`: one row of 2k weights, chunks below kc the gate's.
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)col * 2 * k);
-    float gate[M], up[M];
+    // Longer rows (hidden sizes past 2,048 with SILU, 4,096 without): the rest in runs.
+    for (int c0 = lane + 32 * GEMV_RUN; c0 < row_chunks; c0 += 32 * GEMV_RUN) {
+        uint4 wv[GEMV_RUN];
 #pragma unroll
-    for (int r = 0; r < M; ++r) gate[r] = up[r] = 0.0f;
-    for (int c0 = lane; c0 < 2 * kc; c0 += 8 * 32) {
-        uint4 wv[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < GEMV_RUN; ++u) {
             const int c = c0 + 32 * u;
-            if (c < 2 * kc) wv[u] = __ldg(wr + c);
+            if (c < row_chunks) wv[u] = __ldg(wr + c);
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < GEMV_RUN; ++u) {
             const int c = c0 + 32 * u;
-            if (c < 2 * kc) {
-                const bool is_up = c >= kc;
-                const int xc = is_up ? c - kc : c;
-                float wf[8];
-                e16x8_to_f32(wv[u], wf);
-#pragma unroll
-                for (int r = 0; r < M; ++r) {
-                    if (r < m) {
-                        float xf[8];
-                        e16x8_to_f32(reinterpret_cast<const uint4*>(xs + r * k)[xc], xf);
-                        float d = 0.0f;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) d += wf[e] * xf[e];
-                        if (is_up) {
-                            up[r] += d;
-                        } else {
-                            gate[r] += d;
-                        }
-                    }
-                }
-            }
+            if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, wv[u], xs, m, k, c);
         }
     }
 #pragma unroll
     for (int r = 0; r < M; ++r) {
-        float g = gate[r], u = up[r];
+        float g = acc[r], u = up[r];
         for (int o = 16; o > 0; o >>= 1) {
             g += __shfl_xor_sync(0xffffffffu, g, o);
-            u += __shfl_xor_sync(0xffffffffu, u, o);
+            if (SILU) u += __shfl_xor_sync(0xffffffffu, u, o);
         }
-        if (lane == 0 && r < m) store_f(out, (long long)r * n + col, g / (1.0f + expf(-g)) * u);
+        if (lane == 0 && r < m) store_f(out, (long long)r * n + col, SILU ? g / (1.0f + expf(-g)) * u : g);
     }
 }
 
