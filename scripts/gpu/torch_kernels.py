@@ -98,6 +98,41 @@ def bf16_bits(t):
     return t.to(torch.bfloat16).contiguous()
 
 
+def decode_rows(lengths, bs, dev):
+    """Block tables for one decode row per sequence of `lengths` keys, over scattered blocks:
+    (blocks in the pool, flat tables, each row's table start, and as device tensors the flat
+    tables, table starts, positions and the token list)."""
+    nblocks = sum((n + bs - 1) // bs for n in lengths) + 1
+    perm = torch.randperm(nblocks, device=dev).tolist()
+    tables_flat, starts, at = [], [], 0
+    for n in lengths:
+        starts.append(len(tables_flat))
+        k = (n + bs - 1) // bs
+        tables_flat += perm[at:at + k]
+        at += k
+    i32 = dict(dtype=torch.int32, device=dev)
+    return (nblocks, tables_flat, starts, torch.tensor(tables_flat, **i32), torch.tensor(starts, **i32),
+            torch.tensor([n - 1 for n in lengths], **i32), torch.arange(len(lengths), **i32))
+
+
+def decode_attention_ref(q, pool, tables_flat, starts, lengths, lo, layer, bs, nkv, hd):
+    """float64 attention of each row's q heads ([rows, nq * hd]) over keys lo[r] .. lengths[r]
+    of its table in `pool` ([blocks, layers, 2, bs, nkv * hd])."""
+    rows = len(lengths)
+    grp = q.shape[1] // (nkv * hd)
+    want = torch.zeros(rows, q.shape[1], dtype=torch.float64, device=q.device)
+    for r, n in enumerate(lengths):
+        tab = tables_flat[starts[r]:starts[r] + (n + bs - 1) // bs]
+        keys = range(lo[r], n)
+        ks = torch.stack([pool[tab[x // bs], layer, 0, x % bs] for x in keys]).double()
+        vs = torch.stack([pool[tab[x // bs], layer, 1, x % bs] for x in keys]).double()
+        qr = q[r].double().view(nkv, grp, hd)
+        sc = torch.einsum("kgd,nkd->kgn", qr, ks.view(-1, nkv, hd)) / math.sqrt(hd)
+        a = torch.softmax(sc, -1)
+        want[r] = torch.einsum("kgn,nkd->kgd", a, vs.view(-1, nkv, hd)).reshape(-1)
+    return want
+
+
 def check_attention_decode(drv, rep, rand, dev):
     """The tensor-core decode kernel (one token per row, transposed products) at every group
     size it serves (1-16 q heads per KV head: one or two n8 tiles), both head sizes, 1 and 3
@@ -108,36 +143,16 @@ def check_attention_decode(drv, rep, rand, dev):
         grp = nq // nkv
         kvd = nkv * hd
         row = (nq + 2 * nkv) * hd
-        nblocks = sum((n + bs - 1) // bs for n in lengths) + 1
+        nblocks, tables_flat, starts, tables, table_start, positions, token_list = decode_rows(lengths, bs, dev)
         pool = rand(nblocks, layers, 2, bs, kvd).to(torch.bfloat16)
-        perm = torch.randperm(nblocks, device=dev).tolist()  # scattered blocks
-        tables_flat, starts, at = [], [], 0
-        for n in lengths:
-            starts.append(len(tables_flat))
-            k = (n + bs - 1) // bs
-            tables_flat += perm[at:at + k]
-            at += k
         rows = len(lengths)
-        tables = torch.tensor(tables_flat, dtype=torch.int32, device=dev)
-        table_start = torch.tensor(starts, dtype=torch.int32, device=dev)
-        positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=dev)
-        token_list = torch.arange(rows, dtype=torch.int32, device=dev)
         qkv = rand(rows, row, scale=2.0)
         scale = 1.0 / math.sqrt(hd)
         kern = f"attention_decode_f32_n{8 if grp <= 8 else 16}_hd{hd}"
         for window in (1 << 30, 40):
             lo = [max(0, n - window) for n in lengths]
             lo_pos = torch.tensor(lo, dtype=torch.int32, device=dev)
-            want = torch.zeros(rows, nq * hd, dtype=torch.float64, device=dev)
-            for r, n in enumerate(lengths):
-                tab = tables_flat[starts[r]:starts[r] + (n + bs - 1) // bs]
-                keys = range(lo[r], n)
-                ks = torch.stack([pool[tab[x // bs], layer, 0, x % bs] for x in keys]).double()
-                vs = torch.stack([pool[tab[x // bs], layer, 1, x % bs] for x in keys]).double()
-                q = qkv[r, :nq * hd].double().view(nkv, grp, hd)
-                sc = torch.einsum("kgd,nkd->kgn", q, ks.view(-1, nkv, hd)) * scale
-                a = torch.softmax(sc, -1)
-                want[r] = torch.einsum("kgn,nkd->kgd", a, vs.view(-1, nkv, hd)).reshape(-1)
+            want = decode_attention_ref(qkv[:, : nq * hd], pool, tables_flat, starts, lengths, lo, layer, bs, nkv, hd)
             vmax = pool.float().abs().max().item()
             for splits in (1, 3):
                 part_acc = torch.zeros(rows * nkv * splits * grp * hd, device=dev)
@@ -150,6 +165,71 @@ def check_attention_decode(drv, rep, rand, dev):
                             L(0)], smem=2 * 2 * 64 * (hd + 8) * 2)
                 wname = "full" if window > 1 << 20 else f"window {window}"
                 rep.add(kern, f"group {grp} ({nq}/{nkv}), {wname}, {splits} split(s)", out, want, vmax / 256)
+
+
+
+def rope_ref(x, pos, inv, nw, eps):
+    """Per-head RMSNorm (weights nw, or none) then rotate_half RoPE at `pos`, in float64 from
+    f32 angles (as the kernels and transformers take them); x is [rows, heads, head_dim]."""
+    hd = x.shape[-1]
+    x = x.double()
+    if nw is not None:
+        x = nw.double() * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
+    ang = (pos.float()[:, None] * inv[None, :]).double()
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+    rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+    return x * cos + rot * sin
+
+
+def check_attention_decode_rope(drv, rep, rand, dev):
+    """The fused decode kernel (TANDEM_CUDA_DECODE_FUSION=rope): q/k norms and RoPE from the
+    raw qkv rows, the step's K and V written into the pool by the block whose keys end there,
+    then attention. Against float64 norms, RoPE and attention over the pool holding those rows
+    in bf16; with and without norm weights, 1 and 3 splits, full and sliding-window rows."""
+    bs, layers, layer, eps = 16, 2, 1, 1e-6
+    lengths = [1, 17, 64, 65, 300, 1000]
+    theta = 1_000_000.0
+    for nq, nkv, hd, norms in ((16, 8, 128, True), (8, 8, 64, False), (40, 4, 64, True)):
+        grp = nq // nkv
+        kvd = nkv * hd
+        row = (nq + 2 * nkv) * hd
+        nblocks, tables_flat, starts, tables, table_start, positions, token_list = decode_rows(lengths, bs, dev)
+        pool0 = rand(nblocks, layers, 2, bs, kvd).to(torch.bfloat16)
+        rows = len(lengths)
+        qkv = rand(rows, row, scale=2.0)
+        inv = (1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=dev) / hd))).float()
+        qn, kn = (rand(hd), rand(hd)) if norms else (None, None)
+        q_ref = rope_ref(qkv[:, : nq * hd].view(rows, nq, hd), positions, inv, qn, eps)
+        k_ref = rope_ref(qkv[:, nq * hd:(nq + nkv) * hd].view(rows, nkv, hd), positions, inv, kn, eps)
+        v_new = qkv[:, (nq + nkv) * hd:]
+        want_pool = pool0.clone()
+        for r, n in enumerate(lengths):
+            b = tables_flat[starts[r] + (n - 1) // bs]
+            want_pool[b, layer, 0, (n - 1) % bs] = k_ref[r].reshape(-1).to(torch.bfloat16)
+            want_pool[b, layer, 1, (n - 1) % bs] = v_new[r].to(torch.bfloat16)
+        kern = f"attention_decode_rope_bf16_n{8 if grp <= 8 else 16}_hd{hd}"
+        pool_tol = k_ref.abs().max().item() / 128
+        vmax = want_pool.float().abs().max().item()
+        for window in (1 << 30, 40):
+            lo = [max(0, n - window) for n in lengths]
+            lo_pos = torch.tensor(lo, dtype=torch.int32, device=dev)
+            want = decode_attention_ref(q_ref.reshape(rows, -1), want_pool, tables_flat, starts, lengths, lo, layer,
+                                        bs, nkv, hd)
+            for splits in (1, 3):
+                pool = pool0.clone()
+                part_acc = torch.zeros(rows * nkv * splits * grp * hd, device=dev)
+                part_ml = torch.zeros(rows * nkv * splits * grp * 2, device=dev)
+                counters = torch.zeros(rows * nkv, dtype=torch.int32, device=dev)
+                out = torch.zeros(rows, nq * hd, dtype=torch.bfloat16, device=dev)
+                drv.launch(kern, (rows, nkv, splits), (128,),
+                           [out, qkv, I(row), pool, tables, table_start, positions, lo_pos, token_list, I(nq),
+                            I(nkv), I(grp), I(bs), I(layer), I(layers), F(1.0 / math.sqrt(hd)), part_acc,
+                            part_ml, counters, L(0), inv, qn, kn, F(eps)], smem=2 * 2 * 64 * (hd + 8) * 2)
+                wname = "full" if window > 1 << 20 else f"window {window}"
+                case = f"group {grp} ({nq}/{nkv}), {'norms' if norms else 'no norms'}, {wname}, {splits} split(s)"
+                rep.add(kern, case, out, want, vmax / 256 + want.abs().max().item() / 256)
+                rep.add(kern, case + ", pool", pool, want_pool, pool_tol)
 
 
 def main():
@@ -299,15 +379,17 @@ def main():
         rep.add("attention_prefill (bf16 pool)", f"{wname}, {len(tiles) // 2} tiles", out, want16, vmax / 256)
 
     check_attention_decode(drv, rep, rand, dev)
+    check_attention_decode_rope(drv, rep, rand, dev)
 
-    # --- gemv (bf16 weights and rows, 1 or 2 rows) ---
+    # --- gemv (bf16 weights and rows, 1 or 2 rows; _early_: first weights before the PDL wait) ---
     for m, k, n in ((1, 1024, 4096), (2, 3072, 1024), (1, 1000, 77)):
         xb = bf16_bits(rand(m, k))
         wb = bf16_bits(rand(n, k))
-        out = torch.empty(m, n, device=dev)
-        drv.launch(f"gemv_bf16_m{m}", ((n + 7) // 8,), (256,), [out, xb, wb, I(m), I(n), I(k)])
         want = xb.double() @ wb.double().T
-        rep.add(f"gemv_bf16_m{m}", f"{m}x{k}x{n}", out, want, 1e-3)
+        for kern in (f"gemv_bf16_m{m}", f"gemv_early_bf16_m{m}"):
+            out = torch.empty(m, n, device=dev)
+            drv.launch(kern, ((n + 7) // 8,), (256,), [out, xb, wb, I(m), I(n), I(k)])
+            rep.add(kern, f"{m}x{k}x{n}", out, want, 1e-3)
 
     # --- argmax (split over blocks, merged by the last) with planted ties ---
     R, V = 5, 151936

@@ -30,16 +30,22 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
     }
     // GEMM in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
     // product of the same rounded values.
-    // Few rows go through gemv.cu (k = 1000 and 8: its tail loop), more through cuBLAS.
-    for (m, k, nn) in [
-        (1, HIDDEN, ROW),
-        (2, IM, HIDDEN),
-        (1, 1000, 77),
-        (2, 8, 33),
-        (8, HIDDEN, 2 * IM),
-        (64, HIDDEN, 2 * IM),
-        (300, IM, HIDDEN),
+    // Few rows go through gemv.cu (k = 1000 and 8: its tail loop), more through cuBLAS;
+    // the GEMVs also with their first weights loaded before the PDL wait (`_early_`).
+    for (m, k, nn, early) in [
+        (1, HIDDEN, ROW, false),
+        (2, IM, HIDDEN, false),
+        (1, 1000, 77, false),
+        (2, 8, 33, false),
+        (1, HIDDEN, ROW, true),
+        (2, IM, HIDDEN, true),
+        (1, 1000, 77, true),
+        (2, 8, 33, true),
+        (8, HIDDEN, 2 * IM, false),
+        (64, HIDDEN, 2 * IM, false),
+        (300, IM, HIDDEN, false),
     ] {
+        dev.set_early_gemv_weights(early);
         let x: Vec<f32> = rng
             .vec(m * k)
             .into_iter()
@@ -58,10 +64,10 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         let mut dout = dev.zeros::<f32>(m * nn)?;
         dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
         rep.add(
-            if m <= 2 {
-                "gemm_bf16 (gemv)"
-            } else {
-                "gemm_bf16"
+            match (m <= 2, early) {
+                (true, false) => "gemm_bf16 (gemv)",
+                (true, true) => "gemm_bf16 (gemv, early weights)",
+                _ => "gemm_bf16",
             },
             &format!("{m}x{k}x{nn}"),
             &dev.download(&dout)?,
@@ -72,7 +78,15 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
     // The fused decode launches of gemv.cu (norm + GEMV, norm + gate_up + SiLU·mul)
     // against the separate kernels they replace, on the same rows: equal but for the
     // norm's summation order (a bf16 step of a normalised value, now and then).
-    for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
+    for (m, k, early) in [
+        (1, HIDDEN, false),
+        (2, HIDDEN, false),
+        (1, 1000, false),
+        (1, HIDDEN, true),
+        (2, HIDDEN, true),
+        (1, 1000, true),
+    ] {
+        dev.set_early_gemv_weights(early);
         let x = rng.vec(m * k);
         let res = rng.vec(m * k);
         let nw = rng.vec(k);
@@ -94,7 +108,11 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             let mut gemm = dev.zeros::<f32>(m * w_rows)?;
             dev.matmul_t(&normed, m, k, &dwm, w_rows, &mut gemm)?;
             let mut x_out = dev.zeros::<f32>(m * k)?;
-            let case = format!("{m}x{k}x{n}{}", if silu { ", silu" } else { "" });
+            let case = format!(
+                "{m}x{k}x{n}{}{}",
+                if silu { ", silu" } else { "" },
+                if early { ", early weights" } else { "" }
+            );
             let (got, want) = if silu {
                 let mut act = dev.zeros::<u16>(m * n)?;
                 dev.silu_mul(&mut act, &gemm, m, n, false)?;
@@ -141,6 +159,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             );
         }
     }
+    dev.set_early_gemv_weights(false);
     // A bf16 GEMM input against f32 weights is refused.
     {
         let dx = dev.zeros::<u16>(HIDDEN)?;

@@ -1,8 +1,9 @@
-//! Launch wrapper of the paged attention kernel and its split-merge scratch.
+//! Launch wrappers of the paged attention kernels: `attention_fast` (any row), the tensor-core
+//! prefill tiles and the step dispatcher (the tensor-core decode rows: `attention_decode.rs`).
 
 use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
-use super::attention_scratch::{AttentionScratch, DecodeLaunch, MAX_SPLITS};
+use super::attention_scratch::AttentionScratch;
 use super::kernels::AttentionInstance;
 use super::{
     bad, check_len, cuda_err, to_i32, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps,
@@ -84,65 +85,6 @@ impl CudaDevice {
                 out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, rows,
             )
         }
-    }
-
-    /// The single-token rows of `maps` (decode) on tensor cores (`attention_decode.cu`, bf16
-    /// pool, head_dim 64 or 128, at most 16 q heads per KV head): transposed products with the
-    /// group's q heads on the narrow n8 side, the keys split over the block's four warps and over `splits`
-    /// blocks per (row, KV head), merged in the same launch. Q and P are rounded to bf16.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_decode<O: DeviceElem>(
-        &self,
-        out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        pool: &KvPool,
-        shape: PoolShape,
-        layer: usize,
-        nq: usize,
-        maps: &TokenMaps,
-        scale: f32,
-        scratch: &mut AttentionScratch,
-        split: bool,
-        launch: DecodeLaunch,
-    ) -> Result<(), EngineError> {
-        let tc = TcShape::check("attention_decode", pool, shape, nq, row_stride, layer)?;
-        let (nkv, hd, group) = (tc.nkv, tc.hd, tc.group);
-        let DecodeLaunch { splits, stages } = launch;
-        if group > 16 || !(1..=MAX_SPLITS).contains(&splits) || !(1..=2).contains(&stages) {
-            return Err(bad(format!(
-                "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits \
-                 (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
-            )));
-        }
-        let rows = maps.n_singles;
-        if rows == 0 {
-            return Ok(());
-        }
-        check_len("attention qkv", qkv.len(), maps.tokens * row_stride)?;
-        let lo_off =
-            super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        if splits > 1 {
-            scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
-        }
-        let f = self.func(&decode_kernel(O::SUFFIX, group, hd))?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, nkv as u32, splits as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: decode_smem_bytes(hd, stages),
-        };
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out);
-        tc.push_args(&mut b, qkv, maps, &maps.singles, &scale);
-        b.arg(&scratch.part_acc)
-            .arg(&scratch.part_ml)
-            .arg(&scratch.counters)
-            .arg(&lo_off);
-        // SAFETY: signature matches; shapes checked above; `singles` holds `rows` valid token
-        // indices (built with the maps); with splits > 1 the scratch holds every partial state
-        // and counter the launch touches (ensured above); block ids were validated by the caller.
-        unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_decode"))?;
-        Ok(())
     }
 
     /// Whether [`CudaDevice::attention_prefill`] serves this shape: a 16-bit pool (the
@@ -301,17 +243,17 @@ impl CudaDevice {
 /// What the two tensor-core kernels (`attention_prefill.cu`, `attention_decode.cu`) check and
 /// take alike: a bf16 pool, head_dim 64 or 128, whole q-head groups, and the arguments
 /// between `out` and the kernel's own ones.
-struct TcShape<'a> {
+pub(super) struct TcShape<'a> {
     pool: &'a CudaSlice<u16>,
-    nkv: usize,
-    hd: usize,
-    group: usize,
+    pub(super) nkv: usize,
+    pub(super) hd: usize,
+    pub(super) group: usize,
     /// row stride, nq, nkv, group, block size, layer, layers.
     ints: [i32; 7],
 }
 
 impl<'a> TcShape<'a> {
-    fn check(
+    pub(super) fn check(
         kernel: &str,
         pool: &'a KvPool,
         shape: PoolShape,
@@ -360,7 +302,7 @@ impl<'a> TcShape<'a> {
     /// qkv, row stride, pool, the maps' tables / starts / positions / window starts, the
     /// kernel's token list (tiles or single rows), nq, nkv, group, block size, layer,
     /// layers, scale: the kernels' common parameters after `out`, in their order.
-    fn push_args<'b>(
+    pub(super) fn push_args<'b>(
         &'b self,
         b: &mut LaunchArgs<'b>,
         qkv: &'b CudaSlice<f32>,
@@ -405,23 +347,6 @@ pub(super) fn attention_instance(
 }
 
 impl CudaDevice {
-    /// Blocks of `attention_decode.cu` (bf16 output) one SM holds at once at `group` q heads
-    /// per KV head, `head_dim` and `stages` shared-memory stages (benchmarks report it).
-    pub fn decode_attention_blocks_per_sm(
-        &self,
-        group: usize,
-        head_dim: usize,
-        stages: usize,
-    ) -> Result<u32, EngineError> {
-        self.loaded(&decode_kernel("bf16", group, head_dim))?
-            .occupancy_max_active_blocks_per_multiprocessor(
-                128,
-                decode_smem_bytes(head_dim, stages) as usize,
-                None,
-            )
-            .map_err(cuda_err("attention_decode occupancy"))
-    }
-
     /// Compiles and loads the `attention_fast` instance a model will launch, so that the first
     /// decode step does not wait for NVRTC (a worker does this before it reports ready).
     pub fn preload_attention(
@@ -443,60 +368,10 @@ const ATT_HDMAX: usize = 256;
 /// Rows ((token, q head) pairs) per tile of `attention_prefill.cu` (its FA_BQ).
 const FA_ROWS: usize = 64;
 /// Keys per run and row padding of `attention_prefill.cu` (FA_BK, FA_PAD).
-const FA_KEYS: usize = 64;
-const FA_PAD: usize = 8;
+pub(super) const FA_KEYS: usize = 64;
+pub(super) const FA_PAD: usize = 8;
 
 /// Dynamic shared memory of `attention_prefill.cu` at `head_dim`: 2 stages of K and V runs.
 pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
     (2 * 2 * FA_KEYS * (head_dim + FA_PAD) * 2) as u32
-}
-
-/// Dynamic shared memory of `attention_decode.cu` at `head_dim` with `stages` stages of K and
-/// V runs (the prefill kernel's layout; the kernel double-buffers when given two), and at
-/// least its merge area: 4 warps × 16 heads × (head_dim + 4) f32 outputs and (max, sum) pairs.
-pub(super) fn decode_smem_bytes(head_dim: usize, stages: usize) -> u32 {
-    let runs = stages * 2 * FA_KEYS * (head_dim + FA_PAD) * 2;
-    let merge = 4 * 16 * (head_dim + 4 + 2) * 4;
-    runs.max(merge) as u32
-}
-
-/// The `attention_decode.cu` kernel for an output type, a group size (q heads per KV head, at
-/// most 16: one or two n8 tiles) and a head size.
-pub(super) fn decode_kernel(out: &str, group: usize, head_dim: usize) -> String {
-    let heads = if group <= 8 { 8 } else { 16 };
-    format!("attention_decode_{out}_n{heads}_hd{head_dim}")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{decode_kernel, decode_smem_bytes, prefill_smem_bytes};
-
-    #[test]
-    fn decode_shared_memory_holds_its_stages_and_merge_area() {
-        for hd in [64, 128] {
-            // Two stages are the prefill kernel's layout (the attribute set at load covers it).
-            assert_eq!(decode_smem_bytes(hd, 2), prefill_smem_bytes(hd));
-            let one = decode_smem_bytes(hd, 1);
-            assert_eq!(one * 2, prefill_smem_bytes(hd));
-            // The merge area: 4 warps × 16 heads × (hd + 4) outputs, plus (max, sum) pairs.
-            assert!(one as usize >= 4 * 16 * (hd + 4) * 4 + 4 * 16 * 2 * 4);
-        }
-    }
-
-    #[test]
-    fn decode_kernel_takes_one_or_two_head_tiles() {
-        assert_eq!(
-            decode_kernel("bf16", 2, 128),
-            "attention_decode_bf16_n8_hd128"
-        );
-        assert_eq!(decode_kernel("f32", 8, 64), "attention_decode_f32_n8_hd64");
-        assert_eq!(
-            decode_kernel("bf16", 9, 128),
-            "attention_decode_bf16_n16_hd128"
-        );
-        assert_eq!(
-            decode_kernel("bf16", 16, 64),
-            "attention_decode_bf16_n16_hd64"
-        );
-    }
 }

@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::attention::{decode_kernel, decode_smem_bytes};
+use super::attention_decode::{decode_kernel, decode_smem_bytes};
 use super::{cuda_err, CudaDevice};
 use crate::error::EngineError;
 

@@ -16,7 +16,9 @@ use super::kernels::Float16;
 use super::step::{
     AnyWorkspace, DeviceLayer, DeviceModel, Readout, StepInputs, StepRows, Workspace,
 };
-use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
+use super::switches::{
+    decode_fusion_from_env, decode_tc_min, pdl_from_env, tiled_prefill_attention,
+};
 use super::{AttentionScratch, CudaDevice, DeviceMatrix, KvPool, PoolShape};
 use crate::backend::cpu_ops::Matrix;
 use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
@@ -141,7 +143,7 @@ impl CudaBackend {
 
     /// A backend from weights built elsewhere (checks, random models).
     pub fn from_parts(
-        dev: CudaDevice,
+        mut dev: CudaDevice,
         config: ModelConfig,
         weights: &DecoderWeights,
         model_id: String,
@@ -282,6 +284,8 @@ impl CudaBackend {
         // Programmatic launch in decode graphs where the GPU and driver have it (asked for
         // or not, TANDEM_CUDA_PDL is checked so a bad value is an error everywhere).
         let pdl = pdl_from_env()? && dev.pdl_capable();
+        let decode_fusion = decode_fusion_from_env()?;
+        dev.set_early_gemv_weights(decode_fusion.early_weights);
         let per_block = layout.block_bytes();
         let num_blocks = match opts.pool {
             PoolSize::Blocks(n) => n,
@@ -335,6 +339,7 @@ impl CudaBackend {
                 inv_freq,
                 scratch,
                 inputs,
+                decode_fusion,
             },
             ws,
             layout,

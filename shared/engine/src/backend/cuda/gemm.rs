@@ -116,7 +116,12 @@ impl CudaDevice {
         n: i32,
         k: i32,
     ) -> Result<(), EngineError> {
-        let name = format!("gemv_bf16_m{rows}");
+        let early = if self.early_gemv_weights {
+            "_early"
+        } else {
+            ""
+        };
+        let name = format!("gemv{early}_bf16_m{rows}");
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
             grid_dim: ((n as usize).div_ceil(GEMV_WARPS) as u32, 1, 1),
@@ -203,11 +208,13 @@ impl CudaDevice {
         }
         check_len("norm_gemv out", out.len(), m * n)?;
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
-        let name = if silu {
-            format!("gemv_norm_silu_bf16_m{rows}")
+        let silu_part = if silu { "_silu" } else { "" };
+        let early = if self.early_gemv_weights {
+            "_early"
         } else {
-            format!("gemv_norm_bf16_m{rows}")
+            ""
         };
+        let name = format!("gemv_norm{silu_part}{early}_bf16_m{rows}");
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),

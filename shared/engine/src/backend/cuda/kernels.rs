@@ -72,12 +72,22 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_decode_bf16_n16_hd64",
     "attention_decode_f32_n16_hd128",
     "attention_decode_bf16_n16_hd128",
+    "attention_decode_rope_bf16_n8_hd64",
+    "attention_decode_rope_bf16_n8_hd128",
+    "attention_decode_rope_bf16_n16_hd64",
+    "attention_decode_rope_bf16_n16_hd128",
     "gemv_bf16_m1",
     "gemv_bf16_m2",
     "gemv_norm_bf16_m1",
     "gemv_norm_bf16_m2",
     "gemv_norm_silu_bf16_m1",
     "gemv_norm_silu_bf16_m2",
+    "gemv_early_bf16_m1",
+    "gemv_early_bf16_m2",
+    "gemv_norm_early_bf16_m1",
+    "gemv_norm_early_bf16_m2",
+    "gemv_norm_silu_early_bf16_m1",
+    "gemv_norm_silu_early_bf16_m2",
 ];
 
 /// What the program's 16-bit element (`e16_t`: weights, GEMM inputs, a 16-bit KV pool) is.

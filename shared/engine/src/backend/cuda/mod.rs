@@ -20,6 +20,7 @@
 //! sampling on the GPU beyond argmax.
 
 mod attention;
+mod attention_decode;
 mod attention_scratch;
 pub mod backend;
 mod gemm;
@@ -261,6 +262,9 @@ pub struct CudaDevice {
     /// bf16 GEMMs of one or two rows by `gemv.cu` rather than cuBLAS
     /// ([`switches::SMALL_GEMM_ENV`]).
     small_m_gemv: bool,
+    /// The GEMVs of one or two rows load their first weights before the PDL wait (their
+    /// `_early_` entry points; [`switches::DecodeFusion::early_weights`]).
+    early_gemv_weights: bool,
     /// Programmatic dependent launch works here: compute capability 9.0 or later (the
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
@@ -362,9 +366,16 @@ impl CudaDevice {
             launches: std::sync::atomic::AtomicU64::new(0),
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
+            early_gemv_weights: false,
             pdl_capable,
             e16,
         })
+    }
+
+    /// Whether the GEMVs of one or two rows (`gemv.cu`) load their first weights before
+    /// waiting on the kernel before them: their `_early_` entry points.
+    pub fn set_early_gemv_weights(&mut self, on: bool) {
+        self.early_gemv_weights = on;
     }
 
     /// What this device's 16-bit buffers hold (the program it compiled).

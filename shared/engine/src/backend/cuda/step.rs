@@ -7,6 +7,7 @@ use cudarc::driver::CudaSlice;
 
 use super::ops::{ArgmaxScratch, HeadNorms};
 use super::sampling::SamplingInputs;
+use super::switches::DecodeFusion;
 use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps};
 use crate::backend::{LogitsMode, SeqInput};
 use crate::error::EngineError;
@@ -39,6 +40,8 @@ pub(super) struct DeviceModel {
     pub(super) inv_freq: CudaSlice<f32>,
     pub(super) scratch: AttentionScratch,
     pub(super) inputs: StepInputs,
+    /// Which decode-step fusions are on ([`super::switches::DECODE_FUSION_ENV`]).
+    pub(super) decode_fusion: DecodeFusion,
 }
 
 /// Activation buffers of a step; `A` is the GEMM input type (f32 or bf16 as u16).
@@ -324,6 +327,10 @@ impl DeviceModel {
                 Ok(())
             }
         };
+        // A step of decode rows only: the decode attention normalises and rotates q and k and
+        // writes the step's K and V itself.
+        let rope_in_attention =
+            self.decode_fusion.rope && !split && CudaDevice::decode_rope_fits(&inputs.maps);
         dev.embedding_dev(&mut ws.x, &self.embed, &inputs.ids, t, h)?;
         for (l, lw) in self.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (fused add).
@@ -374,28 +381,44 @@ impl DeviceModel {
                 k_norm: lw.k_norm.as_ref(),
                 eps,
             };
-            dev.qk_norm_rope_kv(
-                &mut ws.qkv,
-                qkv_w,
-                &heads,
-                &inputs.maps,
-                &mut self.pool,
-                self.shape,
-                l,
-            )?;
-            dev.attention(
-                &mut ws.attn,
-                &ws.qkv,
-                qkv_w,
-                &self.pool,
-                self.shape,
-                l,
-                nq,
-                &inputs.maps,
-                scale,
-                &mut self.scratch,
-                split,
-            )?;
+            if rope_in_attention {
+                dev.attention_decode_rope(
+                    &mut ws.attn,
+                    &ws.qkv,
+                    qkv_w,
+                    &heads,
+                    &mut self.pool,
+                    self.shape,
+                    l,
+                    &inputs.maps,
+                    scale,
+                    &mut self.scratch,
+                    None,
+                )?;
+            } else {
+                dev.qk_norm_rope_kv(
+                    &mut ws.qkv,
+                    qkv_w,
+                    &heads,
+                    &inputs.maps,
+                    &mut self.pool,
+                    self.shape,
+                    l,
+                )?;
+                dev.attention(
+                    &mut ws.attn,
+                    &ws.qkv,
+                    qkv_w,
+                    &self.pool,
+                    self.shape,
+                    l,
+                    nq,
+                    &inputs.maps,
+                    scale,
+                    &mut self.scratch,
+                    split,
+                )?;
+            }
             dev.matmul_t(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj)?;
             fold(dev, &mut ws.proj, t * h)?;
             if let Some(b) = &lw.o_bias {
@@ -435,28 +458,52 @@ impl DeviceModel {
         if r == 0 {
             return Ok(());
         }
-        // Only the wanted rows: gather the residual stream and the last MLP output, then the
-        // final norm (with its fused add) and the lm_head GEMM on those rows alone.
-        dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, &inputs.rows, r, h, false)?;
-        let residual = if self.layers.is_empty() {
-            None
-        } else {
-            dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, &inputs.rows, r, h, false)?;
-            Some(&ws.sel_res)
-        };
-        dev.rms_norm(
-            &mut ws.sel,
-            &mut ws.sel_x,
-            residual,
-            &self.norm,
-            r,
-            eps,
-            split,
-        )?;
         let v = cfg.vocab_size;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let head_rows = if split { 2 * r } else { r };
-        dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
+        // Every row wanted (rows are increasing, so r == t means all of them in order) in a
+        // step of one or two rows: the final norm rides in the lm_head GEMV, reading the
+        // stream where the last layer left it (`x` plus the MLP output in `proj`).
+        if self.decode_fusion.final_norm
+            && r == t
+            && !self.layers.is_empty()
+            && !split
+            && dev.norm_gemv_fits(t, h, head)
+        {
+            dev.norm_gemv(
+                &mut ws.logits,
+                &ws.x,
+                Some(&ws.proj),
+                &mut ws.x2,
+                &self.norm,
+                eps,
+                head,
+                t,
+                h,
+                v,
+                false,
+            )?;
+        } else {
+            // Only the wanted rows: gather the residual stream and the last MLP output, then
+            // the final norm (with its fused add) and the lm_head GEMM on those rows alone.
+            dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, &inputs.rows, r, h, false)?;
+            let residual = if self.layers.is_empty() {
+                None
+            } else {
+                dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, &inputs.rows, r, h, false)?;
+                Some(&ws.sel_res)
+            };
+            dev.rms_norm(
+                &mut ws.sel,
+                &mut ws.sel_x,
+                residual,
+                &self.norm,
+                r,
+                eps,
+                split,
+            )?;
+            let head_rows = if split { 2 * r } else { r };
+            dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
+        }
         fold(dev, &mut ws.logits, r * v)?;
         match readout {
             Readout::Argmax => dev.argmax(&mut ws.ids, &ws.logits, r, v, &mut ws.argmax)?,

@@ -1,6 +1,7 @@
 //! Environment switches of the CUDA backend, for comparisons on a GPU (each refuses unknown
 //! values): which attention kernels serve prefill chunks and decode rows, which GEMM serves
-//! steps of one or two rows, and whether decode graphs use programmatic dependent launch.
+//! steps of one or two rows, whether decode steps fuse their norms into the kernels after
+//! them, and whether decode graphs use programmatic dependent launch.
 
 use crate::error::EngineError;
 
@@ -71,6 +72,67 @@ pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
     choice(SMALL_GEMM_ENV, &[("gemv", true), ("cublas", false)])
 }
 
+/// `TANDEM_CUDA_DECODE_FUSION`: which of the decode-step fusions not yet measured on a GPU
+/// are on: `off` (the default), `on` (all), or a comma-separated list of
+/// - `rope`: in steps whose every row is a decode row, the q/k norms, RoPE and KV write ride
+///   in the tensor-core decode attention (one launch per layer fewer);
+/// - `final-norm`: in steps of one or two rows that want every row's logits, the final
+///   RMSNorm rides in the lm_head GEMV (no row gathers, no separate norm: three launches
+///   fewer);
+/// - `early-weights`: the GEMVs of one or two rows load their first weights before waiting on
+///   the kernel before them (programmatic launch), overlapping its tail.
+pub const DECODE_FUSION_ENV: &str = "TANDEM_CUDA_DECODE_FUSION";
+
+/// The fusions of [`DECODE_FUSION_ENV`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeFusion {
+    pub rope: bool,
+    pub final_norm: bool,
+    pub early_weights: bool,
+}
+
+impl DecodeFusion {
+    /// `off`, `on`, or a comma-separated list of `rope`, `final-norm`, `early-weights`.
+    pub fn parse(v: &str) -> Result<Self, EngineError> {
+        match v {
+            "off" => return Ok(DecodeFusion::default()),
+            "on" => {
+                return Ok(DecodeFusion {
+                    rope: true,
+                    final_norm: true,
+                    early_weights: true,
+                })
+            }
+            _ => {}
+        }
+        let mut f = DecodeFusion::default();
+        for part in v.split(',').map(str::trim) {
+            match part {
+                "rope" => f.rope = true,
+                "final-norm" => f.final_norm = true,
+                "early-weights" => f.early_weights = true,
+                other => {
+                    return Err(EngineError::InvalidInput(format!(
+                        "{DECODE_FUSION_ENV} must be `off`, `on` or a comma-separated list of \
+                         `rope`, `final-norm`, `early-weights`, not `{other}` (in `{v}`)"
+                    )))
+                }
+            }
+        }
+        Ok(f)
+    }
+}
+
+pub(super) fn decode_fusion_from_env() -> Result<DecodeFusion, EngineError> {
+    match std::env::var(DECODE_FUSION_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(DecodeFusion::default()),
+        Ok(v) => DecodeFusion::parse(&v),
+        Err(e) => Err(EngineError::InvalidInput(format!(
+            "{DECODE_FUSION_ENV}: {e}"
+        ))),
+    }
+}
+
 /// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the
 /// program's kernels are programmatic, so each kernel launches while the one before it runs)
 /// or `off` (plain edges, for comparisons).
@@ -82,7 +144,19 @@ pub(super) fn pdl_from_env() -> Result<bool, EngineError> {
 
 #[cfg(test)]
 mod tests {
-    use super::choice;
+    use super::{choice, DecodeFusion};
+
+    #[test]
+    fn decode_fusion_takes_off_on_or_a_list_and_names_a_bad_part() {
+        assert_eq!(DecodeFusion::parse("off").unwrap(), DecodeFusion::default());
+        let all = DecodeFusion::parse("on").unwrap();
+        assert!(all.rope && all.final_norm && all.early_weights);
+        let two = DecodeFusion::parse("rope, early-weights").unwrap();
+        assert!(two.rope && !two.final_norm && two.early_weights);
+        let e = DecodeFusion::parse("rope,fast").unwrap_err().to_string();
+        assert!(e.contains("not `fast`") && e.contains("final-norm"), "{e}");
+        assert!(DecodeFusion::parse("").is_err());
+    }
 
     #[test]
     fn a_switch_takes_its_default_or_a_listed_value_and_names_the_rest() {

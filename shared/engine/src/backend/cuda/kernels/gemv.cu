@@ -64,20 +64,12 @@ __device__ __forceinline__ void gemv_column(O* out, const e16_t* x, const e16_t*
 }
 
 template <int M>
-__device__ void gemv_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {
+__device__ void gemv_sync_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {
+    GRID_DEPENDENCY_SYNC();
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (col >= n) return;
     gemv_column<M>(out, x, w, m, n, k, col);
 }
-
-#define GEMV_BF16(NAME, M)                                                                              \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        NAME(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                       \
-        gemv_bf16_impl<M>(out, x, w, m, n, k);                                                          \
-    }
-
-GEMV_BF16(gemv_bf16_m1, 1)
-GEMV_BF16(gemv_bf16_m2, 2)
 
 // A decode step's RMSNorm and the GEMV after it in one launch (m ≤ M rows, k ≤ 8 · blockDim
 // elements per row in shared memory): every block normalises the rows itself — x + residual
@@ -116,9 +108,86 @@ __device__ __forceinline__ void gemv_norm_chunk(float (&acc)[M], float (&up)[M],
     }
 }
 
-template <int M, bool SILU, typename O>
+// A lane's first GEMV_RUN weight chunks of its column (chunks lane, lane + 32, ...).
+__device__ __forceinline__ void gemv_load_first(uint4 (&first)[GEMV_RUN], const uint4* wr, bool valid,
+                                                int row_chunks) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < GEMV_RUN; ++u) {
+        const int c = lane + 32 * u;
+        if (valid && c < row_chunks) first[u] = __ldg(wr + c);
+    }
+}
+
+// A lane's share of its column: the first chunks (loaded already), then the rest of a longer
+// row (past 32 · GEMV_RUN chunks) in runs of GEMV_RUN loads issued before their math. acc: the
+// plain sum, or the gate's with SILU (chunks below k / 8), up the up's.
+template <int M, bool SILU>
+__device__ __forceinline__ void gemv_accumulate(float (&acc)[M], float (&up)[M], const uint4 (&first)[GEMV_RUN],
+                                                const uint4* wr, const e16_t* xs, int m, int k, int row_chunks) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < M; ++r) acc[r] = up[r] = 0.0f;
+#pragma unroll
+    for (int u = 0; u < GEMV_RUN; ++u) {
+        const int c = lane + 32 * u;
+        if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, first[u], xs, m, k, c);
+    }
+    for (int c0 = lane + 32 * GEMV_RUN; c0 < row_chunks; c0 += 32 * GEMV_RUN) {
+        uint4 wv[GEMV_RUN];
+#pragma unroll
+        for (int u = 0; u < GEMV_RUN; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < row_chunks) wv[u] = __ldg(wr + c);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_RUN; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, wv[u], xs, m, k, c);
+        }
+    }
+}
+
+// gemv_bf16_impl with the weight rows' first GEMV_RUN chunks per lane (whole rows up to 2,048
+// elements) loaded before the wait on the kernel before (PDL: weights never depend on it, so
+// their DRAM latency overlaps that kernel's tail), then the rest in runs of GEMV_RUN.
+template <int M>
+__device__ void gemv_early_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {
+    const int lane = threadIdx.x & 31;
+    const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int chunks = k >> 3;
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)min(col, n - 1) * k);
+    uint4 first[GEMV_RUN];
+    gemv_load_first(first, wr, col < n, chunks);
+    GRID_DEPENDENCY_SYNC();
+    if (col >= n) return;
+    float acc[M], unused[M];
+    gemv_accumulate<M, false>(acc, unused, first, wr, x, m, k, chunks);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        float v = acc[r];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && r < m) out[(long long)r * n + col] = v;
+    }
+}
+
+// Plain GEMVs; the _early_ variants load their first weights before the PDL wait.
+#define GEMV_BF16(NAME, IMPL, M)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
+        NAME(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {                         \
+        IMPL<M>(out, x, w, m, n, k);                                                                    \
+    }
+
+GEMV_BF16(gemv_bf16_m1, gemv_sync_bf16_impl, 1)
+GEMV_BF16(gemv_bf16_m2, gemv_sync_bf16_impl, 2)
+GEMV_BF16(gemv_early_bf16_m1, gemv_early_bf16_impl, 1)
+GEMV_BF16(gemv_early_bf16_m2, gemv_early_bf16_impl, 2)
+
+// With EARLY the first weight chunks are loaded before the PDL wait (as gemv_early_bf16_impl).
+template <int M, bool SILU, bool EARLY, typename O>
 __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
                                const float* norm_w, float eps, const e16_t* w, int m, int n, int k) {
+    if (!EARLY) GRID_DEPENDENCY_SYNC();
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     e16_t* xs = reinterpret_cast<e16_t*>(gemv_smem);  // [M][k]
     const int warp = threadIdx.x >> 5;
@@ -127,11 +196,8 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
     const int row_chunks = (SILU ? 2 : 1) * (k >> 3);  // 8-element weight chunks per column
     const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)min(col, n - 1) * row_chunks * 8);
     uint4 first[GEMV_RUN];
-#pragma unroll
-    for (int u = 0; u < GEMV_RUN; ++u) {
-        const int c = lane + 32 * u;
-        if (col < n && c < row_chunks) first[u] = __ldg(wr + c);
-    }
+    gemv_load_first(first, wr, col < n, row_chunks);
+    if (EARLY) GRID_DEPENDENCY_SYNC();
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         if (r < m) {  // uniform over the block
@@ -153,29 +219,8 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
     }
     __syncthreads();
     if (col >= n) return;
-    // acc: the plain GEMV's sum, or the gate's with SILU (chunks below k / 8), up the up's.
     float acc[M], up[M];
-#pragma unroll
-    for (int r = 0; r < M; ++r) acc[r] = up[r] = 0.0f;
-#pragma unroll
-    for (int u = 0; u < GEMV_RUN; ++u) {
-        const int c = lane + 32 * u;
-        if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, first[u], xs, m, k, c);
-    }
-    // Longer rows (hidden sizes past 2,048 with SILU, 4,096 without): the rest in runs.
-    for (int c0 = lane + 32 * GEMV_RUN; c0 < row_chunks; c0 += 32 * GEMV_RUN) {
-        uint4 wv[GEMV_RUN];
-#pragma unroll
-        for (int u = 0; u < GEMV_RUN; ++u) {
-            const int c = c0 + 32 * u;
-            if (c < row_chunks) wv[u] = __ldg(wr + c);
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_RUN; ++u) {
-            const int c = c0 + 32 * u;
-            if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, wv[u], xs, m, k, c);
-        }
-    }
+    gemv_accumulate<M, SILU>(acc, up, first, wr, xs, m, k, row_chunks);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         float g = acc[r], u = up[r];
@@ -187,14 +232,18 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
     }
 }
 
-#define GEMV_NORM(NAME, M, SILU, O)                                                                     \
+#define GEMV_NORM(NAME, M, SILU, EARLY, O)                                                              \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
-             const e16_t* w, int m, int n, int k) { GRID_DEPENDENCY_SYNC();                                                    \
-        gemv_norm_impl<M, SILU, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k);                   \
+             const e16_t* w, int m, int n, int k) {                                                     \
+        gemv_norm_impl<M, SILU, EARLY, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k);           \
     }
 
-GEMV_NORM(gemv_norm_bf16_m1, 1, false, float)
-GEMV_NORM(gemv_norm_bf16_m2, 2, false, float)
-GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, e16_t)
-GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, e16_t)
+GEMV_NORM(gemv_norm_bf16_m1, 1, false, false, float)
+GEMV_NORM(gemv_norm_bf16_m2, 2, false, false, float)
+GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, false, e16_t)
+GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, false, e16_t)
+GEMV_NORM(gemv_norm_early_bf16_m1, 1, false, true, float)
+GEMV_NORM(gemv_norm_early_bf16_m2, 2, false, true, float)
+GEMV_NORM(gemv_norm_silu_early_bf16_m1, 1, true, true, e16_t)
+GEMV_NORM(gemv_norm_silu_early_bf16_m2, 2, true, true, e16_t)

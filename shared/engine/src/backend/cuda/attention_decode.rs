@@ -1,0 +1,280 @@
+//! Launch wrappers of the tensor-core decode attention (`attention_decode.cu`): the plain
+//! kernel and the fused one that also normalises, rotates and stores the step's q/k/v.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::attention::{TcShape, FA_KEYS, FA_PAD};
+use super::attention_scratch::{AttentionScratch, DecodeLaunch, MAX_SPLITS};
+use super::ops::HeadNorms;
+use super::{bad, check_len, cuda_err, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps};
+use crate::error::EngineError;
+
+impl CudaDevice {
+    /// The single-token rows of `maps` (decode) on tensor cores (`attention_decode.cu`, bf16
+    /// pool, head_dim 64 or 128, at most 16 q heads per KV head): transposed products with the
+    /// group's q heads on the narrow n8 side, the keys split over the block's four warps and over `splits`
+    /// blocks per (row, KV head), merged in the same launch. Q and P are rounded to bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_decode<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+        nq: usize,
+        maps: &TokenMaps,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        split: bool,
+        launch: DecodeLaunch,
+    ) -> Result<(), EngineError> {
+        let args = DecodeArgs {
+            qkv,
+            row_stride,
+            shape,
+            layer,
+            nq,
+            maps,
+            scale,
+        };
+        self.decode_launch(out, pool, &args, scratch, split, launch, None)
+    }
+
+    /// Whether [`Self::attention_decode_rope`] serves the step of `maps`: every row a
+    /// decode row bound for the tensor-core decode kernel (no prefill tile, no row left to
+    /// `attention_fast`).
+    pub fn decode_rope_fits(maps: &TokenMaps) -> bool {
+        maps.tokens > 0 && maps.decode_tc && maps.n_tiles == 0 && maps.n_singles == maps.tokens
+    }
+
+    /// [`Self::qk_norm_rope_kv`] and [`Self::attention_decode`] in one launch, for a step whose
+    /// rows are all decode rows ([`Self::decode_rope_fits`]): each block normalises and
+    /// rotates its q heads from the raw qkv row, and the block whose keys end at the step's own
+    /// position writes that K (normalised, rotated) and V into `pool` before reading its keys.
+    /// `qkv` is left as the GEMM wrote it; `out` is 16-bit. `launch`: splits and stages, or
+    /// `None` for those [`AttentionScratch::decode_launch`] picks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_decode_rope<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        qkv: &CudaSlice<f32>,
+        row_stride: usize,
+        heads: &HeadNorms<'_>,
+        pool: &mut KvPool,
+        shape: PoolShape,
+        layer: usize,
+        maps: &TokenMaps,
+        scale: f32,
+        scratch: &mut AttentionScratch,
+        launch: Option<DecodeLaunch>,
+    ) -> Result<(), EngineError> {
+        let (nq, nkv, hd) = (heads.nq, heads.nkv, heads.head_dim);
+        if O::SUFFIX != "bf16" || !Self::decode_rope_fits(maps) {
+            return Err(bad(format!(
+                "attention_decode_rope: needs a 16-bit output ({} given) and a step of decode \
+                 rows only ({} rows, {} of them decode rows, {} prefill tiles)",
+                O::SUFFIX,
+                maps.tokens,
+                maps.n_singles,
+                maps.n_tiles
+            )));
+        }
+        if nkv != shape.num_kv_heads || hd != shape.head_dim || (nq + 2 * nkv) * hd > row_stride {
+            return Err(bad(format!(
+                "attention_decode_rope: {nq}+2×{nkv} heads of {hd} over row stride {row_stride} \
+                 against a pool of {} KV heads of {}",
+                shape.num_kv_heads, shape.head_dim
+            )));
+        }
+        check_len(
+            "attention_decode_rope inv_freq",
+            heads.inv_freq.len(),
+            hd / 2,
+        )?;
+        for n in [heads.q_norm, heads.k_norm].into_iter().flatten() {
+            check_len("attention_decode_rope norm weight", n.len(), hd)?;
+        }
+        let launch = match launch {
+            Some(l) => l,
+            None => {
+                scratch.decode_launch(self, maps.n_singles * nkv, O::SUFFIX, nq / nkv.max(1), hd)?
+            }
+        };
+        let args = DecodeArgs {
+            qkv,
+            row_stride,
+            shape,
+            layer,
+            nq,
+            maps,
+            scale,
+        };
+        self.decode_launch(out, pool, &args, scratch, false, launch, Some(heads))
+    }
+
+    /// One `attention_decode.cu` launch: the plain kernel, or with `rope` the fused one
+    /// (which also writes the step's K and V into `pool`).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_launch<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        pool: &KvPool,
+        a: &DecodeArgs<'_>,
+        scratch: &mut AttentionScratch,
+        split: bool,
+        launch: DecodeLaunch,
+        rope: Option<&HeadNorms<'_>>,
+    ) -> Result<(), EngineError> {
+        let (maps, nq) = (a.maps, a.nq);
+        let tc = TcShape::check("attention_decode", pool, a.shape, nq, a.row_stride, a.layer)?;
+        let (nkv, hd, group) = (tc.nkv, tc.hd, tc.group);
+        let DecodeLaunch { splits, stages } = launch;
+        if group > 16 || !(1..=MAX_SPLITS).contains(&splits) || !(1..=2).contains(&stages) {
+            return Err(bad(format!(
+                "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits \
+                 (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
+            )));
+        }
+        let rows = maps.n_singles;
+        if rows == 0 {
+            return Ok(());
+        }
+        check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
+        let lo_off =
+            super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
+        if splits > 1 {
+            scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
+        }
+        let name = match rope {
+            Some(_) => decode_rope_kernel(group, hd),
+            None => decode_kernel(O::SUFFIX, group, hd),
+        };
+        let f = self.func(&name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, nkv as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: decode_smem_bytes(hd, stages),
+        };
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out);
+        tc.push_args(&mut b, a.qkv, maps, &maps.singles, &a.scale);
+        b.arg(&scratch.part_acc)
+            .arg(&scratch.part_ml)
+            .arg(&scratch.counters)
+            .arg(&lo_off);
+        if let Some(h) = rope {
+            b.arg(h.inv_freq);
+            for n in [h.q_norm, h.k_norm] {
+                match n {
+                    Some(n) => b.arg(n),
+                    None => b.arg(&null),
+                };
+            }
+            b.arg(&h.eps);
+        }
+        // SAFETY: signature matches (the rope arguments only for the fused kernel, whose
+        // norm weights and frequencies the caller checked); shapes checked above; `singles`
+        // holds `rows` valid token indices (built with the maps); with splits > 1 the scratch
+        // holds every partial state and counter the launch touches (ensured above); block ids
+        // were validated by the caller. The fused kernel writes one K and one V row per
+        // (row, KV head) into the pool, at the row's own position of its table.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_decode"))?;
+        Ok(())
+    }
+
+    /// Blocks of `attention_decode.cu` (bf16 output) one SM holds at once at `group` q heads
+    /// per KV head, `head_dim` and `stages` shared-memory stages (benchmarks report it).
+    pub fn decode_attention_blocks_per_sm(
+        &self,
+        group: usize,
+        head_dim: usize,
+        stages: usize,
+    ) -> Result<u32, EngineError> {
+        self.loaded(&decode_kernel("bf16", group, head_dim))?
+            .occupancy_max_active_blocks_per_multiprocessor(
+                128,
+                decode_smem_bytes(head_dim, stages) as usize,
+                None,
+            )
+            .map_err(cuda_err("attention_decode occupancy"))
+    }
+}
+
+/// The shape-side arguments of a decode attention launch.
+struct DecodeArgs<'a> {
+    qkv: &'a CudaSlice<f32>,
+    row_stride: usize,
+    shape: PoolShape,
+    layer: usize,
+    nq: usize,
+    maps: &'a TokenMaps,
+    scale: f32,
+}
+
+/// Dynamic shared memory of `attention_decode.cu` at `head_dim` with `stages` stages of K and
+/// V runs (the prefill kernel's layout; the kernel double-buffers when given two), and at
+/// least its merge area: 4 warps × 16 heads × (head_dim + 4) f32 outputs and (max, sum) pairs.
+pub(super) fn decode_smem_bytes(head_dim: usize, stages: usize) -> u32 {
+    let runs = stages * 2 * FA_KEYS * (head_dim + FA_PAD) * 2;
+    let merge = 4 * 16 * (head_dim + 4 + 2) * 4;
+    runs.max(merge) as u32
+}
+
+/// The `attention_decode.cu` kernel for an output type, a group size (q heads per KV head, at
+/// most 16: one or two n8 tiles) and a head size.
+pub(super) fn decode_kernel(out: &str, group: usize, head_dim: usize) -> String {
+    let heads = if group <= 8 { 8 } else { 16 };
+    format!("attention_decode_{out}_n{heads}_hd{head_dim}")
+}
+
+/// The fused (q/k norm, RoPE and KV write) `attention_decode.cu` kernel for a group size and a
+/// head size; 16-bit output only.
+pub(super) fn decode_rope_kernel(group: usize, head_dim: usize) -> String {
+    decode_kernel("bf16", group, head_dim).replace("attention_decode_", "attention_decode_rope_")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::attention::prefill_smem_bytes;
+    use super::{decode_kernel, decode_rope_kernel, decode_smem_bytes};
+
+    #[test]
+    fn decode_shared_memory_holds_its_stages_and_merge_area() {
+        for hd in [64, 128] {
+            // Two stages are the prefill kernel's layout (the attribute set at load covers it).
+            assert_eq!(decode_smem_bytes(hd, 2), prefill_smem_bytes(hd));
+            let one = decode_smem_bytes(hd, 1);
+            assert_eq!(one * 2, prefill_smem_bytes(hd));
+            // The merge area: 4 warps × 16 heads × (hd + 4) outputs, plus (max, sum) pairs.
+            assert!(one as usize >= 4 * 16 * (hd + 4) * 4 + 4 * 16 * 2 * 4);
+        }
+    }
+
+    #[test]
+    fn decode_kernel_takes_one_or_two_head_tiles() {
+        assert_eq!(
+            decode_kernel("bf16", 2, 128),
+            "attention_decode_bf16_n8_hd128"
+        );
+        assert_eq!(decode_kernel("f32", 8, 64), "attention_decode_f32_n8_hd64");
+        assert_eq!(
+            decode_kernel("bf16", 9, 128),
+            "attention_decode_bf16_n16_hd128"
+        );
+        assert_eq!(
+            decode_kernel("bf16", 16, 64),
+            "attention_decode_bf16_n16_hd64"
+        );
+        assert_eq!(
+            decode_rope_kernel(2, 128),
+            "attention_decode_rope_bf16_n8_hd128"
+        );
+        assert_eq!(
+            decode_rope_kernel(16, 64),
+            "attention_decode_rope_bf16_n16_hd64"
+        );
+    }
+}
