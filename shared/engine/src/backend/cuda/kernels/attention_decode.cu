@@ -443,8 +443,15 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
 
 // The fused variant, for steps whose every row is a decode row: the q/k norms, RoPE and the
 // KV write of qk_norm_rope_kv_bf16 done here, one launch per layer fewer. 16-bit output only.
-#define ATTENTION_DECODE_ROPE(NAME, NH, HD)                                                                  \
-    extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
+// BOUNDS: FD_BOUNDS, or FD_BOUNDS_5 where registers must allow 5 blocks per SM: the q
+// prologue (sincosf per dimension) took the n8 hd128 instance from the plain kernel's 96
+// registers to 126 (4 blocks per SM instead of 5); held to 5 it stays at 96 without spills
+// (ptxas 13.0, sm_90). The others keep the plain kernel's counts unbounded (an explicit
+// minimum of 1 made ptxas take 154-185).
+#define FD_BOUNDS __launch_bounds__(FD_WARPS * 32)
+#define FD_BOUNDS_5 __launch_bounds__(FD_WARPS * 32, 5)
+#define ATTENTION_DECODE_ROPE(NAME, NH, HD, BOUNDS)                                                          \
+    extern "C" __global__ void BOUNDS NAME(                                        \
         e16_t* out, const float* qkv, int row_stride, e16_t* pool, const int* tables, const int* table_start, \
         const int* positions, const int* lo_pos, const int* token_list, int nq, int nkv, int group,          \
         int block_size, int layer, int num_layers, float scale, float* part_acc, float* part_ml,             \
@@ -468,7 +475,7 @@ ATTENTION_DECODE(attention_decode_f32_n16_hd64, float, 2, 64)
 ATTENTION_DECODE(attention_decode_bf16_n16_hd64, e16_t, 2, 64)
 ATTENTION_DECODE(attention_decode_f32_n16_hd128, float, 2, 128)
 ATTENTION_DECODE(attention_decode_bf16_n16_hd128, e16_t, 2, 128)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd64, 1, 64)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd128, 1, 128)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd64, 2, 64)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd128, 2, 128)
+ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd64, 1, 64, FD_BOUNDS)
+ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd128, 1, 128, FD_BOUNDS_5)
+ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd64, 2, 64, FD_BOUNDS)
+ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd128, 2, 128, FD_BOUNDS)
