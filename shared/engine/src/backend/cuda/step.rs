@@ -483,24 +483,20 @@ impl DeviceModel {
                 false,
             )?;
         } else {
-            // Only the wanted rows: gather the residual stream and the last MLP output, then
-            // the final norm (with its fused add) and the lm_head GEMM on those rows alone.
-            dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, &inputs.rows, r, h, false)?;
-            let residual = if self.layers.is_empty() {
-                None
+            // The final norm (with its fused add of the last MLP output) and the lm_head GEMM
+            // on the wanted rows alone: all of them in place (r == t, decode steps), else
+            // gathered first.
+            let layers = !self.layers.is_empty();
+            let (stream, mlp_out) = if r == t {
+                (&mut ws.x, layers.then_some(&ws.proj))
             } else {
-                dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, &inputs.rows, r, h, false)?;
-                Some(&ws.sel_res)
+                dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, &inputs.rows, r, h, false)?;
+                if layers {
+                    dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, &inputs.rows, r, h, false)?;
+                }
+                (&mut ws.sel_x, layers.then_some(&ws.sel_res))
             };
-            dev.rms_norm(
-                &mut ws.sel,
-                &mut ws.sel_x,
-                residual,
-                &self.norm,
-                r,
-                eps,
-                split,
-            )?;
+            dev.rms_norm(&mut ws.sel, stream, mlp_out, &self.norm, r, eps, split)?;
             let head_rows = if split { 2 * r } else { r };
             dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
         }
