@@ -137,6 +137,7 @@ mod run {
             max_step_tokens: TF_GROUP * longest,
             // The greedy decode of all prompts replays a captured graph.
             graph_max_batch: 128,
+            decode_fusion: None,
         };
         let mut gpu = CudaBackend::new(&model, &opts).map_err(|e| e.to_string())?;
         let vocab = gpu.vocab_size();
