@@ -186,11 +186,12 @@ def check_attention_decode_rope(drv, rep, rand, dev):
     """The fused decode kernel (TANDEM_CUDA_DECODE_FUSION=rope): q/k norms and RoPE from the
     raw qkv rows, the step's K and V written into the pool by the block whose keys end there,
     then attention. Against float64 norms, RoPE and attention over the pool holding those rows
-    in bf16; with and without norm weights, 1 and 3 splits, full and sliding-window rows."""
+    in bf16; every instance (n8 / n16 × hd 64 / 128), with and without norm weights, 1 and 3
+    splits, full and sliding-window rows."""
     bs, layers, layer, eps = 16, 2, 1, 1e-6
     lengths = [1, 17, 64, 65, 300, 1000]
     theta = 1_000_000.0
-    for nq, nkv, hd, norms in ((16, 8, 128, True), (8, 8, 64, False), (40, 4, 64, True)):
+    for nq, nkv, hd, norms in ((16, 8, 128, True), (8, 8, 64, False), (40, 4, 64, True), (32, 2, 128, True)):
         grp = nq // nkv
         kvd = nkv * hd
         row = (nq + 2 * nkv) * hd

@@ -180,7 +180,9 @@ impl CudaDevice {
         // holds `rows` valid token indices (built with the maps); with splits > 1 the scratch
         // holds every partial state and counter the launch touches (ensured above); block ids
         // were validated by the caller. The fused kernel writes one K and one V row per
-        // (row, KV head) into the pool, at the row's own position of its table.
+        // (row, KV head) into the pool, at the row's own position of its table: the pool goes
+        // in as a shared borrow, which is sound here because the backend runs one stream with
+        // cudarc's event tracking off (mod.rs), so no read/write ordering rests on it.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_decode"))?;
         Ok(())
     }

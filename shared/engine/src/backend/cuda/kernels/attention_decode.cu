@@ -394,8 +394,9 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
 }
 
 // The K and V rows of the block's first run asked into L2 before the kernel waits on the one
-// before it (PDL): only the step's own key is written by that kernel (the q/k norm's KV write),
-// and L2 is where that write lands, so an early prefetch of its line is harmless. With a few
+// before it (PDL): at most the step's own key is written by that kernel (the q/k norm's KV
+// write; in the fused variant this kernel writes it itself), and L2 is where such a write
+// lands, so an early prefetch of its line is harmless. With a few
 // runs per block (few sequences) the first run's DRAM latency is most of the block's time.
 template <int HD>
 __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int* tables, const int* table_start,
