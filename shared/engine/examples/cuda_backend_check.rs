@@ -106,7 +106,10 @@ mod check {
         let mut all_pass = true;
         let mut runs: Vec<Value> = Vec::new();
         // The bf16 and f16 modes run twice: the separate launches, then every decode-step
-        // fusion of TANDEM_CUDA_DECODE_FUSION (the same results within the mode's tolerance).
+        // fusion of TANDEM_CUDA_DECODE_FUSION on (the same tolerance). The tiny model's head
+        // size (16) keeps its attention off tensor cores, so of those only the final norm in
+        // the lm_head GEMV and the early GEMV weights run here; the fused decode attention is
+        // covered by the kernel checks and the model stage.
         let fused = DecodeFusion::parse("on")?;
         let off = DecodeFusion::default();
         for (mode, kv, fusion) in [
