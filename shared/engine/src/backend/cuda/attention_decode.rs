@@ -88,14 +88,7 @@ impl CudaDevice {
                 shape.num_kv_heads, shape.head_dim
             )));
         }
-        check_len(
-            "attention_decode_rope inv_freq",
-            heads.inv_freq.len(),
-            hd / 2,
-        )?;
-        for n in [heads.q_norm, heads.k_norm].into_iter().flatten() {
-            check_len("attention_decode_rope norm weight", n.len(), hd)?;
-        }
+        heads.check_lengths("attention_decode_rope")?;
         let launch = match launch {
             Some(l) => l,
             None => {

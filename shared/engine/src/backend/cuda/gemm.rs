@@ -99,6 +99,17 @@ fn gemv_rows(m: usize, k: usize) -> Option<usize> {
     [1, 2].into_iter().find(|&r| m <= r)
 }
 
+impl CudaDevice {
+    /// The part of a `gemv.cu` entry point's name that picks the early-weight variant.
+    fn gemv_variant(&self) -> &'static str {
+        if self.early_gemv_weights {
+            "_early"
+        } else {
+            ""
+        }
+    }
+}
+
 /// Warps per block of `gemv.cu` (its GEMV_WARPS): one output column each.
 const GEMV_WARPS: usize = 8;
 
@@ -116,11 +127,7 @@ impl CudaDevice {
         n: i32,
         k: i32,
     ) -> Result<(), EngineError> {
-        let early = if self.early_gemv_weights {
-            "_early"
-        } else {
-            ""
-        };
+        let early = self.gemv_variant();
         let name = format!("gemv{early}_bf16_m{rows}");
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
@@ -209,11 +216,7 @@ impl CudaDevice {
         check_len("norm_gemv out", out.len(), m * n)?;
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
         let silu_part = if silu { "_silu" } else { "" };
-        let early = if self.early_gemv_weights {
-            "_early"
-        } else {
-            ""
-        };
+        let early = self.gemv_variant();
         let name = format!("gemv_norm{silu_part}{early}_bf16_m{rows}");
         let f = self.func(&name)?;
         let cfg = LaunchConfig {

@@ -21,6 +21,26 @@ pub struct HeadNorms<'a> {
     pub eps: f32,
 }
 
+impl HeadNorms<'_> {
+    /// The frequencies hold `head_dim / 2` values and each norm weight `head_dim`; `kernel`
+    /// names the launch in the error.
+    pub(super) fn check_lengths(&self, kernel: &str) -> Result<(), EngineError> {
+        let hd = self.head_dim;
+        let short = |what: &str, len: usize, want: usize| {
+            bad(format!("{kernel} {what}: {len} elements, need {want}"))
+        };
+        if self.inv_freq.len() < hd / 2 {
+            return Err(short("inv_freq", self.inv_freq.len(), hd / 2));
+        }
+        for n in [self.q_norm, self.k_norm].into_iter().flatten() {
+            if n.len() < hd {
+                return Err(short("norm weight", n.len(), hd));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl CudaDevice {
     /// `out[t, :] = table[ids[t], :]` as f32 (`hidden` columns). Ids must be below the
     /// table's row count; `vocab` is checked here on the host copy of the ids.
@@ -217,10 +237,7 @@ impl CudaDevice {
             )));
         }
         check_len("qk_norm_rope qkv", qkv.len(), t * row_stride)?;
-        check_len("qk_norm_rope inv_freq", inv_freq.len(), head_dim / 2)?;
-        for n in [q_norm, k_norm].into_iter().flatten() {
-            check_len("qk_norm_rope norm weight", n.len(), head_dim)?;
-        }
+        heads.check_lengths("qk_norm_rope")?;
         let (rs, q, kv, hd) = (
             to_i32("row stride", row_stride)?,
             to_i32("nq", nq)?,
