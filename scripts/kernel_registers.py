@@ -59,10 +59,18 @@ def main():
     ap.add_argument("--budgets", required=True)
     ap.add_argument("--arch", default="sm_90")
     a = ap.parse_args()
-    with open(a.budgets) as f:
-        budgets = json.load(f)["registers"]
-    run = subprocess.run([a.ptxas, f"-arch={a.arch}", "-v", a.ptx, "-o", "/dev/null"],
-                         capture_output=True, text=True)
+    try:
+        with open(a.budgets) as f:
+            budgets = json.load(f)["registers"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"kernel registers: cannot read the budgets {a.budgets}: {e!r}", file=sys.stderr)
+        return 1
+    try:
+        run = subprocess.run([a.ptxas, f"-arch={a.arch}", "-v", a.ptx, "-o", "/dev/null"],
+                             capture_output=True, text=True)
+    except OSError as e:
+        print(f"kernel registers: cannot run ptxas {a.ptxas}: {e}", file=sys.stderr)
+        return 1
     if run.returncode != 0:
         print(f"ptxas failed ({run.returncode}):\n{run.stderr[-4000:]}", file=sys.stderr)
         return 1
