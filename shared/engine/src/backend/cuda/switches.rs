@@ -72,8 +72,9 @@ pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
     choice(SMALL_GEMM_ENV, &[("gemv", true), ("cublas", false)])
 }
 
-/// `TANDEM_CUDA_DECODE_FUSION`: which of the decode-step fusions not yet measured on a GPU
-/// are on: `off` (the default), `on` (all), or a comma-separated list of
+/// `TANDEM_CUDA_DECODE_FUSION`: which decode-step fusions are on: `off` (the default: each
+/// one measured slower on the H200, docs/benchmarks.md), `on` (all), or a comma-separated
+/// list of
 /// - `rope`: in steps whose every row is a decode row, the q/k norms, RoPE and KV write ride
 ///   in the tensor-core decode attention (one launch per layer fewer);
 /// - `final-norm`: in steps of one or two rows that want every row's logits, the final
