@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 use super::attention_scratch::AttentionScratch;
 use super::kernels::AttentionInstance;
 use super::{
-    bad, check_len, cuda_err, to_i32, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps,
+    bad, check_len, cuda_err, to_i32, CudaDevice, DevAddr, DeviceElem, KvPool, PoolShape, TokenMaps,
 };
 use crate::error::EngineError;
 
@@ -159,7 +159,7 @@ impl CudaDevice {
         scale: f32,
         scratch: &mut AttentionScratch,
         split: bool,
-        rows: Option<(&CudaSlice<i32>, usize)>,
+        rows: Option<(&DevAddr, usize)>,
     ) -> Result<(), EngineError> {
         let t = maps.tokens;
         if t == 0 {
@@ -307,7 +307,7 @@ impl<'a> TcShape<'a> {
         b: &mut LaunchArgs<'b>,
         qkv: &'b CudaSlice<f32>,
         maps: &'b TokenMaps,
-        list: &'b CudaSlice<i32>,
+        list: &'b DevAddr,
         scale: &'b f32,
     ) {
         b.arg(qkv)

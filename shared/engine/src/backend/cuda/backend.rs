@@ -272,7 +272,7 @@ impl CudaBackend {
         };
         let pool16 = opts.kv_dtype != KvDtype::F32;
         dev.preload_attention(pool16, out, config.head_dim, group)?;
-        let mut inputs = StepInputs::new(&dev, opts.max_step_tokens)?;
+        let mut inputs = StepInputs::new(&dev)?;
         // Prefill chunks on tensor cores in the bf16 and f16 modes; the f32 and split modes
         // keep the exact attention for their comparisons.
         if matches!(mode, ComputeMode::Bf16 | ComputeMode::F16) && tiled_prefill_attention()? {

@@ -31,11 +31,13 @@ mod profile;
 pub mod sampling;
 mod step;
 pub mod switches;
+mod token_maps;
 
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
 pub use graphs::GraphStats;
 pub use profile::LaunchTime;
+pub use token_maps::{DevAddr, DeviceList, TokenMaps};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -182,58 +184,6 @@ impl PoolShape {
     /// Elements of the whole pool.
     pub fn elems(&self) -> usize {
         self.num_blocks * self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-    }
-}
-
-/// The per-token inputs of [`CudaDevice::attention`] and [`CudaDevice::kv_write`], already on
-/// the device: the flattened block tables of the batch and, per token of the step, where its
-/// table starts, its position, its first visible position (sliding window) and its block.
-pub struct TokenMaps {
-    pub tables: CudaSlice<i32>,
-    pub table_start: CudaSlice<i32>,
-    pub positions: CudaSlice<i32>,
-    pub lo_pos: CudaSlice<i32>,
-    pub token_block: CudaSlice<i32>,
-    pub tokens: usize,
-    /// Tokens per tile of the tensor-core prefill attention (0: no tiles, every token goes to
-    /// `attention_fast`). Set by the owner; [`CudaDevice::fill_token_maps`] then splits the
-    /// step: sequences with several tokens into `tiles`, the others into `singles`.
-    pub tile_tokens: usize,
-    /// With tiles on: the single-token rows (decode) go to the tensor-core decode kernel
-    /// when a step has at least this many of them (it reads K/V in wide runs, faster once
-    /// the rows fill the GPU), else to `attention_fast`. Set by the owner.
-    pub decode_tc_min: usize,
-    /// (first token, tokens) per tile, each within one sequence.
-    pub tiles: CudaSlice<i32>,
-    pub n_tiles: usize,
-    /// The tokens of single-token sequences (decode rows) when tiles are on.
-    pub singles: CudaSlice<i32>,
-    pub n_singles: usize,
-    /// Whether this step's singles go to the tensor-core decode kernel (see `decode_tc_min`).
-    pub decode_tc: bool,
-    /// Bumped whenever a buffer is reallocated (graphs captured before hold stale addresses).
-    pub generation: u64,
-}
-
-impl TokenMaps {
-    /// Maps with room for one token (grown by [`CudaDevice::fill_token_maps`]).
-    pub fn empty(dev: &CudaDevice) -> Result<Self, EngineError> {
-        Ok(TokenMaps {
-            tables: dev.zeros(1)?,
-            table_start: dev.zeros(1)?,
-            positions: dev.zeros(1)?,
-            lo_pos: dev.zeros(1)?,
-            token_block: dev.zeros(1)?,
-            tokens: 0,
-            tile_tokens: 0,
-            decode_tc_min: usize::MAX,
-            tiles: dev.zeros(2)?,
-            n_tiles: 0,
-            singles: dev.zeros(1)?,
-            n_singles: 0,
-            decode_tc: false,
-            generation: 0,
-        })
     }
 }
 
@@ -518,109 +468,6 @@ impl CudaDevice {
         tracing::info!(kernel = %name, ms = t0.elapsed().as_millis() as u64, "CUDA kernel compiled");
         lazy.insert(name, f.clone());
         Ok(f)
-    }
-
-    /// Builds the [`TokenMaps`] of a step on the device (fresh buffers). `seqs` gives, per
-    /// sequence, its block table and the positions of its tokens this step; `window` is the
-    /// sliding window (`usize::MAX` for none).
-    pub fn token_maps(
-        &self,
-        seqs: &[(&[u32], std::ops::Range<usize>)],
-        block_size: usize,
-        window: usize,
-    ) -> Result<TokenMaps, EngineError> {
-        let mut maps = TokenMaps::empty(self)?;
-        self.fill_token_maps(&mut maps, seqs, block_size, window)?;
-        Ok(maps)
-    }
-
-    /// Writes a step's maps into `maps`' buffers, growing them (by doubling, which bumps
-    /// `maps.generation`: captured graphs hold the old addresses) only when too small.
-    pub fn fill_token_maps(
-        &self,
-        maps: &mut TokenMaps,
-        seqs: &[(&[u32], std::ops::Range<usize>)],
-        block_size: usize,
-        window: usize,
-    ) -> Result<(), EngineError> {
-        let mut tables = Vec::new();
-        let (mut table_start, mut positions, mut lo_pos, mut token_block) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut tiles, mut singles) = (Vec::new(), Vec::new());
-        for (table, range) in seqs {
-            let first = positions.len();
-            if maps.tile_tokens > 0 && range.len() > 1 {
-                let mut at = 0;
-                while at < range.len() {
-                    let n = maps.tile_tokens.min(range.len() - at);
-                    tiles.push(to_i32("token", first + at)?);
-                    tiles.push(to_i32("tile tokens", n)?);
-                    at += n;
-                }
-            } else if range.len() == 1 {
-                singles.push(to_i32("token", first)?);
-            }
-            let start = to_i32("block table offset", tables.len())?;
-            for &b in *table {
-                tables.push(to_i32("block id", b as usize)?);
-            }
-            for pos in range.clone() {
-                let block = *table.get(pos / block_size).ok_or_else(|| {
-                    bad(format!(
-                        "block table of {} blocks does not cover position {pos}",
-                        table.len()
-                    ))
-                })?;
-                table_start.push(start);
-                positions.push(to_i32("position", pos)?);
-                lo_pos.push(to_i32("position", (pos + 1).saturating_sub(window))?);
-                token_block.push(to_i32("block id", block as usize)?);
-            }
-        }
-        let tokens = positions.len();
-        if tables.len() > maps.tables.len() {
-            maps.tables = self.zeros(tables.len().next_power_of_two())?;
-            maps.generation += 1;
-        }
-        if tokens > maps.positions.len() {
-            let n = tokens.next_power_of_two();
-            maps.table_start = self.zeros(n)?;
-            maps.positions = self.zeros(n)?;
-            maps.lo_pos = self.zeros(n)?;
-            maps.token_block = self.zeros(n)?;
-            maps.singles = self.zeros(n)?;
-            maps.generation += 1;
-        }
-        if tiles.len() > maps.tiles.len() {
-            maps.tiles = self.zeros(tiles.len().next_power_of_two())?;
-            maps.generation += 1;
-        }
-        let s = &self.stream;
-        let copy = |src: &[i32], dst: &mut CudaSlice<i32>| -> Result<(), EngineError> {
-            if src.is_empty() {
-                return Ok(());
-            }
-            s.memcpy_htod(src, &mut dst.slice_mut(..src.len()))
-                .map_err(cuda_err("host→device copy"))
-        };
-        copy(&tables, &mut maps.tables)?;
-        copy(&table_start, &mut maps.table_start)?;
-        copy(&positions, &mut maps.positions)?;
-        copy(&lo_pos, &mut maps.lo_pos)?;
-        copy(&token_block, &mut maps.token_block)?;
-        maps.n_tiles = tiles.len() / 2;
-        maps.n_singles = if maps.tile_tokens > 0 {
-            singles.len()
-        } else {
-            0
-        };
-        maps.decode_tc = maps.n_singles >= maps.decode_tc_min;
-        if maps.tile_tokens > 0 {
-            copy(&tiles, &mut maps.tiles)?;
-            copy(&singles, &mut maps.singles)?;
-        }
-        maps.tokens = tokens;
-        Ok(())
     }
 }
 

@@ -3,8 +3,8 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{
-    bad, check_len, cuda_err, threads_for, to_i32, CudaDevice, DeviceElem, DeviceMatrix, KvPool,
-    PoolShape, TokenMaps,
+    bad, check_len, cuda_err, threads_for, to_i32, CudaDevice, DeviceElem, DeviceList,
+    DeviceMatrix, KvPool, PoolShape, TokenMaps,
 };
 use crate::error::EngineError;
 
@@ -62,24 +62,23 @@ impl CudaDevice {
             return Ok(());
         }
         let ids = self.upload(ids_host)?;
-        self.embedding_dev(out, table, &ids, t, hidden)
+        self.embedding_dev(out, table, self.list_of(&ids), hidden)
     }
 
-    /// [`CudaDevice::embedding`] with the first `t` ids already on the device: the caller
-    /// has checked them against the vocabulary (no copy: graph-capturable).
+    /// [`CudaDevice::embedding`] with the ids already on the device (one per token): the
+    /// caller has checked them against the vocabulary (no copy: graph-capturable).
     pub fn embedding_dev(
         &self,
         out: &mut CudaSlice<f32>,
         table: &DeviceMatrix,
-        ids: &CudaSlice<u32>,
-        t: usize,
+        ids: DeviceList,
         hidden: usize,
     ) -> Result<(), EngineError> {
+        let t = ids.len;
         if t == 0 {
             return Ok(());
         }
         check_len("embedding out", out.len(), t * hidden)?;
-        check_len("embedding ids", ids.len(), t)?;
         let h = to_i32("hidden", hidden)?;
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
@@ -97,7 +96,7 @@ impl CudaDevice {
             DeviceMatrix::F32(s) => b.arg(s),
             DeviceMatrix::Bf16(s) => b.arg(s),
         };
-        b.arg(ids).arg(&h);
+        b.arg(&ids.addr).arg(&h);
         // SAFETY: the argument list matches the kernel's signature; every index is in bounds
         // (ids < vocab checked by the caller, out holds t*hidden).
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching embedding"))?;
@@ -412,28 +411,26 @@ impl CudaDevice {
             return Ok(());
         }
         let rows = self.upload(rows_host)?;
-        self.gather_rows_dev(out, src, src_rows, &rows, r, width, split)
+        self.gather_rows_dev(out, src, src_rows, self.list_of(&rows), width, split)
     }
 
-    /// [`CudaDevice::gather_rows`] with the first `r` row ids already on the device, checked
-    /// by the caller against `src_rows` (no copy: graph-capturable).
-    #[allow(clippy::too_many_arguments)]
+    /// [`CudaDevice::gather_rows`] with the row ids already on the device, checked by the
+    /// caller against `src_rows` (no copy: graph-capturable).
     pub fn gather_rows_dev<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
         src: &CudaSlice<f32>,
         src_rows: usize,
-        rows: &CudaSlice<u32>,
-        r: usize,
+        rows: DeviceList,
         width: usize,
         split: bool,
     ) -> Result<(), EngineError> {
+        let r = rows.len;
         if r == 0 {
             return Ok(());
         }
         let lo_off = lo_offset::<O>("gather out", out.len(), r * width, split)?;
         check_len("gather src", src.len(), src_rows * width)?;
-        check_len("gather rows", rows.len(), r)?;
         let w = to_i32("width", width)?;
         let cfg = LaunchConfig {
             grid_dim: (r as u32, 1, 1),
@@ -442,7 +439,7 @@ impl CudaDevice {
         };
         let f = self.func(&format!("gather_rows_{}", O::SUFFIX))?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(src).arg(rows).arg(&w).arg(&lo_off);
+        b.arg(out).arg(src).arg(&rows.addr).arg(&w).arg(&lo_off);
         // SAFETY: signature matches; rows < src_rows (checked), out holds r*width.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gather_rows"))?;
         Ok(())

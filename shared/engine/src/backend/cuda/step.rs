@@ -152,60 +152,24 @@ pub(super) enum StepRows {
 }
 
 /// A step's inputs on the device, in buffers kept from step to step (a captured graph reads
-/// them at fixed addresses): token ids, the rows whose logits are wanted, the token maps.
+/// them at fixed addresses): token ids, the rows whose logits are wanted and the token maps
+/// (one buffer, [`TokenMaps`]), the sampling parameters.
 pub(super) struct StepInputs {
-    pub(super) ids: CudaSlice<u32>,
-    pub(super) rows: CudaSlice<u32>,
     pub(super) maps: TokenMaps,
     pub(super) sampling: SamplingInputs,
-    /// Bumped when `ids` or `rows` is reallocated.
-    generation: u64,
 }
 
 impl StepInputs {
-    pub(super) fn new(dev: &CudaDevice, tokens: usize) -> Result<Self, EngineError> {
+    pub(super) fn new(dev: &CudaDevice) -> Result<Self, EngineError> {
         Ok(StepInputs {
-            ids: dev.zeros(tokens.max(1))?,
-            rows: dev.zeros(tokens.max(1))?,
             maps: TokenMaps::empty(dev)?,
             sampling: SamplingInputs::new(dev)?,
-            generation: 0,
         })
     }
 
     /// Changes whenever any buffer moved.
     pub(super) fn generation(&self) -> u64 {
-        self.generation + self.maps.generation + self.sampling.generation
-    }
-
-    fn fill(
-        &mut self,
-        dev: &CudaDevice,
-        ids: &[u32],
-        rows: &[u32],
-        seqs: &[(&[u32], std::ops::Range<usize>)],
-        block_size: usize,
-        window: usize,
-    ) -> Result<(), EngineError> {
-        let err = |e| EngineError::Backend(format!("CUDA host→device copy: {e:?}"));
-        if ids.len() > self.ids.len() {
-            self.ids = dev.zeros(ids.len().next_power_of_two())?;
-            self.generation += 1;
-        }
-        if rows.len() > self.rows.len() {
-            self.rows = dev.zeros(rows.len().next_power_of_two())?;
-            self.generation += 1;
-        }
-        let s = dev.stream();
-        if !ids.is_empty() {
-            s.memcpy_htod(ids, &mut self.ids.slice_mut(..ids.len()))
-                .map_err(err)?;
-        }
-        if !rows.is_empty() {
-            s.memcpy_htod(rows, &mut self.rows.slice_mut(..rows.len()))
-                .map_err(err)?;
-        }
-        dev.fill_token_maps(&mut self.maps, seqs, block_size, window)
+        self.maps.generation + self.sampling.generation
     }
 }
 
@@ -262,8 +226,8 @@ impl DeviceModel {
             .iter()
             .map(|s| (s.block_table, s.start_pos..s.start_pos + s.tokens.len()))
             .collect();
-        self.inputs
-            .fill(&self.dev, &ids, &rows, &seqs, self.shape.block_size, window)?;
+        let bs = self.shape.block_size;
+        (self.dev).fill_step_maps(&mut self.inputs.maps, &ids, &rows, &seqs, bs, window)?;
         if let Some(plans) = plans {
             // Every row is one sequence's last token (LogitsMode::Last), in batch order.
             let mut row_plans = Vec::with_capacity(r);
@@ -331,7 +295,7 @@ impl DeviceModel {
         // writes the step's K and V itself.
         let rope_in_attention =
             self.decode_fusion.rope && !split && CudaDevice::decode_rope_fits(&inputs.maps);
-        dev.embedding_dev(&mut ws.x, &self.embed, &inputs.ids, t, h)?;
+        dev.embedding_dev(&mut ws.x, &self.embed, inputs.maps.id_list(), h)?;
         for (l, lw) in self.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (fused add).
             let residual = (l > 0).then_some(&ws.proj);
@@ -490,9 +454,16 @@ impl DeviceModel {
             let (stream, mlp_out) = if r == t {
                 (&mut ws.x, layers.then_some(&ws.proj))
             } else {
-                dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, &inputs.rows, r, h, false)?;
+                dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, inputs.maps.row_list(), h, false)?;
                 if layers {
-                    dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, &inputs.rows, r, h, false)?;
+                    dev.gather_rows_dev(
+                        &mut ws.sel_res,
+                        &ws.proj,
+                        t,
+                        inputs.maps.row_list(),
+                        h,
+                        false,
+                    )?;
                 }
                 (&mut ws.sel_x, layers.then_some(&ws.sel_res))
             };

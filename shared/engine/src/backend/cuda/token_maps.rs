@@ -1,0 +1,368 @@
+//! A step's integer inputs on the device — token ids, the rows whose logits are wanted, and
+//! the token maps the attention and KV-write kernels index by — packed into one buffer that
+//! one host→device copy fills per step (eight small copies, each a driver round trip with the
+//! GPU idle in between, cost more than a decode step's host work otherwise does).
+
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
+
+use super::{bad, cuda_err, to_i32, CudaDevice};
+use crate::error::EngineError;
+
+/// A device address handed to kernels as a plain pointer argument (`const int*`). It stays
+/// valid while the buffer it points into lives: [`TokenMaps`] bumps its `generation` when it
+/// reallocates, and captured graphs are dropped then.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevAddr(u64);
+
+// SAFETY: a CUdeviceptr, passed by value like the pointer parameter it stands for.
+unsafe impl DeviceRepr for DevAddr {}
+
+/// A list of 32-bit integers on the device: its address and how many values it holds.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceList {
+    pub addr: DevAddr,
+    pub len: usize,
+}
+
+impl CudaDevice {
+    /// `s` as a [`DeviceList`]; `s` must outlive every launch that reads the list.
+    pub fn list_of<T>(&self, s: &CudaSlice<T>) -> DeviceList {
+        // Event tracking is off (CudaDevice::new), so the guard has nothing to record.
+        let (ptr, _guard) = s.device_ptr(&self.stream);
+        DeviceList {
+            addr: DevAddr(ptr),
+            len: s.len(),
+        }
+    }
+}
+
+/// The per-token inputs of a step on the device: the flattened block tables of the batch
+/// and, per token, where its table starts, its position, its first visible position (sliding
+/// window) and its block; with them the step's token ids and logits rows. One buffer, laid out
+/// afresh each step (ids, rows, table starts, positions, window starts, blocks, single rows:
+/// `tokens` each; then the tiles, then the tables), so a step of the same shape — a decode
+/// step of the same batch size, which is what graphs are keyed by — has the same addresses.
+pub struct TokenMaps {
+    buf: CudaSlice<i32>,
+    /// The host image of `buf`, kept to avoid an allocation per step.
+    host: Vec<i32>,
+    pub ids: DevAddr,
+    pub rows: DevAddr,
+    pub n_rows: usize,
+    pub tables: DevAddr,
+    pub table_start: DevAddr,
+    pub positions: DevAddr,
+    pub lo_pos: DevAddr,
+    pub token_block: DevAddr,
+    pub tokens: usize,
+    /// Tokens per tile of the tensor-core prefill attention (0: no tiles, every token goes to
+    /// `attention_fast`). Set by the owner; [`CudaDevice::fill_token_maps`] then splits the
+    /// step: sequences with several tokens into `tiles`, the others into `singles`.
+    pub tile_tokens: usize,
+    /// With tiles on: the single-token rows (decode) go to the tensor-core decode kernel
+    /// when a step has at least this many of them (it reads K/V in wide runs, faster once
+    /// the rows fill the GPU), else to `attention_fast`. Set by the owner.
+    pub decode_tc_min: usize,
+    /// (first token, tokens) per tile, each within one sequence.
+    pub tiles: DevAddr,
+    pub n_tiles: usize,
+    /// The tokens of single-token sequences (decode rows) when tiles are on.
+    pub singles: DevAddr,
+    pub n_singles: usize,
+    /// Whether this step's singles go to the tensor-core decode kernel (see `decode_tc_min`).
+    pub decode_tc: bool,
+    /// Bumped whenever the buffer is reallocated (graphs captured before hold stale addresses).
+    pub generation: u64,
+}
+
+impl TokenMaps {
+    /// Maps with room for a few tokens (grown by [`CudaDevice::fill_token_maps`]).
+    pub fn empty(dev: &CudaDevice) -> Result<Self, EngineError> {
+        let buf: CudaSlice<i32> = dev.zeros(64)?;
+        let base = dev.list_of(&buf).addr;
+        Ok(TokenMaps {
+            buf,
+            host: Vec::new(),
+            ids: base,
+            rows: base,
+            n_rows: 0,
+            tables: base,
+            table_start: base,
+            positions: base,
+            lo_pos: base,
+            token_block: base,
+            tokens: 0,
+            tile_tokens: 0,
+            decode_tc_min: usize::MAX,
+            tiles: base,
+            n_tiles: 0,
+            singles: base,
+            n_singles: 0,
+            decode_tc: false,
+            generation: 0,
+        })
+    }
+
+    /// The step's token ids (one per token).
+    pub fn id_list(&self) -> DeviceList {
+        DeviceList {
+            addr: self.ids,
+            len: self.tokens,
+        }
+    }
+
+    /// The step's logits rows (token indices).
+    pub fn row_list(&self) -> DeviceList {
+        DeviceList {
+            addr: self.rows,
+            len: self.n_rows,
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Builds the [`TokenMaps`] of a step on the device (fresh buffers). `seqs` gives, per
+    /// sequence, its block table and the positions of its tokens this step; `window` is the
+    /// sliding window (`usize::MAX` for none).
+    pub fn token_maps(
+        &self,
+        seqs: &[(&[u32], std::ops::Range<usize>)],
+        block_size: usize,
+        window: usize,
+    ) -> Result<TokenMaps, EngineError> {
+        let mut maps = TokenMaps::empty(self)?;
+        self.fill_token_maps(&mut maps, seqs, block_size, window)?;
+        Ok(maps)
+    }
+
+    /// Writes a step's maps into `maps` (no ids, no logits rows).
+    pub fn fill_token_maps(
+        &self,
+        maps: &mut TokenMaps,
+        seqs: &[(&[u32], std::ops::Range<usize>)],
+        block_size: usize,
+        window: usize,
+    ) -> Result<(), EngineError> {
+        self.fill_step_maps(maps, &[], &[], seqs, block_size, window)
+    }
+
+    /// Writes a step's token ids (empty, or one per token), logits rows (token indices) and
+    /// maps into `maps`' buffer with one copy, growing it (by doubling, which bumps
+    /// `maps.generation`) only when too small.
+    pub fn fill_step_maps(
+        &self,
+        maps: &mut TokenMaps,
+        ids: &[u32],
+        rows: &[u32],
+        seqs: &[(&[u32], std::ops::Range<usize>)],
+        block_size: usize,
+        window: usize,
+    ) -> Result<(), EngineError> {
+        let l = write_image(
+            &mut maps.host,
+            ids,
+            rows,
+            seqs,
+            block_size,
+            window,
+            maps.tile_tokens,
+        )?;
+        if l.total > maps.buf.len() {
+            maps.buf = self.zeros(l.total.next_power_of_two())?;
+            maps.generation += 1;
+        }
+        if l.total > 0 {
+            self.stream
+                .memcpy_htod(&maps.host[..], &mut maps.buf.slice_mut(..l.total))
+                .map_err(cuda_err("host→device copy of the step inputs"))?;
+        }
+        let base = self.list_of(&maps.buf).addr.0;
+        let at = |i: usize| DevAddr(base + (i * std::mem::size_of::<i32>()) as u64);
+        let t = l.tokens;
+        maps.ids = at(0);
+        maps.rows = at(t);
+        maps.n_rows = rows.len();
+        maps.table_start = at(2 * t);
+        maps.positions = at(3 * t);
+        maps.lo_pos = at(4 * t);
+        maps.token_block = at(5 * t);
+        maps.singles = at(6 * t);
+        maps.tiles = at(l.tiles_at);
+        maps.tables = at(l.tables_at);
+        maps.tokens = t;
+        maps.n_tiles = l.n_tiles;
+        maps.n_singles = l.n_singles;
+        maps.decode_tc = l.n_singles >= maps.decode_tc_min;
+        Ok(())
+    }
+}
+
+/// Where [`write_image`] put things (offsets in i32 elements).
+#[derive(Debug, PartialEq, Eq)]
+struct ImageLayout {
+    tokens: usize,
+    tiles_at: usize,
+    n_tiles: usize,
+    n_singles: usize,
+    tables_at: usize,
+    total: usize,
+}
+
+/// Writes the host image of a step's [`TokenMaps`] buffer into `host`: ids, rows, table
+/// starts, positions, window starts, blocks and single rows (`tokens` slots each), then the
+/// tiles ((first token, tokens) pairs, with `tile_tokens > 0`), then the block tables.
+fn write_image(
+    host: &mut Vec<i32>,
+    ids: &[u32],
+    rows: &[u32],
+    seqs: &[(&[u32], std::ops::Range<usize>)],
+    block_size: usize,
+    window: usize,
+    tile_tokens: usize,
+) -> Result<ImageLayout, EngineError> {
+    let t: usize = seqs.iter().map(|(_, r)| r.len()).sum();
+    if !ids.is_empty() && ids.len() != t {
+        return Err(bad(format!("{} token ids for {t} tokens", ids.len())));
+    }
+    if rows.len() > t {
+        return Err(bad(format!("{} logits rows for {t} tokens", rows.len())));
+    }
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= t) {
+        return Err(bad(format!("logits row {r} of a step of {t} tokens")));
+    }
+    if block_size == 0 {
+        return Err(bad("block size 0".into()));
+    }
+    let mut tiles = Vec::new();
+    let mut singles = Vec::new();
+    let mut first = 0;
+    for (_, range) in seqs {
+        if tile_tokens > 0 && range.len() > 1 {
+            let mut at = 0;
+            while at < range.len() {
+                let n = tile_tokens.min(range.len() - at);
+                tiles.push(to_i32("token", first + at)?);
+                tiles.push(to_i32("tile tokens", n)?);
+                at += n;
+            }
+        } else if tile_tokens > 0 && range.len() == 1 {
+            singles.push(to_i32("token", first)?);
+        }
+        first += range.len();
+    }
+    let n_tables: usize = seqs.iter().map(|(table, _)| table.len()).sum();
+    let (tiles_at, tables_at) = (7 * t, 7 * t + tiles.len());
+    let total = tables_at + n_tables;
+    host.clear();
+    host.resize(total, 0);
+    for (slot, &id) in host.iter_mut().zip(ids) {
+        *slot = id as i32; // below the vocabulary size (checked by the caller)
+    }
+    for (slot, &r) in host[t..].iter_mut().zip(rows) {
+        *slot = r as i32; // below t (checked above)
+    }
+    let (mut tok, mut table_at) = (0, 0);
+    for (table, range) in seqs {
+        let start = to_i32("block table offset", table_at)?;
+        for (k, &b) in table.iter().enumerate() {
+            host[tables_at + table_at + k] = to_i32("block id", b as usize)?;
+        }
+        table_at += table.len();
+        for pos in range.clone() {
+            let block = *table.get(pos / block_size).ok_or_else(|| {
+                bad(format!(
+                    "block table of {} blocks does not cover position {pos}",
+                    table.len()
+                ))
+            })?;
+            host[2 * t + tok] = start;
+            host[3 * t + tok] = to_i32("position", pos)?;
+            host[4 * t + tok] = to_i32("position", (pos + 1).saturating_sub(window))?;
+            host[5 * t + tok] = to_i32("block id", block as usize)?;
+            tok += 1;
+        }
+    }
+    host[6 * t..6 * t + singles.len()].copy_from_slice(&singles);
+    host[tiles_at..tables_at].copy_from_slice(&tiles);
+    Ok(ImageLayout {
+        tokens: t,
+        tiles_at,
+        n_tiles: tiles.len() / 2,
+        n_singles: singles.len(),
+        tables_at,
+        total,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_holds_every_list_at_its_offset() {
+        // A prefill of 3 tokens (positions 4..7 of a 2-block table) and a decode row.
+        let (t_a, t_b) = ([7u32, 9], [5u32]);
+        let seqs: Vec<(&[u32], std::ops::Range<usize>)> = vec![(&t_a, 4..7), (&t_b, 2..3)];
+        let mut host = vec![99; 3];
+        let l = write_image(&mut host, &[1, 2, 3, 4], &[2, 3], &seqs, 4, 2, 2).unwrap();
+        assert_eq!(
+            l,
+            ImageLayout {
+                tokens: 4,
+                tiles_at: 28,
+                n_tiles: 2,
+                n_singles: 1,
+                tables_at: 32,
+                total: 35
+            }
+        );
+        let t = 4;
+        assert_eq!(&host[..t], &[1, 2, 3, 4]);
+        assert_eq!(&host[t..2 * t], &[2, 3, 0, 0]);
+        assert_eq!(&host[2 * t..3 * t], &[0, 0, 0, 2], "table starts");
+        assert_eq!(&host[3 * t..4 * t], &[4, 5, 6, 2], "positions");
+        assert_eq!(&host[4 * t..5 * t], &[3, 4, 5, 1], "window starts");
+        assert_eq!(&host[5 * t..6 * t], &[9, 9, 9, 5], "blocks");
+        assert_eq!(&host[6 * t..7 * t], &[3, 0, 0, 0], "single rows");
+        assert_eq!(&host[28..32], &[0, 2, 2, 1], "tiles");
+        assert_eq!(&host[32..], &[7, 9, 5], "tables");
+    }
+
+    #[test]
+    fn decode_steps_of_one_batch_size_share_offsets() {
+        // Graphs are keyed by batch size: longer tables must not move the other lists.
+        let short = [1u32];
+        let long = [1u32, 2, 3];
+        let mut host = Vec::new();
+        let a = write_image(&mut host, &[5], &[0], &[(&short, 3..4)], 16, usize::MAX, 64).unwrap();
+        let b = write_image(
+            &mut host,
+            &[5],
+            &[0],
+            &[(&long, 40..41)],
+            16,
+            usize::MAX,
+            64,
+        )
+        .unwrap();
+        assert_eq!((a.tiles_at, a.tables_at), (b.tiles_at, b.tables_at));
+        assert_eq!(b.total, a.total + 2);
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let table = [0u32];
+        let seqs: Vec<(&[u32], std::ops::Range<usize>)> = vec![(&table, 0..2)];
+        let mut host = Vec::new();
+        let e = |r: Result<ImageLayout, EngineError>| r.unwrap_err().to_string();
+        assert!(e(write_image(&mut host, &[1], &[], &seqs, 4, 8, 0)).contains("1 token ids for 2"));
+        assert!(e(write_image(&mut host, &[], &[2], &seqs, 4, 8, 0)).contains("logits row 2"));
+        assert!(
+            e(write_image(&mut host, &[], &[0, 1, 1], &seqs, 4, 8, 0)).contains("3 logits rows")
+        );
+        let far: Vec<(&[u32], std::ops::Range<usize>)> = vec![(&table, 3..5)];
+        assert!(e(write_image(&mut host, &[], &[], &far, 4, 8, 0))
+            .contains("does not cover position 4"));
+    }
+}
