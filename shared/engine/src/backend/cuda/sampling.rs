@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 
-use super::{bad, check_len, cuda_err, to_i32, CudaDevice};
+use super::{bad, check_len, cuda_err, to_i32, CudaDevice, DevAddr};
 use crate::error::EngineError;
 use crate::sampler::SamplePlan;
 
@@ -14,16 +14,24 @@ const FLOATS: usize = 6;
 const INTS: usize = 2;
 
 /// The plans of a step's logits rows on the device, in buffers kept from step to step (a
-/// captured graph reads them at fixed addresses).
+/// captured graph reads them at fixed addresses): the per-row parameters and list offsets in
+/// one buffer written by one copy, the penalty and mask lists (empty for most requests) each
+/// in its own.
 pub struct SamplingInputs {
-    fparams: CudaSlice<f32>,
-    iparams: CudaSlice<i32>,
-    uniforms: CudaSlice<f64>,
-    seen_off: CudaSlice<i32>,
+    /// Per row: uniforms (f64), fparams (FLOATS f32), iparams (INTS i32), then the seen /
+    /// count / mask list offsets (rows + 1 i32 each); laid out by the row count alone, so a
+    /// step of the same batch size has the same addresses.
+    fixed: CudaSlice<u8>,
+    host: Vec<u8>,
+    rows: usize,
+    uniforms: DevAddr,
+    fparams: DevAddr,
+    iparams: DevAddr,
+    seen_off: DevAddr,
+    count_off: DevAddr,
+    mask_off: DevAddr,
     seen: CudaSlice<i32>,
-    count_off: CudaSlice<i32>,
     counts: CudaSlice<i32>,
-    mask_off: CudaSlice<i32>,
     masked: CudaSlice<i32>,
     /// Bumped whenever a buffer is reallocated.
     pub generation: u64,
@@ -31,15 +39,20 @@ pub struct SamplingInputs {
 
 impl SamplingInputs {
     pub fn new(dev: &CudaDevice) -> Result<Self, EngineError> {
+        let fixed: CudaSlice<u8> = dev.zeros(256)?;
+        let base = dev.list_of(&fixed).addr;
         Ok(SamplingInputs {
-            fparams: dev.zeros(FLOATS)?,
-            iparams: dev.zeros(INTS)?,
-            uniforms: dev.zeros(1)?,
-            seen_off: dev.zeros(2)?,
+            fixed,
+            host: Vec::new(),
+            rows: 0,
+            uniforms: base,
+            fparams: base,
+            iparams: base,
+            seen_off: base,
+            count_off: base,
+            mask_off: base,
             seen: dev.zeros(1)?,
-            count_off: dev.zeros(2)?,
             counts: dev.zeros(2)?,
-            mask_off: dev.zeros(2)?,
             masked: dev.zeros(1)?,
             generation: 0,
         })
@@ -47,9 +60,10 @@ impl SamplingInputs {
 
     /// Copies the plans (one per logits row, in row order) to the device.
     pub fn fill(&mut self, dev: &CudaDevice, plans: &[&SamplePlan]) -> Result<(), EngineError> {
-        let mut f = Vec::with_capacity(plans.len() * FLOATS);
-        let mut i = Vec::with_capacity(plans.len() * INTS);
-        let mut u = Vec::with_capacity(plans.len());
+        let r = plans.len();
+        let mut f = Vec::with_capacity(r * FLOATS);
+        let mut i = Vec::with_capacity(r * INTS);
+        let mut u = Vec::with_capacity(r);
         let (mut seen_off, mut seen) = (vec![0i32], Vec::new());
         let (mut count_off, mut counts) = (vec![0i32], Vec::new());
         let (mut mask_off, mut masked) = (vec![0i32], Vec::new());
@@ -87,15 +101,30 @@ impl SamplingInputs {
             }
             mask_off.push(to_i32("mask list", masked.len())?);
         }
+        // The fixed part: f64 first keeps every list aligned to its element.
+        let host = &mut self.host;
+        host.clear();
+        let mut at = Vec::with_capacity(6);
+        at.push(host.len());
+        u.iter()
+            .for_each(|v| host.extend_from_slice(&v.to_ne_bytes()));
+        at.push(host.len());
+        f.iter()
+            .for_each(|v| host.extend_from_slice(&v.to_ne_bytes()));
+        for list in [&i, &seen_off, &count_off, &mask_off] {
+            at.push(host.len());
+            list.iter()
+                .for_each(|v| host.extend_from_slice(&v.to_ne_bytes()));
+        }
         let g = &mut self.generation;
-        put(dev, &mut self.fparams, &f, g)?;
-        put(dev, &mut self.iparams, &i, g)?;
-        put(dev, &mut self.uniforms, &u, g)?;
-        put(dev, &mut self.seen_off, &seen_off, g)?;
+        put(dev, &mut self.fixed, &self.host, g)?;
+        let base = dev.list_of(&self.fixed).addr;
+        let addr = |k: usize| base.offset_bytes(at[k]);
+        self.rows = r;
+        (self.uniforms, self.fparams, self.iparams) = (addr(0), addr(1), addr(2));
+        (self.seen_off, self.count_off, self.mask_off) = (addr(3), addr(4), addr(5));
         put(dev, &mut self.seen, &seen, g)?;
-        put(dev, &mut self.count_off, &count_off, g)?;
         put(dev, &mut self.counts, &counts, g)?;
-        put(dev, &mut self.mask_off, &mask_off, g)?;
         put(dev, &mut self.masked, &masked, g)
     }
 }
@@ -135,9 +164,7 @@ impl CudaDevice {
         }
         check_len("sample out", out.len(), rows)?;
         check_len("sample logits", logits.len(), rows * vocab)?;
-        check_len("sample params", inputs.fparams.len(), rows * FLOATS)?;
-        check_len("sample uniforms", inputs.uniforms.len(), rows)?;
-        check_len("sample offsets", inputs.seen_off.len(), rows + 1)?;
+        check_len("sample plans", inputs.rows, rows)?;
         let v = to_i32("vocab", vocab)?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),

@@ -18,6 +18,13 @@ pub struct DevAddr(u64);
 // SAFETY: a CUdeviceptr, passed by value like the pointer parameter it stands for.
 unsafe impl DeviceRepr for DevAddr {}
 
+impl DevAddr {
+    /// The address `bytes` further on.
+    pub fn offset_bytes(self, bytes: usize) -> DevAddr {
+        DevAddr(self.0 + bytes as u64)
+    }
+}
+
 /// A list of 32-bit integers on the device: its address and how many values it holds.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceList {
@@ -177,8 +184,8 @@ impl CudaDevice {
                 .memcpy_htod(&maps.host[..], &mut maps.buf.slice_mut(..l.total))
                 .map_err(cuda_err("host→device copy of the step inputs"))?;
         }
-        let base = self.list_of(&maps.buf).addr.0;
-        let at = |i: usize| DevAddr(base + (i * std::mem::size_of::<i32>()) as u64);
+        let base = self.list_of(&maps.buf).addr;
+        let at = |i: usize| base.offset_bytes(i * std::mem::size_of::<i32>());
         let t = l.tokens;
         maps.ids = at(0);
         maps.rows = at(t);
