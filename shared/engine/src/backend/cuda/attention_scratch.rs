@@ -31,6 +31,9 @@ pub struct AttentionScratch {
     /// Shared-memory stages of `attention_decode.cu` fixed by
     /// [`super::switches::DECODE_STAGES_ENV`] (`None`: chosen per launch).
     decode_stages: Option<usize>,
+    /// Splits per (row, KV head) of `attention_decode.cu` fixed by
+    /// [`super::switches::DECODE_SPLITS_ENV`] (`None`: chosen per launch).
+    decode_splits: Option<usize>,
     /// Bumped when a buffer is reallocated (graphs captured before hold stale addresses).
     pub generation: u64,
 }
@@ -44,6 +47,7 @@ impl AttentionScratch {
             sms: dev.sm_count(),
             decode_slots: [None; 2],
             decode_stages: super::switches::decode_stages()?,
+            decode_splits: super::switches::decode_splits()?,
             generation: 0,
         })
     }
@@ -104,10 +108,11 @@ impl AttentionScratch {
                 n
             }
         };
-        Ok(DecodeLaunch {
-            splits: decode_splits_for(pairs, slots, self.sms),
-            stages,
-        })
+        let splits = match self.decode_splits {
+            Some(s) => s.min(split_bound(pairs, self.sms)),
+            None => decode_splits_for(pairs, slots, self.sms),
+        };
+        Ok(DecodeLaunch { splits, stages })
     }
 
     /// Room for `states` partial states of `head_dim` and `pairs` counters.
@@ -133,13 +138,22 @@ impl AttentionScratch {
 
 /// See [`AttentionScratch::decode_splits`]: splits of `pairs` over `slots` resident blocks,
 /// with at most 16 × `sms` partial states and 8 × `sms` counters (the scratch's size).
+/// The most splits `pairs` pairs may take: the scratch of [`AttentionScratch::for_model`]
+/// holds 16 × SMs partial states (none from 8 × SMs pairs on, where the GPU is full anyway).
+fn split_bound(pairs: usize, sms: usize) -> usize {
+    let pairs = pairs.max(1);
+    if pairs > 8 * sms {
+        1
+    } else {
+        (16 * sms / pairs).clamp(1, MAX_SPLITS)
+    }
+}
+
 fn decode_splits_for(pairs: usize, slots: usize, sms: usize) -> usize {
     let pairs = pairs.max(1);
+    let bound = split_bound(pairs, sms);
     let mut best = (1, 0.0f64);
-    for s in 1..=MAX_SPLITS {
-        if s > 1 && (pairs * s > 16 * sms || pairs > 8 * sms) {
-            break;
-        }
+    for s in 1..=bound {
         let waves = (pairs * s) as f64 / slots.max(1) as f64;
         // Below one wave, the share of the GPU filled (a few long sequences want many
         // splits); from one wave on, how even the waves are.
@@ -158,7 +172,17 @@ fn decode_splits_for(pairs: usize, slots: usize, sms: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::decode_splits_for;
+    use super::{decode_splits_for, split_bound};
+
+    #[test]
+    fn fixed_splits_stay_within_the_scratch() {
+        assert_eq!(split_bound(8, 132), 32);
+        assert_eq!(split_bound(8 * 8, 132), 32);
+        assert_eq!(split_bound(100, 132), 21);
+        assert_eq!(split_bound(8 * 132, 132), 2);
+        assert_eq!(split_bound(8 * 132 + 1, 132), 1);
+        assert_eq!(split_bound(0, 1), 16);
+    }
 
     #[test]
     fn decode_splits_fill_even_waves_within_the_scratch() {

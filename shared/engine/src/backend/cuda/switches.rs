@@ -63,6 +63,35 @@ pub(super) fn decode_stages() -> Result<Option<usize>, EngineError> {
     )
 }
 
+/// `TANDEM_CUDA_DECODE_SPLITS`: blocks per (row, KV head) of the tensor-core decode kernel,
+/// `auto` (the default: the count that fills the GPU's resident slots in the most even waves,
+/// see [`super::AttentionScratch::decode_launch`]) or a count from 1 to 32 (at most what the
+/// split scratch holds for the step's pairs).
+pub const DECODE_SPLITS_ENV: &str = "TANDEM_CUDA_DECODE_SPLITS";
+
+pub(super) fn decode_splits() -> Result<Option<usize>, EngineError> {
+    match std::env::var(DECODE_SPLITS_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => parse_splits(&v),
+        Err(e) => Err(EngineError::InvalidInput(format!(
+            "{DECODE_SPLITS_ENV}: {e}"
+        ))),
+    }
+}
+
+fn parse_splits(v: &str) -> Result<Option<usize>, EngineError> {
+    let max = super::attention_scratch::MAX_SPLITS;
+    match v.trim() {
+        "auto" => Ok(None),
+        n => match n.parse::<usize>() {
+            Ok(n) if (1..=max).contains(&n) => Ok(Some(n)),
+            _ => Err(EngineError::InvalidInput(format!(
+                "{DECODE_SPLITS_ENV} must be `auto` or a count from 1 to {max}, not `{v}`"
+            ))),
+        },
+    }
+}
+
 /// `TANDEM_CUDA_SMALL_GEMM`: `gemv` (the default: bf16 GEMMs of one or two rows, the decode
 /// steps of few sequences, by the weight-streaming kernels of `gemv.cu`, with their fused
 /// norms) or `cublas` (for comparisons).
@@ -145,7 +174,17 @@ pub(super) fn pdl_from_env() -> Result<bool, EngineError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{choice, DecodeFusion};
+    use super::{choice, parse_splits, DecodeFusion};
+
+    #[test]
+    fn decode_splits_are_auto_or_a_count() {
+        assert_eq!(parse_splits("auto").unwrap(), None);
+        assert_eq!(parse_splits(" 16 ").unwrap(), Some(16));
+        for bad in ["0", "33", "-1", "many", ""] {
+            let e = parse_splits(bad).unwrap_err().to_string();
+            assert!(e.contains("TANDEM_CUDA_DECODE_SPLITS"), "{e}");
+        }
+    }
 
     #[test]
     fn decode_fusion_takes_off_on_or_a_list_and_names_a_bad_part() {
