@@ -13,14 +13,12 @@
 
 use super::graphs::{run_step, GraphCache, GraphStats};
 use super::kernels::Float16;
-use super::step::{
-    AnyWorkspace, DeviceLayer, DeviceModel, Readout, StepInputs, StepRows, Workspace,
-};
+use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Workspace};
 use super::switches::{
     decode_fusion_from_env, decode_tc_min, pdl_from_env, tiled_prefill_attention, DecodeFusion,
 };
-use super::{AttentionScratch, CudaDevice, DeviceMatrix, KvPool, PoolShape};
-use crate::backend::cpu_ops::Matrix;
+use super::weights::{upload_weights, DeviceWeights};
+use super::{AttentionScratch, CudaDevice, KvPool, PoolShape};
 use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
@@ -65,23 +63,6 @@ impl ComputeMode {
             Float16::F16 => KvDtype::F16,
         }
     }
-}
-
-/// f16 bit patterns of `values`; an error naming `what` when one is beyond f16's finite range
-/// (it would become inf). Values below f16's normal range keep f16's subnormal resolution.
-fn to_f16_bits(values: impl Iterator<Item = f32>, what: &str) -> Result<Vec<u16>, EngineError> {
-    values
-        .map(|v| {
-            let h = half::f16::from_f32(v);
-            if v.is_finite() && h.is_infinite() {
-                Err(EngineError::InvalidInput(format!(
-                    "{what}: weight {v} is outside f16's range (±65,504); use --cuda-precision bf16"
-                )))
-            } else {
-                Ok(h.to_bits())
-            }
-        })
-        .collect()
 }
 
 /// How many KV blocks the pool gets.
@@ -187,61 +168,13 @@ impl CudaBackend {
                 mode.kv_dtype16()
             )));
         }
-        // `what` names the tensor in the f16 range error.
-        let up = |m: &Matrix, what: &str| -> Result<DeviceMatrix, EngineError> {
-            Ok(match (mode, m) {
-                (ComputeMode::F32, Matrix::F32(v)) => DeviceMatrix::F32(dev.upload(v)?),
-                // Widening bf16 to f32 is exact.
-                (ComputeMode::F32, Matrix::Bf16(_)) => {
-                    DeviceMatrix::F32(dev.upload(&m.clone().into_f32())?)
-                }
-                (ComputeMode::Bf16 | ComputeMode::Bf16Split, Matrix::Bf16(v)) => {
-                    DeviceMatrix::Bf16(dev.upload(v)?)
-                }
-                (ComputeMode::Bf16 | ComputeMode::Bf16Split, Matrix::F32(v)) => DeviceMatrix::Bf16(
-                    dev.upload(
-                        &v.iter()
-                            .map(|x| half::bf16::from_f32(*x).to_bits())
-                            .collect::<Vec<u16>>(),
-                    )?,
-                ),
-                (ComputeMode::F16, Matrix::Bf16(v)) => DeviceMatrix::Bf16(dev.upload(
-                    &to_f16_bits(v.iter().map(|b| half::bf16::from_bits(*b).to_f32()), what)?,
-                )?),
-                (ComputeMode::F16, Matrix::F32(v)) => {
-                    DeviceMatrix::Bf16(dev.upload(&to_f16_bits(v.iter().copied(), what)?)?)
-                }
-            })
-        };
-        let vec = |v: &[f32]| dev.upload(v);
-        let opt = |v: &Option<Vec<f32>>| v.as_deref().map(|v| dev.upload(v)).transpose();
-        let mut layers = Vec::with_capacity(weights.layers.len());
-        for (i, lw) in weights.layers.iter().enumerate() {
-            layers.push(DeviceLayer {
-                input_norm: vec(&lw.input_norm)?,
-                qkv: up(&lw.qkv, &format!("layer {i} qkv_proj"))?,
-                qkv_bias: opt(&lw.qkv_bias)?,
-                q_norm: opt(&lw.q_norm)?,
-                k_norm: opt(&lw.k_norm)?,
-                o_proj: up(&lw.o_proj, &format!("layer {i} o_proj"))?,
-                o_bias: opt(&lw.o_bias)?,
-                post_norm: vec(&lw.post_norm)?,
-                gate_up: up(
-                    &interleave_gate_up(&lw.gate_up, config.intermediate_size)?,
-                    &format!("layer {i} gate_up_proj"),
-                )?,
-                down: up(&lw.down, &format!("layer {i} down_proj"))?,
-            });
-        }
-        let inv: Vec<f32> = config.rope_inv_freq().iter().map(|f| *f as f32).collect();
-        let embed = up(&weights.embed, "embed_tokens")?;
-        let lm_head = weights
-            .lm_head
-            .as_ref()
-            .map(|m| up(m, "lm_head"))
-            .transpose()?;
-        let norm = vec(&weights.norm)?;
-        let inv_freq = dev.upload(&inv)?;
+        let DeviceWeights {
+            layers,
+            embed,
+            lm_head,
+            norm,
+            inv_freq,
+        } = upload_weights(&dev, mode, &config, weights)?;
         // The workspace first, at the step size the engine schedules, so the pool sized from
         // the free memory leaves it room.
         let rows = 256;
@@ -618,30 +551,6 @@ fn ids_per_sequence(counts: &[usize], rows: StepRows) -> Result<Vec<Vec<u32>>, E
         .collect())
 }
 
-/// The fused `[gate; up]` weights (2 · `im` rows) with their rows interleaved (row 2c = gate
-/// c, 2c + 1 = up c): the order `silu_mul.cu` and the fused decode GEMV of `gemv.cu` read.
-fn interleave_gate_up(m: &Matrix, im: usize) -> Result<Matrix, EngineError> {
-    fn rows<T: Copy>(v: &[T], im: usize) -> Result<Vec<T>, EngineError> {
-        if im == 0 || !v.len().is_multiple_of(2 * im) {
-            return Err(EngineError::InvalidInput(format!(
-                "gate_up weights of {} elements are not 2 × {im} rows",
-                v.len()
-            )));
-        }
-        let cols = v.len() / (2 * im);
-        let mut out = Vec::with_capacity(v.len());
-        for c in 0..im {
-            out.extend_from_slice(&v[c * cols..(c + 1) * cols]);
-            out.extend_from_slice(&v[(im + c) * cols..(im + c + 1) * cols]);
-        }
-        Ok(out)
-    }
-    Ok(match m {
-        Matrix::F32(v) => Matrix::F32(rows(v, im)?),
-        Matrix::Bf16(v) => Matrix::Bf16(rows(v, im)?),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -660,27 +569,6 @@ mod tests {
     }
 
     #[test]
-    fn f16_weights_are_exact_for_bf16_values_in_range() {
-        // Every bf16 with a normal f16 counterpart converts exactly.
-        let vals: Vec<f32> = [1.0f32, -0.0213, 3.5e-3, 1000.5, -65_280.0]
-            .iter()
-            .map(|v| half::bf16::from_f32(*v).to_f32())
-            .collect();
-        let bits = to_f16_bits(vals.iter().copied(), "test").unwrap();
-        for (v, b) in vals.iter().zip(bits) {
-            assert_eq!(half::f16::from_bits(b).to_f32(), *v);
-        }
-        // Beyond ±65,504 is an error naming the value and the way out.
-        let e = to_f16_bits([1.0f32, 70_000.0].into_iter(), "layer 3")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("layer 3") && e.contains("70000") && e.contains("--cuda-precision bf16"),
-            "{e}"
-        );
-    }
-
-    #[test]
     fn each_mode_names_its_program_and_pool() {
         assert_eq!(ComputeMode::F16.float16(), Float16::F16);
         assert_eq!(ComputeMode::F16.kv_dtype16(), KvDtype::F16);
@@ -688,20 +576,5 @@ mod tests {
             assert_eq!(m.float16(), Float16::Bf16);
             assert_eq!(m.kv_dtype16(), KvDtype::Bf16);
         }
-    }
-
-    #[test]
-    fn gate_up_rows_interleave() {
-        // im = 2, 3 columns: gate rows g0 g1, up rows u0 u1.
-        let m = Matrix::F32((0..12).map(|v| v as f32).collect());
-        let Matrix::F32(v) = interleave_gate_up(&m, 2).unwrap() else {
-            panic!("f32 in, f32 out")
-        };
-        assert_eq!(
-            v,
-            [0., 1., 2., 6., 7., 8., 3., 4., 5., 9., 10., 11.].to_vec()
-        );
-        assert!(interleave_gate_up(&Matrix::Bf16(vec![0; 10]), 3).is_err());
-        assert!(interleave_gate_up(&Matrix::Bf16(vec![0; 10]), 0).is_err());
     }
 }

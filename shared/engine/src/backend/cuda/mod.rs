@@ -32,6 +32,7 @@ pub mod sampling;
 mod step;
 pub mod switches;
 mod token_maps;
+mod weights;
 
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
