@@ -11,13 +11,14 @@
 //!   bad call is an error and never an out-of-bounds access on the device.
 //! - `kernels/*.cu`: the device code (embedding and row gathers, RMSNorm with fused residual
 //!   add, Qwen3 q/k-norm + RoPE, SiLU·mul, bias add, KV write into paged blocks, paged
-//!   attention for decode and prefill, argmax), all following the CPU path's math (`cpu_ops`,
-//!   `model::decoder`) and the KV address function of [`crate::kv::layout`]; GEMMs through
-//!   cuBLAS GemmEx (`gemm.rs`).
-//! - [`CudaBackend`]: the `Backend` trait on these in f32, bf16 and split-bf16 modes.
+//!   attention for decode and prefill, weight-streaming GEMVs, argmax and sampling), all
+//!   following the CPU path's math (`cpu_ops`, `model::decoder`, `sampler`) and the KV
+//!   address function of [`crate::kv::layout`]; GEMMs through cuBLAS GemmEx (`gemm.rs`).
+//! - [`TokenMaps`]: a step's ids, logits rows and token maps in one buffer (`token_maps.rs`).
+//! - [`CudaBackend`]: the `Backend` trait on these in f32, bf16, split-bf16 and f16 modes,
+//!   decode steps replayed as CUDA graphs (`graphs.rs`), weights uploaded by `weights.rs`.
 //!
-//! Not here yet (see README.md beside this file): CUDA graphs, flash-style prefill attention,
-//! sampling on the GPU beyond argmax.
+//! What is not done yet: README.md beside this file.
 
 mod attention;
 mod attention_decode;
