@@ -63,6 +63,11 @@ mod check {
     const TOL_F16_MODE: f64 = 2e-2;
     /// In split-bf16 mode (bf16 weights, GEMM inputs as hi + lo bf16 terms), f32 KV pool.
     const TOL_SPLIT_MODE: f64 = 1e-3;
+    /// Split-bf16 mode with an f16 KV pool: the split activations differ from the CPU's f32 at
+    /// ~2^-16, so now and then a cached value rounds to the neighbouring f16 (one step, 2^-11
+    /// relative; the exports differ by one such step): the H200 run of 2026-12-01 measured
+    /// 1.07e-3. A bf16 pool in its place (8× coarser) would fail it.
+    const TOL_SPLIT_F16_KV: f64 = 3e-3;
 
     fn argmax(v: &[f32]) -> u32 {
         let mut best = 0;
@@ -118,6 +123,8 @@ mod check {
             (ComputeMode::Bf16, KvDtype::Bf16, off),
             (ComputeMode::Bf16, KvDtype::Bf16, fused),
             (ComputeMode::Bf16Split, KvDtype::F32, off),
+            // bf16 weights beside an f16 cache (the kernels' h16_t pool).
+            (ComputeMode::Bf16Split, KvDtype::F16, off),
             (ComputeMode::F16, KvDtype::F16, off),
             (ComputeMode::F16, KvDtype::F16, fused),
         ] {
@@ -156,6 +163,7 @@ mod check {
             let mut gpu = CudaBackend::from_parts(dev, cfg.clone(), &w_run, "tiny".into(), &opts)?;
             let tol = match (mode, kv) {
                 (ComputeMode::Bf16, _) => TOL_BF16_MODE,
+                (ComputeMode::Bf16Split, KvDtype::F16) => TOL_SPLIT_F16_KV,
                 (ComputeMode::Bf16Split, _) => TOL_SPLIT_MODE,
                 (ComputeMode::F16, _) => TOL_F16_MODE,
                 (_, KvDtype::F32) => TOL,

@@ -9,7 +9,7 @@
 //!
 //! `scripts/gpu/compare_logits.py` then computes the figures. Usage:
 //! `cuda_model_check --model DIR --cases cases.json --out-dir OUT [--mode bf16|bf16x2|f32]
-//!  [--kv-dtype bf16|f32] [--decode-fusion off|on|rope,final-norm,early-weights]` (the fusions
+//!  [--kv-dtype bf16|f16|f32] [--decode-fusion off|on|rope,final-norm,early-weights]` (the fusions
 //!  of `TANDEM_CUDA_DECODE_FUSION`, which applies when the flag is absent)
 
 #[cfg(not(feature = "cuda"))]

@@ -29,7 +29,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
     let dqkv = dev.upload(&qkv)?;
     let scale = 1.0 / (HD as f32).sqrt();
     let mut scratch = AttentionScratch::new(dev)?;
-    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+    // F16: an f16 pool beside the bf16 program's element (KvPool::Half, the bf16x2
+    // precision's f16 cache).
+    for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::F16] {
         let layout = KvLayout {
             version: LAYOUT_VERSION,
             model_id: "check".into(),
@@ -58,7 +60,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 KvDtype::Bf16 => {
                     KvPool::Bf16(dev.upload(&host.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?)
                 }
-                KvDtype::F16 => KvPool::Bf16(
+                KvDtype::F16 => KvPool::Half(
                     dev.upload(
                         &host
                             .iter()
@@ -71,7 +73,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
         let download_pool = |pool: &KvPool| -> Result<Vec<f32>, EngineError> {
             Ok(match pool {
                 KvPool::F32(p) => dev.download(p)?,
-                KvPool::Bf16(p) if dtype == KvDtype::F16 => dev
+                KvPool::Half(p) => dev
                     .download(p)?
                     .into_iter()
                     .map(|b| half::f16::from_bits(b).to_f32())

@@ -188,7 +188,7 @@ impl CudaDevice {
         if splits > 1 {
             scratch.ensure(self, bx * nkv * splits * group, hd, bx * nkv)?;
         }
-        let inst = attention_instance(matches!(pool, KvPool::Bf16(_)), O::SUFFIX, hd, group);
+        let inst = attention_instance(pool.kernel_suffix(), O::SUFFIX, hd, group);
         let ints = [
             to_i32("row stride", row_stride)?,
             to_i32("nq", nq)?,
@@ -209,7 +209,7 @@ impl CudaDevice {
         b.arg(out).arg(qkv).arg(&ints[0]);
         match pool {
             KvPool::F32(p) => b.arg(p),
-            KvPool::Bf16(p) => b.arg(p),
+            KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
         };
         b.arg(&maps.tables)
             .arg(&maps.table_start)
@@ -325,10 +325,10 @@ impl<'a> TcShape<'a> {
     }
 }
 
-/// The `attention_fast.cu` instance for a pool (bf16 or f32), an output type suffix, a head
-/// size and a group size.
+/// The `attention_fast.cu` instance for a pool (its [`KvPool::kernel_suffix`]), an output
+/// type suffix, a head size and a group size.
 pub(super) fn attention_instance(
-    pool_bf16: bool,
+    pool: &'static str,
     out: &'static str,
     head_dim: usize,
     group: usize,
@@ -339,7 +339,7 @@ pub(super) fn attention_instance(
         _ => 8,
     };
     AttentionInstance {
-        pool: if pool_bf16 { "bf16" } else { "f32" },
+        pool,
         out,
         e,
         g: group,
@@ -351,12 +351,12 @@ impl CudaDevice {
     /// decode step does not wait for NVRTC (a worker does this before it reports ready).
     pub fn preload_attention(
         &self,
-        pool_bf16: bool,
+        pool: &'static str,
         out: &'static str,
         head_dim: usize,
         group: usize,
     ) -> Result<(), EngineError> {
-        self.load_instance(attention_instance(pool_bf16, out, head_dim, group))
+        self.load_instance(attention_instance(pool, out, head_dim, group))
             .map(|_| ())
     }
 }

@@ -154,10 +154,16 @@ impl CudaBackend {
                 dev.float16().name()
             )));
         }
-        if !matches!(opts.kv_dtype, KvDtype::F32) && opts.kv_dtype != mode.kv_dtype16() {
+        // The bf16x2 precision also keeps an f16 cache beside its bf16 weights.
+        let half_beside_bf16 = mode == ComputeMode::Bf16Split && opts.kv_dtype == KvDtype::F16;
+        if !matches!(opts.kv_dtype, KvDtype::F32)
+            && opts.kv_dtype != mode.kv_dtype16()
+            && !half_beside_bf16
+        {
             return Err(EngineError::Config(format!(
                 "a {} KV cache does not go with the CUDA {} precision (its 16-bit pool is {}; \
-                 kv_cache_config.dtype auto picks it, float32 works in every mode)",
+                 kv_cache_config.dtype auto picks it, float32 works in every mode, float16 \
+                 also with bf16x2)",
                 opts.kv_dtype,
                 match mode {
                     ComputeMode::F32 => "f32",
@@ -204,7 +210,12 @@ impl CudaBackend {
             ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => "bf16",
         };
         let pool16 = opts.kv_dtype != KvDtype::F32;
-        dev.preload_attention(pool16, out, config.head_dim, group)?;
+        let pool_suffix = match opts.kv_dtype {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 if half_beside_bf16 => "h16",
+            KvDtype::Bf16 | KvDtype::F16 => "bf16",
+        };
+        dev.preload_attention(pool_suffix, out, config.head_dim, group)?;
         let mut inputs = StepInputs::new(&dev)?;
         // Prefill chunks on tensor cores in the bf16 and f16 modes; the f32 and split modes
         // keep the exact attention for their comparisons.
@@ -254,6 +265,7 @@ impl CudaBackend {
         };
         let pool = match layout.dtype {
             KvDtype::F32 => KvPool::F32(dev.zeros(shape.elems())?),
+            KvDtype::F16 if half_beside_bf16 => KvPool::Half(dev.zeros(shape.elems())?),
             // The program's 16-bit element (checked above).
             KvDtype::Bf16 | KvDtype::F16 => KvPool::Bf16(dev.zeros(shape.elems())?),
         };
@@ -426,7 +438,7 @@ impl Backend for CudaBackend {
         let base = staging.as_ptr();
         let elem = match self.model.pool {
             KvPool::F32(_) => std::mem::size_of::<f32>(),
-            KvPool::Bf16(_) => std::mem::size_of::<u16>(),
+            KvPool::Bf16(_) | KvPool::Half(_) => std::mem::size_of::<u16>(),
         };
         if !(base as usize).is_multiple_of(elem) || !bb.is_multiple_of(elem) {
             return Err(EngineError::Backend(format!(
@@ -452,7 +464,7 @@ impl Backend for CudaBackend {
                         .memcpy_htod(src, &mut p.slice_mut(range))
                         .map_err(err)?;
                 }
-                KvPool::Bf16(p) => {
+                KvPool::Bf16(p) | KvPool::Half(p) => {
                     // SAFETY: as above; n bf16 elements are one block's bytes.
                     let src = unsafe { std::slice::from_raw_parts(at as *const u16, n) };
                     stream
@@ -477,7 +489,7 @@ impl Backend for CudaBackend {
                     let v: Vec<f32> = stream.clone_dtoh(&p.slice(range)).map_err(err)?;
                     out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
                 }
-                KvPool::Bf16(p) => {
+                KvPool::Bf16(p) | KvPool::Half(p) => {
                     let v: Vec<u16> = stream.clone_dtoh(&p.slice(range)).map_err(err)?;
                     out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
                 }
@@ -511,7 +523,7 @@ impl Backend for CudaBackend {
                         .memcpy_htod(&v, &mut p.slice_mut(range))
                         .map_err(err)?;
                 }
-                KvPool::Bf16(p) => {
+                KvPool::Bf16(p) | KvPool::Half(p) => {
                     let v: Vec<u16> = bytes
                         .chunks_exact(2)
                         .map(|c| u16::from_le_bytes([c[0], c[1]]))

@@ -19,6 +19,22 @@ impl CudaDevice {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), EngineError> {
+        self.matmul_t_before(x, m, k, w, n, out, None)
+    }
+
+    /// [`Self::matmul_t`] before the GEMM over `next_weights`: a GEMV of one or two rows asks
+    /// those weights into L2 while it runs (see [`Self::l2_next`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_t_before<X: DeviceElem>(
+        &self,
+        x: &CudaSlice<X>,
+        m: usize,
+        k: usize,
+        w: &DeviceMatrix,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+        next_weights: Option<&DeviceMatrix>,
+    ) -> Result<(), EngineError> {
         let (w_type, w_len) = match w {
             DeviceMatrix::F32(s) => (f32::cuda_type(self.e16), s.len()),
             DeviceMatrix::Bf16(s) => (u16::cuda_type(self.e16), s.len()),
@@ -43,7 +59,8 @@ impl CudaDevice {
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
         if let (DeviceMatrix::Bf16(ws), Some(rows)) = (w, gemv_rows(m, k)) {
             if self.small_m_gemv {
-                return self.gemv_bf16(x, ws, out, rows, mi, ni, ki);
+                let next = self.l2_next(next_weights);
+                return self.gemv_bf16(x, ws, out, rows, (mi, ni, ki), next);
             }
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -100,6 +117,21 @@ fn gemv_rows(m: usize, k: usize) -> Option<usize> {
 }
 
 impl CudaDevice {
+    /// Where the weights of the GEMM after a GEMV start and how many bytes they hold, for the
+    /// GEMV to ask into L2 while it runs (`gemv.cu`'s `l2_prefetch_next`; one- and two-row
+    /// decode steps are bound by DRAM latency, not bandwidth): (0, 0) when there are none,
+    /// they are not 16-bit, or [`switches::L2_PREFETCH_ENV`] is `off`.
+    fn l2_next(&self, next: Option<&DeviceMatrix>) -> (u64, u64) {
+        match next {
+            Some(DeviceMatrix::Bf16(s)) if self.l2_prefetch_next => {
+                // Event tracking is off (CudaDevice::new), so the guard has nothing to record.
+                let (ptr, _guard) = s.device_ptr(&self.stream);
+                (ptr, (s.len() as u64 * 2) & !15)
+            }
+            _ => (0, 0),
+        }
+    }
+
     /// The part of a `gemv.cu` entry point's name that picks the early-weight variant.
     fn gemv_variant(&self) -> &'static str {
         if self.early_gemv_weights {
@@ -123,9 +155,8 @@ impl CudaDevice {
         w: &CudaSlice<u16>,
         out: &mut CudaSlice<f32>,
         rows: usize,
-        m: i32,
-        n: i32,
-        k: i32,
+        (m, n, k): (i32, i32, i32),
+        (next, next_bytes): (u64, u64),
     ) -> Result<(), EngineError> {
         let early = self.gemv_variant();
         let name = format!("gemv{early}_bf16_m{rows}");
@@ -136,10 +167,18 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(x).arg(w).arg(&m).arg(&n).arg(&k);
+        b.arg(out)
+            .arg(x)
+            .arg(w)
+            .arg(&m)
+            .arg(&n)
+            .arg(&k)
+            .arg(&next)
+            .arg(&next_bytes);
         // SAFETY: signature matches; x holds m·k, w n·k and out m·n elements (checked by
         // matmul_t), k is a multiple of 8 and the buffers' starts are 256-byte aligned, so
-        // the kernel's 16-byte loads stay in bounds and aligned.
+        // the kernel's 16-byte loads stay in bounds and aligned; `next` is null or a live
+        // allocation of at least `next_bytes` (a multiple of 16), 256-byte aligned.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_bf16"))?;
         Ok(())
     }
@@ -178,6 +217,7 @@ impl CudaDevice {
         k: usize,
         n: usize,
         silu: bool,
+        next_weights: Option<&DeviceMatrix>,
     ) -> Result<(), EngineError> {
         let (DeviceMatrix::Bf16(ws), Some(rows), true) =
             (w, gemv_rows(m, k), self.norm_gemv_fits(m, k, w))
@@ -225,6 +265,7 @@ impl CudaDevice {
             shared_mem_bytes: (rows * k * 2) as u32,
         };
         let null = 0u64;
+        let (next, next_bytes) = self.l2_next(next_weights);
         let mut b = self.stream.launch_builder(f);
         b.arg(out).arg(x);
         match residual {
@@ -237,11 +278,14 @@ impl CudaDevice {
             .arg(ws)
             .arg(&mi)
             .arg(&ni)
-            .arg(&ki);
+            .arg(&ki)
+            .arg(&next)
+            .arg(&next_bytes);
         // SAFETY: signature matches; every buffer's length was checked above (x, residual and
         // x_out m·k, w (silu ? 2n : n)·k, out m·n), k is a multiple of 8 and the buffers'
         // starts are 256-byte aligned for the 16-byte weight loads; the shared memory holds
-        // the instance's rows of k bf16.
+        // the instance's rows of k bf16; `next` is null or a live allocation of at least
+        // `next_bytes` (a multiple of 16).
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_norm"))?;
         Ok(())
     }

@@ -53,10 +53,12 @@ pub const KERNEL_NAMES: &[&str] = &[
     "qk_norm_rope_f32",
     "qk_norm_rope_kv_f32",
     "qk_norm_rope_kv_bf16",
+    "qk_norm_rope_kv_h16",
     "silu_mul_f32",
     "silu_mul_bf16",
     "kv_write_f32",
     "kv_write_bf16",
+    "kv_write_h16",
     "argmax_f32",
     "sample_rows_f32",
     "fold_rows_f32",
@@ -146,7 +148,11 @@ impl AttentionInstance {
 
     /// The macro line that instantiates it.
     pub fn source_line(&self) -> String {
-        let ty = |t: &str| if t == "bf16" { "e16_t" } else { "float" };
+        let ty = |t: &str| match t {
+            "bf16" => "e16_t",
+            "h16" => "h16_t",
+            _ => "float",
+        };
         format!(
             "ATTENTION_FAST({}, {}, {}, {}, {})\n",
             self.name(),
@@ -160,7 +166,8 @@ impl AttentionInstance {
     /// Every instance the launch wrapper may ask for.
     pub fn all() -> Vec<AttentionInstance> {
         let mut v = Vec::new();
-        for pool in ["f32", "bf16"] {
+        // h16: an f16 pool beside bf16 weights (the bf16x2 precision's f16 cache).
+        for pool in ["f32", "bf16", "h16"] {
             for out in ["f32", "bf16"] {
                 for e in [1, 4, 8] {
                     for g in 1..=8 {

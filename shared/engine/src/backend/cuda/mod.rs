@@ -145,8 +145,8 @@ fn threads_for(n: usize) -> u32 {
     (n.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
-/// A typed device buffer: f32, or bf16 as its u16 bit patterns. The paged KV pool
-/// ([`KvPool`]) and the weight matrices ([`DeviceMatrix`]) are such buffers.
+/// A typed device buffer: f32, or bf16 as its u16 bit patterns. The weight matrices
+/// ([`DeviceMatrix`]) are such buffers.
 pub enum DeviceBuf {
     F32(CudaSlice<f32>),
     /// bf16 bit patterns.
@@ -167,7 +167,36 @@ impl DeviceBuf {
 }
 
 /// The paged KV pool on the device, in the layout's element type.
-pub type KvPool = DeviceBuf;
+pub enum KvPool {
+    F32(CudaSlice<f32>),
+    /// The program's 16-bit element (bf16, or IEEE half in the f16 program): `e16_t`.
+    Bf16(CudaSlice<u16>),
+    /// IEEE half in the bf16 program: the f16 cache beside bf16 weights of the bf16x2
+    /// precision (the kernels' `h16_t`).
+    Half(CudaSlice<u16>),
+}
+
+impl KvPool {
+    pub fn len(&self) -> usize {
+        match self {
+            KvPool::F32(s) => s.len(),
+            KvPool::Bf16(s) | KvPool::Half(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The suffix of the kernels written for this pool's element (`f32`, `bf16`, `h16`).
+    pub fn kernel_suffix(&self) -> &'static str {
+        match self {
+            KvPool::F32(_) => "f32",
+            KvPool::Bf16(_) => "bf16",
+            KvPool::Half(_) => "h16",
+        }
+    }
+}
 
 /// A weight matrix `[rows, cols]` on the device, in its stored element type.
 pub type DeviceMatrix = DeviceBuf;
@@ -217,6 +246,9 @@ pub struct CudaDevice {
     /// The GEMVs of one or two rows load their first weights before the PDL wait (their
     /// `_early_` entry points; [`switches::DecodeFusion::early_weights`]).
     early_gemv_weights: bool,
+    /// The GEMVs of one or two rows ask the next GEMM's weights into L2
+    /// ([`switches::L2_PREFETCH_ENV`]).
+    l2_prefetch_next: bool,
     /// Programmatic dependent launch works here: compute capability 9.0 or later (the
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
@@ -319,6 +351,7 @@ impl CudaDevice {
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
             early_gemv_weights: false,
+            l2_prefetch_next: switches::l2_prefetch_from_env()?,
             pdl_capable,
             e16,
         })

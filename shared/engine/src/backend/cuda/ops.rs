@@ -258,6 +258,7 @@ impl CudaDevice {
             None => "qk_norm_rope_f32",
             Some((KvPool::F32(_), ..)) => "qk_norm_rope_kv_f32",
             Some((KvPool::Bf16(_), ..)) => "qk_norm_rope_kv_bf16",
+            Some((KvPool::Half(_), ..)) => "qk_norm_rope_kv_h16",
         };
         let f = self.func(name)?;
         let mut b = self.stream.launch_builder(f);
@@ -282,7 +283,7 @@ impl CudaDevice {
             ];
             match pool {
                 KvPool::F32(p) => b.arg(p),
-                KvPool::Bf16(p) => b.arg(p),
+                KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
             };
             b.arg(&maps.token_block)
                 .arg(&tail[0])
@@ -370,12 +371,13 @@ impl CudaDevice {
         let name = match pool {
             KvPool::F32(_) => "kv_write_f32",
             KvPool::Bf16(_) => "kv_write_bf16",
+            KvPool::Half(_) => "kv_write_h16",
         };
         let f = self.func(name)?;
         let mut b = self.stream.launch_builder(f);
         match pool {
             KvPool::F32(p) => b.arg(p),
-            KvPool::Bf16(p) => b.arg(p),
+            KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
         };
         b.arg(qkv)
             .arg(&args[0])

@@ -318,6 +318,7 @@ impl DeviceModel {
                     h,
                     qkv_w,
                     false,
+                    Some(&lw.o_proj),
                 )?;
             } else {
                 dev.rms_norm(
@@ -329,7 +330,15 @@ impl DeviceModel {
                     eps,
                     split,
                 )?;
-                dev.matmul_t(&ws.normed, m, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
+                dev.matmul_t_before(
+                    &ws.normed,
+                    m,
+                    h,
+                    &lw.qkv,
+                    qkv_w,
+                    &mut ws.qkv,
+                    Some(&lw.o_proj),
+                )?;
                 fold(dev, &mut ws.qkv, t * qkv_w)?;
             }
             if let Some(b) = &lw.qkv_bias {
@@ -383,7 +392,15 @@ impl DeviceModel {
                     split,
                 )?;
             }
-            dev.matmul_t(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj)?;
+            dev.matmul_t_before(
+                &ws.attn,
+                m,
+                qd,
+                &lw.o_proj,
+                h,
+                &mut ws.proj,
+                Some(&lw.gate_up),
+            )?;
             fold(dev, &mut ws.proj, t * h)?;
             if let Some(b) = &lw.o_bias {
                 dev.bias_add(&mut ws.proj, b, t)?;
@@ -401,6 +418,7 @@ impl DeviceModel {
                     h,
                     im,
                     true,
+                    Some(&lw.down),
                 )?;
             } else {
                 dev.rms_norm(
@@ -412,11 +430,22 @@ impl DeviceModel {
                     eps,
                     split,
                 )?;
-                dev.matmul_t(&ws.normed, m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
+                dev.matmul_t_before(
+                    &ws.normed,
+                    m,
+                    h,
+                    &lw.gate_up,
+                    2 * im,
+                    &mut ws.gu,
+                    Some(&lw.down),
+                )?;
                 fold(dev, &mut ws.gu, t * 2 * im)?;
                 dev.silu_mul(&mut ws.act, &ws.gu, t, im, split)?;
             }
-            dev.matmul_t(&ws.act, m, im, &lw.down, h, &mut ws.proj)?;
+            // The next layer's qkv weights (none after the last: the lm_head's 311 MB at the
+            // 0.6B shape would not fit L2).
+            let next_qkv = self.layers.get(l + 1).map(|n| &n.qkv);
+            dev.matmul_t_before(&ws.act, m, im, &lw.down, h, &mut ws.proj, next_qkv)?;
             fold(dev, &mut ws.proj, t * h)?;
         }
         if r == 0 {
@@ -445,6 +474,7 @@ impl DeviceModel {
                 h,
                 v,
                 false,
+                None,
             )?;
         } else {
             // The final norm (with its fused add of the last MLP output) and the lm_head GEMM

@@ -101,6 +101,15 @@ pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
     choice(SMALL_GEMM_ENV, &[("gemv", true), ("cublas", false)])
 }
 
+/// `TANDEM_CUDA_L2_PREFETCH`: `off` (the default: measured 2% slower at batch 1 on the H200,
+/// docs/benchmarks.md) or `on`: the GEMVs of one or two rows ask the weights of the GEMM
+/// after them into L2 while they run.
+pub const L2_PREFETCH_ENV: &str = "TANDEM_CUDA_L2_PREFETCH";
+
+pub(super) fn l2_prefetch_from_env() -> Result<bool, EngineError> {
+    choice(L2_PREFETCH_ENV, &[("off", false), ("on", true)])
+}
+
 /// `TANDEM_CUDA_DECODE_FUSION`: which decode-step fusions are on: `off` (the default: each
 /// one measured slower on the H200, docs/benchmarks.md), `on` (all), or a comma-separated
 /// list of

@@ -34,12 +34,16 @@ template <>
 struct RowRaw<e16_t, 4> {
     uint2 v;
 };
+template <>
+struct RowRaw<h16_t, 4> {
+    uint2 v;
+};
 
 // Loads elements d0 .. d0+E of the head row starting at element `base` (zero past head_dim).
 template <typename T, int E>
 __device__ __forceinline__ void load_raw(const T* pool, long long base, int d0, int head_dim, RowRaw<T, E>& out) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) out.v[e] = d0 + e < head_dim ? pool[base + d0 + e] : (T)0;
+    for (int e = 0; e < E; ++e) out.v[e] = d0 + e < head_dim ? pool[base + d0 + e] : T{};
 }
 __device__ __forceinline__ void load_raw(const e16_t* pool, long long base, int d0, int head_dim, RowRaw<e16_t, 4>& out) {
     if ((head_dim & 3) == 0 && d0 + 4 <= head_dim) {
@@ -52,6 +56,10 @@ __device__ __forceinline__ void load_raw(const e16_t* pool, long long base, int 
     }
 }
 
+__device__ __forceinline__ void load_raw(const h16_t* pool, long long base, int d0, int head_dim, RowRaw<h16_t, 4>& out) {
+    load_raw(reinterpret_cast<const e16_t*>(pool), base, d0, head_dim, *reinterpret_cast<RowRaw<e16_t, 4>*>(&out));
+}
+
 template <typename T, int E>
 __device__ __forceinline__ void unpack(const RowRaw<T, E>& r, float (&out)[E]) {
 #pragma unroll
@@ -62,6 +70,12 @@ __device__ __forceinline__ void unpack(const RowRaw<e16_t, 4>& r, float (&out)[4
     out[1] = e16_hi(r.v.x);
     out[2] = e16_lo(r.v.y);
     out[3] = e16_hi(r.v.y);
+}
+__device__ __forceinline__ void unpack(const RowRaw<h16_t, 4>& r, float (&out)[4]) {
+    out[0] = h16_to_f32((unsigned short)(r.v.x & 0xffffu));
+    out[1] = h16_to_f32((unsigned short)(r.v.x >> 16));
+    out[2] = h16_to_f32((unsigned short)(r.v.y & 0xffffu));
+    out[3] = h16_to_f32((unsigned short)(r.v.y >> 16));
 }
 
 // exp(m - M) as a merge weight, 0 for an empty state (l == 0, m == -inf).

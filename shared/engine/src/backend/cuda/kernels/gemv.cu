@@ -6,6 +6,26 @@
 // lanes' partial sums meet in a shuffle reduction. k must be a multiple of 8.
 #define GEMV_WARPS 8
 
+// The weights of the GEMM after this one asked into L2 while this kernel runs (sm_90's bulk
+// prefetch, one instruction per 32 KiB, spread over the blocks' first threads). A decode step
+// of one or two rows reads each matrix once, bound by DRAM latency rather than bandwidth, so
+// the next matrix's DRAM reads overlap this kernel and the one after reads L2 (a layer's
+// matrices, 31 MB at the 0.6B shape, fit the H200's 50 MB). `next` is null for none; it must
+// be 16-byte aligned and `bytes` a multiple of 16.
+#define L2_PREFETCH_CHUNK 32768ull
+__device__ __forceinline__ void l2_prefetch_next(const unsigned char* next, unsigned long long bytes) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    if (next == nullptr) return;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long c = blockIdx.x + (unsigned long long)gridDim.x * threadIdx.x;
+         c * L2_PREFETCH_CHUNK < bytes; c += stride) {
+        const unsigned long long off = c * L2_PREFETCH_CHUNK;
+        const unsigned int size = (unsigned int)min(L2_PREFETCH_CHUNK, bytes - off);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next + off), "r"(size) : "memory");
+    }
+#endif
+}
+
 __device__ __forceinline__ void e16x8_to_f32(const uint4 v, float (&f)[8]) {
     f[0] = e16_lo(v.x);
     f[1] = e16_hi(v.x);
@@ -64,7 +84,9 @@ __device__ __forceinline__ void gemv_column(O* out, const e16_t* x, const e16_t*
 }
 
 template <int M>
-__device__ void gemv_sync_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {
+__device__ void gemv_sync_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k,
+                                    const unsigned char* next, unsigned long long next_bytes) {
+    l2_prefetch_next(next, next_bytes);
     GRID_DEPENDENCY_SYNC();
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (col >= n) return;
@@ -152,7 +174,9 @@ __device__ __forceinline__ void gemv_accumulate(float (&acc)[M], float (&up)[M],
 // elements) loaded before the wait on the kernel before (PDL: weights never depend on it, so
 // their DRAM latency overlaps that kernel's tail), then the rest in runs of GEMV_RUN.
 template <int M>
-__device__ void gemv_early_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {
+__device__ void gemv_early_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k,
+                                     const unsigned char* next, unsigned long long next_bytes) {
+    l2_prefetch_next(next, next_bytes);
     const int lane = threadIdx.x & 31;
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int chunks = k >> 3;
@@ -174,8 +198,9 @@ __device__ void gemv_early_bf16_impl(float* out, const e16_t* x, const e16_t* w,
 // Plain GEMVs; the _early_ variants load their first weights before the PDL wait.
 #define GEMV_BF16(NAME, IMPL, M)                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        NAME(float* out, const e16_t* x, const e16_t* w, int m, int n, int k) {                         \
-        IMPL<M>(out, x, w, m, n, k);                                                                    \
+        NAME(float* out, const e16_t* x, const e16_t* w, int m, int n, int k, const unsigned char* next,  \
+             unsigned long long next_bytes) {                                                           \
+        IMPL<M>(out, x, w, m, n, k, next, next_bytes);                                                  \
     }
 
 GEMV_BF16(gemv_bf16_m1, gemv_sync_bf16_impl, 1)
@@ -186,7 +211,9 @@ GEMV_BF16(gemv_early_bf16_m2, gemv_early_bf16_impl, 2)
 // With EARLY the first weight chunks are loaded before the PDL wait (as gemv_early_bf16_impl).
 template <int M, bool SILU, bool EARLY, typename O>
 __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
-                               const float* norm_w, float eps, const e16_t* w, int m, int n, int k) {
+                               const float* norm_w, float eps, const e16_t* w, int m, int n, int k,
+                               const unsigned char* next, unsigned long long next_bytes) {
+    l2_prefetch_next(next, next_bytes);
     if (!EARLY) GRID_DEPENDENCY_SYNC();
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     e16_t* xs = reinterpret_cast<e16_t*>(gemv_smem);  // [M][k]
@@ -235,8 +262,9 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
 #define GEMV_NORM(NAME, M, SILU, EARLY, O)                                                              \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
-             const e16_t* w, int m, int n, int k) {                                                     \
-        gemv_norm_impl<M, SILU, EARLY, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k);           \
+             const e16_t* w, int m, int n, int k, const unsigned char* next, unsigned long long next_bytes) { \
+        gemv_norm_impl<M, SILU, EARLY, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next,      \
+                                          next_bytes);                                                  \
     }
 
 GEMV_NORM(gemv_norm_bf16_m1, 1, false, false, float)

@@ -35,3 +35,10 @@ extern "C" __global__ void kv_write_bf16(e16_t* pool, const float* qkv, int row_
     GRID_DEPENDENCY_SYNC();
     kv_write_impl(pool, qkv, row_stride, k_off, kvd, token_block, positions, block_size, layer, num_layers);
 }
+
+extern "C" __global__ void kv_write_h16(h16_t* pool, const float* qkv, int row_stride, int k_off, int kvd,
+                                        const int* token_block, const int* positions, int block_size,
+                                        int layer, int num_layers) {
+    GRID_DEPENDENCY_SYNC();
+    kv_write_impl(pool, qkv, row_stride, k_off, kvd, token_block, positions, block_size, layer, num_layers);
+}

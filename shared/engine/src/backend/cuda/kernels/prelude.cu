@@ -41,7 +41,26 @@ __device__ __forceinline__ float e16_lo(unsigned int v) { return __uint_as_float
 __device__ __forceinline__ float e16_hi(unsigned int v) { return __uint_as_float(v & 0xffff0000u); }
 #endif
 
+// An IEEE half element of a KV pool whatever the program's 16-bit element is: the f16 KV
+// cache beside bf16 weights (the bf16x2 mode's `kv_cache_config.dtype: float16`). A type of
+// its own, so that load_f / store_f pick the conversion by the pool's type.
+struct h16_t {
+    unsigned short bits;
+};
+__device__ __forceinline__ float h16_to_f32(unsigned short b) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+}
+
 __device__ __forceinline__ float load_f(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load_f(const h16_t* p, long long i) { return h16_to_f32(p[i].bits); }
+// Round to nearest even; beyond ±65504 the result is ±inf (f16's range).
+__device__ __forceinline__ void store_f(h16_t* p, long long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i].bits = h;
+}
 __device__ __forceinline__ float load_f(const e16_t* p, long long i) { return e16_to_f32(p[i]); }
 __device__ __forceinline__ void store_f(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_f(e16_t* p, long long i, float v) { p[i] = f32_to_e16(v); }

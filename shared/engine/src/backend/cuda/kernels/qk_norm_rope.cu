@@ -80,3 +80,4 @@ extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, 
 
 QK_NORM_ROPE_KV(qk_norm_rope_kv_f32, float)
 QK_NORM_ROPE_KV(qk_norm_rope_kv_bf16, e16_t)
+QK_NORM_ROPE_KV(qk_norm_rope_kv_h16, h16_t)
