@@ -2,7 +2,7 @@
 
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot};
 use tandem_engine::backend::cuda::ops::HeadNorms;
-use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, DecodeLaunch, KvPool, PoolShape};
+use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, DecodeLaunch, KvPool};
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 
@@ -14,16 +14,11 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
     let seqs = sequences();
     let (seq_refs, tokens) = step_tokens(&seqs);
     let t = tokens.len();
-    let RopeInputs { dinv, dqn, dkn, .. } = rope_inputs(dev, rng)?;
+    let rope_in = rope_inputs(dev, rng)?;
+    let RopeInputs { dinv, dqn, dkn, .. } = &rope_in;
     let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
     // KV write and paged attention, f32 and bf16 pools.
-    let shape = PoolShape {
-        num_blocks: 16,
-        num_layers: LAYERS,
-        block_size: BS,
-        num_kv_heads: NKV,
-        head_dim: HD,
-    };
+    let shape = POOL_SHAPE;
     let n = shape.elems();
     let qkv = rng.vec(t * ROW);
     let dqkv = dev.upload(&qkv)?;
@@ -85,15 +80,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
         // The fused q/k norm + RoPE + KV write against the two kernels it replaces, on
         // the same pool and rows: identical.
         {
-            let heads = HeadNorms {
-                nq: NQ,
-                nkv: NKV,
-                head_dim: HD,
-                inv_freq: &dinv,
-                q_norm: Some(&dqn),
-                k_norm: Some(&dkn),
-                eps: EPS,
-            };
+            let heads = rope_in.heads();
             let (mut q1, mut q2) = (dev.upload(&qkv)?, dev.upload(&qkv)?);
             let (mut p1, mut p2) = (upload_pool(&host)?, upload_pool(&host)?);
             dev.qk_norm_rope(
@@ -103,9 +90,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 NKV,
                 HD,
                 &maps,
-                &dinv,
-                Some(&dqn),
-                Some(&dkn),
+                dinv,
+                Some(dqn),
+                Some(dkn),
                 EPS,
             )?;
             dev.kv_write(&mut p1, shape, layer, &q1, ROW, NQ * HD, &maps)?;
@@ -362,9 +349,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     nq: NQ,
                     nkv: NKV,
                     head_dim: HD,
-                    inv_freq: &dinv,
-                    q_norm: Some(&dqn),
-                    k_norm: Some(&dkn),
+                    inv_freq: dinv,
+                    q_norm: Some(dqn),
+                    k_norm: Some(dkn),
                     eps: EPS,
                 };
                 let mut q_ref = dev.upload(&qkv_d)?;

@@ -3,7 +3,8 @@
 use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, rope_inv_freq};
-use tandem_engine::backend::cuda::CudaDevice;
+use tandem_engine::backend::cuda::ops::HeadNorms;
+use tandem_engine::backend::cuda::{CudaDevice, PoolShape};
 use tandem_engine::error::EngineError;
 
 /// xorshift64*: reproducible inputs without a dependency.
@@ -147,3 +148,27 @@ pub(crate) fn rope_inputs(dev: &CudaDevice, rng: &mut Rng) -> Result<RopeInputs,
         kn,
     })
 }
+
+impl RopeInputs {
+    /// The model shape's heads with these frequencies and norm weights.
+    pub(crate) fn heads(&self) -> HeadNorms<'_> {
+        HeadNorms {
+            nq: NQ,
+            nkv: NKV,
+            head_dim: HD,
+            inv_freq: &self.dinv,
+            q_norm: Some(&self.dqn),
+            k_norm: Some(&self.dkn),
+            eps: EPS,
+        }
+    }
+}
+
+/// The checks' paged pool: 16 blocks (the step's tables use ids below 16) of the model shape.
+pub(crate) const POOL_SHAPE: PoolShape = PoolShape {
+    num_blocks: 16,
+    num_layers: LAYERS,
+    block_size: BS,
+    num_kv_heads: NKV,
+    head_dim: HD,
+};

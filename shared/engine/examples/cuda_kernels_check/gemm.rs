@@ -19,8 +19,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         let dx = dev.upload(&x)?;
         let dwm = DeviceMatrix::F32(dev.upload(&wv)?);
         let mut dout = dev.zeros::<f32>(m * nn)?;
-        // The GEMVs also ask a next matrix into L2 (here their own: a hint, no result).
-        dev.matmul_t_before(&dx, m, k, &dwm, nn, &mut dout, Some(&dwm))?;
+        dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
         rep.add(
             "gemm_sgemm",
             &format!("{m}x{k}x{nn}"),
@@ -132,6 +131,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                     n,
                     true,
                     Some(&dwm),
+                    None,
                 )?;
                 (widen(&dev.download(&fused)?), widen(&dev.download(&act)?))
             } else {
@@ -149,6 +149,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                     n,
                     false,
                     Some(&dwm),
+                    None,
                 )?;
                 (dev.download(&fused)?, dev.download(&gemm)?)
             };

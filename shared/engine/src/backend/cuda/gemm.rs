@@ -4,7 +4,10 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::{check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix};
+use super::ops::HeadNorms;
+use super::{
+    check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps,
+};
 use crate::error::EngineError;
 
 impl CudaDevice {
@@ -189,6 +192,30 @@ impl CudaDevice {
 /// shared memory (block_sum's 132 bytes), which counts against the same limit.
 const NORM_GEMV_SMEM_MAX: usize = (48 << 10) - 1024;
 
+/// The q/k norms, RoPE and KV write of `qk_norm_rope_kv` run in the tail of a decode step's
+/// qkv [`CudaDevice::norm_gemv`] (`gemv_norm_rope_*`: the last block of each head does them).
+pub struct QkvRope<'a> {
+    pub heads: &'a HeadNorms<'a>,
+    pub maps: &'a TokenMaps,
+    pub pool: &'a mut KvPool,
+    pub shape: PoolShape,
+    pub layer: usize,
+    /// One zeroed counter per head at least (the scratch's `head_counters`).
+    pub counters: &'a CudaSlice<u32>,
+}
+
+impl QkvRope<'_> {
+    /// Whether a model of these heads can take it: a pool of the program's 16-bit element
+    /// (the kernel's `e16_t`), heads a whole number of GEMV blocks, a head's rotation pairs
+    /// within the block's threads, a counter per head.
+    pub fn fits(heads: &HeadNorms<'_>, pool: &KvPool, counters: usize) -> bool {
+        matches!(pool, KvPool::Bf16(_))
+            && heads.head_dim.is_multiple_of(2 * GEMV_WARPS)
+            && heads.head_dim / 2 <= GEMV_WARPS * 32
+            && heads.nq + 2 * heads.nkv <= counters
+    }
+}
+
 impl CudaDevice {
     /// Whether [`Self::norm_gemv`] takes `m` rows of `k` over weights `w`: bf16 weights, at
     /// most two rows, k a multiple of 8 whose rows fit in shared memory, the GEMV switch on.
@@ -218,6 +245,7 @@ impl CudaDevice {
         n: usize,
         silu: bool,
         next_weights: Option<&DeviceMatrix>,
+        rope: Option<QkvRope<'_>>,
     ) -> Result<(), EngineError> {
         let (DeviceMatrix::Bf16(ws), Some(rows), true) =
             (w, gemv_rows(m, k), self.norm_gemv_fits(m, k, w))
@@ -255,9 +283,39 @@ impl CudaDevice {
         }
         check_len("norm_gemv out", out.len(), m * n)?;
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
+        if let Some(r) = &rope {
+            let h = r.heads;
+            if silu
+                || !QkvRope::fits(h, r.pool, r.counters.len())
+                || n != (h.nq + 2 * h.nkv) * h.head_dim
+                || r.shape.num_kv_heads != h.nkv
+                || r.shape.head_dim != h.head_dim
+                || r.layer >= r.shape.num_layers
+            {
+                return Err(EngineError::Backend(format!(
+                    "norm_gemv with RoPE: {}+2×{} heads of {} as {n} columns{} into a pool of {} \
+                     KV heads of {}, layer {} of {}",
+                    h.nq,
+                    h.nkv,
+                    h.head_dim,
+                    if silu { " with SiLU" } else { "" },
+                    r.shape.num_kv_heads,
+                    r.shape.head_dim,
+                    r.layer,
+                    r.shape.num_layers
+                )));
+            }
+            h.check_lengths("norm_gemv with RoPE")?;
+            check_len("norm_gemv with RoPE pool", r.pool.len(), r.shape.elems())?;
+            check_len("norm_gemv with RoPE tokens", r.maps.tokens, m)?;
+        }
         let silu_part = if silu { "_silu" } else { "" };
         let early = self.gemv_variant();
-        let name = format!("gemv_norm{silu_part}{early}_bf16_m{rows}");
+        let name = if rope.is_some() {
+            format!("gemv_norm_rope_bf16_m{rows}")
+        } else {
+            format!("gemv_norm{silu_part}{early}_bf16_m{rows}")
+        };
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
@@ -281,11 +339,48 @@ impl CudaDevice {
             .arg(&ki)
             .arg(&next)
             .arg(&next_bytes);
-        // SAFETY: signature matches; every buffer's length was checked above (x, residual and
-        // x_out m·k, w (silu ? 2n : n)·k, out m·n), k is a multiple of 8 and the buffers'
-        // starts are 256-byte aligned for the 16-byte weight loads; the shared memory holds
-        // the instance's rows of k bf16; `next` is null or a live allocation of at least
-        // `next_bytes` (a multiple of 16).
+        let rope_ints;
+        if let Some(r) = rope {
+            let h = r.heads;
+            rope_ints = [
+                to_i32("nq", h.nq)?,
+                to_i32("nkv", h.nkv)?,
+                to_i32("head_dim", h.head_dim)?,
+                to_i32("block size", r.shape.block_size)?,
+                to_i32("layer", r.layer)?,
+                to_i32("layers", r.shape.num_layers)?,
+            ];
+            b.arg(&rope_ints[0])
+                .arg(&rope_ints[1])
+                .arg(&rope_ints[2])
+                .arg(&r.maps.positions)
+                .arg(h.inv_freq);
+            for nw in [h.q_norm, h.k_norm] {
+                match nw {
+                    Some(nw) => b.arg(nw),
+                    None => b.arg(&null),
+                };
+            }
+            let KvPool::Bf16(pool) = r.pool else {
+                return Err(EngineError::Backend(
+                    "norm_gemv with RoPE: the pool is not of the program's 16-bit element".into(),
+                ));
+            };
+            b.arg(pool)
+                .arg(&r.maps.token_block)
+                .arg(&rope_ints[3])
+                .arg(&rope_ints[4])
+                .arg(&rope_ints[5])
+                .arg(r.counters);
+        }
+        // SAFETY: signature matches (the RoPE arguments only for gemv_norm_rope_*); every
+        // buffer's length was checked above (x, residual and x_out m·k, w (silu ? 2n : n)·k,
+        // out m·n), k is a multiple of 8 and the buffers' starts are 256-byte aligned for the
+        // 16-byte weight loads; the shared memory holds the instance's rows of k bf16; `next`
+        // is null or a live allocation of at least `next_bytes` (a multiple of 16). With RoPE:
+        // the pool holds the whole shape, the block ids come from tables the caller validated
+        // against `shape.num_blocks`, there is a zeroed counter per head, and n is a multiple
+        // of GEMV_WARPS (head_dim is), so every warp of a head's blocks has a column.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_norm"))?;
         Ok(())
     }

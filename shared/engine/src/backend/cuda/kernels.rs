@@ -90,6 +90,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_norm_early_bf16_m2",
     "gemv_norm_silu_early_bf16_m1",
     "gemv_norm_silu_early_bf16_m2",
+    "gemv_norm_rope_bf16_m1",
+    "gemv_norm_rope_bf16_m2",
 ];
 
 /// What the program's 16-bit element (`e16_t`: weights, GEMM inputs, a 16-bit KV pool) is.

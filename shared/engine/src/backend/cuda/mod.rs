@@ -37,6 +37,7 @@ mod weights;
 
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
+pub use gemm::QkvRope;
 pub use graphs::GraphStats;
 pub use profile::LaunchTime;
 pub use token_maps::{DevAddr, DeviceList, TokenMaps};

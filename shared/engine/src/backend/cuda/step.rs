@@ -8,7 +8,9 @@ use cudarc::driver::CudaSlice;
 use super::ops::{ArgmaxScratch, HeadNorms};
 use super::sampling::SamplingInputs;
 use super::switches::DecodeFusion;
-use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps};
+use super::{
+    AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, QkvRope, TokenMaps,
+};
 use crate::backend::{LogitsMode, SeqInput};
 use crate::error::EngineError;
 use crate::model::config::ModelConfig;
@@ -305,7 +307,30 @@ impl DeviceModel {
             let fused = !split
                 && dev.norm_gemv_fits(t, h, &lw.qkv)
                 && dev.norm_gemv_fits(t, h, &lw.gate_up);
+            let heads = HeadNorms {
+                nq,
+                nkv,
+                head_dim: hd,
+                inv_freq: &self.inv_freq,
+                q_norm: lw.q_norm.as_ref(),
+                k_norm: lw.k_norm.as_ref(),
+                eps,
+            };
+            // The q/k norms, RoPE and KV write in the tail of the qkv GEMV.
+            let rope_in_gemv = fused
+                && !rope_in_attention
+                && self.decode_fusion.qkv_rope
+                && lw.qkv_bias.is_none()
+                && QkvRope::fits(&heads, &self.pool, self.scratch.head_counters.len());
             if fused {
+                let rope = rope_in_gemv.then_some(QkvRope {
+                    heads: &heads,
+                    maps: &inputs.maps,
+                    pool: &mut self.pool,
+                    shape: self.shape,
+                    layer: l,
+                    counters: &self.scratch.head_counters,
+                });
                 dev.norm_gemv(
                     &mut ws.qkv,
                     &ws.x,
@@ -319,6 +344,7 @@ impl DeviceModel {
                     qkv_w,
                     false,
                     Some(&lw.o_proj),
+                    rope,
                 )?;
             } else {
                 dev.rms_norm(
@@ -344,16 +370,6 @@ impl DeviceModel {
             if let Some(b) = &lw.qkv_bias {
                 dev.bias_add(&mut ws.qkv, b, t)?;
             }
-            // RoPE'd K and V into the pool in the same launch.
-            let heads = HeadNorms {
-                nq,
-                nkv,
-                head_dim: hd,
-                inv_freq: &self.inv_freq,
-                q_norm: lw.q_norm.as_ref(),
-                k_norm: lw.k_norm.as_ref(),
-                eps,
-            };
             if rope_in_attention {
                 dev.attention_decode_rope(
                     &mut ws.attn,
@@ -369,15 +385,18 @@ impl DeviceModel {
                     None,
                 )?;
             } else {
-                dev.qk_norm_rope_kv(
-                    &mut ws.qkv,
-                    qkv_w,
-                    &heads,
-                    &inputs.maps,
-                    &mut self.pool,
-                    self.shape,
-                    l,
-                )?;
+                if !rope_in_gemv {
+                    // RoPE'd K and V into the pool in the same launch.
+                    dev.qk_norm_rope_kv(
+                        &mut ws.qkv,
+                        qkv_w,
+                        &heads,
+                        &inputs.maps,
+                        &mut self.pool,
+                        self.shape,
+                        l,
+                    )?;
+                }
                 dev.attention(
                     &mut ws.attn,
                     &ws.qkv,
@@ -419,6 +438,7 @@ impl DeviceModel {
                     im,
                     true,
                     Some(&lw.down),
+                    None,
                 )?;
             } else {
                 dev.rms_norm(
@@ -474,6 +494,7 @@ impl DeviceModel {
                 h,
                 v,
                 false,
+                None,
                 None,
             )?;
         } else {

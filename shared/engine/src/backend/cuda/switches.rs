@@ -119,7 +119,10 @@ pub(super) fn l2_prefetch_from_env() -> Result<bool, EngineError> {
 ///   RMSNorm rides in the lm_head GEMV (no row gathers, no separate norm: three launches
 ///   fewer);
 /// - `early-weights`: the GEMVs of one or two rows load their first weights before waiting on
-///   the kernel before them (programmatic launch), overlapping its tail.
+///   the kernel before them (programmatic launch), overlapping its tail;
+/// - `qkv-rope`: in steps of one or two rows, the q/k norms, RoPE and KV write ride in the
+///   tail of the qkv GEMV (the last block of each head does them: one launch per layer
+///   fewer).
 pub const DECODE_FUSION_ENV: &str = "TANDEM_CUDA_DECODE_FUSION";
 
 /// The fusions of [`DECODE_FUSION_ENV`].
@@ -128,10 +131,12 @@ pub struct DecodeFusion {
     pub rope: bool,
     pub final_norm: bool,
     pub early_weights: bool,
+    pub qkv_rope: bool,
 }
 
 impl DecodeFusion {
-    /// `off`, `on`, or a comma-separated list of `rope`, `final-norm`, `early-weights`.
+    /// `off`, `on`, or a comma-separated list of `rope`, `final-norm`, `early-weights`,
+    /// `qkv-rope`.
     pub fn parse(v: &str) -> Result<Self, EngineError> {
         match v {
             "off" => return Ok(DecodeFusion::default()),
@@ -140,6 +145,7 @@ impl DecodeFusion {
                     rope: true,
                     final_norm: true,
                     early_weights: true,
+                    qkv_rope: true,
                 })
             }
             _ => {}
@@ -150,10 +156,12 @@ impl DecodeFusion {
                 "rope" => f.rope = true,
                 "final-norm" => f.final_norm = true,
                 "early-weights" => f.early_weights = true,
+                "qkv-rope" => f.qkv_rope = true,
                 other => {
                     return Err(EngineError::InvalidInput(format!(
                         "{DECODE_FUSION_ENV} must be `off`, `on` or a comma-separated list of \
-                         `rope`, `final-norm`, `early-weights`, not `{other}` (in `{v}`)"
+                         `rope`, `final-norm`, `early-weights`, `qkv-rope`, not `{other}` (in \
+                         `{v}`)"
                     )))
                 }
             }
@@ -199,7 +207,9 @@ mod tests {
     fn decode_fusion_takes_off_on_or_a_list_and_names_a_bad_part() {
         assert_eq!(DecodeFusion::parse("off").unwrap(), DecodeFusion::default());
         let all = DecodeFusion::parse("on").unwrap();
-        assert!(all.rope && all.final_norm && all.early_weights);
+        assert!(all.rope && all.final_norm && all.early_weights && all.qkv_rope);
+        let q = DecodeFusion::parse("qkv-rope").unwrap();
+        assert!(q.qkv_rope && !q.rope && !q.final_norm && !q.early_weights);
         let two = DecodeFusion::parse("rope, early-weights").unwrap();
         assert!(two.rope && !two.final_norm && two.early_weights);
         let e = DecodeFusion::parse("rope,fast").unwrap_err().to_string();

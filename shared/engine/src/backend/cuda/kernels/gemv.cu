@@ -259,6 +259,53 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
     }
 }
 
+// The qkv GEMV of a decode step of one or two rows with the q/k norms, RoPE and the KV write
+// of qk_norm_rope.cu in its tail: the blocks of one head (head_dim / GEMV_WARPS of them; n a
+// multiple of GEMV_WARPS, so every warp has a column) count themselves in `counters[head]`
+// once their columns are stored and fenced, and the last one runs qk_norm_rope_head on the
+// head for each row (and resets the counter for the next launch). One launch per layer fewer
+// than the GEMV and qk_norm_rope_kv apart.
+template <int M>
+__device__ void gemv_norm_rope_impl(float* out, const float* x, const float* residual, float* x_out,
+                                    const float* norm_w, float eps, const e16_t* w, int m, int n, int k,
+                                    const unsigned char* next, unsigned long long next_bytes, int nq, int nkv,
+                                    int head_dim, const int* positions, const float* inv_freq, const float* q_norm,
+                                    const float* k_norm, e16_t* pool, const int* token_block, int block_size,
+                                    int layer, int num_layers, unsigned int* counters) {
+    gemv_norm_impl<M, false, false, float>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes);
+    __shared__ bool last;
+    const unsigned int blocks_per_head = (unsigned int)(head_dim / GEMV_WARPS);
+    const int head = blockIdx.x / blocks_per_head;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counters + head, 1u) == blocks_per_head - 1;
+        if (last) counters[head] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int r = 0; r < m; ++r) {
+        qk_norm_rope_head<e16_t>(r, head, out, n, nq, nkv, head_dim, positions, inv_freq, q_norm, k_norm, eps, pool,
+                                 token_block, block_size, layer, num_layers);
+    }
+}
+
+#define GEMV_NORM_ROPE(NAME, M)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
+        NAME(float* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
+             const e16_t* w, int m, int n, int k, const unsigned char* next, unsigned long long next_bytes, \
+             int nq, int nkv, int head_dim, const int* positions, const float* inv_freq, const float* q_norm, \
+             const float* k_norm, e16_t* pool, const int* token_block, int block_size, int layer,        \
+             int num_layers, unsigned int* counters) {                                                   \
+        gemv_norm_rope_impl<M>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes, nq, nkv, \
+                               head_dim, positions, inv_freq, q_norm, k_norm, pool, token_block,         \
+                               block_size, layer, num_layers, counters);                                \
+    }
+
+GEMV_NORM_ROPE(gemv_norm_rope_bf16_m1, 1)
+GEMV_NORM_ROPE(gemv_norm_rope_bf16_m2, 2)
+
 #define GEMV_NORM(NAME, M, SILU, EARLY, O)                                                              \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \

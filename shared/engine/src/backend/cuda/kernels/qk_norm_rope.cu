@@ -6,12 +6,14 @@
 // stored into the paged pool (kv_write.cu's address function): the KV write in the same
 // launch. Grid (tokens, nq + nkv, or nq + 2 * nkv with a pool); blockDim.x = head_dim/2
 // rounded up to a multiple of 32.
+// Head h of token t, by the calling block (threads j < head_dim / 2 each rotate a pair; every
+// thread of the block must call it: the norm is a block reduction). The head is read through
+// L2 (`__ldcg`): the fused qkv GEMV calls this on values other blocks of its grid wrote.
 template <typename T>
-__device__ void qk_norm_rope_impl(float* qkv, int row_stride, int nq, int nkv, int head_dim, const int* positions,
-                                  const float* inv_freq, const float* q_norm, const float* k_norm, float eps,
-                                  T* pool, const int* token_block, int block_size, int layer, int num_layers) {
-    const int t = blockIdx.x;
-    const int h = blockIdx.y;
+__device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int nq, int nkv, int head_dim,
+                                  const int* positions, const float* inv_freq, const float* q_norm,
+                                  const float* k_norm, float eps, T* pool, const int* token_block, int block_size,
+                                  int layer, int num_layers) {
     const int half = head_dim / 2;
     float* v = qkv + (long long)t * row_stride + (long long)h * head_dim;
     const int j = threadIdx.x;
@@ -29,13 +31,13 @@ __device__ void qk_norm_rope_impl(float* qkv, int row_stride, int nq, int nkv, i
     }
     if (at >= 0 && h >= nq + nkv) {  // a v head (uniform over the block): stored as is
         if (active) {
-            store_f(pool, at + j, v[j]);
-            store_f(pool, at + j + half, v[j + half]);
+            store_f(pool, at + j, __ldcg(v + j));
+            store_f(pool, at + j + half, __ldcg(v + j + half));
         }
         return;
     }
-    float a = active ? v[j] : 0.0f;
-    float b = active ? v[j + half] : 0.0f;
+    float a = active ? __ldcg(v + j) : 0.0f;
+    float b = active ? __ldcg(v + j + half) : 0.0f;
     const float* nw = h < nq ? q_norm : k_norm;
     if (nw != nullptr) {  // uniform over the block
         const float ss = block_sum(a * a + b * b);
@@ -58,6 +60,14 @@ __device__ void qk_norm_rope_impl(float* qkv, int row_stride, int nq, int nkv, i
             store_f(pool, at + j + half, y);
         }
     }
+}
+
+template <typename T>
+__device__ void qk_norm_rope_impl(float* qkv, int row_stride, int nq, int nkv, int head_dim, const int* positions,
+                                  const float* inv_freq, const float* q_norm, const float* k_norm, float eps,
+                                  T* pool, const int* token_block, int block_size, int layer, int num_layers) {
+    qk_norm_rope_head<T>(blockIdx.x, blockIdx.y, qkv, row_stride, nq, nkv, head_dim, positions, inv_freq, q_norm,
+                         k_norm, eps, pool, token_block, block_size, layer, num_layers);
 }
 
 extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, int head_dim,

@@ -1,0 +1,109 @@
+//! The qkv GEMV with the q/k norms, RoPE and KV write in its tail (`gemv_norm_rope_*`,
+//! `TANDEM_CUDA_DECODE_FUSION=qkv-rope`) against the two launches it replaces.
+
+use tandem_engine::backend::cpu_ops::bf16_to_f32;
+use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, KvPool, QkvRope};
+use tandem_engine::error::EngineError;
+
+use super::common::*;
+
+/// One and two decode rows (the last token of the first sequences), each launched twice so
+/// the second launch runs on the counters the first reset: the rows and the pool equal
+/// `norm_gemv` followed by `qk_norm_rope_kv` exactly (the same arithmetic in each).
+pub(crate) fn qkv_rope(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    let seqs = sequences();
+    let (seq_refs, _) = step_tokens(&seqs);
+    let rope_in = rope_inputs(dev, rng)?;
+    let heads = rope_in.heads();
+    let shape = POOL_SHAPE;
+    let layer = 1;
+    let w: Vec<u16> = rng.vec(ROW * HIDDEN).into_iter().map(bf16).collect();
+    let dw = DeviceMatrix::Bf16(dev.upload(&w)?);
+    let nw = dev.upload(&rng.vec(HIDDEN))?;
+    let counters = dev.zeros::<u32>(NQ + 2 * NKV)?;
+    let download = |dev: &CudaDevice, p: &KvPool| -> Result<Vec<f32>, EngineError> {
+        match p {
+            KvPool::Bf16(p) => Ok(dev.download(p)?.into_iter().map(bf16_to_f32).collect()),
+            _ => Err(EngineError::Backend("qkv_rope check: a bf16 pool".into())),
+        }
+    };
+    for rows in [1, 2] {
+        let last: Vec<SeqRef<'_>> = seq_refs
+            .iter()
+            .take(rows)
+            .map(|(tb, r)| (*tb, r.end - 1..r.end))
+            .collect();
+        let maps = dev.token_maps(&last, BS, usize::MAX)?;
+        let x = dev.upload(&rng.vec(rows * HIDDEN))?;
+        let res = dev.upload(&rng.vec(rows * HIDDEN))?;
+        let mut x_out = dev.zeros::<f32>(rows * HIDDEN)?;
+        // The separate launches.
+        let mut want = dev.zeros::<f32>(rows * ROW)?;
+        let mut want_pool = KvPool::Bf16(dev.zeros(shape.elems())?);
+        dev.norm_gemv(
+            &mut want,
+            &x,
+            Some(&res),
+            &mut x_out,
+            &nw,
+            EPS,
+            &dw,
+            rows,
+            HIDDEN,
+            ROW,
+            false,
+            None,
+            None,
+        )?;
+        dev.qk_norm_rope_kv(&mut want, ROW, &heads, &maps, &mut want_pool, shape, layer)?;
+        let (want, want_pool) = (dev.download(&want)?, download(dev, &want_pool)?);
+        for launch in ["first launch", "second launch"] {
+            let mut got = dev.zeros::<f32>(rows * ROW)?;
+            let mut pool = KvPool::Bf16(dev.zeros(shape.elems())?);
+            let rope = QkvRope {
+                heads: &heads,
+                maps: &maps,
+                pool: &mut pool,
+                shape,
+                layer,
+                counters: &counters,
+            };
+            dev.norm_gemv(
+                &mut got,
+                &x,
+                Some(&res),
+                &mut x_out,
+                &nw,
+                EPS,
+                &dw,
+                rows,
+                HIDDEN,
+                ROW,
+                false,
+                None,
+                Some(rope),
+            )?;
+            let case = format!("{rows} rows, {launch}");
+            rep.add("gemv_norm_rope", &case, &dev.download(&got)?, &want, 0.0);
+            rep.add(
+                "gemv_norm_rope",
+                &format!("{case}, pool"),
+                &download(dev, &pool)?,
+                &want_pool,
+                0.0,
+            );
+        }
+        rep.add(
+            "gemv_norm_rope",
+            &format!("{rows} rows, counters reset"),
+            &dev.download(&counters)?
+                .into_iter()
+                .map(|c| c as f32)
+                .collect::<Vec<_>>(),
+            &[0.0; NQ + 2 * NKV],
+            0.0,
+        );
+    }
+    Ok(())
+}
