@@ -13,6 +13,7 @@
 #              router enforcing disaggregation
 #   f16        the agg and disagg topologies again with --cuda-precision f16 (f16 weights,
 #              GEMM inputs and KV cache: the f16 blocks cross the transport too)
+#   bf16x2_f16kv  disagg with --cuda-precision bf16x2 and an f16 KV cache beside bf16 weights
 # Usage: serve_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
 set -uo pipefail
 BIN=$1
@@ -123,6 +124,18 @@ load disagg_f16 --num-requests 64 --concurrency 16 --isl uniform:256:1024 --osl 
 stop
 f16_mode disagg_f16 || { echo "disagg_f16: no worker reported mode=F16"; rc=1; }
 case_result f16 $rc
+
+# bf16x2_f16kv: bf16 weights, split GEMM inputs and an f16 KV cache (the bf16 program's h16
+# pool), disaggregated: its f16 blocks cross the transport between two such workers.
+kv_f16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -c 'CUDA backend ready.*mode=Bf16Split.*kv_dtype=f16' > /dev/null; }
+up bf16x2_f16kv --topology disagg --kv-transport tcp --router-arg=--enforce-disagg \
+    --worker-arg=--cuda-precision --worker-arg=bf16x2 \
+    --worker-arg=--override-engine-args --worker-arg='{"kv_cache_config":{"dtype":"float16"}}'
+load bf16x2_f16kv --num-requests 32 --concurrency 8 --isl uniform:256:1024 --osl 32 --vocab-hi 150000
+rc=$?
+stop
+kv_f16_mode bf16x2_f16kv || { echo "bf16x2_f16kv: no worker reported mode=Bf16Split with kv_dtype=f16"; rc=1; }
+case_result bf16x2_f16kv $rc
 
 echo "serve_check: $fails case(s) failed"
 [ "$fails" -eq 0 ]

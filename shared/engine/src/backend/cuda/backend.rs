@@ -273,6 +273,7 @@ impl CudaBackend {
             device = dev.name(),
             arch = dev.arch(),
             ?mode,
+            kv_dtype = %layout.dtype,
             num_blocks,
             pool_gib = (num_blocks * per_block) as f64 / (1u64 << 30) as f64,
             "CUDA backend ready"
