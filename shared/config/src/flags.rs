@@ -74,7 +74,9 @@ pub static FLAGS: &[FlagSpec] = &[
         "CUDA backend: GEMM inputs in bf16 (fast), bf16x2 (each input split into two bf16 \
          terms: near-f32 activations for twice the GEMM FLOPs, the weights still bf16 and read \
          once per step), or f16 (weights converted from bf16, exactly above ~1e-5, GEMM inputs and KV \
-         cache in IEEE half: bf16's speed with 8x finer rounding, values limited to +-65504).")
+         cache in IEEE half: bf16's speed with 8x finer rounding, values limited to +-65504). \
+         kv_cache_config.dtype auto picks the precision's own 16-bit cache; float32 goes with \
+         every precision, float16 also with bf16x2 (an f16 cache beside bf16 weights).")
         .env("DYN_TRTLLM_CUDA_PRECISION").default("bf16"),
     FlagSpec::new("model-loader-extra-config", Str, ModelLoading,
         "JSON object passed as extra configuration to the model loader.")

@@ -1,7 +1,7 @@
 //! The async engine API used by workers and the simulator.
 //!
-//! [`Engine::start`] moves a backend onto a dedicated OS thread (the compute loop, see
-//! [`core`]) and returns a cloneable [`EngineHandle`]. The handle talks to the thread over a
+//! [`Engine::start`] moves a backend onto a dedicated OS thread (the compute loop of the
+//! private `engine::core` module) and returns a cloneable [`EngineHandle`]. The handle talks to the thread over a
 //! channel; each request's outputs come back on its own [`RequestStream`]. When idle, the
 //! thread blocks on its command channel (no spinning); it ends when every handle and stream is
 //! dropped, or on [`EngineHandle::shutdown`].
