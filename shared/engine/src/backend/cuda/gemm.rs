@@ -26,7 +26,7 @@ impl CudaDevice {
     }
 
     /// [`Self::matmul_t`] before the GEMM over `next_weights`: a GEMV of one or two rows asks
-    /// those weights into L2 while it runs (see [`Self::l2_next`]).
+    /// those weights into L2 while it runs (`TANDEM_CUDA_L2_PREFETCH`).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_t_before<X: DeviceElem>(
         &self,
