@@ -7,11 +7,12 @@
 #define GEMV_WARPS 8
 
 // The weights of the GEMM after this one asked into L2 while this kernel runs (sm_90's bulk
-// prefetch, one instruction per 32 KiB, spread over the blocks' first threads). A decode step
-// of one or two rows reads each matrix once, bound by DRAM latency rather than bandwidth, so
-// the next matrix's DRAM reads overlap this kernel and the one after reads L2 (a layer's
-// matrices, 31 MB at the 0.6B shape, fit the H200's 50 MB). `next` is null for none; it must
-// be 16-byte aligned and `bytes` a multiple of 16.
+// prefetch, one instruction per 32 KiB, spread over the blocks' first threads), so that the
+// next GEMV would read L2 (a layer's matrices, 31 MB at the 0.6B shape, fit the H200's 50 MB).
+// Off by default (TANDEM_CUDA_L2_PREFETCH): on the H200 it made batch 1 2% slower, since each
+// GEMV already has its whole matrix in flight at once and waits on the first bytes' latency,
+// which the prefetches' competing reads lengthen. `next` is null for none; it must be 16-byte
+// aligned and `bytes` a multiple of 16.
 #define L2_PREFETCH_CHUNK 32768ull
 __device__ __forceinline__ void l2_prefetch_next(const unsigned char* next, unsigned long long bytes) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
