@@ -12,7 +12,8 @@
 //! from step to step (grown when a step is larger than any before).
 
 use super::graphs::{run_step, GraphCache, GraphStats};
-use super::kernels::Float16;
+pub use super::precision::ComputeMode;
+use super::precision::PoolElem;
 use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Workspace};
 use super::switches::{
     decode_fusion_from_env, decode_tc_min, pdl_from_env, tiled_prefill_attention, DecodeFusion,
@@ -26,44 +27,6 @@ use crate::model::config::ModelConfig;
 use crate::model::decoder::DecoderWeights;
 use crate::model::LoadedModel;
 use crate::sampler::SamplePlan;
-
-/// The element type of weights and GEMM inputs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ComputeMode {
-    /// f32 weights and GEMMs: for exact comparisons with the CPU backend.
-    F32,
-    /// bf16 weights and GEMM inputs, f32 accumulation: the fast serving mode.
-    Bf16,
-    /// bf16 weights; each GEMM input split into two bf16 terms (hi = bf16(x), lo =
-    /// bf16(x - hi)) stacked as twice the rows of one GEMM whose output halves are then
-    /// added, so activations keep ~16 bits of mantissa: near-f32 results with the weights
-    /// resident (and read once) in bf16, for twice the GEMM FLOPs.
-    Bf16Split,
-    /// IEEE half weights (converted from bf16 exactly for |w| ≥ 2⁻¹⁷ ≈ 7.6e-6: every bf16
-    /// value in f16's normal range and its top subnormals is representable; smaller ones keep
-    /// f16's subnormal resolution), GEMM inputs and KV pool, f32 accumulation: bf16's speed with 3 more
-    /// mantissa bits (8× finer rounding) for activations and KV, but a range of ±65,504 for
-    /// them (a weight beyond it is an error at load; an activation beyond it becomes inf).
-    F16,
-}
-
-impl ComputeMode {
-    /// The 16-bit element of the device program this mode needs.
-    pub fn float16(self) -> Float16 {
-        match self {
-            ComputeMode::F16 => Float16::F16,
-            ComputeMode::F32 | ComputeMode::Bf16 | ComputeMode::Bf16Split => Float16::Bf16,
-        }
-    }
-
-    /// The KV pool element a 16-bit pool must have in this mode (the program's own).
-    pub fn kv_dtype16(self) -> KvDtype {
-        match self.float16() {
-            Float16::Bf16 => KvDtype::Bf16,
-            Float16::F16 => KvDtype::F16,
-        }
-    }
-}
 
 /// How many KV blocks the pool gets.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -154,26 +117,7 @@ impl CudaBackend {
                 dev.float16().name()
             )));
         }
-        // The bf16x2 precision also keeps an f16 cache beside its bf16 weights.
-        let half_beside_bf16 = mode == ComputeMode::Bf16Split && opts.kv_dtype == KvDtype::F16;
-        if !matches!(opts.kv_dtype, KvDtype::F32)
-            && opts.kv_dtype != mode.kv_dtype16()
-            && !half_beside_bf16
-        {
-            return Err(EngineError::Config(format!(
-                "a {} KV cache does not go with the CUDA {} precision (its 16-bit pool is {}; \
-                 kv_cache_config.dtype auto picks it, float32 works in every mode, float16 \
-                 also with bf16x2)",
-                opts.kv_dtype,
-                match mode {
-                    ComputeMode::F32 => "f32",
-                    ComputeMode::Bf16 => "bf16",
-                    ComputeMode::Bf16Split => "bf16x2",
-                    ComputeMode::F16 => "f16",
-                },
-                mode.kv_dtype16()
-            )));
-        }
+        let pool_elem = PoolElem::of(mode, opts.kv_dtype)?;
         let DeviceWeights {
             layers,
             embed,
@@ -209,13 +153,8 @@ impl CudaBackend {
             ComputeMode::F32 => "f32",
             ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => "bf16",
         };
-        let pool16 = opts.kv_dtype != KvDtype::F32;
-        let pool_suffix = match opts.kv_dtype {
-            KvDtype::F32 => "f32",
-            KvDtype::F16 if half_beside_bf16 => "h16",
-            KvDtype::Bf16 | KvDtype::F16 => "bf16",
-        };
-        dev.preload_attention(pool_suffix, out, config.head_dim, group)?;
+        let pool16 = pool_elem != PoolElem::F32;
+        dev.preload_attention(pool_elem.kernel_suffix(), out, config.head_dim, group)?;
         let mut inputs = StepInputs::new(&dev)?;
         // Prefill chunks on tensor cores in the bf16 and f16 modes; the f32 and split modes
         // keep the exact attention for their comparisons.
@@ -263,11 +202,10 @@ impl CudaBackend {
             num_kv_heads: layout.num_kv_heads,
             head_dim: layout.head_dim,
         };
-        let pool = match layout.dtype {
-            KvDtype::F32 => KvPool::F32(dev.zeros(shape.elems())?),
-            KvDtype::F16 if half_beside_bf16 => KvPool::Half(dev.zeros(shape.elems())?),
-            // The program's 16-bit element (checked above).
-            KvDtype::Bf16 | KvDtype::F16 => KvPool::Bf16(dev.zeros(shape.elems())?),
+        let pool = match pool_elem {
+            PoolElem::F32 => KvPool::F32(dev.zeros(shape.elems())?),
+            PoolElem::Own16 => KvPool::Bf16(dev.zeros(shape.elems())?),
+            PoolElem::HalfBesideBf16 => KvPool::Half(dev.zeros(shape.elems())?),
         };
         tracing::info!(
             device = dev.name(),
@@ -579,15 +517,5 @@ mod tests {
             e.contains("1 of the step's 2 rows") && e.contains("--cuda-precision bf16"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn each_mode_names_its_program_and_pool() {
-        assert_eq!(ComputeMode::F16.float16(), Float16::F16);
-        assert_eq!(ComputeMode::F16.kv_dtype16(), KvDtype::F16);
-        for m in [ComputeMode::F32, ComputeMode::Bf16, ComputeMode::Bf16Split] {
-            assert_eq!(m.float16(), Float16::Bf16);
-            assert_eq!(m.kv_dtype16(), KvDtype::Bf16);
-        }
     }
 }

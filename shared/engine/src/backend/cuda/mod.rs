@@ -28,6 +28,7 @@ mod gemm;
 mod graphs;
 pub mod kernels;
 pub mod ops;
+mod precision;
 mod profile;
 pub mod sampling;
 mod step;
