@@ -1,6 +1,7 @@
 //! The qkv GEMV with the q/k norms, RoPE and KV write in its tail (`gemv_norm_rope_*`,
 //! `TANDEM_CUDA_DECODE_FUSION=qkv-rope`) against the two launches it replaces.
 
+use cudarc::driver::CudaSlice;
 use tandem_engine::backend::cpu_ops::bf16_to_f32;
 use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, KvPool, QkvRope};
 use tandem_engine::error::EngineError;
@@ -38,24 +39,28 @@ pub(crate) fn qkv_rope(cx: &mut Ctx) -> Result<(), EngineError> {
         let x = dev.upload(&rng.vec(rows * HIDDEN))?;
         let res = dev.upload(&rng.vec(rows * HIDDEN))?;
         let mut x_out = dev.zeros::<f32>(rows * HIDDEN)?;
+        // The qkv GEMV over these rows, with or without the RoPE tail.
+        let mut qkv_gemv = |out: &mut CudaSlice<f32>, rope: Option<QkvRope<'_>>| {
+            dev.norm_gemv(
+                out,
+                &x,
+                Some(&res),
+                &mut x_out,
+                &nw,
+                EPS,
+                &dw,
+                rows,
+                HIDDEN,
+                ROW,
+                false,
+                None,
+                rope,
+            )
+        };
         // The separate launches.
         let mut want = dev.zeros::<f32>(rows * ROW)?;
         let mut want_pool = KvPool::Bf16(dev.zeros(shape.elems())?);
-        dev.norm_gemv(
-            &mut want,
-            &x,
-            Some(&res),
-            &mut x_out,
-            &nw,
-            EPS,
-            &dw,
-            rows,
-            HIDDEN,
-            ROW,
-            false,
-            None,
-            None,
-        )?;
+        qkv_gemv(&mut want, None)?;
         dev.qk_norm_rope_kv(&mut want, ROW, &heads, &maps, &mut want_pool, shape, layer)?;
         let (want, want_pool) = (dev.download(&want)?, download(dev, &want_pool)?);
         for launch in ["first launch", "second launch"] {
@@ -69,21 +74,7 @@ pub(crate) fn qkv_rope(cx: &mut Ctx) -> Result<(), EngineError> {
                 layer,
                 counters: &counters,
             };
-            dev.norm_gemv(
-                &mut got,
-                &x,
-                Some(&res),
-                &mut x_out,
-                &nw,
-                EPS,
-                &dw,
-                rows,
-                HIDDEN,
-                ROW,
-                false,
-                None,
-                Some(rope),
-            )?;
+            qkv_gemv(&mut got, Some(rope))?;
             let case = format!("{rows} rows, {launch}");
             rep.add("gemv_norm_rope", &case, &dev.download(&got)?, &want, 0.0);
             rep.add(

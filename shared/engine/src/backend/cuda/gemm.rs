@@ -285,28 +285,21 @@ impl CudaDevice {
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
         if let Some(r) = &rope {
             let h = r.heads;
+            // Every column a head's (blocks map to heads by column), no SiLU, a fitting pool.
             if silu
                 || !QkvRope::fits(h, r.pool, r.counters.len())
                 || n != (h.nq + 2 * h.nkv) * h.head_dim
-                || r.shape.num_kv_heads != h.nkv
-                || r.shape.head_dim != h.head_dim
-                || r.layer >= r.shape.num_layers
             {
                 return Err(EngineError::Backend(format!(
-                    "norm_gemv with RoPE: {}+2×{} heads of {} as {n} columns{} into a pool of {} \
-                     KV heads of {}, layer {} of {}",
+                    "norm_gemv with RoPE: {}+2×{} heads of {} as {n} columns{}",
                     h.nq,
                     h.nkv,
                     h.head_dim,
                     if silu { " with SiLU" } else { "" },
-                    r.shape.num_kv_heads,
-                    r.shape.head_dim,
-                    r.layer,
-                    r.shape.num_layers
                 )));
             }
+            h.check_pool("norm_gemv with RoPE", n, r.pool, r.shape, r.layer)?;
             h.check_lengths("norm_gemv with RoPE")?;
-            check_len("norm_gemv with RoPE pool", r.pool.len(), r.shape.elems())?;
             check_len("norm_gemv with RoPE tokens", r.maps.tokens, m)?;
         }
         let silu_part = if silu { "_silu" } else { "" };

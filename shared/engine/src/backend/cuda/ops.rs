@@ -39,6 +39,36 @@ impl HeadNorms<'_> {
         }
         Ok(())
     }
+
+    /// These heads fit rows of `row_stride` and write into `pool` of `shape` at `layer`
+    /// (its KV heads and head size theirs, the layer in it, the pool the shape's size);
+    /// `kernel` names the launch in the error.
+    pub(super) fn check_pool(
+        &self,
+        kernel: &str,
+        row_stride: usize,
+        pool: &KvPool,
+        shape: PoolShape,
+        layer: usize,
+    ) -> Result<(), EngineError> {
+        if shape.num_kv_heads != self.nkv
+            || shape.head_dim != self.head_dim
+            || layer >= shape.num_layers
+            || (self.nq + 2 * self.nkv) * self.head_dim > row_stride
+        {
+            return Err(bad(format!(
+                "{kernel}: {}+2×{} heads of {} over row stride {row_stride} into a pool of {} KV \
+                 heads of {}, layer {layer} of {}",
+                self.nq,
+                self.nkv,
+                self.head_dim,
+                shape.num_kv_heads,
+                shape.head_dim,
+                shape.num_layers
+            )));
+        }
+        check_len(&format!("{kernel} pool"), pool.len(), shape.elems())
+    }
 }
 
 impl CudaDevice {
@@ -189,23 +219,7 @@ impl CudaDevice {
         shape: PoolShape,
         layer: usize,
     ) -> Result<(), EngineError> {
-        if shape.num_kv_heads != heads.nkv
-            || shape.head_dim != heads.head_dim
-            || layer >= shape.num_layers
-            || (heads.nq + 2 * heads.nkv) * heads.head_dim > row_stride
-        {
-            return Err(bad(format!(
-                "qk_norm_rope_kv: {}+2×{} heads of {} over row stride {row_stride} into a pool of \
-                 {} KV heads of {}, layer {layer} of {}",
-                heads.nq,
-                heads.nkv,
-                heads.head_dim,
-                shape.num_kv_heads,
-                shape.head_dim,
-                shape.num_layers
-            )));
-        }
-        check_len("qk_norm_rope_kv pool", pool.len(), shape.elems())?;
+        heads.check_pool("qk_norm_rope_kv", row_stride, pool, shape, layer)?;
         self.qk_norm_rope_into(qkv, row_stride, heads, maps, Some((pool, shape, layer)))
     }
 
