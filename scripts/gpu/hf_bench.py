@@ -3,14 +3,18 @@
 
     python3 scripts/gpu/hf_bench.py --model DIR --out FILE.json [--batches 1,8,64,256]
         [--context 1024] [--decode-steps 16] [--prefill 512,2048,8192] [--device cuda]
-        [--no-static]
+        [--no-static] [--compiled-batches 1]
 
-bfloat16 weights and compute, SDPA attention, no torch.compile.
+bfloat16 weights and compute, SDPA attention.
 - decode: for each batch b, random prompts [b, context] are prefilled (not timed; in chunks of
   at most --prefill-chunk-tokens tokens), two warm-up steps run, then `decode-steps`
   single-token steps are timed with the DynamicCache ("eager-dynamic"), and again with a
   StaticCache ("eager-static", no torch.compile; skipped with the reason recorded when it
-  errors). tok/s = b * steps / time. A batch that runs out of memory records the error.
+  errors), and for the batches of --compiled-batches with the StaticCache and the decode
+  forward under torch.compile(mode="reduce-overhead") ("compiled-static": what
+  generate(cache_implementation="static") compiles; four warm-up steps, the first compiles and
+  the next record CUDA graphs; the compile time is reported, the error when it fails).
+  tok/s = b * steps / time. A batch that runs out of memory records the error.
 - prefill: one forward (with a fresh KV cache, logits of the last position only) over [1, n]
   random ids for each n, after one warm-up of the same size; the median of --prefill-repeats
   timed runs is reported in ms.
@@ -45,6 +49,12 @@ class Bench:
         self.model, self.attn = self.load()
         self.vocab = int(self.model.config.vocab_size)
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed)
+        self.compiled_forward = None
+
+    def compiled(self):
+        if self.compiled_forward is None:
+            self.compiled_forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
+        return self.compiled_forward
 
     def load(self):
         last = None
@@ -86,19 +96,21 @@ class Bench:
                                 logits_to_keep=1, **kw).logits
         return logits[:, -1, :].argmax(dim=-1)
 
-    def steps(self, cache, nxt, pos, count, static=False):
+    def steps(self, cache, nxt, pos, count, static=False, forward=None):
+        forward = forward or self.model
         for i in range(count):
             kw = {}
             if static:
                 kw["cache_position"] = torch.tensor([pos + i], device=self.device)
-            logits = self.model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True,
-                                **kw).logits
+            logits = forward(input_ids=nxt[:, None], past_key_values=cache, use_cache=True,
+                             **kw).logits
             nxt = logits[:, -1, :].argmax(dim=-1)
         return nxt
 
     def decode(self, b, mode):
         a = self.args
-        warm = 2
+        warm = 4 if mode == "compiled-static" else 2
+        forward = self.compiled() if mode == "compiled-static" else None
         ids = self.ids(b, a.context)
         if mode == "eager-dynamic":
             cache = make_dynamic_cache(self.model)
@@ -108,15 +120,21 @@ class Bench:
                                       self.device)
             static = True
         nxt = self.prefill(ids, cache, static)
-        nxt = self.steps(cache, nxt, a.context, warm, static)
         self.sync()
+        t_warm = time.perf_counter()
+        nxt = self.steps(cache, nxt, a.context, warm, static, forward)
+        self.sync()
+        warm_s = time.perf_counter() - t_warm
         t0 = time.perf_counter()
-        self.steps(cache, nxt, a.context + warm, a.decode_steps, static)
+        self.steps(cache, nxt, a.context + warm, a.decode_steps, static, forward)
         self.sync()
         dt = time.perf_counter() - t0
         del cache, ids, nxt
-        return {"batch": b, "context": a.context, "mode": mode,
-                "tok_s": b * a.decode_steps / dt, "step_ms": dt * 1e3 / a.decode_steps}
+        row = {"batch": b, "context": a.context, "mode": mode,
+               "tok_s": b * a.decode_steps / dt, "step_ms": dt * 1e3 / a.decode_steps}
+        if forward is not None:
+            row["warmup_s"] = warm_s
+        return row
 
     def prefill_one(self, n):
         ids = self.ids(1, n)
@@ -170,7 +188,9 @@ def main():
     ap.add_argument("--prefill-chunk-tokens", type=int, default=65536,
                     help="decode setup prefills at most this many tokens (batch x len) a forward")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--no-static", action="store_true", help="skip the StaticCache variant")
+    ap.add_argument("--no-static", action="store_true", help="skip the StaticCache variants")
+    ap.add_argument("--compiled-batches", type=ints, default=ints("1"),
+                    help="batches also run with the decode forward under torch.compile (empty: none)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -186,7 +206,7 @@ def main():
         "model": args.model,
         "dtype": "bfloat16",
         "attn_implementation": bench.attn,
-        "torch_compile": False,
+        "torch_compile": "decode rows of mode compiled-static (reduce-overhead)",
         "decode": [],
         "prefill": [],
     }
@@ -198,11 +218,13 @@ def main():
             json.dump(result, f, indent=1)
             f.write("\n")
 
-    modes = ["eager-dynamic"] + ([] if args.no_static else ["eager-static"])
+    modes = ["eager-dynamic"] + ([] if args.no_static else ["eager-static", "compiled-static"])
     static_broken = None
     for b in args.batches:
         for mode in modes:
-            if mode == "eager-static" and static_broken:
+            if mode == "compiled-static" and b not in args.compiled_batches:
+                continue
+            if mode != "eager-dynamic" and static_broken:
                 result["decode"].append({"batch": b, "context": args.context, "mode": mode,
                                          "skipped": static_broken})
                 continue
