@@ -109,8 +109,9 @@ class Bench:
 
     def decode(self, b, mode):
         a = self.args
-        warm = 4 if mode == "compiled-static" else 2
-        forward = self.compiled() if mode == "compiled-static" else None
+        compiled = mode == "compiled-static"
+        warm = 4 if compiled else 2
+        forward = self.compiled() if compiled else None
         ids = self.ids(b, a.context)
         if mode == "eager-dynamic":
             cache = make_dynamic_cache(self.model)

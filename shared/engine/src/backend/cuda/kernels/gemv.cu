@@ -63,10 +63,7 @@ __device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const
 // Column `col` of out[r, col] = Σ_k x[r, k] · w[col, k] for the m rows of x: runs of 12, 8,
 // then 4, then single weight loads per lane, each run's loads issued before its math, then
 // the lanes' sums meet in a shuffle reduction and lane 0 stores them (f32 or bf16). k = 1024,
-// 2048 and 3072 take one run each (3072, the down projection, took a run of 8 and one of 4:
-// two DRAM round trips; one run of 12 made batch 2 decode 7% faster on the H200). Summation
-// order is the same either way. At one row ptxas interleaves a run's loads with its math
-// anyway (33 registers), and forcing them all in flight measured slower there.
+// 2048 and 3072 (the down projection) each take one run, so a warp waits on DRAM once.
 template <int M, typename O>
 __device__ __forceinline__ void gemv_column(O* out, const e16_t* x, const e16_t* w, int m, int n, int k, int col) {
     const int lane = threadIdx.x & 31;
