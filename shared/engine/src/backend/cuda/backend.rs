@@ -11,7 +11,7 @@
 //! backend, so exported blocks are interchangeable. Activations live in a workspace reused
 //! from step to step (grown when a step is larger than any before).
 
-use super::graphs::{run_step, GraphCache, GraphStats};
+use super::graphs::{replay_seconds, run_step, GraphCache, GraphStats};
 pub use super::precision::ComputeMode;
 use super::precision::PoolElem;
 use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Workspace};
@@ -273,7 +273,20 @@ impl CudaBackend {
         ids_per_sequence(&counts, rows)
     }
 
-    /// Runs a step; returns the number of rows per sequence and the rows.
+    /// Benchmarks: the GPU's seconds per greedy decode step of `batch` (its captured graph
+    /// replayed `n` times back to back), or `None` before the graph exists.
+    pub fn graph_replay_seconds(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        n: usize,
+    ) -> Result<Option<f64>, EngineError> {
+        crate::backend::check_batch(batch, self.layout.block_size, self.model.shape.num_blocks)?;
+        match &mut self.ws {
+            AnyWorkspace::F32(ws) => replay_seconds(&mut self.model, ws, &self.graphs, batch, n),
+            AnyWorkspace::Bf16(ws) => replay_seconds(&mut self.model, ws, &self.graphs, batch, n),
+        }
+    }
+
     /// Runs a step; returns the number of rows per sequence and the rows. Decode steps
     /// (one token and its logits per sequence) replay a captured CUDA graph when one exists.
     fn step(

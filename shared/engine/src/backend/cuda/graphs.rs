@@ -176,6 +176,33 @@ pub(super) fn run_step<A: DeviceElem>(
     Ok((p.counts, eager))
 }
 
+/// Benchmarks: prepares `batch` as a greedy decode step and replays its captured graph `n`
+/// times back to back, one synchronisation at the end; the seconds per replay are the GPU's
+/// time for the step without the host's share (preparation, copies, read-back). `None` when
+/// the step has no graph yet.
+pub(super) fn replay_seconds<A: DeviceElem>(
+    model: &mut DeviceModel,
+    ws: &mut Workspace<A>,
+    graphs: &GraphCache,
+    batch: &[SeqInput<'_>],
+    n: usize,
+) -> Result<Option<f64>, EngineError> {
+    let p = model.prepare(ws, batch, None)?;
+    if model.generation(ws) != graphs.generation {
+        return Ok(None);
+    }
+    let Some(g) = graphs.graphs.get(&(p.t, Readout::Argmax)) else {
+        return Ok(None);
+    };
+    model.dev.synchronize()?;
+    let start = std::time::Instant::now();
+    for _ in 0..n {
+        g.launch()?;
+    }
+    model.dev.synchronize()?;
+    Ok(Some(start.elapsed().as_secs_f64() / n.max(1) as f64))
+}
+
 /// Captures the launches of a prepared step into a graph (with `pdl`, the edges between the
 /// program's own kernels made programmatic first); also returns how many edges changed.
 fn capture<A: DeviceElem>(

@@ -162,7 +162,7 @@ struct DecodeRope {
     e16_t* pool;
 };
 
-template <typename O, int HD, int NH, bool ROPE>
+template <typename O, int HD, int NH, bool ROPE, bool EARLY>
 __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
                                       const int* tables, const int* table_start, const int* positions,
                                       const int* lo_pos, const int* token_list, int nq, int nkv, int group,
@@ -189,6 +189,32 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
 
+    if (EARLY) {
+        const int* table = tables + table_start[t];
+        const int pos = positions[t];
+        const int lo = lo_pos[t];
+        const int per = ((pos - lo + FA_BK) / FA_BK + splits - 1) / splits;
+        const int beg = lo + sp * per * FA_BK;
+        const int end = min(pos + 1, beg + per * FA_BK);
+        const long long layer_off = (long long)layer * layer_e;
+        // The first run into shared memory before the wait on the kernel before this one (the
+        // q/k norm, whose KV write is the only write to these keys in this step, at `pos`):
+        // every other key was written by an earlier step, so its DRAM latency overlaps that
+        // kernel. The row of `pos` follows after the wait.
+        if (beg < end)
+            stage_kv_run<HD, true>(smem, pool, table, beg, end, block_size, block_e, layer_off, kvd, part_e, g, pos);
+        GRID_DEPENDENCY_SYNC();
+        if (beg < end && pos < beg + FA_BK) {
+            if (threadIdx.x < HD / 8) {
+                const int c = threadIdx.x * 8;
+                const long long at = (long long)table[pos / block_size] * block_e + layer_off +
+                                     (long long)(pos % block_size) * kvd + (long long)g * HD + c;
+                cp_async16(smem + (pos - beg) * ROW + c, pool + at, true);
+                cp_async16(smem + (FA_BK + pos - beg) * ROW + c, pool + at + part_e, true);
+            }
+            cp_async_commit();
+        }
+    }
     unsigned qb[NH][HD / 16][2];
     if (ROPE) {
         load_q_b_fragments_rope<HD, NH>(qb, qkv + (long long)t * row_stride, g, group, rope.inv_freq, rope.q_norm,
@@ -238,7 +264,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         __threadfence_block();
         __syncthreads();
     }
-    if (beg < end) stage(0, beg);
+    if (!EARLY && beg < end) stage(0, beg);
     int st = 0;
     for (int k0 = beg; k0 < end; k0 += FA_BK) {
         if (ring && k0 + FA_BK < end) {
@@ -393,11 +419,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, group, HD, t, nq, lo_off);
 }
 
-// The K and V rows of the block's first run asked into L2 before the kernel waits on the one
-// before it (PDL): at most the step's own key is written by that kernel (the q/k norm's KV
-// write; in the fused variant this kernel writes it itself), and L2 is where such a write
-// lands, so an early prefetch of its line is harmless. With a few
-// runs per block (few sequences) the first run's DRAM latency is most of the block's time.
+// The fused variant's K and V rows of the block's first run asked into L2 before the kernel
+// waits on the one before it (PDL): this kernel writes the step's own key itself, and L2 is
+// where that write lands, so an early prefetch of its line is harmless. (The plain kernel
+// stages its first run into shared memory before the wait instead, the step's own key after.)
 template <int HD>
 __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int* tables, const int* table_start,
                                                    const int* positions, const int* lo_pos, const int* token_list,
@@ -433,10 +458,7 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) {                                          \
-        prefetch_first_run<HD>(pool, tables, table_start, positions, lo_pos, token_list, nkv, block_size,    \
-                               layer, num_layers);                                                           \
-        GRID_DEPENDENCY_SYNC();                                                                              \
-        attention_decode_impl<O, HD, NH, false>(out, qkv, row_stride, pool, tables, table_start, positions,   \
+        attention_decode_impl<O, HD, NH, false, true>(out, qkv, row_stride, pool, tables, table_start, positions,   \
                                                 lo_pos, token_list, nq, nkv, group, block_size, layer,       \
                                                 num_layers, scale, part_acc, part_ml, counters, lo_off,      \
                                                 DecodeRope{nullptr, nullptr, nullptr, 0.0f, nullptr});       \
@@ -461,7 +483,7 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
         prefetch_first_run<HD>(pool, tables, table_start, positions, lo_pos, token_list, nkv, block_size,    \
                                layer, num_layers);                                                           \
         GRID_DEPENDENCY_SYNC();                                                                              \
-        attention_decode_impl<e16_t, HD, NH, true>(out, qkv, row_stride, pool, tables, table_start,          \
+        attention_decode_impl<e16_t, HD, NH, true, false>(out, qkv, row_stride, pool, tables, table_start,          \
                                                    positions, lo_pos, token_list, nq, nkv, group,            \
                                                    block_size, layer, num_layers, scale, part_acc, part_ml,  \
                                                    counters, lo_off,                                         \

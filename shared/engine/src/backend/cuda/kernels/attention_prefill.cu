@@ -90,10 +90,10 @@ __device__ __forceinline__ void load_q_fragments(unsigned (&qa)[HD / 16][4], con
 // shared-memory slot ([FA_BK][HD + FA_PAD] of K, then of V) by cp.async and commits them as one
 // group. Each thread copies one 16-byte column of every (blockDim / (HD / 8))-th key, walking
 // the block table incrementally (one division per run, one table read per block crossed).
-template <int HD>
+template <int HD, bool SKIP = false>
 __device__ __forceinline__ void stage_kv_run(e16_t* slot, const e16_t* pool, const int* table, int k0, int end,
                                              int block_size, long long block_e, long long layer_off, long long kvd,
-                                             long long part_e, int g) {
+                                             long long part_e, int g, int skip = -1) {
     constexpr int ROW = HD + FA_PAD;
     constexpr int CHUNKS = HD / 8;
     const int key0 = threadIdx.x / CHUNKS;
@@ -112,8 +112,10 @@ __device__ __forceinline__ void stage_kv_run(e16_t* slot, const e16_t* pool, con
         const bool ok = p < end;
         // Past the end: nothing is read (zero fill); the pool's start is a valid address.
         const long long at = ok ? blk_at + (long long)off * kvd : 0;
-        cp_async16(sk + key * ROW + c, pool + at, ok);
-        cp_async16(sv + key * ROW + c, pool + (ok ? at + part_e : 0), ok);
+        if (!SKIP || p != skip) {  // with SKIP, key `skip` is left untouched (the caller copies it)
+            cp_async16(sk + key * ROW + c, pool + at, ok);
+            cp_async16(sv + key * ROW + c, pool + (ok ? at + part_e : 0), ok);
+        }
         p += step;
         off += step;
         if (off >= block_size) {
