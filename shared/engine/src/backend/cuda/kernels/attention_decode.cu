@@ -177,7 +177,11 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const int t = token_list[bx];
     const int g = blockIdx.y;
     const int sp = blockIdx.z;
-    const int splits = gridDim.z;
+    // Blocks past the row's runs of keys do nothing, and the merge counts only the others
+    // (the grid's splits are fixed when a graph is captured, the context grows under it;
+    // idle blocks in the merge cost batch 1 2%). The fused variant keeps them all.
+    const int splits = ROPE ? (int)gridDim.z : min((int)gridDim.z, (positions[t] - lo_pos[t] + FA_BK) / FA_BK);
+    if (sp >= splits) return;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int qr = lane >> 2;
