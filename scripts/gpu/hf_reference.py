@@ -5,7 +5,15 @@
         [--prompt-len 32] [--steps 64] [--seed 1] [--device cuda|cpu] [--batch 16]
 
 The model is loaded in bfloat16 and cast to float32 (f32 compute from the same bf16 weights,
-no TF32), SDPA attention (eager when SDPA is not supported). The prompts are `prompts`
+no TF32), SDPA attention (eager when SDPA is not supported).
+
+With --compute-dtype bfloat16 --cases REF/cases.json the model stays in bfloat16 (what
+transformers serves by default) and runs the reference's prompts, teacher-forced over the
+reference's continuations: OUT/hf_logits.f32 and OUT/greedy.json ({"greedy": [[ids]...]}, its
+own free-running greedy tokens) are then what compare_logits.py takes as --tandem-logits and
+--tandem-greedy, which measures transformers' own bf16 error against its f32 reference; the
+given cases.json is copied to OUT, so OUT also serves as a --ref-dir (Tandem against
+transformers in bf16, row by row). The prompts are `prompts`
 sequences of `prompt-len` token ids drawn by numpy's default_rng(seed) from
 [10, min(vocab, 150000)).
 
@@ -37,7 +45,7 @@ def log(msg):
     print(f"[hf_reference] {msg}", file=sys.stderr, flush=True)
 
 
-def load_model(path, device):
+def load_model(path, device, dtype):
     last = None
     for attn in ("sdpa", "eager"):
         try:
@@ -48,7 +56,9 @@ def load_model(path, device):
             log(f"attn_implementation={attn} not usable ({e}); trying the next")
             last = e
             continue
-        return model.float().to(device).eval(), attn
+        if dtype == "float32":
+            model = model.float()
+        return model.to(device).eval(), attn
     raise last
 
 
@@ -62,6 +72,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--batch", type=int, default=16, help="prompts per forward")
+    ap.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--cases", help="another run's cases.json: its prompts, teacher-forced "
+                    "over its continuations (writes greedy.json instead of cases.json)")
     args = ap.parse_args()
     if args.steps < 1 or args.prompt_len < 1 or args.prompts < 1:
         sys.exit("--prompts, --prompt-len and --steps must be >= 1")
@@ -74,16 +87,28 @@ def main():
     device = torch.device(args.device)
 
     t0 = time.time()
-    model, attn = load_model(args.model, device)
+    model, attn = load_model(args.model, device, args.compute_dtype)
     vocab = int(model.config.vocab_size)
-    log(f"loaded {args.model} (bf16 -> f32, attn {attn}, device {device}) "
+    log(f"loaded {args.model} (bf16 -> {args.compute_dtype}, attn {attn}, device {device}) "
         f"in {time.time() - t0:.1f} s; vocab {vocab}")
 
-    rng = np.random.default_rng(args.seed)
-    hi = min(vocab, 150000)
-    if hi <= 10:
-        sys.exit(f"vocab {vocab} is too small for ids drawn from [10, {hi})")
-    prompts = rng.integers(10, hi, size=(args.prompts, args.prompt_len), dtype=np.int64)
+    forced = None
+    if args.cases:
+        with open(args.cases) as f:
+            given = json.load(f)
+        prompts = np.asarray(given["prompts"], dtype=np.int64)
+        forced = np.asarray(given["continuations"], dtype=np.int64)
+        if given["vocab"] != vocab or forced.shape[0] != prompts.shape[0]:
+            sys.exit(f"--cases {args.cases}: vocab {given['vocab']} (model {vocab}), "
+                     f"{prompts.shape[0]} prompts, {forced.shape[0]} continuations")
+        args.prompts, args.prompt_len = prompts.shape
+        args.steps = forced.shape[1]
+    else:
+        rng = np.random.default_rng(args.seed)
+        hi = min(vocab, 150000)
+        if hi <= 10:
+            sys.exit(f"vocab {vocab} is too small for ids drawn from [10, {hi})")
+        prompts = rng.integers(10, hi, size=(args.prompts, args.prompt_len), dtype=np.int64)
 
     os.makedirs(args.out_dir, exist_ok=True)
     logits_path = os.path.join(args.out_dir, "hf_logits.f32")
@@ -109,12 +134,17 @@ def main():
             cont = torch.stack(gen, dim=1)  # [b, S]
             del cache, res
 
-            # Teacher-forced rows: positions L-1 .. L+S-2 of prompt + cont[:S-1].
-            full = torch.cat([ids, cont[:, : S - 1]], dim=1)
+            # Teacher-forced rows: positions L-1 .. L+S-2 of prompt + cont[:S-1] (with
+            # --cases, the given continuations).
+            if forced is not None:
+                teach = torch.from_numpy(forced[start:start + b]).to(device)
+            else:
+                teach = cont
+            full = torch.cat([ids, teach[:, : S - 1]], dim=1)
             logits = model(input_ids=full, use_cache=False, logits_to_keep=S).logits
             assert logits.shape == (b, S, vocab), logits.shape
             tf_argmax = logits.argmax(dim=-1)
-            for i, j in (tf_argmax != cont).nonzero().tolist():
+            for i, j in (tf_argmax != teach).nonzero().tolist():
                 argmax_mismatch.append([start + i, j])
             rows = logits.float().cpu().numpy()
             del logits
@@ -125,6 +155,18 @@ def main():
 
     expect = args.prompts * S * vocab * 4
     assert os.path.getsize(logits_path) == expect, (os.path.getsize(logits_path), expect)
+    if forced is not None:
+        # The given cases beside these logits: OUT can also be the --ref-dir of a comparison
+        # (Tandem against transformers in bf16, on the same rows).
+        with open(os.path.join(args.out_dir, "cases.json"), "w") as f:
+            json.dump(dict(given, reference=dict(given.get("reference", {}),
+                                                 compute_dtype=args.compute_dtype)), f)
+        with open(os.path.join(args.out_dir, "greedy.json"), "w") as f:
+            json.dump({"greedy": continuations, "compute_dtype": args.compute_dtype,
+                       "torch": torch.__version__, "transformers": transformers.__version__}, f)
+        log(f"wrote {logits_path} and greedy.json ({args.compute_dtype}, teacher-forced over "
+            f"{args.cases})")
+        return
     cases = {
         "prompts": prompts.tolist(),
         "continuations": continuations,

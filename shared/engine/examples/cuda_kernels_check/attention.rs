@@ -310,7 +310,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                         scale,
                         &mut scratch,
                         false,
-                        DecodeLaunch { splits, stages },
+                        DecodeLaunch::plain(splits, stages),
                     )?;
                     rep.add(
                         "attention_decode",
@@ -319,6 +319,39 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                         &want_d,
                         vmax / 256.0,
                     );
+                }
+                // The cluster variant (sm_90 on): the splits of a (row, head) as one cluster,
+                // merged over distributed shared memory, at 2, 3 and 16 splits.
+                if dev.cluster_capable() {
+                    for (splits, stages) in [(2, 2), (3, 1), (16, 1), (16, 2)] {
+                        let mut got16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
+                        dev.attention_decode(
+                            &mut got16,
+                            &dqkv_d,
+                            ROW,
+                            &pool,
+                            shape,
+                            layer,
+                            NQ,
+                            &maps_dt,
+                            scale,
+                            &mut scratch,
+                            false,
+                            DecodeLaunch {
+                                splits,
+                                stages,
+                                cluster: true,
+                            },
+                        )?;
+                        let got = widen(&dev.download(&got16)?);
+                        rep.add(
+                            "attention_decode_cluster",
+                            &format!("{case}, decode rows only ({splits} splits, {stages} stages)"),
+                            &got,
+                            &want_d,
+                            vmax / 256.0 + bf16_tol(&want_d),
+                        );
+                    }
                 }
                 let mut got16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
                 dev.attention(
@@ -360,20 +393,11 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 let want_pool = download_pool(&p_ref)?;
                 for launch in [
                     None,
-                    Some(DecodeLaunch {
-                        splits: 1,
-                        stages: 2,
-                    }),
-                    Some(DecodeLaunch {
-                        splits: 3,
-                        stages: 1,
-                    }),
+                    Some(DecodeLaunch::plain(1, 2)),
+                    Some(DecodeLaunch::plain(3, 1)),
                 ] {
                     let mut want16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
-                    let plain = launch.unwrap_or(DecodeLaunch {
-                        splits: 1,
-                        stages: 2,
-                    });
+                    let plain = launch.unwrap_or(DecodeLaunch::plain(1, 2));
                     dev.attention_decode(
                         &mut want16,
                         &q_ref,

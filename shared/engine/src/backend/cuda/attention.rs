@@ -4,6 +4,7 @@
 use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::attention_scratch::AttentionScratch;
+use super::cluster_launch::RawParams;
 use super::kernels::AttentionInstance;
 use super::{
     bad, check_len, cuda_err, to_i32, CudaDevice, DevAddr, DeviceElem, KvPool, PoolShape, TokenMaps,
@@ -322,6 +323,31 @@ impl<'a> TcShape<'a> {
             b.arg(v);
         }
         b.arg(scale);
+    }
+
+    /// [`Self::push_args`] for a launch whose parameters go in by hand
+    /// (`cluster_launch.rs`): the same values in the same order.
+    pub(super) fn push_raw(
+        &self,
+        dev: &CudaDevice,
+        p: &mut RawParams,
+        qkv: &CudaSlice<f32>,
+        maps: &TokenMaps,
+        list: DevAddr,
+        scale: f32,
+    ) {
+        p.slice(dev, qkv)
+            .int(self.ints[0])
+            .slice(dev, self.pool)
+            .addr(maps.tables)
+            .addr(maps.table_start)
+            .addr(maps.positions)
+            .addr(maps.lo_pos)
+            .addr(list);
+        for &v in &self.ints[1..] {
+            p.int(v);
+        }
+        p.float(scale);
     }
 }
 

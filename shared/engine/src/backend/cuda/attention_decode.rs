@@ -4,7 +4,8 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::attention::{TcShape, FA_KEYS, FA_PAD};
-use super::attention_scratch::{AttentionScratch, DecodeLaunch, MAX_SPLITS};
+use super::attention_scratch::{AttentionScratch, DecodeLaunch, MAX_CLUSTER, MAX_SPLITS};
+use super::cluster_launch::{ClusterConfig, RawParams};
 use super::ops::HeadNorms;
 use super::{bad, check_len, cuda_err, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps};
 use crate::error::EngineError;
@@ -89,11 +90,19 @@ impl CudaDevice {
             )));
         }
         heads.check_lengths("attention_decode_rope")?;
+        // The fused kernel merges its splits through global memory (no cluster variant).
         let launch = match launch {
             Some(l) => l,
-            None => {
-                scratch.decode_launch(self, maps.n_singles * nkv, O::SUFFIX, nq / nkv.max(1), hd)?
-            }
+            None => DecodeLaunch {
+                cluster: false,
+                ..scratch.decode_launch(
+                    self,
+                    maps.n_singles * nkv,
+                    O::SUFFIX,
+                    nq / nkv.max(1),
+                    hd,
+                )?
+            },
         };
         let args = DecodeArgs {
             qkv,
@@ -123,11 +132,22 @@ impl CudaDevice {
         let (maps, nq) = (a.maps, a.nq);
         let tc = TcShape::check("attention_decode", pool, a.shape, nq, a.row_stride, a.layer)?;
         let (nkv, hd, group) = (tc.nkv, tc.hd, tc.group);
-        let DecodeLaunch { splits, stages } = launch;
+        let DecodeLaunch {
+            splits,
+            stages,
+            cluster,
+        } = launch;
         if group > 16 || !(1..=MAX_SPLITS).contains(&splits) || !(1..=2).contains(&stages) {
             return Err(bad(format!(
                 "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits \
                  (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
+            )));
+        }
+        if cluster && (rope.is_some() || O::SUFFIX != "bf16" || splits > MAX_CLUSTER) {
+            return Err(bad(format!(
+                "attention_decode: the cluster variant takes a 16-bit output ({} given), no \
+                 fused q/k norms, and at most {MAX_CLUSTER} splits ({splits} given)",
+                O::SUFFIX
             )));
         }
         let rows = maps.n_singles;
@@ -137,8 +157,30 @@ impl CudaDevice {
         check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        if splits > 1 {
+        if splits > 1 && !cluster {
             scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
+        }
+        if cluster {
+            let f = self.func(&decode_cluster_kernel(group, hd))?;
+            let cfg = ClusterConfig {
+                grid: (rows as u32, nkv as u32, splits as u32),
+                block: 128,
+                shared_mem_bytes: decode_smem_bytes(hd, stages),
+                cluster: (1, 1, splits as u32),
+            };
+            let mut p = RawParams::new();
+            p.slice(self, out);
+            tc.push_raw(self, &mut p, a.qkv, maps, maps.singles, a.scale);
+            p.slice(self, &scratch.part_acc)
+                .slice(self, &scratch.part_ml)
+                .slice(self, &scratch.counters)
+                .long(lo_off);
+            // SAFETY: the parameters follow ATTENTION_DECODE_CLUSTER's signature (the plain
+            // kernel's: `out`, the shape arguments of push_raw in push_args' order, the
+            // unused split scratch, lo_off); shapes checked above; one cluster per (row, KV
+            // head), the grid's z extent, as the kernel's merge assumes.
+            unsafe { self.launch_clustered(f, &cfg, &mut p) }?;
+            return Ok(());
         }
         let name = match rope {
             Some(_) => decode_rope_kernel(group, hd),
@@ -225,6 +267,11 @@ pub(super) fn decode_kernel(out: &str, group: usize, head_dim: usize) -> String 
     format!("attention_decode_{out}_n{heads}_hd{head_dim}")
 }
 
+/// The cluster variant of [`decode_kernel`] (16-bit output only).
+pub(super) fn decode_cluster_kernel(group: usize, head_dim: usize) -> String {
+    decode_kernel("bf16", group, head_dim).replace("attention_decode_", "attention_decode_cluster_")
+}
+
 /// The fused (q/k norm, RoPE and KV write) `attention_decode.cu` kernel for a group size and a
 /// head size; 16-bit output only.
 pub(super) fn decode_rope_kernel(group: usize, head_dim: usize) -> String {
@@ -234,7 +281,7 @@ pub(super) fn decode_rope_kernel(group: usize, head_dim: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::super::attention::prefill_smem_bytes;
-    use super::{decode_kernel, decode_rope_kernel, decode_smem_bytes};
+    use super::{decode_cluster_kernel, decode_kernel, decode_rope_kernel, decode_smem_bytes};
 
     #[test]
     fn decode_shared_memory_holds_its_stages_and_merge_area() {
@@ -262,6 +309,10 @@ mod tests {
         assert_eq!(
             decode_kernel("bf16", 16, 64),
             "attention_decode_bf16_n16_hd64"
+        );
+        assert_eq!(
+            decode_cluster_kernel(2, 128),
+            "attention_decode_cluster_bf16_n8_hd128"
         );
         assert_eq!(
             decode_rope_kernel(2, 128),

@@ -3,19 +3,38 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::attention_decode::{decode_kernel, decode_smem_bytes};
+use super::attention_decode::{decode_cluster_kernel, decode_kernel, decode_smem_bytes};
+use super::switches::DecodeCluster;
 use super::{cuda_err, CudaDevice};
 use crate::error::EngineError;
 
 /// At most this many blocks share one (token, KV head)'s positions.
 pub(super) const MAX_SPLITS: usize = 32;
 
-/// How one `attention_decode.cu` launch runs: blocks per (row, KV head) and shared-memory
-/// stages (1 or 2).
+/// At most this many blocks in one cluster of the decode attention's cluster variant (its
+/// merge is unrolled to them: FD_MAX_CLUSTER in attention_decode.cu).
+pub(super) const MAX_CLUSTER: usize = 16;
+
+/// How one `attention_decode.cu` launch runs: blocks per (row, KV head), shared-memory
+/// stages (1 or 2), and whether those blocks form one thread-block cluster that merges its
+/// splits over distributed shared memory (16-bit output, sm_90 and later, splits at most the
+/// GPU's largest cluster).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLaunch {
     pub splits: usize,
     pub stages: usize,
+    pub cluster: bool,
+}
+
+impl DecodeLaunch {
+    /// `splits` blocks per (row, KV head) merging through global memory, with `stages`.
+    pub fn plain(splits: usize, stages: usize) -> Self {
+        DecodeLaunch {
+            splits,
+            stages,
+            cluster: false,
+        }
+    }
 }
 
 /// Heads (q + k + v) of the models whose qkv GEMV may carry the q/k norms and RoPE.
@@ -40,6 +59,12 @@ pub struct AttentionScratch {
     /// Splits per (row, KV head) of `attention_decode.cu` fixed by
     /// [`super::switches::DECODE_SPLITS_ENV`] (`None`: chosen per launch).
     decode_splits: Option<usize>,
+    /// When the splits of a (row, KV head) run as one cluster
+    /// ([`super::switches::DECODE_CLUSTER_ENV`]).
+    decode_cluster: DecodeCluster,
+    /// The largest cluster of the cluster variant at one and two stages (0: none), found on
+    /// first use.
+    cluster_max: [Option<usize>; 2],
     /// Bumped when a buffer is reallocated (graphs captured before hold stale addresses).
     pub generation: u64,
 }
@@ -55,6 +80,8 @@ impl AttentionScratch {
             decode_slots: [None; 2],
             decode_stages: super::switches::decode_stages()?,
             decode_splits: super::switches::decode_splits()?,
+            decode_cluster: super::switches::decode_cluster_from_env()?,
+            cluster_max: [None; 2],
             generation: 0,
         })
     }
@@ -84,7 +111,8 @@ impl AttentionScratch {
     /// lets twice as many fit; below that, double buffering overlaps them within a block —
     /// measured on an H200, batch 64: 19.4k against 17.5k tok/s, batch 8: 4.9k against 5.0k),
     /// and the splits per pair: the count (≤ 32) whose blocks fill the GPU's resident slots at
-    /// those stages in the most even waves, within the scratch [`Self::for_model`] sized.
+    /// those stages in the most even waves, within the scratch [`Self::for_model`] sized; and
+    /// whether the splits run as one cluster ([`super::switches::DECODE_CLUSTER_ENV`]).
     /// Depends on the pair count only (graphs stay valid at any context length; a split past
     /// the keys merges as empty).
     pub fn decode_launch(
@@ -119,7 +147,37 @@ impl AttentionScratch {
             Some(s) => s.min(split_bound(pairs, self.sms)),
             None => decode_splits_for(pairs, slots, self.sms),
         };
-        Ok(DecodeLaunch { splits, stages })
+        if self.decode_cluster != DecodeCluster::Off && splits > 1 && out == "bf16" {
+            let max = self.cluster_max(dev, stages, group, head_dim)?;
+            if let Some(splits) = cluster_splits(self.decode_cluster, splits, max, pairs, self.sms)
+            {
+                return Ok(DecodeLaunch {
+                    splits,
+                    stages,
+                    cluster: true,
+                });
+            }
+        }
+        Ok(DecodeLaunch::plain(splits, stages))
+    }
+
+    /// The largest cluster of the cluster variant at `stages` (0 where the GPU has none).
+    fn cluster_max(
+        &mut self,
+        dev: &CudaDevice,
+        stages: usize,
+        group: usize,
+        head_dim: usize,
+    ) -> Result<usize, EngineError> {
+        if let Some(n) = self.cluster_max[stages - 1] {
+            return Ok(n);
+        }
+        let f = dev.loaded(&decode_cluster_kernel(group, head_dim))?;
+        let n = dev
+            .max_cluster_size(f, 128, decode_smem_bytes(head_dim, stages))?
+            .min(MAX_CLUSTER);
+        self.cluster_max[stages - 1] = Some(n);
+        Ok(n)
     }
 
     /// Room for `states` partial states of `head_dim` and `pairs` counters.
@@ -156,6 +214,27 @@ fn split_bound(pairs: usize, sms: usize) -> usize {
     }
 }
 
+/// The splits of a clustered launch of `pairs` pairs that would take `splits` unclustered,
+/// clusters of at most `max` blocks, on `sms` SMs, or `None` to stay unclustered: `On`
+/// clusters any split launch; `Auto` only one with at most a block per SM (there every
+/// block's merge is on the critical path; with more, other blocks hide it and the clusters'
+/// co-scheduling costs).
+fn cluster_splits(
+    mode: DecodeCluster,
+    splits: usize,
+    max: usize,
+    pairs: usize,
+    sms: usize,
+) -> Option<usize> {
+    let clustered = splits.min(max);
+    let wanted = match mode {
+        DecodeCluster::Off => false,
+        DecodeCluster::On => true,
+        DecodeCluster::Auto => pairs * clustered <= sms,
+    };
+    (wanted && clustered >= 2).then_some(clustered)
+}
+
 fn decode_splits_for(pairs: usize, slots: usize, sms: usize) -> usize {
     let pairs = pairs.max(1);
     let bound = split_bound(pairs, sms);
@@ -179,7 +258,22 @@ fn decode_splits_for(pairs: usize, slots: usize, sms: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_splits_for, split_bound};
+    use super::{cluster_splits, decode_splits_for, split_bound, DecodeCluster};
+
+    #[test]
+    fn clusters_serve_launches_of_a_block_per_sm_unless_forced() {
+        use DecodeCluster::{Auto, Off, On};
+        // H200: 132 SMs, clusters of 16. Batch 1 of 8 KV heads: 32 splits become 16.
+        assert_eq!(cluster_splits(Auto, 32, 16, 8, 132), Some(16));
+        // Batch 2: 256 blocks on 132 SMs stay unclustered unless forced.
+        assert_eq!(cluster_splits(Auto, 32, 16, 16, 132), None);
+        assert_eq!(cluster_splits(On, 32, 16, 16, 132), Some(16));
+        assert_eq!(cluster_splits(On, 3, 16, 512, 132), Some(3));
+        assert_eq!(cluster_splits(Off, 32, 16, 8, 132), None);
+        // No clusters on the GPU (max 0), or one split: unclustered.
+        assert_eq!(cluster_splits(On, 32, 0, 8, 132), None);
+        assert_eq!(cluster_splits(On, 1, 16, 8, 132), None);
+    }
 
     #[test]
     fn fixed_splits_stay_within_the_scratch() {

@@ -24,6 +24,7 @@ mod attention;
 mod attention_decode;
 mod attention_scratch;
 pub mod backend;
+mod cluster_launch;
 mod gemm;
 mod graphs;
 pub mod kernels;
@@ -255,6 +256,9 @@ pub struct CudaDevice {
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
     pdl_capable: bool,
+    /// Thread-block clusters work here (compute capability 9.0 or later): the decode
+    /// attention's cluster variant (`cluster_launch.rs`).
+    cluster_capable: bool,
     /// The program's 16-bit element: what `u16` buffers (weights, GEMM inputs, a 16-bit KV
     /// pool) hold on this device.
     e16: kernels::Float16,
@@ -281,6 +285,7 @@ impl CudaDevice {
             .map_err(cuda_err("reading the compute capability"))?;
         let arch = kernels::arch_for(major, minor);
         let pdl_capable = major >= 9 && driver_version()? >= 12_030;
+        let cluster_capable = major >= 9;
         let name = ctx.name().map_err(cuda_err("reading the device name"))?;
         let sms = ctx
             .attribute(
@@ -310,6 +315,15 @@ impl CudaDevice {
                     attention::prefill_smem_bytes(hd) as i32,
                 )
                 .map_err(cuda_err(&format!("sizing the shared memory of {name}")))?;
+            }
+            // Clusters of up to 16 blocks (8 is the portable limit) for the decode attention
+            // whose splits merge over distributed shared memory.
+            if cluster_capable && name.starts_with("attention_decode_cluster_") {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )
+                .map_err(cuda_err(&format!("allowing clusters of 16 for {name}")))?;
             }
             funcs.insert(name.to_string(), f);
         }
@@ -355,6 +369,7 @@ impl CudaDevice {
             early_gemv_weights: false,
             l2_prefetch_next: switches::l2_prefetch_from_env()?,
             pdl_capable,
+            cluster_capable,
             e16,
         })
     }
@@ -462,6 +477,11 @@ impl CudaDevice {
             set.extend(lazy.values().map(|f| f.cu_function() as usize));
         }
         set
+    }
+
+    /// Whether thread-block clusters work here (compute capability 9.0 or later).
+    pub fn cluster_capable(&self) -> bool {
+        self.cluster_capable
     }
 
     /// Whether decode graphs may use programmatic dependent launch (see `pdl_capable`).

@@ -19,6 +19,11 @@ pub struct DevAddr(u64);
 unsafe impl DeviceRepr for DevAddr {}
 
 impl DevAddr {
+    /// The address as the driver takes it (raw kernel parameters).
+    pub(super) fn raw(self) -> u64 {
+        self.0
+    }
+
     /// The address `bytes` further on.
     pub fn offset_bytes(self, bytes: usize) -> DevAddr {
         DevAddr(self.0 + bytes as u64)

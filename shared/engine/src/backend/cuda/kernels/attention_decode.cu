@@ -162,7 +162,117 @@ struct DecodeRope {
     e16_t* pool;
 };
 
-template <typename O, int HD, int NH, bool ROPE, bool EARLY>
+// The keys [beg, end) of split `sp` of `splits` over a row's keys [lo, pos], in whole runs of
+// FA_BK: with EVEN, spread evenly (split sp takes runs [sp·runs / splits, (sp + 1)·runs /
+// splits)), else ceil(runs / splits) runs a split (one division fewer: the fused variant's
+// register budget); with more splits than runs some take none, beg >= end.
+template <bool EVEN>
+__device__ __forceinline__ int2 split_keys(int lo, int pos, int splits, int sp) {
+    const int runs = (pos - lo + FA_BK) / FA_BK;
+    if (EVEN) {
+        const int beg = lo + (sp * runs / splits) * FA_BK;
+        return make_int2(beg, min(pos + 1, lo + ((sp + 1) * runs / splits) * FA_BK));
+    }
+    const int per = (runs + splits - 1) / splits;
+    const int beg = lo + sp * per * FA_BK;
+    return make_int2(beg, min(pos + 1, beg + per * FA_BK));
+}
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+// Thread-block clusters (sm_90): the block's rank and the cluster's size, a barrier over the
+// whole cluster (the release / acquire make each block's shared-memory writes before it
+// visible to the others' reads after it), and loads from another block's shared memory.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The address of `p` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float cluster_load(unsigned addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ float2 cluster_load2(unsigned addr) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+#define FD_CLUSTERS 1
+#else
+#define FD_CLUSTERS 0
+#endif
+
+// Most blocks of a cluster (the non-portable size of sm_90).
+#define FD_MAX_CLUSTER 16
+
+// The cluster variant's merge of the splits: every block of the cluster (one per split of a
+// (row, KV head)) has its state in its own shared memory, the output `so_out[j][d]`
+// (SO_ROW floats a head) and (max in log2 units, sum) in `ml[j]`; block `rank` merges its
+// share of the group × HD outputs from all of them over DSMEM and stores it. No global
+// partials, fence or counter: what the launch-wide merge pays for on its critical path.
+template <typename O, int HD>
+__device__ __forceinline__ void merge_cluster_states(O* out, const float* so_out, const float2* ml, int t, int g,
+                                                     int group, int nq, long long lo_off) {
+#if FD_CLUSTERS
+    constexpr int SO_ROW = HD + FD_SO_PAD;
+    cluster_barrier();
+    const int n = (int)cluster_size();
+    const int rank = (int)cluster_rank();
+    const int total = group * HD;
+    const int share = (total + n - 1) / n;
+    const int first = rank * share;
+    const int last = min(total, first + share);
+    for (int idx = first + (int)threadIdx.x; idx < last; idx += blockDim.x) {
+        const int j = idx / HD;
+        const int d = idx % HD;
+        float a[FD_MAX_CLUSTER];
+        float2 s[FD_MAX_CLUSTER];
+        // Unrolled to the most blocks, so that every load is in flight at once.
+#pragma unroll
+        for (int x = 0; x < FD_MAX_CLUSTER; ++x) {
+            if (x < n) {
+                a[x] = cluster_load(cluster_map(so_out + j * SO_ROW + d, x));
+                s[x] = cluster_load2(cluster_map(ml + j, x));
+            }
+        }
+        float big = NEG_INF;
+#pragma unroll
+        for (int x = 0; x < FD_MAX_CLUSTER; ++x)
+            if (x < n && s[x].y > 0.0f) big = fmaxf(big, s[x].x);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int x = 0; x < FD_MAX_CLUSTER; ++x) {
+            if (x < n && s[x].y > 0.0f) {
+                const float f = fast_exp2(s[x].x - big);
+                num += a[x] * f;
+                den += s[x].y * f;
+            }
+        }
+        store_in(out, ((long long)t * nq + g * group + j) * HD + d, num / den, lo_off);
+    }
+    // No block leaves (its shared memory with it) before every block has read it.
+    cluster_barrier();
+#else
+    __trap();  // the host launches the cluster variant on sm_90 and later only
+#endif
+}
+
+template <typename O, int HD, int NH, bool ROPE, bool EARLY, bool CLUSTER>
 __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
                                       const int* tables, const int* table_start, const int* positions,
                                       const int* lo_pos, const int* token_list, int nq, int nkv, int group,
@@ -179,8 +289,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const int sp = blockIdx.z;
     // Blocks past the row's runs of keys do nothing, and the merge counts only the others
     // (the grid's splits are fixed when a graph is captured, the context grows under it;
-    // idle blocks in the merge cost batch 1 2%). The fused variant keeps them all.
-    const int splits = ROPE ? (int)gridDim.z : min((int)gridDim.z, (positions[t] - lo_pos[t] + FA_BK) / FA_BK);
+    // idle blocks in the merge cost batch 1 2%). The fused variant keeps them all, and so
+    // does the cluster variant (its barriers count every block of the cluster).
+    const int splits =
+        ROPE || CLUSTER ? (int)gridDim.z : min((int)gridDim.z, (positions[t] - lo_pos[t] + FA_BK) / FA_BK);
     if (sp >= splits) return;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -193,14 +305,16 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
 
+    // The block's keys: found before the early staging, else after the q fragments (the
+    // fused variant's q prologue is short of registers: nothing more may live across it).
+    int2 keys = make_int2(0, 0);
     if (EARLY) {
         const int* table = tables + table_start[t];
         const int pos = positions[t];
-        const int lo = lo_pos[t];
-        const int per = ((pos - lo + FA_BK) / FA_BK + splits - 1) / splits;
-        const int beg = lo + sp * per * FA_BK;
-        const int end = min(pos + 1, beg + per * FA_BK);
         const long long layer_off = (long long)layer * layer_e;
+        keys = split_keys<!ROPE>(lo_pos[t], pos, splits, sp);
+        const int beg = keys.x;
+        const int end = keys.y;
         // The first run into shared memory before the wait on the kernel before this one (the
         // q/k norm, whose KV write is the only write to these keys in this step, at `pos`):
         // every other key was written by an earlier step, so its DRAM latency overlaps that
@@ -242,12 +356,11 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
 
     const int* table = tables + table_start[t];
     const int pos = positions[t];
-    const int lo = lo_pos[t];
-    const int runs = (pos - lo + FA_BK) / FA_BK;
-    const int per = (runs + splits - 1) / splits;
-    const int beg = lo + sp * per * FA_BK;
-    const int end = min(pos + 1, beg + per * FA_BK);
+    if (!EARLY) keys = split_keys<!ROPE>(lo_pos[t], pos, splits, sp);
+    const int beg = keys.x;
+    const int end = keys.y;
     const long long layer_off = (long long)layer * layer_e;
+
     auto stage = [&](int st, int k0) {
         stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, end, block_size, block_e,
                          layer_off, kvd, part_e, g);
@@ -394,6 +507,9 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         }
     }
     __syncthreads();
+    // The cluster variant's (max, sum) per head of the block's merged state (its output goes
+    // to warp 0's rows of `so`: each (head, dimension) is read and written by one thread).
+    __shared__ float2 cluster_ml[CLUSTER ? NH * 8 : 1];
     const long long pi = ((long long)bx * nkv + g) * splits + sp;
     for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
         const int j = idx / HD;
@@ -408,7 +524,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
             sum += wl * f;
             a += so[(w * 16 + j) * SO_ROW + d] * f;
         }
-        if (splits == 1) {
+        if (CLUSTER) {
+            so[j * SO_ROW + d] = a;
+            if (d == 0) cluster_ml[j] = make_float2(big, sum);
+        } else if (splits == 1) {
             store_in(out, ((long long)t * nq + g * group + j) * HD + d, a / sum, lo_off);
         } else {
             part_acc[(pi * group + j) * HD + d] = a;
@@ -418,6 +537,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
                 part_ml[(pi * group + j) * 2 + 1] = sum;
             }
         }
+    }
+    if (CLUSTER) {
+        merge_cluster_states<O, HD>(out, so, cluster_ml, t, g, group, nq, lo_off);
+        return;
     }
     if (splits == 1) return;
     merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, group, HD, t, nq, lo_off);
@@ -434,11 +557,7 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
     constexpr int LINES = HD * (int)sizeof(e16_t) / 128;  // 128-byte lines per head row
     const int t = token_list[blockIdx.x];
     const int pos = positions[t];
-    const int lo = lo_pos[t];
-    const int splits = gridDim.z;
-    const int runs = (pos - lo + FA_BK) / FA_BK;
-    const int per = (runs + splits - 1) / splits;
-    const int beg = lo + blockIdx.z * per * FA_BK;
+    const int beg = split_keys<false>(lo_pos[t], pos, gridDim.z, blockIdx.z).x;
     const int end = min(pos + 1, beg + FA_BK);
     const int* table = tables + table_start[t];
     const long long kvd = (long long)nkv * HD;
@@ -462,10 +581,25 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) {                                          \
-        attention_decode_impl<O, HD, NH, false, true>(out, qkv, row_stride, pool, tables, table_start, positions,   \
+        attention_decode_impl<O, HD, NH, false, true, false>(out, qkv, row_stride, pool, tables, table_start, positions,   \
                                                 lo_pos, token_list, nq, nkv, group, block_size, layer,       \
                                                 num_layers, scale, part_acc, part_ml, counters, lo_off,      \
                                                 DecodeRope{nullptr, nullptr, nullptr, 0.0f, nullptr});       \
+    }
+
+// The cluster variant: launched with clusters of (1, 1, gridDim.z), one cluster per (row,
+// KV head), its splits merged over distributed shared memory (merge_cluster_states). 16-bit
+// output only; the part_* and counter arguments are unused (kept for one argument list).
+#define ATTENTION_DECODE_CLUSTER(NAME, NH, HD)                                                               \
+    extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
+        e16_t* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                 \
+        const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
+        int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
+        float* part_ml, unsigned int* counters, long long lo_off) {                                          \
+        attention_decode_impl<e16_t, HD, NH, false, true, true>(                                             \
+            out, qkv, row_stride, pool, tables, table_start, positions, lo_pos, token_list, nq, nkv, group,  \
+            block_size, layer, num_layers, scale, part_acc, part_ml, counters, lo_off,                       \
+            DecodeRope{nullptr, nullptr, nullptr, 0.0f, nullptr});                                           \
     }
 
 // The fused variant, for steps whose every row is a decode row: the q/k norms, RoPE and the
@@ -487,7 +621,7 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
         prefetch_first_run<HD>(pool, tables, table_start, positions, lo_pos, token_list, nkv, block_size,    \
                                layer, num_layers);                                                           \
         GRID_DEPENDENCY_SYNC();                                                                              \
-        attention_decode_impl<e16_t, HD, NH, true, false>(out, qkv, row_stride, pool, tables, table_start,          \
+        attention_decode_impl<e16_t, HD, NH, true, false, false>(out, qkv, row_stride, pool, tables, table_start,          \
                                                    positions, lo_pos, token_list, nq, nkv, group,            \
                                                    block_size, layer, num_layers, scale, part_acc, part_ml,  \
                                                    counters, lo_off,                                         \
@@ -506,3 +640,7 @@ ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd64, 1, 64, FD_BOUNDS)
 ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd128, 1, 128, FD_BOUNDS_5)
 ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd64, 2, 64, FD_BOUNDS)
 ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd128, 2, 128, FD_BOUNDS)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd64, 1, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd128, 1, 128)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n16_hd64, 2, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n16_hd128, 2, 128)
