@@ -33,6 +33,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("kernels/attention_prefill.cu"),
     ),
     (
+        "attention_cluster.cu",
+        include_str!("kernels/attention_cluster.cu"),
+    ),
+    (
         "attention_decode.cu",
         include_str!("kernels/attention_decode.cu"),
     ),
