@@ -90,19 +90,15 @@ impl CudaDevice {
             )));
         }
         heads.check_lengths("attention_decode_rope")?;
-        // The fused kernel merges its splits through global memory (no cluster variant).
         let launch = match launch {
             Some(l) => l,
-            None => DecodeLaunch {
-                cluster: false,
-                ..scratch.decode_launch(
-                    self,
-                    maps.n_singles * nkv,
-                    O::SUFFIX,
-                    nq / nkv.max(1),
-                    hd,
-                )?
-            },
+            None => scratch.plain_decode_launch(
+                self,
+                maps.n_singles * nkv,
+                O::SUFFIX,
+                nq / nkv.max(1),
+                hd,
+            )?,
         };
         let args = DecodeArgs {
             qkv,
@@ -157,9 +153,6 @@ impl CudaDevice {
         check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        if splits > 1 && !cluster {
-            scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
-        }
         if cluster {
             let f = self.func(&decode_cluster_kernel(group, hd))?;
             let cfg = ClusterConfig {
@@ -181,6 +174,9 @@ impl CudaDevice {
             // head), the grid's z extent, as the kernel's merge assumes.
             unsafe { self.launch_clustered(f, &cfg, &mut p) }?;
             return Ok(());
+        }
+        if splits > 1 {
+            scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
         }
         let name = match rope {
             Some(_) => decode_rope_kernel(group, hd),

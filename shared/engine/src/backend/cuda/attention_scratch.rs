@@ -12,7 +12,7 @@ use crate::error::EngineError;
 pub(super) const MAX_SPLITS: usize = 32;
 
 /// At most this many blocks in one cluster of the decode attention's cluster variant (its
-/// merge is unrolled to them: FD_MAX_CLUSTER in attention_decode.cu).
+/// merge is unrolled to them: FD_MAX_CLUSTER in attention_cluster.cu).
 pub(super) const MAX_CLUSTER: usize = 16;
 
 /// How one `attention_decode.cu` launch runs: blocks per (row, KV head), shared-memory
@@ -123,6 +123,32 @@ impl AttentionScratch {
         group: usize,
         head_dim: usize,
     ) -> Result<DecodeLaunch, EngineError> {
+        let plain = self.plain_decode_launch(dev, pairs, out, group, head_dim)?;
+        let DecodeLaunch { splits, stages, .. } = plain;
+        if self.decode_cluster != DecodeCluster::Off && splits > 1 && out == "bf16" {
+            let max = self.cluster_max(dev, stages, group, head_dim)?;
+            if let Some(splits) = cluster_splits(self.decode_cluster, splits, max, pairs, self.sms)
+            {
+                return Ok(DecodeLaunch {
+                    splits,
+                    stages,
+                    cluster: true,
+                });
+            }
+        }
+        Ok(plain)
+    }
+
+    /// [`Self::decode_launch`] without clusters: the stages and splits alone (the fused
+    /// kernel, which has no cluster variant, takes this).
+    pub fn plain_decode_launch(
+        &mut self,
+        dev: &CudaDevice,
+        pairs: usize,
+        out: &str,
+        group: usize,
+        head_dim: usize,
+    ) -> Result<DecodeLaunch, EngineError> {
         let stages = self
             .decode_stages
             .unwrap_or(if pairs >= 2 * self.sms { 1 } else { 2 });
@@ -147,17 +173,6 @@ impl AttentionScratch {
             Some(s) => s.min(split_bound(pairs, self.sms)),
             None => decode_splits_for(pairs, slots, self.sms),
         };
-        if self.decode_cluster != DecodeCluster::Off && splits > 1 && out == "bf16" {
-            let max = self.cluster_max(dev, stages, group, head_dim)?;
-            if let Some(splits) = cluster_splits(self.decode_cluster, splits, max, pairs, self.sms)
-            {
-                return Ok(DecodeLaunch {
-                    splits,
-                    stages,
-                    cluster: true,
-                });
-            }
-        }
         Ok(DecodeLaunch::plain(splits, stages))
     }
 
@@ -173,9 +188,7 @@ impl AttentionScratch {
             return Ok(n);
         }
         let f = dev.loaded(&decode_cluster_kernel(group, head_dim))?;
-        let n = dev
-            .max_cluster_size(f, 128, decode_smem_bytes(head_dim, stages))?
-            .min(MAX_CLUSTER);
+        let n = dev.max_cluster_size(f, 128, decode_smem_bytes(head_dim, stages), MAX_CLUSTER)?;
         self.cluster_max[stages - 1] = Some(n);
         Ok(n)
     }

@@ -107,13 +107,14 @@ impl CudaDevice {
         .map_err(cuda_err("launching with clusters"))
     }
 
-    /// The most blocks a cluster of `f` may have at `block` threads and `shared_mem_bytes`
-    /// of dynamic shared memory (0 where the GPU has no clusters).
+    /// The most blocks (at most `cap`) a cluster of `f` may have at `block` threads and
+    /// `shared_mem_bytes` of dynamic shared memory (0 where the GPU has no clusters).
     pub(super) fn max_cluster_size(
         &self,
         f: &CudaFunction,
         block: u32,
         shared_mem_bytes: u32,
+        cap: usize,
     ) -> Result<usize, EngineError> {
         if !self.cluster_capable {
             return Ok(0);
@@ -121,7 +122,7 @@ impl CudaDevice {
         let launch = sys::CUlaunchConfig {
             gridDimX: 1,
             gridDimY: 1,
-            gridDimZ: 16,
+            gridDimZ: cap as u32,
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
@@ -135,6 +136,6 @@ impl CudaDevice {
         unsafe { sys::cuOccupancyMaxPotentialClusterSize(&mut n, f.cu_function(), &launch) }
             .result()
             .map_err(cuda_err("querying the largest cluster"))?;
-        Ok(n.max(0) as usize)
+        Ok((n.max(0) as usize).min(cap))
     }
 }
