@@ -94,12 +94,19 @@ def main():
 
     forced = None
     if args.cases:
-        with open(args.cases) as f:
-            given = json.load(f)
-        prompts = np.asarray(given["prompts"], dtype=np.int64)
-        forced = np.asarray(given["continuations"], dtype=np.int64)
-        if given["vocab"] != vocab or forced.shape[0] != prompts.shape[0]:
-            sys.exit(f"--cases {args.cases}: vocab {given['vocab']} (model {vocab}), "
+        try:
+            with open(args.cases) as f:
+                given = json.load(f)
+            prompts = np.asarray(given["prompts"], dtype=np.int64)
+            forced = np.asarray(given["continuations"], dtype=np.int64)
+            given_vocab = given["vocab"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"--cases {args.cases}: not a cases.json of hf_reference.py "
+                     f"({type(e).__name__}: {e})")
+        if prompts.ndim != 2 or forced.ndim != 2:
+            sys.exit(f"--cases {args.cases}: prompts and continuations must be lists of equal-length id lists")
+        if given_vocab != vocab or forced.shape[0] != prompts.shape[0]:
+            sys.exit(f"--cases {args.cases}: vocab {given_vocab} (model {vocab}), "
                      f"{prompts.shape[0]} prompts, {forced.shape[0]} continuations")
         args.prompts, args.prompt_len = prompts.shape
         args.steps = forced.shape[1]
