@@ -215,6 +215,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     // The block's keys: found before the early staging, else after the q fragments (the
     // fused variant's q prologue is short of registers: nothing more may live across it).
     int2 keys = make_int2(0, 0);
+    // Two shared-memory stages (the next run loads while this one computes) when the launch
+    // gave the memory for them, else one (more blocks per SM hide each other's loads instead).
+    // early2: the block's first two runs were both staged before the wait.
+    bool ring = false, early2 = false;
     if (EARLY) {
         const int* table = tables + table_start[t];
         const int pos = positions[t];
@@ -222,20 +226,31 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         keys = split_keys<!ROPE>(lo_pos[t], pos, splits, sp);
         const int beg = keys.x;
         const int end = keys.y;
-        // The first run into shared memory before the wait on the kernel before this one (the
-        // q/k norm, whose KV write is the only write to these keys in this step, at `pos`):
-        // every other key was written by an earlier step, so its DRAM latency overlaps that
-        // kernel. The row of `pos` follows after the wait.
+        unsigned smem_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+        ring = smem_bytes >= 2 * 2 * FA_BK * ROW * sizeof(e16_t);
+        early2 = ring && beg + FA_BK < end;
+        // The first run (and with two stages the second) into shared memory before the wait on
+        // the kernel before this one (the q/k norm, whose KV write is the only write to these
+        // keys in this step, at `pos`): every other key was written by an earlier step, so its
+        // DRAM latency overlaps that kernel. The row of `pos` follows after the wait, into the
+        // stage that holds it. (A block with two runs otherwise met the second's latency after
+        // the wait, while a cluster's other blocks waited for it at the barrier.)
         if (beg < end)
             stage_kv_run<HD, true>(smem, pool, table, beg, end, block_size, block_e, layer_off, kvd, part_e, g, pos);
+        if (early2)
+            stage_kv_run<HD, true>(smem + 2 * FA_BK * ROW, pool, table, beg + FA_BK, end, block_size, block_e,
+                                   layer_off, kvd, part_e, g, pos);
         GRID_DEPENDENCY_SYNC();
-        if (beg < end && pos < beg + FA_BK) {
+        const int r = pos - beg;  // the own key's row in the staged runs: stage r / FA_BK
+        if (beg < end && r < (early2 ? 2 : 1) * FA_BK) {
             if (threadIdx.x < HD / 8) {
                 const int c = threadIdx.x * 8;
                 const long long at = (long long)table[pos / block_size] * block_e + layer_off +
                                      (long long)(pos % block_size) * kvd + (long long)g * HD + c;
-                cp_async16(smem + (pos - beg) * ROW + c, pool + at, true);
-                cp_async16(smem + (FA_BK + pos - beg) * ROW + c, pool + at + part_e, true);
+                e16_t* sk = smem + (r < FA_BK ? r : r + FA_BK) * ROW + c;
+                cp_async16(sk, pool + at, true);
+                cp_async16(sk + FA_BK * ROW, pool + at + part_e, true);
             }
             cp_async_commit();
         }
@@ -272,11 +287,11 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, end, block_size, block_e,
                          layer_off, kvd, part_e, g);
     };
-    // Two stages (the next run loads while this one computes) when the launch gave the
-    // shared memory for them, else one (more blocks per SM hide each other's loads instead).
-    unsigned smem_bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-    const bool ring = smem_bytes >= 2 * 2 * FA_BK * ROW * sizeof(e16_t);
+    if (!EARLY) {  // here, not earlier: the fused variant's q prologue is short of registers
+        unsigned smem_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+        ring = smem_bytes >= 2 * 2 * FA_BK * ROW * sizeof(e16_t);
+    }
     // Fused variant: the block whose keys end at the step's own writes its K and V first
     // (no other block reads that position), visible to the block's staging after the barrier.
     if (ROPE && beg <= pos && pos < end) {
@@ -291,7 +306,9 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     if (!EARLY && beg < end) stage(0, beg);
     int st = 0;
     for (int k0 = beg; k0 < end; k0 += FA_BK) {
-        if (ring && k0 + FA_BK < end) {
+        if (early2 && k0 == beg) {
+            cp_async_wait<0>();  // the next run is staged already
+        } else if (ring && k0 + FA_BK < end) {
             stage(st ^ 1, k0 + FA_BK);
             cp_async_wait<1>();
         } else {
