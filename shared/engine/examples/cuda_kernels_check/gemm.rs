@@ -2,10 +2,20 @@
 
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
+use tandem_engine::backend::cuda::switches::EarlyWeights;
 use tandem_engine::backend::cuda::DeviceMatrix;
 use tandem_engine::error::EngineError;
 
 use super::common::*;
+
+/// The early-weight setting under test: every GEMV of one or two rows, or none.
+fn early_weights(early: bool) -> EarlyWeights {
+    if early {
+        EarlyWeights::OneAndTwoRows
+    } else {
+        EarlyWeights::Off
+    }
+}
 
 /// cuBLAS sgemm and bf16 GEMMs, the GEMV kernels and their fused norm / SiLU forms, and a refused type mix.
 pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
@@ -45,7 +55,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         (64, HIDDEN, 2 * IM, false),
         (300, IM, HIDDEN, false),
     ] {
-        dev.set_early_gemv_weights(early);
+        dev.set_early_gemv_weights(early_weights(early));
         let x: Vec<f32> = rng
             .vec(m * k)
             .into_iter()
@@ -87,7 +97,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         (2, HIDDEN, true),
         (1, 1000, true),
     ] {
-        dev.set_early_gemv_weights(early);
+        dev.set_early_gemv_weights(early_weights(early));
         let x = rng.vec(m * k);
         let res = rng.vec(m * k);
         let nw = rng.vec(k);
@@ -164,7 +174,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             );
         }
     }
-    dev.set_early_gemv_weights(false);
+    dev.set_early_gemv_weights(EarlyWeights::Off);
     // A bf16 GEMM input against f32 weights is refused.
     {
         let dx = dev.zeros::<u16>(HIDDEN)?;

@@ -135,9 +135,10 @@ impl CudaDevice {
         }
     }
 
-    /// The part of a `gemv.cu` entry point's name that picks the early-weight variant.
-    fn gemv_variant(&self) -> &'static str {
-        if self.early_gemv_weights {
+    /// The part of a `gemv.cu` entry point's name that picks the early-weight variant for a
+    /// GEMV of `rows` rows.
+    fn gemv_variant(&self, rows: usize) -> &'static str {
+        if self.early_gemv_weights.applies(rows) {
             "_early"
         } else {
             ""
@@ -161,7 +162,7 @@ impl CudaDevice {
         (m, n, k): (i32, i32, i32),
         (next, next_bytes): (u64, u64),
     ) -> Result<(), EngineError> {
-        let early = self.gemv_variant();
+        let early = self.gemv_variant(rows);
         let name = format!("gemv{early}_bf16_m{rows}");
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
@@ -303,7 +304,7 @@ impl CudaDevice {
             check_len("norm_gemv with RoPE tokens", r.maps.tokens, m)?;
         }
         let silu_part = if silu { "_silu" } else { "" };
-        let early = self.gemv_variant();
+        let early = self.gemv_variant(rows);
         let name = if rope.is_some() {
             format!("gemv_norm_rope_bf16_m{rows}")
         } else {

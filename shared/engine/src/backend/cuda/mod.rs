@@ -246,9 +246,9 @@ pub struct CudaDevice {
     /// bf16 GEMMs of one or two rows by `gemv.cu` rather than cuBLAS
     /// ([`switches::SMALL_GEMM_ENV`]).
     small_m_gemv: bool,
-    /// The GEMVs of one or two rows load their first weights before the PDL wait (their
+    /// Which GEMVs of one or two rows load their first weights before the PDL wait (their
     /// `_early_` entry points; [`switches::DecodeFusion::early_weights`]).
-    early_gemv_weights: bool,
+    early_gemv_weights: switches::EarlyWeights,
     /// The GEMVs of one or two rows ask the next GEMM's weights into L2
     /// ([`switches::L2_PREFETCH_ENV`]).
     l2_prefetch_next: bool,
@@ -366,7 +366,7 @@ impl CudaDevice {
             launches: std::sync::atomic::AtomicU64::new(0),
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
-            early_gemv_weights: false,
+            early_gemv_weights: switches::EarlyWeights::default(),
             l2_prefetch_next: switches::l2_prefetch_from_env()?,
             pdl_capable,
             cluster_capable,
@@ -374,10 +374,10 @@ impl CudaDevice {
         })
     }
 
-    /// Whether the GEMVs of one or two rows (`gemv.cu`) load their first weights before
-    /// waiting on the kernel before them: their `_early_` entry points.
-    pub fn set_early_gemv_weights(&mut self, on: bool) {
-        self.early_gemv_weights = on;
+    /// Which GEMVs of one or two rows (`gemv.cu`) load their first weights before waiting on
+    /// the kernel before them: their `_early_` entry points.
+    pub fn set_early_gemv_weights(&mut self, early: switches::EarlyWeights) {
+        self.early_gemv_weights = early;
     }
 
     /// What this device's 16-bit buffers hold (the program it compiled).

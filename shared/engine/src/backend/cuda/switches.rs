@@ -138,28 +138,51 @@ pub(super) fn l2_prefetch_from_env() -> Result<bool, EngineError> {
     choice(L2_PREFETCH_ENV, &[("off", false), ("on", true)])
 }
 
-/// `TANDEM_CUDA_DECODE_FUSION`: which decode-step fusions are on: `off` (the default: each
-/// one measured slower on the H200, docs/benchmarks.md), `on` (all), or a comma-separated
-/// list of
+/// `TANDEM_CUDA_DECODE_FUSION`: which decode-step fusions are on. Unset, only one: the GEMVs
+/// of one row (decode steps of one sequence) load their first weights before waiting on the
+/// kernel before them (batch 1 +2.7% on the H200; at two rows it lost 6%); every other one
+/// measured slower (docs/benchmarks.md). `off` turns that one off too, `on` turns on all, and
+/// a comma-separated list adds to the default
 /// - `rope`: in steps whose every row is a decode row, the q/k norms, RoPE and KV write ride
 ///   in the tensor-core decode attention (one launch per layer fewer);
 /// - `final-norm`: in steps of one or two rows that want every row's logits, the final
 ///   RMSNorm rides in the lm_head GEMV (no row gathers, no separate norm: three launches
 ///   fewer);
-/// - `early-weights`: the GEMVs of one or two rows load their first weights before waiting on
+/// - `early-weights`: the GEMVs of two rows too load their first weights before waiting on
 ///   the kernel before them (programmatic launch), overlapping its tail;
 /// - `qkv-rope`: in steps of one or two rows, the q/k norms, RoPE and KV write ride in the
 ///   tail of the qkv GEMV (the last block of each head does them: one launch per layer
 ///   fewer).
 pub const DECODE_FUSION_ENV: &str = "TANDEM_CUDA_DECODE_FUSION";
 
-/// The fusions of [`DECODE_FUSION_ENV`].
+/// The fusions of [`DECODE_FUSION_ENV`]; `Default` is what an unset variable gives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DecodeFusion {
     pub rope: bool,
     pub final_norm: bool,
-    pub early_weights: bool,
+    pub early_weights: EarlyWeights,
     pub qkv_rope: bool,
+}
+
+/// Which GEMVs (`gemv.cu`'s one- and two-row kernels) load their first weights before the
+/// programmatic-launch wait: their `_early_` entry points.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EarlyWeights {
+    Off,
+    #[default]
+    OneRow,
+    OneAndTwoRows,
+}
+
+impl EarlyWeights {
+    /// Whether a GEMV of `rows` rows takes its early variant.
+    pub fn applies(self, rows: usize) -> bool {
+        match self {
+            EarlyWeights::Off => false,
+            EarlyWeights::OneRow => rows == 1,
+            EarlyWeights::OneAndTwoRows => true,
+        }
+    }
 }
 
 impl DecodeFusion {
@@ -167,12 +190,17 @@ impl DecodeFusion {
     /// `qkv-rope`.
     pub fn parse(v: &str) -> Result<Self, EngineError> {
         match v {
-            "off" => return Ok(DecodeFusion::default()),
+            "off" => {
+                return Ok(DecodeFusion {
+                    early_weights: EarlyWeights::Off,
+                    ..DecodeFusion::default()
+                })
+            }
             "on" => {
                 return Ok(DecodeFusion {
                     rope: true,
                     final_norm: true,
-                    early_weights: true,
+                    early_weights: EarlyWeights::OneAndTwoRows,
                     qkv_rope: true,
                 })
             }
@@ -183,7 +211,7 @@ impl DecodeFusion {
             match part {
                 "rope" => f.rope = true,
                 "final-norm" => f.final_norm = true,
-                "early-weights" => f.early_weights = true,
+                "early-weights" => f.early_weights = EarlyWeights::OneAndTwoRows,
                 "qkv-rope" => f.qkv_rope = true,
                 other => {
                     return Err(EngineError::InvalidInput(format!(
@@ -219,7 +247,7 @@ pub(super) fn pdl_from_env() -> Result<bool, EngineError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{choice, parse_splits, DecodeFusion};
+    use super::{choice, parse_splits, DecodeFusion, EarlyWeights};
 
     #[test]
     fn decode_splits_are_auto_or_a_count() {
@@ -233,13 +261,22 @@ mod tests {
 
     #[test]
     fn decode_fusion_takes_off_on_or_a_list_and_names_a_bad_part() {
-        assert_eq!(DecodeFusion::parse("off").unwrap(), DecodeFusion::default());
+        let off = DecodeFusion::parse("off").unwrap();
+        assert!(!off.rope && !off.final_norm && !off.qkv_rope);
+        assert_eq!(off.early_weights, EarlyWeights::Off);
+        // Unset: the one-row early weights only.
+        let default = DecodeFusion::default();
+        assert!(!default.rope && !default.final_norm && !default.qkv_rope);
+        assert_eq!(default.early_weights, EarlyWeights::OneRow);
         let all = DecodeFusion::parse("on").unwrap();
-        assert!(all.rope && all.final_norm && all.early_weights && all.qkv_rope);
+        assert!(all.rope && all.final_norm && all.qkv_rope);
+        assert_eq!(all.early_weights, EarlyWeights::OneAndTwoRows);
         let q = DecodeFusion::parse("qkv-rope").unwrap();
-        assert!(q.qkv_rope && !q.rope && !q.final_norm && !q.early_weights);
+        assert!(q.qkv_rope && !q.rope && !q.final_norm);
+        assert_eq!(q.early_weights, EarlyWeights::OneRow);
         let two = DecodeFusion::parse("rope, early-weights").unwrap();
-        assert!(two.rope && !two.final_norm && two.early_weights);
+        assert!(two.rope && !two.final_norm);
+        assert_eq!(two.early_weights, EarlyWeights::OneAndTwoRows);
         let e = DecodeFusion::parse("rope,fast").unwrap_err().to_string();
         assert!(e.contains("not `fast`") && e.contains("final-norm"), "{e}");
         assert!(DecodeFusion::parse("").is_err());
