@@ -35,6 +35,7 @@ mod prefill;
 mod test_backend;
 #[cfg(test)]
 mod tests;
+mod validate;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
