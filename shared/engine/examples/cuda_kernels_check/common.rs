@@ -88,11 +88,12 @@ pub(crate) const ROW: usize = (NQ + 2 * NKV) * HD;
 
 /// The step's sequences: (block table, positions this step).
 pub(crate) fn sequences() -> Vec<(Vec<u32>, std::ops::Range<usize>)> {
-    // A decode token at position 100, a prefill chunk over a cached prefix (40..90: two
-    // tiles of the tensor-core prefill, keys in two runs) and a fresh prefill (0..33); block
-    // ids permuted over a pool of 16.
+    // A decode token at position 150 (three runs of 64 keys: one block of two stages stages
+    // two before the PDL wait and the third, holding the step's own key, after it), a prefill
+    // chunk over a cached prefix (40..90: two tiles of the tensor-core prefill, keys in two
+    // runs) and a fresh prefill (0..33); block ids permuted over a pool of 20.
     vec![
-        (vec![3, 9, 0, 14, 6, 11, 1], 100..101),
+        (vec![3, 9, 0, 14, 6, 11, 1, 16, 19, 17], 150..151),
         (vec![5, 12, 2, 8, 13, 7], 40..90),
         (vec![15, 4, 10], 0..33),
     ]
@@ -164,9 +165,9 @@ impl RopeInputs {
     }
 }
 
-/// The checks' paged pool: 16 blocks (the step's tables use ids below 16) of the model shape.
+/// The checks' paged pool: 20 blocks (the step's tables use ids below 20) of the model shape.
 pub(crate) const POOL_SHAPE: PoolShape = PoolShape {
-    num_blocks: 16,
+    num_blocks: 20,
     num_layers: LAYERS,
     block_size: BS,
     num_kv_heads: NKV,
