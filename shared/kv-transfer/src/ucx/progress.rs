@@ -452,15 +452,8 @@ impl Thread {
                 }
             }
         };
-        let mut pending = Pending {
-            ep: id,
-            requests: Vec::new(),
-            first_error: None,
-            reply: Some(reply),
-            deadline: Instant::now() + self.op_timeout,
-            what: "a UCX write batch",
-            _keep: Vec::with_capacity(puts.len()),
-        };
+        let keep = Vec::with_capacity(puts.len());
+        let mut pending = Pending::new(id, reply, self.op_timeout, "a UCX write batch", keep);
         // SAFETY: zeroed request params = no callback, contiguous datatype, defaults.
         let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         for (buf, addr) in puts {
@@ -516,15 +509,13 @@ impl Thread {
                 &param,
             )
         };
-        let mut pending = Pending {
-            ep: id,
-            requests: Vec::new(),
-            first_error: None,
-            reply: Some(reply),
-            deadline: Instant::now() + self.op_timeout,
-            what: "a UCX notification",
-            _keep: vec![payload],
-        };
+        let mut pending = Pending::new(
+            id,
+            reply,
+            self.op_timeout,
+            "a UCX notification",
+            vec![payload],
+        );
         pending.track(r);
         self.pending.push(pending);
     }
@@ -669,6 +660,26 @@ impl Thread {
 }
 
 impl Pending {
+    /// An operation on endpoint `ep` that fails with a timeout unless done within `timeout`;
+    /// `keep` holds its source bytes until then.
+    fn new(
+        ep: u64,
+        reply: oneshot::Sender<Result<()>>,
+        timeout: Duration,
+        what: &'static str,
+        keep: Vec<Bytes>,
+    ) -> Self {
+        Pending {
+            ep,
+            requests: Vec::new(),
+            first_error: None,
+            reply: Some(reply),
+            deadline: Instant::now() + timeout,
+            what,
+            _keep: keep,
+        }
+    }
+
     /// Records the result of a `*_nbx` call: immediate success, error, or a request to watch.
     fn track(&mut self, r: sys::ucs_status_ptr_t) {
         if sys::ucs_ptr_is_ptr(r) {
