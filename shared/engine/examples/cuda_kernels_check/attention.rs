@@ -1,7 +1,6 @@
 //! The KV write and the attention kernels against the decoder's attention on the CPU.
 
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot};
-use tandem_engine::backend::cuda::ops::HeadNorms;
 use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, DecodeLaunch, KvPool};
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
@@ -378,15 +377,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 // The fused kernel (q/k norms, RoPE and the KV write inside) against
                 // qk_norm_rope_kv + attention_decode on the same rows and pool, at one split
                 // and at several (which block writes the step's K and V), one and two stages.
-                let heads = HeadNorms {
-                    nq: NQ,
-                    nkv: NKV,
-                    head_dim: HD,
-                    inv_freq: dinv,
-                    q_norm: Some(dqn),
-                    k_norm: Some(dkn),
-                    eps: EPS,
-                };
+                let heads = rope_in.heads();
                 let mut q_ref = dev.upload(&qkv_d)?;
                 let mut p_ref = upload_pool(&host)?;
                 dev.qk_norm_rope_kv(&mut q_ref, ROW, &heads, &maps_dt, &mut p_ref, shape, layer)?;

@@ -174,7 +174,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             );
         }
     }
-    dev.set_early_gemv_weights(EarlyWeights::Off);
+    dev.set_early_gemv_weights(EarlyWeights::default());
     // A bf16 GEMM input against f32 weights is refused.
     {
         let dx = dev.zeros::<u16>(HIDDEN)?;
