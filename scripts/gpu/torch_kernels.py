@@ -263,7 +263,7 @@ def main():
     w = rand(H)
     xd = x.clone()
     out = torch.empty(T, H, device=dev)
-    drv.launch("rms_norm_f32", (T,), (256,), [out, xd, res, w, I(H), F(eps), L(0)])
+    drv.launch("rms_norm_f32", (T,), (256,), [out, xd, res, w, I(H), F(eps), L(0), L(0)])
     v = (x + res).double()
     want = w.double() * v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps)
     rep.add("rms_norm_f32", "with residual: normed rows", out, want, 1e-5 * want.abs().max().item())
@@ -294,7 +294,7 @@ def main():
     im = 3072
     gu = rand(T, 2 * im, scale=4.0)
     out = torch.empty(T, im, device=dev)
-    drv.launch("silu_mul_f32", (64,), (256,), [out, gu, I(T), I(im), L(0)])
+    drv.launch("silu_mul_f32", (64,), (256,), [out, gu, I(T), I(im), L(0), L(0)])
     # Gate and up interleaved (column 2c gate c, 2c + 1 up c), as the backend lays them out.
     want = torch.nn.functional.silu(gu[:, 0::2].double()) * gu[:, 1::2].double()
     rep.add("silu_mul_f32", f"{T} rows of {im}", out, want, 1e-5 * want.abs().max().item())

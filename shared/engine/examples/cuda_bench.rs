@@ -12,8 +12,10 @@
 //!   (the step's FLOPs, attention included, over the measured GEMM rate).
 //!
 //! `cuda_bench --model DIR [--batches 1,8,64,256] [--context 1024] [--prefill 512,2048,8192]
-//!  [--steps 32] [--mode bf16|f16|bf16x2] [--graphs 256] [--profile 1]` prints one JSON object
-//!  (`--graphs 0`: no CUDA graphs; `--profile 1`: one more step of each case run eagerly with
+//!  [--steps 32] [--mode bf16|f16|bf16x2] [--kv-dtype bf16|f16|f32] [--graphs 256]
+//!  [--profile 1]` prints one JSON object (the KV cache in the mode's own 16-bit type unless
+//!  `--kv-dtype` says otherwise;
+//!  `--graphs 0`: no CUDA graphs; `--profile 1`: one more step of each case run eagerly with
 //!  an event per launch, its GPU time per kernel reported as `breakdown`).
 
 #[cfg(not(feature = "cuda"))]
@@ -132,6 +134,7 @@ mod bench {
     pub fn run() -> Res<()> {
         let mut model_dir = None;
         let mut mode = ComputeMode::Bf16;
+        let mut kv_dtype: Option<tandem_engine::kv::layout::KvDtype> = None;
         // Decode steps of up to this many sequences run as CUDA graphs (0: eager).
         let mut graphs = 256usize;
         let mut profile = false;
@@ -152,6 +155,7 @@ mod bench {
                 "--steps" => steps = v.parse().map_err(|_| "--steps: a number")?,
                 "--graphs" => graphs = v.parse().map_err(|_| "--graphs: a number")?,
                 "--profile" => profile = v != "0",
+                "--kv-dtype" => kv_dtype = Some(v.parse().map_err(|e| format!("--kv-dtype: {e}"))?),
                 "--mode" => {
                     mode = match v.as_str() {
                         "bf16" => ComputeMode::Bf16,
@@ -175,7 +179,7 @@ mod bench {
         let opts = CudaOptions {
             ordinal: 0,
             mode,
-            kv_dtype: mode.kv_dtype16(),
+            kv_dtype: kv_dtype.unwrap_or(mode.kv_dtype16()),
             block_size: BLOCK,
             pool: PoolSize::Blocks(blocks),
             max_step_tokens: MAX_STEP_TOKENS,

@@ -3,8 +3,8 @@
 //! LD_LIBRARY_PATH). A kernel that does not compile fails this program. Arguments: the
 //! architectures (default `sm_90`), and `--write FILE` to save the PTX of the last one (the
 //! torch kernel harness, `scripts/gpu/torch_kernels.py`, loads it: the bf16 program). Both
-//! flavours of the program are compiled (bf16, and IEEE half for the f16 compute mode). Prints
-//! one JSON line per architecture and flavour.
+//! flavours of the program are compiled (bf16, and IEEE half for the f16 compute mode), and the
+//! half-KV attention program. Prints one JSON line per architecture and program.
 //!
 //! `cargo run -p tandem-engine --features cuda --example cuda_ptx_check -- sm_90`
 
@@ -49,8 +49,42 @@ fn main() {
                 write.as_deref().filter(|_| e16 == kernels::Float16::Bf16),
             );
         }
+        ok &= check_half_kv_program(arch);
     }
     std::process::exit(if ok { 0 } else { 1 });
+}
+
+/// Compiles the half-KV attention program (the attention files as the f16 program, outputs
+/// in bf16: the bf16x2 precision's f16 cache) for `arch`; prints a JSON line. True when it
+/// compiled with every entry point the engine loads from it.
+#[cfg(feature = "cuda")]
+fn check_half_kv_program(arch: &str) -> bool {
+    use tandem_engine::backend::cuda::kernels;
+    let t0 = std::time::Instant::now();
+    match kernels::half_kv_ptx(arch) {
+        Ok(ptx) => {
+            let missing: Vec<&&str> = kernels::HALF_KV_KERNEL_NAMES
+                .iter()
+                .filter(|n| !ptx.contains(&format!(".entry {n}(")))
+                .collect();
+            println!(
+                "{}",
+                serde_json::json!({
+                    "arch": arch, "program": "half-kv", "ptx_bytes": ptx.len(),
+                    "kernels": kernels::HALF_KV_KERNEL_NAMES.len(), "missing": missing,
+                    "ms": t0.elapsed().as_secs_f64() * 1e3,
+                })
+            );
+            missing.is_empty()
+        }
+        Err(e) => {
+            println!(
+                "{}",
+                serde_json::json!({ "arch": arch, "program": "half-kv", "error": e.to_string() })
+            );
+            false
+        }
+    }
 }
 
 /// Compiles the program for `arch` and `e16` with every attention instance, then the

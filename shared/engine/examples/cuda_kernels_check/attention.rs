@@ -10,6 +10,7 @@ use super::common::*;
 /// KV write (alone and fused with q/k norm + RoPE) and every paged attention kernel, f32 and bf16 pools, with and without a sliding window.
 pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
     let Ctx { dev, rep, rng } = cx;
+    dev.load_half_kv_attention()?;
     let seqs = sequences();
     let (seq_refs, tokens) = step_tokens(&seqs);
     let t = tokens.len();
@@ -64,17 +65,6 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 ),
             })
         };
-        let download_pool = |pool: &KvPool| -> Result<Vec<f32>, EngineError> {
-            Ok(match pool {
-                KvPool::F32(p) => dev.download(p)?,
-                KvPool::Half(p) => dev
-                    .download(p)?
-                    .into_iter()
-                    .map(|b| half::f16::from_bits(b).to_f32())
-                    .collect(),
-                KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
-            })
-        };
         let mut pool = upload_pool(&host)?;
         // The fused q/k norm + RoPE + KV write against the two kernels it replaces, on
         // the same pool and rows: identical.
@@ -100,8 +90,8 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
             rep.add(
                 "qk_norm_rope_kv",
                 &case,
-                &download_pool(&p2)?,
-                &download_pool(&p1)?,
+                &download_pool(dev, &p2)?,
+                &download_pool(dev, &p1)?,
                 0.0,
             );
             rep.add(
@@ -124,7 +114,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
             }
         }
         dev.kv_write(&mut pool, shape, layer, &dqkv, ROW, NQ * HD, &maps)?;
-        let got = download_pool(&pool)?;
+        let got = download_pool(dev, &pool)?;
         rep.add("kv_write", &dtype.to_string(), &got, &host, 0.0);
 
         // Attention over the pool as written, without and with a sliding window.
@@ -199,8 +189,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 bf16_tol(&want),
             );
             // The tensor-core prefill for the chunks, attention_fast for the decode row (Q
-            // and P rounded to bf16: within a bf16 step of the largest V value).
-            if let (KvDtype::Bf16, Some(n)) =
+            // and P rounded to bf16: within a bf16 step of the largest V value). An f16 pool
+            // takes the half-KV program's kernels (Q and P in f16).
+            if let (KvDtype::Bf16 | KvDtype::F16, Some(n)) =
                 (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
             {
                 // Singles by attention_fast, then by the tensor-core decode kernel.
@@ -240,6 +231,30 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                         &want,
                         vmax / 256.0,
                     );
+                    if dtype == KvDtype::F16 {
+                        // Split bf16 outputs (hi + lo rows) for the bf16x2 GEMMs.
+                        let mut tiled2 = dev.zeros::<u16>(2 * t * NQ * HD)?;
+                        dev.attention(
+                            &mut tiled2,
+                            &dqkv,
+                            ROW,
+                            &pool,
+                            shape,
+                            layer,
+                            NQ,
+                            &maps_t,
+                            scale,
+                            &mut scratch,
+                            true,
+                        )?;
+                        rep.add(
+                            "attention_prefill",
+                            &format!("{case}, split bf16 out (decode_tc_min {decode_tc_min})"),
+                            &fold_split(&dev.download(&tiled2)?),
+                            &want,
+                            vmax / 256.0,
+                        );
+                    }
                 }
             }
             // Only the decode token of each sequence: few (token, head) pairs, so the
@@ -287,7 +302,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
             // The same rows on tensor cores (Q and P in bf16), one block per (row, head)
             // and the keys split over 2, 3 and 4 blocks, with one and two shared-memory
             // stages, f32 and bf16 outputs.
-            if let (KvDtype::Bf16, Some(n)) =
+            if let (KvDtype::Bf16 | KvDtype::F16, Some(n)) =
                 (dtype, CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV))
             {
                 let mut maps_dt = dev.token_maps(&last, BS, window)?;
@@ -318,6 +333,88 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                         &want_d,
                         vmax / 256.0,
                     );
+                }
+                if dtype == KvDtype::F16 {
+                    // The half-KV program: split bf16 outputs through the dispatcher; it has
+                    // neither the cluster variant nor the fused q/k norms.
+                    let mut got2 = dev.zeros::<u16>(2 * last.len() * NQ * HD)?;
+                    dev.attention(
+                        &mut got2,
+                        &dqkv_d,
+                        ROW,
+                        &pool,
+                        shape,
+                        layer,
+                        NQ,
+                        &maps_dt,
+                        scale,
+                        &mut scratch,
+                        true,
+                    )?;
+                    rep.add(
+                        "attention_decode",
+                        &format!("{case}, decode rows only, split bf16 out (dispatcher)"),
+                        &fold_split(&dev.download(&got2)?),
+                        &want_d,
+                        vmax / 256.0,
+                    );
+                    // Its cluster variants, f32 and split bf16 outputs.
+                    if dev.cluster_capable() {
+                        for (splits, stages) in [(3, 1), (16, 2)] {
+                            let launch = DecodeLaunch {
+                                splits,
+                                stages,
+                                cluster: true,
+                            };
+                            let rows = last.len() * NQ * HD;
+                            let mut got = dev.zeros::<f32>(rows)?;
+                            dev.attention_decode(
+                                &mut got,
+                                &dqkv_d,
+                                ROW,
+                                &pool,
+                                shape,
+                                layer,
+                                NQ,
+                                &maps_dt,
+                                scale,
+                                &mut scratch,
+                                false,
+                                launch,
+                            )?;
+                            let how = format!("{splits} splits, {stages} stages");
+                            rep.add(
+                                "attention_decode_cluster",
+                                &format!("{case}, decode rows only ({how})"),
+                                &dev.download(&got)?,
+                                &want_d,
+                                vmax / 256.0,
+                            );
+                            let mut got2 = dev.zeros::<u16>(2 * rows)?;
+                            dev.attention_decode(
+                                &mut got2,
+                                &dqkv_d,
+                                ROW,
+                                &pool,
+                                shape,
+                                layer,
+                                NQ,
+                                &maps_dt,
+                                scale,
+                                &mut scratch,
+                                true,
+                                launch,
+                            )?;
+                            rep.add(
+                                "attention_decode_cluster",
+                                &format!("{case}, decode rows only ({how}), split bf16 out"),
+                                &fold_split(&dev.download(&got2)?),
+                                &want_d,
+                                vmax / 256.0,
+                            );
+                        }
+                    }
+                    continue;
                 }
                 // The cluster variant (sm_90 on): the splits of a (row, head) as one cluster,
                 // merged over distributed shared memory, at 2, 3 and 16 splits.
@@ -381,7 +478,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 let mut q_ref = dev.upload(&qkv_d)?;
                 let mut p_ref = upload_pool(&host)?;
                 dev.qk_norm_rope_kv(&mut q_ref, ROW, &heads, &maps_dt, &mut p_ref, shape, layer)?;
-                let want_pool = download_pool(&p_ref)?;
+                let want_pool = download_pool(dev, &p_ref)?;
                 for launch in [
                     None,
                     Some(DecodeLaunch::plain(1, 2)),
@@ -435,7 +532,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     rep.add(
                         "attention_decode_rope",
                         &format!("{case}, {how}, the step's K and V in the pool"),
-                        &download_pool(&p_fused)?,
+                        &download_pool(dev, &p_fused)?,
                         &want_pool,
                         // One bf16 step of the largest values (those in [1, 2) step by 2⁻⁷).
                         2.0 * bf16_tol(&want_pool),
@@ -445,4 +542,13 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
         }
     }
     Ok(())
+}
+
+/// hi + lo of a split bf16 buffer (the first half the hi rows, the second the lo rows).
+fn fold_split(v: &[u16]) -> Vec<f32> {
+    let (hi, lo) = v.split_at(v.len() / 2);
+    hi.iter()
+        .zip(lo)
+        .map(|(h, l)| bf16_to_f32(*h) + bf16_to_f32(*l))
+        .collect()
 }

@@ -173,3 +173,20 @@ pub(crate) const POOL_SHAPE: PoolShape = PoolShape {
     num_kv_heads: NKV,
     head_dim: HD,
 };
+
+/// A pool's elements as f32 (bf16, IEEE half or f32 on the device).
+pub(crate) fn download_pool(
+    dev: &CudaDevice,
+    pool: &tandem_engine::backend::cuda::KvPool,
+) -> Result<Vec<f32>, EngineError> {
+    use tandem_engine::backend::cuda::KvPool;
+    Ok(match pool {
+        KvPool::F32(p) => dev.download(p)?,
+        KvPool::Half(p) => dev
+            .download(p)?
+            .into_iter()
+            .map(|b| half::f16::from_bits(b).to_f32())
+            .collect(),
+        KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
+    })
+}

@@ -3,7 +3,7 @@
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
 use tandem_engine::backend::cuda::switches::EarlyWeights;
-use tandem_engine::backend::cuda::DeviceMatrix;
+use tandem_engine::backend::cuda::{DeviceMatrix, GemvInput};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
@@ -140,6 +140,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                     k,
                     n,
                     true,
+                    GemvInput::Bf16,
                     Some(&dwm),
                     None,
                 )?;
@@ -158,6 +159,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                     k,
                     n,
                     false,
+                    GemvInput::Bf16,
                     Some(&dwm),
                     None,
                 )?;
@@ -174,6 +176,8 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             );
         }
     }
+    gemvs_f32_rows(cx)?;
+    let Ctx { dev, rep, .. } = cx;
     dev.set_early_gemv_weights(EarlyWeights::default());
     // A bf16 GEMM input against f32 weights is refused.
     {
@@ -182,6 +186,93 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         let mut dout = dev.zeros::<f32>(1)?;
         let refused = dev.matmul_t(&dx, 1, HIDDEN, &dwm, 1, &mut dout).is_err();
         rep.flag("gemm", "mixed dtypes refused", refused, json!(refused));
+    }
+    Ok(())
+}
+
+/// The GEMVs that read f32 rows (`_xf32_`, the bf16x2 precision's one- and two-row steps)
+/// against the host: f32 rows (never rounded) times bf16 weights; the fused norm forms
+/// against the norm, GEMM and SiLU·mul computed on the host in f32.
+fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    let bf16_weights = |rng: &mut Rng, n: usize| -> (Vec<u16>, Vec<f32>) {
+        let w: Vec<u16> = rng.vec(n).into_iter().map(bf16).collect();
+        let wf = widen(&w);
+        (w, wf)
+    };
+    for early in [false, true] {
+        dev.set_early_gemv_weights(early_weights(early));
+        let how = if early { ", early weights" } else { "" };
+        for (m, k, nn) in [(1, HIDDEN, ROW), (2, IM, HIDDEN), (1, 1000, 77), (2, 8, 33)] {
+            let x = rng.vec(m * k);
+            let (w, wf) = bf16_weights(rng, nn * k);
+            let mut want = vec![0.0f32; m * nn];
+            matmul_t(&x, m, k, MatRef::F32(&wf), nn, &mut want);
+            let (dx, dwm) = (dev.upload(&x)?, DeviceMatrix::Bf16(dev.upload(&w)?));
+            let mut dout = dev.zeros::<f32>(m * nn)?;
+            dev.matmul_t_before(&dx, m, k, &dwm, nn, &mut dout, None)?;
+            let case = format!("{m}x{k}x{nn}{how}");
+            rep.add("gemv (f32 rows)", &case, &dev.download(&dout)?, &want, 1e-3);
+        }
+        for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
+            let (x, res, nw) = (rng.vec(m * k), rng.vec(m * k), rng.vec(k));
+            // The host's norm of x + residual, in f32.
+            let mut normed = vec![0.0f32; m * k];
+            for r in 0..m {
+                let v: Vec<f32> = (0..k).map(|i| x[r * k + i] + res[r * k + i]).collect();
+                let inv = 1.0 / (v.iter().map(|a| a * a).sum::<f32>() / k as f32 + EPS).sqrt();
+                for i in 0..k {
+                    normed[r * k + i] = nw[i] * (v[i] * inv);
+                }
+            }
+            let (dx, dres, dnw) = (dev.upload(&x)?, dev.upload(&res)?, dev.upload(&nw)?);
+            for (silu, n) in [(false, ROW), (true, IM)] {
+                let w_rows = if silu { 2 * n } else { n };
+                let (w, wf) = bf16_weights(rng, w_rows * k);
+                let mut gemm = vec![0.0f32; m * w_rows];
+                matmul_t(&normed, m, k, MatRef::F32(&wf), w_rows, &mut gemm);
+                // Gate and up rows interleaved: column 2c the gate, 2c + 1 the up of c.
+                let want: Vec<f32> = if silu {
+                    (0..m * n)
+                        .map(|i| {
+                            let (r, c) = (i / n, i % n);
+                            let (g, u) = (gemm[r * w_rows + 2 * c], gemm[r * w_rows + 2 * c + 1]);
+                            g / (1.0 + (-g).exp()) * u
+                        })
+                        .collect()
+                } else {
+                    gemm
+                };
+                let dwm = DeviceMatrix::Bf16(dev.upload(&w)?);
+                let mut out = dev.zeros::<f32>(m * n)?;
+                let mut x_out = dev.zeros::<f32>(m * k)?;
+                dev.norm_gemv(
+                    &mut out,
+                    &dx,
+                    Some(&dres),
+                    &mut x_out,
+                    &dnw,
+                    EPS,
+                    &dwm,
+                    m,
+                    k,
+                    n,
+                    silu,
+                    GemvInput::F32,
+                    None,
+                    None,
+                )?;
+                let tol = want.iter().fold(0.0f32, |a, v| a.max(v.abs())) * 1e-5 + 1e-4;
+                let case = format!("{m}x{k}x{n}{}{how}", if silu { ", silu" } else { "" });
+                rep.add(
+                    "gemv_norm (f32 rows)",
+                    &case,
+                    &dev.download(&out)?,
+                    &want,
+                    tol,
+                );
+            }
+        }
     }
     Ok(())
 }

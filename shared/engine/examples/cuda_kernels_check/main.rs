@@ -24,6 +24,8 @@ mod gemm;
 mod qkv_rope;
 #[cfg(feature = "cuda")]
 mod sampling;
+#[cfg(feature = "cuda")]
+mod split_inputs;
 
 #[cfg(feature = "cuda")]
 fn main() {
@@ -60,6 +62,7 @@ fn run() -> Result<bool, tandem_engine::error::EngineError> {
     attention::kv_and_attention(&mut cx)?;
     gemm::gemms(&mut cx)?;
     qkv_rope::qkv_rope(&mut cx)?;
+    split_inputs::split_inputs(&mut cx)?;
     elementwise::gather_and_bias(&mut cx)?;
     sampling::argmax_and_sampling(&mut cx)?;
     sampling::f16_overflow_rows(&mut cx)?;

@@ -1,9 +1,9 @@
 //! The qkv GEMV with the q/k norms, RoPE and KV write in its tail (`gemv_norm_rope_*`,
-//! `TANDEM_CUDA_DECODE_FUSION=qkv-rope`) against the two launches it replaces.
+//! `TANDEM_CUDA_DECODE_FUSION=qkv-rope`) against the two launches it replaces: bf16 rows
+//! over a bf16 pool, and f32 rows over an f16 pool (the bf16x2 precision's f16 cache).
 
 use cudarc::driver::CudaSlice;
-use tandem_engine::backend::cpu_ops::bf16_to_f32;
-use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, KvPool, QkvRope};
+use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, GemvInput, KvPool, QkvRope};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
@@ -23,13 +23,18 @@ pub(crate) fn qkv_rope(cx: &mut Ctx) -> Result<(), EngineError> {
     let dw = DeviceMatrix::Bf16(dev.upload(&w)?);
     let nw = dev.upload(&rng.vec(HIDDEN))?;
     let counters = dev.zeros::<u32>(NQ + 2 * NKV)?;
-    let download = |dev: &CudaDevice, p: &KvPool| -> Result<Vec<f32>, EngineError> {
-        match p {
-            KvPool::Bf16(p) => Ok(dev.download(p)?.into_iter().map(bf16_to_f32).collect()),
-            _ => Err(EngineError::Backend("qkv_rope check: a bf16 pool".into())),
-        }
+    let new_pool = |dev: &CudaDevice, input: GemvInput| -> Result<KvPool, EngineError> {
+        Ok(match input {
+            GemvInput::Bf16 => KvPool::Bf16(dev.zeros(shape.elems())?),
+            GemvInput::F32 => KvPool::Half(dev.zeros(shape.elems())?),
+        })
     };
-    for rows in [1, 2] {
+    for (rows, input) in [
+        (1, GemvInput::Bf16),
+        (2, GemvInput::Bf16),
+        (1, GemvInput::F32),
+        (2, GemvInput::F32),
+    ] {
         let last: Vec<SeqRef<'_>> = seq_refs
             .iter()
             .take(rows)
@@ -53,19 +58,20 @@ pub(crate) fn qkv_rope(cx: &mut Ctx) -> Result<(), EngineError> {
                 HIDDEN,
                 ROW,
                 false,
+                input,
                 None,
                 rope,
             )
         };
         // The separate launches.
         let mut want = dev.zeros::<f32>(rows * ROW)?;
-        let mut want_pool = KvPool::Bf16(dev.zeros(shape.elems())?);
+        let mut want_pool = new_pool(dev, input)?;
         qkv_gemv(&mut want, None)?;
         dev.qk_norm_rope_kv(&mut want, ROW, &heads, &maps, &mut want_pool, shape, layer)?;
-        let (want, want_pool) = (dev.download(&want)?, download(dev, &want_pool)?);
+        let (want, want_pool) = (dev.download(&want)?, download_pool(dev, &want_pool)?);
         for launch in ["first launch", "second launch"] {
             let mut got = dev.zeros::<f32>(rows * ROW)?;
-            let mut pool = KvPool::Bf16(dev.zeros(shape.elems())?);
+            let mut pool = new_pool(dev, input)?;
             let rope = QkvRope {
                 heads: &heads,
                 maps: &maps,
@@ -75,19 +81,19 @@ pub(crate) fn qkv_rope(cx: &mut Ctx) -> Result<(), EngineError> {
                 counters: &counters,
             };
             qkv_gemv(&mut got, Some(rope))?;
-            let case = format!("{rows} rows, {launch}");
+            let case = format!("{rows} rows of {input:?}, {launch}");
             rep.add("gemv_norm_rope", &case, &dev.download(&got)?, &want, 0.0);
             rep.add(
                 "gemv_norm_rope",
                 &format!("{case}, pool"),
-                &download(dev, &pool)?,
+                &download_pool(dev, &pool)?,
                 &want_pool,
                 0.0,
             );
         }
         rep.add(
             "gemv_norm_rope",
-            &format!("{rows} rows, counters reset"),
+            &format!("{rows} rows of {input:?}, counters reset"),
             &dev.download(&counters)?
                 .into_iter()
                 .map(|c| c as f32)

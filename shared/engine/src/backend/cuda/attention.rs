@@ -70,13 +70,18 @@ impl CudaDevice {
             return Ok(());
         }
         if maps.decode_tc {
-            let launch = scratch.decode_launch(
-                self,
+            let (pairs, group) = (
                 maps.n_singles * shape.num_kv_heads,
-                O::SUFFIX,
                 nq / shape.num_kv_heads.max(1),
-                shape.head_dim,
-            )?;
+            );
+            // The half-KV program has cluster variants for both its outputs; the main
+            // program's kernels stand for them in the choice (the same code).
+            let chosen_as = if matches!(pool, KvPool::Half(_)) {
+                "bf16"
+            } else {
+                O::SUFFIX
+            };
+            let launch = scratch.decode_launch(self, pairs, chosen_as, group, shape.head_dim)?;
             self.attention_decode(
                 out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, launch,
             )
@@ -89,7 +94,7 @@ impl CudaDevice {
     }
 
     /// Whether [`CudaDevice::attention_prefill`] serves this shape: a 16-bit pool (the
-    /// program's bf16 or f16), head_dim 64
+    /// program's bf16 or f16, or f16 beside bf16 weights), head_dim 64
     /// or 128; the tokens per tile then (64 rows of (token, q head) pairs).
     pub fn prefill_tile_tokens(pool16: bool, head_dim: usize, group: usize) -> Option<usize> {
         (pool16 && matches!(head_dim, 64 | 128) && (1..=FA_ROWS).contains(&group))
@@ -128,7 +133,7 @@ impl CudaDevice {
         check_len("attention qkv", qkv.len(), maps.tokens * row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        let name = format!("attention_prefill_{}_hd{hd}", O::SUFFIX);
+        let name = tc.kernel(&format!("attention_prefill_{}_hd{hd}", O::SUFFIX));
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
             grid_dim: (maps.n_tiles as u32, nkv as u32, 1),
@@ -242,10 +247,12 @@ impl CudaDevice {
 }
 
 /// What the two tensor-core kernels (`attention_prefill.cu`, `attention_decode.cu`) check and
-/// take alike: a bf16 pool, head_dim 64 or 128, whole q-head groups, and the arguments
+/// take alike: a 16-bit pool, head_dim 64 or 128, whole q-head groups, and the arguments
 /// between `out` and the kernel's own ones.
 pub(super) struct TcShape<'a> {
     pool: &'a CudaSlice<u16>,
+    /// An f16 pool beside bf16 weights: the kernels come from the half-KV program.
+    pub(super) half_kv: bool,
     pub(super) nkv: usize,
     pub(super) hd: usize,
     pub(super) group: usize,
@@ -263,8 +270,10 @@ impl<'a> TcShape<'a> {
         layer: usize,
     ) -> Result<Self, EngineError> {
         let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
-        let KvPool::Bf16(p) = pool else {
-            return Err(bad(format!("{kernel}: needs a bf16 pool")));
+        let (p, half_kv) = match pool {
+            KvPool::Bf16(p) => (p, false),
+            KvPool::Half(p) => (p, true),
+            KvPool::F32(_) => return Err(bad(format!("{kernel}: needs a 16-bit pool"))),
         };
         let group = if nkv > 0 && nq.is_multiple_of(nkv) {
             nq / nkv
@@ -285,6 +294,7 @@ impl<'a> TcShape<'a> {
         check_len("attention pool", pool.len(), shape.elems())?;
         Ok(TcShape {
             pool: p,
+            half_kv,
             nkv,
             hd,
             group,
@@ -298,6 +308,20 @@ impl<'a> TcShape<'a> {
                 to_i32("layers", shape.num_layers)?,
             ],
         })
+    }
+
+    /// The entry point `name` (as the main program calls it) for this pool: with an f16 pool
+    /// beside bf16 weights the half-KV program's, whose 16-bit output is split bf16 (`b16`).
+    pub(super) fn kernel(&self, name: &str) -> String {
+        if self.half_kv {
+            format!(
+                "{}{}",
+                super::kernels::HALF_KV_PREFIX,
+                name.replacen("_bf16_", "_b16_", 1)
+            )
+        } else {
+            name.to_string()
+        }
     }
 
     /// qkv, row stride, pool, the maps' tables / starts / positions / window starts, the

@@ -139,7 +139,14 @@ impl CudaDevice {
                  (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
             )));
         }
-        if cluster && (rope.is_some() || O::SUFFIX != "bf16" || splits > MAX_CLUSTER) {
+        if tc.half_kv && rope.is_some() {
+            return Err(bad(
+                "attention_decode: an f16 pool beside bf16 weights has no fused q/k norms".into(),
+            ));
+        }
+        // The main program's cluster variant writes 16-bit outputs, the half-KV one's f32 too.
+        let cluster_out = O::SUFFIX == "bf16" || tc.half_kv;
+        if cluster && (rope.is_some() || !cluster_out || splits > MAX_CLUSTER) {
             return Err(bad(format!(
                 "attention_decode: the cluster variant takes a 16-bit output ({} given), no \
                  fused q/k norms, and at most {MAX_CLUSTER} splits ({splits} given)",
@@ -154,7 +161,7 @@ impl CudaDevice {
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
         if cluster {
-            let f = self.func(&decode_cluster_kernel(group, hd))?;
+            let f = self.func(&tc.kernel(&decode_cluster_kernel(O::SUFFIX, group, hd)))?;
             let cfg = ClusterConfig {
                 grid: (rows as u32, nkv as u32, splits as u32),
                 block: 128,
@@ -180,7 +187,7 @@ impl CudaDevice {
         }
         let name = match rope {
             Some(_) => decode_rope_kernel(group, hd),
-            None => decode_kernel(O::SUFFIX, group, hd),
+            None => tc.kernel(&decode_kernel(O::SUFFIX, group, hd)),
         };
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
@@ -263,9 +270,9 @@ pub(super) fn decode_kernel(out: &str, group: usize, head_dim: usize) -> String 
     format!("attention_decode_{out}_n{heads}_hd{head_dim}")
 }
 
-/// The cluster variant of [`decode_kernel`] (16-bit output only).
-pub(super) fn decode_cluster_kernel(group: usize, head_dim: usize) -> String {
-    decode_kernel("bf16", group, head_dim).replace("attention_decode_", "attention_decode_cluster_")
+/// The cluster variant of [`decode_kernel`] (16-bit output only in the main program).
+pub(super) fn decode_cluster_kernel(out: &str, group: usize, head_dim: usize) -> String {
+    decode_kernel(out, group, head_dim).replace("attention_decode_", "attention_decode_cluster_")
 }
 
 /// The fused (q/k norm, RoPE and KV write) `attention_decode.cu` kernel for a group size and a
@@ -307,8 +314,12 @@ mod tests {
             "attention_decode_bf16_n16_hd64"
         );
         assert_eq!(
-            decode_cluster_kernel(2, 128),
+            decode_cluster_kernel("bf16", 2, 128),
             "attention_decode_cluster_bf16_n8_hd128"
+        );
+        assert_eq!(
+            decode_cluster_kernel("f32", 16, 64),
+            "attention_decode_cluster_f32_n16_hd64"
         );
         assert_eq!(
             decode_rope_kernel(2, 128),

@@ -187,7 +187,7 @@ impl AttentionScratch {
         if let Some(n) = self.cluster_max[stages - 1] {
             return Ok(n);
         }
-        let f = dev.loaded(&decode_cluster_kernel(group, head_dim))?;
+        let f = dev.loaded(&decode_cluster_kernel("bf16", group, head_dim))?;
         let n = dev.max_cluster_size(f, 128, decode_smem_bytes(head_dim, stages), MAX_CLUSTER)?;
         self.cluster_max[stages - 1] = Some(n);
         Ok(n)

@@ -155,10 +155,22 @@ impl CudaBackend {
         };
         let pool16 = pool_elem != PoolElem::F32;
         dev.preload_attention(pool_elem.kernel_suffix(), out, config.head_dim, group)?;
+        if mode == ComputeMode::Bf16Split {
+            // Steps of one or two rows read their attention output in f32.
+            dev.preload_attention(pool_elem.kernel_suffix(), "f32", config.head_dim, group)?;
+        }
+        // An f16 cache beside bf16 weights takes its tensor-core attention (Q and P in f16)
+        // from the half-KV program.
+        let half_kv = pool_elem == PoolElem::HalfBesideBf16;
+        if half_kv {
+            dev.load_half_kv_attention()?;
+        }
         let mut inputs = StepInputs::new(&dev)?;
-        // Prefill chunks on tensor cores in the bf16 and f16 modes; the f32 and split modes
-        // keep the exact attention for their comparisons.
-        if matches!(mode, ComputeMode::Bf16 | ComputeMode::F16) && tiled_prefill_attention()? {
+        // Prefill chunks and decode rows on tensor cores in the bf16 and f16 modes and in the
+        // split mode with an f16 cache (its Q and P rounded to f16, 8× finer than bf16); the
+        // f32 mode, and the split mode with an f32 or bf16 cache, keep the exact attention.
+        let tensor_cores = matches!(mode, ComputeMode::Bf16 | ComputeMode::F16) || half_kv;
+        if tensor_cores && tiled_prefill_attention()? {
             if let Some(n) = CudaDevice::prefill_tile_tokens(pool16, config.head_dim, group) {
                 inputs.maps.tile_tokens = n;
                 // attention_decode.cu holds a group in one 16-row fragment.

@@ -43,7 +43,9 @@ impl CudaDevice {
             DeviceMatrix::Bf16(s) => (u16::cuda_type(self.e16), s.len()),
         };
         let x_type = X::cuda_type(self.e16);
-        if w_type != x_type {
+        // f32 rows over bf16 weights: the bf16x2 precision's GEMVs of one or two rows.
+        let f32_gemv = X::SUFFIX == "f32" && self.f32_rows_gemv_fits(m, k, w);
+        if w_type != x_type && !f32_gemv {
             return Err(EngineError::Backend(format!(
                 "GEMM of {} activations with {} weights is not supported",
                 X::SUFFIX,
@@ -63,7 +65,12 @@ impl CudaDevice {
         if let (DeviceMatrix::Bf16(ws), Some(rows)) = (w, gemv_rows(m, k)) {
             if self.small_m_gemv {
                 let next = self.l2_next(next_weights);
-                return self.gemv_bf16(x, ws, out, rows, (mi, ni, ki), next);
+                let input = if f32_gemv {
+                    GemvInput::F32
+                } else {
+                    GemvInput::Bf16
+                };
+                return self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki), next);
             }
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -106,6 +113,34 @@ impl CudaDevice {
     }
 }
 
+/// What a `gemv.cu` GEMV reads its activation rows as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvInput {
+    /// bf16 (the bf16 precision's GEMM input).
+    Bf16,
+    /// f32, never rounded (the bf16x2 precision at one or two rows: its GEMVs read the
+    /// weights once, as bf16's do, with no split rows to fold).
+    F32,
+}
+
+impl GemvInput {
+    /// The part of the entry point's name that picks it.
+    fn kernel_part(self) -> &'static str {
+        match self {
+            GemvInput::Bf16 => "bf16",
+            GemvInput::F32 => "xf32",
+        }
+    }
+
+    /// Bytes per element (of the fused norm GEMV's rows in shared memory).
+    fn bytes(self) -> usize {
+        match self {
+            GemvInput::Bf16 => 2,
+            GemvInput::F32 => 4,
+        }
+    }
+}
+
 /// Rows up to which bf16 GEMMs go to `gemv.cu`: measured on an H200 (0.6B shape, decode at
 /// 1k context), batch 1 ran at 709 tok/s against cuBLAS's 556, but batch 8 at 2,744 against
 /// 3,919 (each weight element then meets eight x rows from L1).
@@ -120,6 +155,12 @@ fn gemv_rows(m: usize, k: usize) -> Option<usize> {
 }
 
 impl CudaDevice {
+    /// Whether [`Self::matmul_t`] takes `m` f32 rows of `k` over `w` (bf16 weights): by a
+    /// `gemv.cu` GEMV reading f32 rows, at one or two rows with the GEMV switch on.
+    pub fn f32_rows_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix) -> bool {
+        matches!(w, DeviceMatrix::Bf16(_)) && self.small_m_gemv && gemv_rows(m, k).is_some()
+    }
+
     /// Where the weights of the GEMM after a GEMV start and how many bytes they hold, for the
     /// GEMV to ask into L2 while it runs (`gemv.cu`'s `l2_prefetch_next`; one- and two-row
     /// decode steps are bound by DRAM latency, not bandwidth): (0, 0) when there are none,
@@ -150,8 +191,8 @@ impl CudaDevice {
 const GEMV_WARPS: usize = 8;
 
 impl CudaDevice {
-    /// `out[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ `rows` by `gemv.cu` (bf16 × bf16, f32 out);
-    /// shapes and element types checked by the caller (`X` is bf16 here).
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ `rows` by `gemv.cu` (bf16 weights, `input`
+    /// rows, f32 out); shapes and element types checked by the caller (`X` is `input`).
     #[allow(clippy::too_many_arguments)]
     fn gemv_bf16<X: DeviceElem>(
         &self,
@@ -159,11 +200,12 @@ impl CudaDevice {
         w: &CudaSlice<u16>,
         out: &mut CudaSlice<f32>,
         rows: usize,
+        input: GemvInput,
         (m, n, k): (i32, i32, i32),
         (next, next_bytes): (u64, u64),
     ) -> Result<(), EngineError> {
         let early = self.gemv_variant(rows);
-        let name = format!("gemv{early}_bf16_m{rows}");
+        let name = format!("gemv{early}_{}_m{rows}", input.kernel_part());
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
             grid_dim: ((n as usize).div_ceil(GEMV_WARPS) as u32, 1, 1),
@@ -206,31 +248,35 @@ pub struct QkvRope<'a> {
 }
 
 impl QkvRope<'_> {
-    /// Whether a model of these heads can take it: a pool of the program's 16-bit element
-    /// (the kernel's `e16_t`), heads a whole number of GEMV blocks, a head's rotation pairs
-    /// within the block's threads, a counter per head.
-    pub fn fits(heads: &HeadNorms<'_>, pool: &KvPool, counters: usize) -> bool {
-        matches!(pool, KvPool::Bf16(_))
-            && heads.head_dim.is_multiple_of(2 * GEMV_WARPS)
+    /// Whether a model of these heads can take it with GEMV rows of `input`: a pool of the
+    /// program's 16-bit element for bf16 rows (the kernel's `e16_t`), an f16 pool beside bf16
+    /// weights for f32 rows (`h16_t`), heads a whole number of GEMV blocks, a head's rotation
+    /// pairs within the block's threads, a counter per head.
+    pub fn fits(heads: &HeadNorms<'_>, pool: &KvPool, counters: usize, input: GemvInput) -> bool {
+        matches!(
+            (input, pool),
+            (GemvInput::Bf16, KvPool::Bf16(_)) | (GemvInput::F32, KvPool::Half(_))
+        ) && heads.head_dim.is_multiple_of(2 * GEMV_WARPS)
             && heads.head_dim / 2 <= GEMV_WARPS * 32
             && heads.nq + 2 * heads.nkv <= counters
     }
 }
 
 impl CudaDevice {
-    /// Whether [`Self::norm_gemv`] takes `m` rows of `k` over weights `w`: bf16 weights, at
-    /// most two rows, k a multiple of 8 whose rows fit in shared memory, the GEMV switch on.
-    pub fn norm_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix) -> bool {
+    /// Whether [`Self::norm_gemv`] takes `m` rows of `k` over weights `w` with rows of
+    /// `input`: bf16 weights, at most two rows, k a multiple of 8 whose rows fit in shared
+    /// memory, the GEMV switch on.
+    pub fn norm_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix, input: GemvInput) -> bool {
         self.small_m_gemv
             && matches!(w, DeviceMatrix::Bf16(_))
-            && gemv_rows(m, k).is_some_and(|rows| rows * k * 2 <= NORM_GEMV_SMEM_MAX)
+            && gemv_rows(m, k).is_some_and(|rows| rows * k * input.bytes() <= NORM_GEMV_SMEM_MAX)
     }
 
     /// A decode step's RMSNorm and GEMV in one launch (`gemv.cu`'s `gemv_norm_*`): the rows
     /// `x + residual` (stored to `x_out`, the residual stream's other buffer) normalised by
-    /// `norm_w`, rounded to bf16, times `wᵀ` into `out[m, n]` (f32). With `silu`, `w` holds
-    /// the gate and up rows interleaved (2n rows) and `out` gets silu(gate) · up in bf16.
-    /// Shapes must pass [`Self::norm_gemv_fits`].
+    /// `norm_w`, rounded to bf16 (`input` bf16) or kept in f32, times `wᵀ` into `out[m, n]`
+    /// (f32). With `silu`, `w` holds the gate and up rows interleaved (2n rows) and `out` gets
+    /// silu(gate) · up in the `input` type. Shapes must pass [`Self::norm_gemv_fits`].
     #[allow(clippy::too_many_arguments)]
     pub fn norm_gemv<O: DeviceElem>(
         &self,
@@ -245,11 +291,12 @@ impl CudaDevice {
         k: usize,
         n: usize,
         silu: bool,
+        input: GemvInput,
         next_weights: Option<&DeviceMatrix>,
         rope: Option<QkvRope<'_>>,
     ) -> Result<(), EngineError> {
         let (DeviceMatrix::Bf16(ws), Some(rows), true) =
-            (w, gemv_rows(m, k), self.norm_gemv_fits(m, k, w))
+            (w, gemv_rows(m, k), self.norm_gemv_fits(m, k, w, input))
         else {
             return Err(EngineError::Backend(format!(
                 "norm_gemv: {m} rows of {k} over {} weights is not a fused-GEMV shape",
@@ -259,7 +306,10 @@ impl CudaDevice {
                 }
             )));
         };
-        let want_out = if silu { "bf16" } else { "f32" };
+        let want_out = match (silu, input) {
+            (true, GemvInput::Bf16) => "bf16",
+            _ => "f32",
+        };
         if O::SUFFIX != want_out {
             return Err(EngineError::Backend(format!(
                 "norm_gemv: {} output, expected {want_out}",
@@ -288,7 +338,7 @@ impl CudaDevice {
             let h = r.heads;
             // Every column a head's (blocks map to heads by column), no SiLU, a fitting pool.
             if silu
-                || !QkvRope::fits(h, r.pool, r.counters.len())
+                || !QkvRope::fits(h, r.pool, r.counters.len(), input)
                 || n != (h.nq + 2 * h.nkv) * h.head_dim
             {
                 return Err(EngineError::Backend(format!(
@@ -305,16 +355,17 @@ impl CudaDevice {
         }
         let silu_part = if silu { "_silu" } else { "" };
         let early = self.gemv_variant(rows);
+        let rows_type = input.kernel_part();
         let name = if rope.is_some() {
-            format!("gemv_norm_rope_bf16_m{rows}")
+            format!("gemv_norm_rope_{rows_type}_m{rows}")
         } else {
-            format!("gemv_norm{silu_part}{early}_bf16_m{rows}")
+            format!("gemv_norm{silu_part}{early}_{rows_type}_m{rows}")
         };
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: (rows * k * 2) as u32,
+            shared_mem_bytes: (rows * k * input.bytes()) as u32,
         };
         let null = 0u64;
         let (next, next_bytes) = self.l2_next(next_weights);
@@ -355,9 +406,9 @@ impl CudaDevice {
                     None => b.arg(&null),
                 };
             }
-            let KvPool::Bf16(pool) = r.pool else {
+            let (KvPool::Bf16(pool) | KvPool::Half(pool)) = r.pool else {
                 return Err(EngineError::Backend(
-                    "norm_gemv with RoPE: the pool is not of the program's 16-bit element".into(),
+                    "norm_gemv with RoPE: the pool is not 16-bit".into(),
                 ));
             };
             b.arg(pool)
@@ -370,8 +421,9 @@ impl CudaDevice {
         // SAFETY: signature matches (the RoPE arguments only for gemv_norm_rope_*); every
         // buffer's length was checked above (x, residual and x_out m·k, w (silu ? 2n : n)·k,
         // out m·n), k is a multiple of 8 and the buffers' starts are 256-byte aligned for the
-        // 16-byte weight loads; the shared memory holds the instance's rows of k bf16; `next`
-        // is null or a live allocation of at least `next_bytes` (a multiple of 16). With RoPE:
+        // 16-byte weight loads; the shared memory holds the instance's rows of k `input`
+        // elements; `next` is null or a live allocation of at least `next_bytes` (a multiple
+        // of 16). With RoPE:
         // the pool holds the whole shape, the block ids come from tables the caller validated
         // against `shape.num_blocks`, there is a zeroed counter per head, and n is a multiple
         // of GEMV_WARPS (head_dim is), so every warp of a head's blocks has a column.

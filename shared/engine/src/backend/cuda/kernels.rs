@@ -3,7 +3,9 @@
 //! architecture at start-up and cached per process, keyed by architecture.
 //!
 //! The program comes in two flavours of its 16-bit element ([`Float16`]): bf16, or IEEE half
-//! (compiled with `TANDEM_F16`, for the f16 compute mode); the entry points are the same.
+//! (compiled with `TANDEM_F16`, for the f16 compute mode); the entry points are the same. A
+//! third, smaller program ([`half_kv_ptx`]) holds the tensor-core attention over an f16 KV
+//! cache beside bf16 weights (the bf16x2 precision's default cache).
 //!
 //! Development mode: with `TANDEM_CUDA_KERNEL_DIR` set to a folder holding the same file
 //! names, the sources are read from there instead, so a kernel edit needs no Rust rebuild.
@@ -100,7 +102,60 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_norm_silu_early_bf16_m2",
     "gemv_norm_rope_bf16_m1",
     "gemv_norm_rope_bf16_m2",
+    "gemv_xf32_m1",
+    "gemv_xf32_m2",
+    "gemv_early_xf32_m1",
+    "gemv_early_xf32_m2",
+    "gemv_norm_xf32_m1",
+    "gemv_norm_xf32_m2",
+    "gemv_norm_silu_xf32_m1",
+    "gemv_norm_silu_xf32_m2",
+    "gemv_norm_early_xf32_m1",
+    "gemv_norm_early_xf32_m2",
+    "gemv_norm_silu_early_xf32_m1",
+    "gemv_norm_silu_early_xf32_m2",
+    "gemv_norm_rope_xf32_m1",
+    "gemv_norm_rope_xf32_m2",
 ];
+
+/// The files of the half-KV attention program ([`half_kv_ptx`]).
+const HALF_KV_SOURCES: &[&str] = &[
+    "prelude.cu",
+    "attention_fast.cu",
+    "attention_prefill.cu",
+    "attention_cluster.cu",
+    "attention_decode.cu",
+];
+
+/// The entry points the engine takes from the half-KV attention program: the tensor-core
+/// prefill and decode attention (plain and cluster) over an IEEE half pool (Q and P in half)
+/// writing f32 (for the GEMVs that read f32 rows) or split bf16 (`b16`, for the bf16x2 GEMMs).
+pub const HALF_KV_KERNEL_NAMES: &[&str] = &[
+    "attention_prefill_f32_hd64",
+    "attention_prefill_f32_hd128",
+    "attention_prefill_b16_hd64",
+    "attention_prefill_b16_hd128",
+    "attention_decode_f32_n8_hd64",
+    "attention_decode_f32_n8_hd128",
+    "attention_decode_f32_n16_hd64",
+    "attention_decode_f32_n16_hd128",
+    "attention_decode_b16_n8_hd64",
+    "attention_decode_b16_n8_hd128",
+    "attention_decode_b16_n16_hd64",
+    "attention_decode_b16_n16_hd128",
+    "attention_decode_cluster_f32_n8_hd64",
+    "attention_decode_cluster_f32_n8_hd128",
+    "attention_decode_cluster_f32_n16_hd64",
+    "attention_decode_cluster_f32_n16_hd128",
+    "attention_decode_cluster_b16_n8_hd64",
+    "attention_decode_cluster_b16_n8_hd128",
+    "attention_decode_cluster_b16_n16_hd64",
+    "attention_decode_cluster_b16_n16_hd128",
+];
+
+/// The prefix under which a device keeps the half-KV program's kernels beside the main
+/// program's (their entry point names overlap).
+pub const HALF_KV_PREFIX: &str = "half_kv:";
 
 /// What the program's 16-bit element (`e16_t`: weights, GEMM inputs, a 16-bit KV pool) is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -243,7 +298,23 @@ pub fn ptx_with_instances(
     for i in instances {
         src.push_str(&i.source_line());
     }
-    compile_cached(arch, e16, key, &src)
+    compile_cached(arch, &e16.defines(), e16.name(), key, &src)
+}
+
+/// PTX of the half-KV attention program for `arch`: the attention files compiled as the f16
+/// program (`TANDEM_F16`: the pool, Q and P in IEEE half) plus `TANDEM_HALF_KV` (outputs in
+/// bf16 for bf16 weights). The bf16x2 precision with an f16 cache takes its attention from
+/// here, the rest from the bf16 program. Cached like [`ptx_for`].
+pub fn half_kv_ptx(arch: &str) -> Result<String, EngineError> {
+    let src = source_of(|n| HALF_KV_SOURCES.contains(&n))?;
+    let defines = ["-DTANDEM_F16".to_string(), "-DTANDEM_HALF_KV".to_string()];
+    compile_cached(
+        arch,
+        &defines,
+        "half-KV attention",
+        format!("{arch}/half-kv"),
+        &src,
+    )
 }
 
 /// PTX of one attention instance alone (the prelude and `attention_fast.cu`): what the engine
@@ -257,10 +328,18 @@ pub fn instance_ptx(
     let key = format!("{arch}/{}/only/{}", e16.name(), inst.name());
     let mut src = source_of(|n| n == "prelude.cu" || n == "attention_fast.cu")?;
     src.push_str(&inst.source_line());
-    compile_cached(arch, e16, key, &src)
+    compile_cached(arch, &e16.defines(), e16.name(), key, &src)
 }
 
-fn compile_cached(arch: &str, e16: Float16, key: String, src: &str) -> Result<String, EngineError> {
+/// `src` compiled for `arch` with `defines` (`what` names the program in errors), cached by
+/// `key`.
+fn compile_cached(
+    arch: &str,
+    defines: &[String],
+    what: &str,
+    key: String,
+    src: &str,
+) -> Result<String, EngineError> {
     let mut cache = cache()
         .lock()
         .map_err(|_| EngineError::Backend("CUDA kernel cache lock poisoned".into()))?;
@@ -275,7 +354,7 @@ fn compile_cached(arch: &str, e16: Float16, key: String, src: &str) -> Result<St
         prec_div: Some(true),
         options: [format!("--gpu-architecture={arch}"), "--std=c++17".into()]
             .into_iter()
-            .chain(e16.defines())
+            .chain(defines.iter().cloned())
             .collect(),
         name: Some("tandem_kernels.cu".into()),
         ..Default::default()
@@ -288,8 +367,7 @@ fn compile_cached(arch: &str, e16: Float16, key: String, src: &str) -> Result<St
             other => format!("{other:?}"),
         };
         EngineError::Backend(format!(
-            "NVRTC could not compile the {} kernels for {arch}: {detail}",
-            e16.name()
+            "NVRTC could not compile the {what} kernels for {arch}: {detail}"
         ))
     })?;
     let text = ptx.to_src();
@@ -311,6 +389,19 @@ mod tests {
                 src.contains(&format!(" {name}(")) || src.contains(&format!("({name},")),
                 "kernel {name} not found in the sources"
             );
+        }
+    }
+
+    #[test]
+    fn every_half_kv_kernel_is_defined_in_its_sources() {
+        let src: String = SOURCES
+            .iter()
+            .filter(|(n, _)| HALF_KV_SOURCES.contains(n))
+            .map(|(_, s)| *s)
+            .collect();
+        assert_eq!(HALF_KV_SOURCES.len(), 5);
+        for name in HALF_KV_KERNEL_NAMES {
+            assert!(src.contains(&format!("({name},")), "{name} not found");
         }
     }
 

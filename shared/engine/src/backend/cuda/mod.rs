@@ -39,7 +39,7 @@ mod weights;
 
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
-pub use gemm::QkvRope;
+pub use gemm::{GemvInput, QkvRope};
 pub use graphs::GraphStats;
 pub use profile::LaunchTime;
 pub use token_maps::{DevAddr, DeviceList, TokenMaps};
@@ -298,35 +298,13 @@ impl CudaDevice {
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(cuda_err("loading the kernels"))?;
         let mut funcs = HashMap::new();
-        for name in kernels::KERNEL_NAMES {
-            let f = module
-                .load_function(name)
-                .map_err(cuda_err(&format!("loading kernel {name}")))?;
-            // The tensor-core attention kernels take more than the default 48 KiB of
-            // dynamic shared memory.
-            if let Some(hd) = name
-                .strip_prefix("attention_prefill_")
-                .or_else(|| name.strip_prefix("attention_decode_"))
-                .and_then(|r| r.rsplit_once("_hd"))
-                .and_then(|(_, hd)| hd.parse::<usize>().ok())
-            {
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    attention::prefill_smem_bytes(hd) as i32,
-                )
-                .map_err(cuda_err(&format!("sizing the shared memory of {name}")))?;
-            }
-            // Clusters of up to 16 blocks (8 is the portable limit) for the decode attention
-            // whose splits merge over distributed shared memory.
-            if cluster_capable && name.starts_with("attention_decode_cluster_") {
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                    1,
-                )
-                .map_err(cuda_err(&format!("allowing clusters of 16 for {name}")))?;
-            }
-            funcs.insert(name.to_string(), f);
-        }
+        load_functions(
+            &module,
+            kernels::KERNEL_NAMES,
+            "",
+            cluster_capable,
+            &mut funcs,
+        )?;
         // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let blas = CudaBlas::new(stream.clone())
@@ -372,6 +350,38 @@ impl CudaDevice {
             cluster_capable,
             e16,
         })
+    }
+
+    /// Compiles (cached per process) and loads the half-KV attention program
+    /// ([`kernels::half_kv_ptx`]): the tensor-core attention over an f16 pool beside bf16
+    /// weights. Its kernels are then found under [`kernels::HALF_KV_PREFIX`]. Once per device.
+    pub fn load_half_kv_attention(&mut self) -> Result<(), EngineError> {
+        let probe = format!(
+            "{}{}",
+            kernels::HALF_KV_PREFIX,
+            kernels::HALF_KV_KERNEL_NAMES[0]
+        );
+        if self.funcs.contains_key(&probe) {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        let ptx = kernels::half_kv_ptx(&self.arch)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(cuda_err("loading the half-KV attention kernels"))?;
+        load_functions(
+            &module,
+            kernels::HALF_KV_KERNEL_NAMES,
+            kernels::HALF_KV_PREFIX,
+            self.cluster_capable,
+            &mut self.funcs,
+        )?;
+        tracing::info!(
+            ms = t0.elapsed().as_millis() as u64,
+            "CUDA half-KV attention kernels compiled"
+        );
+        Ok(())
     }
 
     /// Which GEMVs of one or two rows (`gemv.cu`) load their first weights before waiting on
@@ -526,6 +536,47 @@ impl CudaDevice {
         lazy.insert(name, f.clone());
         Ok(f)
     }
+}
+
+/// Loads `names` from `module` into `funcs` (under `prefix` + name), with the attributes the
+/// tensor-core attention kernels need.
+fn load_functions(
+    module: &Arc<cudarc::driver::CudaModule>,
+    names: &[&str],
+    prefix: &str,
+    cluster_capable: bool,
+    funcs: &mut HashMap<String, CudaFunction>,
+) -> Result<(), EngineError> {
+    for name in names {
+        let f = module
+            .load_function(name)
+            .map_err(cuda_err(&format!("loading kernel {name}")))?;
+        // The tensor-core attention kernels take more than the default 48 KiB of dynamic
+        // shared memory.
+        if let Some(hd) = name
+            .strip_prefix("attention_prefill_")
+            .or_else(|| name.strip_prefix("attention_decode_"))
+            .and_then(|r| r.rsplit_once("_hd"))
+            .and_then(|(_, hd)| hd.parse::<usize>().ok())
+        {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attention::prefill_smem_bytes(hd) as i32,
+            )
+            .map_err(cuda_err(&format!("sizing the shared memory of {name}")))?;
+        }
+        // Clusters of up to 16 blocks (8 is the portable limit) for the decode attention whose
+        // splits merge over distributed shared memory.
+        if cluster_capable && name.starts_with("attention_decode_cluster_") {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )
+            .map_err(cuda_err(&format!("allowing clusters of 16 for {name}")))?;
+        }
+        funcs.insert(format!("{prefix}{name}"), f);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

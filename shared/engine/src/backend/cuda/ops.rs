@@ -146,15 +146,39 @@ impl CudaDevice {
         eps: f32,
         split: bool,
     ) -> Result<(), EngineError> {
+        let residual = residual.map(|r| (r, false));
+        self.rms_norm_split_residual(out, x, residual, w, rows, eps, split)
+    }
+
+    /// [`Self::rms_norm`] whose residual may be a split GEMM's unfolded output (`(buffer,
+    /// true)`: hi rows, then as many lo rows), folded as it is read: one launch fewer than
+    /// `fold_rows` first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_split_residual<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        x: &mut CudaSlice<f32>,
+        residual: Option<(&CudaSlice<f32>, bool)>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+        split: bool,
+    ) -> Result<(), EngineError> {
         let dim = w.len();
         if rows == 0 {
             return Ok(());
         }
         let lo_off = lo_offset::<O>("rms_norm out", out.len(), rows * dim, split)?;
         check_len("rms_norm x", x.len(), rows * dim)?;
-        if let Some(r) = residual {
-            check_len("rms_norm residual", r.len(), rows * dim)?;
+        let mut res_lo = 0i64;
+        if let Some((r, unfolded)) = residual {
+            let halves = if unfolded { 2 } else { 1 };
+            check_len("rms_norm residual", r.len(), halves * rows * dim)?;
+            if unfolded {
+                res_lo = (rows * dim) as i64;
+            }
         }
+        let residual = residual.map(|(r, _)| r);
         let d = to_i32("dim", dim)?;
         let null = 0u64;
         let cfg = LaunchConfig {
@@ -169,9 +193,9 @@ impl CudaDevice {
             Some(r) => b.arg(r),
             None => b.arg(&null),
         };
-        b.arg(w).arg(&d).arg(&eps).arg(&lo_off);
+        b.arg(w).arg(&d).arg(&eps).arg(&lo_off).arg(&res_lo);
         // SAFETY: signature matches; every buffer holds rows*dim (checked; out twice that when
-        // split), w holds dim.
+        // split, the residual twice that when unfolded), w holds dim.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching rms_norm"))?;
         Ok(())
     }
@@ -219,8 +243,42 @@ impl CudaDevice {
         shape: PoolShape,
         layer: usize,
     ) -> Result<(), EngineError> {
+        self.qk_norm_rope_kv_split_input(qkv, false, row_stride, heads, maps, pool, shape, layer)
+    }
+
+    /// [`Self::qk_norm_rope_kv`] over a split GEMM's unfolded output when `unfolded` (hi rows,
+    /// then as many lo rows): each value is read as hi + lo, the q and k heads written back
+    /// folded (the v heads' hi rows stay as they are; the pool holds them folded).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope_kv_split_input(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        unfolded: bool,
+        row_stride: usize,
+        heads: &HeadNorms<'_>,
+        maps: &TokenMaps,
+        pool: &mut KvPool,
+        shape: PoolShape,
+        layer: usize,
+    ) -> Result<(), EngineError> {
         heads.check_pool("qk_norm_rope_kv", row_stride, pool, shape, layer)?;
-        self.qk_norm_rope_into(qkv, row_stride, heads, maps, Some((pool, shape, layer)))
+        let in_lo = if unfolded {
+            check_len(
+                "qk_norm_rope_kv qkv",
+                qkv.len(),
+                2 * maps.tokens * row_stride,
+            )?;
+            maps.tokens * row_stride
+        } else {
+            0
+        };
+        self.qk_norm_rope_into(
+            qkv,
+            row_stride,
+            heads,
+            maps,
+            Some((pool, shape, layer, in_lo)),
+        )
     }
 
     fn qk_norm_rope_into(
@@ -229,7 +287,7 @@ impl CudaDevice {
         row_stride: usize,
         heads: &HeadNorms<'_>,
         maps: &TokenMaps,
-        pool: Option<(&mut KvPool, PoolShape, usize)>,
+        pool: Option<(&mut KvPool, PoolShape, usize, usize)>,
     ) -> Result<(), EngineError> {
         let HeadNorms {
             nq,
@@ -288,13 +346,14 @@ impl CudaDevice {
             };
         }
         b.arg(&eps);
-        let tail;
-        if let Some((pool, shape, layer)) = pool {
+        let (tail, in_lo);
+        if let Some((pool, shape, layer, lo)) = pool {
             tail = [
                 to_i32("block size", shape.block_size)?,
                 to_i32("layer", layer)?,
                 to_i32("layers", shape.num_layers)?,
             ];
+            in_lo = lo as i64;
             match pool {
                 KvPool::F32(p) => b.arg(p),
                 KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
@@ -302,7 +361,8 @@ impl CudaDevice {
             b.arg(&maps.token_block)
                 .arg(&tail[0])
                 .arg(&tail[1])
-                .arg(&tail[2]);
+                .arg(&tail[2])
+                .arg(&in_lo);
         }
         // SAFETY: signature matches (the pool arguments only for the _kv kernels); shapes
         // checked above; with a pool, it holds the whole shape and the block ids come from
@@ -321,11 +381,27 @@ impl CudaDevice {
         im: usize,
         split: bool,
     ) -> Result<(), EngineError> {
+        self.silu_mul_split_input(out, gu, false, rows, im, split)
+    }
+
+    /// [`Self::silu_mul`] over a split GEMM's unfolded output when `unfolded` (hi rows, then
+    /// as many lo rows), folded as it is read.
+    pub fn silu_mul_split_input<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        gu: &CudaSlice<f32>,
+        unfolded: bool,
+        rows: usize,
+        im: usize,
+        split: bool,
+    ) -> Result<(), EngineError> {
         if rows * im == 0 {
             return Ok(());
         }
         let lo_off = lo_offset::<O>("silu_mul out", out.len(), rows * im, split)?;
-        check_len("silu_mul gu", gu.len(), rows * 2 * im)?;
+        let halves = if unfolded { 2 } else { 1 };
+        check_len("silu_mul gu", gu.len(), halves * rows * 2 * im)?;
+        let in_lo = if unfolded { (rows * 2 * im) as i64 } else { 0 };
         let (r, i) = (to_i32("rows", rows)?, to_i32("im", im)?);
         let blocks = (rows * im).div_ceil(256).min(65_535 * 8) as u32;
         let cfg = LaunchConfig {
@@ -335,8 +411,8 @@ impl CudaDevice {
         };
         let f = self.func(&format!("silu_mul_{}", O::SUFFIX))?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(gu).arg(&r).arg(&i).arg(&lo_off);
-        // SAFETY: signature matches; shapes checked above.
+        b.arg(out).arg(gu).arg(&r).arg(&i).arg(&lo_off).arg(&in_lo);
+        // SAFETY: signature matches; shapes checked above (gu twice its rows when unfolded).
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching silu_mul"))?;
         Ok(())
     }

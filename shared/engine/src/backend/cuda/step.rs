@@ -5,6 +5,7 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::gemm::GemvInput;
 use super::ops::{ArgmaxScratch, HeadNorms};
 use super::sampling::SamplingInputs;
 use super::switches::DecodeFusion;
@@ -62,6 +63,12 @@ pub(super) struct Workspace<A: DeviceElem> {
     pub(super) normed: CudaSlice<A>,
     pub(super) attn: CudaSlice<A>,
     pub(super) act: CudaSlice<A>,
+    /// The attention output and SiLU·mul output in f32: the GEMV inputs of a split-mode step
+    /// of one or two rows, which reads its activations unrounded (one element otherwise).
+    pub(super) attn_f32: CudaSlice<f32>,
+    pub(super) act_f32: CudaSlice<f32>,
+    /// The final norm's rows in f32 for a split-mode lm_head GEMV (one element otherwise).
+    pub(super) sel_f32: CudaSlice<f32>,
     pub(super) rows: usize,
     pub(super) sel_x: CudaSlice<f32>,
     pub(super) sel_res: CudaSlice<f32>,
@@ -95,6 +102,9 @@ impl<A: DeviceElem> Workspace<A> {
             normed: dev.zeros(m * t * h)?,
             attn: dev.zeros(m * t * qd)?,
             act: dev.zeros(m * t * im)?,
+            attn_f32: dev.zeros(if split { t * qd } else { 1 })?,
+            act_f32: dev.zeros(if split { t * im } else { 1 })?,
+            sel_f32: dev.zeros(if split { r * h } else { 1 })?,
             rows: r,
             sel_x: dev.zeros(r * h)?,
             sel_res: dev.zeros(r * h)?,
@@ -283,7 +293,8 @@ impl DeviceModel {
         let qkv_w = qd + 2 * kvd;
         let scale = 1.0 / (hd as f32).sqrt();
         // Split mode: each GEMM runs over the stacked [hi; lo] rows of its input (m rows),
-        // then its output's halves are folded into the first t rows.
+        // then its output's halves are folded into the first t rows — by the kernel that reads
+        // the output next where it can (`*_split_*`: no fold launch), else by `fold`.
         let split = ws.split;
         let m = if split { 2 * t } else { t };
         let fold = |dev: &CudaDevice, out: &mut CudaSlice<f32>, elems: usize| {
@@ -297,16 +308,22 @@ impl DeviceModel {
         // writes the step's K and V itself.
         let rope_in_attention =
             self.decode_fusion.rope && !split && CudaDevice::decode_rope_fits(&inputs.maps);
+        let gemv_in = if split {
+            GemvInput::F32
+        } else {
+            GemvInput::Bf16
+        };
         dev.embedding_dev(&mut ws.x, &self.embed, inputs.maps.id_list(), h)?;
+        // Whether `proj` (the last GEMM into the residual stream) still holds split halves.
+        let mut proj_unfolded = false;
         for (l, lw) in self.layers.iter().enumerate() {
-            // The previous layer's MLP output joins the residual stream here (fused add).
-            let residual = (l > 0).then_some(&ws.proj);
             // Decode of one or two sequences: each norm rides in the GEMV after it, which
             // reads the stream from `x` and writes the sum to `x2` (and back for the second
-            // norm), so the launches per layer drop from ten to six.
-            let fused = !split
-                && dev.norm_gemv_fits(t, h, &lw.qkv)
-                && dev.norm_gemv_fits(t, h, &lw.gate_up);
+            // norm), so the launches per layer drop from ten to six. The split mode's GEMVs
+            // read their rows in f32 instead of as hi + lo bf16 (`f32_rows`): nothing to fold.
+            let fused = dev.norm_gemv_fits(t, h, &lw.qkv, gemv_in)
+                && dev.norm_gemv_fits(t, h, &lw.gate_up, gemv_in);
+            let f32_rows = fused && split;
             let heads = HeadNorms {
                 nq,
                 nkv,
@@ -321,7 +338,19 @@ impl DeviceModel {
                 && !rope_in_attention
                 && self.decode_fusion.qkv_rope
                 && lw.qkv_bias.is_none()
-                && QkvRope::fits(&heads, &self.pool, self.scratch.head_counters.len());
+                && QkvRope::fits(
+                    &heads,
+                    &self.pool,
+                    self.scratch.head_counters.len(),
+                    gemv_in,
+                );
+            if fused && proj_unfolded {
+                fold(dev, &mut ws.proj, t * h)?;
+                proj_unfolded = false;
+            }
+            // The previous layer's MLP output joins the residual stream here (fused add).
+            let residual = (l > 0).then_some(&ws.proj);
+            let mut qkv_unfolded = false;
             if fused {
                 let rope = rope_in_gemv.then_some(QkvRope {
                     heads: &heads,
@@ -343,14 +372,15 @@ impl DeviceModel {
                     h,
                     qkv_w,
                     false,
+                    gemv_in,
                     Some(&lw.o_proj),
                     rope,
                 )?;
             } else {
-                dev.rms_norm(
+                dev.rms_norm_split_residual(
                     &mut ws.normed,
                     &mut ws.x,
-                    residual,
+                    residual.map(|r| (r, proj_unfolded)),
                     &lw.input_norm,
                     t,
                     eps,
@@ -365,7 +395,12 @@ impl DeviceModel {
                     &mut ws.qkv,
                     Some(&lw.o_proj),
                 )?;
-                fold(dev, &mut ws.qkv, t * qkv_w)?;
+                // Folded by qk_norm_rope_kv, unless a bias comes first.
+                if lw.qkv_bias.is_some() {
+                    fold(dev, &mut ws.qkv, t * qkv_w)?;
+                } else {
+                    qkv_unfolded = split;
+                }
             }
             if let Some(b) = &lw.qkv_bias {
                 dev.bias_add(&mut ws.qkv, b, t)?;
@@ -387,8 +422,9 @@ impl DeviceModel {
             } else {
                 if !rope_in_gemv {
                     // RoPE'd K and V into the pool in the same launch.
-                    dev.qk_norm_rope_kv(
+                    dev.qk_norm_rope_kv_split_input(
                         &mut ws.qkv,
+                        qkv_unfolded,
                         qkv_w,
                         &heads,
                         &inputs.maps,
@@ -397,32 +433,54 @@ impl DeviceModel {
                         l,
                     )?;
                 }
-                dev.attention(
-                    &mut ws.attn,
-                    &ws.qkv,
-                    qkv_w,
-                    &self.pool,
-                    self.shape,
-                    l,
-                    nq,
-                    &inputs.maps,
-                    scale,
-                    &mut self.scratch,
-                    split,
-                )?;
+                let (pool, shape, maps) = (&self.pool, self.shape, &inputs.maps);
+                if f32_rows {
+                    let out = &mut ws.attn_f32;
+                    let scratch = &mut self.scratch;
+                    dev.attention(
+                        out, &ws.qkv, qkv_w, pool, shape, l, nq, maps, scale, scratch, false,
+                    )?;
+                } else {
+                    let out = &mut ws.attn;
+                    let scratch = &mut self.scratch;
+                    dev.attention(
+                        out, &ws.qkv, qkv_w, pool, shape, l, nq, maps, scale, scratch, split,
+                    )?;
+                }
             }
-            dev.matmul_t_before(
-                &ws.attn,
-                m,
-                qd,
-                &lw.o_proj,
-                h,
-                &mut ws.proj,
-                Some(&lw.gate_up),
-            )?;
-            fold(dev, &mut ws.proj, t * h)?;
+            if f32_rows {
+                let next = Some(&lw.gate_up);
+                dev.matmul_t_before(&ws.attn_f32, t, qd, &lw.o_proj, h, &mut ws.proj, next)?;
+            } else {
+                let next = Some(&lw.gate_up);
+                dev.matmul_t_before(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj, next)?;
+                // Folded by the next norm, unless a bias comes first.
+                if lw.o_bias.is_some() {
+                    fold(dev, &mut ws.proj, t * h)?;
+                } else {
+                    proj_unfolded = split;
+                }
+            }
             if let Some(b) = &lw.o_bias {
                 dev.bias_add(&mut ws.proj, b, t)?;
+            }
+            // The next layer's qkv weights (none after the last: the lm_head's 311 MB at the
+            // 0.6B shape would not fit L2).
+            let next_qkv = self.layers.get(l + 1).map(|n| &n.qkv);
+            if f32_rows {
+                let (x2, proj) = (&ws.x2, Some(&ws.proj));
+                let (norm, gu) = (&lw.post_norm, &lw.gate_up);
+                let down = Some(&lw.down);
+                let out = &mut ws.act_f32;
+                dev.norm_gemv(
+                    out, x2, proj, &mut ws.x, norm, eps, gu, t, h, im, true, gemv_in, down, None,
+                )?;
+                dev.matmul_t_before(&ws.act_f32, t, im, &lw.down, h, &mut ws.proj, next_qkv)?;
+                continue;
+            }
+            if fused && proj_unfolded {
+                fold(dev, &mut ws.proj, t * h)?;
+                proj_unfolded = false;
             }
             if fused {
                 dev.norm_gemv(
@@ -437,14 +495,15 @@ impl DeviceModel {
                     h,
                     im,
                     true,
+                    gemv_in,
                     Some(&lw.down),
                     None,
                 )?;
             } else {
-                dev.rms_norm(
+                dev.rms_norm_split_residual(
                     &mut ws.normed,
                     &mut ws.x,
-                    Some(&ws.proj),
+                    Some((&ws.proj, proj_unfolded)),
                     &lw.post_norm,
                     t,
                     eps,
@@ -459,14 +518,10 @@ impl DeviceModel {
                     &mut ws.gu,
                     Some(&lw.down),
                 )?;
-                fold(dev, &mut ws.gu, t * 2 * im)?;
-                dev.silu_mul(&mut ws.act, &ws.gu, t, im, split)?;
+                dev.silu_mul_split_input(&mut ws.act, &ws.gu, split, t, im, split)?;
             }
-            // The next layer's qkv weights (none after the last: the lm_head's 311 MB at the
-            // 0.6B shape would not fit L2).
-            let next_qkv = self.layers.get(l + 1).map(|n| &n.qkv);
             dev.matmul_t_before(&ws.act, m, im, &lw.down, h, &mut ws.proj, next_qkv)?;
-            fold(dev, &mut ws.proj, t * h)?;
+            proj_unfolded = split;
         }
         if r == 0 {
             return Ok(());
@@ -476,12 +531,15 @@ impl DeviceModel {
         // Every row wanted (rows are increasing, so r == t means all of them in order) in a
         // step of one or two rows: the final norm rides in the lm_head GEMV, reading the
         // stream where the last layer left it (`x` plus the MLP output in `proj`).
-        if self.decode_fusion.final_norm
+        let final_in_gemv = self.decode_fusion.final_norm
             && r == t
             && !self.layers.is_empty()
-            && !split
-            && dev.norm_gemv_fits(t, h, head)
-        {
+            && dev.norm_gemv_fits(t, h, head, gemv_in);
+        if proj_unfolded && (final_in_gemv || r < t) {
+            fold(dev, &mut ws.proj, t * h)?;
+            proj_unfolded = false;
+        }
+        if final_in_gemv {
             dev.norm_gemv(
                 &mut ws.logits,
                 &ws.x,
@@ -494,6 +552,7 @@ impl DeviceModel {
                 h,
                 v,
                 false,
+                gemv_in,
                 None,
                 None,
             )?;
@@ -518,11 +577,21 @@ impl DeviceModel {
                 }
                 (&mut ws.sel_x, layers.then_some(&ws.sel_res))
             };
-            dev.rms_norm(&mut ws.sel, stream, mlp_out, &self.norm, r, eps, split)?;
-            let head_rows = if split { 2 * r } else { r };
-            dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
+            let mlp_out = mlp_out.map(|p| (p, proj_unfolded));
+            if split && dev.f32_rows_gemv_fits(r, h, head) {
+                // One or two rows in the split mode: the lm_head GEMV reads them in f32 (no
+                // hi and lo rows, no fold of 151,936-wide logits rows at the 0.6B shape).
+                let out = &mut ws.sel_f32;
+                dev.rms_norm_split_residual(out, stream, mlp_out, &self.norm, r, eps, false)?;
+                dev.matmul_t(&ws.sel_f32, r, h, head, v, &mut ws.logits)?;
+            } else {
+                let out = &mut ws.sel;
+                dev.rms_norm_split_residual(out, stream, mlp_out, &self.norm, r, eps, split)?;
+                let head_rows = if split { 2 * r } else { r };
+                dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
+                fold(dev, &mut ws.logits, r * v)?;
+            }
         }
-        fold(dev, &mut ws.logits, r * v)?;
         match readout {
             Readout::Argmax => dev.argmax(&mut ws.ids, &ws.logits, r, v, &mut ws.argmax)?,
             Readout::Sample => {

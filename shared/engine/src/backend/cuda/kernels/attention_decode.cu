@@ -434,7 +434,9 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     // The cluster variant's (max, sum) per head of the block's merged state (its output goes
     // to warp 0's rows of `so`: each (head, dimension) is read and written by one thread).
     __shared__ float2 cluster_ml[CLUSTER ? NH * 8 : 1];
-    const long long pi = ((long long)bx * nkv + g) * splits + sp;
+    // Slots by the grid's z extent, not `splits`: rows of fewer runs merge fewer splits, and
+    // their states must not run into the next row's.
+    const long long pi = ((long long)bx * nkv + g) * gridDim.z + sp;
     for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
         const int j = idx / HD;
         const int d = idx % HD;
@@ -467,7 +469,8 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         return;
     }
     if (splits == 1) return;
-    merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, group, HD, t, nq, lo_off);
+    merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, (int)gridDim.z, group, HD, t, nq,
+                       lo_off);
 }
 
 // The fused variant's K and V rows of the block's first run asked into L2 before the kernel
@@ -513,14 +516,15 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
 
 // The cluster variant: launched with clusters of (1, 1, gridDim.z), one cluster per (row,
 // KV head), its splits merged over distributed shared memory (merge_cluster_states). 16-bit
-// output only; the part_* and counter arguments are unused (kept for one argument list).
-#define ATTENTION_DECODE_CLUSTER(NAME, NH, HD)                                                               \
+// output in the main program (f32 and split bf16 too in the half-KV one); the part_* and
+// counter arguments are unused (kept for one argument list).
+#define ATTENTION_DECODE_CLUSTER(NAME, O, NH, HD)                                                            \
     extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
-        e16_t* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                 \
+        O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                     \
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) {                                          \
-        attention_decode_impl<e16_t, HD, NH, false, true, true>(                                             \
+        attention_decode_impl<O, HD, NH, false, true, true>(                                                 \
             out, qkv, row_stride, pool, tables, table_start, positions, lo_pos, token_list, nq, nkv, group,  \
             block_size, layer, num_layers, scale, part_acc, part_ml, counters, lo_off,                       \
             DecodeRope{nullptr, nullptr, nullptr, 0.0f, nullptr});                                           \
@@ -564,7 +568,23 @@ ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd64, 1, 64, FD_BOUNDS)
 ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd128, 1, 128, FD_BOUNDS_5)
 ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd64, 2, 64, FD_BOUNDS)
 ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd128, 2, 128, FD_BOUNDS)
-ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd64, 1, 64)
-ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd128, 1, 128)
-ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n16_hd64, 2, 64)
-ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n16_hd128, 2, 128)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd64, e16_t, 1, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd128, e16_t, 1, 128)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n16_hd64, e16_t, 2, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n16_hd128, e16_t, 2, 128)
+#ifdef TANDEM_HALF_KV
+// The half-KV program (an f16 pool beside bf16 weights): split-bf16 outputs for the bf16x2
+// GEMMs; its `_f32_` entry points above feed the GEMVs that read f32 activations.
+ATTENTION_DECODE(attention_decode_b16_n8_hd64, b16_t, 1, 64)
+ATTENTION_DECODE(attention_decode_b16_n8_hd128, b16_t, 1, 128)
+ATTENTION_DECODE(attention_decode_b16_n16_hd64, b16_t, 2, 64)
+ATTENTION_DECODE(attention_decode_b16_n16_hd128, b16_t, 2, 128)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_f32_n8_hd64, float, 1, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_f32_n8_hd128, float, 1, 128)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_f32_n16_hd64, float, 2, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_f32_n16_hd128, float, 2, 128)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_b16_n8_hd64, b16_t, 1, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_b16_n8_hd128, b16_t, 1, 128)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_b16_n16_hd64, b16_t, 2, 64)
+ATTENTION_DECODE_CLUSTER(attention_decode_cluster_b16_n16_hd128, b16_t, 2, 128)
+#endif

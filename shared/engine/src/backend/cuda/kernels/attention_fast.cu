@@ -90,14 +90,16 @@ __device__ __forceinline__ float merge_weight(float m, float l, float big) {
 
 // The block of (token x = bx, KV head g) that finishes last of its `splits` merges every
 // split's partial state (part_acc / part_ml, `group` q heads of `head_dim`) into the output
-// rows of token t; the others return. Its counter is reset for the next launch. The splits'
+// rows of token t; the others return. A pair's states start `slots` states apart (the grid's
+// z extent: the decode kernel merges fewer splits than that for a row with fewer runs of keys,
+// and each row must keep to its own slots). Its counter is reset for the next launch. The splits'
 // weights exp(m - max) / Σ l·exp(m - max) are found once per head (a warp per head, a lane
 // per split: one round of loads, not a dependent walk over the splits per output element),
 // then each output element sums its splits' accumulators with independent loads.
 template <typename O>
 __device__ void merge_split_states(O* out, const float* part_acc, const float* part_ml, unsigned int* counters,
-                                   int bx, int g, int nkv, int splits, int group, int head_dim, int t, int nq,
-                                   long long lo_off) {
+                                   int bx, int g, int nkv, int splits, int slots, int group, int head_dim, int t,
+                                   int nq, long long lo_off) {
     __shared__ bool last;
     __shared__ float weights[MERGE_MAX_GROUP][MERGE_MAX_SPLITS];
     __threadfence();
@@ -107,7 +109,7 @@ __device__ void merge_split_states(O* out, const float* part_acc, const float* p
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const long long p0 = ((long long)bx * nkv + g) * splits;
+    const long long p0 = ((long long)bx * nkv + g) * slots;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int j = warp; j < group; j += blockDim.x >> 5) {
@@ -276,7 +278,7 @@ __device__ void attention_fast_impl(O* out, const float* qkv, int row_stride, co
         }
     }
     if (splits == 1) return;
-    merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, G, head_dim, t, nq, lo_off);
+    merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, splits, G, head_dim, t, nq, lo_off);
 }
 
 // One entry point per (pool type, output type, elements per lane, q heads per KV head).

@@ -346,3 +346,8 @@ ATTENTION_PREFILL(attention_prefill_f32_hd64, float, 64)
 ATTENTION_PREFILL(attention_prefill_bf16_hd64, e16_t, 64)
 ATTENTION_PREFILL(attention_prefill_f32_hd128, float, 128)
 ATTENTION_PREFILL(attention_prefill_bf16_hd128, e16_t, 128)
+#ifdef TANDEM_HALF_KV
+// The half-KV program's split-bf16 outputs (see attention_decode.cu).
+ATTENTION_PREFILL(attention_prefill_b16_hd64, b16_t, 64)
+ATTENTION_PREFILL(attention_prefill_b16_hd128, b16_t, 128)
+#endif

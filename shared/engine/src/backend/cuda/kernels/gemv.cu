@@ -38,9 +38,28 @@ __device__ __forceinline__ void e16x8_to_f32(const uint4 v, float (&f)[8]) {
     f[7] = e16_hi(v.w);
 }
 
+// Chunk c (8 elements) of an activation row as f32: bf16 (the bf16 GEMM input) or f32 (the
+// bf16x2 precision's GEMVs, whose activations are never rounded: at one or two rows the
+// weights are the traffic, so reading f32 rows from L1 costs nothing measurable).
+__device__ __forceinline__ void x8_to_f32(const e16_t* row, int c, float (&f)[8]) {
+    e16x8_to_f32(reinterpret_cast<const uint4*>(row)[c], f);
+}
+__device__ __forceinline__ void x8_to_f32(const float* row, int c, float (&f)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(row)[2 * c];
+    const float4 b = reinterpret_cast<const float4*>(row)[2 * c + 1];
+    f[0] = a.x;
+    f[1] = a.y;
+    f[2] = a.z;
+    f[3] = a.w;
+    f[4] = b.x;
+    f[5] = b.y;
+    f[6] = b.z;
+    f[7] = b.w;
+}
+
 // U weight chunks (8 bf16 each) at c, c + 32, ..., loaded, then used for the m rows of x.
-template <int M, int U>
-__device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const e16_t* x, int m, int k, int c) {
+template <int M, int U, typename X>
+__device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const X* x, int m, int k, int c) {
     uint4 wv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) wv[u] = __ldg(wr + c + 32 * u);
@@ -52,7 +71,7 @@ __device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const
         for (int r = 0; r < M; ++r) {
             if (r < m) {
                 float xf[8];
-                e16x8_to_f32(reinterpret_cast<const uint4*>(x + (long long)r * k)[c + 32 * u], xf);
+                x8_to_f32(x + (long long)r * k, c + 32 * u, xf);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[r] += wf[e] * xf[e];
             }
@@ -64,8 +83,8 @@ __device__ __forceinline__ void gemv_run(float (&acc)[M], const uint4* wr, const
 // then 4, then single weight loads per lane, each run's loads issued before its math, then
 // the lanes' sums meet in a shuffle reduction and lane 0 stores them (f32 or bf16). k = 1024,
 // 2048 and 3072 (the down projection) each take one run, so a warp waits on DRAM once.
-template <int M, typename O>
-__device__ __forceinline__ void gemv_column(O* out, const e16_t* x, const e16_t* w, int m, int n, int k, int col) {
+template <int M, typename O, typename X>
+__device__ __forceinline__ void gemv_column(O* out, const X* x, const e16_t* w, int m, int n, int k, int col) {
     const int lane = threadIdx.x & 31;
     const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)col * k);
     const int chunks = k >> 3;
@@ -73,10 +92,10 @@ __device__ __forceinline__ void gemv_column(O* out, const e16_t* x, const e16_t*
 #pragma unroll
     for (int r = 0; r < M; ++r) acc[r] = 0.0f;
     int c = lane;
-    for (; c + 11 * 32 < chunks; c += 12 * 32) gemv_run<M, 12>(acc, wr, x, m, k, c);
-    for (; c + 7 * 32 < chunks; c += 8 * 32) gemv_run<M, 8>(acc, wr, x, m, k, c);
-    for (; c + 3 * 32 < chunks; c += 4 * 32) gemv_run<M, 4>(acc, wr, x, m, k, c);
-    for (; c < chunks; c += 32) gemv_run<M, 1>(acc, wr, x, m, k, c);
+    for (; c + 11 * 32 < chunks; c += 12 * 32) gemv_run<M, 12, X>(acc, wr, x, m, k, c);
+    for (; c + 7 * 32 < chunks; c += 8 * 32) gemv_run<M, 8, X>(acc, wr, x, m, k, c);
+    for (; c + 3 * 32 < chunks; c += 4 * 32) gemv_run<M, 4, X>(acc, wr, x, m, k, c);
+    for (; c < chunks; c += 32) gemv_run<M, 1, X>(acc, wr, x, m, k, c);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         float v = acc[r];
@@ -85,14 +104,14 @@ __device__ __forceinline__ void gemv_column(O* out, const e16_t* x, const e16_t*
     }
 }
 
-template <int M>
-__device__ void gemv_sync_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k,
+template <int M, typename X>
+__device__ void gemv_sync_bf16_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
                                     const unsigned char* next, unsigned long long next_bytes) {
     l2_prefetch_next(next, next_bytes);
     GRID_DEPENDENCY_SYNC();
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (col >= n) return;
-    gemv_column<M>(out, x, w, m, n, k, col);
+    gemv_column<M, float, X>(out, x, w, m, n, k, col);
 }
 
 // A decode step's RMSNorm and the GEMV after it in one launch (m ≤ M rows, k ≤ 8 · blockDim
@@ -107,8 +126,8 @@ __device__ void gemv_sync_bf16_impl(float* out, const e16_t* x, const e16_t* w, 
 // lane (a whole row up to 2,048 elements) are loaded before the norm, which does not need
 // them, so their DRAM latency and the norm's reductions overlap.
 #define GEMV_RUN 8
-template <int M, bool SILU>
-__device__ __forceinline__ void gemv_norm_chunk(float (&acc)[M], float (&up)[M], const uint4 wv, const e16_t* xs,
+template <int M, bool SILU, typename X>
+__device__ __forceinline__ void gemv_norm_chunk(float (&acc)[M], float (&up)[M], const uint4 wv, const X* xs,
                                                 int m, int k, int c) {
     const int kc = k >> 3;
     const bool is_up = SILU && c >= kc;
@@ -119,7 +138,7 @@ __device__ __forceinline__ void gemv_norm_chunk(float (&acc)[M], float (&up)[M],
     for (int r = 0; r < M; ++r) {
         if (r < m) {
             float xf[8];
-            e16x8_to_f32(reinterpret_cast<const uint4*>(xs + r * k)[xc], xf);
+            x8_to_f32(xs + r * k, xc, xf);
             float d = 0.0f;
 #pragma unroll
             for (int e = 0; e < 8; ++e) d += wf[e] * xf[e];
@@ -132,63 +151,67 @@ __device__ __forceinline__ void gemv_norm_chunk(float (&acc)[M], float (&up)[M],
     }
 }
 
-// A lane's first GEMV_RUN weight chunks of its column (chunks lane, lane + 32, ...).
-__device__ __forceinline__ void gemv_load_first(uint4 (&first)[GEMV_RUN], const uint4* wr, bool valid,
-                                                int row_chunks) {
+// A lane's first RUN weight chunks of its column (chunks lane, lane + 32, ...).
+template <int RUN = GEMV_RUN>
+__device__ __forceinline__ void gemv_load_first(uint4 (&first)[RUN], const uint4* wr, bool valid, int row_chunks) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int u = 0; u < GEMV_RUN; ++u) {
+    for (int u = 0; u < RUN; ++u) {
         const int c = lane + 32 * u;
         if (valid && c < row_chunks) first[u] = __ldg(wr + c);
     }
 }
 
 // A lane's share of its column: the first chunks (loaded already), then the rest of a longer
-// row (past 32 · GEMV_RUN chunks) in runs of GEMV_RUN loads issued before their math. acc: the
-// plain sum, or the gate's with SILU (chunks below k / 8), up the up's.
-template <int M, bool SILU>
-__device__ __forceinline__ void gemv_accumulate(float (&acc)[M], float (&up)[M], const uint4 (&first)[GEMV_RUN],
-                                                const uint4* wr, const e16_t* xs, int m, int k, int row_chunks) {
+// row (past 32 · RUN chunks) in runs of RUN loads issued before their math. acc: the plain
+// sum, or the gate's with SILU (chunks below k / 8), up the up's.
+template <int M, bool SILU, typename X, int RUN = GEMV_RUN>
+__device__ __forceinline__ void gemv_accumulate(float (&acc)[M], float (&up)[M], const uint4 (&first)[RUN],
+                                                const uint4* wr, const X* xs, int m, int k, int row_chunks) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < M; ++r) acc[r] = up[r] = 0.0f;
 #pragma unroll
-    for (int u = 0; u < GEMV_RUN; ++u) {
+    for (int u = 0; u < RUN; ++u) {
         const int c = lane + 32 * u;
-        if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, first[u], xs, m, k, c);
+        if (c < row_chunks) gemv_norm_chunk<M, SILU, X>(acc, up, first[u], xs, m, k, c);
     }
-    for (int c0 = lane + 32 * GEMV_RUN; c0 < row_chunks; c0 += 32 * GEMV_RUN) {
-        uint4 wv[GEMV_RUN];
+    for (int c0 = lane + 32 * RUN; c0 < row_chunks; c0 += 32 * RUN) {
+        uint4 wv[RUN];
 #pragma unroll
-        for (int u = 0; u < GEMV_RUN; ++u) {
+        for (int u = 0; u < RUN; ++u) {
             const int c = c0 + 32 * u;
             if (c < row_chunks) wv[u] = __ldg(wr + c);
         }
 #pragma unroll
-        for (int u = 0; u < GEMV_RUN; ++u) {
+        for (int u = 0; u < RUN; ++u) {
             const int c = c0 + 32 * u;
-            if (c < row_chunks) gemv_norm_chunk<M, SILU>(acc, up, wv[u], xs, m, k, c);
+            if (c < row_chunks) gemv_norm_chunk<M, SILU, X>(acc, up, wv[u], xs, m, k, c);
         }
     }
 }
 
-// gemv_bf16_impl with the weight rows' first GEMV_RUN chunks per lane (whole rows up to 2,048
-// elements) loaded before the wait on the kernel before (PDL: weights never depend on it, so
-// their DRAM latency overlaps that kernel's tail), then the rest in runs of GEMV_RUN.
-template <int M>
-__device__ void gemv_early_bf16_impl(float* out, const e16_t* x, const e16_t* w, int m, int n, int k,
+// gemv_bf16_impl with the weight rows' first RUN chunks per lane (whole rows up to 32 · 8 ·
+// RUN elements) loaded before the wait on the kernel before when EARLY (PDL: weights never
+// depend on it, so their DRAM latency overlaps that kernel's tail), then the rest in runs of
+// RUN. Without EARLY it waits first: the runs alone (the two-row GEMV over f32 rows, where
+// ptxas otherwise interleaved gemv_column's loads with their math: 32 registers, one load in
+// flight at a time; batch 2 ran at 75% of bf16's).
+template <int M, typename X, bool EARLY = true, int RUN = GEMV_RUN>
+__device__ void gemv_early_bf16_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
                                      const unsigned char* next, unsigned long long next_bytes) {
     l2_prefetch_next(next, next_bytes);
+    if (!EARLY) GRID_DEPENDENCY_SYNC();
     const int lane = threadIdx.x & 31;
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int chunks = k >> 3;
     const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)min(col, n - 1) * k);
-    uint4 first[GEMV_RUN];
-    gemv_load_first(first, wr, col < n, chunks);
-    GRID_DEPENDENCY_SYNC();
+    uint4 first[RUN];
+    gemv_load_first<RUN>(first, wr, col < n, chunks);
+    if (EARLY) GRID_DEPENDENCY_SYNC();
     if (col >= n) return;
     float acc[M], unused[M];
-    gemv_accumulate<M, false>(acc, unused, first, wr, x, m, k, chunks);
+    gemv_accumulate<M, false, X, RUN>(acc, unused, first, wr, x, m, k, chunks);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         float v = acc[r];
@@ -197,28 +220,41 @@ __device__ void gemv_early_bf16_impl(float* out, const e16_t* x, const e16_t* w,
     }
 }
 
-// Plain GEMVs; the _early_ variants load their first weights before the PDL wait.
-#define GEMV_BF16(NAME, IMPL, M)                                                                        \
+// Runs of 12 weight loads (a k = 3072 row in one run), waiting first.
+template <int M, typename X>
+__device__ void gemv_runs12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k, const unsigned char* next,
+                                 unsigned long long next_bytes) {
+    gemv_early_bf16_impl<M, X, false, 12>(out, x, w, m, n, k, next, next_bytes);
+}
+
+// Plain GEMVs; the _early_ variants load their first weights before the PDL wait; the _xf32_
+// ones read f32 activations (the bf16x2 precision's one- and two-row steps).
+#define GEMV_BF16(NAME, IMPL, M, X)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        NAME(float* out, const e16_t* x, const e16_t* w, int m, int n, int k, const unsigned char* next,  \
+        NAME(float* out, const X* x, const e16_t* w, int m, int n, int k, const unsigned char* next,      \
              unsigned long long next_bytes) {                                                           \
-        IMPL<M>(out, x, w, m, n, k, next, next_bytes);                                                  \
+        IMPL<M, X>(out, x, w, m, n, k, next, next_bytes);                                               \
     }
 
-GEMV_BF16(gemv_bf16_m1, gemv_sync_bf16_impl, 1)
-GEMV_BF16(gemv_bf16_m2, gemv_sync_bf16_impl, 2)
-GEMV_BF16(gemv_early_bf16_m1, gemv_early_bf16_impl, 1)
-GEMV_BF16(gemv_early_bf16_m2, gemv_early_bf16_impl, 2)
+GEMV_BF16(gemv_bf16_m1, gemv_sync_bf16_impl, 1, e16_t)
+GEMV_BF16(gemv_bf16_m2, gemv_sync_bf16_impl, 2, e16_t)
+GEMV_BF16(gemv_early_bf16_m1, gemv_early_bf16_impl, 1, e16_t)
+GEMV_BF16(gemv_early_bf16_m2, gemv_early_bf16_impl, 2, e16_t)
+GEMV_BF16(gemv_xf32_m1, gemv_sync_bf16_impl, 1, float)
+GEMV_BF16(gemv_xf32_m2, gemv_runs12_impl, 2, float)
+GEMV_BF16(gemv_early_xf32_m1, gemv_early_bf16_impl, 1, float)
+GEMV_BF16(gemv_early_xf32_m2, gemv_early_bf16_impl, 2, float)
 
 // With EARLY the first weight chunks are loaded before the PDL wait (as gemv_early_bf16_impl).
-template <int M, bool SILU, bool EARLY, typename O>
+// X: the normalised rows' type in shared memory (bf16 as rms_norm_bf16 rounds them, or f32).
+template <int M, bool SILU, bool EARLY, typename O, typename X>
 __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
                                const float* norm_w, float eps, const e16_t* w, int m, int n, int k,
                                const unsigned char* next, unsigned long long next_bytes) {
     l2_prefetch_next(next, next_bytes);
     if (!EARLY) GRID_DEPENDENCY_SYNC();
     extern __shared__ __align__(16) unsigned char gemv_smem[];
-    e16_t* xs = reinterpret_cast<e16_t*>(gemv_smem);  // [M][k]
+    X* xs = reinterpret_cast<X*>(gemv_smem);  // [M][k]
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int col = blockIdx.x * GEMV_WARPS + warp;
@@ -242,14 +278,14 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
             for (int i = threadIdx.x; i < k; i += blockDim.x) {
                 const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
                 if (blockIdx.x == 0) x_out[(long long)r * k + i] = v;
-                xs[r * k + i] = f32_to_e16(norm_w[i] * (v * inv));
+                store_f(xs, r * k + i, norm_w[i] * (v * inv));
             }
         }
     }
     __syncthreads();
     if (col >= n) return;
     float acc[M], up[M];
-    gemv_accumulate<M, SILU>(acc, up, first, wr, xs, m, k, row_chunks);
+    gemv_accumulate<M, SILU, X>(acc, up, first, wr, xs, m, k, row_chunks);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         float g = acc[r], u = up[r];
@@ -267,14 +303,14 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
 // once their columns are stored and fenced, and the last one runs qk_norm_rope_head on the
 // head for each row (and resets the counter for the next launch). One launch per layer fewer
 // than the GEMV and qk_norm_rope_kv apart.
-template <int M>
+template <int M, typename X, typename P>
 __device__ void gemv_norm_rope_impl(float* out, const float* x, const float* residual, float* x_out,
                                     const float* norm_w, float eps, const e16_t* w, int m, int n, int k,
                                     const unsigned char* next, unsigned long long next_bytes, int nq, int nkv,
                                     int head_dim, const int* positions, const float* inv_freq, const float* q_norm,
-                                    const float* k_norm, e16_t* pool, const int* token_block, int block_size,
+                                    const float* k_norm, P* pool, const int* token_block, int block_size,
                                     int layer, int num_layers, unsigned int* counters) {
-    gemv_norm_impl<M, false, false, float>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes);
+    gemv_norm_impl<M, false, false, float, X>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes);
     __shared__ bool last;
     const unsigned int blocks_per_head = (unsigned int)(head_dim / GEMV_WARPS);
     const int head = blockIdx.x / blocks_per_head;
@@ -288,39 +324,52 @@ __device__ void gemv_norm_rope_impl(float* out, const float* x, const float* res
     if (!last) return;
     __threadfence();
     for (int r = 0; r < m; ++r) {
-        qk_norm_rope_head<e16_t>(r, head, out, n, nq, nkv, head_dim, positions, inv_freq, q_norm, k_norm, eps, pool,
-                                 token_block, block_size, layer, num_layers);
+        qk_norm_rope_head<P>(r, head, out, n, nq, nkv, head_dim, positions, inv_freq, q_norm, k_norm, eps, pool,
+                                 token_block, block_size, layer, num_layers, 0);
     }
 }
 
-#define GEMV_NORM_ROPE(NAME, M)                                                                         \
+// X: the normalised rows' type (see gemv_norm_impl); P: the pool's element.
+#define GEMV_NORM_ROPE(NAME, M, X, P)                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(float* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
              const e16_t* w, int m, int n, int k, const unsigned char* next, unsigned long long next_bytes, \
              int nq, int nkv, int head_dim, const int* positions, const float* inv_freq, const float* q_norm, \
-             const float* k_norm, e16_t* pool, const int* token_block, int block_size, int layer,        \
+             const float* k_norm, P* pool, const int* token_block, int block_size, int layer,            \
              int num_layers, unsigned int* counters) {                                                   \
-        gemv_norm_rope_impl<M>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes, nq, nkv, \
+        gemv_norm_rope_impl<M, X, P>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes, nq, nkv, \
                                head_dim, positions, inv_freq, q_norm, k_norm, pool, token_block,         \
                                block_size, layer, num_layers, counters);                                \
     }
 
-GEMV_NORM_ROPE(gemv_norm_rope_bf16_m1, 1)
-GEMV_NORM_ROPE(gemv_norm_rope_bf16_m2, 2)
+GEMV_NORM_ROPE(gemv_norm_rope_bf16_m1, 1, e16_t, e16_t)
+GEMV_NORM_ROPE(gemv_norm_rope_bf16_m2, 2, e16_t, e16_t)
+// The bf16x2 precision with an f16 cache: f32 rows, an IEEE half pool.
+GEMV_NORM_ROPE(gemv_norm_rope_xf32_m1, 1, float, h16_t)
+GEMV_NORM_ROPE(gemv_norm_rope_xf32_m2, 2, float, h16_t)
 
-#define GEMV_NORM(NAME, M, SILU, EARLY, O)                                                              \
+#define GEMV_NORM(NAME, M, SILU, EARLY, O, X)                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
              const e16_t* w, int m, int n, int k, const unsigned char* next, unsigned long long next_bytes) { \
-        gemv_norm_impl<M, SILU, EARLY, O>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next,      \
+        gemv_norm_impl<M, SILU, EARLY, O, X>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next,   \
                                           next_bytes);                                                  \
     }
 
-GEMV_NORM(gemv_norm_bf16_m1, 1, false, false, float)
-GEMV_NORM(gemv_norm_bf16_m2, 2, false, false, float)
-GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, false, e16_t)
-GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, false, e16_t)
-GEMV_NORM(gemv_norm_early_bf16_m1, 1, false, true, float)
-GEMV_NORM(gemv_norm_early_bf16_m2, 2, false, true, float)
-GEMV_NORM(gemv_norm_silu_early_bf16_m1, 1, true, true, e16_t)
-GEMV_NORM(gemv_norm_silu_early_bf16_m2, 2, true, true, e16_t)
+GEMV_NORM(gemv_norm_bf16_m1, 1, false, false, float, e16_t)
+GEMV_NORM(gemv_norm_bf16_m2, 2, false, false, float, e16_t)
+GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, false, e16_t, e16_t)
+GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, false, e16_t, e16_t)
+GEMV_NORM(gemv_norm_early_bf16_m1, 1, false, true, float, e16_t)
+GEMV_NORM(gemv_norm_early_bf16_m2, 2, false, true, float, e16_t)
+GEMV_NORM(gemv_norm_silu_early_bf16_m1, 1, true, true, e16_t, e16_t)
+GEMV_NORM(gemv_norm_silu_early_bf16_m2, 2, true, true, e16_t, e16_t)
+// f32 normalised rows (and f32 SiLU·mul outputs): the bf16x2 precision's one- and two-row steps.
+GEMV_NORM(gemv_norm_xf32_m1, 1, false, false, float, float)
+GEMV_NORM(gemv_norm_xf32_m2, 2, false, false, float, float)
+GEMV_NORM(gemv_norm_silu_xf32_m1, 1, true, false, float, float)
+GEMV_NORM(gemv_norm_silu_xf32_m2, 2, true, false, float, float)
+GEMV_NORM(gemv_norm_early_xf32_m1, 1, false, true, float, float)
+GEMV_NORM(gemv_norm_early_xf32_m2, 2, false, true, float, float)
+GEMV_NORM(gemv_norm_silu_early_xf32_m1, 1, true, true, float, float)
+GEMV_NORM(gemv_norm_silu_early_xf32_m2, 2, true, true, float, float)

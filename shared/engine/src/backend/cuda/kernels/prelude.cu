@@ -7,6 +7,18 @@
 // Entry points keep their `_bf16` suffix in both programs: it names the 16-bit variant.
 typedef unsigned short e16_t;
 
+// bf16 whatever the program's element: round to nearest even, NaN stays NaN (what
+// half::bf16::from_f32 does on the CPU), and back.
+__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x40u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float bf16_bits_to_f32(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+
 #ifdef TANDEM_F16
 #define E16_MMA_TYPE "f16"
 __device__ __forceinline__ float e16_to_f32(e16_t b) {
@@ -25,18 +37,8 @@ __device__ __forceinline__ float e16_lo(unsigned int v) { return e16_to_f32((e16
 __device__ __forceinline__ float e16_hi(unsigned int v) { return e16_to_f32((e16_t)(v >> 16)); }
 #else
 #define E16_MMA_TYPE "bf16"
-__device__ __forceinline__ float e16_to_f32(e16_t b) {
-    return __uint_as_float(((unsigned int)b) << 16);
-}
-// Round to nearest even, NaN stays NaN: what half::bf16::from_f32 does on the CPU.
-__device__ __forceinline__ e16_t f32_to_e16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (e16_t)((u >> 16) | 0x40u);
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (e16_t)(u >> 16);
-}
+__device__ __forceinline__ float e16_to_f32(e16_t b) { return bf16_bits_to_f32(b); }
+__device__ __forceinline__ e16_t f32_to_e16(float f) { return f32_to_bf16_bits(f); }
 __device__ __forceinline__ float e16_lo(unsigned int v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float e16_hi(unsigned int v) { return __uint_as_float(v & 0xffff0000u); }
 #endif
@@ -74,6 +76,18 @@ __device__ __forceinline__ void store_in(e16_t* p, long long i, float v, long lo
     const e16_t hi = f32_to_e16(v);
     p[i] = hi;
     if (lo_off != 0) p[i + lo_off] = f32_to_e16(v - e16_to_f32(hi));
+}
+
+// A bf16 GEMM input written by the half-KV attention program (compiled with TANDEM_F16, so its
+// pool, Q and P are IEEE half; TANDEM_HALF_KV) for the bf16x2 precision's GEMMs over bf16
+// weights: split like store_in(e16_t*) of the bf16 program, whatever this program's element.
+struct b16_t {
+    unsigned short bits;
+};
+__device__ __forceinline__ void store_in(b16_t* p, long long i, float v, long long lo_off) {
+    const unsigned short hi = f32_to_bf16_bits(v);
+    p[i].bits = hi;
+    if (lo_off != 0) p[i + lo_off].bits = f32_to_bf16_bits(v - bf16_bits_to_f32(hi));
 }
 
 #define NEG_INF __int_as_float(0xff800000)

@@ -9,11 +9,13 @@
 // Head h of token t, by the calling block (threads j < head_dim / 2 each rotate a pair; every
 // thread of the block must call it: the norm is a block reduction). The head is read through
 // L2 (`__ldcg`): the fused qkv GEMV calls this on values other blocks of its grid wrote.
+// in_lo != 0: qkv is a split GEMM's unfolded output, its lo half in_lo elements on; each value
+// is hi + lo (as fold_rows_f32 would leave it), the q and k heads written back folded.
 template <typename T>
 __device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int nq, int nkv, int head_dim,
                                   const int* positions, const float* inv_freq, const float* q_norm,
                                   const float* k_norm, float eps, T* pool, const int* token_block, int block_size,
-                                  int layer, int num_layers) {
+                                  int layer, int num_layers, long long in_lo) {
     const int half = head_dim / 2;
     float* v = qkv + (long long)t * row_stride + (long long)h * head_dim;
     const int j = threadIdx.x;
@@ -29,15 +31,17 @@ __device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int 
         at = (long long)token_block[t] * block_e + (long long)layer * layer_e + (kh >= nkv ? part_e : 0) +
              (long long)(positions[t] % block_size) * kvd + (long long)(kh % nkv) * head_dim;
     }
+    // Element i of the head, folded.
+    auto load = [&](int i) { return in_lo != 0 ? __ldcg(v + i) + __ldcg(v + in_lo + i) : __ldcg(v + i); };
     if (at >= 0 && h >= nq + nkv) {  // a v head (uniform over the block): stored as is
         if (active) {
-            store_f(pool, at + j, __ldcg(v + j));
-            store_f(pool, at + j + half, __ldcg(v + j + half));
+            store_f(pool, at + j, load(j));
+            store_f(pool, at + j + half, load(j + half));
         }
         return;
     }
-    float a = active ? __ldcg(v + j) : 0.0f;
-    float b = active ? __ldcg(v + j + half) : 0.0f;
+    float a = active ? load(j) : 0.0f;
+    float b = active ? load(j + half) : 0.0f;
     const float* nw = h < nq ? q_norm : k_norm;
     if (nw != nullptr) {  // uniform over the block
         const float ss = block_sum(a * a + b * b);
@@ -65,9 +69,10 @@ __device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int 
 template <typename T>
 __device__ void qk_norm_rope_impl(float* qkv, int row_stride, int nq, int nkv, int head_dim, const int* positions,
                                   const float* inv_freq, const float* q_norm, const float* k_norm, float eps,
-                                  T* pool, const int* token_block, int block_size, int layer, int num_layers) {
+                                  T* pool, const int* token_block, int block_size, int layer, int num_layers,
+                                  long long in_lo) {
     qk_norm_rope_head<T>(blockIdx.x, blockIdx.y, qkv, row_stride, nq, nkv, head_dim, positions, inv_freq, q_norm,
-                         k_norm, eps, pool, token_block, block_size, layer, num_layers);
+                         k_norm, eps, pool, token_block, block_size, layer, num_layers, in_lo);
 }
 
 extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, int head_dim,
@@ -76,16 +81,17 @@ extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, 
     GRID_DEPENDENCY_SYNC();
     // No pool: every head past the q heads is a k head (the grid has nq + nkv of them).
     qk_norm_rope_impl<float>(qkv, row_stride, nq, 0, head_dim, positions, inv_freq, q_norm, k_norm, eps, nullptr,
-                             nullptr, 0, 0, 0);
+                             nullptr, 0, 0, 0, 0);
 }
 
 #define QK_NORM_ROPE_KV(NAME, T)                                                                              \
     extern "C" __global__ void NAME(float* qkv, int row_stride, int nq, int nkv, int head_dim,                \
                                     const int* positions, const float* inv_freq, const float* q_norm,         \
                                     const float* k_norm, float eps, T* pool, const int* token_block,          \
-                                    int block_size, int layer, int num_layers) { GRID_DEPENDENCY_SYNC();                              \
+                                    int block_size, int layer, int num_layers, long long in_lo) {             \
+        GRID_DEPENDENCY_SYNC();                                                                               \
         qk_norm_rope_impl<T>(qkv, row_stride, nq, nkv, head_dim, positions, inv_freq, q_norm, k_norm, eps,    \
-                             pool, token_block, block_size, layer, num_layers);                               \
+                             pool, token_block, block_size, layer, num_layers, in_lo);                        \
     }
 
 QK_NORM_ROPE_KV(qk_norm_rope_kv_f32, float)
