@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The serving stage of scripts/gpu-check: the real worker binaries on --device cuda, started
 # by `tandem up` on the given model, driven by tandem-loadtest. Cases:
-#   agg        aggregated worker, 32 concurrent requests (continuous batching)
+#   agg        aggregated worker, 32 concurrent requests (continuous batching), in the default
+#              precision (bf16x2 with an f16 KV cache: the start-up line must say so)
 #   pressure   a small KV pool (kv_cache_config.max_tokens 12288), max_num_tokens 512 and the
 #              MAX_UTILIZATION policy: chunked prefill and preemption (counted by the worker's
 #              metrics, must be > 0) under 32 concurrent requests of up to 1k tokens
@@ -13,7 +14,8 @@
 #              router enforcing disaggregation
 #   f16        the agg and disagg topologies again with --cuda-precision f16 (f16 weights,
 #              GEMM inputs and KV cache: the f16 blocks cross the transport too)
-#   bf16x2_f16kv  disagg with --cuda-precision bf16x2 and an f16 KV cache beside bf16 weights
+#   bf16       disagg with --cuda-precision bf16 (the fastest precision: bf16 GEMM inputs and
+#              KV cache)
 # Usage: serve_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
 set -uo pipefail
 BIN=$1
@@ -57,11 +59,14 @@ PY
 
 case_result() { if [ "$2" -eq 0 ]; then echo "case $1: PASS"; else echo "case $1: FAIL"; fails=$((fails + 1)); fi; }
 
-# agg: continuous batching on one CUDA worker.
+# agg: continuous batching on one CUDA worker, in the default precision.
+kv_f16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -c 'CUDA backend ready.*mode=Bf16Split.*kv_dtype=f16' > /dev/null; }
 up agg --topology agg
 load agg --num-requests 256 --concurrency 32 --isl uniform:64:1024 --osl 64 --vocab-hi 150000
-case_result agg $?
+rc=$?
 stop
+kv_f16_mode agg || { echo "agg: no worker reported mode=Bf16Split with kv_dtype=f16 (the default)"; rc=1; }
+case_result agg $rc
 
 # pressure: chunked prefill + preemption.
 METRICS=http://127.0.0.1:18091/metrics
@@ -125,17 +130,16 @@ stop
 f16_mode disagg_f16 || { echo "disagg_f16: no worker reported mode=F16"; rc=1; }
 case_result f16 $rc
 
-# bf16x2_f16kv: bf16 weights, split GEMM inputs and an f16 KV cache (the bf16 program's h16
-# pool), disaggregated: its f16 blocks cross the transport between two such workers.
-kv_f16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -c 'CUDA backend ready.*mode=Bf16Split.*kv_dtype=f16' > /dev/null; }
-up bf16x2_f16kv --topology disagg --kv-transport tcp --router-arg=--enforce-disagg \
-    --worker-arg=--cuda-precision --worker-arg=bf16x2 \
-    --worker-arg=--override-engine-args --worker-arg='{"kv_cache_config":{"dtype":"float16"}}'
-load bf16x2_f16kv --num-requests 32 --concurrency 8 --isl uniform:256:1024 --osl 32 --vocab-hi 150000
+# bf16: bf16 GEMM inputs and a bf16 KV cache, disaggregated: its bf16 blocks cross the
+# transport between two such workers.
+bf16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -c 'CUDA backend ready.*mode=Bf16 .*kv_dtype=bf16' > /dev/null; }
+up disagg_bf16 --topology disagg --kv-transport tcp --router-arg=--enforce-disagg \
+    --worker-arg=--cuda-precision --worker-arg=bf16
+load disagg_bf16 --num-requests 32 --concurrency 8 --isl uniform:256:1024 --osl 32 --vocab-hi 150000
 rc=$?
 stop
-kv_f16_mode bf16x2_f16kv || { echo "bf16x2_f16kv: no worker reported mode=Bf16Split with kv_dtype=f16"; rc=1; }
-case_result bf16x2_f16kv $rc
+bf16_mode disagg_bf16 || { echo "disagg_bf16: no worker reported mode=Bf16 with kv_dtype=bf16"; rc=1; }
+case_result bf16 $rc
 
 echo "serve_check: $fails case(s) failed"
 [ "$fails" -eq 0 ]

@@ -46,8 +46,8 @@ pub struct KvCacheConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvCacheDtype {
-    /// The model's compute dtype on the device (on CUDA bf16, or f16 with
-    /// `--cuda-precision f16`; f32 on CPU).
+    /// On CUDA f16 (`--cuda-precision bf16x2`, the default, and `f16`) or bf16 (`bf16`); f32
+    /// on CPU.
     Auto,
     Float32,
     Bfloat16,

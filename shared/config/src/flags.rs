@@ -71,13 +71,15 @@ pub static FLAGS: &[FlagSpec] = &[
          binary has it and a GPU is visible, else cpu).")
         .env("DYN_TRTLLM_DEVICE").default("auto"),
     FlagSpec::new("cuda-precision", Choice(&["bf16", "bf16x2", "f16"]), ModelLoading,
-        "CUDA backend: GEMM inputs in bf16 (fast), bf16x2 (each input split into two bf16 \
-         terms: near-f32 activations for twice the GEMM FLOPs, the weights still bf16 and read \
-         once per step), or f16 (weights converted from bf16, exactly above ~1e-5, GEMM inputs and KV \
-         cache in IEEE half: bf16's speed with 8x finer rounding, values limited to +-65504). \
-         kv_cache_config.dtype auto picks the precision's own 16-bit cache; float32 goes with \
-         every precision, float16 also with bf16x2 (an f16 cache beside bf16 weights).")
-        .env("DYN_TRTLLM_CUDA_PRECISION").default("bf16"),
+        "CUDA backend, weights in bf16 throughout: bf16x2 (default: near-f32 activations, as \
+         f32 rows in the GEMVs of one- and two-row decode steps and as two bf16 terms per GEMM \
+         input from three rows on, for twice those GEMMs' FLOPs; within 3e-3 of f32 logits), \
+         bf16 (GEMM inputs rounded to bf16: fastest, ~4e-2 of f32 logits), or f16 (weights \
+         converted from bf16, exactly above ~1e-5, GEMM inputs and KV cache in IEEE half: \
+         bf16's speed with 8x finer rounding, values limited to +-65504). \
+         kv_cache_config.dtype auto picks bf16 for bf16, f16 for bf16x2 and f16; float32 goes \
+         with every precision, bfloat16 with bf16 and bf16x2.")
+        .env("DYN_TRTLLM_CUDA_PRECISION").default("bf16x2"),
     FlagSpec::new("model-loader-extra-config", Str, ModelLoading,
         "JSON object passed as extra configuration to the model loader.")
         .env("DYN_TRTLLM_MODEL_LOADER_EXTRA_CONFIG").default(""),

@@ -3,7 +3,8 @@
 //! Compute modes: [`ComputeMode::F32`] (weights widened to f32, f32 GEMMs: the exact mode,
 //! compared with the CPU backend), [`ComputeMode::Bf16`] (weights resident in bf16, bf16 ×
 //! bf16 GEMMs accumulating in f32; the producers of each GEMM input write bf16 directly),
-//! [`ComputeMode::Bf16Split`] (bf16 weights, each GEMM input as hi + lo bf16 rows) and
+//! [`ComputeMode::Bf16Split`] (bf16 weights, activations near f32: f32 rows in the GEMVs of
+//! one or two rows, each GEMM input as hi + lo bf16 rows from three; the default) and
 //! [`ComputeMode::F16`] (the bf16 mode's kernels compiled for IEEE half: weights, GEMM inputs
 //! and KV in f16). The
 //! residual stream, norms, RoPE and softmax stay in f32 in all. The paged KV

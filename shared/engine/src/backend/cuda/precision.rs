@@ -11,12 +11,15 @@ use crate::kv::layout::KvDtype;
 pub enum ComputeMode {
     /// f32 weights and GEMMs: for exact comparisons with the CPU backend.
     F32,
-    /// bf16 weights and GEMM inputs, f32 accumulation: the fast serving mode.
+    /// bf16 weights and GEMM inputs, f32 accumulation: the fastest serving mode (~4e-2 of
+    /// f32 logits).
     Bf16,
-    /// bf16 weights; each GEMM input split into two bf16 terms (hi = bf16(x), lo =
-    /// bf16(x - hi)) stacked as twice the rows of one GEMM whose output halves are then
-    /// added, so activations keep ~16 bits of mantissa: near-f32 results with the weights
-    /// resident (and read once) in bf16, for twice the GEMM FLOPs.
+    /// bf16 weights, activations near f32 (the default, `--cuda-precision bf16x2`): GEMVs
+    /// of one or two rows read f32 rows; from three rows each GEMM input is split into two
+    /// bf16 terms (hi = bf16(x), lo = bf16(x - hi)) stacked as twice the rows of one GEMM
+    /// whose output halves the next kernel adds, so activations keep ~16 bits of mantissa,
+    /// the weights resident (and read once) in bf16, for twice those GEMMs' FLOPs. With its
+    /// default f16 cache (attention on tensor cores) within 3e-3 of f32 logits.
     Bf16Split,
     /// IEEE half weights (converted from bf16 exactly for |w| ≥ 2⁻¹⁷ ≈ 7.6e-6: every bf16
     /// value in f16's normal range and its top subnormals is representable; smaller ones keep
