@@ -227,6 +227,15 @@ __device__ void gemv_runs12_impl(float* out, const X* x, const e16_t* w, int m, 
     gemv_early_bf16_impl<M, X, false, 12>(out, x, w, m, n, k, next, next_bytes);
 }
 
+// Runs of 12 weight loads, the first before the PDL wait: a k = 3072 row (the down
+// projection) is one run, one DRAM round trip instead of runs of 8 and 4 (H200, A/B in one
+// lease: batch 1 +4.2% in bf16x2, +1.9% in bf16; 80-90 registers, 3 blocks per SM).
+template <int M, typename X>
+__device__ void gemv_early12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
+                                  const unsigned char* next, unsigned long long next_bytes) {
+    gemv_early_bf16_impl<M, X, true, 12>(out, x, w, m, n, k, next, next_bytes);
+}
+
 // Plain GEMVs; the _early_ variants load their first weights before the PDL wait; the _xf32_
 // ones read f32 activations (the bf16x2 precision's one- and two-row steps).
 #define GEMV_BF16(NAME, IMPL, M, X)                                                                     \
@@ -238,12 +247,12 @@ __device__ void gemv_runs12_impl(float* out, const X* x, const e16_t* w, int m, 
 
 GEMV_BF16(gemv_bf16_m1, gemv_sync_bf16_impl, 1, e16_t)
 GEMV_BF16(gemv_bf16_m2, gemv_sync_bf16_impl, 2, e16_t)
-GEMV_BF16(gemv_early_bf16_m1, gemv_early_bf16_impl, 1, e16_t)
-GEMV_BF16(gemv_early_bf16_m2, gemv_early_bf16_impl, 2, e16_t)
+GEMV_BF16(gemv_early_bf16_m1, gemv_early12_impl, 1, e16_t)
+GEMV_BF16(gemv_early_bf16_m2, gemv_early12_impl, 2, e16_t)
 GEMV_BF16(gemv_xf32_m1, gemv_sync_bf16_impl, 1, float)
 GEMV_BF16(gemv_xf32_m2, gemv_runs12_impl, 2, float)
-GEMV_BF16(gemv_early_xf32_m1, gemv_early_bf16_impl, 1, float)
-GEMV_BF16(gemv_early_xf32_m2, gemv_early_bf16_impl, 2, float)
+GEMV_BF16(gemv_early_xf32_m1, gemv_early12_impl, 1, float)
+GEMV_BF16(gemv_early_xf32_m2, gemv_early12_impl, 2, float)
 
 // With EARLY the first weight chunks are loaded before the PDL wait (as gemv_early_bf16_impl).
 // X: the normalised rows' type in shared memory (bf16 as rms_norm_bf16 rounds them, or f32).
