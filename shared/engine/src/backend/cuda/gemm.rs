@@ -144,7 +144,7 @@ impl GemvInput {
 /// Rows up to which bf16 GEMMs go to `gemv.cu`: measured on an H200 (0.6B shape, decode at
 /// 1k context), batch 1 ran at 709 tok/s against cuBLAS's 556, but batch 8 at 2,744 against
 /// 3,919 (each weight element then meets eight x rows from L1).
-const GEMV_MAX_ROWS: usize = 2;
+pub(super) const GEMV_MAX_ROWS: usize = 2;
 
 /// The `gemv_bf16_m*` instance for `m` rows (k a multiple of 8), if `gemv.cu` takes them.
 fn gemv_rows(m: usize, k: usize) -> Option<usize> {

@@ -64,7 +64,8 @@ pub(super) struct Workspace<A: DeviceElem> {
     pub(super) attn: CudaSlice<A>,
     pub(super) act: CudaSlice<A>,
     /// The attention output and SiLU·mul output in f32: the GEMV inputs of a split-mode step
-    /// of one or two rows, which reads its activations unrounded (one element otherwise).
+    /// of one or two rows, which reads its activations unrounded (those rows only; one
+    /// element outside the split mode).
     pub(super) attn_f32: CudaSlice<f32>,
     pub(super) act_f32: CudaSlice<f32>,
     /// The final norm's rows in f32 for a split-mode lm_head GEMV (one element otherwise).
@@ -102,9 +103,10 @@ impl<A: DeviceElem> Workspace<A> {
             normed: dev.zeros(m * t * h)?,
             attn: dev.zeros(m * t * qd)?,
             act: dev.zeros(m * t * im)?,
-            attn_f32: dev.zeros(if split { t * qd } else { 1 })?,
-            act_f32: dev.zeros(if split { t * im } else { 1 })?,
-            sel_f32: dev.zeros(if split { r * h } else { 1 })?,
+            // Only steps the GEMVs take read them (at most GEMV_MAX_ROWS rows).
+            attn_f32: dev.zeros(if split { gemv_input_rows(t) * qd } else { 1 })?,
+            act_f32: dev.zeros(if split { gemv_input_rows(t) * im } else { 1 })?,
+            sel_f32: dev.zeros(if split { gemv_input_rows(r) * h } else { 1 })?,
             rows: r,
             sel_x: dev.zeros(r * h)?,
             sel_res: dev.zeros(r * h)?,
@@ -131,6 +133,11 @@ impl<A: DeviceElem> Workspace<A> {
         }
         Ok(())
     }
+}
+
+/// Rows of the f32 GEMV inputs a workspace of `n` rows keeps (the GEMVs take at most two).
+fn gemv_input_rows(n: usize) -> usize {
+    n.min(super::gemm::GEMV_MAX_ROWS)
 }
 
 pub(super) enum AnyWorkspace {

@@ -435,8 +435,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     // to warp 0's rows of `so`: each (head, dimension) is read and written by one thread).
     __shared__ float2 cluster_ml[CLUSTER ? NH * 8 : 1];
     // Slots by the grid's z extent, not `splits`: rows of fewer runs merge fewer splits, and
-    // their states must not run into the next row's.
-    const long long pi = ((long long)bx * nkv + g) * gridDim.z + sp;
+    // their states must not run into the next row's. (The fused and cluster variants merge
+    // every split of the grid: the same number, kept as `splits` for their register budgets.)
+    const int slots = ROPE || CLUSTER ? splits : (int)gridDim.z;
+    const long long pi = ((long long)bx * nkv + g) * slots + sp;
     for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
         const int j = idx / HD;
         const int d = idx % HD;
@@ -469,8 +471,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         return;
     }
     if (splits == 1) return;
-    merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, (int)gridDim.z, group, HD, t, nq,
-                       lo_off);
+    merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, slots, group, HD, t, nq, lo_off);
 }
 
 // The fused variant's K and V rows of the block's first run asked into L2 before the kernel
