@@ -31,11 +31,13 @@ pub mod kernels;
 pub mod ops;
 mod precision;
 mod profile;
+mod rope_kv;
 pub mod sampling;
 mod step;
 pub mod switches;
 mod token_maps;
 mod weights;
+mod workspace;
 
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
