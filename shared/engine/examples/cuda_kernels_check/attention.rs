@@ -1,7 +1,10 @@
 //! The KV write and the attention kernels against the decoder's attention on the CPU.
 
+use cudarc::driver::CudaSlice;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot};
-use tandem_engine::backend::cuda::{AttentionScratch, CudaDevice, DecodeLaunch, KvPool};
+use tandem_engine::backend::cuda::{
+    AttentionScratch, CudaDevice, DecodeLaunch, DeviceElem, KvPool, TokenMaps,
+};
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 
@@ -152,34 +155,10 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 format!("{dtype} pool, sliding window {window}")
             };
             let mut fast = dev.zeros::<f32>(t * NQ * HD)?;
-            dev.attention_fast(
-                &mut fast,
-                &dqkv,
-                ROW,
-                &pool,
-                shape,
-                layer,
-                NQ,
-                &maps_w,
-                scale,
-                &mut scratch,
-                false,
-            )?;
+            Att::new(&dqkv, &pool, &maps_w, layer).fast(dev, &mut fast, &mut scratch)?;
             rep.add("attention_fast", &case, &dev.download(&fast)?, &want, 1e-5);
             let mut fast16 = dev.zeros::<u16>(t * NQ * HD)?;
-            dev.attention_fast(
-                &mut fast16,
-                &dqkv,
-                ROW,
-                &pool,
-                shape,
-                layer,
-                NQ,
-                &maps_w,
-                scale,
-                &mut scratch,
-                false,
-            )?;
+            Att::new(&dqkv, &pool, &maps_w, layer).fast(dev, &mut fast16, &mut scratch)?;
             let got = widen(&dev.download(&fast16)?);
             rep.add(
                 "attention_fast",
@@ -201,16 +180,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     maps_t.decode_tc_min = decode_tc_min;
                     dev.fill_token_maps(&mut maps_t, &seq_refs, BS, window)?;
                     let mut tiled = dev.zeros::<f32>(t * NQ * HD)?;
-                    dev.attention(
+                    Att::new(&dqkv, &pool, &maps_t, layer).any(
+                        dev,
                         &mut tiled,
-                        &dqkv,
-                        ROW,
-                        &pool,
-                        shape,
-                        layer,
-                        NQ,
-                        &maps_t,
-                        scale,
                         &mut scratch,
                         false,
                     )?;
@@ -234,16 +206,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     if dtype == KvDtype::F16 {
                         // Split bf16 outputs (hi + lo rows) for the bf16x2 GEMMs.
                         let mut tiled2 = dev.zeros::<u16>(2 * t * NQ * HD)?;
-                        dev.attention(
+                        Att::new(&dqkv, &pool, &maps_t, layer).any(
+                            dev,
                             &mut tiled2,
-                            &dqkv,
-                            ROW,
-                            &pool,
-                            shape,
-                            layer,
-                            NQ,
-                            &maps_t,
-                            scale,
                             &mut scratch,
                             true,
                         )?;
@@ -278,19 +243,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
             }
             let dqkv_d = dev.upload(&qkv_d)?;
             let mut split = dev.zeros::<f32>(last.len() * NQ * HD)?;
-            dev.attention_fast(
-                &mut split,
-                &dqkv_d,
-                ROW,
-                &pool,
-                shape,
-                layer,
-                NQ,
-                &maps_d,
-                scale,
-                &mut scratch,
-                false,
-            )?;
+            Att::new(&dqkv_d, &pool, &maps_d, layer).fast(dev, &mut split, &mut scratch)?;
             let splits = scratch.splits_for(last.len() * NKV);
             rep.add(
                 "attention_fast",
@@ -312,16 +265,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 for (splits, stages) in [(1, 2), (2, 2), (4, 2), (1, 1), (3, 1)] {
                     let mut got = dev.zeros::<f32>(last.len() * NQ * HD)?;
-                    dev.attention_decode(
+                    Att::new(&dqkv_d, &pool, &maps_dt, layer).decode(
+                        dev,
                         &mut got,
-                        &dqkv_d,
-                        ROW,
-                        &pool,
-                        shape,
-                        layer,
-                        NQ,
-                        &maps_dt,
-                        scale,
                         &mut scratch,
                         false,
                         DecodeLaunch::plain(splits, stages),
@@ -335,19 +281,12 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     );
                 }
                 if dtype == KvDtype::F16 {
-                    // The half-KV program: split bf16 outputs through the dispatcher; it has
-                    // neither the cluster variant nor the fused q/k norms.
+                    // The half-KV program: split bf16 outputs through the dispatcher, then its
+                    // cluster variants (it has no fused q/k norms).
                     let mut got2 = dev.zeros::<u16>(2 * last.len() * NQ * HD)?;
-                    dev.attention(
+                    Att::new(&dqkv_d, &pool, &maps_dt, layer).any(
+                        dev,
                         &mut got2,
-                        &dqkv_d,
-                        ROW,
-                        &pool,
-                        shape,
-                        layer,
-                        NQ,
-                        &maps_dt,
-                        scale,
                         &mut scratch,
                         true,
                     )?;
@@ -368,16 +307,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                             };
                             let rows = last.len() * NQ * HD;
                             let mut got = dev.zeros::<f32>(rows)?;
-                            dev.attention_decode(
+                            Att::new(&dqkv_d, &pool, &maps_dt, layer).decode(
+                                dev,
                                 &mut got,
-                                &dqkv_d,
-                                ROW,
-                                &pool,
-                                shape,
-                                layer,
-                                NQ,
-                                &maps_dt,
-                                scale,
                                 &mut scratch,
                                 false,
                                 launch,
@@ -391,16 +323,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                                 vmax / 256.0,
                             );
                             let mut got2 = dev.zeros::<u16>(2 * rows)?;
-                            dev.attention_decode(
+                            Att::new(&dqkv_d, &pool, &maps_dt, layer).decode(
+                                dev,
                                 &mut got2,
-                                &dqkv_d,
-                                ROW,
-                                &pool,
-                                shape,
-                                layer,
-                                NQ,
-                                &maps_dt,
-                                scale,
                                 &mut scratch,
                                 true,
                                 launch,
@@ -421,16 +346,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 if dev.cluster_capable() {
                     for (splits, stages) in [(2, 2), (3, 1), (16, 1), (16, 2)] {
                         let mut got16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
-                        dev.attention_decode(
+                        Att::new(&dqkv_d, &pool, &maps_dt, layer).decode(
+                            dev,
                             &mut got16,
-                            &dqkv_d,
-                            ROW,
-                            &pool,
-                            shape,
-                            layer,
-                            NQ,
-                            &maps_dt,
-                            scale,
                             &mut scratch,
                             false,
                             DecodeLaunch {
@@ -450,16 +368,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     }
                 }
                 let mut got16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
-                dev.attention(
+                Att::new(&dqkv_d, &pool, &maps_dt, layer).any(
+                    dev,
                     &mut got16,
-                    &dqkv_d,
-                    ROW,
-                    &pool,
-                    shape,
-                    layer,
-                    NQ,
-                    &maps_dt,
-                    scale,
                     &mut scratch,
                     false,
                 )?;
@@ -486,16 +397,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 ] {
                     let mut want16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
                     let plain = launch.unwrap_or(DecodeLaunch::plain(1, 2));
-                    dev.attention_decode(
+                    Att::new(&q_ref, &p_ref, &maps_dt, layer).decode(
+                        dev,
                         &mut want16,
-                        &q_ref,
-                        ROW,
-                        &p_ref,
-                        shape,
-                        layer,
-                        NQ,
-                        &maps_dt,
-                        scale,
                         &mut scratch,
                         false,
                         plain,
@@ -551,4 +455,71 @@ fn fold_split(v: &[u16]) -> Vec<f32> {
         .zip(lo)
         .map(|(h, l)| bf16_to_f32(*h) + bf16_to_f32(*l))
         .collect()
+}
+
+/// What the attention launches of one case share beside the check's constants (the pool's
+/// shape, q heads, row stride, scale): the rows' qkv, the pool, the token maps and the layer.
+struct Att<'a> {
+    qkv: &'a CudaSlice<f32>,
+    pool: &'a KvPool,
+    maps: &'a TokenMaps,
+    layer: usize,
+}
+
+impl<'a> Att<'a> {
+    fn new(qkv: &'a CudaSlice<f32>, pool: &'a KvPool, maps: &'a TokenMaps, layer: usize) -> Self {
+        Att {
+            qkv,
+            pool,
+            maps,
+            layer,
+        }
+    }
+
+    fn scale() -> f32 {
+        1.0 / (HD as f32).sqrt()
+    }
+
+    /// `attention_fast` over every row of the maps.
+    fn fast<O: DeviceElem>(
+        &self,
+        dev: &CudaDevice,
+        out: &mut CudaSlice<O>,
+        scratch: &mut AttentionScratch,
+    ) -> Result<(), EngineError> {
+        let (shape, scale) = (POOL_SHAPE, Self::scale());
+        dev.attention_fast(
+            out, self.qkv, ROW, self.pool, shape, self.layer, NQ, self.maps, scale, scratch, false,
+        )
+    }
+
+    /// The step's dispatcher (prefill tiles, decode rows).
+    fn any<O: DeviceElem>(
+        &self,
+        dev: &CudaDevice,
+        out: &mut CudaSlice<O>,
+        scratch: &mut AttentionScratch,
+        split: bool,
+    ) -> Result<(), EngineError> {
+        let (shape, scale) = (POOL_SHAPE, Self::scale());
+        dev.attention(
+            out, self.qkv, ROW, self.pool, shape, self.layer, NQ, self.maps, scale, scratch, split,
+        )
+    }
+
+    /// The tensor-core decode kernel with a given launch.
+    fn decode<O: DeviceElem>(
+        &self,
+        dev: &CudaDevice,
+        out: &mut CudaSlice<O>,
+        scratch: &mut AttentionScratch,
+        split: bool,
+        launch: DecodeLaunch,
+    ) -> Result<(), EngineError> {
+        let (shape, scale) = (POOL_SHAPE, Self::scale());
+        dev.attention_decode(
+            out, self.qkv, ROW, self.pool, shape, self.layer, NQ, self.maps, scale, scratch, split,
+            launch,
+        )
+    }
 }

@@ -213,17 +213,20 @@ impl DeviceModel {
         } else {
             GemvInput::Bf16
         };
+        // Decode of one or two sequences: each norm rides in the GEMV after it, which reads
+        // the stream from `x` and writes the sum to `x2` (and back for the second norm), so the
+        // launches per layer drop from ten to six. The split mode's GEMVs read their rows in
+        // f32 instead of as hi + lo bf16 (`f32_rows`): nothing to fold. Every layer has the
+        // same shapes, so the first decides for all (and `proj` is never left unfolded here).
+        let fused = self.layers.first().is_some_and(|lw| {
+            dev.norm_gemv_fits(t, h, &lw.qkv, gemv_in)
+                && dev.norm_gemv_fits(t, h, &lw.gate_up, gemv_in)
+        });
+        let f32_rows = fused && split;
         dev.embedding_dev(&mut ws.x, &self.embed, inputs.maps.id_list(), h)?;
         // Whether `proj` (the last GEMM into the residual stream) still holds split halves.
         let mut proj_unfolded = false;
         for (l, lw) in self.layers.iter().enumerate() {
-            // Decode of one or two sequences: each norm rides in the GEMV after it, which
-            // reads the stream from `x` and writes the sum to `x2` (and back for the second
-            // norm), so the launches per layer drop from ten to six. The split mode's GEMVs
-            // read their rows in f32 instead of as hi + lo bf16 (`f32_rows`): nothing to fold.
-            let fused = dev.norm_gemv_fits(t, h, &lw.qkv, gemv_in)
-                && dev.norm_gemv_fits(t, h, &lw.gate_up, gemv_in);
-            let f32_rows = fused && split;
             let heads = HeadNorms {
                 nq,
                 nkv,
@@ -244,10 +247,6 @@ impl DeviceModel {
                     self.scratch.head_counters.len(),
                     gemv_in,
                 );
-            if fused && proj_unfolded {
-                fold(dev, &mut ws.proj, t * h)?;
-                proj_unfolded = false;
-            }
             // The previous layer's MLP output joins the residual stream here (fused add).
             let residual = (l > 0).then_some(&ws.proj);
             let mut qkv_unfolded = false;
@@ -377,10 +376,6 @@ impl DeviceModel {
                 )?;
                 dev.matmul_t_before(&ws.act_f32, t, im, &lw.down, h, &mut ws.proj, next_qkv)?;
                 continue;
-            }
-            if fused && proj_unfolded {
-                fold(dev, &mut ws.proj, t * h)?;
-                proj_unfolded = false;
             }
             if fused {
                 dev.norm_gemv(

@@ -191,14 +191,14 @@ __device__ __forceinline__ void gemv_accumulate(float (&acc)[M], float (&up)[M],
     }
 }
 
-// gemv_bf16_impl with the weight rows' first RUN chunks per lane (whole rows up to 32 · 8 ·
+// A GEMV whose lanes hold their weight rows' first RUN chunks each (whole rows up to 32 · 8 ·
 // RUN elements) loaded before the wait on the kernel before when EARLY (PDL: weights never
 // depend on it, so their DRAM latency overlaps that kernel's tail), then the rest in runs of
 // RUN. Without EARLY it waits first: the runs alone (the two-row GEMV over f32 rows, where
 // ptxas otherwise interleaved gemv_column's loads with their math: 32 registers, one load in
 // flight at a time; batch 2 ran at 75% of bf16's).
-template <int M, typename X, bool EARLY = true, int RUN = GEMV_RUN>
-__device__ void gemv_early_bf16_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
+template <int M, typename X, bool EARLY, int RUN>
+__device__ void gemv_runs_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
                                      const unsigned char* next, unsigned long long next_bytes) {
     l2_prefetch_next(next, next_bytes);
     if (!EARLY) GRID_DEPENDENCY_SYNC();
@@ -224,7 +224,7 @@ __device__ void gemv_early_bf16_impl(float* out, const X* x, const e16_t* w, int
 template <int M, typename X>
 __device__ void gemv_runs12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k, const unsigned char* next,
                                  unsigned long long next_bytes) {
-    gemv_early_bf16_impl<M, X, false, 12>(out, x, w, m, n, k, next, next_bytes);
+    gemv_runs_impl<M, X, false, 12>(out, x, w, m, n, k, next, next_bytes);
 }
 
 // Runs of 12 weight loads, the first before the PDL wait: a k = 3072 row (the down
@@ -233,7 +233,7 @@ __device__ void gemv_runs12_impl(float* out, const X* x, const e16_t* w, int m, 
 template <int M, typename X>
 __device__ void gemv_early12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
                                   const unsigned char* next, unsigned long long next_bytes) {
-    gemv_early_bf16_impl<M, X, true, 12>(out, x, w, m, n, k, next, next_bytes);
+    gemv_runs_impl<M, X, true, 12>(out, x, w, m, n, k, next, next_bytes);
 }
 
 // Plain GEMVs; the _early_ variants load their first weights before the PDL wait; the _xf32_
@@ -254,7 +254,7 @@ GEMV_BF16(gemv_xf32_m2, gemv_runs12_impl, 2, float)
 GEMV_BF16(gemv_early_xf32_m1, gemv_early12_impl, 1, float)
 GEMV_BF16(gemv_early_xf32_m2, gemv_early12_impl, 2, float)
 
-// With EARLY the first weight chunks are loaded before the PDL wait (as gemv_early_bf16_impl).
+// With EARLY the first weight chunks are loaded before the PDL wait (as gemv_runs_impl).
 // X: the normalised rows' type in shared memory (bf16 as rms_norm_bf16 rounds them, or f32).
 template <int M, bool SILU, bool EARLY, typename O, typename X>
 __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
