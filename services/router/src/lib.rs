@@ -3,6 +3,8 @@
 //! template, tokenizes, routes with the KV-aware router, streams tokens back as text, and
 //! cancels work when clients go away.
 
+#![deny(clippy::too_many_lines, clippy::too_many_arguments)]
+
 pub mod app;
 pub mod chat;
 pub mod disagg;

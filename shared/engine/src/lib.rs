@@ -1,6 +1,8 @@
 //! The Tandem inference engine: model files, tokenizer and chat templates, the paged KV cache
 //! with prefix reuse and block events, the scheduler, the sampler and the compute backends.
 
+#![deny(clippy::too_many_lines, clippy::too_many_arguments)]
+
 pub mod backend;
 pub mod engine;
 pub mod error;

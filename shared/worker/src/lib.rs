@@ -2,6 +2,8 @@
 //! the gRPC `Worker` service of `proto/worker.proto`, registers its model card in discovery,
 //! publishes KV events and gauges, and drains on SIGTERM.
 
+#![deny(clippy::too_many_lines, clippy::too_many_arguments)]
+
 pub mod card;
 pub mod decode;
 pub mod engine_setup;
