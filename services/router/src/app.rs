@@ -157,9 +157,10 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
             }
         });
     }
-    let discovery =
-        tandem_runtime::discovery::connect(&crate::discovery_options(&state.config.runtime))
-            .await?;
+    let discovery = tandem_runtime::discovery::connect(
+        &tandem_runtime::discovery::DiscoveryOptions::from_config(&state.config.runtime),
+    )
+    .await?;
     tokio::spawn({
         let state = state.clone();
         async move {

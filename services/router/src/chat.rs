@@ -103,7 +103,7 @@ pub fn chat_prompt(
         (t, _) => t.as_ref(),
     };
     let rendered = template
-        .render(&tandem_engine::tokenizer::chat::ChatRequest {
+        .render(&tandem_text::ChatRequest {
             messages: &messages,
             tools,
             add_generation_prompt: true,

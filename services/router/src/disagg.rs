@@ -22,10 +22,10 @@
 //! [`decide`] is the pure decision; [`plan`] applies it to a routed request.
 
 use tandem_config::RoutingConfig;
-use tandem_engine::sampler::SamplingParams;
 use tandem_kv_router::protocols::LocalBlockHash;
 use tandem_kv_router::{RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
 use tandem_protocol::worker::PrefillTarget;
+use tandem_text::SamplingParams;
 
 use crate::app::AppState;
 use crate::error::ApiError;

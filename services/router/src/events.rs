@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_engine::kv::events::{KvCacheEvent, KvStoredDump};
+use tandem_kv_protocol::{KvCacheEvent, KvStoredDump};
 use tandem_kv_router::{ApplyOutcome, KvRouter, RouterEvent};
 use tandem_protocol::worker::{DumpKvBlocksRequest, SubscribeKvEventsRequest};
 use tokio_stream::StreamExt;

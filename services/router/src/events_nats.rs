@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tandem_engine::kv::events::{KvCacheEvent, KvStoredDump};
+use tandem_kv_protocol::{KvCacheEvent, KvStoredDump};
 use tandem_kv_router::{ApplyOutcome, RouterEvent};
 use tandem_protocol::worker::DumpKvBlocksRequest;
 use tandem_runtime::events::NatsEventPlane;

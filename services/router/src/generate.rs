@@ -7,10 +7,10 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use tandem_engine::sampler::{SamplingParams, StopMatcher, TokenLogprob};
-use tandem_engine::tokenizer::IncrementalDecoder;
 use tandem_kv_router::{RouteError, SelectError, SelectOptions, WorkerInfo};
 use tandem_protocol::worker::{GenerateDisaggRequest, GenerateRequest};
+use tandem_text::IncrementalDecoder;
+use tandem_text::{SamplingParams, StopMatcher, TokenLogprob};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 

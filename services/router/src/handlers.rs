@@ -110,7 +110,7 @@ fn error_response(
 struct Prepared {
     meta: Meta,
     prompt: Vec<u32>,
-    params: tandem_engine::sampler::SamplingParams,
+    params: tandem_text::SamplingParams,
     stream: bool,
     include_usage: bool,
     want_logprobs: bool,
@@ -364,7 +364,7 @@ fn index_json(kv: &tandem_kv_router::KvRouter) -> serde_json::Map<String, serde_
             .into_iter()
             .map(|w| {
                 let dump = ix.dump(w);
-                let mut hashes: Vec<u64> = dump.blocks.iter().map(|b| b.block_hash).collect();
+                let mut hashes: Vec<u64> = dump.blocks.iter().map(|b| b.block_hash.0).collect();
                 hashes.sort_unstable();
                 (
                     w.to_string(),

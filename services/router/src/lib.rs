@@ -19,5 +19,3 @@ pub mod openai;
 pub mod params;
 pub mod respond;
 pub mod watcher;
-
-pub use tandem_worker::serve::discovery_options;

@@ -12,10 +12,10 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
-use tandem_engine::tokenizer::{tokenizer_hash, ChatTemplate, Tokenizer};
 use tandem_protocol::worker::worker_client::WorkerClient;
 use tandem_protocol::worker::ModelFilesRequest;
 use tandem_protocol::ModelCard;
+use tandem_text::{tokenizer_hash, ChatTemplate, Tokenizer};
 use tonic::transport::Channel;
 
 pub type Client = WorkerClient<Channel>;
@@ -84,7 +84,7 @@ pub fn connect_lazy(addr: &str) -> anyhow::Result<Client> {
 }
 
 fn cache_root() -> PathBuf {
-    tandem_engine::tiny::cache_dir().join("router-tokenizers")
+    tandem_config::paths::cache_dir().join("router-tokenizers")
 }
 
 /// Fetches the tokenizer files from a worker and loads them, checking the hash.

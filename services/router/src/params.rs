@@ -1,7 +1,7 @@
 //! From OpenAI request fields to the engine's sampling parameters, with range checks that
 //! name the field.
 
-use tandem_engine::sampler::SamplingParams;
+use tandem_text::SamplingParams;
 
 use crate::error::ApiError;
 use crate::openai::CommonFields;

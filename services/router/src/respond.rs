@@ -1,7 +1,7 @@
 //! OpenAI response bodies and SSE chunks for chat and text completions.
 
 use serde_json::{json, Value};
-use tandem_engine::sampler::TokenLogprob;
+use tandem_text::TokenLogprob;
 
 use crate::generate::{ChoiceDelta, UsageTotals};
 use crate::models::ModelAssets;

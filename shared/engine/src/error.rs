@@ -77,6 +77,9 @@ pub enum EngineError {
     /// The backend failed during a step.
     #[error("backend: {0}")]
     Backend(String),
+    /// Tokenizer, chat template or their files (from `tandem-text`).
+    #[error(transparent)]
+    Text(#[from] tandem_text::TextError),
     /// The engine thread has stopped.
     #[error("the engine has stopped")]
     Stopped,

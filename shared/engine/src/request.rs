@@ -53,13 +53,7 @@ pub struct RequestOutput {
     pub score: Option<f32>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StopReason {
-    Eos(u32),
-    TokenId(u32),
-    String(String),
-}
+pub use tandem_text::StopReason;
 
 /// Everything about one in-flight sequence that another engine needs to continue it exactly:
 /// tokens so far, how many have KV (shipped beside it), the sampler's RNG and penalty counts,

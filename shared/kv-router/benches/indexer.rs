@@ -13,8 +13,9 @@ use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use tandem_kv_router::protocols::{
-    chain_hash, sequence_hashes, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
-    KvCacheStoreData, KvCacheStoredBlockData, RouterEvent, WorkerId,
+    chain_hash, sequence_hashes, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData,
+    KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    WorkerId,
 };
 use tandem_kv_router::scheduling::rng::SplitMix64;
 use tandem_kv_router::{
@@ -31,15 +32,15 @@ const BLOCK_SIZE: u32 = 16;
 
 /// One cached sequence: (worker, local hashes).
 struct Workload {
-    prefixes: Vec<Vec<u64>>,
+    prefixes: Vec<Vec<LocalBlockHash>>,
     /// Every sequence each worker stores, in order.
-    seqs: Vec<(WorkerId, Vec<u64>)>,
+    seqs: Vec<(WorkerId, Vec<LocalBlockHash>)>,
 }
 
 fn workload() -> Workload {
     let mut rng = SplitMix64::new(0x07a4_de11);
-    let prefixes: Vec<Vec<u64>> = (0..PREFIXES)
-        .map(|_| (0..PREFIX_LEN).map(|_| rng.next_u64()).collect())
+    let prefixes: Vec<Vec<LocalBlockHash>> = (0..PREFIXES)
+        .map(|_| (0..PREFIX_LEN).map(|_| random_local(&mut rng)).collect())
         .collect();
     let mut seqs = Vec::new();
     for w in 0..WORKERS {
@@ -50,7 +51,7 @@ fn workload() -> Workload {
             let f = rng.next_f64();
             let p = ((f * f) * PREFIXES as f64) as usize;
             let mut locals = prefixes[p].clone();
-            locals.extend((0..SUFFIX_LEN).map(|_| rng.next_u64()));
+            locals.extend((0..SUFFIX_LEN).map(|_| random_local(&mut rng)));
             blocks += SUFFIX_LEN + if held.insert(p) { PREFIX_LEN } else { 0 };
             seqs.push((w, locals));
         }
@@ -58,12 +59,16 @@ fn workload() -> Workload {
     Workload { prefixes, seqs }
 }
 
+fn random_local(rng: &mut SplitMix64) -> LocalBlockHash {
+    LocalBlockHash(rng.next_u64())
+}
+
 fn store_event(
     worker: WorkerId,
     id: u64,
-    parent: Option<u64>,
-    locals: &[u64],
-    seqs: &[u64],
+    parent: Option<ExternalSequenceBlockHash>,
+    locals: &[LocalBlockHash],
+    seqs: &[ExternalSequenceBlockHash],
 ) -> RouterEvent {
     RouterEvent::new(
         worker,
@@ -89,24 +94,24 @@ fn store_event(
 /// The naive baseline: per worker, the set of sequence hashes it holds.
 #[derive(Default)]
 struct NaiveIndex {
-    workers: HashMap<WorkerId, HashSet<u64>>,
+    workers: HashMap<WorkerId, HashSet<ExternalSequenceBlockHash>>,
 }
 
 impl NaiveIndex {
-    fn store(&mut self, w: WorkerId, seqs: &[u64]) {
+    fn store(&mut self, w: WorkerId, seqs: &[ExternalSequenceBlockHash]) {
         self.workers
             .entry(w)
             .or_default()
             .extend(seqs.iter().copied());
     }
-    fn remove(&mut self, w: WorkerId, seqs: &[u64]) {
+    fn remove(&mut self, w: WorkerId, seqs: &[ExternalSequenceBlockHash]) {
         if let Some(s) = self.workers.get_mut(&w) {
             for h in seqs {
                 s.remove(h);
             }
         }
     }
-    fn find_matches(&self, seqs: &[u64]) -> HashMap<WorkerId, u32> {
+    fn find_matches(&self, seqs: &[ExternalSequenceBlockHash]) -> HashMap<WorkerId, u32> {
         let mut out = HashMap::new();
         for (&w, held) in &self.workers {
             let n = seqs.iter().take_while(|h| held.contains(h)).count() as u32;
@@ -122,7 +127,11 @@ fn bench_indexer(c: &mut Criterion) {
     let t = Instant::now();
     let wl = workload();
     let gen_s = t.elapsed().as_secs_f64();
-    let hashed: Vec<(WorkerId, Vec<u64>, Vec<u64>)> = wl
+    let hashed: Vec<(
+        WorkerId,
+        Vec<LocalBlockHash>,
+        Vec<ExternalSequenceBlockHash>,
+    )> = wl
         .seqs
         .iter()
         .map(|(w, l)| (*w, l.clone(), sequence_hashes(l)))
@@ -171,13 +180,13 @@ fn bench_indexer(c: &mut Criterion) {
     // Queries: half replay a cached sequence (deep match on one worker, prefix on many),
     // half a popular prefix with a fresh suffix (prefix match on many workers).
     let mut rng = SplitMix64::new(99);
-    let queries: Vec<(Vec<u64>, Vec<u64>)> = (0..1024)
+    let queries: Vec<(Vec<LocalBlockHash>, Vec<ExternalSequenceBlockHash>)> = (0..1024)
         .map(|i| {
             let locals = if i % 2 == 0 {
                 hashed[rng.below(hashed.len() as u64) as usize].1.clone()
             } else {
                 let mut l = wl.prefixes[rng.below(8) as usize].clone();
-                l.extend((0..SUFFIX_LEN).map(|_| rng.next_u64()));
+                l.extend((0..SUFFIX_LEN).map(|_| random_local(&mut rng)));
                 l
             };
             let seqs = sequence_hashes(&locals);
@@ -204,11 +213,16 @@ fn bench_indexer(c: &mut Criterion) {
     // Steady-state churn: store an 8-block continuation under a prefix the worker holds, then
     // evict it tail first, as the engine's LRU does (2 events, 16 block updates), so the index
     // stays at full size.
-    let churn: Vec<(WorkerId, u64, Vec<u64>, Vec<u64>)> = (0..4096)
+    let churn: Vec<(
+        WorkerId,
+        ExternalSequenceBlockHash,
+        Vec<LocalBlockHash>,
+        Vec<ExternalSequenceBlockHash>,
+    )> = (0..4096)
         .map(|_| {
             let (w, l, s) = &hashed[rng.below(hashed.len() as u64) as usize];
             let parent = s[PREFIX_LEN - 1];
-            let locals: Vec<u64> = (0..8).map(|_| rng.next_u64()).collect();
+            let locals: Vec<LocalBlockHash> = (0..8).map(|_| random_local(&mut rng)).collect();
             let mut seqs = Vec::with_capacity(8);
             let mut p = parent;
             for &x in &locals {
@@ -269,7 +283,7 @@ fn bench_selection(c: &mut Criterion) {
             .collect();
         // A 2048-token prompt (128 blocks); each worker has 16 requests of 128 blocks in
         // flight, half of them sharing the prompt's first 32 blocks.
-        let locals: Vec<u64> = (0..128).map(|_| rng.next_u64()).collect();
+        let locals: Vec<LocalBlockHash> = (0..128).map(|_| random_local(&mut rng)).collect();
         let mut seqs = ActiveSequences::new(&KvRouterConfig::default());
         for w in 0..n {
             for r in 0..16 {
@@ -279,7 +293,7 @@ fn bench_selection(c: &mut Criterion) {
                     Vec::new()
                 };
                 while l.len() < 128 {
-                    l.push(rng.next_u64());
+                    l.push(random_local(&mut rng));
                 }
                 let s = sequence_hashes(&l);
                 let id = format!("{w}-{r}");

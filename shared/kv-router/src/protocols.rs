@@ -1,7 +1,7 @@
 //! Wire and index types shared by the router and the workers.
 //!
-//! Block hashing and the KV event shapes live in the engine (`tandem_engine::kv`), because the
-//! workers publish them; they are re-exported here so the router never grows a second,
+//! Block hashing and the KV event shapes live in the leaf crate `tandem-kv-protocol`, which the
+//! engine publishes with; they are re-exported here so the router never grows a second,
 //! subtly different copy. This module only adds what exists on the router side: the worker
 //! identity attached to an event and the result of a prefix lookup.
 //!
@@ -11,24 +11,17 @@
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-pub use tandem_engine::kv::events::{
+pub use tandem_kv_protocol::events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
     KvStoredDump, StoredBlock,
 };
-pub use tandem_engine::kv::hash::{
-    block_hashes, chain_hash, local_block_hash, local_block_hashes, sequence_hashes, XXH3_SEED,
+pub use tandem_kv_protocol::hash::{
+    block_hashes, chain_hash, local_block_hash, local_block_hashes, sequence_hashes,
+    ExternalSequenceBlockHash, LocalBlockHash, XXH3_SEED,
 };
 
 /// Identity of a worker instance (Dynamo's `worker_id`, the discovery instance id).
 pub type WorkerId = u64;
-
-/// Content hash of one block's tokens (Dynamo's `LocalBlockHash`): what the router computes
-/// from a request and what the radix tree is navigated by.
-pub type LocalBlockHash = u64;
-
-/// The engine's own id for a block (Dynamo's `ExternalSequenceBlockHash`): opaque to the
-/// router, only used to find the block again when a worker removes it or stores a child.
-pub type ExternalBlockHash = u64;
 
 /// One KV event tagged with the worker that published it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,6 +65,18 @@ pub fn request_block_hashes(tokens: &[u32], block_size: u32) -> Vec<LocalBlockHa
     local_block_hashes(tokens, block_size as usize)
 }
 
+/// Test shorthand: local hashes from plain numbers.
+#[cfg(test)]
+pub(crate) fn lh(xs: &[u64]) -> Vec<LocalBlockHash> {
+    xs.iter().copied().map(LocalBlockHash).collect()
+}
+
+/// Test shorthand: sequence hashes from plain numbers.
+#[cfg(test)]
+pub(crate) fn eh(xs: &[u64]) -> Vec<ExternalSequenceBlockHash> {
+    xs.iter().copied().map(ExternalSequenceBlockHash).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,7 +88,7 @@ mod tests {
             KvCacheEvent {
                 event_id: 3,
                 data: KvCacheEventData::Removed(KvCacheRemoveData {
-                    block_hashes: vec![1, 2],
+                    block_hashes: vec![ExternalSequenceBlockHash(1), ExternalSequenceBlockHash(2)],
                 }),
                 dp_rank: 0,
             },

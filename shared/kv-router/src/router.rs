@@ -310,7 +310,7 @@ mod tests {
         let ws = workers();
         assert!(!r.should_queue(&ws));
         // 64 prompt tokens each > 0.01 × 2048 = 20.48.
-        let locals: Vec<u64> = (1..=16).collect();
+        let locals: Vec<LocalBlockHash> = (1..=16).map(LocalBlockHash).collect();
         r.route("a", &locals, 64, &ws, &SelectOptions::default())
             .unwrap();
         assert!(!r.should_queue(&ws), "one worker is still free");
@@ -336,7 +336,7 @@ mod tests {
             ..Default::default()
         };
         let r = KvRouter::new(cfg, Some(3));
-        let locals: Vec<u64> = (1..=16).collect();
+        let locals: Vec<LocalBlockHash> = (1..=16).map(LocalBlockHash).collect();
         let first = r
             .route("a", &locals, 64, &workers(), &SelectOptions::default())
             .unwrap();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use rustc_hash::FxHashMap;
 
 use crate::config::KvRouterConfig;
-use crate::protocols::WorkerId;
+use crate::protocols::{ExternalSequenceBlockHash, WorkerId};
 
 /// What the router has in flight on one worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -31,7 +31,7 @@ pub struct WorkerLoad {
 pub trait LoadSource {
     fn load(&self, worker: WorkerId) -> WorkerLoad;
     /// How many of these full blocks (by sequence hash) are not already active on `worker`.
-    fn new_blocks(&self, worker: WorkerId, seq_hashes: &[u64]) -> usize;
+    fn new_blocks(&self, worker: WorkerId, seq_hashes: &[ExternalSequenceBlockHash]) -> usize;
 }
 
 /// A request being routed to a worker.
@@ -40,7 +40,7 @@ pub struct NewRequest<'a> {
     pub request_id: &'a str,
     pub worker_id: WorkerId,
     /// Sequence hashes of the prompt's full blocks.
-    pub seq_hashes: &'a [u64],
+    pub seq_hashes: &'a [ExternalSequenceBlockHash],
     pub isl_tokens: usize,
     /// Prompt blocks the worker already has cached (they need no prefill).
     pub overlap_blocks: u32,
@@ -55,7 +55,7 @@ pub enum SequenceError {
 
 #[derive(Default)]
 struct WorkerSeqs {
-    shared: FxHashMap<u64, u32>,
+    shared: FxHashMap<ExternalSequenceBlockHash, u32>,
     private_blocks: usize,
     prefill_tokens: u64,
     requests: usize,
@@ -73,7 +73,7 @@ impl WorkerSeqs {
 
 struct Entry {
     worker: WorkerId,
-    shared: Vec<u64>,
+    shared: Vec<ExternalSequenceBlockHash>,
     private_blocks: usize,
     /// Outstanding prefill tokens (0 once prefill completed).
     prefill_tokens: u64,
@@ -251,7 +251,7 @@ impl LoadSource for ActiveSequences {
             .unwrap_or_default()
     }
 
-    fn new_blocks(&self, worker: WorkerId, seq_hashes: &[u64]) -> usize {
+    fn new_blocks(&self, worker: WorkerId, seq_hashes: &[ExternalSequenceBlockHash]) -> usize {
         match self.workers.get(&worker) {
             Some(w) if self.assume_reuse => {
                 // A sequence hash covers its whole prefix, and every active request registers
@@ -271,11 +271,12 @@ impl LoadSource for ActiveSequences {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocols::eh;
 
     fn req<'a>(
         id: &'a str,
         worker: WorkerId,
-        hashes: &'a [u64],
+        hashes: &'a [ExternalSequenceBlockHash],
         isl: usize,
         overlap: u32,
     ) -> NewRequest<'a> {
@@ -293,7 +294,7 @@ mod tests {
     fn lifecycle_add_prefill_free() {
         let mut s = ActiveSequences::new(&KvRouterConfig::default());
         // 10 tokens = 2 full blocks + a partial; 1 block cached → 6 tokens to prefill.
-        s.add_request(req("a", 1, &[11, 12], 10, 1)).unwrap();
+        s.add_request(req("a", 1, &eh(&[11, 12]), 10, 1)).unwrap();
         let l = s.load(1);
         assert_eq!(
             (
@@ -304,11 +305,11 @@ mod tests {
             (1, 3, 6)
         );
         // A second request sharing the first block on the same worker shares it.
-        s.add_request(req("b", 1, &[11, 13], 8, 0)).unwrap();
+        s.add_request(req("b", 1, &eh(&[11, 13]), 8, 0)).unwrap();
         assert_eq!(s.load(1).active_decode_blocks, 4);
         assert_eq!(s.load(1).active_prefill_tokens, 14);
-        assert_eq!(s.new_blocks(1, &[11, 12, 99]), 1);
-        assert_eq!(s.new_blocks(2, &[11, 12, 99]), 3);
+        assert_eq!(s.new_blocks(1, &eh(&[11, 12, 99])), 1);
+        assert_eq!(s.new_blocks(2, &eh(&[11, 12, 99])), 3);
         assert!(s.mark_prefill_completed("a"));
         assert_eq!(s.load(1).active_prefill_tokens, 8);
         assert!(s.free("a"));
@@ -331,10 +332,10 @@ mod tests {
             ..Default::default()
         };
         let mut s = ActiveSequences::new(&cfg);
-        s.add_request(req("a", 1, &[11, 12], 8, 0)).unwrap();
-        s.add_request(req("b", 1, &[11, 12], 8, 0)).unwrap();
+        s.add_request(req("a", 1, &eh(&[11, 12]), 8, 0)).unwrap();
+        s.add_request(req("b", 1, &eh(&[11, 12]), 8, 0)).unwrap();
         assert_eq!(s.load(1).active_decode_blocks, 4);
-        assert_eq!(s.new_blocks(1, &[11, 12]), 2);
+        assert_eq!(s.new_blocks(1, &eh(&[11, 12])), 2);
         s.free("a");
         s.free("b");
         assert_eq!(s.load(1), WorkerLoad::default());
@@ -348,7 +349,7 @@ mod tests {
             ..Default::default()
         };
         let mut s = ActiveSequences::new(&cfg);
-        s.add_request(req("a", 1, &[11, 12], 8, 0)).unwrap();
+        s.add_request(req("a", 1, &eh(&[11, 12]), 8, 0)).unwrap();
         let l = s.load(1);
         assert_eq!(
             (
@@ -368,10 +369,12 @@ mod tests {
         };
         let mut s = ActiveSequences::new(&cfg);
         let t0 = Instant::now();
-        s.add_request_at(req("old", 1, &[1], 4, 0), t0).unwrap();
-        s.add_request_at(req("new", 1, &[2], 4, 0), t0 + Duration::from_secs(50))
+        s.add_request_at(req("old", 1, &eh(&[1]), 4, 0), t0)
             .unwrap();
-        s.add_request_at(req("other", 2, &[3], 4, 0), t0).unwrap();
+        s.add_request_at(req("new", 1, &eh(&[2]), 4, 0), t0 + Duration::from_secs(50))
+            .unwrap();
+        s.add_request_at(req("other", 2, &eh(&[3]), 4, 0), t0)
+            .unwrap();
         let mut gone = s.expire_stale(t0 + Duration::from_secs(61));
         gone.sort();
         assert_eq!(gone, vec!["old".to_string(), "other".to_string()]);

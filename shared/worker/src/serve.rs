@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tandem_config::runtime::{DiscoveryBackend as CfgBackend, EventPlane};
+use tandem_config::runtime::EventPlane;
 use tandem_config::WorkerConfig;
 use tandem_protocol::worker::worker_server::WorkerServer;
-use tandem_runtime::discovery::{self, DiscoveryBackend, DiscoveryOptions, Instance};
+use tandem_runtime::discovery::{self, DiscoveryOptions, Instance};
 use tandem_runtime::net::advertised_addr;
 
 use crate::card::model_card;
@@ -22,16 +22,7 @@ use tandem_config::DisaggregationMode;
 use tandem_kv_transfer::AnyTransport;
 
 pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions {
-    DiscoveryOptions {
-        backend: match rt.discovery_backend {
-            CfgBackend::Mem => DiscoveryBackend::Mem,
-            CfgBackend::File => DiscoveryBackend::File,
-            CfgBackend::Etcd => DiscoveryBackend::Etcd,
-        },
-        file_root: rt.file_kv_root.clone(),
-        etcd_endpoints: rt.etcd_endpoints.clone(),
-        ..DiscoveryOptions::default()
-    }
+    DiscoveryOptions::from_config(rt)
 }
 
 /// Builds the engine a worker serves: [`crate::engine_setup::build_engine_on`] for the real

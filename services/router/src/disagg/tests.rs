@@ -315,7 +315,7 @@ fn view(decode: WorkerEntry, prefill: Vec<WorkerEntry>) -> ModelView {
            "unk_token":"<unk>"}}"#,
     )
     .expect("write");
-    let tokenizer = tandem_engine::tokenizer::Tokenizer::load(&dir).expect("tokenizer");
+    let tokenizer = tandem_text::Tokenizer::load(&dir).expect("tokenizer");
     let _ = std::fs::remove_dir_all(&dir);
     ModelView {
         name: "m".into(),

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::events::{
     KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, KvEventPublisher,
 };
-use super::hash::{chain_hash, local_block_hash};
+use tandem_kv_protocol::hash::{chain_hash, local_block_hash, ExternalSequenceBlockHash};
 
 /// Not enough free or evictable blocks for an allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -42,7 +42,7 @@ pub struct BlockTable {
     pub blocks: Vec<u32>,
     /// How many leading blocks are hashed (full and computed), and the last one's sequence hash.
     num_hashed: usize,
-    last_hash: Option<u64>,
+    last_hash: Option<ExternalSequenceBlockHash>,
 }
 
 impl BlockTable {
@@ -65,7 +65,7 @@ impl BlockTable {
 struct Block {
     ref_count: u32,
     /// Sequence hash, when this block is registered for reuse.
-    hash: Option<u64>,
+    hash: Option<ExternalSequenceBlockHash>,
     /// LRU stamp while cached.
     lru_stamp: Option<u64>,
 }
@@ -79,7 +79,7 @@ pub struct BlockManager {
     /// Unreferenced hashed blocks by LRU stamp (oldest first).
     lru: BTreeMap<u64, u32>,
     clock: u64,
-    by_hash: HashMap<u64, u32>,
+    by_hash: HashMap<ExternalSequenceBlockHash, u32>,
     referenced: usize,
     events: KvEventPublisher,
 }
@@ -139,7 +139,7 @@ impl BlockManager {
     }
 
     /// Leading full blocks of `tokens` whose KV is cached, as `(block id, sequence hash)`.
-    pub fn match_prefix(&self, tokens: &[u32]) -> Vec<(u32, u64)> {
+    pub fn match_prefix(&self, tokens: &[u32]) -> Vec<(u32, ExternalSequenceBlockHash)> {
         let mut out = Vec::new();
         if !self.enable_reuse {
             return out;
@@ -287,7 +287,11 @@ impl BlockManager {
 
     /// Parent hash of the first block in `stored`, recomputed from the tokens (rare path: only
     /// when some blocks of a run were duplicates and skipped).
-    fn parent_of_first(&self, tokens: &[u32], stored: &[KvCacheStoredBlockData]) -> Option<u64> {
+    fn parent_of_first(
+        &self,
+        tokens: &[u32],
+        stored: &[KvCacheStoredBlockData],
+    ) -> Option<ExternalSequenceBlockHash> {
         let first = stored.first()?.block_hash;
         let mut parent = None;
         for chunk in tokens.chunks_exact(self.block_size) {
@@ -477,7 +481,7 @@ mod tests {
         let (mut tc, _) = run_seq(&mut m, &[9, 9, 9, 9]);
         let ev = drain(&mut rx);
         let ha = block_hashes(&a, 2);
-        let removed: Vec<u64> = ev
+        let removed: Vec<ExternalSequenceBlockHash> = ev
             .iter()
             .filter_map(|e| match &e.data {
                 KvCacheEventData::Removed(r) => Some(r.block_hashes.clone()),

@@ -1,9 +1,6 @@
-//! KV cache events, shaped like Dynamo's `KvCacheEvent` (`lib/kv-router/src/protocols.rs`), and
-//! the publisher that numbers, buffers and broadcasts them.
-//!
-//! `block_hash` is the chained sequence hash of a block (Dynamo's `ExternalSequenceBlockHash`,
-//! here computed the same way the router does, so both sides agree) and `tokens_hash` its local
-//! hash (`LocalBlockHash`). `event_id` is monotonic per engine, starting at 1, with no gaps.
+//! The publisher that numbers, buffers and broadcasts the engine's KV cache events (their
+//! types live in the leaf crate `tandem-kv-protocol`, shared with the router). `event_id` is
+//! monotonic per engine, starting at 1, with no gaps.
 //!
 //! A subscriber that (re)connects can [`KvEventPublisher::subscribe_from`] an `event_id` still in
 //! the bounded replay buffer, or take a [`KvEventPublisher::dump`] of every stored block and then
@@ -12,76 +9,21 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
-/// One event, as published to the router.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvCacheEvent {
-    pub event_id: u64,
-    pub data: KvCacheEventData,
-    #[serde(default)]
-    pub dp_rank: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KvCacheEventData {
-    Stored(KvCacheStoreData),
-    Removed(KvCacheRemoveData),
-    Cleared,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvCacheStoreData {
-    /// Sequence hash of the block before the first stored block; None at the sequence start.
-    pub parent_hash: Option<u64>,
-    #[serde(default)]
-    pub start_position: Option<u32>,
-    pub blocks: Vec<KvCacheStoredBlockData>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvCacheStoredBlockData {
-    pub block_hash: u64,
-    pub tokens_hash: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvCacheRemoveData {
-    pub block_hashes: Vec<u64>,
-}
-
-/// Every block currently stored, in store order (a parent always precedes its children), and
-/// the id of the last event reflected in it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvStoredDump {
-    pub last_event_id: u64,
-    pub blocks: Vec<StoredBlock>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredBlock {
-    pub parent_hash: Option<u64>,
-    pub block_hash: u64,
-    pub tokens_hash: u64,
-}
-
-/// Replay could not start at the requested id because the buffer no longer holds it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("kv event {requested} is no longer buffered (oldest buffered: {oldest}); take a dump")]
-pub struct ReplayGap {
-    pub requested: u64,
-    pub oldest: u64,
-}
+pub use tandem_kv_protocol::events::{
+    KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
+    KvStoredDump, ReplayGap, StoredBlock,
+};
+use tandem_kv_protocol::ExternalSequenceBlockHash;
 
 struct Inner {
     next_id: u64,
     buffer: VecDeque<KvCacheEvent>,
     max_buffer: usize,
     // Mirror of the stored set, so a dump never has to stop the engine thread.
-    stored: HashMap<u64, (u64, StoredBlock)>,
-    order: BTreeMap<u64, u64>,
+    stored: HashMap<ExternalSequenceBlockHash, (u64, StoredBlock)>,
+    order: BTreeMap<u64, ExternalSequenceBlockHash>,
     next_order: u64,
 }
 
@@ -226,42 +168,20 @@ impl KvEventPublisher {
 mod tests {
     use super::*;
 
+    use tandem_kv_protocol::LocalBlockHash;
+
     fn stored(parent: Option<u64>, hs: &[u64]) -> KvCacheEventData {
         KvCacheEventData::Stored(KvCacheStoreData {
-            parent_hash: parent,
+            parent_hash: parent.map(ExternalSequenceBlockHash),
             start_position: None,
             blocks: hs
                 .iter()
                 .map(|&h| KvCacheStoredBlockData {
-                    block_hash: h,
-                    tokens_hash: h + 100,
+                    block_hash: ExternalSequenceBlockHash(h),
+                    tokens_hash: LocalBlockHash(h + 100),
                 })
                 .collect(),
         })
-    }
-
-    #[test]
-    fn serde_shape_is_snake_case_like_dynamo() {
-        let ev = KvCacheEvent {
-            event_id: 7,
-            data: stored(None, &[1]),
-            dp_rank: 0,
-        };
-        let j = serde_json::to_value(&ev).unwrap();
-        assert_eq!(
-            j,
-            serde_json::json!({"event_id":7,"dp_rank":0,"data":{"stored":{"parent_hash":null,
-              "start_position":null,"blocks":[{"block_hash":1,"tokens_hash":101}]}}})
-        );
-        let c = serde_json::to_value(KvCacheEventData::Cleared).unwrap();
-        assert_eq!(c, serde_json::json!("cleared"));
-        let r = KvCacheEventData::Removed(KvCacheRemoveData {
-            block_hashes: vec![3],
-        });
-        assert_eq!(
-            serde_json::to_value(&r).unwrap(),
-            serde_json::json!({"removed":{"block_hashes":[3]}})
-        );
     }
 
     #[test]
@@ -297,7 +217,7 @@ mod tests {
         let p = KvEventPublisher::new(0, 0);
         p.emit(stored(None, &[1, 2, 3]));
         p.emit(KvCacheEventData::Removed(KvCacheRemoveData {
-            block_hashes: vec![3],
+            block_hashes: vec![ExternalSequenceBlockHash(3)],
         }));
         p.emit(stored(Some(2), &[4]));
         let (d, _) = p.dump();
@@ -305,7 +225,7 @@ mod tests {
         let hs: Vec<_> = d
             .blocks
             .iter()
-            .map(|b| (b.parent_hash, b.block_hash))
+            .map(|b| (b.parent_hash.map(|h| h.0), b.block_hash.0))
             .collect();
         assert_eq!(hs, vec![(None, 1), (Some(1), 2), (Some(2), 4)]);
         p.emit(KvCacheEventData::Cleared);

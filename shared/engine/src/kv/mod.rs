@@ -1,5 +1,7 @@
-//! The paged KV cache.
+//! The paged KV cache. Block hashing and the event types come from `tandem-kv-protocol`, the
+//! leaf crate the router shares.
 pub mod block_manager;
 pub mod events;
-pub mod hash;
 pub mod layout;
+
+pub use tandem_kv_protocol::hash;

@@ -15,10 +15,10 @@
 //! Each draw consumes exactly one `f64` from the sequence's RNG, so the RNG position is simply
 //! the number of sampled tokens and can be exported with the rest of [`SamplerState`].
 
-pub mod params;
 pub mod plan;
 pub mod rng;
-pub mod stop;
+
+pub use tandem_text::{params, stop};
 
 use std::collections::BTreeMap;
 
@@ -55,14 +55,7 @@ impl SamplerState {
     }
 }
 
-/// The chosen token's log-probability and the top alternatives.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    /// The most likely tokens, most likely first: `(token, logprob)`.
-    pub top: Vec<(u32, f32)>,
-}
+pub use tandem_text::TokenLogprob;
 
 /// One sampled token.
 #[derive(Debug, Clone, PartialEq)]

@@ -86,6 +86,45 @@ fn id(f: &GgufFile, key: &str) -> Option<u32> {
 
 /// Builds the tokenizer files of a GGUF file.
 pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> {
+    let model = tokenizer_model(f)?;
+    let tokens = strings(f, "tokenizer.ggml.tokens")?;
+    let types: Vec<u64> = f
+        .get("tokenizer.ggml.token_type")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
+        .unwrap_or_default();
+    let (vocab, added) = vocab_and_added_tokens(&tokens, &types);
+    let add_bos = f
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(model == "llama");
+    let post = post_processor(f, &tokens, add_bos);
+    let parts = if model == "gpt2" {
+        bpe_parts(f, vocab)?
+    } else {
+        spm_parts(f, &tokens, &types, vocab)?
+    };
+    let tok = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": parts.normalizer,
+        "pre_tokenizer": parts.pre_tokenizer,
+        "post_processor": post,
+        "decoder": parts.decoder,
+        "model": parts.model,
+    });
+    Ok(GgufTokenizerFiles {
+        // Compact: the vocab and merges are large.
+        tokenizer_json: serde_json::to_vec(&tok).unwrap_or_default(),
+        tokenizer_config_json: pretty(&tokenizer_config(f, &tokens, add_bos)),
+        generation_config_json: pretty(&generation_config(f)),
+    })
+}
+
+/// `tokenizer.ggml.model`, when it is one this converter implements.
+fn tokenizer_model(f: &GgufFile) -> Result<&str, EngineError> {
     let model = get(f, "tokenizer.ggml.model")?.as_str().unwrap_or_default();
     if model != "gpt2" && model != "llama" {
         return Err(EngineError::Tokenizer(format!(
@@ -94,13 +133,15 @@ pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> 
             f.path.display()
         )));
     }
-    let tokens = strings(f, "tokenizer.ggml.tokens")?;
-    let types: Vec<u64> = f
-        .get("tokenizer.ggml.token_type")
-        .and_then(Value::as_array)
-        .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
-        .unwrap_or_default();
+    Ok(model)
+}
 
+/// The vocabulary (piece → id, first id wins) and the added tokens (control and user-defined
+/// pieces).
+fn vocab_and_added_tokens(
+    tokens: &[String],
+    types: &[u64],
+) -> (serde_json::Map<String, Json>, Vec<Json>) {
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
     for (i, t) in tokens.iter().enumerate() {
@@ -114,14 +155,20 @@ pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> 
             }));
         }
     }
-    let token = |key: &str| id(f, key).and_then(|i| tokens.get(i as usize).cloned());
-    let bos = token("tokenizer.ggml.bos_token_id");
-    let eos = token("tokenizer.ggml.eos_token_id");
-    let add_bos = f
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(Value::as_bool)
-        .unwrap_or(model == "llama");
-    let post = match (&bos, add_bos) {
+    (vocab, added)
+}
+
+/// The piece of the token id stored under `key`.
+fn token_piece(f: &GgufFile, tokens: &[String], key: &str) -> Option<String> {
+    id(f, key).and_then(|i| tokens.get(i as usize).cloned())
+}
+
+/// The post-processor adding BOS in front of every sequence, when the file asks for it.
+fn post_processor(f: &GgufFile, tokens: &[String], add_bos: bool) -> Json {
+    match (
+        token_piece(f, tokens, "tokenizer.ggml.bos_token_id"),
+        add_bos,
+    ) {
         (Some(b), true) => {
             let bid = id(f, "tokenizer.ggml.bos_token_id");
             json!({"type": "TemplateProcessing",
@@ -131,49 +178,66 @@ pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> 
                 "special_tokens": {b.clone(): {"id": b, "ids": [bid], "tokens": [b]}}})
         }
         _ => Json::Null,
-    };
-    let (normalizer, pre, decoder, bpe) = if model == "gpt2" {
-        let pre = f
-            .get("tokenizer.ggml.pre")
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        let bpe = json!({
-            "type": "BPE", "dropout": null, "unk_token": null,
-            "continuing_subword_prefix": null, "end_of_word_suffix": null,
-            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": Json::Object(vocab),
-            "merges": strings(f, "tokenizer.ggml.merges")?,
-        });
-        let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
-        (Json::Null, pre_tokenizer(pre), decoder, bpe)
-    } else {
-        spm_parts(f, &tokens, &types, vocab)?
-    };
-    let tok = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre,
-        "post_processor": post,
-        "decoder": decoder,
-        "model": bpe,
+    }
+}
+
+/// Normalizer, pre-tokenizer, decoder and model of a tokenizer.json.
+struct ModelParts {
+    normalizer: Json,
+    pre_tokenizer: Json,
+    decoder: Json,
+    model: Json,
+}
+
+/// The parts of a byte-level BPE (`gpt2`) vocabulary.
+fn bpe_parts(
+    f: &GgufFile,
+    vocab: serde_json::Map<String, Json>,
+) -> Result<ModelParts, EngineError> {
+    let pre = f
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let model = json!({
+        "type": "BPE", "dropout": null, "unk_token": null,
+        "continuing_subword_prefix": null, "end_of_word_suffix": null,
+        "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+        "vocab": Json::Object(vocab),
+        "merges": strings(f, "tokenizer.ggml.merges")?,
     });
+    let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+    Ok(ModelParts {
+        normalizer: Json::Null,
+        pre_tokenizer: pre_tokenizer(pre),
+        decoder,
+        model,
+    })
+}
+
+/// `tokenizer_config.json`: chat template, BOS/EOS/pad pieces, context length.
+fn tokenizer_config(f: &GgufFile, tokens: &[String], add_bos: bool) -> Json {
     let mut cfg = serde_json::Map::new();
     if let Some(t) = f.get("tokenizer.chat_template").and_then(Value::as_str) {
         cfg.insert("chat_template".into(), json!(t));
     }
     cfg.insert("add_bos_token".into(), json!(add_bos));
-    for (k, v) in [("bos_token", &bos), ("eos_token", &eos)] {
-        if let Some(v) = v {
+    for (k, key) in [
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+    ] {
+        if let Some(v) = token_piece(f, tokens, key) {
             cfg.insert(k.into(), json!(v));
         }
     }
-    if let Some(p) = token("tokenizer.ggml.padding_token_id") {
+    if let Some(p) = token_piece(f, tokens, "tokenizer.ggml.padding_token_id") {
         cfg.insert("pad_token".into(), json!(p));
     }
     cfg.insert("model_max_length".into(), json!(context_length(f)));
+    Json::Object(cfg)
+}
+
+/// `generation_config.json`: EOS ids (EOS and end-of-turn), BOS and pad ids.
+fn generation_config(f: &GgufFile) -> Json {
     let mut eos_ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
         .iter()
         .filter_map(|k| id(f, k))
@@ -189,17 +253,13 @@ pub fn tokenizer_files(f: &GgufFile) -> Result<GgufTokenizerFiles, EngineError> 
             gen.insert(k.into(), json!(v));
         }
     }
-    let bytes = |v: &Json| {
-        let mut b = serde_json::to_vec_pretty(v).unwrap_or_default();
-        b.push(b'\n');
-        b
-    };
-    Ok(GgufTokenizerFiles {
-        // Compact: the vocab and merges are large.
-        tokenizer_json: serde_json::to_vec(&tok).unwrap_or_default(),
-        tokenizer_config_json: bytes(&Json::Object(cfg)),
-        generation_config_json: bytes(&Json::Object(gen)),
-    })
+    Json::Object(gen)
+}
+
+fn pretty(v: &Json) -> Vec<u8> {
+    let mut b = serde_json::to_vec_pretty(v).unwrap_or_default();
+    b.push(b'\n');
+    b
 }
 
 fn context_length(f: &GgufFile) -> u64 {
@@ -226,14 +286,52 @@ struct Merge<'a> {
 
 /// Normalizer, pre-tokenizer, decoder and model of a SentencePiece (`llama`) vocabulary, as
 /// transformers' `LlamaConverter` builds them: BPE over the pieces with byte fallback, merges
-/// generated from the piece scores (`generate_merges`: every split of a piece into two pieces,
-/// ordered by the merged piece's score, then the lengths of the halves).
+/// generated from the piece scores (see [`spm_merges`]).
 fn spm_parts(
     f: &GgufFile,
     tokens: &[String],
     types: &[u64],
     vocab: serde_json::Map<String, Json>,
-) -> Result<(Json, Json, Json, Json), EngineError> {
+) -> Result<ModelParts, EngineError> {
+    let merges = spm_merges(f, tokens, types)?;
+    let unk = token_piece(f, tokens, "tokenizer.ggml.unknown_token_id");
+    let prefix = f
+        .get("tokenizer.ggml.add_space_prefix")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer = if prefix {
+        json!({"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"}, replace]})
+    } else {
+        replace
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let model = json!({
+        "type": "BPE", "dropout": null, "unk_token": unk,
+        "continuing_subword_prefix": null, "end_of_word_suffix": null,
+        "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+        "vocab": Json::Object(vocab),
+        "merges": merges,
+    });
+    Ok(ModelParts {
+        normalizer,
+        pre_tokenizer: Json::Null,
+        decoder: json!({"type": "Sequence", "decoders": decoders}),
+        model,
+    })
+}
+
+/// The merges of a SentencePiece vocabulary (transformers' `generate_merges`): every split of
+/// a piece into two pieces, ordered by the merged piece's score, then the lengths of the halves.
+fn spm_merges(f: &GgufFile, tokens: &[String], types: &[u64]) -> Result<Vec<Json>, EngineError> {
     let scores: Vec<f64> = f
         .get("tokenizer.ggml.scores")
         .and_then(Value::as_array)
@@ -282,39 +380,5 @@ fn spm_parts(
             .then(a.id_l.cmp(&b.id_l))
             .then(a.id_r.cmp(&b.id_r))
     });
-    let merges: Vec<Json> = merges.iter().map(|m| json!([m.l, m.r])).collect();
-    let unk =
-        id(f, "tokenizer.ggml.unknown_token_id").and_then(|i| tokens.get(i as usize).cloned());
-    let prefix = f
-        .get("tokenizer.ggml.add_space_prefix")
-        .and_then(Value::as_bool)
-        .unwrap_or(true);
-    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
-    let normalizer = if prefix {
-        json!({"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "\u{2581}"}, replace]})
-    } else {
-        replace
-    };
-    let mut decoders = vec![
-        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
-        json!({"type": "ByteFallback"}),
-        json!({"type": "Fuse"}),
-    ];
-    if prefix {
-        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
-    }
-    let bpe = json!({
-        "type": "BPE", "dropout": null, "unk_token": unk,
-        "continuing_subword_prefix": null, "end_of_word_suffix": null,
-        "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-        "vocab": Json::Object(vocab),
-        "merges": merges,
-    });
-    Ok((
-        normalizer,
-        Json::Null,
-        json!({"type": "Sequence", "decoders": decoders}),
-        bpe,
-    ))
+    Ok(merges.iter().map(|m| json!([m.l, m.r])).collect())
 }

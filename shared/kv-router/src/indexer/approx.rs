@@ -12,8 +12,8 @@ use rustc_hash::FxHashMap;
 use super::radix_tree::RadixTree;
 use crate::config::KvRouterConfig;
 use crate::protocols::{
-    sequence_hashes, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, OverlapScores,
-    WorkerId,
+    sequence_hashes, ExternalSequenceBlockHash, KvCacheStoreData, KvCacheStoredBlockData,
+    LocalBlockHash, OverlapScores, WorkerId,
 };
 
 pub struct ApproxIndexer {
@@ -22,10 +22,10 @@ pub struct ApproxIndexer {
     max_blocks: usize,
     prune_target: usize,
     /// Newest deadline of each predicted (worker, sequence hash).
-    deadlines: FxHashMap<(WorkerId, u64), Instant>,
+    deadlines: FxHashMap<(WorkerId, ExternalSequenceBlockHash), Instant>,
     /// Deadlines in the order they were set (non-decreasing, the TTL being constant); entries
     /// superseded by a refresh are skipped when they come up.
-    queue: VecDeque<(Instant, WorkerId, u64)>,
+    queue: VecDeque<(Instant, WorkerId, ExternalSequenceBlockHash)>,
 }
 
 impl ApproxIndexer {
@@ -122,6 +122,7 @@ impl ApproxIndexer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocols::lh;
 
     fn cfg(ttl: f64, max: usize) -> KvRouterConfig {
         KvRouterConfig {
@@ -137,14 +138,14 @@ mod tests {
     fn predictions_expire_after_the_ttl_unless_refreshed() {
         let mut a = ApproxIndexer::new(&cfg(10.0, 1000));
         let t0 = Instant::now();
-        a.record_routing(1, &[1, 2, 3], t0);
-        a.record_routing(2, &[1, 2], t0 + Duration::from_secs(5));
-        assert_eq!(a.find_matches(&[1, 2, 3]).score(1), 3);
+        a.record_routing(1, &lh(&[1, 2, 3]), t0);
+        a.record_routing(2, &lh(&[1, 2]), t0 + Duration::from_secs(5));
+        assert_eq!(a.find_matches(&lh(&[1, 2, 3])).score(1), 3);
         // Worker 1 routed [1] again at t=8: that block lives on, its children expire at t=10.
-        a.record_routing(1, &[1], t0 + Duration::from_secs(8));
+        a.record_routing(1, &lh(&[1]), t0 + Duration::from_secs(8));
         assert_eq!(a.expire(t0 + Duration::from_secs(11)), 2);
-        assert_eq!(a.find_matches(&[1, 2, 3]).score(1), 1);
-        assert_eq!(a.find_matches(&[1, 2]).score(2), 2);
+        assert_eq!(a.find_matches(&lh(&[1, 2, 3])).score(1), 1);
+        assert_eq!(a.find_matches(&lh(&[1, 2])).score(2), 2);
         a.expire(t0 + Duration::from_secs(20));
         assert_eq!(a.predicted_blocks(), 0);
         assert_eq!(a.tree().node_count(), 0);
@@ -155,14 +156,14 @@ mod tests {
     fn oversized_prediction_is_pruned_oldest_first() {
         let mut a = ApproxIndexer::new(&cfg(1000.0, 8));
         let t0 = Instant::now();
-        a.record_routing(1, &[1, 2, 3, 4], t0);
-        a.record_routing(2, &[5, 6, 7, 8], t0);
+        a.record_routing(1, &lh(&[1, 2, 3, 4]), t0);
+        a.record_routing(2, &lh(&[5, 6, 7, 8]), t0);
         assert_eq!(a.predicted_blocks(), 8);
-        a.record_routing(3, &[9], t0);
+        a.record_routing(3, &lh(&[9]), t0);
         // Over 8: pruned down to 4 (ratio 0.5), oldest first: worker 1's chain goes.
         assert!(a.predicted_blocks() <= 4, "{}", a.predicted_blocks());
-        assert_eq!(a.find_matches(&[1]).score(1), 0);
-        assert_eq!(a.find_matches(&[9]).score(3), 1);
+        assert_eq!(a.find_matches(&lh(&[1])).score(1), 0);
+        assert_eq!(a.find_matches(&lh(&[9])).score(3), 1);
         a.remove_worker(3);
         a.tree().check_invariants().unwrap();
     }

@@ -7,21 +7,21 @@
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
-use crate::protocols::{ExternalBlockHash, LocalBlockHash};
+use crate::protocols::{ExternalSequenceBlockHash, LocalBlockHash};
 
 #[derive(Default)]
 pub(super) struct Orphans {
     /// block → (parent block, local hash)
-    blocks: FxHashMap<ExternalBlockHash, (ExternalBlockHash, LocalBlockHash)>,
+    blocks: FxHashMap<ExternalSequenceBlockHash, (ExternalSequenceBlockHash, LocalBlockHash)>,
     /// parent block → orphans waiting for it
-    below: FxHashMap<ExternalBlockHash, SmallVec<[ExternalBlockHash; 2]>>,
+    below: FxHashMap<ExternalSequenceBlockHash, SmallVec<[ExternalSequenceBlockHash; 2]>>,
 }
 
 impl Orphans {
     pub(super) fn insert(
         &mut self,
-        block: ExternalBlockHash,
-        parent: ExternalBlockHash,
+        block: ExternalSequenceBlockHash,
+        parent: ExternalSequenceBlockHash,
         local: LocalBlockHash,
     ) {
         self.remove(block);
@@ -32,8 +32,8 @@ impl Orphans {
     /// Forgets an orphan; returns its (parent, local hash). Its own orphans stay.
     pub(super) fn remove(
         &mut self,
-        block: ExternalBlockHash,
-    ) -> Option<(ExternalBlockHash, LocalBlockHash)> {
+        block: ExternalSequenceBlockHash,
+    ) -> Option<(ExternalSequenceBlockHash, LocalBlockHash)> {
         let (parent, local) = self.blocks.remove(&block)?;
         if let Some(v) = self.below.get_mut(&parent) {
             v.retain(|b| *b != block);
@@ -47,8 +47,8 @@ impl Orphans {
     /// Removes and returns the orphans waiting for `parent`, with their local hashes.
     pub(super) fn take_below(
         &mut self,
-        parent: ExternalBlockHash,
-    ) -> SmallVec<[(ExternalBlockHash, LocalBlockHash); 2]> {
+        parent: ExternalSequenceBlockHash,
+    ) -> SmallVec<[(ExternalSequenceBlockHash, LocalBlockHash); 2]> {
         if self.below.is_empty() {
             return SmallVec::new();
         }
@@ -60,7 +60,7 @@ impl Orphans {
             .collect()
     }
 
-    pub(super) fn contains(&self, block: ExternalBlockHash) -> bool {
+    pub(super) fn contains(&self, block: ExternalSequenceBlockHash) -> bool {
         self.blocks.contains_key(&block)
     }
 
@@ -78,7 +78,13 @@ impl Orphans {
     /// (block, parent, local hash) of every orphan.
     pub(super) fn iter(
         &self,
-    ) -> impl Iterator<Item = (ExternalBlockHash, ExternalBlockHash, LocalBlockHash)> + '_ {
+    ) -> impl Iterator<
+        Item = (
+            ExternalSequenceBlockHash,
+            ExternalSequenceBlockHash,
+            LocalBlockHash,
+        ),
+    > + '_ {
         self.blocks.iter().map(|(&b, &(p, l))| (b, p, l))
     }
 

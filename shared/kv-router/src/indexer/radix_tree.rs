@@ -24,8 +24,8 @@ use smallvec::SmallVec;
 use super::children::Children;
 use super::orphans::Orphans;
 use crate::protocols::{
-    ExternalBlockHash, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
-    OverlapScores, StoredBlock, WorkerId,
+    ExternalSequenceBlockHash, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
+    LocalBlockHash, OverlapScores, StoredBlock, WorkerId,
 };
 
 const ROOT: u32 = 0;
@@ -46,7 +46,7 @@ struct Node {
     /// `(worker slot, that worker's external hash of this block)`, sorted by slot. Keeping the
     /// external hash here lets a cascading removal clean the worker's lookup without a search.
     /// Inline for one worker: unique suffixes, the bulk of a large index, allocate nothing.
-    workers: SmallVec<[(u32, ExternalBlockHash); 1]>,
+    workers: SmallVec<[(u32, ExternalSequenceBlockHash); 1]>,
 }
 
 impl Node {
@@ -57,7 +57,7 @@ impl Node {
 
 struct WorkerEntry {
     id: WorkerId,
-    blocks: FxHashMap<ExternalBlockHash, u32>,
+    blocks: FxHashMap<ExternalSequenceBlockHash, u32>,
     orphans: Orphans,
 }
 
@@ -69,7 +69,7 @@ pub struct RadixTree {
     free_slots: Vec<u32>,
     slot_of: FxHashMap<WorkerId, u32>,
     // Scratch buffers reused by removals, so steady-state event application does not allocate.
-    stack: Vec<(u32, ExternalBlockHash)>,
+    stack: Vec<(u32, ExternalSequenceBlockHash)>,
     emptied: Vec<u32>,
 }
 
@@ -82,7 +82,7 @@ impl Default for RadixTree {
 impl RadixTree {
     pub fn new() -> Self {
         let root = Node {
-            local: 0,
+            local: LocalBlockHash(0),
             parent: NO_PARENT,
             depth: 0,
             children: Children::Many(Box::default()),
@@ -149,9 +149,9 @@ impl RadixTree {
 
     /// Moves the worker's orphans waiting for `ext` (now at `node`) back into the tree, and
     /// theirs after them. Returns how many became matchable.
-    fn reattach(&mut self, slot: u32, node: u32, ext: ExternalBlockHash) -> usize {
+    fn reattach(&mut self, slot: u32, node: u32, ext: ExternalSequenceBlockHash) -> usize {
         let mut added = 0;
-        let mut todo: SmallVec<[(u32, ExternalBlockHash); 4]> = SmallVec::new();
+        let mut todo: SmallVec<[(u32, ExternalSequenceBlockHash); 4]> = SmallVec::new();
         todo.push((node, ext));
         while let Some((n, x)) = todo.pop() {
             let kids = match self.entry_mut(slot) {
@@ -224,7 +224,11 @@ impl RadixTree {
 
     /// Removes blocks by external hash; the worker's blocks below them become orphans.
     /// Returns how many blocks the worker no longer holds; unknown hashes are ignored.
-    pub fn apply_removed(&mut self, worker: WorkerId, hashes: &[ExternalBlockHash]) -> usize {
+    pub fn apply_removed(
+        &mut self,
+        worker: WorkerId,
+        hashes: &[ExternalSequenceBlockHash],
+    ) -> usize {
         let Some(&slot) = self.slot_of.get(&worker) else {
             return 0;
         };
@@ -354,7 +358,7 @@ impl RadixTree {
         let Some(entry) = self.entry(slot) else {
             return Vec::new();
         };
-        let mut rows: Vec<(u32, u64, u32)> = entry
+        let mut rows: Vec<(u32, ExternalSequenceBlockHash, u32)> = entry
             .blocks
             .iter()
             .map(|(&ext, &n)| (self.nodes[n as usize].depth, ext, n))
@@ -522,7 +526,7 @@ impl RadixTree {
     fn remove_block(&mut self, slot: u32, node: u32) -> usize {
         let mut stack = std::mem::take(&mut self.stack);
         let mut emptied = std::mem::take(&mut self.emptied);
-        stack.push((node, 0));
+        stack.push((node, ExternalSequenceBlockHash(0)));
         let mut moved = 0;
         while let Some((n, parent_ext)) = stack.pop() {
             let nd = &mut self.nodes[n as usize];

@@ -1,17 +1,18 @@
 use super::*;
+use crate::protocols::{eh, lh, ExternalSequenceBlockHash, LocalBlockHash};
 use crate::protocols::{KvCacheRemoveData, KvCacheStoreData};
 
 /// A chain of blocks whose external hash is `1000 * tag + local` (so two workers may use
 /// different ids for the same content) and local hashes `locals`.
 fn store(parent: Option<u64>, tag: u64, locals: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Stored(KvCacheStoreData {
-        parent_hash: parent,
+        parent_hash: parent.map(ExternalSequenceBlockHash),
         start_position: None,
         blocks: locals
             .iter()
             .map(|&l| KvCacheStoredBlockData {
-                block_hash: 1000 * tag + l,
-                tokens_hash: l,
+                block_hash: ExternalSequenceBlockHash(1000 * tag + l),
+                tokens_hash: LocalBlockHash(l),
             })
             .collect(),
     })
@@ -19,12 +20,12 @@ fn store(parent: Option<u64>, tag: u64, locals: &[u64]) -> KvCacheEventData {
 
 fn removed(hs: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Removed(KvCacheRemoveData {
-        block_hashes: hs.to_vec(),
+        block_hashes: eh(hs),
     })
 }
 
 fn scores(t: &RadixTree, locals: &[u64]) -> Vec<(WorkerId, u32)> {
-    let mut v: Vec<_> = t.find_matches(locals).scores.into_iter().collect();
+    let mut v: Vec<_> = t.find_matches(&lh(locals)).scores.into_iter().collect();
     v.sort_unstable();
     v
 }
@@ -49,7 +50,7 @@ fn store_and_match_depth_per_worker() {
         "matches must start at the first block"
     );
     assert_eq!(scores(&t, &[]), vec![]);
-    let o = t.find_matches(&[1]);
+    let o = t.find_matches(&lh(&[1]));
     assert_eq!((o.tree_size(1), o.tree_size(2), o.tree_size(3)), (4, 3, 1));
 }
 
@@ -114,8 +115,8 @@ fn unknown_parent_keeps_orphans_until_the_parent_arrives() {
         parent_hash: None,
         start_position: None,
         blocks: vec![KvCacheStoredBlockData {
-            block_hash: 42,
-            tokens_hash: 9,
+            block_hash: ExternalSequenceBlockHash(42),
+            tokens_hash: LocalBlockHash(9),
         }],
     });
     assert_eq!(t.apply(1, &parent), Ok(3));
@@ -136,11 +137,11 @@ fn restoring_is_idempotent_and_id_reuse_moves_the_block() {
     assert_eq!(t.tree_size(1), 2);
     // The engine reuses id 1002 for a block with other content under the same parent.
     let reuse = KvCacheEventData::Stored(KvCacheStoreData {
-        parent_hash: Some(1001),
+        parent_hash: Some(ExternalSequenceBlockHash(1001)),
         start_position: None,
         blocks: vec![KvCacheStoredBlockData {
-            block_hash: 1002,
-            tokens_hash: 77,
+            block_hash: ExternalSequenceBlockHash(1002),
+            tokens_hash: LocalBlockHash(77),
         }],
     });
     assert_eq!(t.apply(1, &reuse), Ok(1));
@@ -152,8 +153,8 @@ fn restoring_is_idempotent_and_id_reuse_moves_the_block() {
         parent_hash: None,
         start_position: None,
         blocks: vec![KvCacheStoredBlockData {
-            block_hash: 5,
-            tokens_hash: 1,
+            block_hash: ExternalSequenceBlockHash(5),
+            tokens_hash: LocalBlockHash(1),
         }],
     });
     assert_eq!(t.apply(1, &rename), Ok(0));
@@ -231,13 +232,14 @@ fn random_operations_match_a_brute_force_model() {
                 let blocks = t.dump_blocks(w);
                 if !blocks.is_empty() {
                     let b = blocks[rng.below(blocks.len() as u64) as usize];
-                    t.apply(w, &removed(&[b.block_hash])).unwrap();
+                    t.apply(w, &removed(&[b.block_hash.0])).unwrap();
                 }
             }
             _ => {
                 // Sequences over a tiny alphabet, so prefixes are shared a lot.
                 let len = 1 + rng.below(5) as usize;
-                let locals: Vec<u64> = (0..len).map(|_| 1 + rng.below(3)).collect();
+                let locals: Vec<LocalBlockHash> =
+                    (0..len).map(|_| LocalBlockHash(1 + rng.below(3))).collect();
                 let seqs = crate::protocols::sequence_hashes(&locals);
                 let ev = KvCacheEventData::Stored(KvCacheStoreData {
                     parent_hash: None,
@@ -257,11 +259,12 @@ fn random_operations_match_a_brute_force_model() {
         if step % 100 == 0 {
             t.check_invariants().unwrap();
         }
-        let q: Vec<u64> = (0..4).map(|_| 1 + rng.below(3)).collect();
+        let q: Vec<LocalBlockHash> = (0..4).map(|_| LocalBlockHash(1 + rng.below(3))).collect();
         let qs = crate::protocols::sequence_hashes(&q);
         let got = t.find_matches(&q);
         for w in 0..4 {
-            let held: BTreeSet<u64> = t.dump_blocks(w).iter().map(|b| b.block_hash).collect();
+            let held: BTreeSet<ExternalSequenceBlockHash> =
+                t.dump_blocks(w).iter().map(|b| b.block_hash).collect();
             let want = qs.iter().take_while(|h| held.contains(h)).count() as u32;
             assert_eq!(got.score(w), want, "step {step} worker {w}");
         }

@@ -4,12 +4,19 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::radix_tree::RadixTree;
-use crate::protocols::WorkerId;
+use crate::protocols::{ExternalSequenceBlockHash, LocalBlockHash, WorkerId};
 
 /// Per-worker block sets in comparable form: worker → `(block_hash, parent_hash, tokens_hash)`.
 /// Workers holding nothing are omitted, so "never seen" and "empty" compare equal.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct IndexSnapshot(pub BTreeMap<WorkerId, BTreeSet<(u64, Option<u64>, u64)>>);
+pub struct IndexSnapshot(pub BTreeMap<WorkerId, BTreeSet<SnapshotBlock>>);
+
+/// One block of a snapshot: `(block_hash, parent_hash, tokens_hash)`.
+pub type SnapshotBlock = (
+    ExternalSequenceBlockHash,
+    Option<ExternalSequenceBlockHash>,
+    LocalBlockHash,
+);
 
 impl IndexSnapshot {
     /// Human-readable differences (empty when equal), for test failure messages.

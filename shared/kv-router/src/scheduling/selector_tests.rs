@@ -1,6 +1,7 @@
 use rustc_hash::FxHashMap;
 
 use super::*;
+use crate::protocols::ExternalSequenceBlockHash;
 
 /// Loads from a table; no block is shared, so every request block is new.
 #[derive(Default)]
@@ -24,7 +25,7 @@ impl LoadSource for Loads {
     fn load(&self, w: WorkerId) -> WorkerLoad {
         self.0.get(&w).copied().unwrap_or_default()
     }
-    fn new_blocks(&self, _: WorkerId, seqs: &[u64]) -> usize {
+    fn new_blocks(&self, _: WorkerId, seqs: &[ExternalSequenceBlockHash]) -> usize {
         seqs.len()
     }
 }
@@ -56,7 +57,12 @@ fn selector(mode: RouterMode, f: impl FnOnce(&mut KvRouterConfig)) -> WorkerSele
     WorkerSelector::new(c, Some(7))
 }
 
-const HASHES: [u64; 4] = [1, 2, 3, 4];
+const HASHES: [LocalBlockHash; 4] = [
+    LocalBlockHash(1),
+    LocalBlockHash(2),
+    LocalBlockHash(3),
+    LocalBlockHash(4),
+];
 
 #[test]
 fn kv_mode_cost_on_a_hand_computed_example() {

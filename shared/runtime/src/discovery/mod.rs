@@ -346,6 +346,24 @@ impl Default for DiscoveryOptions {
     }
 }
 
+impl DiscoveryOptions {
+    /// The options a service's runtime settings (`--discovery-backend`, `DYN_FILE_KV`,
+    /// `--etcd-endpoints`) ask for, with the default TTL.
+    pub fn from_config(rt: &tandem_config::RuntimeConfig) -> Self {
+        use tandem_config::runtime::DiscoveryBackend as Cfg;
+        Self {
+            backend: match rt.discovery_backend {
+                Cfg::Mem => DiscoveryBackend::Mem,
+                Cfg::File => DiscoveryBackend::File,
+                Cfg::Etcd => DiscoveryBackend::Etcd,
+            },
+            file_root: rt.file_kv_root.clone(),
+            etcd_endpoints: rt.etcd_endpoints.clone(),
+            ..Self::default()
+        }
+    }
+}
+
 /// Opens the configured backend. `mem` returns the process-wide in-memory store, so that
 /// everything in one process sees the same registrations.
 pub async fn connect(options: &DiscoveryOptions) -> Result<Arc<dyn Discovery>> {

@@ -287,7 +287,11 @@ fn chat_template(files: &GgufTokenizerFiles) -> Result<Option<ChatTemplate>, Eng
         return Ok(None);
     };
     let tok = |k: &str| cfg.get(k).and_then(|t| t.as_str()).map(String::from);
-    ChatTemplate::new(src.to_string(), tok("bos_token"), tok("eos_token")).map(Some)
+    Ok(Some(ChatTemplate::new(
+        src.to_string(),
+        tok("bos_token"),
+        tok("eos_token"),
+    )?))
 }
 
 /// Writes the files a router fetches (`tokenizer.json`, `tokenizer_config.json` with the

@@ -9,7 +9,7 @@ use std::path::Path;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 
-use crate::error::EngineError;
+use crate::error::TextError;
 
 const TEMPLATE_NAME: &str = "chat";
 
@@ -46,14 +46,14 @@ pub struct ChatRequest<'a> {
 impl ChatTemplate {
     /// Reads the template from `tokenizer_config.json` of a model folder; `Ok(None)` when the
     /// file or its `chat_template` is absent.
-    pub fn load(folder: &Path) -> Result<Option<Self>, EngineError> {
+    pub fn load(folder: &Path) -> Result<Option<Self>, TextError> {
         let path = folder.join("tokenizer_config.json");
         if !path.is_file() {
             return Ok(None);
         }
-        let bytes = std::fs::read(&path).map_err(|e| EngineError::io(&path, e))?;
+        let bytes = std::fs::read(&path).map_err(|e| TextError::io(&path, e))?;
         let cfg: serde_json::Value =
-            serde_json::from_slice(&bytes).map_err(|e| EngineError::BadFile {
+            serde_json::from_slice(&bytes).map_err(|e| TextError::BadFile {
                 path: path.clone(),
                 message: format!("not valid JSON: {e}"),
             })?;
@@ -66,7 +66,7 @@ impl ChatTemplate {
                 .and_then(|t| t.get("template"))
                 .and_then(|t| t.as_str())
                 .map(String::from)
-                .ok_or_else(|| EngineError::BadFile {
+                .ok_or_else(|| TextError::BadFile {
                     path: path.clone(),
                     message: "chat_template list has no \"default\" entry".into(),
                 })?,
@@ -78,7 +78,7 @@ impl ChatTemplate {
             None => None,
         };
         let t = Self::new(source, token("bos_token"), token("eos_token"))
-            .map_err(|e| EngineError::Template(format!("{}: {e}", path.display())))?;
+            .map_err(|e| TextError::Template(format!("{}: {e}", path.display())))?;
         Ok(Some(t))
     }
 
@@ -87,7 +87,7 @@ impl ChatTemplate {
         source: String,
         bos_token: Option<String>,
         eos_token: Option<String>,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, TextError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -95,7 +95,7 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
-            .map_err(|e| EngineError::Template(describe(&e)))?;
+            .map_err(|e| TextError::Template(describe(&e)))?;
         Ok(ChatTemplate {
             env,
             source,
@@ -110,7 +110,7 @@ impl ChatTemplate {
     }
 
     /// Renders a conversation into the prompt text.
-    pub fn render(&self, req: &ChatRequest<'_>) -> Result<String, EngineError> {
+    pub fn render(&self, req: &ChatRequest<'_>) -> Result<String, TextError> {
         let mut ctx = serde_json::Map::new();
         if let Some(serde_json::Value::Object(extra)) = req.extra {
             for (k, v) in extra {
@@ -136,9 +136,9 @@ impl ChatTemplate {
         let tmpl = self
             .env
             .get_template(TEMPLATE_NAME)
-            .map_err(|e| EngineError::Template(describe(&e)))?;
+            .map_err(|e| TextError::Template(describe(&e)))?;
         tmpl.render(Value::from_serialize(&ctx))
-            .map_err(|e| EngineError::Template(describe(&e)))
+            .map_err(|e| TextError::Template(describe(&e)))
     }
 }
 

@@ -7,6 +7,15 @@
 
 use serde::{Deserialize, Serialize};
 
+/// What ended a choice early: the end-of-sequence token, a stop token id, or a stop string.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Eos(u32),
+    TokenId(u32),
+    String(String),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct StopMatcher {
     stops: Vec<String>,

@@ -11,22 +11,52 @@
 //! Only full blocks are hashed: a trailing partial block has no hash, because its contents
 //! are still changing and could never be matched by another request's full block.
 
+use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// The seed Dynamo uses for every KV hash.
 pub const XXH3_SEED: u64 = 1337;
 
+/// Content hash of one block's tokens alone (Dynamo's `LocalBlockHash`): what a router computes
+/// from a request and navigates its radix index by.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct LocalBlockHash(pub u64);
+
+/// A block's chained hash, identifying the whole prefix up to and including it (Dynamo's
+/// `ExternalSequenceBlockHash`): the engine's id for a block in its events. A router treats it
+/// as opaque and only uses it to find the block again on removal or when a child is stored.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct ExternalSequenceBlockHash(pub u64);
+
+impl std::fmt::LowerHex for LocalBlockHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
+impl std::fmt::LowerHex for ExternalSequenceBlockHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
 /// Hash of one block's tokens alone.
-pub fn local_block_hash(tokens: &[u32]) -> u64 {
+pub fn local_block_hash(tokens: &[u32]) -> LocalBlockHash {
     let mut bytes = Vec::with_capacity(tokens.len() * 4);
     for t in tokens {
         bytes.extend_from_slice(&t.to_le_bytes());
     }
-    xxh3_64_with_seed(&bytes, XXH3_SEED)
+    LocalBlockHash(xxh3_64_with_seed(&bytes, XXH3_SEED))
 }
 
 /// Local hashes of every full block of `tokens`; the trailing partial block is dropped.
-pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<LocalBlockHash> {
     if block_size == 0 {
         return Vec::new();
     }
@@ -37,20 +67,23 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
 }
 
 /// Sequence hash of a block given its parent's sequence hash (None for the first block).
-pub fn chain_hash(parent: Option<u64>, local: u64) -> u64 {
+pub fn chain_hash(
+    parent: Option<ExternalSequenceBlockHash>,
+    local: LocalBlockHash,
+) -> ExternalSequenceBlockHash {
     match parent {
-        None => local,
+        None => ExternalSequenceBlockHash(local.0),
         Some(p) => {
             let mut bytes = [0u8; 16];
-            bytes[..8].copy_from_slice(&p.to_le_bytes());
-            bytes[8..].copy_from_slice(&local.to_le_bytes());
-            xxh3_64_with_seed(&bytes, XXH3_SEED)
+            bytes[..8].copy_from_slice(&p.0.to_le_bytes());
+            bytes[8..].copy_from_slice(&local.0.to_le_bytes());
+            ExternalSequenceBlockHash(xxh3_64_with_seed(&bytes, XXH3_SEED))
         }
     }
 }
 
 /// Sequence hashes from a list of local hashes.
-pub fn sequence_hashes(locals: &[u64]) -> Vec<u64> {
+pub fn sequence_hashes(locals: &[LocalBlockHash]) -> Vec<ExternalSequenceBlockHash> {
     let mut out = Vec::with_capacity(locals.len());
     let mut parent = None;
     for &l in locals {
@@ -62,7 +95,10 @@ pub fn sequence_hashes(locals: &[u64]) -> Vec<u64> {
 }
 
 /// Both hashes of every full block of `tokens`: `(local, sequence)` pairs.
-pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<(u64, u64)> {
+pub fn block_hashes(
+    tokens: &[u32],
+    block_size: usize,
+) -> Vec<(LocalBlockHash, ExternalSequenceBlockHash)> {
     let locals = local_block_hashes(tokens, block_size);
     let seqs = sequence_hashes(&locals);
     locals.into_iter().zip(seqs).collect()
@@ -82,16 +118,17 @@ mod tests {
 
     #[test]
     fn local_hash_matches_python_xxhash() {
-        assert_eq!(local_block_hash(&[1, 2, 3, 4]), H1234);
-        assert_eq!(local_block_hash(&[5, 6, 7, 8]), H5678);
+        assert_eq!(local_block_hash(&[1, 2, 3, 4]), LocalBlockHash(H1234));
+        assert_eq!(local_block_hash(&[5, 6, 7, 8]), LocalBlockHash(H5678));
         let toks: Vec<u32> = (0..32).collect();
-        assert_eq!(local_block_hash(&toks), H0_31);
+        assert_eq!(local_block_hash(&toks), LocalBlockHash(H0_31));
     }
 
     #[test]
     fn chained_hash_matches_python_xxhash() {
         let hs = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4);
-        assert_eq!(hs, vec![(H1234, H1234), (H5678, CHAIN)]);
+        let pairs: Vec<(u64, u64)> = hs.iter().map(|(l, s)| (l.0, s.0)).collect();
+        assert_eq!(pairs, vec![(H1234, H1234), (H5678, CHAIN)]);
     }
 
     #[test]
@@ -106,6 +143,10 @@ mod tests {
         let a = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
         let b = block_hashes(&[9, 9, 9, 9, 5, 6, 7, 8], 4);
         assert_eq!(a[1].0, b[1].0, "same tokens, same local hash");
+        assert_eq!(
+            a[0].1 .0, a[0].0 .0,
+            "the first block's sequence hash is its local hash"
+        );
         assert_ne!(a[1].1, b[1].1, "different prefix, different sequence hash");
     }
 }

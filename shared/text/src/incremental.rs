@@ -6,7 +6,7 @@
 //! longer ends in an incomplete character (decoded as U+FFFD). Decoding with the prefix also
 //! gets word-boundary spaces right for tokenizers whose decoders strip a leading space.
 
-use crate::error::EngineError;
+use crate::error::TextError;
 use crate::tokenizer::Tokenizer;
 
 /// Incremental detokenizer for one sequence.
@@ -34,7 +34,7 @@ impl IncrementalDecoder {
     }
 
     /// Adds one token and returns the text that became complete with it (maybe empty).
-    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, EngineError> {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TextError> {
         self.ids.push(id);
         let skip = self.skip_special_tokens;
         let prefix = tok.decode(&self.ids[self.prefix_start..self.read_start], skip)?;
@@ -54,7 +54,7 @@ impl IncrementalDecoder {
 
     /// Text still held back (an incomplete character at the end), emitted as decoded (with
     /// U+FFFD) when the sequence ends.
-    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, EngineError> {
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, TextError> {
         let skip = self.skip_special_tokens;
         let prefix = tok.decode(&self.ids[self.prefix_start..self.read_start], skip)?;
         let full = tok.decode(&self.ids[self.prefix_start..], skip)?;

@@ -1,0 +1,105 @@
+//! The model's tokenizer (`tokenizer.json` through the `tokenizers` crate) and the tokenizer
+//! hash workers and routers compare.
+
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use crate::chat::ChatTemplate;
+use crate::error::TextError;
+use crate::hex;
+
+/// A model's tokenizer.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// sha256 of `tokenizer.json` (combined with the template in [`tokenizer_hash`]).
+    file_sha256: String,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("sha256", &self.file_sha256)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` from a model folder.
+    pub fn load(folder: &Path) -> Result<Self, TextError> {
+        let path = folder.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(TextError::MissingFile {
+                folder: folder.to_path_buf(),
+                file: "tokenizer.json".into(),
+            });
+        }
+        let bytes = std::fs::read(&path).map_err(|e| TextError::io(&path, e))?;
+        Self::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// A tokenizer from the bytes of a `tokenizer.json`; `origin` names them in errors.
+    pub fn from_bytes(bytes: &[u8], origin: &str) -> Result<Self, TextError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| TextError::Tokenizer(format!("{origin}: cannot load: {e}")))?;
+        Ok(Tokenizer {
+            inner,
+            file_sha256: hex(&Sha256::digest(bytes)),
+        })
+    }
+
+    /// Token ids of `text`. Chat prompts are rendered by the template with their special
+    /// tokens spelled out, so `add_special_tokens` is normally false (Qwen3 adds none anyway).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| TextError::Tokenizer(format!("encode: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TextError::Tokenizer(format!("decode: {e}")))
+    }
+
+    /// Id of a token string (e.g. `<|im_end|>`), if it is in the vocabulary.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// sha256 of `tokenizer.json`.
+    pub fn file_sha256(&self) -> &str {
+        &self.file_sha256
+    }
+
+    /// The wrapped `tokenizers` object, for callers that need more (e.g. grammar engines).
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// The tokenizer hash of the model card: sha256 over the sha256 of `tokenizer.json` and the
+/// chat template source, so a change of either changes it.
+pub fn tokenizer_hash(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) -> String {
+    let mut h = Sha256::new();
+    h.update(tokenizer.file_sha256().as_bytes());
+    h.update([0u8]);
+    if let Some(t) = template {
+        h.update(t.source().as_bytes());
+    }
+    hex(&h.finalize())
+}
