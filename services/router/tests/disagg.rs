@@ -202,16 +202,11 @@ async fn disagg(
 
 /// Deterministic token ids in a range the tiny model's vocab covers.
 fn tokens(seed: u64, len: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let mut rng = tandem_rng::SplitMix64::new(
+        seed.wrapping_mul(tandem_rng::GOLDEN_GAMMA) ^ 0xD1B5_4A32_D192_ED03,
+    );
     (0..len)
-        .map(|_| {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            300 + (z % 20_000) as u32
-        })
+        .map(|_| 300 + (rng.next_u64() % 20_000) as u32)
         .collect()
 }
 
