@@ -132,8 +132,8 @@ async fn agg(addr: &str, rid: &str, prompt: &[u32], params: &Value) -> Out {
 
 fn target(p: &Proc) -> PrefillTarget {
     PrefillTarget {
-        instance_id: field(&p.ready_line, "instance_id=").parse().expect("id"),
-        grpc_addr: field(&p.ready_line, "grpc="),
+        instance_id: field(p.ready_line(), "instance_id=").parse().expect("id"),
+        grpc_addr: field(p.ready_line(), "grpc="),
     }
 }
 
@@ -225,7 +225,7 @@ fn blocks_for(tokens: usize) -> u64 {
 }
 
 fn addr(p: &Proc) -> String {
-    field(&p.ready_line, "grpc=")
+    field(p.ready_line(), "grpc=")
 }
 
 fn greedy(max_tokens: u32) -> Value {
@@ -397,7 +397,7 @@ async fn equality(transport: &str) {
     }
     // Transfers and leases show in metrics (Dynamo's TRT-LLM names for transfers).
     let metrics = |p: &Proc| {
-        let url = format!("http://{}/metrics", field(&p.ready_line, "http="));
+        let url = format!("http://{}/metrics", field(p.ready_line(), "http="));
         async move {
             reqwest::get(url)
                 .await
@@ -654,7 +654,7 @@ async fn router_enforced_disagg_matches_aggregated_and_follows_prefill_overlap()
     ];
     let d = start_role(&disc, "tandem-decode", "pd", &[], &[]);
     let router = start_router(&disc, 1, &["--enforce-disagg"]);
-    let base = format!("http://{}", field(&router.ready_line, "http="));
+    let base = format!("http://{}", field(router.ready_line(), "http="));
     let dis = Topology {
         workers: vec![],
         router: Some(router),
@@ -796,7 +796,7 @@ async fn conditional_disaggregation_follows_the_threshold() {
     let d = start_role(&disc, "tandem-decode", "pd", &[], &[]);
     let plain = start_router(&disc, 1, &["--disagg-prefill-threshold-tokens", "100"]);
     let enforced = start_router(&disc, 1, &["--enforce-disagg"]);
-    let base = |r: &Proc| format!("http://{}", field(&r.ready_line, "http="));
+    let base = |r: &Proc| format!("http://{}", field(r.ready_line(), "http="));
     let c = reqwest::Client::new();
     let post = |b: String, body: Value| {
         let c = c.clone();

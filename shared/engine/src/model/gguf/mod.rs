@@ -15,7 +15,6 @@
 //!   ([`crate::tokenizer::gguf`]).
 
 pub mod dequant;
-pub mod fetch;
 pub mod file;
 
 use std::path::{Path, PathBuf};
