@@ -444,7 +444,8 @@ async fn wait_file(path: &Path) {
     while !path.exists() {
         assert!(
             Instant::now() < deadline,
-            "{} never appeared",
+            "{} never appeared (are the worker binaries built with the failpoints feature? \
+             scripts/test builds them so)",
             path.display()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
