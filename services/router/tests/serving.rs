@@ -215,7 +215,7 @@ async fn sigterm_drains_in_flight_requests_then_the_model_is_unavailable() {
             .unwrap()
     });
     // Wait until the worker runs it (its metrics gauge says so), then SIGTERM the worker.
-    let metrics_addr = common::field(&t.workers[0].ready_line, "http=");
+    let metrics_addr = common::field(t.workers[0].ready_line(), "http=");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let m = reqwest::get(format!("http://{metrics_addr}/metrics"))
@@ -284,7 +284,7 @@ async fn metrics_use_dynamo_names() {
     ] {
         assert!(m.contains(name), "{name} missing from /metrics");
     }
-    let worker_metrics = common::field(&t.workers[0].ready_line, "http=");
+    let worker_metrics = common::field(t.workers[0].ready_line(), "http=");
     let m = reqwest::get(format!("http://{worker_metrics}/metrics"))
         .await
         .unwrap()
@@ -299,7 +299,7 @@ async fn metrics_use_dynamo_names() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_a_different_tokenizer_for_the_same_model_is_refused() {
     // A copy of the tiny model whose chat template differs: same name, different tokenizer hash.
-    let tiny = tandem_engine::tiny::ensure_tiny_model().unwrap();
+    let tiny = tandem_tiny_model::ensure_tiny_model().unwrap();
     let odd = common::temp_dir("odd-model");
     for f in std::fs::read_dir(&tiny).unwrap() {
         let f = f.unwrap().path();
@@ -322,7 +322,7 @@ async fn a_worker_with_a_different_tokenizer_for_the_same_model_is_refused() {
             "tandem-tiny",
         ],
     );
-    let other_id = common::field(&other.ready_line, "instance_id=");
+    let other_id = common::field(other.ready_line(), "instance_id=");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let m = reqwest::get(format!("{}/metrics", t.base))

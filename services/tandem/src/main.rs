@@ -47,10 +47,10 @@ async fn main() -> anyhow::Result<()> {
         Command::Model {
             command: ModelCommand::Tiny { out_dir, family },
         } => {
-            let f = tandem_engine::tiny::family_by_name(&family).with_context(|| {
+            let f = tandem_tiny_model::family_by_name(&family).with_context(|| {
                 format!("unknown family {family:?} (qwen3, qwen2, llama3, mistral)")
             })?;
-            tandem_engine::tiny::write_family_model(f, &out_dir, true)
+            tandem_tiny_model::write_family_model(f, &out_dir, true)
                 .with_context(|| format!("writing the tiny model to {}", out_dir.display()))?;
             println!("tiny model written to {}", out_dir.display());
         }

@@ -169,7 +169,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     };
     if args.model_path.is_none() {
         // Build the tiny model once here, not racing in every worker.
-        let dir = tokio::task::spawn_blocking(tandem_engine::tiny::ensure_tiny_model).await??;
+        let dir = tokio::task::spawn_blocking(tandem_tiny_model::ensure_tiny_model).await??;
         println!("tandem: built-in tiny model at {}", dir.display());
     }
     let root = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));

@@ -13,6 +13,7 @@ pub mod flags;
 pub mod merge;
 pub mod options_build;
 pub mod parse;
+pub mod paths;
 pub mod pyliteral;
 pub mod resolve;
 pub mod runtime;

@@ -39,6 +39,9 @@ pub enum EngineError {
     /// Fetching the tokenizer files into the cache failed.
     #[error("fetching the tokenizer files: {0}")]
     Fetch(String),
+    /// Writing a built-in tiny model or fetching its tokenizer files failed.
+    #[error(transparent)]
+    TinyModel(#[from] tandem_tiny_model::TinyModelError),
     /// Two KV layouts differ; the first differing field is named.
     #[error("KV layout mismatch in {field}: ours {ours}, theirs {theirs}")]
     LayoutMismatch {

@@ -15,11 +15,11 @@ use std::time::Duration;
 use tandem_engine::backend::cpu::CpuBackend;
 use tandem_engine::engine::{Engine, EngineConfig, Request};
 use tandem_engine::kv::layout::KvDtype;
-use tandem_engine::model::gguf::fetch::ensure_smollm2_gguf;
 use tandem_engine::model::{LoadOptions, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::tokenizer::chat::ChatRequest;
 use tandem_engine::tokenizer::{tokenizer_hash, ChatTemplate, Tokenizer};
+use tandem_test_support::fetch::ensure_smollm2_gguf;
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 64;

@@ -21,6 +21,7 @@ use tandem_config::WorkerConfig;
 use tandem_engine::engine::{EngineHandle, RequestStream};
 use tandem_engine::request::Request;
 use tandem_engine::sampler::SamplingParams;
+use tandem_rng::splitmix64;
 
 use crate::backend::Pacer;
 use crate::cost::CostModel;
@@ -67,11 +68,11 @@ fn read_trace(path: &Path, trace_block: usize, vocab: u32) -> anyhow::Result<Vec
         let mut prompt = Vec::with_capacity(t.input_length);
         for h in &t.hash_ids {
             let mut s = *h ^ 0x5EED;
-            prompt.extend((0..trace_block).map(|_| (splitmix(&mut s) % vocab as u64) as u32));
+            prompt.extend((0..trace_block).map(|_| (splitmix64(&mut s) % vocab as u64) as u32));
         }
         let mut s = (i as u64) << 32 | 0xF00D;
         while prompt.len() < t.input_length.max(1) {
-            prompt.push((splitmix(&mut s) % vocab as u64) as u32);
+            prompt.push((splitmix64(&mut s) % vocab as u64) as u32);
         }
         prompt.truncate(t.input_length.max(1));
         out.push(Arrival {
@@ -86,14 +87,6 @@ fn read_trace(path: &Path, trace_block: usize, vocab: u32) -> anyhow::Result<Vec
     Ok(out)
 }
 
-fn splitmix(s: &mut u64) -> u64 {
-    *s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *s;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// Chained hashes of the prompt's full blocks (the router's own view; the engine keeps its
 /// own hashes).
 fn block_hashes(prompt: &[u32], block: usize) -> Vec<u64> {
@@ -103,7 +96,7 @@ fn block_hashes(prompt: &[u32], block: usize) -> Vec<u64> {
         .map(|c| {
             for t in c {
                 h ^= *t as u64;
-                h = splitmix(&mut h);
+                h = splitmix64(&mut h);
             }
             h
         })

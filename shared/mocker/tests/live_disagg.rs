@@ -9,81 +9,20 @@
 //!
 //! Needs the router binary next to the mocker's: `cargo build -p tandem-router -p tandem-mocker`.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tandem_protocol::worker::worker_client::WorkerClient;
 use tandem_protocol::worker::{LoadStatsReply, LoadStatsRequest};
+use tandem_test_support::{field, sibling_bin, spawn_ready, spawn_ready_n, Proc, READY_TIMEOUT};
 
-const READY_TIMEOUT: Duration = Duration::from_secs(120);
 const BLOCK: u64 = 16;
 const BYTES_PER_TOKEN: u64 = 1000;
 
-struct Proc {
-    child: Child,
-    ready: Vec<String>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn router_bin() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_BIN_EXE_tandem-mocker")).with_file_name("tandem-router");
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first (`cargo build -p tandem-router`)",
-        path.display()
-    );
-    path
-}
-
-/// Spawns `cmd` and waits (bounded) for `count` stdout lines starting with `marker`.
-fn spawn_ready(cmd: &mut Command, marker: &'static str, count: usize) -> Proc {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.starts_with(marker) {
-                let _ = tx.send(line);
-            }
-        }
-    });
-    let deadline = Instant::now() + READY_TIMEOUT;
-    let mut ready = Vec::new();
-    while ready.len() < count {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) => ready.push(line),
-            Err(_) => {
-                let _ = child.kill();
-                panic!(
-                    "{} of {count} {marker} lines within {READY_TIMEOUT:?}",
-                    ready.len()
-                );
-            }
-        }
-    }
-    Proc { child, ready }
-}
-
-fn field(line: &str, key: &str) -> String {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key))
-        .unwrap_or_else(|| panic!("{key} missing in {line:?}"))
-        .to_string()
+    sibling_bin(env!("CARGO_BIN_EXE_tandem-mocker"), "tandem-router")
 }
 
 fn mocker(disc: &Path, mode: &str, workers: usize) -> Proc {
@@ -107,7 +46,7 @@ fn mocker(disc: &Path, mode: &str, workers: usize) -> Proc {
         ])
         .env("DYN_FILE_KV", disc)
         .env("DYN_DISCOVERY_BACKEND", "file");
-    spawn_ready(&mut cmd, "TANDEM_WORKER_READY", workers)
+    spawn_ready_n(&mut cmd, "TANDEM_WORKER_READY", workers)
 }
 
 async fn stats(addr: &str) -> LoadStatsReply {
@@ -171,9 +110,8 @@ async fn simulated_prefill_and_pd_workers_serve_behind_the_real_router() {
             .env("DYN_FILE_KV", &disc)
             .env("DYN_DISCOVERY_BACKEND", "file"),
         "TANDEM_ROUTER_READY",
-        1,
     );
-    let base = format!("http://{}", field(&router.ready[0], "http="));
+    let base = format!("http://{}", field(router.ready_line(), "http="));
     let deadline = Instant::now() + READY_TIMEOUT;
     let client = reqwest::Client::new();
     loop {
@@ -189,10 +127,11 @@ async fn simulated_prefill_and_pd_workers_serve_behind_the_real_router() {
         assert!(Instant::now() < deadline, "router never became healthy");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let addrs = |p: &Proc| -> Vec<String> { p.ready.iter().map(|l| field(l, "grpc=")).collect() };
+    let addrs =
+        |p: &Proc| -> Vec<String> { p.ready_lines.iter().map(|l| field(l, "grpc=")).collect() };
     let (prefill_addrs, decode_addrs) = (addrs(&prefill), addrs(&decode));
     let prefill_ids: Vec<String> = prefill
-        .ready
+        .ready_lines
         .iter()
         .map(|l| field(l, "instance_id="))
         .collect();
@@ -246,7 +185,7 @@ async fn simulated_prefill_and_pd_workers_serve_behind_the_real_router() {
     let metrics = client
         .get(format!(
             "http://{}/metrics",
-            field(&prefill.ready[0], "http=")
+            field(prefill.ready_line(), "http=")
         ))
         .send()
         .await

@@ -11,8 +11,6 @@
 //!   server (`/metrics`, `/health`, `/live`).
 //! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, so services deregister, drain, exit.
 //! - [`net`]: bind versus advertised addresses for listeners.
-//! - [`testing`]: a harness that starts real `etcd` and `nats-server` processes on loopback for
-//!   integration tests (used by this crate's tests and by the services' tests).
 //!
 //! A worker, in short:
 //!
@@ -51,7 +49,6 @@ pub mod events;
 pub mod metrics;
 pub mod net;
 pub mod shutdown;
-pub mod testing;
 
 pub use discovery::{
     Discovery, DiscoveryBackend, DiscoveryError, DiscoveryEvent, DiscoveryWatch, Entry, Instance,

@@ -12,7 +12,7 @@ use tandem_runtime::discovery::mem::MemDiscovery;
 use tandem_runtime::discovery::{
     new_instance_id, Discovery, DiscoveryEvent, DiscoveryWatch, Instance,
 };
-use tandem_runtime::testing::{wait_until, EtcdServer, TempDir};
+use tandem_test_support::{wait_until, EtcdServer, TempDir};
 
 const EVENT_TIMEOUT: Duration = Duration::from_secs(10);
 const CHILD_ENV: &str = "TANDEM_RUNTIME_CRASH_CHILD";
@@ -426,7 +426,7 @@ async fn etcd_killed_process_disappears_within_ttl() {
 
 #[tokio::test]
 async fn etcd_unreachable_fails_fast() {
-    let port = tandem_runtime::testing::free_port().unwrap();
+    let port = tandem_test_support::free_port().unwrap();
     let opts = EtcdOptions {
         request_timeout: Duration::from_secs(2),
         ..EtcdOptions::default()

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 use tandem_runtime::events::{kv_events_subject, EventError, NatsEventPlane};
-use tandem_runtime::testing::NatsServer;
+use tandem_test_support::NatsServer;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -144,7 +144,7 @@ async fn components_are_separate_subjects() {
 
 #[tokio::test]
 async fn unreachable_server_fails_fast() {
-    let port = tandem_runtime::testing::free_port().unwrap();
+    let port = tandem_test_support::free_port().unwrap();
     let started = std::time::Instant::now();
     let result =
         NatsEventPlane::connect(&format!("nats://127.0.0.1:{port}"), Duration::from_secs(2)).await;

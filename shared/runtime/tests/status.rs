@@ -101,7 +101,7 @@ async fn status_server_stops_on_shutdown() {
         .unwrap();
     assert_eq!(get(addr, "/live").await.0, 200);
     trigger.trigger();
-    let closed = tandem_runtime::testing::wait_until(Duration::from_secs(10), || async {
+    let closed = tandem_test_support::wait_until(Duration::from_secs(10), || async {
         tokio::net::TcpStream::connect(addr)
             .await
             .is_err()

@@ -1,59 +1,83 @@
-//! Env-controlled faults for deterministic fault tests. Unset in production.
+//! Env-controlled faults for deterministic fault tests, compiled in only with the
+//! `failpoints` feature (the fault tests' builds: `scripts/test`); without it every failpoint
+//! is a no-op and no variable is read.
 //!
 //! - `TANDEM_FAILPOINT_SKIP_KV_EVENT_IDS=3,4`: the live KV event streams (gRPC and NATS) leave
 //!   out these event ids, as a lossy network would; replays and dumps still include them.
+//! - `TANDEM_FAILPOINT_PREFILL_HOLD_DIR` and `TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK`: see
+//!   [`prefill_hold`].
 
-use std::sync::OnceLock;
+#[cfg(feature = "failpoints")]
+pub use enabled::{prefill_hold, skipped_kv_event};
 
-pub fn skipped_kv_event(event_id: u64) -> bool {
-    static SKIP: OnceLock<Vec<u64>> = OnceLock::new();
-    SKIP.get_or_init(|| {
-        std::env::var("TANDEM_FAILPOINT_SKIP_KV_EVENT_IDS")
-            .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
-            .unwrap_or_default()
-    })
-    .contains(&event_id)
+#[cfg(not(feature = "failpoints"))]
+pub use disabled::{prefill_hold, skipped_kv_event};
+
+#[cfg(not(feature = "failpoints"))]
+mod disabled {
+    /// Whether the live KV event streams leave out this event: never in this build.
+    pub fn skipped_kv_event(_event_id: u64) -> bool {
+        false
+    }
+
+    /// Holds a prefill write: never in this build.
+    pub async fn prefill_hold(_request_id: &str, _batch_last_block: usize) {}
 }
 
-/// `TANDEM_FAILPOINT_PREFILL_HOLD_DIR=/dir` with `TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK=k`: a
-/// prefill worker about to write, for a request whose id starts with `hold-`, a batch that
-/// reaches prompt block `k` first creates `/dir/<request id>.reached`, then waits until
-/// `/dir/<request id>.release` exists, then issues the write. While held it does not look at
-/// revocations: it stands for a one-sided put already in flight, which no message can recall
-/// — exactly what lease quarantine must survive.
-pub async fn prefill_hold(request_id: &str, batch_last_block: usize) {
-    if !request_id.starts_with("hold-") {
-        return;
+#[cfg(feature = "failpoints")]
+mod enabled {
+    use std::sync::OnceLock;
+
+    pub fn skipped_kv_event(event_id: u64) -> bool {
+        static SKIP: OnceLock<Vec<u64>> = OnceLock::new();
+        SKIP.get_or_init(|| {
+            std::env::var("TANDEM_FAILPOINT_SKIP_KV_EVENT_IDS")
+                .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
+                .unwrap_or_default()
+        })
+        .contains(&event_id)
     }
-    let Ok(dir) = std::env::var("TANDEM_FAILPOINT_PREFILL_HOLD_DIR") else {
-        return;
-    };
-    let at = std::env::var("TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(0);
-    if batch_last_block < at {
-        return;
-    }
-    let dir = std::path::PathBuf::from(dir);
-    let release = dir.join(format!("{request_id}.release"));
-    if release.exists() {
-        return;
-    }
-    if let Err(e) = std::fs::write(dir.join(format!("{request_id}.reached")), b"") {
+
+    /// `TANDEM_FAILPOINT_PREFILL_HOLD_DIR=/dir` with `TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK=k`: a
+    /// prefill worker about to write, for a request whose id starts with `hold-`, a batch that
+    /// reaches prompt block `k` first creates `/dir/<request id>.reached`, then waits until
+    /// `/dir/<request id>.release` exists, then issues the write. While held it does not look at
+    /// revocations: it stands for a one-sided put already in flight, which no message can recall
+    /// — exactly what lease quarantine must survive.
+    pub async fn prefill_hold(request_id: &str, batch_last_block: usize) {
+        if !request_id.starts_with("hold-") {
+            return;
+        }
+        let Ok(dir) = std::env::var("TANDEM_FAILPOINT_PREFILL_HOLD_DIR") else {
+            return;
+        };
+        let at = std::env::var("TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        if batch_last_block < at {
+            return;
+        }
+        let dir = std::path::PathBuf::from(dir);
+        let release = dir.join(format!("{request_id}.release"));
+        if release.exists() {
+            return;
+        }
+        if let Err(e) = std::fs::write(dir.join(format!("{request_id}.reached")), b"") {
+            tracing::warn!(
+                "failpoint: cannot create the .reached marker in {}: {e}",
+                dir.display()
+            );
+        }
         tracing::warn!(
-            "failpoint: cannot create the .reached marker in {}: {e}",
-            dir.display()
+            request_id,
+            block = batch_last_block,
+            "failpoint: prefill write held"
         );
+        // A test-only hold: polling a file keeps the harness free of any IPC.
+        while !release.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        tracing::warn!(request_id, "failpoint: prefill write released");
     }
-    tracing::warn!(
-        request_id,
-        block = batch_last_block,
-        "failpoint: prefill write held"
-    );
-    // A test-only hold: polling a file keeps the harness free of any IPC.
-    while !release.exists() {
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    tracing::warn!(request_id, "failpoint: prefill write released");
 }

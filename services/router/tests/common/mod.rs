@@ -4,66 +4,15 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
+pub use tandem_test_support::{field, spawn_ready, Proc, READY_TIMEOUT};
 
+/// The workspace binary `name`, built beside the router.
 pub fn bin(name: &str) -> PathBuf {
-    let router = PathBuf::from(env!("CARGO_BIN_EXE_tandem-router"));
-    let path = router.with_file_name(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first (`cargo build -p {name}`; `cargo test --workspace` does)",
-        path.display()
-    );
-    path
-}
-
-pub struct Proc {
-    pub child: Child,
-    pub ready_line: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_ready(cmd: &mut Command, marker: &'static str) -> Proc {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if !sent && line.starts_with(marker) {
-                let _ = tx.send(line);
-                sent = true;
-            }
-        }
-    });
-    let ready_line = rx.recv_timeout(READY_TIMEOUT).unwrap_or_else(|_| {
-        let _ = child.kill();
-        panic!("process did not print {marker} within {READY_TIMEOUT:?}")
-    });
-    Proc { child, ready_line }
-}
-
-pub fn field(line: &str, key: &str) -> String {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key))
-        .unwrap_or_else(|| panic!("{key} missing in {line:?}"))
-        .to_string()
+    tandem_test_support::sibling_bin(env!("CARGO_BIN_EXE_tandem-router"), name)
 }
 
 pub struct Topology {
@@ -132,7 +81,7 @@ impl Topology {
             .map(|_| start_worker(&discovery, worker_args))
             .collect();
         let router = start_router(&discovery, workers, router_args);
-        let base = format!("http://{}", field(&router.ready_line, "http="));
+        let base = format!("http://{}", field(router.ready_line(), "http="));
         Topology {
             workers: ws,
             router: Some(router),
@@ -203,13 +152,13 @@ impl Topology {
     }
 
     pub fn worker_id(&self, i: usize) -> u64 {
-        field(&self.workers[i].ready_line, "instance_id=")
+        field(self.workers[i].ready_line(), "instance_id=")
             .parse()
             .expect("instance id")
     }
 
     pub fn worker_grpc(&self, i: usize) -> String {
-        field(&self.workers[i].ready_line, "grpc=")
+        field(self.workers[i].ready_line(), "grpc=")
     }
 }
 

@@ -3,17 +3,10 @@
 //! computes each row from the tokens alone, so shared and copied (copy-on-write) blocks hold
 //! exactly the right KV. Every block returns to the pool; abort and preemption free all beams.
 
-use super::test_backend::{TestBackend, EOS, T, VOCAB};
+use super::test_backend::{mix, TestBackend, EOS, T, VOCAB};
 use super::*;
 use crate::request::RequestOutput;
 use crate::sampler::top_k_logprobs;
-
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51afd7ed558ccd);
-    x ^= x >> 33;
-    x
-}
 
 /// The test backend's logits row after `tokens`.
 fn row(tokens: &[u32]) -> Vec<f32> {

@@ -103,7 +103,9 @@ impl TestBackend {
     }
 }
 
-fn mix(mut x: u64) -> u64 {
+/// The test backend's hash of a KV slot's token and position: MurmurHash3's 64-bit finaliser
+/// (a mixer, not a generator). The beam tests' reference rows use it too.
+pub(super) fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51afd7ed558ccd);
     x ^= x >> 33;

@@ -1,34 +1,37 @@
-//! A small, in-repo PRNG so a request's random stream never changes with a crate upgrade and
-//! its whole state (four `u64`s) can be exported with the request and resumed elsewhere.
-//!
-//! xoshiro256** (Blackman & Vigna), seeded through splitmix64 as its authors recommend.
+//! A request's random stream: [`tandem_rng::Xoshiro256StarStar`] (in-repo, so that it never
+//! changes with a crate upgrade), whose whole state (four `u64`s) can be exported with the
+//! request and resumed elsewhere.
 
 use serde::{Deserialize, Serialize};
+use tandem_rng::Xoshiro256StarStar;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+/// The sampler's generator; serialised as its state, `{"s": [u64; 4]}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Rng {
+#[serde(from = "RngState", into = "RngState")]
+pub struct Rng(Xoshiro256StarStar);
+
+/// The serialised form of [`Rng`].
+#[derive(Serialize, Deserialize)]
+struct RngState {
     s: [u64; 4],
 }
 
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+impl From<RngState> for Rng {
+    fn from(r: RngState) -> Self {
+        Self::from_state(r.s)
+    }
+}
+
+impl From<Rng> for RngState {
+    fn from(r: Rng) -> Self {
+        Self { s: r.state() }
+    }
 }
 
 impl Rng {
     pub fn from_seed(seed: u64) -> Self {
-        let mut sm = seed;
-        let s = [
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-        ];
-        Self { s }
+        Self(Xoshiro256StarStar::from_seed(seed))
     }
 
     /// The stream for choice `index` of a request seeded with `seed`. Streams of different
@@ -47,40 +50,25 @@ impl Rng {
     }
 
     pub fn state(&self) -> [u64; 4] {
-        self.s
+        self.0.state()
     }
 
     pub fn from_state(s: [u64; 4]) -> Self {
-        Self { s }
+        Self(Xoshiro256StarStar::from_state(s))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = self.s[1] << 17;
-        self.s[2] ^= self.s[0];
-        self.s[3] ^= self.s[1];
-        self.s[1] ^= self.s[2];
-        self.s[0] ^= self.s[3];
-        self.s[2] ^= t;
-        self.s[3] = self.s[3].rotate_left(45);
-        result
+        self.0.next_u64()
     }
 
     /// Uniform in `[0, 1)` with 53 bits of precision.
     pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        self.0.next_f64()
     }
 
     /// Uniform in `0..n` (n > 0), by rejection so that no value is favoured.
     pub fn below(&mut self, n: u64) -> u64 {
-        debug_assert!(n > 0);
-        let zone = u64::MAX - (u64::MAX % n);
-        loop {
-            let v = self.next_u64();
-            if v < zone {
-                return v % n;
-            }
-        }
+        self.0.below(n)
     }
 }
 
@@ -89,45 +77,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reference_values() {
-        // splitmix64 reference: first output for seed 0 is 0xE220A8397B1DCDAF.
-        let mut sm = 0u64;
-        assert_eq!(splitmix64(&mut sm), 0xE220_A839_7B1D_CDAF);
-        // xoshiro256** reference output for state [1, 2, 3, 4]: 11520, 0, 1509978240.
-        let mut r = Rng::from_state([1, 2, 3, 4]);
-        assert_eq!(r.next_u64(), 11520);
-        assert_eq!(r.next_u64(), 0);
-        assert_eq!(r.next_u64(), 1509978240);
-    }
-
-    #[test]
-    fn state_round_trip_resumes_stream() {
-        let mut a = Rng::from_seed(42);
-        for _ in 0..10 {
-            a.next_u64();
-        }
-        let mut b = Rng::from_state(a.state());
-        for _ in 0..10 {
-            assert_eq!(a.next_u64(), b.next_u64());
-        }
+    fn seeded_streams_are_pinned() {
+        // Seeded sampling's outputs (and any recorded seeded completion) depend on these.
+        let mut r = Rng::from_seed(0);
+        assert_eq!(r.state()[0], 0xE220_A839_7B1D_CDAF);
+        let first = Rng::from_state([1, 2, 3, 4]).next_u64();
+        assert_eq!(first, 11520);
         assert_ne!(Rng::for_stream(1, 0), Rng::for_stream(1, 1));
+        let a = r.next_u64();
+        let mut again = Rng::from_seed(0);
+        assert_eq!(again.next_u64(), a);
     }
 
     #[test]
-    fn uniform_in_unit_interval() {
-        let mut r = Rng::from_seed(7);
-        let n = 100_000;
-        let mut sum = 0.0;
-        for _ in 0..n {
-            let x = r.next_f64();
-            assert!((0.0..1.0).contains(&x));
-            sum += x;
-        }
-        assert!((sum / n as f64 - 0.5).abs() < 0.01);
-        let mut counts = [0u32; 3];
-        for _ in 0..30_000 {
-            counts[r.below(3) as usize] += 1;
-        }
-        assert!(counts.iter().all(|&c| (9_500..10_500).contains(&c)));
+    fn serialises_as_its_state() {
+        let mut r = Rng::from_seed(42);
+        r.next_u64();
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json, serde_json::json!({ "s": r.state() }));
+        let back: Rng = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r);
     }
 }

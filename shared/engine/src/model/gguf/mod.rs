@@ -15,7 +15,6 @@
 //!   ([`crate::tokenizer::gguf`]).
 
 pub mod dequant;
-pub mod fetch;
 pub mod file;
 
 use std::path::{Path, PathBuf};
@@ -302,7 +301,7 @@ pub fn write_model_files(path: &Path) -> Result<PathBuf, EngineError> {
     let f = GgufFile::open(path)?;
     let files = tokenizer_files(&f)?;
     let id = identity(&f);
-    let dir = crate::tiny::cache_dir().join(format!("gguf-files-{}", &id[..16]));
+    let dir = tandem_config::paths::cache_dir().join(format!("gguf-files-{}", &id[..16]));
     std::fs::create_dir_all(&dir).map_err(|e| EngineError::io(&dir, e))?;
     for (name, bytes) in [
         ("tokenizer.json", &files.tokenizer_json),

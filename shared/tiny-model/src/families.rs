@@ -3,12 +3,49 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{
-    build_once, cache_dir, copy_tokenizer_files, ensure_tiny_model, ensure_tokenizer_files,
-    qwen3_config_json, write_random_model, write_tiny_model, TinyDims, WeightDtype, TINY,
+use tandem_config::paths::cache_dir;
+
+use crate::tokenizer::{copy_tokenizer_files, ensure_tokenizer_files};
+use crate::{
+    build_once, ensure_tiny_model, qwen3_config_json, write_random_model, write_tiny_model,
+    TinyDims, TinyModelError, WeightDtype, TINY,
 };
-use crate::error::EngineError;
-use crate::model::config::Family;
+
+/// The decoder families with a tiny model. The engine's `Family` names the same four; this
+/// crate keeps its own so that it does not link the engine (the engine's tests check that
+/// the architecture and model type strings agree).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    Qwen3,
+    Qwen2,
+    Llama,
+    Mistral,
+}
+
+impl Family {
+    /// Every family, in a fixed order.
+    pub const ALL: [Family; 4] = [Family::Qwen3, Family::Qwen2, Family::Llama, Family::Mistral];
+
+    /// The architecture name in `config.json`'s `architectures`.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+        }
+    }
+
+    /// The `model_type` in `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Qwen3 => "qwen3",
+            Family::Qwen2 => "qwen2",
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+        }
+    }
+}
 
 /// Bump when a family model's generator output changes (the cache folder names carry it).
 pub const FAMILY_MODEL_VERSION: u32 = 2;
@@ -177,9 +214,9 @@ pub fn write_named_model(
     name: &str,
     out_dir: &Path,
     with_tokenizer: bool,
-) -> Result<(), EngineError> {
-    let (_, cfg, seed) = family_model_spec(name)
-        .ok_or_else(|| EngineError::InvalidInput(format!("no tiny model named {name:?}")))?;
+) -> Result<(), TinyModelError> {
+    let (_, cfg, seed) =
+        family_model_spec(name).ok_or_else(|| TinyModelError::UnknownModel(name.to_string()))?;
     write_random_model(out_dir, &cfg, seed, WeightDtype::F32)?;
     if with_tokenizer {
         copy_tokenizer_files(&ensure_tokenizer_files()?, out_dir)?;
@@ -193,7 +230,7 @@ pub fn write_family_model(
     family: Family,
     out_dir: &Path,
     with_tokenizer: bool,
-) -> Result<(), EngineError> {
+) -> Result<(), TinyModelError> {
     if family == Family::Qwen3 {
         return write_tiny_model(out_dir);
     }
@@ -201,14 +238,14 @@ pub fn write_family_model(
 }
 
 /// A named tiny model's folder in the cache (with tokenizer files), built if absent.
-pub fn ensure_named_model(name: &str) -> Result<PathBuf, EngineError> {
+pub fn ensure_named_model(name: &str) -> Result<PathBuf, TinyModelError> {
     let dir = cache_dir().join(format!("tiny-{name}-v{FAMILY_MODEL_VERSION}"));
     build_once(&dir, |tmp| write_named_model(name, tmp, true))?;
     Ok(dir)
 }
 
 /// A family's tiny model folder in the cache (with tokenizer files), built if absent.
-pub fn ensure_family_model(family: Family) -> Result<PathBuf, EngineError> {
+pub fn ensure_family_model(family: Family) -> Result<PathBuf, TinyModelError> {
     if family == Family::Qwen3 {
         return ensure_tiny_model();
     }
