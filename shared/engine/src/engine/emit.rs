@@ -1,7 +1,7 @@
 //! One sampled token: draw it from the logits row (or the RNG), run the stop checks and the
 //! detokenizer, and send the output (or end the sequence).
 
-use super::core::{output, Core, Sink};
+use super::core::{output, Core};
 use crate::request::{FinishReason, StopReason};
 use crate::sampler::{
     record_device_sample, sample, sample_without_logits, SampleContext, Sampled, TokenLogprob,
@@ -94,16 +94,12 @@ impl Core {
         match finish {
             Some(reason) => self.finish(id, reason, o),
             // A prefill-only sequence stops here and continues elsewhere.
-            None if self.prefill_next.contains_key(&id) => {
+            None if self.prefills.contains(id) => {
                 self.finish_seq(id, FinishReason::Migrated, o, true)
             }
             None => {
                 let rid = seq.request_id.clone();
-                let sent = match self.reqs.get(&*rid).map(|e| &e.out) {
-                    Some(Sink::Stream(tx)) => tx.send(o).is_ok(),
-                    _ => false,
-                };
-                if !sent {
+                if !self.requests.send_output(&rid, o) {
                     // Nobody listens any more: stop spending compute on it.
                     self.abort(&rid);
                 }
