@@ -31,6 +31,8 @@ mod emit;
 mod lease;
 mod migrate;
 mod prefill;
+mod requests;
+mod step;
 #[cfg(test)]
 mod test_backend;
 #[cfg(test)]

@@ -61,25 +61,41 @@ pub struct Sequence {
     pub num_preemptions: u32,
 }
 
+/// What a new sequence starts from: its identity, its tokens so far (the prompt, or the
+/// tokens of the sequence it continues), its limits and its sampling state.
+pub struct NewSequence {
+    pub id: SeqId,
+    pub request_id: Arc<str>,
+    /// Choice index within the request (for `n > 1`).
+    pub index: usize,
+    /// Taken as the prompt: `prompt_len` is its length.
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    /// FCFS order: smaller is older.
+    pub arrival: u64,
+    pub params: Arc<SamplingParams>,
+    pub sampler: SamplerState,
+}
+
 impl Sequence {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        id: SeqId,
-        request_id: Arc<str>,
-        index: usize,
-        prompt: Vec<u32>,
-        max_tokens: usize,
-        arrival: u64,
-        params: Arc<SamplingParams>,
-        sampler: SamplerState,
-    ) -> Self {
+    pub fn new(init: NewSequence) -> Self {
+        let NewSequence {
+            id,
+            request_id,
+            index,
+            tokens,
+            max_tokens,
+            arrival,
+            params,
+            sampler,
+        } = init;
         let stop = StopMatcher::new(&params.stop);
         Self {
             id,
             request_id,
             index,
-            prompt_len: prompt.len(),
-            tokens: prompt,
+            prompt_len: tokens.len(),
+            tokens,
             max_tokens,
             num_computed: 0,
             cached_prompt_tokens: None,

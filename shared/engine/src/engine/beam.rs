@@ -32,18 +32,30 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::core::{output, Core, Sink};
-use crate::request::{FinishReason, StopReason, Usage};
+use super::core::{output, Core};
+use super::requests::Sink;
+use crate::request::{FinishReason, RequestOutput, StopReason, Usage};
 use crate::sampler::{sample_without_logits, top_k_logprobs};
-use crate::sequence::{SeqId, Sequence};
+use crate::sequence::{NewSequence, SeqId, Sequence};
+use crate::tokenizer::Tokenizer;
 
 /// One finished hypothesis.
 #[derive(Debug, Clone)]
-pub(super) struct Hyp {
+struct Hyp {
     /// Generated tokens (the EOS included).
     tokens: Vec<u32>,
     score: f64,
     eos: Option<u32>,
+}
+
+/// A continuation of a live beam.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    /// The beam's cumulative logprob plus the token's.
+    score: f64,
+    /// The beam's index in `live`.
+    beam: usize,
+    token: u32,
 }
 
 pub(super) struct BeamGroup {
@@ -67,6 +79,37 @@ pub(super) struct BeamGroup {
 }
 
 impl BeamGroup {
+    /// The group of a request with `use_beam_search` (validated): its one sequence `seq` for
+    /// the prompt; beams fork from it after the first step. `eos_token_ids` are the engine's.
+    fn new(seq: &Sequence, eos_token_ids: &[u32]) -> Self {
+        let p = &seq.params;
+        let mut eos: Vec<u32> = if p.ignore_eos {
+            Vec::new()
+        } else {
+            eos_token_ids.to_vec()
+        };
+        for &t in &p.stop_token_ids {
+            if !eos.contains(&t) {
+                eos.push(t);
+            }
+        }
+        BeamGroup {
+            width: p.beam_width(),
+            n: p.n,
+            length_penalty: p.length_penalty as f64,
+            early_stopping: p.early_stopping,
+            max_tokens: seq.max_tokens,
+            eos,
+            stop_token_ids: p.stop_token_ids.clone(),
+            live: vec![(seq.id, 0.0)],
+            pending: HashMap::new(),
+            finished: Vec::new(),
+            prompt_len: seq.prompt_len,
+            cached_tokens: 0,
+            skip_special_tokens: p.skip_special_tokens,
+        }
+    }
+
     fn k(&self) -> usize {
         2.max(1 + self.eos.len()) * self.width
     }
@@ -85,51 +128,13 @@ impl BeamGroup {
         self.finished.insert(pos, h);
         self.finished.truncate(self.width);
     }
-}
 
-impl Core {
-    /// Starts a beam group for a request with `use_beam_search` (validated): one sequence for
-    /// the prompt; beams fork from it after the first step.
-    pub(super) fn submit_beams(&mut self, id: SeqId, seq: &Sequence) {
-        let p = &seq.params;
-        let mut eos: Vec<u32> = if p.ignore_eos {
-            Vec::new()
-        } else {
-            self.cfg.eos_token_ids.clone()
-        };
-        for &t in &p.stop_token_ids {
-            if !eos.contains(&t) {
-                eos.push(t);
-            }
-        }
-        let g = BeamGroup {
-            width: p.beam_width(),
-            n: p.n,
-            length_penalty: p.length_penalty as f64,
-            early_stopping: p.early_stopping,
-            max_tokens: seq.max_tokens,
-            eos,
-            stop_token_ids: p.stop_token_ids.clone(),
-            live: vec![(id, 0.0)],
-            pending: HashMap::new(),
-            finished: Vec::new(),
-            prompt_len: seq.prompt_len,
-            cached_tokens: 0,
-            skip_special_tokens: p.skip_special_tokens,
-        };
-        self.beams.insert(seq.request_id.to_string(), g);
-    }
-
-    /// Records a beam's logits row (None: a backend without logits; candidates are then
-    /// drawn from the beam's RNG). Returns the request id when the beam belongs to a group.
-    pub(super) fn beam_row(&mut self, id: SeqId, row: Option<&[f32]>) -> Option<String> {
-        let rid = self.seq_req.get(&id)?.clone();
-        let vocab = self.backend.vocab_size();
-        let g = self.beams.get_mut(&rid)?;
-        let k = g.k();
-        let seq = self.sched.get_mut(id)?;
-        if g.cached_tokens == 0 {
-            g.cached_tokens = seq.cached_prompt_tokens.unwrap_or(0);
+    /// Records beam `seq`'s `K` best continuations, from its logits row (None: a backend
+    /// without logits; they are then drawn from the beam's RNG).
+    fn record_row(&mut self, seq: &mut Sequence, row: Option<&[f32]>, vocab: usize) {
+        let k = self.k();
+        if self.cached_tokens == 0 {
+            self.cached_tokens = seq.cached_prompt_tokens.unwrap_or(0);
         }
         let cands = match row {
             Some(r) => top_k_logprobs(r, k),
@@ -140,92 +145,255 @@ impl Core {
                 })
                 .collect(),
         };
-        g.pending.insert(id, cands);
+        self.pending.insert(seq.id, cands);
+    }
+
+    /// Whether every live beam has its candidates.
+    fn has_every_row(&self) -> bool {
+        self.live
+            .iter()
+            .all(|(id, _)| self.pending.contains_key(id))
+    }
+
+    /// The first live beam (all live beams have the same length).
+    fn leader(&self) -> SeqId {
+        self.live[0].0
+    }
+
+    /// Step 1: the best `K` continuations over all beams, best first; the recorded
+    /// candidates are consumed.
+    fn best_candidates(&mut self) -> Vec<Candidate> {
+        let mut cands: Vec<Candidate> = Vec::new();
+        for (beam, (id, cum)) in self.live.iter().enumerate() {
+            for &(token, lp) in &self.pending[id] {
+                cands.push(Candidate {
+                    score: cum + lp as f64,
+                    beam,
+                    token,
+                });
+            }
+        }
+        self.pending.clear();
+        cands.sort_by(|a, b| {
+            b.score
+                .total_cmp(&a.score)
+                .then(a.beam.cmp(&b.beam))
+                .then(a.token.cmp(&b.token))
+        });
+        cands.truncate(self.k());
+        cands
+    }
+
+    /// Step 2: among the first `width` candidates, those ending in EOS (all of them
+    /// `at_max`) become finished hypotheses of length `new_len`. `generated` gives a live
+    /// beam's generated tokens.
+    fn collect_finished<'s>(
+        &mut self,
+        cands: &[Candidate],
+        new_len: usize,
+        at_max: bool,
+        generated: impl Fn(SeqId) -> Option<&'s [u32]>,
+    ) {
+        if self.early_stopping && self.finished.len() >= self.width {
+            return;
+        }
+        for c in cands.iter().take(self.width) {
+            let is_eos = self.eos.contains(&c.token);
+            if !(is_eos || at_max) {
+                continue;
+            }
+            let Some(parent) = generated(self.live[c.beam].0) else {
+                continue;
+            };
+            let mut tokens = parent.to_vec();
+            tokens.push(c.token);
+            let h = Hyp {
+                tokens,
+                score: self.norm(c.score, new_len),
+                eos: is_eos.then_some(c.token),
+            };
+            self.add_finished(h);
+        }
+    }
+
+    /// Step 3: the first `width` candidates that are not EOS.
+    fn next_beams(&self, cands: &[Candidate]) -> Vec<Candidate> {
+        cands
+            .iter()
+            .copied()
+            .filter(|c| !self.eos.contains(&c.token))
+            .take(self.width)
+            .collect()
+    }
+
+    /// Step 4: whether the search stops before continuing with `next` at length `new_len`.
+    fn is_done(&self, next: &[Candidate], new_len: usize, at_max: bool) -> bool {
+        let full = self.finished.len() >= self.width;
+        at_max
+            || next.is_empty()
+            || (full
+                && (self.early_stopping
+                    || self
+                        .finished
+                        .last()
+                        .map(|f| f.score)
+                        .unwrap_or(f64::NEG_INFINITY)
+                        >= self.norm(next[0].score, new_len)))
+    }
+
+    fn usage(&self, completion_tokens: usize) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens,
+            cached_tokens: self.cached_tokens,
+        }
+    }
+
+    /// `n` aborted outputs of request `rid`.
+    fn aborted_outputs(&self, rid: &str, error: Option<String>) -> Vec<RequestOutput> {
+        (0..self.n)
+            .map(|index| {
+                let mut o = output(rid, index);
+                o.finish_reason = Some(FinishReason::Abort);
+                o.usage = Some(self.usage(0));
+                o.error = error.clone();
+                o
+            })
+            .collect()
+    }
+
+    /// The `n` best hypotheses of request `rid` as its outputs, best first.
+    fn final_outputs(
+        &self,
+        rid: &str,
+        tokenizer: Option<&Tokenizer>,
+        eos_token_ids: &[u32],
+    ) -> Vec<RequestOutput> {
+        (0..self.n)
+            .map(|index| {
+                let mut o = output(rid, index);
+                match self.finished.get(index) {
+                    Some(h) => self.fill_hypothesis(&mut o, h, tokenizer, eos_token_ids),
+                    None => {
+                        // Fewer hypotheses than n (a vocabulary smaller than the width).
+                        o.finish_reason = Some(FinishReason::Length);
+                        o.usage = Some(self.usage(0));
+                    }
+                }
+                o
+            })
+            .collect()
+    }
+
+    /// Fills output `o` with hypothesis `h`: its tokens, text, finish and stop reason, usage
+    /// and score.
+    fn fill_hypothesis(
+        &self,
+        o: &mut RequestOutput,
+        h: &Hyp,
+        tokenizer: Option<&Tokenizer>,
+        eos_token_ids: &[u32],
+    ) {
+        o.token_ids = h.tokens.clone();
+        if let Some(tk) = tokenizer {
+            o.text = tk
+                .decode(&h.tokens, self.skip_special_tokens)
+                .unwrap_or_default();
+        }
+        o.finish_reason = Some(match h.eos {
+            Some(_) => FinishReason::Stop,
+            None => FinishReason::Length,
+        });
+        o.stop_reason = h.eos.map(|t| {
+            if self.stop_token_ids.contains(&t) && !eos_token_ids.contains(&t) {
+                StopReason::TokenId(t)
+            } else {
+                StopReason::Eos(t)
+            }
+        });
+        o.usage = Some(self.usage(h.tokens.len()));
+        o.score = Some(h.score as f32);
+    }
+}
+
+/// The beam groups, by request id.
+pub(super) struct BeamGroups {
+    groups: HashMap<String, BeamGroup>,
+}
+
+impl BeamGroups {
+    pub(super) fn new() -> Self {
+        Self {
+            groups: HashMap::new(),
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    pub(super) fn contains(&self, request_id: &str) -> bool {
+        self.groups.contains_key(request_id)
+    }
+}
+
+impl Core {
+    /// Starts a beam group for a request with `use_beam_search` (validated): one sequence for
+    /// the prompt; beams fork from it after the first step.
+    pub(super) fn submit_beams(&mut self, seq: &Sequence) {
+        let g = BeamGroup::new(seq, &self.cfg.eos_token_ids);
+        self.beams.groups.insert(seq.request_id.to_string(), g);
+    }
+
+    /// Records a beam's logits row (None: a backend without logits; candidates are then
+    /// drawn from the beam's RNG). Returns the request id when the beam belongs to a group.
+    pub(super) fn beam_row(&mut self, id: SeqId, row: Option<&[f32]>) -> Option<String> {
+        let rid = self.requests.request_of(id)?.to_owned();
+        let vocab = self.backend.vocab_size();
+        let g = self.beams.groups.get_mut(&rid)?;
+        let seq = self.sched.get_mut(id)?;
+        g.record_row(seq, row, vocab);
         Some(rid)
     }
 
     /// Runs the group's step once every live beam has its candidates.
     pub(super) fn beam_step(&mut self, rid: &str) {
-        let Some(g) = self.beams.get_mut(rid) else {
+        let Some(g) = self.beams.groups.get_mut(rid) else {
             return;
         };
-        if g.live.iter().any(|(id, _)| !g.pending.contains_key(id)) {
+        if !g.has_every_row() {
             return;
         }
-        let k = g.k();
-        let width = g.width;
-        // 1. The best K continuations over all beams.
-        let mut cands: Vec<(f64, usize, u32)> = Vec::new();
-        for (bi, (id, cum)) in g.live.iter().enumerate() {
-            for &(tok, lp) in &g.pending[id] {
-                cands.push((cum + lp as f64, bi, tok));
-            }
-        }
-        g.pending.clear();
-        cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        cands.truncate(k);
+        let cands = g.best_candidates();
         let cur_len = self
             .sched
-            .get(g.live[0].0)
+            .get(g.leader())
             .map(|s| s.num_generated())
             .unwrap_or(0);
         let new_len = cur_len + 1;
         let at_max = new_len >= g.max_tokens;
-        // 2. Finished hypotheses among the first `width`.
-        if !(g.early_stopping && g.finished.len() >= width) {
-            for &(score, bi, tok) in cands.iter().take(width) {
-                let is_eos = g.eos.contains(&tok);
-                if !(is_eos || at_max) {
-                    continue;
-                }
-                let Some(parent) = self.sched.get(g.live[bi].0) else {
-                    continue;
-                };
-                let mut tokens = parent.generated().to_vec();
-                tokens.push(tok);
-                let h = Hyp {
-                    tokens,
-                    score: g.norm(score, new_len),
-                    eos: is_eos.then_some(tok),
-                };
-                g.add_finished(h);
-            }
-        }
-        // 3. The next beams.
-        let next: Vec<(f64, usize, u32)> = cands
-            .iter()
-            .copied()
-            .filter(|c| !g.eos.contains(&c.2))
-            .take(width)
-            .collect();
-        // 4. Stop?
-        let full = g.finished.len() >= width;
-        let done = at_max
-            || next.is_empty()
-            || (full
-                && (g.early_stopping
-                    || g.finished
-                        .last()
-                        .map(|f| f.score)
-                        .unwrap_or(f64::NEG_INFINITY)
-                        >= g.norm(next[0].0, new_len)));
-        if done {
+        let sched = &self.sched;
+        g.collect_finished(&cands, new_len, at_max, |id| {
+            sched.get(id).map(|s| s.generated())
+        });
+        let next = g.next_beams(&cands);
+        if g.is_done(&next, new_len, at_max) {
             self.finish_beams(rid, None);
             return;
         }
         self.advance_beams(rid, &next);
     }
 
-    /// Makes `next` (score, parent index, token) the live beams: drops unchosen parents,
-    /// forks parents chosen more than once, extends the rest in place.
-    fn advance_beams(&mut self, rid: &str, next: &[(f64, usize, u32)]) {
-        let Some(g) = self.beams.get_mut(rid) else {
+    /// Makes `next` the live beams: drops unchosen parents, forks parents chosen more than
+    /// once, extends the rest in place.
+    fn advance_beams(&mut self, rid: &str, next: &[Candidate]) {
+        let Some(g) = self.beams.groups.get(rid) else {
             return;
         };
         let parents: Vec<SeqId> = g.live.iter().map(|(id, _)| *id).collect();
         let mut uses = vec![0usize; parents.len()];
-        for &(_, bi, _) in next {
-            uses[bi] += 1;
+        for c in next {
+            uses[c.beam] += 1;
         }
         // Dropped parents first: their blocks may be needed by the forks.
         for (bi, &id) in parents.iter().enumerate() {
@@ -235,15 +403,15 @@ impl Core {
         }
         let mut live = Vec::with_capacity(next.len());
         let mut in_place: Vec<(SeqId, u32)> = Vec::new();
-        for &(score, bi, tok) in next {
-            let pid = parents[bi];
-            uses[bi] -= 1;
-            if uses[bi] == 0 {
+        for c in next {
+            let pid = parents[c.beam];
+            uses[c.beam] -= 1;
+            if uses[c.beam] == 0 {
                 // The last use continues the parent itself (after its forks copied it).
-                in_place.push((pid, tok));
-                live.push((pid, score));
-            } else if let Some(fid) = self.fork_beam(rid, pid, tok) {
-                live.push((fid, score));
+                in_place.push((pid, c.token));
+                live.push((pid, c.score));
+            } else if let Some(fid) = self.fork_beam(rid, pid, c.token) {
+                live.push((fid, c.score));
             }
         }
         for (pid, tok) in in_place {
@@ -251,7 +419,7 @@ impl Core {
                 s.tokens.push(tok);
             }
         }
-        if let Some(g) = self.beams.get_mut(rid) {
+        if let Some(g) = self.beams.groups.get_mut(rid) {
             g.live = live;
         }
     }
@@ -260,18 +428,16 @@ impl Core {
     /// block copied.
     fn fork_beam(&mut self, rid: &str, pid: SeqId, tok: u32) -> Option<SeqId> {
         let parent = self.sched.get(pid)?;
-        let id = self.next_seq;
-        self.next_seq += 1;
-        let mut seq = Sequence::new(
-            id,
-            Arc::clone(&parent.request_id),
-            0,
-            parent.tokens.clone(),
-            parent.max_tokens,
-            parent.arrival,
-            Arc::clone(&parent.params),
-            parent.sampler.clone(),
-        );
+        let mut seq = Sequence::new(NewSequence {
+            id: self.requests.new_seq_id(),
+            request_id: Arc::clone(&parent.request_id),
+            index: 0,
+            tokens: parent.tokens.clone(),
+            max_tokens: parent.max_tokens,
+            arrival: parent.arrival,
+            params: Arc::clone(&parent.params),
+            sampler: parent.sampler.clone(),
+        });
         seq.prompt_len = parent.prompt_len;
         seq.cached_prompt_tokens = parent.cached_prompt_tokens;
         let (parent_table, computed) = (parent.table.clone(), parent.num_computed);
@@ -287,88 +453,42 @@ impl Core {
         seq.table = table;
         seq.num_computed = computed;
         seq.tokens.push(tok);
+        let id = seq.id;
         self.sched.add(seq);
-        self.seq_req.insert(id, rid.to_owned());
-        if let Some(e) = self.reqs.get_mut(rid) {
-            e.seqs.push(id);
-        }
+        self.requests.add_seq(rid, id);
         Some(id)
     }
 
     /// Removes one beam silently, releasing its blocks.
     fn drop_beam(&mut self, rid: &str, id: SeqId) {
-        self.seq_req.remove(&id);
+        self.requests.detach_seq(rid, id);
         self.sched.remove(id, FinishReason::Abort);
-        if let Some(e) = self.reqs.get_mut(rid) {
-            e.seqs.retain(|&s| s != id);
-        }
     }
 
     /// Ends a beam request: releases every beam and sends the `n` best hypotheses (or, with
     /// `error` / on abort, `n` aborted outputs).
     pub(super) fn finish_beams(&mut self, rid: &str, abort: Option<Option<String>>) {
-        let Some(g) = self.beams.remove(rid) else {
+        let Some(g) = self.beams.groups.remove(rid) else {
             return;
         };
         for (id, _) in &g.live {
             self.drop_beam(rid, *id);
         }
-        let Some(e) = self.reqs.remove(rid) else {
+        let Some(e) = self.requests.remove(rid) else {
             return;
         };
-        for id in e.seqs {
+        for &id in e.seqs() {
             // Forks not yet live (cannot happen) are released too.
-            self.seq_req.remove(&id);
             self.sched.remove(id, FinishReason::Abort);
         }
-        let Sink::Stream(tx) = &e.out else {
+        let Sink::Stream(tx) = e.sink() else {
             return;
         };
-        let usage = |completion_tokens| Usage {
-            prompt_tokens: g.prompt_len,
-            completion_tokens,
-            cached_tokens: g.cached_tokens,
+        let outputs = match abort {
+            Some(error) => g.aborted_outputs(rid, error),
+            None => g.final_outputs(rid, self.tokenizer.as_deref(), &self.cfg.eos_token_ids),
         };
-        if let Some(error) = abort {
-            for index in 0..g.n {
-                let mut o = output(rid, index);
-                o.finish_reason = Some(FinishReason::Abort);
-                o.usage = Some(usage(0));
-                o.error = error.clone();
-                let _ = tx.send(o);
-            }
-            return;
-        }
-        for index in 0..g.n {
-            let mut o = output(rid, index);
-            match g.finished.get(index) {
-                Some(h) => {
-                    o.token_ids = h.tokens.clone();
-                    if let Some(tk) = self.tokenizer.as_deref() {
-                        o.text = tk
-                            .decode(&h.tokens, g.skip_special_tokens)
-                            .unwrap_or_default();
-                    }
-                    o.finish_reason = Some(match h.eos {
-                        Some(_) => FinishReason::Stop,
-                        None => FinishReason::Length,
-                    });
-                    o.stop_reason = h.eos.map(|t| {
-                        if g.stop_token_ids.contains(&t) && !self.cfg.eos_token_ids.contains(&t) {
-                            StopReason::TokenId(t)
-                        } else {
-                            StopReason::Eos(t)
-                        }
-                    });
-                    o.usage = Some(usage(h.tokens.len()));
-                    o.score = Some(h.score as f32);
-                }
-                None => {
-                    // Fewer hypotheses than n (a vocabulary smaller than the width).
-                    o.finish_reason = Some(FinishReason::Length);
-                    o.usage = Some(usage(0));
-                }
-            }
+        for o in outputs {
             let _ = tx.send(o);
         }
     }

@@ -162,7 +162,7 @@ async fn beams_match_a_reference_and_free_every_block() {
 }
 
 #[tokio::test]
-async fn beams_survive_preemption_and_abort_frees_them() {
+async fn beams_survive_preemption() {
     // Several beam requests at once through a pool too small for all: beams are preempted
     // and recomputed, the results do not change.
     // Gated: every request is queued before the first step.
@@ -214,7 +214,10 @@ async fn beams_survive_preemption_and_abort_frees_them() {
     assert_eq!((s.blocks.referenced, s.requests), (0, 0));
     drop(permits);
     h.shutdown();
+}
 
+#[tokio::test]
+async fn aborting_a_beam_search_frees_every_beam() {
     // Abort mid-search: n aborted choices, every beam's blocks back.
     let (b, permits, done) = TestBackend::gated_reporting(4, 64);
     let h = Engine::start(

@@ -1,23 +1,25 @@
-//! The engine thread: owns the backend and the scheduler, turns commands into state changes
-//! and runs steps (schedule → forward → sample → emit) while there is work.
+//! The engine thread: owns the backend, the scheduler and the state of each responsibility
+//! (live requests, leases, prefill cursors, beam groups), turns commands into state changes and
+//! runs steps (see `step.rs`) while there is work.
 
-use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
-use super::lease::{Lease, Reservation};
-use super::prefill::PrefillEvent;
+use super::beam::BeamGroups;
+use super::lease::{Leases, Reservation};
+use super::prefill::{PrefillCursors, PrefillEvent};
+use super::requests::{Entry, Requests, Sink};
 use super::{EngineConfig, EngineStats};
-use crate::backend::{Backend, LogitsMode, SeqInput};
+use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
 use crate::kv::events::KvEventPublisher;
 use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, Usage};
-use crate::sampler::{Rng, SampleContext, SamplePlan, SamplerState, SamplingParams};
-use crate::scheduler::{Scheduler, SchedulerConfig};
-use crate::sequence::{SeqId, Sequence};
+use crate::sampler::{Rng, SamplerState, SamplingParams};
+use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
+use crate::sequence::{NewSequence, SeqId, Sequence};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
 type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
@@ -73,25 +75,30 @@ pub(crate) enum Command {
     Shutdown,
 }
 
-/// Where a request's outputs go.
-pub(super) enum Sink {
-    /// A [`super::RequestStream`]: every output.
-    Stream(tmpsc::UnboundedSender<RequestOutput>),
-    /// A [`super::PrefillStream`]: KV blocks, then one `Done` with the first output and the
-    /// state that continues the request elsewhere.
-    Prefill(tmpsc::UnboundedSender<PrefillEvent>),
+/// Counts reported in [`EngineStats`].
+#[derive(Default)]
+pub(super) struct Counters {
+    steps: u64,
+    preemptions: u64,
+    /// Tokens at prompt positions that went through a forward pass, ever.
+    prompt_tokens_computed: u64,
 }
 
-/// What a step's backend call returned: logits rows to sample here, or tokens it sampled.
-enum StepResult {
-    Logits(crate::backend::StepOutput),
-    Tokens(Vec<Option<u32>>),
-}
+impl Counters {
+    /// A schedule was made: counts its preemptions.
+    pub(super) fn scheduled(&mut self, sch: &Schedule) {
+        self.preemptions += sch.preempted.len() as u64;
+    }
 
-pub(super) struct Entry {
-    pub(super) key: u64,
-    pub(super) seqs: Vec<SeqId>,
-    pub(super) out: Sink,
+    /// A step ran its forward pass.
+    pub(super) fn stepped(&mut self) {
+        self.steps += 1;
+    }
+
+    /// A forward pass computed `n` tokens at prompt positions.
+    pub(super) fn prompt_tokens(&mut self, n: usize) {
+        self.prompt_tokens_computed += n as u64;
+    }
 }
 
 pub(crate) struct Core {
@@ -99,21 +106,16 @@ pub(crate) struct Core {
     pub(super) tokenizer: Option<Arc<Tokenizer>>,
     pub(super) cfg: EngineConfig,
     pub(super) sched: Scheduler,
-    pub(super) events: KvEventPublisher,
-    pub(super) reqs: HashMap<String, Entry>,
-    pub(super) seq_req: HashMap<SeqId, String>,
-    pub(super) next_seq: SeqId,
-    pub(super) next_arrival: u64,
-    pub(super) steps: u64,
-    pub(super) preemptions: u64,
+    events: KvEventPublisher,
+    /// Live requests and their sequences (see `requests.rs`).
+    pub(super) requests: Requests,
     /// Reserved blocks by lease id (see `lease.rs`).
-    pub(super) leases: HashMap<u64, Lease>,
-    /// Prefill-only sequences: the next prompt block index to send (see `prefill.rs`).
-    pub(super) prefill_next: HashMap<SeqId, usize>,
-    /// Tokens at prompt positions that went through a forward pass, ever.
-    pub(super) prompt_tokens_computed: u64,
+    pub(super) leases: Leases,
+    /// Prefill-only sequences: the next prompt block to send (see `prefill.rs`).
+    pub(super) prefills: PrefillCursors,
     /// Beam groups by request id (see `beam.rs`).
-    pub(super) beams: HashMap<String, super::beam::BeamGroup>,
+    pub(super) beams: BeamGroups,
+    pub(super) counters: Counters,
 }
 
 pub(super) fn output(request_id: &str, index: usize) -> RequestOutput {
@@ -183,16 +185,11 @@ impl Core {
             cfg,
             sched,
             events,
-            reqs: HashMap::new(),
-            seq_req: HashMap::new(),
-            next_seq: 1,
-            next_arrival: 0,
-            steps: 0,
-            preemptions: 0,
-            leases: HashMap::new(),
-            prefill_next: HashMap::new(),
-            prompt_tokens_computed: 0,
-            beams: HashMap::new(),
+            requests: Requests::new(),
+            leases: Leases::new(),
+            prefills: PrefillCursors::new(),
+            beams: BeamGroups::new(),
+            counters: Counters::default(),
         }
     }
 
@@ -255,12 +252,7 @@ impl Core {
             }
             Command::Abort { request_id } => self.abort(&request_id),
             Command::AbortKey(key) => {
-                let id = self
-                    .reqs
-                    .iter()
-                    .find(|(_, e)| e.key == key)
-                    .map(|(id, _)| id.clone());
-                if let Some(id) = id {
+                if let Some(id) = self.requests.with_key(key) {
                     self.abort(&id);
                 }
             }
@@ -279,19 +271,7 @@ impl Core {
                 let _ = ack.send(self.import(*snapshot, key, out));
             }
             Command::ClearCache(reply) => {
-                let r = if self.leases.is_empty() {
-                    self.sched.blocks_mut().clear_cache().map_err(|n| {
-                        EngineError::InvalidRequest(format!(
-                            "cannot clear the KV cache while {n} blocks are in use"
-                        ))
-                    })
-                } else {
-                    Err(EngineError::InvalidRequest(format!(
-                        "cannot clear the KV cache while {} reservations hold blocks",
-                        self.leases.len()
-                    )))
-                };
-                let _ = reply.send(r);
+                let _ = reply.send(self.clear_cache());
             }
             Command::Reserve {
                 lease_id,
@@ -331,15 +311,30 @@ impl Core {
         EngineStats {
             running: self.sched.num_running(),
             waiting: self.sched.num_waiting(),
-            requests: self.reqs.len(),
+            requests: self.requests.len(),
             blocks: self.sched.block_stats(),
-            steps: self.steps,
-            preemptions: self.preemptions,
+            steps: self.counters.steps,
+            preemptions: self.counters.preemptions,
             last_event_id: self.events.last_event_id(),
-            prompt_tokens_computed: self.prompt_tokens_computed,
+            prompt_tokens_computed: self.counters.prompt_tokens_computed,
             reservations: self.leases.len(),
-            reserved_blocks: self.leases.values().map(|l| l.table.len()).sum(),
+            reserved_blocks: self.leases.reserved_blocks(),
         }
+    }
+
+    /// Drops every cached block; refused while reservations or requests hold blocks.
+    fn clear_cache(&mut self) -> Result<(), EngineError> {
+        if !self.leases.is_empty() {
+            return Err(EngineError::InvalidRequest(format!(
+                "cannot clear the KV cache while {} reservations hold blocks",
+                self.leases.len()
+            )));
+        }
+        self.sched.blocks_mut().clear_cache().map_err(|n| {
+            EngineError::InvalidRequest(format!(
+                "cannot clear the KV cache while {n} blocks are in use"
+            ))
+        })
     }
 
     pub(super) fn new_decoder(&self, params: &SamplingParams) -> Option<IncrementalDecoder> {
@@ -357,29 +352,26 @@ impl Core {
         let choices = if params.use_beam_search { 1 } else { params.n };
         let mut seqs = Vec::with_capacity(choices);
         for index in 0..choices {
-            let id = self.next_seq;
-            self.next_seq += 1;
-            self.next_arrival += 1;
-            let mut seq = Sequence::new(
-                id,
-                rid.clone(),
+            let mut seq = Sequence::new(NewSequence {
+                id: self.requests.new_seq_id(),
+                request_id: rid.clone(),
                 index,
-                req.prompt.clone(),
+                tokens: req.prompt.clone(),
                 max_tokens,
-                self.next_arrival,
-                params.clone(),
-                SamplerState::new(seed, index as u64),
-            );
+                arrival: self.requests.new_arrival(),
+                params: params.clone(),
+                sampler: SamplerState::new(seed, index as u64),
+            });
             seq.decoder = self.new_decoder(&params);
             if params.use_beam_search {
                 seq.decoder = None;
-                self.submit_beams(id, &seq);
+                self.submit_beams(&seq);
             }
+            seqs.push(seq.id);
             self.sched.add(seq);
-            self.seq_req.insert(id, req.request_id.clone());
-            seqs.push(id);
         }
-        self.reqs.insert(req.request_id, Entry { key, seqs, out });
+        self.requests
+            .insert(req.request_id, Entry::new(key, seqs, out));
         Ok(())
     }
 
@@ -393,36 +385,30 @@ impl Core {
         mut last: RequestOutput,
         handoff: bool,
     ) {
-        let Some(rid) = self.seq_req.remove(&id) else {
+        let Some(rid) = self.requests.request_of(id).map(str::to_owned) else {
             return;
         };
-        self.prefill_next.remove(&id);
+        self.requests.detach_seq(&rid, id);
+        self.prefills.remove(id);
         let seq = self.sched.remove(id, reason);
         if let (Some(seq), false) = (&seq, handoff) {
             last.finish_reason = Some(reason);
             last.usage = Some(usage(seq));
         }
-        let mut gone = false;
-        if let Some(e) = self.reqs.get_mut(&rid) {
-            e.seqs.retain(|&s| s != id);
-            match (&e.out, &seq) {
-                (Sink::Stream(tx), _) => {
-                    let _ = tx.send(last);
-                }
-                (Sink::Prefill(tx), Some(seq)) => {
-                    let _ = tx.send(PrefillEvent::Done {
-                        output: last,
-                        state: state_of(seq),
-                    });
-                }
-                // Unreachable (a live id always has its sequence); the stream then ends.
-                (Sink::Prefill(_), None) => {}
+        match (self.requests.get(&rid).map(Entry::sink), &seq) {
+            (Some(Sink::Stream(tx)), _) => {
+                let _ = tx.send(last);
             }
-            gone = e.seqs.is_empty();
+            (Some(Sink::Prefill(tx)), Some(seq)) => {
+                let _ = tx.send(PrefillEvent::Done {
+                    output: last,
+                    state: state_of(seq),
+                });
+            }
+            // Unreachable (a live id always has its sequence); the stream then ends.
+            (Some(Sink::Prefill(_)), None) | (None, _) => {}
         }
-        if gone {
-            self.reqs.remove(&rid);
-        }
+        self.requests.remove_if_done(&rid);
     }
 
     pub(super) fn abort(&mut self, request_id: &str) {
@@ -431,14 +417,14 @@ impl Core {
 
     /// Ends every choice of a request with `abort` (and an error message, if any).
     pub(super) fn fail(&mut self, request_id: &str, error: Option<String>) {
-        if self.beams.contains_key(request_id) {
+        if self.beams.contains(request_id) {
             self.finish_beams(request_id, Some(error));
             return;
         }
-        let Some(e) = self.reqs.get(request_id) else {
+        let Some(e) = self.requests.get(request_id) else {
             return;
         };
-        for id in e.seqs.clone() {
+        for id in e.seqs().to_vec() {
             let index = self.sched.get(id).map(|s| s.index).unwrap_or(0);
             let mut o = output(request_id, index);
             o.error = error.clone();
@@ -451,177 +437,9 @@ impl Core {
     }
 
     fn abort_all(&mut self) {
-        let ids: Vec<String> = self.reqs.keys().cloned().collect();
-        for id in ids {
+        for id in self.requests.ids() {
             self.fail(&id, Some("the engine is shutting down".into()));
         }
         self.drop_leases();
-    }
-
-    /// The sampling plans of a step whose sampling the backend does on its device (None:
-    /// sample here, from logits rows). Taking a plan advances the sequence's RNG.
-    fn device_sample_plans(
-        &mut self,
-        pieces: &[crate::scheduler::ScheduledSeq],
-    ) -> Option<Vec<Option<SamplePlan>>> {
-        if !self.backend.samples_on_device() || !self.beams.is_empty() {
-            return None;
-        }
-        let needs_row = pieces.iter().any(|p| {
-            p.sample
-                && self
-                    .sched
-                    .get(p.id)
-                    .is_none_or(|s| s.params.logprobs.is_some() || s.params.use_beam_search)
-        });
-        if needs_row {
-            return None;
-        }
-        let eos = &self.cfg.eos_token_ids;
-        let mut plans = Vec::with_capacity(pieces.len());
-        for p in pieces {
-            let plan = if p.sample {
-                let seq = self.sched.get_mut(p.id)?;
-                let ctx = SampleContext {
-                    all_tokens: &seq.tokens,
-                    eos_token_ids: eos,
-                };
-                Some(SamplePlan::new(&seq.params, &mut seq.sampler, &ctx))
-            } else {
-                None
-            };
-            plans.push(plan);
-        }
-        Some(plans)
-    }
-
-    /// One step. Returns false when nothing could be scheduled.
-    fn step(&mut self) -> bool {
-        let sch = self.sched.schedule();
-        self.preemptions += sch.preempted.len() as u64;
-        if sch.seqs.is_empty() {
-            // A step that only preempted made room: the next one makes progress.
-            return !sch.preempted.is_empty();
-        }
-        self.steps += 1;
-        if !self.prefill_next.is_empty() {
-            // Blocks complete before this step (a cached prefix, earlier chunks) go out now,
-            // so sending overlaps this step's compute. (A failed send ends its request, which
-            // the filter below then leaves out.)
-            for p in &sch.seqs {
-                if self.prefill_next.contains_key(&p.id) {
-                    self.flush_prefill(p.id);
-                }
-            }
-        }
-        // Every scheduled id is live (the scheduler only schedules its own sequences); keep
-        // the pieces and the backend rows aligned by construction anyway.
-        let pieces: Vec<_> = sch
-            .seqs
-            .iter()
-            .filter(|p| self.sched.get(p.id).is_some())
-            .copied()
-            .collect();
-        let prompt_tokens: usize = pieces
-            .iter()
-            .filter_map(|p| {
-                let s = self.sched.get(p.id)?;
-                Some((p.start + p.len).min(s.prompt_len).saturating_sub(p.start))
-            })
-            .sum();
-        // Sampling on the backend's device when it can, and no sequence needs its logits row
-        // here (logprobs, beam search): the plans take each draw's uniform from the
-        // sequence's RNG now, exactly as the CPU sampler would.
-        let device_plans = self.device_sample_plans(&pieces);
-        let result = {
-            let inputs: Vec<SeqInput<'_>> = pieces
-                .iter()
-                .filter_map(|p| {
-                    let s = self.sched.get(p.id)?;
-                    Some(SeqInput {
-                        tokens: &s.tokens[p.start..p.start + p.len],
-                        start_pos: p.start,
-                        block_table: s.table.ids(),
-                        logits: if p.sample {
-                            LogitsMode::Last
-                        } else {
-                            LogitsMode::None
-                        },
-                    })
-                })
-                .collect();
-            match &device_plans {
-                Some(plans) => {
-                    let refs: Vec<Option<&SamplePlan>> = plans.iter().map(Option::as_ref).collect();
-                    self.backend
-                        .forward_sampled(&inputs, &refs)
-                        .map(StepResult::Tokens)
-                }
-                None => self.backend.forward(&inputs).map(StepResult::Logits),
-            }
-        };
-        let out = match result {
-            Ok(o) => o,
-            Err(e) => {
-                // The batch's KV is in an unknown state: fail its requests, keep serving others.
-                tracing::error!("engine step failed: {e}");
-                let msg = e.to_string();
-                let rids: Vec<String> = pieces
-                    .iter()
-                    .filter_map(|p| self.seq_req.get(&p.id).cloned())
-                    .collect();
-                for rid in rids {
-                    self.fail(&rid, Some(msg.clone()));
-                }
-                return true;
-            }
-        };
-        self.prompt_tokens_computed += prompt_tokens as u64;
-        let mut beam_reqs: Vec<String> = Vec::new();
-        for (i, p) in pieces.iter().enumerate() {
-            self.sched.mark_computed(p);
-            if self.prefill_next.contains_key(&p.id) {
-                self.flush_prefill(p.id);
-            }
-            if p.sample {
-                let out = match &out {
-                    StepResult::Logits(o) => o,
-                    StepResult::Tokens(tokens) => {
-                        // Sampled on the device with this step's plan.
-                        match tokens.get(i).copied().flatten() {
-                            Some(t) => self.emit_device_sample(p.id, t),
-                            None => {
-                                let msg = "the backend returned no sampled token".to_string();
-                                if let Some(rid) = self.seq_req.get(&p.id).cloned() {
-                                    self.fail(&rid, Some(msg));
-                                }
-                            }
-                        }
-                        continue;
-                    }
-                };
-                // A backend without logits (the simulator) returns no row: the token is then
-                // drawn from the sequence's RNG, still reproducible from the seed.
-                let row = out
-                    .logits
-                    .get(i)
-                    .and_then(|rows| rows.last())
-                    .filter(|r| !r.is_empty())
-                    .map(|r| r.as_slice());
-                if self.beams.is_empty() {
-                    self.sample_and_emit(p.id, row);
-                } else if let Some(rid) = self.beam_row(p.id, row) {
-                    if !beam_reqs.contains(&rid) {
-                        beam_reqs.push(rid);
-                    }
-                } else {
-                    self.sample_and_emit(p.id, row);
-                }
-            }
-        }
-        for rid in beam_reqs {
-            self.beam_step(&rid);
-        }
-        true
     }
 }

@@ -1,12 +1,14 @@
 //! One sampled token: draw it from the logits row (or the RNG), run the stop checks and the
 //! detokenizer, and send the output (or end the sequence).
 
-use super::core::{output, Core, Sink};
-use crate::request::{FinishReason, StopReason};
+use super::core::{output, Core};
+use crate::request::{FinishReason, RequestOutput, StopReason};
 use crate::sampler::{
-    record_device_sample, sample, sample_without_logits, SampleContext, Sampled, TokenLogprob,
+    record_device_sample, sample, sample_without_logits, SampleContext, Sampled, SamplingParams,
+    TokenLogprob,
 };
-use crate::sequence::SeqId;
+use crate::sequence::{SeqId, Sequence};
+use crate::tokenizer::Tokenizer;
 
 impl Core {
     pub(super) fn sample_and_emit(&mut self, id: SeqId, row: Option<&[f32]>) {
@@ -40,74 +42,99 @@ impl Core {
 
     /// Appends a sampled token: stop checks, detokenizing, and the output (or the end).
     fn emit_sampled(&mut self, id: SeqId, sampled: Sampled) {
-        let eos = &self.cfg.eos_token_ids;
         let tokenizer = self.tokenizer.clone();
         let Some(seq) = self.sched.get_mut(id) else {
             return;
         };
-        let params = seq.params.clone();
-        let tok = sampled.token;
-        seq.tokens.push(tok);
-        let mut o = output(&seq.request_id, seq.index);
-        o.token_ids.push(tok);
-        o.logprobs.extend::<Option<TokenLogprob>>(sampled.logprob);
-
-        let mut finish = None;
-        if eos.contains(&tok) && !params.ignore_eos {
-            finish = Some(FinishReason::Stop);
-            o.stop_reason = Some(StopReason::Eos(tok));
-        } else if params.stop_token_ids.contains(&tok) {
-            finish = Some(FinishReason::Stop);
-            o.stop_reason = Some(StopReason::TokenId(tok));
-        }
-        if let (None, Some(dec), Some(tk)) = (finish, seq.decoder.as_mut(), tokenizer.as_deref()) {
-            let delta = dec.push(tk, tok).unwrap_or_else(|e| {
-                tracing::warn!("detokenizing token {tok}: {e}");
-                String::new()
-            });
-            // Like vLLM, stop strings only count once min_tokens are generated.
-            let f = if seq.num_generated() < params.min_tokens {
-                seq.stop.pass(&delta)
-            } else {
-                seq.stop.feed(&delta)
-            };
-            o.text = f.emit;
-            if let Some(m) = f.matched {
-                finish = Some(FinishReason::Stop);
-                o.stop_reason = Some(StopReason::String(m));
-            }
-        }
-        if finish.is_none() && seq.num_generated() >= seq.max_tokens {
-            finish = Some(FinishReason::Length);
-        }
-        if finish.is_some() && !matches!(o.stop_reason, Some(StopReason::String(_))) {
-            // Release held-back text: the incomplete tail of the detokenizer, then whatever
-            // the stop matcher kept as a possible (now never completed) stop string.
-            if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), tokenizer.as_deref()) {
-                if let Ok(rest) = dec.flush(tk) {
-                    let f = seq.stop.feed(&rest);
-                    o.text.push_str(&f.emit);
-                }
-            }
-            o.text.push_str(&seq.stop.flush());
-        }
+        let (o, finish) = append_token(seq, sampled, &self.cfg.eos_token_ids, tokenizer.as_deref());
         match finish {
             Some(reason) => self.finish(id, reason, o),
             // A prefill-only sequence stops here and continues elsewhere.
-            None if self.prefill_next.contains_key(&id) => {
+            None if self.prefills.contains(id) => {
                 self.finish_seq(id, FinishReason::Migrated, o, true)
             }
             None => {
-                let rid = seq.request_id.clone();
-                let sent = match self.reqs.get(&*rid).map(|e| &e.out) {
-                    Some(Sink::Stream(tx)) => tx.send(o).is_ok(),
-                    _ => false,
-                };
-                if !sent {
+                let rid = o.request_id.clone();
+                if !self.requests.send_output(&rid, o) {
                     // Nobody listens any more: stop spending compute on it.
                     self.abort(&rid);
                 }
             }
         }
     }
+}
+
+/// Appends `sampled` to `seq`: its output (token, logprob, text) and, when it ends the
+/// sequence, why.
+fn append_token(
+    seq: &mut Sequence,
+    sampled: Sampled,
+    eos: &[u32],
+    tokenizer: Option<&Tokenizer>,
+) -> (RequestOutput, Option<FinishReason>) {
+    let tok = sampled.token;
+    seq.tokens.push(tok);
+    let mut o = output(&seq.request_id, seq.index);
+    o.token_ids.push(tok);
+    o.logprobs.extend::<Option<TokenLogprob>>(sampled.logprob);
+    o.stop_reason = stop_token(&seq.params, eos, tok);
+    let mut finish = o.stop_reason.as_ref().map(|_| FinishReason::Stop);
+    if let (None, Some(tk)) = (finish, tokenizer) {
+        if let Some(m) = detokenize(seq, tk, tok, &mut o) {
+            finish = Some(FinishReason::Stop);
+            o.stop_reason = Some(StopReason::String(m));
+        }
+    }
+    if finish.is_none() && seq.num_generated() >= seq.max_tokens {
+        finish = Some(FinishReason::Length);
+    }
+    if finish.is_some() && !matches!(o.stop_reason, Some(StopReason::String(_))) {
+        release_held_text(seq, tokenizer, &mut o);
+    }
+    (o, finish)
+}
+
+/// The stop reason when `tok` is an EOS (unless `ignore_eos`) or a stop token id.
+fn stop_token(params: &SamplingParams, eos: &[u32], tok: u32) -> Option<StopReason> {
+    if eos.contains(&tok) && !params.ignore_eos {
+        Some(StopReason::Eos(tok))
+    } else if params.stop_token_ids.contains(&tok) {
+        Some(StopReason::TokenId(tok))
+    } else {
+        None
+    }
+}
+
+/// Detokenizes `tok` into `o.text` through the stop-string matcher; returns the stop string
+/// it completed, if any. Like vLLM, stop strings only count once min_tokens are generated.
+fn detokenize(
+    seq: &mut Sequence,
+    tk: &Tokenizer,
+    tok: u32,
+    o: &mut RequestOutput,
+) -> Option<String> {
+    let dec = seq.decoder.as_mut()?;
+    let delta = dec.push(tk, tok).unwrap_or_else(|e| {
+        tracing::warn!("detokenizing token {tok}: {e}");
+        String::new()
+    });
+    let f = if seq.num_generated() < seq.params.min_tokens {
+        seq.stop.pass(&delta)
+    } else {
+        seq.stop.feed(&delta)
+    };
+    o.text = f.emit;
+    f.matched
+}
+
+/// Releases held-back text at the end: the incomplete tail of the detokenizer, then whatever
+/// the stop matcher kept as a possible (now never completed) stop string.
+fn release_held_text(seq: &mut Sequence, tokenizer: Option<&Tokenizer>, o: &mut RequestOutput) {
+    if let (Some(dec), Some(tk)) = (seq.decoder.as_mut(), tokenizer) {
+        if let Ok(rest) = dec.flush(tk) {
+            let f = seq.stop.feed(&rest);
+            o.text.push_str(&f.emit);
+        }
+    }
+    o.text.push_str(&seq.stop.flush());
 }

@@ -8,11 +8,13 @@
 //! registering them in the prefix cache (their content is unknown); activating it makes its
 //! blocks the table of a new sequence and registers the prompt's full blocks.
 
+use std::collections::HashMap;
+
 use tokio::sync::mpsc as tmpsc;
 
 use super::core::Core;
 use crate::error::EngineError;
-use crate::kv::block_manager::BlockTable;
+use crate::kv::block_manager::{BlockManager, BlockTable};
 use crate::request::{RequestOutput, SequenceState};
 use crate::sampler::SamplingParams;
 
@@ -27,29 +29,16 @@ pub struct Reservation {
     pub cached_tokens: usize,
 }
 
-pub(crate) struct Lease {
+/// One reservation: the prompt and every block of it.
+struct Lease {
     prompt: Vec<u32>,
-    pub(super) table: BlockTable,
+    table: BlockTable,
     cached_tokens: usize,
 }
 
-impl Core {
-    pub(super) fn reserve(
-        &mut self,
-        lease_id: u64,
-        prompt: Vec<u32>,
-        params: &SamplingParams,
-    ) -> Result<Reservation, EngineError> {
-        if self.leases.contains_key(&lease_id) {
-            return Err(EngineError::DuplicateLease(lease_id));
-        }
-        self.validate_prompt(&prompt, params)?;
-        if params.use_beam_search {
-            return Err(EngineError::InvalidRequest(
-                "beam search (use_beam_search) cannot be served by a decode reservation".into(),
-            ));
-        }
-        let bm = self.sched.blocks_mut();
+impl Lease {
+    /// Holds the blocks of `prompt`: the cached prefix attached, fresh blocks for the rest.
+    fn reserve(bm: &mut BlockManager, prompt: Vec<u32>) -> Result<Self, EngineError> {
         let mut table = BlockTable::default();
         let cached_tokens = bm.attach_prefix(&mut table, &prompt);
         if let Err(e) = bm.ensure_capacity(&mut table, prompt.len()) {
@@ -59,54 +48,33 @@ impl Core {
                 available: e.available,
             });
         }
-        let r = Reservation {
-            lease_id,
-            block_ids: table.ids().to_vec(),
+        Ok(Self {
+            prompt,
+            table,
             cached_tokens,
-        };
-        self.leases.insert(
+        })
+    }
+
+    fn reservation(&self, lease_id: u64) -> Reservation {
+        Reservation {
             lease_id,
-            Lease {
-                prompt,
-                table,
-                cached_tokens,
-            },
-        );
-        Ok(r)
-    }
-
-    pub(super) fn release_reservation(&mut self, lease_id: u64) -> Result<(), EngineError> {
-        let mut lease = self
-            .leases
-            .remove(&lease_id)
-            .ok_or(EngineError::UnknownLease(lease_id))?;
-        // Fresh blocks were never hashed, so `release` puts them on the free list; the
-        // attached prefix blocks go back to the LRU as after any request.
-        self.sched.blocks_mut().release(&mut lease.table);
-        Ok(())
-    }
-
-    /// Releases every reservation (engine shutdown).
-    pub(super) fn drop_leases(&mut self) {
-        for (_, mut lease) in std::mem::take(&mut self.leases) {
-            self.sched.blocks_mut().release(&mut lease.table);
+            block_ids: self.table.ids().to_vec(),
+            cached_tokens: self.cached_tokens,
         }
     }
 
-    pub(super) fn activate(
-        &mut self,
-        lease_id: u64,
-        st: SequenceState,
-        key: u64,
-        out: tmpsc::UnboundedSender<RequestOutput>,
-    ) -> Result<(), EngineError> {
-        let lease = self
-            .leases
-            .get(&lease_id)
-            .ok_or(EngineError::UnknownLease(lease_id))?;
+    /// Gives the blocks back. Fresh blocks were never hashed, so `release` puts them on the
+    /// free list; the attached prefix blocks go back to the LRU as after any request.
+    fn release(mut self, bm: &mut BlockManager) {
+        bm.release(&mut self.table);
+    }
+
+    /// Checks that `st` continues exactly this lease's prompt, computed by the remote prefill,
+    /// with its first token sampled.
+    fn check_state(&self, lease_id: u64, st: &SequenceState) -> Result<(), EngineError> {
         let bad = |m: String| Err(EngineError::BadSnapshot(m));
-        let pl = lease.prompt.len();
-        if st.prompt_len != pl || st.tokens.get(..pl) != Some(&lease.prompt[..]) {
+        let pl = self.prompt.len();
+        if st.prompt_len != pl || st.tokens.get(..pl) != Some(&self.prompt[..]) {
             return bad(format!(
                 "the state's prompt ({} tokens) is not the prompt reserved under lease {lease_id} \
                  ({pl} tokens)",
@@ -122,15 +90,118 @@ impl Core {
         if st.tokens.len() <= pl {
             return bad("the state has no generated token to continue from".into());
         }
+        Ok(())
+    }
+
+    /// The blocks the remote prefill wrote (those after the cached prefix).
+    fn fresh_blocks(&self, block_size: usize) -> &[u32] {
+        let ids = self.table.ids();
+        &ids[(self.cached_tokens / block_size).min(ids.len())..]
+    }
+}
+
+/// The live reservations, by lease id.
+pub(super) struct Leases {
+    live: HashMap<u64, Lease>,
+}
+
+impl Leases {
+    pub(super) fn new() -> Self {
+        Self {
+            live: HashMap::new(),
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Blocks held by every live lease.
+    pub(super) fn reserved_blocks(&self) -> usize {
+        self.live.values().map(|l| l.table.len()).sum()
+    }
+
+    fn contains(&self, lease_id: u64) -> bool {
+        self.live.contains_key(&lease_id)
+    }
+
+    fn get(&self, lease_id: u64) -> Result<&Lease, EngineError> {
+        self.live
+            .get(&lease_id)
+            .ok_or(EngineError::UnknownLease(lease_id))
+    }
+
+    fn take(&mut self, lease_id: u64) -> Result<Lease, EngineError> {
+        self.live
+            .remove(&lease_id)
+            .ok_or(EngineError::UnknownLease(lease_id))
+    }
+
+    fn insert(&mut self, lease_id: u64, lease: Lease) {
+        self.live.insert(lease_id, lease);
+    }
+
+    /// Takes every lease out.
+    fn drain(&mut self) -> impl Iterator<Item = Lease> {
+        std::mem::take(&mut self.live).into_values()
+    }
+}
+
+impl Core {
+    pub(super) fn reserve(
+        &mut self,
+        lease_id: u64,
+        prompt: Vec<u32>,
+        params: &SamplingParams,
+    ) -> Result<Reservation, EngineError> {
+        if self.leases.contains(lease_id) {
+            return Err(EngineError::DuplicateLease(lease_id));
+        }
+        self.validate_prompt(&prompt, params)?;
+        if params.use_beam_search {
+            return Err(EngineError::InvalidRequest(
+                "beam search (use_beam_search) cannot be served by a decode reservation".into(),
+            ));
+        }
+        let lease = Lease::reserve(self.sched.blocks_mut(), prompt)?;
+        let r = lease.reservation(lease_id);
+        self.leases.insert(lease_id, lease);
+        Ok(r)
+    }
+
+    pub(super) fn release_reservation(&mut self, lease_id: u64) -> Result<(), EngineError> {
+        let lease = self.leases.take(lease_id)?;
+        lease.release(self.sched.blocks_mut());
+        Ok(())
+    }
+
+    /// Releases every reservation (engine shutdown).
+    pub(super) fn drop_leases(&mut self) {
+        for lease in self.leases.drain() {
+            lease.release(self.sched.blocks_mut());
+        }
+    }
+
+    pub(super) fn activate(
+        &mut self,
+        lease_id: u64,
+        st: SequenceState,
+        key: u64,
+        out: tmpsc::UnboundedSender<RequestOutput>,
+    ) -> Result<(), EngineError> {
+        let lease = self.leases.get(lease_id)?;
+        lease.check_state(lease_id, &st)?;
+        let pl = st.prompt_len;
         self.check_continuable(&st)?;
-        let Some(lease) = self.leases.remove(&lease_id) else {
-            return Err(EngineError::UnknownLease(lease_id));
-        };
+        let lease = self.leases.take(lease_id)?;
         // The blocks the remote prefill wrote become visible to compute (a backend whose
         // transfer memory is not its pool copies them in; the CPU pool is that memory).
         let bs = self.sched.blocks_mut().block_size();
-        let fresh = &lease.table.ids()[(lease.cached_tokens / bs).min(lease.table.ids().len())..];
-        if let Err(e) = self.backend.load_received_blocks(fresh) {
+        if let Err(e) = self.backend.load_received_blocks(lease.fresh_blocks(bs)) {
             self.leases.insert(lease_id, lease);
             return Err(e);
         }

@@ -6,34 +6,34 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc as tmpsc;
 
-use super::core::{output, state_of, usage, Core, Entry, Sink};
+use super::core::{output, state_of, usage, Core};
+use super::requests::{Entry, Sink};
 use crate::error::EngineError;
 use crate::request::{FinishReason, RequestOutput, RequestSnapshot, SequenceState};
-use crate::sequence::Sequence;
+use crate::sequence::{NewSequence, Sequence};
 
 impl Core {
     pub(super) fn export(&mut self, request_id: &str) -> Result<RequestSnapshot, EngineError> {
         let e = self
-            .reqs
+            .requests
             .get(request_id)
             .ok_or_else(|| EngineError::UnknownRequest(request_id.to_owned()))?;
-        if matches!(e.out, Sink::Prefill(_)) {
+        if matches!(e.sink(), Sink::Prefill(_)) {
             return Err(EngineError::BadSnapshot(format!(
                 "request {request_id:?} is a prefill; it hands its state over when done"
             )));
         }
-        if self.beams.contains_key(request_id) {
+        if self.beams.contains(request_id) {
             return Err(EngineError::BadSnapshot(format!(
                 "request {request_id:?} is a beam search; it cannot be exported"
             )));
         }
-        if e.seqs.len() != 1 {
+        let &[id] = e.seqs() else {
             return Err(EngineError::BadSnapshot(format!(
                 "request {request_id:?} has {} live choices; only n = 1 can be exported",
-                e.seqs.len()
+                e.seqs().len()
             )));
-        }
-        let id = e.seqs[0];
+        };
         let mut seq = self
             .sched
             .take(id)
@@ -49,12 +49,7 @@ impl Core {
         };
         let state = state_of(&seq);
         self.sched.blocks_mut().release(&mut seq.table);
-        self.seq_req.remove(&id);
-        if let Some(Entry {
-            out: Sink::Stream(tx),
-            ..
-        }) = self.reqs.remove(request_id)
-        {
+        if let Some(Sink::Stream(tx)) = self.requests.remove(request_id).as_ref().map(Entry::sink) {
             let mut o = output(request_id, seq.index);
             o.finish_reason = Some(FinishReason::Migrated);
             o.usage = Some(usage(&seq));
@@ -130,19 +125,16 @@ impl Core {
     /// A new sequence continuing `st` (its blocks are the caller's to attach); returns it with
     /// its request id.
     pub(super) fn continued_sequence(&mut self, st: SequenceState) -> (Sequence, String) {
-        let id = self.next_seq;
-        self.next_seq += 1;
-        self.next_arrival += 1;
-        let mut seq = Sequence::new(
-            id,
-            Arc::from(st.request_id.as_str()),
-            st.index,
-            st.tokens,
-            st.max_tokens,
-            self.next_arrival,
-            Arc::new(st.params),
-            st.sampler,
-        );
+        let mut seq = Sequence::new(NewSequence {
+            id: self.requests.new_seq_id(),
+            request_id: Arc::from(st.request_id.as_str()),
+            index: st.index,
+            tokens: st.tokens,
+            max_tokens: st.max_tokens,
+            arrival: self.requests.new_arrival(),
+            params: Arc::new(st.params),
+            sampler: st.sampler,
+        });
         seq.prompt_len = st.prompt_len;
         seq.stop = st.stop;
         (seq, st.request_id)
@@ -171,14 +163,7 @@ impl Core {
         }
         let id = seq.id;
         self.sched.add(seq);
-        self.seq_req.insert(id, request_id.clone());
-        self.reqs.insert(
-            request_id,
-            Entry {
-                key,
-                seqs: vec![id],
-                out: Sink::Stream(out),
-            },
-        );
+        self.requests
+            .insert(request_id, Entry::new(key, vec![id], Sink::Stream(out)));
     }
 }

@@ -15,14 +15,19 @@
 //! sent are not sent again (what was sent was complete and valid), so each block index is
 //! still reported exactly once, in order.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::mpsc;
 
 use tokio::sync::mpsc as tmpsc;
 
-use super::core::{Command, Core, Sink};
+use super::core::{Command, Core};
+use super::requests::{Entry, Sink};
 use crate::error::EngineError;
+use crate::kv::block_manager::BlockManager;
 use crate::request::{Request, RequestOutput, SequenceState};
-use crate::sequence::SeqId;
+use crate::scheduler::ScheduledSeq;
+use crate::sequence::{SeqId, Sequence};
 
 /// What a [`PrefillStream`] yields.
 // One `Done` per request: boxing its fields is not worth a less direct API.
@@ -97,6 +102,51 @@ impl Drop for PrefillStream {
     }
 }
 
+/// The prefill-only sequences, each with the index of the next prompt block to send.
+pub(super) struct PrefillCursors {
+    next: HashMap<SeqId, usize>,
+}
+
+impl PrefillCursors {
+    pub(super) fn new() -> Self {
+        Self {
+            next: HashMap::new(),
+        }
+    }
+
+    pub(super) fn contains(&self, id: SeqId) -> bool {
+        self.next.contains_key(&id)
+    }
+
+    /// Makes `id` a prefill-only sequence whose blocks are sent from `first_block` on.
+    fn start(&mut self, id: SeqId, first_block: usize) {
+        self.next.insert(id, first_block);
+    }
+
+    pub(super) fn remove(&mut self, id: SeqId) {
+        self.next.remove(&id);
+    }
+
+    /// The prompt blocks of prefill sequence `seq` that are complete and not sent yet: full
+    /// computed blocks, and once the whole prompt is computed, the last partial one. None when
+    /// there are none, or `seq` is no prefill.
+    fn ready(&self, seq: &Sequence, bm: &BlockManager) -> Option<Range<usize>> {
+        let next = *self.next.get(&seq.id)?;
+        let ready = if seq.num_computed >= seq.prompt_len {
+            bm.blocks_for(seq.prompt_len)
+        } else {
+            seq.num_computed / bm.block_size()
+        }
+        .min(seq.table.len());
+        (ready > next).then_some(next..ready)
+    }
+
+    /// Blocks before `to` of `id` are sent.
+    fn sent(&mut self, id: SeqId, to: usize) {
+        self.next.insert(id, to);
+    }
+}
+
 impl Core {
     pub(super) fn prefill(
         &mut self,
@@ -124,38 +174,40 @@ impl Core {
         }
         let rid = req.request_id.clone();
         self.submit(req, key, Sink::Prefill(out))?;
-        if let Some(&id) = self.reqs.get(&rid).and_then(|e| e.seqs.first()) {
-            self.prefill_next.insert(id, send_from_block);
+        if let Some(&id) = self.requests.get(&rid).and_then(|e| e.seqs().first()) {
+            self.prefills.start(id, send_from_block);
         }
         Ok(())
     }
 
-    /// Sends the prompt blocks of prefill sequence `id` that are complete and not sent yet:
-    /// full computed blocks, and once the whole prompt is computed, the last partial one.
+    /// Sends the complete, unsent prompt blocks of every prefill sequence among `pieces`.
+    pub(super) fn flush_prefills(&mut self, pieces: &[ScheduledSeq]) {
+        for p in pieces {
+            if self.prefills.contains(p.id) {
+                self.flush_prefill(p.id);
+            }
+        }
+    }
+
+    /// Sends the prompt blocks of prefill sequence `id` that are complete and not sent yet
+    /// (see [`PrefillCursors::ready`]).
     pub(super) fn flush_prefill(&mut self, id: SeqId) {
-        let (Some(&next), Some(seq)) = (self.prefill_next.get(&id), self.sched.get(id)) else {
+        let Some(seq) = self.sched.get(id) else {
             return;
         };
-        let bm = self.sched.blocks();
-        let ready = if seq.num_computed >= seq.prompt_len {
-            bm.blocks_for(seq.prompt_len)
-        } else {
-            seq.num_computed / bm.block_size()
-        }
-        .min(seq.table.len());
-        if ready <= next {
-            return;
-        }
-        let Some(rid) = self.seq_req.get(&id).cloned() else {
+        let Some(blocks) = self.prefills.ready(seq, self.sched.blocks()) else {
             return;
         };
-        match self.backend.export_blocks(&seq.table.ids()[next..ready]) {
+        let Some(rid) = self.requests.request_of(id).map(str::to_owned) else {
+            return;
+        };
+        match self.backend.export_blocks(&seq.table.ids()[blocks.clone()]) {
             Ok(data) => {
-                self.prefill_next.insert(id, ready);
-                if let Some(Sink::Prefill(tx)) = self.reqs.get(&rid).map(|e| &e.out) {
+                self.prefills.sent(id, blocks.end);
+                if let Some(Sink::Prefill(tx)) = self.requests.get(&rid).map(Entry::sink) {
                     // A receiver that is gone aborts the request through its stream's drop.
                     let _ = tx.send(PrefillEvent::Blocks {
-                        first_block: next,
+                        first_block: blocks.start,
                         data,
                     });
                 }

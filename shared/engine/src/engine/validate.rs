@@ -13,7 +13,7 @@ impl Core {
         prompt: &[u32],
         params: &SamplingParams,
     ) -> Result<usize, EngineError> {
-        if self.reqs.contains_key(request_id) {
+        if self.requests.contains(request_id) {
             return Err(EngineError::DuplicateRequest(request_id.to_owned()));
         }
         self.validate_prompt(prompt, params)

@@ -243,6 +243,153 @@ fn parse_rope(v: &serde_json::Value, key: &str) -> Result<Option<RopeScaling>, S
     }
 }
 
+/// The family named by `architectures` and `model_type` (either may be absent, not both; when
+/// both are given they must agree).
+fn family_of(value: &serde_json::Value) -> Result<Family, String> {
+    let supported = SUPPORTED_ARCHITECTURES.join(", ");
+    let arch = value
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .and_then(|a| a.first())
+        .and_then(|s| s.as_str());
+    let model_type = value.get("model_type").and_then(|m| m.as_str());
+    let by_arch = match arch {
+        Some(a) => Some(Family::from_architecture(a).ok_or_else(|| {
+            format!("architectures: unsupported architecture {a:?} (supported: {supported})")
+        })?),
+        None => None,
+    };
+    let by_type = match model_type {
+        Some(t) => Some(Family::from_model_type(t).ok_or_else(|| {
+            format!(
+                "model_type: unsupported model_type {t:?} (supported: qwen3, qwen2, llama, \
+                 mistral)"
+            )
+        })?),
+        None => None,
+    };
+    match (by_arch, by_type) {
+        (Some(a), Some(t)) if a != t => Err(format!(
+            "architectures {:?} and model_type {:?} name different families",
+            a.architecture(),
+            t.model_type()
+        )),
+        (Some(f), _) | (None, Some(f)) => Ok(f),
+        (None, None) => Err(format!(
+            "neither architectures nor model_type is given (supported: {supported})"
+        )),
+    }
+}
+
+impl RawConfig {
+    /// The RoPE scaling (`rope_scaling`, else transformers 5's `rope_parameters`) and theta
+    /// (`rope_theta`, else `rope_parameters.rope_theta`, else the family's default).
+    fn rope(&self, default_theta: f64) -> Result<(Option<RopeScaling>, f64), String> {
+        let non_null = |v: &Option<serde_json::Value>| v.clone().filter(|v| !v.is_null());
+        let rope_params = non_null(&self.rope_parameters);
+        let rope_scaling = match (non_null(&self.rope_scaling), &rope_params) {
+            (Some(s), _) => parse_rope(&s, "rope_scaling")?,
+            (None, Some(p)) => parse_rope(p, "rope_parameters")?,
+            (None, None) => None,
+        };
+        let rope_theta = self
+            .rope_theta
+            .or_else(|| rope_params.as_ref()?.get("rope_theta")?.as_f64())
+            .unwrap_or(default_theta);
+        Ok((rope_scaling, rope_theta))
+    }
+
+    /// Refuses the MLP variants the decoder does not run (an activation other than SiLU,
+    /// biases).
+    fn check_mlp(&self) -> Result<(), String> {
+        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(format!("hidden_act {act:?} is not supported (only silu)"));
+        }
+        if self.mlp_bias {
+            return Err("mlp_bias true is not supported (MLP without biases only)".into());
+        }
+        Ok(())
+    }
+
+    /// `(qk_norm, qkv_bias, o_bias)` of the family.
+    fn attention_extras(&self, family: Family) -> (bool, bool, bool) {
+        match family {
+            Family::Qwen3 | Family::Llama => (
+                family == Family::Qwen3,
+                self.attention_bias,
+                self.attention_bias,
+            ),
+            Family::Qwen2 => (false, true, false),
+            Family::Mistral => (false, false, false),
+        }
+    }
+
+    /// The sliding window over every layer, if any (one that covers
+    /// `max_position_embeddings` is none); refuses Qwen's per-layer windows.
+    fn sliding_window_for(
+        &self,
+        family: Family,
+        max_position_embeddings: usize,
+    ) -> Result<Option<usize>, String> {
+        let window = match &self.sliding_window {
+            None if family == Family::Mistral => Some(4096),
+            None => None,
+            Some(v) if v.is_null() => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .filter(|w| *w > 0)
+                    .ok_or_else(|| format!("sliding_window {v} is not a positive integer"))?
+                    as usize,
+            ),
+        }
+        .filter(|w| *w < max_position_embeddings);
+        match family {
+            Family::Mistral => Ok(window),
+            Family::Llama => Ok(None),
+            Family::Qwen2 | Family::Qwen3 => {
+                // transformers: layers from max_window_layers on use the window, when
+                // use_sliding_window. Per-layer windows are not implemented: refuse them.
+                let from = self.max_window_layers.unwrap_or(28);
+                if let (true, Some(w)) = (self.use_sliding_window, window) {
+                    if from < self.num_hidden_layers {
+                        return Err(format!(
+                            "use_sliding_window with sliding_window {w} < \
+                             max_position_embeddings {max_position_embeddings} on layers \
+                             {from}.. (max_window_layers) is not supported: per-layer sliding \
+                             windows are not implemented"
+                        ));
+                    }
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// `(num_key_value_heads, head_dim)`, checked against the other sizes.
+    fn head_shape(&self) -> Result<(usize, usize), String> {
+        let num_key_value_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
+        if self.num_attention_heads == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
+            return Err(
+                "hidden_size, num_attention_heads and num_hidden_layers must be > 0".into(),
+            );
+        }
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads);
+        if num_key_value_heads == 0 || !self.num_attention_heads.is_multiple_of(num_key_value_heads)
+        {
+            return Err(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_attention_heads, num_key_value_heads
+            ));
+        }
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(format!("head_dim {head_dim} must be even and > 0"));
+        }
+        Ok((num_key_value_heads, head_dim))
+    }
+}
+
 impl ModelConfig {
     /// Reads `config.json` from a model folder.
     pub fn load(folder: &Path) -> Result<Self, EngineError> {
@@ -259,142 +406,28 @@ impl ModelConfig {
 
     /// Parses `config.json` bytes; `path` only names the file in errors.
     pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
-        let bad = |message: String| EngineError::BadFile {
+        Self::from_json(bytes).map_err(|message| EngineError::BadFile {
             path: PathBuf::from(path),
             message,
-        };
+        })
+    }
+
+    /// [`ModelConfig::parse`], its errors without the file name.
+    fn from_json(bytes: &[u8]) -> Result<Self, String> {
         // Check the family first so that an unknown model says so instead of failing on a
         // missing field that its family does not have.
         let value: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let supported = SUPPORTED_ARCHITECTURES.join(", ");
-        let arch = value
-            .get("architectures")
-            .and_then(|a| a.as_array())
-            .and_then(|a| a.first())
-            .and_then(|s| s.as_str());
-        let model_type = value.get("model_type").and_then(|m| m.as_str());
-        let by_arch = match arch {
-            Some(a) => Some(Family::from_architecture(a).ok_or_else(|| {
-                bad(format!(
-                    "architectures: unsupported architecture {a:?} (supported: {supported})"
-                ))
-            })?),
-            None => None,
-        };
-        let by_type = match model_type {
-            Some(t) => Some(Family::from_model_type(t).ok_or_else(|| {
-                bad(format!(
-                    "model_type: unsupported model_type {t:?} (supported: qwen3, qwen2, llama, \
-                     mistral)"
-                ))
-            })?),
-            None => None,
-        };
-        let family = match (by_arch, by_type) {
-            (Some(a), Some(t)) if a != t => {
-                return Err(bad(format!(
-                    "architectures {:?} and model_type {:?} name different families",
-                    a.architecture(),
-                    t.model_type()
-                )))
-            }
-            (Some(f), _) | (None, Some(f)) => f,
-            (None, None) => {
-                return Err(bad(format!(
-                    "neither architectures nor model_type is given (supported: {supported})"
-                )))
-            }
-        };
+            serde_json::from_slice(bytes).map_err(|e| format!("not valid JSON: {e}"))?;
+        let family = family_of(&value)?;
         let raw: RawConfig =
-            serde_json::from_value(value).map_err(|e| bad(format!("invalid config: {e}")))?;
+            serde_json::from_value(value).map_err(|e| format!("invalid config: {e}"))?;
         let (default_theta, default_max_pos) = family.defaults();
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(default_max_pos);
-
-        let non_null = |v: &Option<serde_json::Value>| v.clone().filter(|v| !v.is_null());
-        let rope_params = non_null(&raw.rope_parameters);
-        let rope_scaling = match (non_null(&raw.rope_scaling), &rope_params) {
-            (Some(s), _) => parse_rope(&s, "rope_scaling").map_err(bad)?,
-            (None, Some(p)) => parse_rope(p, "rope_parameters").map_err(bad)?,
-            (None, None) => None,
-        };
-        let rope_theta = raw
-            .rope_theta
-            .or_else(|| rope_params.as_ref()?.get("rope_theta")?.as_f64())
-            .unwrap_or(default_theta);
-
-        if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(bad(format!(
-                "hidden_act {act:?} is not supported (only silu)"
-            )));
-        }
-        if raw.mlp_bias {
-            return Err(bad(
-                "mlp_bias true is not supported (MLP without biases only)".into(),
-            ));
-        }
-        let (qk_norm, qkv_bias, o_bias) = match family {
-            Family::Qwen3 | Family::Llama => (
-                family == Family::Qwen3,
-                raw.attention_bias,
-                raw.attention_bias,
-            ),
-            Family::Qwen2 => (false, true, false),
-            Family::Mistral => (false, false, false),
-        };
-
-        let window = match &raw.sliding_window {
-            None if family == Family::Mistral => Some(4096),
-            None => None,
-            Some(v) if v.is_null() => None,
-            Some(v) => Some(
-                v.as_u64()
-                    .filter(|w| *w > 0)
-                    .ok_or_else(|| bad(format!("sliding_window {v} is not a positive integer")))?
-                    as usize,
-            ),
-        }
-        .filter(|w| *w < max_position_embeddings);
-        let sliding_window = match family {
-            Family::Mistral => window,
-            Family::Llama => None,
-            Family::Qwen2 | Family::Qwen3 => {
-                // transformers: layers from max_window_layers on use the window, when
-                // use_sliding_window. Per-layer windows are not implemented: refuse them.
-                let from = raw.max_window_layers.unwrap_or(28);
-                if let (true, Some(w)) = (raw.use_sliding_window, window) {
-                    if from < raw.num_hidden_layers {
-                        return Err(bad(format!(
-                            "use_sliding_window with sliding_window {w} < \
-                             max_position_embeddings {max_position_embeddings} on layers \
-                             {from}.. (max_window_layers) is not supported: per-layer sliding \
-                             windows are not implemented"
-                        )));
-                    }
-                }
-                None
-            }
-        };
-
-        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if raw.num_attention_heads == 0 || raw.hidden_size == 0 || raw.num_hidden_layers == 0 {
-            return Err(bad(
-                "hidden_size, num_attention_heads and num_hidden_layers must be > 0".into(),
-            ));
-        }
-        let head_dim = raw
-            .head_dim
-            .unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        if num_key_value_heads == 0 || !raw.num_attention_heads.is_multiple_of(num_key_value_heads)
-        {
-            return Err(bad(format!(
-                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                raw.num_attention_heads, num_key_value_heads
-            )));
-        }
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(bad(format!("head_dim {head_dim} must be even and > 0")));
-        }
+        let (rope_scaling, rope_theta) = raw.rope(default_theta)?;
+        raw.check_mlp()?;
+        let (qk_norm, qkv_bias, o_bias) = raw.attention_extras(family);
+        let sliding_window = raw.sliding_window_for(family, max_position_embeddings)?;
+        let (num_key_value_heads, head_dim) = raw.head_shape()?;
         Ok(ModelConfig {
             architecture: family.architecture().to_string(),
             family,

@@ -150,6 +150,93 @@ struct TokenRef {
     pos: usize,
 }
 
+/// The sizes one step works with, from the model config.
+struct Dims {
+    hidden: usize,
+    head_dim: usize,
+    q_heads: usize,
+    /// Query heads per KV head.
+    group: usize,
+    /// Width of the q part of a qkv row (`q_heads * head_dim`).
+    q_width: usize,
+    /// Width of the k part, and of the v part, of a qkv row (`kv_heads * head_dim`).
+    kv_width: usize,
+    intermediate: usize,
+    eps: f32,
+    block_size: usize,
+}
+
+impl Dims {
+    fn new(cfg: &ModelConfig, block_size: usize) -> Self {
+        let head_dim = cfg.head_dim;
+        Self {
+            hidden: cfg.hidden_size,
+            head_dim,
+            q_heads: cfg.num_attention_heads,
+            group: cfg.group_size(),
+            q_width: cfg.num_attention_heads * head_dim,
+            kv_width: cfg.num_key_value_heads * head_dim,
+            intermediate: cfg.intermediate_size,
+            eps: cfg.rms_norm_eps,
+            block_size,
+        }
+    }
+
+    /// Width of a fused qkv row.
+    fn qkv_width(&self) -> usize {
+        self.q_width + 2 * self.kv_width
+    }
+}
+
+/// The attention's position encoding and reach, from the model config.
+struct AttnParams {
+    inv_freq: Vec<f64>,
+    /// Positions a token sees, its own included (`usize::MAX`: all).
+    window: usize,
+    /// `1 / sqrt(head_dim)`.
+    scale: f32,
+}
+
+/// The step's activations, `t` rows each, reused by every layer.
+struct Activations {
+    /// The residual stream.
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+impl Activations {
+    fn new(d: &Dims, x: Vec<f32>, t: usize) -> Self {
+        Self {
+            x,
+            normed: vec![0.0f32; t * d.hidden],
+            qkv: vec![0.0f32; t * d.qkv_width()],
+            attn: vec![0.0f32; t * d.q_width],
+            proj: vec![0.0f32; t * d.hidden],
+            gate_up: vec![0.0f32; t * 2 * d.intermediate],
+            act: vec![0.0f32; t * d.intermediate],
+        }
+    }
+}
+
+/// One step's batch: its sequences and their tokens flattened, in order.
+struct Batch<'b, 'a> {
+    seqs: &'b [SeqInput<'a>],
+    tokens: Vec<TokenRef>,
+}
+
+impl Batch<'_, '_> {
+    /// The pool block and slot of position `pos` of the batch's sequence `seq`.
+    fn slot(&self, d: &Dims, seq: usize, pos: usize) -> (usize, usize) {
+        let table = self.seqs[seq].block_table;
+        (table[pos / d.block_size] as usize, pos % d.block_size)
+    }
+}
+
 /// Runs one step of the model over a batch (inputs validated by the caller: block tables
 /// cover every position, block ids are in the pool).
 pub fn forward(
@@ -159,21 +246,28 @@ pub fn forward(
     block_size: usize,
     batch: &[SeqInput<'_>],
 ) -> Result<StepOutput, EngineError> {
-    let h = cfg.hidden_size;
-    let hd = cfg.head_dim;
-    let nq = cfg.num_attention_heads;
-    let nkv = cfg.num_key_value_heads;
-    let group = cfg.group_size();
-    let qd = nq * hd;
-    let kvd = nkv * hd;
-    let qkv_w = qd + 2 * kvd;
-    let im = cfg.intermediate_size;
-    let eps = cfg.rms_norm_eps;
-    let inv_freq = cfg.rope_inv_freq();
-    let window = cfg.sliding_window.unwrap_or(usize::MAX);
-    let scale = 1.0 / (hd as f32).sqrt();
+    let d = Dims::new(cfg, block_size);
+    let ap = AttnParams {
+        inv_freq: cfg.rope_inv_freq(),
+        window: cfg.sliding_window.unwrap_or(usize::MAX),
+        scale: 1.0 / (d.head_dim as f32).sqrt(),
+    };
+    let batch = Batch {
+        seqs: batch,
+        tokens: flatten_tokens(batch),
+    };
+    let x = embed(cfg, w, batch.seqs, batch.tokens.len())?;
+    let mut a = Activations::new(&d, x, batch.tokens.len());
+    for (l, lw) in w.layers.iter().enumerate() {
+        attention_block(&d, &ap, l, lw, store, &batch, &mut a);
+        mlp_block(&d, lw, &mut a);
+    }
+    Ok(logits(cfg, w, batch.seqs, &a.x))
+}
 
-    let tokens: Vec<TokenRef> = batch
+/// Every token of the batch with its sequence and position, in batch order.
+fn flatten_tokens(batch: &[SeqInput<'_>]) -> Vec<TokenRef> {
+    batch
         .iter()
         .enumerate()
         .flat_map(|(s, seq)| {
@@ -182,10 +276,17 @@ pub fn forward(
                 pos: seq.start_pos + i,
             })
         })
-        .collect();
-    let t = tokens.len();
+        .collect()
+}
 
-    // Embedding lookup.
+/// The embedding rows of the batch's `t` tokens (the residual stream's start).
+fn embed(
+    cfg: &ModelConfig,
+    w: &DecoderWeights,
+    batch: &[SeqInput<'_>],
+    t: usize,
+) -> Result<Vec<f32>, EngineError> {
+    let h = cfg.hidden_size;
     let mut x = vec![0.0f32; t * h];
     for (row, id) in x
         .chunks_exact_mut(h)
@@ -200,118 +301,163 @@ pub fn forward(
         }
         w.embed.row_into(id, h, row);
     }
+    Ok(x)
+}
 
-    let mut normed = vec![0.0f32; t * h];
-    let mut qkv = vec![0.0f32; t * qkv_w];
-    let mut attn = vec![0.0f32; t * qd];
-    let mut proj = vec![0.0f32; t * h];
-    let mut gu = vec![0.0f32; t * 2 * im];
-    let mut act = vec![0.0f32; t * im];
-
-    for (l, lw) in w.layers.iter().enumerate() {
-        rms_norm_rows(&x, &lw.input_norm, eps, &mut normed);
-        matmul_t(&normed, t, h, lw.qkv.as_ref(), qkv_w, &mut qkv);
-
-        // Biases, per-head norms and RoPE on q and k, then store this step's k and v in the
-        // pool.
-        qkv.par_chunks_exact_mut(qkv_w)
-            .zip(tokens.par_iter())
-            .for_each(|(row, tr)| {
-                if let Some(b) = &lw.qkv_bias {
-                    add_in_place(row, b);
-                }
-                let (q, kv) = row.split_at_mut(qd);
-                let k = &mut kv[..kvd];
-                for (heads, norm) in [(q, &lw.q_norm), (k, &lw.k_norm)] {
-                    for head in heads.chunks_exact_mut(hd) {
-                        if let Some(norm) = norm {
-                            rms_norm_rows_inplace(head, norm, eps);
-                        }
-                        rope_apply(head, tr.pos, &inv_freq);
-                    }
-                }
-            });
-        for (row, tr) in qkv.chunks_exact(qkv_w).zip(&tokens) {
-            let table = batch[tr.seq].block_table;
-            let block = table[tr.pos / block_size] as usize;
-            let slot = tr.pos % block_size;
-            store.write_token(l, block, slot, KvPart::K, &row[qd..qd + kvd]);
-            store.write_token(l, block, slot, KvPart::V, &row[qd + kvd..]);
-        }
-
-        // Attention: one task per (token, query head); each reads its sequence's cached
-        // positions from the pool (the prefix from earlier steps and this step's tokens alike),
-        // so chunked prefill and decode take the same path. With a sliding window of w, the
-        // token at pos sees pos+1-w..=pos (transformers' `kv_idx > q_idx - w`).
-        let store_ref = &*store;
-        attn.par_chunks_exact_mut(hd).enumerate().for_each_init(
-            || (Vec::new(), vec![0.0f32; hd]),
-            |(scores, scratch), (idx, out)| {
-                let (ti, head) = (idx / nq, idx % nq);
-                let tr = tokens[ti];
-                let kvh = head / group;
-                let q = &qkv[ti * qkv_w + head * hd..ti * qkv_w + (head + 1) * hd];
-                let table = batch[tr.seq].block_table;
-                let lo = (tr.pos + 1).saturating_sub(window);
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for p in lo..=tr.pos {
-                    let kv = store_ref.read_head(
-                        l,
-                        table[p / block_size] as usize,
-                        p % block_size,
-                        KvPart::K,
-                        kvh,
-                        scratch,
-                    );
-                    let s = dot(q, kv) * scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
-                let mut sum = 0.0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                out.fill(0.0);
-                for (p, s) in (lo..).zip(scores.iter()) {
-                    let v = store_ref.read_head(
-                        l,
-                        table[p / block_size] as usize,
-                        p % block_size,
-                        KvPart::V,
-                        kvh,
-                        scratch,
-                    );
-                    let a = s / sum;
-                    for (o, vv) in out.iter_mut().zip(v) {
-                        *o += a * vv;
-                    }
-                }
-            },
-        );
-
-        matmul_t(&attn, t, qd, lw.o_proj.as_ref(), h, &mut proj);
-        if let Some(b) = &lw.o_bias {
-            proj.chunks_exact_mut(h)
-                .for_each(|row| add_in_place(row, b));
-        }
-        add_in_place(&mut x, &proj);
-
-        rms_norm_rows(&x, &lw.post_norm, eps, &mut normed);
-        matmul_t(&normed, t, h, lw.gate_up.as_ref(), 2 * im, &mut gu);
-        act.par_chunks_exact_mut(im)
-            .zip(gu.par_chunks_exact_mut(2 * im))
-            .for_each(|(a, row)| {
-                let (g, u) = row.split_at_mut(im);
-                silu_mul(g, u);
-                a.copy_from_slice(g);
-            });
-        matmul_t(&act, t, im, lw.down.as_ref(), h, &mut proj);
-        add_in_place(&mut x, &proj);
+/// Layer `l`'s attention half: RMSNorm, the qkv projection with its biases, norms and RoPE,
+/// this step's k and v into the pool, attention, o_proj, and the residual add.
+fn attention_block(
+    d: &Dims,
+    ap: &AttnParams,
+    l: usize,
+    lw: &LayerWeights,
+    store: &mut impl KvStore,
+    batch: &Batch<'_, '_>,
+    a: &mut Activations,
+) {
+    let t = batch.tokens.len();
+    let qkv_w = d.qkv_width();
+    rms_norm_rows(&a.x, &lw.input_norm, d.eps, &mut a.normed);
+    matmul_t(&a.normed, t, d.hidden, lw.qkv.as_ref(), qkv_w, &mut a.qkv);
+    position_qk(d, ap, lw, &batch.tokens, &mut a.qkv);
+    write_kv(d, l, store, batch, &a.qkv);
+    attend(d, ap, l, &*store, batch, &a.qkv, &mut a.attn);
+    matmul_t(
+        &a.attn,
+        t,
+        d.q_width,
+        lw.o_proj.as_ref(),
+        d.hidden,
+        &mut a.proj,
+    );
+    if let Some(b) = &lw.o_bias {
+        a.proj
+            .chunks_exact_mut(d.hidden)
+            .for_each(|row| add_in_place(row, b));
     }
+    add_in_place(&mut a.x, &a.proj);
+}
 
-    // Logits only for the rows asked for.
+/// Biases, per-head norms and RoPE on each token's q and k.
+fn position_qk(d: &Dims, ap: &AttnParams, lw: &LayerWeights, tokens: &[TokenRef], qkv: &mut [f32]) {
+    qkv.par_chunks_exact_mut(d.qkv_width())
+        .zip(tokens.par_iter())
+        .for_each(|(row, tr)| {
+            if let Some(b) = &lw.qkv_bias {
+                add_in_place(row, b);
+            }
+            let (q, kv) = row.split_at_mut(d.q_width);
+            let k = &mut kv[..d.kv_width];
+            for (heads, norm) in [(q, &lw.q_norm), (k, &lw.k_norm)] {
+                for head in heads.chunks_exact_mut(d.head_dim) {
+                    if let Some(norm) = norm {
+                        rms_norm_rows_inplace(head, norm, d.eps);
+                    }
+                    rope_apply(head, tr.pos, &ap.inv_freq);
+                }
+            }
+        });
+}
+
+/// Stores this step's k and v of layer `l` in the pool.
+fn write_kv(d: &Dims, l: usize, store: &mut impl KvStore, batch: &Batch<'_, '_>, qkv: &[f32]) {
+    let (qd, kvd) = (d.q_width, d.kv_width);
+    for (row, tr) in qkv.chunks_exact(d.qkv_width()).zip(&batch.tokens) {
+        let (block, slot) = batch.slot(d, tr.seq, tr.pos);
+        store.write_token(l, block, slot, KvPart::K, &row[qd..qd + kvd]);
+        store.write_token(l, block, slot, KvPart::V, &row[qd + kvd..]);
+    }
+}
+
+/// Attention: one task per (token, query head); each reads its sequence's cached positions
+/// from the pool (the prefix from earlier steps and this step's tokens alike), so chunked
+/// prefill and decode take the same path. With a sliding window of w, the token at pos sees
+/// pos+1-w..=pos (transformers' `kv_idx > q_idx - w`).
+fn attend(
+    d: &Dims,
+    ap: &AttnParams,
+    l: usize,
+    store: &impl KvStore,
+    batch: &Batch<'_, '_>,
+    qkv: &[f32],
+    attn: &mut [f32],
+) {
+    let (hd, nq, qkv_w) = (d.head_dim, d.q_heads, d.qkv_width());
+    attn.par_chunks_exact_mut(hd).enumerate().for_each_init(
+        || (Vec::new(), vec![0.0f32; hd]),
+        |(scores, scratch), (idx, out)| {
+            let (ti, head) = (idx / nq, idx % nq);
+            let tr = batch.tokens[ti];
+            let kvh = head / d.group;
+            let q = &qkv[ti * qkv_w + head * hd..ti * qkv_w + (head + 1) * hd];
+            let lo = (tr.pos + 1).saturating_sub(ap.window);
+            scores.clear();
+            let mut max = f32::NEG_INFINITY;
+            for p in lo..=tr.pos {
+                let (block, slot) = batch.slot(d, tr.seq, p);
+                let kv = store.read_head(l, block, slot, KvPart::K, kvh, scratch);
+                let s = dot(q, kv) * ap.scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0.0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            out.fill(0.0);
+            for (p, s) in (lo..).zip(scores.iter()) {
+                let (block, slot) = batch.slot(d, tr.seq, p);
+                let v = store.read_head(l, block, slot, KvPart::V, kvh, scratch);
+                let a = s / sum;
+                for (o, vv) in out.iter_mut().zip(v) {
+                    *o += a * vv;
+                }
+            }
+        },
+    );
+}
+
+/// A layer's MLP half: RMSNorm, the SwiGLU MLP, and the residual add.
+fn mlp_block(d: &Dims, lw: &LayerWeights, a: &mut Activations) {
+    let (h, im) = (d.hidden, d.intermediate);
+    let t = a.x.len() / h;
+    rms_norm_rows(&a.x, &lw.post_norm, d.eps, &mut a.normed);
+    matmul_t(&a.normed, t, h, lw.gate_up.as_ref(), 2 * im, &mut a.gate_up);
+    a.act
+        .par_chunks_exact_mut(im)
+        .zip(a.gate_up.par_chunks_exact_mut(2 * im))
+        .for_each(|(act, row)| {
+            let (g, u) = row.split_at_mut(im);
+            silu_mul(g, u);
+            act.copy_from_slice(g);
+        });
+    matmul_t(&a.act, t, im, lw.down.as_ref(), h, &mut a.proj);
+    add_in_place(&mut a.x, &a.proj);
+}
+
+/// The final norm and the lm_head over the rows each sequence asks logits for.
+fn logits(cfg: &ModelConfig, w: &DecoderWeights, batch: &[SeqInput<'_>], x: &[f32]) -> StepOutput {
+    let h = cfg.hidden_size;
+    let (rows, counts) = logits_rows(batch);
+    let r = rows.len();
+    let mut sel = vec![0.0f32; r * h];
+    for (dst, &src) in sel.chunks_exact_mut(h).zip(&rows) {
+        rms_norm_rows(&x[src * h..(src + 1) * h], &w.norm, cfg.rms_norm_eps, dst);
+    }
+    let v = cfg.vocab_size;
+    let mut logits = vec![0.0f32; r * v];
+    matmul_t(&sel, r, h, w.lm_head().as_ref(), v, &mut logits);
+    let mut chunks = logits.chunks_exact(v).map(<[f32]>::to_vec);
+    let out = counts
+        .iter()
+        .map(|&c| chunks.by_ref().take(c).collect())
+        .collect();
+    StepOutput { logits: out }
+}
+
+/// The flattened token rows that get logits, and how many of them each sequence has.
+fn logits_rows(batch: &[SeqInput<'_>]) -> (Vec<usize>, Vec<usize>) {
     let mut rows = Vec::new();
     let mut counts = Vec::with_capacity(batch.len());
     let mut first = 0;
@@ -327,20 +473,7 @@ pub fn forward(
         rows.extend(picked);
         first += n;
     }
-    let r = rows.len();
-    let mut sel = vec![0.0f32; r * h];
-    for (dst, &src) in sel.chunks_exact_mut(h).zip(&rows) {
-        rms_norm_rows(&x[src * h..(src + 1) * h], &w.norm, eps, dst);
-    }
-    let v = cfg.vocab_size;
-    let mut logits = vec![0.0f32; r * v];
-    matmul_t(&sel, r, h, w.lm_head().as_ref(), v, &mut logits);
-    let mut chunks = logits.chunks_exact(v).map(<[f32]>::to_vec);
-    let out = counts
-        .iter()
-        .map(|&c| chunks.by_ref().take(c).collect())
-        .collect();
-    Ok(StepOutput { logits: out })
+    (rows, counts)
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::*;
 use crate::kv::events::KvEventPublisher;
 use crate::sampler::{SamplerState, SamplingParams};
+use crate::sequence::NewSequence;
 
 fn sched(
     num_blocks: usize,
@@ -28,16 +29,16 @@ fn sched(
 }
 
 fn seq(id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Sequence {
-    Sequence::new(
+    Sequence::new(NewSequence {
         id,
-        Arc::from(format!("r{id}")),
-        0,
-        prompt,
+        request_id: Arc::from(format!("r{id}")),
+        index: 0,
+        tokens: prompt,
         max_tokens,
-        id,
-        Arc::new(SamplingParams::greedy()),
-        SamplerState::new(0, 0),
-    )
+        arrival: id,
+        params: Arc::new(SamplingParams::greedy()),
+        sampler: SamplerState::new(0, 0),
+    })
 }
 
 /// Runs one step: marks pieces computed, samples where due, finishes at max_tokens.

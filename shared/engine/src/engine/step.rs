@@ -1,0 +1,219 @@
+//! One engine step: schedule, send the prefill blocks already complete, run the backend's
+//! forward pass over the scheduled pieces, then mark them computed and sample (on the device or
+//! here), emit, and step the beam groups whose beams all have their rows.
+
+use super::core::Core;
+use crate::backend::{LogitsMode, SeqInput, StepOutput};
+use crate::error::EngineError;
+use crate::sampler::{SampleContext, SamplePlan};
+use crate::scheduler::{ScheduledSeq, Scheduler};
+use crate::sequence::SeqId;
+
+/// What a step's backend call returned: logits rows to sample here, or tokens it sampled.
+enum StepResult {
+    Logits(StepOutput),
+    Tokens(Vec<Option<u32>>),
+}
+
+impl Core {
+    /// One step. Returns false when nothing could be scheduled.
+    pub(super) fn step(&mut self) -> bool {
+        let sch = self.sched.schedule();
+        self.counters.scheduled(&sch);
+        if sch.seqs.is_empty() {
+            // A step that only preempted made room: the next one makes progress.
+            return !sch.preempted.is_empty();
+        }
+        self.counters.stepped();
+        // Blocks complete before this step (a cached prefix, earlier chunks) go out now, so
+        // sending overlaps this step's compute. (A failed send ends its request, which
+        // `live_pieces` then leaves out.)
+        self.flush_prefills(&sch.seqs);
+        let pieces = self.live_pieces(&sch.seqs);
+        let prompt_tokens = self.prompt_tokens_in(&pieces);
+        let result = match self.forward(&pieces) {
+            Ok(r) => r,
+            Err(e) => {
+                self.fail_step(&pieces, &e);
+                return true;
+            }
+        };
+        self.counters.prompt_tokens(prompt_tokens);
+        self.apply(&pieces, &result);
+        true
+    }
+
+    /// The scheduled pieces whose sequence is live. Every scheduled id is (the scheduler only
+    /// schedules its own sequences); this keeps the pieces and the backend rows aligned by
+    /// construction anyway.
+    fn live_pieces(&self, scheduled: &[ScheduledSeq]) -> Vec<ScheduledSeq> {
+        scheduled
+            .iter()
+            .filter(|p| self.sched.get(p.id).is_some())
+            .copied()
+            .collect()
+    }
+
+    /// Tokens at prompt positions among the pieces.
+    fn prompt_tokens_in(&self, pieces: &[ScheduledSeq]) -> usize {
+        pieces
+            .iter()
+            .filter_map(|p| {
+                let s = self.sched.get(p.id)?;
+                Some((p.start + p.len).min(s.prompt_len).saturating_sub(p.start))
+            })
+            .sum()
+    }
+
+    /// The backend's forward pass over the pieces. Sampling happens on the backend's device
+    /// when it can, and no sequence needs its logits row here (logprobs, beam search): the
+    /// plans take each draw's uniform from the sequence's RNG now, exactly as the CPU sampler
+    /// would.
+    fn forward(&mut self, pieces: &[ScheduledSeq]) -> Result<StepResult, EngineError> {
+        let device_plans = self.device_sample_plans(pieces);
+        let inputs = backend_inputs(&self.sched, pieces);
+        match &device_plans {
+            Some(plans) => {
+                let refs: Vec<Option<&SamplePlan>> = plans.iter().map(Option::as_ref).collect();
+                self.backend
+                    .forward_sampled(&inputs, &refs)
+                    .map(StepResult::Tokens)
+            }
+            None => self.backend.forward(&inputs).map(StepResult::Logits),
+        }
+    }
+
+    /// The sampling plans of a step whose sampling the backend does on its device (None:
+    /// sample here, from logits rows). Taking a plan advances the sequence's RNG.
+    fn device_sample_plans(&mut self, pieces: &[ScheduledSeq]) -> Option<Vec<Option<SamplePlan>>> {
+        if !self.backend.samples_on_device() || !self.beams.is_empty() {
+            return None;
+        }
+        let needs_row = pieces.iter().any(|p| {
+            p.sample
+                && self
+                    .sched
+                    .get(p.id)
+                    .is_none_or(|s| s.params.logprobs.is_some() || s.params.use_beam_search)
+        });
+        if needs_row {
+            return None;
+        }
+        let eos = &self.cfg.eos_token_ids;
+        let mut plans = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let plan = if p.sample {
+                let seq = self.sched.get_mut(p.id)?;
+                let ctx = SampleContext {
+                    all_tokens: &seq.tokens,
+                    eos_token_ids: eos,
+                };
+                Some(SamplePlan::new(&seq.params, &mut seq.sampler, &ctx))
+            } else {
+                None
+            };
+            plans.push(plan);
+        }
+        Some(plans)
+    }
+
+    /// A failed forward pass leaves the batch's KV in an unknown state: fails its requests,
+    /// and the engine keeps serving the others.
+    fn fail_step(&mut self, pieces: &[ScheduledSeq], e: &EngineError) {
+        tracing::error!("engine step failed: {e}");
+        let msg = e.to_string();
+        let rids: Vec<String> = pieces
+            .iter()
+            .filter_map(|p| self.requests.request_of(p.id).map(str::to_owned))
+            .collect();
+        for rid in rids {
+            self.fail(&rid, Some(msg.clone()));
+        }
+    }
+
+    /// Marks the pieces computed, sends the prefill blocks they completed, and samples and
+    /// emits where a piece asks for a token; then steps the beam groups that got rows.
+    fn apply(&mut self, pieces: &[ScheduledSeq], result: &StepResult) {
+        let mut beam_reqs: Vec<String> = Vec::new();
+        for (i, p) in pieces.iter().enumerate() {
+            self.sched.mark_computed(p);
+            if self.prefills.contains(p.id) {
+                self.flush_prefill(p.id);
+            }
+            if !p.sample {
+                continue;
+            }
+            match result {
+                // Sampled on the device with this step's plan.
+                StepResult::Tokens(tokens) => {
+                    self.emit_device_token(p.id, tokens.get(i).copied().flatten());
+                }
+                StepResult::Logits(out) => {
+                    if let Some(rid) = self.sample_row(p.id, logits_row(out, i)) {
+                        if !beam_reqs.contains(&rid) {
+                            beam_reqs.push(rid);
+                        }
+                    }
+                }
+            }
+        }
+        for rid in beam_reqs {
+            self.beam_step(&rid);
+        }
+    }
+
+    /// Emits the token the device sampled for `id`, or fails its request when there is none.
+    fn emit_device_token(&mut self, id: SeqId, token: Option<u32>) {
+        match token {
+            Some(t) => self.emit_device_sample(id, t),
+            None => {
+                let msg = "the backend returned no sampled token".to_string();
+                if let Some(rid) = self.requests.request_of(id).map(str::to_owned) {
+                    self.fail(&rid, Some(msg));
+                }
+            }
+        }
+    }
+
+    /// Samples and emits the token of `id` from its row; a beam's row is recorded for its
+    /// group instead, and the group's request id returned.
+    fn sample_row(&mut self, id: SeqId, row: Option<&[f32]>) -> Option<String> {
+        if !self.beams.is_empty() {
+            if let Some(rid) = self.beam_row(id, row) {
+                return Some(rid);
+            }
+        }
+        self.sample_and_emit(id, row);
+        None
+    }
+}
+
+/// The backend rows of the pieces, in order.
+fn backend_inputs<'s>(sched: &'s Scheduler, pieces: &[ScheduledSeq]) -> Vec<SeqInput<'s>> {
+    pieces
+        .iter()
+        .filter_map(|p| {
+            let s = sched.get(p.id)?;
+            Some(SeqInput {
+                tokens: &s.tokens[p.start..p.start + p.len],
+                start_pos: p.start,
+                block_table: s.table.ids(),
+                logits: if p.sample {
+                    LogitsMode::Last
+                } else {
+                    LogitsMode::None
+                },
+            })
+        })
+        .collect()
+}
+
+/// Piece `i`'s logits row. A backend without logits (the simulator) returns no row: the
+/// token is then drawn from the sequence's RNG, still reproducible from the seed.
+fn logits_row(out: &StepOutput, i: usize) -> Option<&[f32]> {
+    out.logits
+        .get(i)
+        .and_then(|rows| rows.last())
+        .filter(|r| !r.is_empty())
+        .map(|r| r.as_slice())
+}
