@@ -382,66 +382,6 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     &want_d,
                     vmax / 256.0 + bf16_tol(&want_d),
                 );
-                // The fused kernel (q/k norms, RoPE and the KV write inside) against
-                // qk_norm_rope_kv + attention_decode on the same rows and pool, at one split
-                // and at several (which block writes the step's K and V), one and two stages.
-                let heads = rope_in.heads();
-                let mut q_ref = dev.upload(&qkv_d)?;
-                let mut p_ref = upload_pool(&host)?;
-                dev.qk_norm_rope_kv(&mut q_ref, ROW, &heads, &maps_dt, &mut p_ref, shape, layer)?;
-                let want_pool = download_pool(dev, &p_ref)?;
-                for launch in [
-                    None,
-                    Some(DecodeLaunch::plain(1, 2)),
-                    Some(DecodeLaunch::plain(3, 1)),
-                ] {
-                    let mut want16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
-                    let plain = launch.unwrap_or(DecodeLaunch::plain(1, 2));
-                    Att::new(&q_ref, &p_ref, &maps_dt, layer).decode(
-                        dev,
-                        &mut want16,
-                        &mut scratch,
-                        false,
-                        plain,
-                    )?;
-                    let want = widen(&dev.download(&want16)?);
-                    let mut p_fused = upload_pool(&host)?;
-                    let mut fused16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
-                    dev.attention_decode_rope(
-                        &mut fused16,
-                        &dqkv_d,
-                        ROW,
-                        &heads,
-                        &mut p_fused,
-                        shape,
-                        layer,
-                        &maps_dt,
-                        scale,
-                        &mut scratch,
-                        launch,
-                    )?;
-                    let how = match launch {
-                        None => "splits as served".to_string(),
-                        Some(l) => format!("{} splits, {} stages", l.splits, l.stages),
-                    };
-                    // The q/k norms sum in another order: a Q or K element may round to
-                    // the next bf16.
-                    rep.add(
-                        "attention_decode_rope",
-                        &format!("{case}, {how}, against qk_norm_rope_kv + attention_decode"),
-                        &widen(&dev.download(&fused16)?),
-                        &want,
-                        2.0 * bf16_tol(&want),
-                    );
-                    rep.add(
-                        "attention_decode_rope",
-                        &format!("{case}, {how}, the step's K and V in the pool"),
-                        &download_pool(dev, &p_fused)?,
-                        &want_pool,
-                        // One bf16 step of the largest values (those in [1, 2) step by 2⁻⁷).
-                        2.0 * bf16_tol(&want_pool),
-                    );
-                }
             }
         }
     }

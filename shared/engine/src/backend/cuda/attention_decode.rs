@@ -1,12 +1,11 @@
 //! Launch wrappers of the tensor-core decode attention (`attention_decode.cu`): the plain
-//! kernel and the fused one that also normalises, rotates and stores the step's q/k/v.
+//! kernel and its cluster variant.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::attention::{TcShape, FA_KEYS, FA_PAD};
 use super::attention_scratch::{AttentionScratch, DecodeLaunch, MAX_CLUSTER, MAX_SPLITS};
 use super::cluster_launch::{ClusterConfig, RawParams};
-use super::ops::HeadNorms;
 use super::{bad, check_len, cuda_err, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps};
 use crate::error::EngineError;
 
@@ -40,80 +39,10 @@ impl CudaDevice {
             maps,
             scale,
         };
-        self.decode_launch(out, pool, &args, scratch, split, launch, None)
+        self.decode_launch(out, pool, &args, scratch, split, launch)
     }
 
-    /// Whether [`Self::attention_decode_rope`] serves the step of `maps`: every row a
-    /// decode row bound for the tensor-core decode kernel (no prefill tile, no row left to
-    /// `attention_fast`).
-    pub fn decode_rope_fits(maps: &TokenMaps) -> bool {
-        maps.tokens > 0 && maps.decode_tc && maps.n_tiles == 0 && maps.n_singles == maps.tokens
-    }
-
-    /// [`Self::qk_norm_rope_kv`] and [`Self::attention_decode`] in one launch, for a step whose
-    /// rows are all decode rows ([`Self::decode_rope_fits`]): each block normalises and
-    /// rotates its q heads from the raw qkv row, and the block whose keys end at the step's own
-    /// position writes that K (normalised, rotated) and V into `pool` before reading its keys.
-    /// `qkv` is left as the GEMM wrote it; `out` is 16-bit. `launch`: splits and stages, or
-    /// `None` for those [`AttentionScratch::decode_launch`] picks.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_decode_rope<O: DeviceElem>(
-        &self,
-        out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        heads: &HeadNorms<'_>,
-        pool: &mut KvPool,
-        shape: PoolShape,
-        layer: usize,
-        maps: &TokenMaps,
-        scale: f32,
-        scratch: &mut AttentionScratch,
-        launch: Option<DecodeLaunch>,
-    ) -> Result<(), EngineError> {
-        let (nq, nkv, hd) = (heads.nq, heads.nkv, heads.head_dim);
-        if O::SUFFIX != "bf16" || !Self::decode_rope_fits(maps) {
-            return Err(bad(format!(
-                "attention_decode_rope: needs a 16-bit output ({} given) and a step of decode \
-                 rows only ({} rows, {} of them decode rows, {} prefill tiles)",
-                O::SUFFIX,
-                maps.tokens,
-                maps.n_singles,
-                maps.n_tiles
-            )));
-        }
-        if nkv != shape.num_kv_heads || hd != shape.head_dim || (nq + 2 * nkv) * hd > row_stride {
-            return Err(bad(format!(
-                "attention_decode_rope: {nq}+2×{nkv} heads of {hd} over row stride {row_stride} \
-                 against a pool of {} KV heads of {}",
-                shape.num_kv_heads, shape.head_dim
-            )));
-        }
-        heads.check_lengths("attention_decode_rope")?;
-        let launch = match launch {
-            Some(l) => l,
-            None => scratch.plain_decode_launch(
-                self,
-                maps.n_singles * nkv,
-                O::SUFFIX,
-                nq / nkv.max(1),
-                hd,
-            )?,
-        };
-        let args = DecodeArgs {
-            qkv,
-            row_stride,
-            shape,
-            layer,
-            nq,
-            maps,
-            scale,
-        };
-        self.decode_launch(out, pool, &args, scratch, false, launch, Some(heads))
-    }
-
-    /// One `attention_decode.cu` launch: the plain kernel, or with `rope` the fused one
-    /// (which also writes the step's K and V into `pool`).
+    /// One `attention_decode.cu` launch: the plain kernel or its cluster variant.
     #[allow(clippy::too_many_arguments)]
     fn decode_launch<O: DeviceElem>(
         &self,
@@ -123,7 +52,6 @@ impl CudaDevice {
         scratch: &mut AttentionScratch,
         split: bool,
         launch: DecodeLaunch,
-        rope: Option<&HeadNorms<'_>>,
     ) -> Result<(), EngineError> {
         let (maps, nq) = (a.maps, a.nq);
         let tc = TcShape::check("attention_decode", pool, a.shape, nq, a.row_stride, a.layer)?;
@@ -139,17 +67,12 @@ impl CudaDevice {
                  (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
             )));
         }
-        if tc.half_kv && rope.is_some() {
-            return Err(bad(
-                "attention_decode: an f16 pool beside bf16 weights has no fused q/k norms".into(),
-            ));
-        }
         // The main program's cluster variant writes 16-bit outputs, the half-KV one's f32 too.
         let cluster_out = O::SUFFIX == "bf16" || tc.half_kv;
-        if cluster && (rope.is_some() || !cluster_out || splits > MAX_CLUSTER) {
+        if cluster && (!cluster_out || splits > MAX_CLUSTER) {
             return Err(bad(format!(
-                "attention_decode: the cluster variant takes a 16-bit output ({} given), no \
-                 fused q/k norms, and at most {MAX_CLUSTER} splits ({splits} given)",
+                "attention_decode: the cluster variant takes a 16-bit output ({} given) and at \
+                 most {MAX_CLUSTER} splits ({splits} given)",
                 O::SUFFIX
             )));
         }
@@ -185,17 +108,12 @@ impl CudaDevice {
         if splits > 1 {
             scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
         }
-        let name = match rope {
-            Some(_) => decode_rope_kernel(group, hd),
-            None => tc.kernel(&decode_kernel(O::SUFFIX, group, hd)),
-        };
-        let f = self.func(&name)?;
+        let f = self.func(&tc.kernel(&decode_kernel(O::SUFFIX, group, hd)))?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, nkv as u32, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: decode_smem_bytes(hd, stages),
         };
-        let null = 0u64;
         let mut b = self.stream.launch_builder(f);
         b.arg(out);
         tc.push_args(&mut b, a.qkv, maps, &maps.singles, &a.scale);
@@ -203,24 +121,10 @@ impl CudaDevice {
             .arg(&scratch.part_ml)
             .arg(&scratch.counters)
             .arg(&lo_off);
-        if let Some(h) = rope {
-            b.arg(h.inv_freq);
-            for n in [h.q_norm, h.k_norm] {
-                match n {
-                    Some(n) => b.arg(n),
-                    None => b.arg(&null),
-                };
-            }
-            b.arg(&h.eps);
-        }
-        // SAFETY: signature matches (the rope arguments only for the fused kernel, whose
-        // norm weights and frequencies the caller checked); shapes checked above; `singles`
-        // holds `rows` valid token indices (built with the maps); with splits > 1 the scratch
-        // holds every partial state and counter the launch touches (ensured above); block ids
-        // were validated by the caller. The fused kernel writes one K and one V row per
-        // (row, KV head) into the pool, at the row's own position of its table: the pool goes
-        // in as a shared borrow, which is sound here because the backend runs one stream with
-        // cudarc's event tracking off (mod.rs), so no read/write ordering rests on it.
+        // SAFETY: signature matches; shapes checked above; `singles` holds `rows` valid token
+        // indices (built with the maps); with splits > 1 the scratch holds every partial state
+        // and counter the launch touches (ensured above); block ids were validated by the
+        // caller.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_decode"))?;
         Ok(())
     }
@@ -275,16 +179,10 @@ pub(super) fn decode_cluster_kernel(out: &str, group: usize, head_dim: usize) ->
     decode_kernel(out, group, head_dim).replace("attention_decode_", "attention_decode_cluster_")
 }
 
-/// The fused (q/k norm, RoPE and KV write) `attention_decode.cu` kernel for a group size and a
-/// head size; 16-bit output only.
-pub(super) fn decode_rope_kernel(group: usize, head_dim: usize) -> String {
-    decode_kernel("bf16", group, head_dim).replace("attention_decode_", "attention_decode_rope_")
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::attention::prefill_smem_bytes;
-    use super::{decode_cluster_kernel, decode_kernel, decode_rope_kernel, decode_smem_bytes};
+    use super::{decode_cluster_kernel, decode_kernel, decode_smem_bytes};
 
     #[test]
     fn decode_shared_memory_holds_its_stages_and_merge_area() {
@@ -320,14 +218,6 @@ mod tests {
         assert_eq!(
             decode_cluster_kernel("f32", 16, 64),
             "attention_decode_cluster_f32_n16_hd64"
-        );
-        assert_eq!(
-            decode_rope_kernel(2, 128),
-            "attention_decode_rope_bf16_n8_hd128"
-        );
-        assert_eq!(
-            decode_rope_kernel(16, 64),
-            "attention_decode_rope_bf16_n16_hd64"
         );
     }
 }

@@ -16,9 +16,7 @@ use super::graphs::{replay_seconds, run_step, GraphCache, GraphStats};
 pub use super::precision::ComputeMode;
 use super::precision::PoolElem;
 use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Workspace};
-use super::switches::{
-    decode_fusion_from_env, decode_tc_min, pdl_from_env, tiled_prefill_attention, DecodeFusion,
-};
+use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
 use super::weights::{upload_weights, DeviceWeights};
 use super::{AttentionScratch, CudaDevice, KvPool, PoolShape};
 use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
@@ -53,9 +51,6 @@ pub struct CudaOptions {
     /// into CUDA graphs, one per batch size, on their second occurrence, and replayed
     /// after (`cuda_graph_config.max_batch_size`; 0 turns graphs off).
     pub graph_max_batch: usize,
-    /// The decode-step fusions; `None` reads `TANDEM_CUDA_DECODE_FUSION`
-    /// ([`super::switches::DECODE_FUSION_ENV`]).
-    pub decode_fusion: Option<DecodeFusion>,
 }
 
 /// The decoder on one GPU.
@@ -183,11 +178,6 @@ impl CudaBackend {
         // Programmatic launch in decode graphs where the GPU and driver have it (asked for
         // or not, TANDEM_CUDA_PDL is checked so a bad value is an error everywhere).
         let pdl = pdl_from_env()? && dev.pdl_capable();
-        let decode_fusion = match opts.decode_fusion {
-            Some(f) => f,
-            None => decode_fusion_from_env()?,
-        };
-        dev.set_early_gemv_weights(decode_fusion.early_weights);
         let per_block = layout.block_bytes();
         let num_blocks = match opts.pool {
             PoolSize::Blocks(n) => n,
@@ -242,7 +232,6 @@ impl CudaBackend {
                 inv_freq,
                 scratch,
                 inputs,
-                decode_fusion,
             },
             ws,
             layout,

@@ -8,11 +8,8 @@ use cudarc::driver::CudaSlice;
 use super::gemm::GemvInput;
 use super::ops::HeadNorms;
 use super::sampling::SamplingInputs;
-use super::switches::DecodeFusion;
 pub(super) use super::workspace::{dims, AnyWorkspace, Workspace};
-use super::{
-    AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, QkvRope, TokenMaps,
-};
+use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps};
 use crate::backend::{LogitsMode, SeqInput};
 use crate::error::EngineError;
 use crate::model::config::ModelConfig;
@@ -44,8 +41,6 @@ pub(super) struct DeviceModel {
     pub(super) inv_freq: CudaSlice<f32>,
     pub(super) scratch: AttentionScratch,
     pub(super) inputs: StepInputs,
-    /// Which decode-step fusions are on ([`super::switches::DECODE_FUSION_ENV`]).
-    pub(super) decode_fusion: DecodeFusion,
 }
 
 /// What a step brings back from the device.
@@ -204,10 +199,6 @@ impl DeviceModel {
                 Ok(())
             }
         };
-        // A step of decode rows only: the decode attention normalises and rotates q and k and
-        // writes the step's K and V itself.
-        let rope_in_attention =
-            self.decode_fusion.rope && !split && CudaDevice::decode_rope_fits(&inputs.maps);
         let gemv_in = if split {
             GemvInput::F32
         } else {
@@ -236,29 +227,10 @@ impl DeviceModel {
                 k_norm: lw.k_norm.as_ref(),
                 eps,
             };
-            // The q/k norms, RoPE and KV write in the tail of the qkv GEMV.
-            let rope_in_gemv = fused
-                && !rope_in_attention
-                && self.decode_fusion.qkv_rope
-                && lw.qkv_bias.is_none()
-                && QkvRope::fits(
-                    &heads,
-                    &self.pool,
-                    self.scratch.head_counters.len(),
-                    gemv_in,
-                );
             // The previous layer's MLP output joins the residual stream here (fused add).
             let residual = (l > 0).then_some(&ws.proj);
             let mut qkv_unfolded = false;
             if fused {
-                let rope = rope_in_gemv.then_some(QkvRope {
-                    heads: &heads,
-                    maps: &inputs.maps,
-                    pool: &mut self.pool,
-                    shape: self.shape,
-                    layer: l,
-                    counters: &self.scratch.head_counters,
-                });
                 dev.norm_gemv(
                     &mut ws.qkv,
                     &ws.x,
@@ -272,8 +244,6 @@ impl DeviceModel {
                     qkv_w,
                     false,
                     gemv_in,
-                    Some(&lw.o_proj),
-                    rope,
                 )?;
             } else {
                 dev.rms_norm_split_residual(
@@ -285,15 +255,7 @@ impl DeviceModel {
                     eps,
                     split,
                 )?;
-                dev.matmul_t_before(
-                    &ws.normed,
-                    m,
-                    h,
-                    &lw.qkv,
-                    qkv_w,
-                    &mut ws.qkv,
-                    Some(&lw.o_proj),
-                )?;
+                dev.matmul_t(&ws.normed, m, h, &lw.qkv, qkv_w, &mut ws.qkv)?;
                 // Folded by qk_norm_rope_kv, unless a bias comes first.
                 if lw.qkv_bias.is_some() {
                     fold(dev, &mut ws.qkv, t * qkv_w)?;
@@ -304,55 +266,35 @@ impl DeviceModel {
             if let Some(b) = &lw.qkv_bias {
                 dev.bias_add(&mut ws.qkv, b, t)?;
             }
-            if rope_in_attention {
-                dev.attention_decode_rope(
-                    &mut ws.attn,
-                    &ws.qkv,
-                    qkv_w,
-                    &heads,
-                    &mut self.pool,
-                    self.shape,
-                    l,
-                    &inputs.maps,
-                    scale,
-                    &mut self.scratch,
-                    None,
+            // RoPE'd K and V into the pool in the same launch.
+            dev.qk_norm_rope_kv_split_input(
+                &mut ws.qkv,
+                qkv_unfolded,
+                qkv_w,
+                &heads,
+                &inputs.maps,
+                &mut self.pool,
+                self.shape,
+                l,
+            )?;
+            let (pool, shape, maps) = (&self.pool, self.shape, &inputs.maps);
+            if f32_rows {
+                let out = &mut ws.attn_f32;
+                let scratch = &mut self.scratch;
+                dev.attention(
+                    out, &ws.qkv, qkv_w, pool, shape, l, nq, maps, scale, scratch, false,
                 )?;
             } else {
-                if !rope_in_gemv {
-                    // RoPE'd K and V into the pool in the same launch.
-                    dev.qk_norm_rope_kv_split_input(
-                        &mut ws.qkv,
-                        qkv_unfolded,
-                        qkv_w,
-                        &heads,
-                        &inputs.maps,
-                        &mut self.pool,
-                        self.shape,
-                        l,
-                    )?;
-                }
-                let (pool, shape, maps) = (&self.pool, self.shape, &inputs.maps);
-                if f32_rows {
-                    let out = &mut ws.attn_f32;
-                    let scratch = &mut self.scratch;
-                    dev.attention(
-                        out, &ws.qkv, qkv_w, pool, shape, l, nq, maps, scale, scratch, false,
-                    )?;
-                } else {
-                    let out = &mut ws.attn;
-                    let scratch = &mut self.scratch;
-                    dev.attention(
-                        out, &ws.qkv, qkv_w, pool, shape, l, nq, maps, scale, scratch, split,
-                    )?;
-                }
+                let out = &mut ws.attn;
+                let scratch = &mut self.scratch;
+                dev.attention(
+                    out, &ws.qkv, qkv_w, pool, shape, l, nq, maps, scale, scratch, split,
+                )?;
             }
             if f32_rows {
-                let next = Some(&lw.gate_up);
-                dev.matmul_t_before(&ws.attn_f32, t, qd, &lw.o_proj, h, &mut ws.proj, next)?;
+                dev.matmul_t(&ws.attn_f32, t, qd, &lw.o_proj, h, &mut ws.proj)?;
             } else {
-                let next = Some(&lw.gate_up);
-                dev.matmul_t_before(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj, next)?;
+                dev.matmul_t(&ws.attn, m, qd, &lw.o_proj, h, &mut ws.proj)?;
                 // Folded by the next norm, unless a bias comes first.
                 if lw.o_bias.is_some() {
                     fold(dev, &mut ws.proj, t * h)?;
@@ -363,18 +305,14 @@ impl DeviceModel {
             if let Some(b) = &lw.o_bias {
                 dev.bias_add(&mut ws.proj, b, t)?;
             }
-            // The next layer's qkv weights (none after the last: the lm_head's 311 MB at the
-            // 0.6B shape would not fit L2).
-            let next_qkv = self.layers.get(l + 1).map(|n| &n.qkv);
             if f32_rows {
                 let (x2, proj) = (&ws.x2, Some(&ws.proj));
                 let (norm, gu) = (&lw.post_norm, &lw.gate_up);
-                let down = Some(&lw.down);
                 let out = &mut ws.act_f32;
                 dev.norm_gemv(
-                    out, x2, proj, &mut ws.x, norm, eps, gu, t, h, im, true, gemv_in, down, None,
+                    out, x2, proj, &mut ws.x, norm, eps, gu, t, h, im, true, gemv_in,
                 )?;
-                dev.matmul_t_before(&ws.act_f32, t, im, &lw.down, h, &mut ws.proj, next_qkv)?;
+                dev.matmul_t(&ws.act_f32, t, im, &lw.down, h, &mut ws.proj)?;
                 continue;
             }
             if fused {
@@ -391,8 +329,6 @@ impl DeviceModel {
                     im,
                     true,
                     gemv_in,
-                    Some(&lw.down),
-                    None,
                 )?;
             } else {
                 dev.rms_norm_split_residual(
@@ -404,18 +340,10 @@ impl DeviceModel {
                     eps,
                     split,
                 )?;
-                dev.matmul_t_before(
-                    &ws.normed,
-                    m,
-                    h,
-                    &lw.gate_up,
-                    2 * im,
-                    &mut ws.gu,
-                    Some(&lw.down),
-                )?;
+                dev.matmul_t(&ws.normed, m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
                 dev.silu_mul_split_input(&mut ws.act, &ws.gu, split, t, im, split)?;
             }
-            dev.matmul_t_before(&ws.act, m, im, &lw.down, h, &mut ws.proj, next_qkv)?;
+            dev.matmul_t(&ws.act, m, im, &lw.down, h, &mut ws.proj)?;
             proj_unfolded = split;
         }
         if r == 0 {
@@ -423,35 +351,11 @@ impl DeviceModel {
         }
         let v = cfg.vocab_size;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        // Every row wanted (rows are increasing, so r == t means all of them in order) in a
-        // step of one or two rows: the final norm rides in the lm_head GEMV, reading the
-        // stream where the last layer left it (`x` plus the MLP output in `proj`).
-        let final_in_gemv = self.decode_fusion.final_norm
-            && r == t
-            && !self.layers.is_empty()
-            && dev.norm_gemv_fits(t, h, head, gemv_in);
-        if proj_unfolded && (final_in_gemv || r < t) {
+        if proj_unfolded && r < t {
             fold(dev, &mut ws.proj, t * h)?;
             proj_unfolded = false;
         }
-        if final_in_gemv {
-            dev.norm_gemv(
-                &mut ws.logits,
-                &ws.x,
-                Some(&ws.proj),
-                &mut ws.x2,
-                &self.norm,
-                eps,
-                head,
-                t,
-                h,
-                v,
-                false,
-                gemv_in,
-                None,
-                None,
-            )?;
-        } else {
+        {
             // The final norm (with its fused add of the last MLP output) and the lm_head GEMM
             // on the wanted rows alone: all of them in place (r == t, decode steps), else
             // gathered first.
