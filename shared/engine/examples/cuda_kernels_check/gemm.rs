@@ -2,7 +2,7 @@
 
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
-use tandem_engine::backend::cuda::{DeviceMatrix, GemvInput};
+use tandem_engine::backend::cuda::{DeviceMatrix, GemvInput, GemvWeights, ResidualRows};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
@@ -91,7 +91,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             );
             let mut x_ref = dev.upload(&x)?;
             let mut normed = dev.zeros::<u16>(m * k)?;
-            dev.rms_norm(&mut normed, &mut x_ref, Some(&dres), &dnw, m, EPS, false)?;
+            dev.rms_norm(&mut normed, &mut x_ref, Some(&dres), norm(&dnw), m, false)?;
             let mut gemm = dev.zeros::<f32>(m * w_rows)?;
             dev.matmul_t(&normed, m, k, &dwm, w_rows, &mut gemm)?;
             let mut x_out = dev.zeros::<f32>(m * k)?;
@@ -102,16 +102,19 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                 let mut fused = dev.zeros::<u16>(m * n)?;
                 dev.norm_gemv(
                     &mut fused,
-                    &dx,
-                    Some(&dres),
-                    &mut x_out,
-                    &dnw,
-                    EPS,
-                    &dwm,
-                    m,
-                    k,
-                    n,
-                    true,
+                    ResidualRows {
+                        x: &dx,
+                        residual: Some(&dres),
+                        x_out: &mut x_out,
+                        m,
+                        k,
+                    },
+                    norm(&dnw),
+                    GemvWeights {
+                        w: &dwm,
+                        n,
+                        silu: true,
+                    },
                     GemvInput::Bf16,
                 )?;
                 (widen(&dev.download(&fused)?), widen(&dev.download(&act)?))
@@ -119,16 +122,19 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                 let mut fused = dev.zeros::<f32>(m * n)?;
                 dev.norm_gemv(
                     &mut fused,
-                    &dx,
-                    Some(&dres),
-                    &mut x_out,
-                    &dnw,
-                    EPS,
-                    &dwm,
-                    m,
-                    k,
-                    n,
-                    false,
+                    ResidualRows {
+                        x: &dx,
+                        residual: Some(&dres),
+                        x_out: &mut x_out,
+                        m,
+                        k,
+                    },
+                    norm(&dnw),
+                    GemvWeights {
+                        w: &dwm,
+                        n,
+                        silu: false,
+                    },
                     GemvInput::Bf16,
                 )?;
                 (dev.download(&fused)?, dev.download(&gemm)?)
@@ -213,16 +219,15 @@ fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
                 let mut x_out = dev.zeros::<f32>(m * k)?;
                 dev.norm_gemv(
                     &mut out,
-                    &dx,
-                    Some(&dres),
-                    &mut x_out,
-                    &dnw,
-                    EPS,
-                    &dwm,
-                    m,
-                    k,
-                    n,
-                    silu,
+                    ResidualRows {
+                        x: &dx,
+                        residual: Some(&dres),
+                        x_out: &mut x_out,
+                        m,
+                        k,
+                    },
+                    norm(&dnw),
+                    GemvWeights { w: &dwm, n, silu },
                     GemvInput::F32,
                 )?;
                 let tol = want.iter().fold(0.0f32, |a, v| a.max(v.abs())) * 1e-5 + 1e-4;

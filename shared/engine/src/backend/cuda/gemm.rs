@@ -4,6 +4,7 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use super::ops::Norm;
 use super::{check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix};
 use crate::error::EngineError;
 
@@ -30,10 +31,7 @@ impl CudaDevice {
             return Err(EngineError::Backend(format!(
                 "GEMM of {} activations with {} weights is not supported",
                 X::SUFFIX,
-                match w {
-                    DeviceMatrix::F32(_) => "f32",
-                    DeviceMatrix::Bf16(_) => "bf16",
-                }
+                w.elem_name()
             )));
         }
         if m == 0 || n == 0 {
@@ -159,7 +157,6 @@ const GEMV_WARPS: usize = 8;
 impl CudaDevice {
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ `rows` by `gemv.cu` (bf16 weights, `input`
     /// rows, f32 out); shapes and element types checked by the caller (`X` is `input`).
-    #[allow(clippy::too_many_arguments)]
     fn gemv_bf16<X: DeviceElem>(
         &self,
         x: &CudaSlice<X>,
@@ -204,88 +201,58 @@ impl CudaDevice {
 
     /// A decode step's RMSNorm and GEMV in one launch (`gemv.cu`'s `gemv_norm_*`): the rows
     /// `x + residual` (stored to `x_out`, the residual stream's other buffer) normalised by
-    /// `norm_w`, rounded to bf16 (`input` bf16) or kept in f32, times `wᵀ` into `out[m, n]`
-    /// (f32). With `silu`, `w` holds the gate and up rows interleaved (2n rows) and `out` gets
-    /// silu(gate) · up in the `input` type. Shapes must pass [`Self::norm_gemv_fits`].
-    #[allow(clippy::too_many_arguments)]
+    /// `norm`, rounded to bf16 (`input` bf16) or kept in f32, times the weights' transpose into
+    /// `out[m, n]` (f32). With `weights.silu`, `out` gets silu(gate) · up in the `input` type.
+    /// Shapes must pass [`Self::norm_gemv_fits`].
     pub fn norm_gemv<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        x: &CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        x_out: &mut CudaSlice<f32>,
-        norm_w: &CudaSlice<f32>,
-        eps: f32,
-        w: &DeviceMatrix,
-        m: usize,
-        k: usize,
-        n: usize,
-        silu: bool,
+        rows: ResidualRows<'_>,
+        norm: Norm<'_>,
+        weights: GemvWeights<'_>,
         input: GemvInput,
     ) -> Result<(), EngineError> {
-        let (DeviceMatrix::Bf16(ws), Some(rows), true) =
-            (w, gemv_rows(m, k), self.norm_gemv_fits(m, k, w, input))
-        else {
+        let (m, k, n) = (rows.m, rows.k, weights.n);
+        let (DeviceMatrix::Bf16(ws), Some(instance), true) = (
+            weights.w,
+            gemv_rows(m, k),
+            self.norm_gemv_fits(m, k, weights.w, input),
+        ) else {
             return Err(EngineError::Backend(format!(
                 "norm_gemv: {m} rows of {k} over {} weights is not a fused-GEMV shape",
-                match w {
-                    DeviceMatrix::F32(_) => "f32",
-                    DeviceMatrix::Bf16(_) => "bf16",
-                }
+                weights.w.elem_name()
             )));
         };
-        let want_out = match (silu, input) {
-            (true, GemvInput::Bf16) => "bf16",
-            _ => "f32",
-        };
-        if O::SUFFIX != want_out {
-            return Err(EngineError::Backend(format!(
-                "norm_gemv: {} output, expected {want_out}",
-                O::SUFFIX
-            )));
-        }
+        check_norm_gemv_output::<O>(weights.silu, input)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
-        check_len("norm_gemv x", x.len(), m * k)?;
-        if let Some(r) = residual {
-            check_len("norm_gemv residual", r.len(), m * k)?;
-        }
-        check_len("norm_gemv x_out", x_out.len(), m * k)?;
-        check_len("norm_gemv norm weight", norm_w.len(), k)?;
-        let w_rows = if silu { 2 * n } else { n };
-        if ws.len() != w_rows * k {
-            return Err(EngineError::Backend(format!(
-                "norm_gemv: weights of {} elements, expected {w_rows} × {k}",
-                ws.len()
-            )));
-        }
+        rows.check_lengths(norm)?;
+        weights.check_len(ws.len(), k)?;
         check_len("norm_gemv out", out.len(), m * n)?;
-        let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
-        let silu_part = if silu { "_silu" } else { "" };
-        let early = gemv_variant(rows);
+        let ints = [to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?];
+        let silu_part = if weights.silu { "_silu" } else { "" };
+        let early = gemv_variant(instance);
         let rows_type = input.kernel_part();
-        let name = format!("gemv_norm{silu_part}{early}_{rows_type}_m{rows}");
-        let f = self.func(&name)?;
+        let f = self.func(&format!(
+            "gemv_norm{silu_part}{early}_{rows_type}_m{instance}"
+        ))?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: (rows * k * input.bytes()) as u32,
+            shared_mem_bytes: (instance * k * input.bytes()) as u32,
         };
         let null = 0u64;
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(x);
-        match residual {
+        b.arg(out).arg(rows.x);
+        match rows.residual {
             Some(r) => b.arg(r),
             None => b.arg(&null),
         };
-        b.arg(x_out)
-            .arg(norm_w)
-            .arg(&eps)
-            .arg(ws)
-            .arg(&mi)
-            .arg(&ni)
-            .arg(&ki);
+        b.arg(rows.x_out).arg(norm.w).arg(&norm.eps).arg(ws);
+        for v in &ints {
+            b.arg(v);
+        }
         // SAFETY: signature matches; every buffer's length was checked above (x, residual and
         // x_out m·k, w (silu ? 2n : n)·k, out m·n), k is a multiple of 8 and the buffers'
         // starts are 256-byte aligned for the 16-byte weight loads; the shared memory holds
@@ -293,4 +260,65 @@ impl CudaDevice {
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_norm"))?;
         Ok(())
     }
+}
+
+/// The rows a fused norm GEMV reads and where it leaves their sum: `m` rows of `k`, `x` plus
+/// `residual` (the last output into the residual stream, if any), stored to `x_out`.
+pub struct ResidualRows<'a> {
+    pub x: &'a CudaSlice<f32>,
+    pub residual: Option<&'a CudaSlice<f32>>,
+    pub x_out: &'a mut CudaSlice<f32>,
+    pub m: usize,
+    pub k: usize,
+}
+
+impl ResidualRows<'_> {
+    /// Every buffer holds the m·k rows, the norm one weight per element of a row.
+    fn check_lengths(&self, norm: Norm<'_>) -> Result<(), EngineError> {
+        let mk = self.m * self.k;
+        check_len("norm_gemv x", self.x.len(), mk)?;
+        if let Some(r) = self.residual {
+            check_len("norm_gemv residual", r.len(), mk)?;
+        }
+        check_len("norm_gemv x_out", self.x_out.len(), mk)?;
+        check_len("norm_gemv norm weight", norm.w.len(), self.k)
+    }
+}
+
+/// A fused norm GEMV's weights: `n` output columns; with `silu`, `w` holds the gate and up
+/// rows interleaved (2n rows, as the backend loads gate_up) and the epilogue is SiLU·mul.
+#[derive(Clone, Copy)]
+pub struct GemvWeights<'a> {
+    pub w: &'a DeviceMatrix,
+    pub n: usize,
+    pub silu: bool,
+}
+
+impl GemvWeights<'_> {
+    /// The weights hold their rows (`n`, or `2n` with SiLU) of `k`.
+    fn check_len(&self, len: usize, k: usize) -> Result<(), EngineError> {
+        let w_rows = if self.silu { 2 * self.n } else { self.n };
+        if len != w_rows * k {
+            return Err(EngineError::Backend(format!(
+                "norm_gemv: weights of {len} elements, expected {w_rows} × {k}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The output a fused norm GEMV writes: bf16 for SiLU·mul over bf16 rows (the down
+/// projection's input), else f32; `O` must be it.
+fn check_norm_gemv_output<O: DeviceElem>(silu: bool, input: GemvInput) -> Result<(), EngineError> {
+    let want_out = match (silu, input) {
+        (true, GemvInput::Bf16) => "bf16",
+        _ => "f32",
+    };
+    if O::SUFFIX != want_out {
+        return Err(EngineError::Backend(format!(
+            "norm_gemv: {} output, expected {want_out}",
+            O::SUFFIX
+        )));
+    }
+    Ok(())
 }

@@ -25,6 +25,7 @@ mod attention_decode;
 mod attention_scratch;
 pub mod backend;
 mod cluster_launch;
+mod forward;
 mod gemm;
 mod graphs;
 pub mod kernels;
@@ -39,11 +40,14 @@ mod token_maps;
 mod weights;
 mod workspace;
 
+pub use attention::AttentionInputs;
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
-pub use gemm::GemvInput;
+pub use gemm::{GemvInput, GemvWeights, ResidualRows};
 pub use graphs::GraphStats;
+pub use ops::Norm;
 pub use profile::LaunchTime;
+pub use rope_kv::KvTarget;
 pub use token_maps::{DevAddr, DeviceList, TokenMaps};
 
 use std::collections::HashMap;
@@ -168,6 +172,14 @@ impl DeviceBuf {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The element's name in errors: `f32` or `bf16`.
+    pub fn elem_name(&self) -> &'static str {
+        match self {
+            DeviceBuf::F32(_) => "f32",
+            DeviceBuf::Bf16(_) => "bf16",
+        }
     }
 }
 
