@@ -36,8 +36,8 @@ fn choice<T: Copy>(name: &str, choices: &[(&str, T)]) -> Result<T, EngineError> 
 
 /// `TANDEM_CUDA_PREFILL_ATTENTION`: `tiled` (the default: prefill chunks on tensor cores
 /// where the shape allows) or `fast` (every token by `attention_fast`, for comparisons).
-/// `fast` stays: `attention_fast` is the kernel every shape the tiles cannot take (f32 and
-/// split modes, f32 pools) runs anyway, so forcing it costs no code of its own.
+/// `fast` stays: `attention_fast` runs anyway wherever the tiles cannot (the f32 mode, the
+/// bf16x2 mode over an f32 or bf16 cache), so forcing it costs no code of its own.
 pub const PREFILL_ATTENTION_ENV: &str = "TANDEM_CUDA_PREFILL_ATTENTION";
 
 pub(super) fn tiled_prefill_attention() -> Result<bool, EngineError> {
@@ -47,7 +47,8 @@ pub(super) fn tiled_prefill_attention() -> Result<bool, EngineError> {
 /// `TANDEM_CUDA_DECODE_ATTENTION`: `tiled` (the default: the decode rows of a 16-bit step
 /// through the tensor-core decode kernel, measured faster on an H200 from one row on: batch 1
 /// 893 against 822 tok/s) or `split` (the CUDA-core split kernel, for comparisons).
-/// `split` stays: that kernel serves the decode rows of the f32 and split modes anyway.
+/// `split` stays: that kernel serves the decode rows wherever the tensor cores cannot (the f32
+/// mode, the bf16x2 mode over an f32 or bf16 cache) anyway.
 pub const DECODE_ATTENTION_ENV: &str = "TANDEM_CUDA_DECODE_ATTENTION";
 
 /// The fewest decode rows a step sends to the tensor-core decode kernel (see
