@@ -35,7 +35,6 @@ mod check {
     use serde_json::{json, Value};
     use tandem_engine::backend::cpu::CpuBackend;
     use tandem_engine::backend::cpu_ops::Matrix;
-    use tandem_engine::backend::cuda::switches::DecodeFusion;
     use tandem_engine::backend::cuda::{
         ComputeMode, CudaBackend, CudaDevice, CudaOptions, PoolSize,
     };
@@ -110,23 +109,14 @@ mod check {
         let w = Arc::new(w);
         let mut all_pass = true;
         let mut runs: Vec<Value> = Vec::new();
-        // The bf16 and f16 modes run twice: the separate launches, then every decode-step
-        // fusion of TANDEM_CUDA_DECODE_FUSION on (the same tolerance). The tiny model's head
-        // size (16) keeps its attention off tensor cores, so of those only the final norm in
-        // the lm_head GEMV and the early GEMV weights run here; the fused decode attention is
-        // covered by the kernel checks and the model stage.
-        let fused = DecodeFusion::parse("on")?;
-        let off = DecodeFusion::default();
-        for (mode, kv, fusion) in [
-            (ComputeMode::F32, KvDtype::F32, off),
-            (ComputeMode::F32, KvDtype::Bf16, off),
-            (ComputeMode::Bf16, KvDtype::Bf16, off),
-            (ComputeMode::Bf16, KvDtype::Bf16, fused),
-            (ComputeMode::Bf16Split, KvDtype::F32, off),
+        for (mode, kv) in [
+            (ComputeMode::F32, KvDtype::F32),
+            (ComputeMode::F32, KvDtype::Bf16),
+            (ComputeMode::Bf16, KvDtype::Bf16),
+            (ComputeMode::Bf16Split, KvDtype::F32),
             // bf16 weights beside an f16 cache (the kernels' h16_t pool).
-            (ComputeMode::Bf16Split, KvDtype::F16, off),
-            (ComputeMode::F16, KvDtype::F16, off),
-            (ComputeMode::F16, KvDtype::F16, fused),
+            (ComputeMode::Bf16Split, KvDtype::F16),
+            (ComputeMode::F16, KvDtype::F16),
         ] {
             // bf16 mode rounds the weights to bf16 on upload; the CPU reference gets the same
             // rounded weights, so the comparison measures the bf16 activations alone.
@@ -158,7 +148,6 @@ mod check {
                 // The single-sequence greedy steps are captured and replayed from their
                 // second occurrence on, so the check covers graph replays too.
                 graph_max_batch: 8,
-                decode_fusion: Some(fusion),
             };
             let mut gpu = CudaBackend::from_parts(dev, cfg.clone(), &w_run, "tiny".into(), &opts)?;
             let tol = match (mode, kv) {
@@ -323,7 +312,6 @@ mod check {
             runs.push(json!({
                 "mode": format!("{mode:?}"),
                 "kv_dtype": kv.to_string(),
-                "decode_fusion": format!("{fusion:?}"),
                 "device_argmax_mismatches": device_argmax_mismatches,
                 "device_sample_mismatches": device_sample_mismatches,
                 "graphs": {"captured": gs.captured, "refused": gs.refused, "replays": gs.replays,

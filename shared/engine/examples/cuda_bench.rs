@@ -184,7 +184,6 @@ mod bench {
             pool: PoolSize::Blocks(blocks),
             max_step_tokens: MAX_STEP_TOKENS,
             graph_max_batch: graphs,
-            decode_fusion: None,
         };
         let mut gpu = CudaBackend::new(&model, &opts).map_err(e)?;
         let bw = bandwidth(gpu.device())?;

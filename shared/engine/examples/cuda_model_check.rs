@@ -9,8 +9,7 @@
 //!
 //! `scripts/gpu/compare_logits.py` then computes the figures. Usage:
 //! `cuda_model_check --model DIR --cases cases.json --out-dir OUT [--mode bf16|bf16x2|f32]
-//!  [--kv-dtype bf16|f16|f32] [--decode-fusion off|on|rope,final-norm,early-weights]` (the fusions
-//!  of `TANDEM_CUDA_DECODE_FUSION`, which applies when the flag is absent)
+//!  [--kv-dtype bf16|f16|f32]`
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -32,7 +31,6 @@ mod run {
     use std::path::PathBuf;
     use std::time::Instant;
 
-    use tandem_engine::backend::cuda::switches::DecodeFusion;
     use tandem_engine::backend::cuda::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
     use tandem_engine::backend::{Backend, LogitsMode, SeqInput};
     use tandem_engine::kv::layout::KvDtype;
@@ -50,14 +48,12 @@ mod run {
         out: PathBuf,
         mode: ComputeMode,
         kv: KvDtype,
-        fusion: Option<DecodeFusion>,
     }
 
     fn args() -> Res<Args> {
         let mut a = std::env::args().skip(1);
         let (mut model, mut cases, mut out, mut mode) = (None, None, None, ComputeMode::Bf16);
         let mut kv = None;
-        let mut fusion = None;
         while let Some(k) = a.next() {
             let mut v = || a.next().ok_or(format!("{k} needs a value"));
             match k.as_str() {
@@ -83,11 +79,6 @@ mod run {
                             .map_err(|e| format!("--kv-dtype: {e}"))?,
                     )
                 }
-                "--decode-fusion" => {
-                    fusion = Some(
-                        DecodeFusion::parse(&v()?).map_err(|e| format!("--decode-fusion: {e}"))?,
-                    )
-                }
                 other => return Err(format!("unknown argument {other}")),
             }
         }
@@ -98,7 +89,6 @@ mod run {
             mode,
             // The mode's own 16-bit pool unless asked otherwise.
             kv: kv.unwrap_or(mode.kv_dtype16()),
-            fusion,
         })
     }
 
@@ -147,7 +137,6 @@ mod run {
             max_step_tokens: TF_GROUP * longest,
             // The greedy decode of all prompts replays a captured graph.
             graph_max_batch: 128,
-            decode_fusion: a.fusion,
         };
         let mut gpu = CudaBackend::new(&model, &opts).map_err(|e| e.to_string())?;
         let vocab = gpu.vocab_size();
@@ -237,7 +226,6 @@ mod run {
             "device": gpu.device().name(),
             "mode": format!("{:?}", a.mode),
             "kv_dtype": a.kv.to_string(),
-            "decode_fusion": a.fusion.map(|f| format!("{f:?}")),
             "prompts": prompts.len(),
             "steps": steps,
             "load_s": load_s,

@@ -178,8 +178,6 @@ fn build_cuda_engine(
                     .cuda_graph_config
                     .as_ref()
                     .map_or(0, |g| g.max_batch_size as usize),
-                // TANDEM_CUDA_DECODE_FUSION, checked at start-up.
-                decode_fusion: None,
             };
             let backend = CudaBackend::new(model, &cuda)?;
             let Some(t) = transport else {

@@ -3,7 +3,7 @@
 use cudarc::driver::CudaSlice;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot};
 use tandem_engine::backend::cuda::{
-    AttentionScratch, CudaDevice, DecodeLaunch, DeviceElem, KvPool, TokenMaps,
+    AttentionInputs, AttentionScratch, CudaDevice, DecodeLaunch, DeviceElem, KvPool, TokenMaps,
 };
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
@@ -18,7 +18,6 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
     let (seq_refs, tokens) = step_tokens(&seqs);
     let t = tokens.len();
     let rope_in = rope_inputs(dev, rng)?;
-    let RopeInputs { dinv, dqn, dkn, .. } = &rope_in;
     let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
     // KV write and paged attention, f32 and bf16 pools.
     let shape = POOL_SHAPE;
@@ -75,20 +74,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
             let heads = rope_in.heads();
             let (mut q1, mut q2) = (dev.upload(&qkv)?, dev.upload(&qkv)?);
             let (mut p1, mut p2) = (upload_pool(&host)?, upload_pool(&host)?);
-            dev.qk_norm_rope(
-                &mut q1,
-                ROW,
-                NQ,
-                NKV,
-                HD,
-                &maps,
-                dinv,
-                Some(dqn),
-                Some(dkn),
-                EPS,
-            )?;
-            dev.kv_write(&mut p1, shape, layer, &q1, ROW, NQ * HD, &maps)?;
-            dev.qk_norm_rope_kv(&mut q2, ROW, &heads, &maps, &mut p2, shape, layer)?;
+            dev.qk_norm_rope(&mut q1, ROW, &heads, &maps)?;
+            dev.kv_write(kv_at(&mut p1, layer), &q1, ROW, NQ * HD, &maps)?;
+            dev.qk_norm_rope_kv(&mut q2, ROW, &heads, &maps, kv_at(&mut p2, layer))?;
             let case = format!("{dtype} pool");
             rep.add(
                 "qk_norm_rope_kv",
@@ -116,7 +104,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                 }
             }
         }
-        dev.kv_write(&mut pool, shape, layer, &dqkv, ROW, NQ * HD, &maps)?;
+        dev.kv_write(kv_at(&mut pool, layer), &dqkv, ROW, NQ * HD, &maps)?;
         let got = download_pool(dev, &pool)?;
         rep.add("kv_write", &dtype.to_string(), &got, &host, 0.0);
 
@@ -382,66 +370,6 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     &want_d,
                     vmax / 256.0 + bf16_tol(&want_d),
                 );
-                // The fused kernel (q/k norms, RoPE and the KV write inside) against
-                // qk_norm_rope_kv + attention_decode on the same rows and pool, at one split
-                // and at several (which block writes the step's K and V), one and two stages.
-                let heads = rope_in.heads();
-                let mut q_ref = dev.upload(&qkv_d)?;
-                let mut p_ref = upload_pool(&host)?;
-                dev.qk_norm_rope_kv(&mut q_ref, ROW, &heads, &maps_dt, &mut p_ref, shape, layer)?;
-                let want_pool = download_pool(dev, &p_ref)?;
-                for launch in [
-                    None,
-                    Some(DecodeLaunch::plain(1, 2)),
-                    Some(DecodeLaunch::plain(3, 1)),
-                ] {
-                    let mut want16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
-                    let plain = launch.unwrap_or(DecodeLaunch::plain(1, 2));
-                    Att::new(&q_ref, &p_ref, &maps_dt, layer).decode(
-                        dev,
-                        &mut want16,
-                        &mut scratch,
-                        false,
-                        plain,
-                    )?;
-                    let want = widen(&dev.download(&want16)?);
-                    let mut p_fused = upload_pool(&host)?;
-                    let mut fused16 = dev.zeros::<u16>(last.len() * NQ * HD)?;
-                    dev.attention_decode_rope(
-                        &mut fused16,
-                        &dqkv_d,
-                        ROW,
-                        &heads,
-                        &mut p_fused,
-                        shape,
-                        layer,
-                        &maps_dt,
-                        scale,
-                        &mut scratch,
-                        launch,
-                    )?;
-                    let how = match launch {
-                        None => "splits as served".to_string(),
-                        Some(l) => format!("{} splits, {} stages", l.splits, l.stages),
-                    };
-                    // The q/k norms sum in another order: a Q or K element may round to
-                    // the next bf16.
-                    rep.add(
-                        "attention_decode_rope",
-                        &format!("{case}, {how}, against qk_norm_rope_kv + attention_decode"),
-                        &widen(&dev.download(&fused16)?),
-                        &want,
-                        2.0 * bf16_tol(&want),
-                    );
-                    rep.add(
-                        "attention_decode_rope",
-                        &format!("{case}, {how}, the step's K and V in the pool"),
-                        &download_pool(dev, &p_fused)?,
-                        &want_pool,
-                        // One bf16 step of the largest values (those in [1, 2) step by 2⁻⁷).
-                        2.0 * bf16_tol(&want_pool),
-                    );
-                }
             }
         }
     }
@@ -476,8 +404,18 @@ impl<'a> Att<'a> {
         }
     }
 
-    fn scale() -> f32 {
-        1.0 / (HD as f32).sqrt()
+    /// The launches' inputs: these rows, pool, maps and layer in the checks' shape.
+    fn inputs(&self) -> AttentionInputs<'a> {
+        AttentionInputs {
+            qkv: self.qkv,
+            row_stride: ROW,
+            nq: NQ,
+            pool: self.pool,
+            shape: POOL_SHAPE,
+            layer: self.layer,
+            maps: self.maps,
+            scale: 1.0 / (HD as f32).sqrt(),
+        }
     }
 
     /// `attention_fast` over every row of the maps.
@@ -487,10 +425,7 @@ impl<'a> Att<'a> {
         out: &mut CudaSlice<O>,
         scratch: &mut AttentionScratch,
     ) -> Result<(), EngineError> {
-        let (shape, scale) = (POOL_SHAPE, Self::scale());
-        dev.attention_fast(
-            out, self.qkv, ROW, self.pool, shape, self.layer, NQ, self.maps, scale, scratch, false,
-        )
+        dev.attention_fast(out, &self.inputs(), scratch, false)
     }
 
     /// The step's dispatcher (prefill tiles, decode rows).
@@ -501,10 +436,7 @@ impl<'a> Att<'a> {
         scratch: &mut AttentionScratch,
         split: bool,
     ) -> Result<(), EngineError> {
-        let (shape, scale) = (POOL_SHAPE, Self::scale());
-        dev.attention(
-            out, self.qkv, ROW, self.pool, shape, self.layer, NQ, self.maps, scale, scratch, split,
-        )
+        dev.attention(out, &self.inputs(), scratch, split)
     }
 
     /// The tensor-core decode kernel with a given launch.
@@ -516,10 +448,6 @@ impl<'a> Att<'a> {
         split: bool,
         launch: DecodeLaunch,
     ) -> Result<(), EngineError> {
-        let (shape, scale) = (POOL_SHAPE, Self::scale());
-        dev.attention_decode(
-            out, self.qkv, ROW, self.pool, shape, self.layer, NQ, self.maps, scale, scratch, split,
-            launch,
-        )
+        dev.attention_decode(out, &self.inputs(), scratch, split, launch)
     }
 }

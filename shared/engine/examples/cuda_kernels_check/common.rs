@@ -4,7 +4,7 @@ use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, rope_inv_freq};
 use tandem_engine::backend::cuda::ops::HeadNorms;
-use tandem_engine::backend::cuda::{CudaDevice, PoolShape};
+use tandem_engine::backend::cuda::{CudaDevice, KvPool, KvTarget, Norm, PoolShape};
 use tandem_engine::error::EngineError;
 
 /// xorshift64*: reproducible inputs without a dependency.
@@ -25,6 +25,20 @@ impl Rng {
     }
     pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
+    }
+}
+
+/// An RMSNorm of weights `w` at the checks' epsilon.
+pub(crate) fn norm(w: &CudaSlice<f32>) -> Norm<'_> {
+    Norm { w, eps: EPS }
+}
+
+/// Layer `layer` of a pool of the checks' shape, as a KV write's destination.
+pub(crate) fn kv_at(pool: &mut KvPool, layer: usize) -> KvTarget<'_> {
+    KvTarget {
+        pool,
+        shape: POOL_SHAPE,
+        layer,
     }
 }
 
@@ -153,13 +167,18 @@ pub(crate) fn rope_inputs(dev: &CudaDevice, rng: &mut Rng) -> Result<RopeInputs,
 impl RopeInputs {
     /// The model shape's heads with these frequencies and norm weights.
     pub(crate) fn heads(&self) -> HeadNorms<'_> {
+        self.heads_with_norms(true)
+    }
+
+    /// [`Self::heads`], with the q/k norm weights or without (RoPE only).
+    pub(crate) fn heads_with_norms(&self, norms: bool) -> HeadNorms<'_> {
         HeadNorms {
             nq: NQ,
             nkv: NKV,
             head_dim: HD,
             inv_freq: &self.dinv,
-            q_norm: Some(&self.dqn),
-            k_norm: Some(&self.dkn),
+            q_norm: norms.then_some(&self.dqn),
+            k_norm: norms.then_some(&self.dkn),
             eps: EPS,
         }
     }
@@ -175,11 +194,7 @@ pub(crate) const POOL_SHAPE: PoolShape = PoolShape {
 };
 
 /// A pool's elements as f32 (bf16, IEEE half or f32 on the device).
-pub(crate) fn download_pool(
-    dev: &CudaDevice,
-    pool: &tandem_engine::backend::cuda::KvPool,
-) -> Result<Vec<f32>, EngineError> {
-    use tandem_engine::backend::cuda::KvPool;
+pub(crate) fn download_pool(dev: &CudaDevice, pool: &KvPool) -> Result<Vec<f32>, EngineError> {
     Ok(match pool {
         KvPool::F32(p) => dev.download(p)?,
         KvPool::Half(p) => dev

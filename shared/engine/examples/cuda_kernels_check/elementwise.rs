@@ -79,9 +79,8 @@ pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
             &mut out,
             &mut dx,
             fused.then_some(&dres),
-            &dw,
+            norm(&dw),
             t,
-            EPS,
             false,
         )?;
         let got = dev.download(&out)?;
@@ -90,13 +89,13 @@ pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
         if !fused {
             let mut dx = dev.upload(&x0)?;
             let mut out16 = dev.zeros::<u16>(t * HIDDEN)?;
-            dev.rms_norm(&mut out16, &mut dx, None, &dw, t, EPS, false)?;
+            dev.rms_norm(&mut out16, &mut dx, None, norm(&dw), t, false)?;
             let got = widen(&dev.download(&out16)?);
             rep.add("rms_norm", "norm, bf16 out", &got, &want, bf16_tol(&want));
             // Split bf16 (hi rows, then lo rows): hi + lo carries ~16 bits.
             let mut dx = dev.upload(&x0)?;
             let mut split = dev.zeros::<u16>(2 * t * HIDDEN)?;
-            dev.rms_norm(&mut split, &mut dx, None, &dw, t, EPS, true)?;
+            dev.rms_norm(&mut split, &mut dx, None, norm(&dw), t, true)?;
             let halves = widen(&dev.download(&split)?);
             let (hi, lo) = halves.split_at(t * HIDDEN);
             let got: Vec<f32> = hi.iter().zip(lo).map(|(a, b)| a + b).collect();
@@ -137,35 +136,28 @@ pub(crate) fn rope_and_silu(cx: &mut Ctx) -> Result<(), EngineError> {
     let t = tokens.len();
     // Per-head q/k norm + RoPE (Qwen3), and RoPE alone (Llama-like), at positions up to
     // several thousand.
-    let RopeInputs {
-        inv64,
-        dinv,
-        qn,
-        kn,
-        dqn,
-        dkn,
-    } = rope_inputs(dev, rng)?;
+    let rope_in = rope_inputs(dev, rng)?;
+    let RopeInputs { inv64, qn, kn, .. } = &rope_in;
     let qkv0 = rng.vec(t * ROW);
     let maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
-    for norm in [true, false] {
+    for norms in [true, false] {
         let mut want = qkv0.clone();
         for (row, (_, pos)) in want.chunks_exact_mut(ROW).zip(&tokens) {
             for (h, head) in row[..(NQ + NKV) * HD].chunks_exact_mut(HD).enumerate() {
-                if norm {
-                    rms_norm_rows_inplace(head, if h < NQ { &qn } else { &kn }, EPS);
+                if norms {
+                    rms_norm_rows_inplace(head, if h < NQ { qn } else { kn }, EPS);
                 }
-                rope_apply(head, *pos, &inv64);
+                rope_apply(head, *pos, inv64);
             }
         }
         let mut dq = dev.upload(&qkv0)?;
-        let (a, b) = if norm {
-            (Some(&dqn), Some(&dkn))
-        } else {
-            (None, None)
-        };
-        dev.qk_norm_rope(&mut dq, ROW, NQ, NKV, HD, &maps, &dinv, a, b, EPS)?;
+        dev.qk_norm_rope(&mut dq, ROW, &rope_in.heads_with_norms(norms), &maps)?;
         let got = dev.download(&dq)?;
-        let case = if norm { "q/k norm + rope" } else { "rope only" };
+        let case = if norms {
+            "q/k norm + rope"
+        } else {
+            "rope only"
+        };
         rep.add("qk_norm_rope", case, &got, &want, 2e-5);
     }
     {
@@ -180,11 +172,11 @@ pub(crate) fn rope_and_silu(cx: &mut Ctx) -> Result<(), EngineError> {
         let mut want = q0.clone();
         for (row, pos) in want.chunks_exact_mut(ROW).zip(6000..6040) {
             for head in row[..(NQ + NKV) * HD].chunks_exact_mut(HD) {
-                rope_apply(head, pos, &inv64);
+                rope_apply(head, pos, inv64);
             }
         }
         let mut dq = dev.upload(&q0)?;
-        dev.qk_norm_rope(&mut dq, ROW, NQ, NKV, HD, &lmaps, &dinv, None, None, EPS)?;
+        dev.qk_norm_rope(&mut dq, ROW, &rope_in.heads_with_norms(false), &lmaps)?;
         rep.add(
             "qk_norm_rope",
             "rope at positions 6000..6040",

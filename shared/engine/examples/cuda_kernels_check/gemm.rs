@@ -2,20 +2,10 @@
 
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
-use tandem_engine::backend::cuda::switches::EarlyWeights;
-use tandem_engine::backend::cuda::{DeviceMatrix, GemvInput};
+use tandem_engine::backend::cuda::{DeviceMatrix, GemvInput, GemvWeights, ResidualRows};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
-
-/// The early-weight setting under test: every GEMV of one or two rows, or none.
-fn early_weights(early: bool) -> EarlyWeights {
-    if early {
-        EarlyWeights::OneAndTwoRows
-    } else {
-        EarlyWeights::Off
-    }
-}
 
 /// cuBLAS sgemm and bf16 GEMMs, the GEMV kernels and their fused norm / SiLU forms, and a refused type mix.
 pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
@@ -40,22 +30,17 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
     }
     // GEMM in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
     // product of the same rounded values.
-    // Few rows go through gemv.cu (k = 1000 and 8: its tail loop), more through cuBLAS;
-    // the GEMVs also with their first weights loaded before the PDL wait (`_early_`).
-    for (m, k, nn, early) in [
-        (1, HIDDEN, ROW, false),
-        (2, IM, HIDDEN, false),
-        (1, 1000, 77, false),
-        (2, 8, 33, false),
-        (1, HIDDEN, ROW, true),
-        (2, IM, HIDDEN, true),
-        (1, 1000, 77, true),
-        (2, 8, 33, true),
-        (8, HIDDEN, 2 * IM, false),
-        (64, HIDDEN, 2 * IM, false),
-        (300, IM, HIDDEN, false),
+    // Few rows go through gemv.cu (k = 1000 and 8: its tail loop; one row with its first
+    // weights loaded before the PDL wait, `_early_`), more through cuBLAS.
+    for (m, k, nn) in [
+        (1, HIDDEN, ROW),
+        (2, IM, HIDDEN),
+        (1, 1000, 77),
+        (2, 8, 33),
+        (8, HIDDEN, 2 * IM),
+        (64, HIDDEN, 2 * IM),
+        (300, IM, HIDDEN),
     ] {
-        dev.set_early_gemv_weights(early_weights(early));
         let x: Vec<f32> = rng
             .vec(m * k)
             .into_iter()
@@ -72,13 +57,12 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         let dwm =
             DeviceMatrix::Bf16(dev.upload(&wv.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?);
         let mut dout = dev.zeros::<f32>(m * nn)?;
-        // The GEMVs also ask a next matrix into L2 (here their own: a hint, no result).
-        dev.matmul_t_before(&dx, m, k, &dwm, nn, &mut dout, Some(&dwm))?;
+        dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
         rep.add(
-            match (m <= 2, early) {
-                (true, false) => "gemm_bf16 (gemv)",
-                (true, true) => "gemm_bf16 (gemv, early weights)",
-                _ => "gemm_bf16",
+            if m <= 2 {
+                "gemm_bf16 (gemv)"
+            } else {
+                "gemm_bf16"
             },
             &format!("{m}x{k}x{nn}"),
             &dev.download(&dout)?,
@@ -89,15 +73,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
     // The fused decode launches of gemv.cu (norm + GEMV, norm + gate_up + SiLU·mul)
     // against the separate kernels they replace, on the same rows: equal but for the
     // norm's summation order (a bf16 step of a normalised value, now and then).
-    for (m, k, early) in [
-        (1, HIDDEN, false),
-        (2, HIDDEN, false),
-        (1, 1000, false),
-        (1, HIDDEN, true),
-        (2, HIDDEN, true),
-        (1, 1000, true),
-    ] {
-        dev.set_early_gemv_weights(early_weights(early));
+    for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
         let x = rng.vec(m * k);
         let res = rng.vec(m * k);
         let nw = rng.vec(k);
@@ -115,53 +91,51 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             );
             let mut x_ref = dev.upload(&x)?;
             let mut normed = dev.zeros::<u16>(m * k)?;
-            dev.rms_norm(&mut normed, &mut x_ref, Some(&dres), &dnw, m, EPS, false)?;
+            dev.rms_norm(&mut normed, &mut x_ref, Some(&dres), norm(&dnw), m, false)?;
             let mut gemm = dev.zeros::<f32>(m * w_rows)?;
             dev.matmul_t(&normed, m, k, &dwm, w_rows, &mut gemm)?;
             let mut x_out = dev.zeros::<f32>(m * k)?;
-            let case = format!(
-                "{m}x{k}x{n}{}{}",
-                if silu { ", silu" } else { "" },
-                if early { ", early weights" } else { "" }
-            );
+            let case = format!("{m}x{k}x{n}{}", if silu { ", silu" } else { "" });
             let (got, want) = if silu {
                 let mut act = dev.zeros::<u16>(m * n)?;
                 dev.silu_mul(&mut act, &gemm, m, n, false)?;
                 let mut fused = dev.zeros::<u16>(m * n)?;
                 dev.norm_gemv(
                     &mut fused,
-                    &dx,
-                    Some(&dres),
-                    &mut x_out,
-                    &dnw,
-                    EPS,
-                    &dwm,
-                    m,
-                    k,
-                    n,
-                    true,
+                    ResidualRows {
+                        x: &dx,
+                        residual: Some(&dres),
+                        x_out: &mut x_out,
+                        m,
+                        k,
+                    },
+                    norm(&dnw),
+                    GemvWeights {
+                        w: &dwm,
+                        n,
+                        silu: true,
+                    },
                     GemvInput::Bf16,
-                    Some(&dwm),
-                    None,
                 )?;
                 (widen(&dev.download(&fused)?), widen(&dev.download(&act)?))
             } else {
                 let mut fused = dev.zeros::<f32>(m * n)?;
                 dev.norm_gemv(
                     &mut fused,
-                    &dx,
-                    Some(&dres),
-                    &mut x_out,
-                    &dnw,
-                    EPS,
-                    &dwm,
-                    m,
-                    k,
-                    n,
-                    false,
+                    ResidualRows {
+                        x: &dx,
+                        residual: Some(&dres),
+                        x_out: &mut x_out,
+                        m,
+                        k,
+                    },
+                    norm(&dnw),
+                    GemvWeights {
+                        w: &dwm,
+                        n,
+                        silu: false,
+                    },
                     GemvInput::Bf16,
-                    Some(&dwm),
-                    None,
                 )?;
                 (dev.download(&fused)?, dev.download(&gemm)?)
             };
@@ -178,7 +152,6 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
     }
     gemvs_f32_rows(cx)?;
     let Ctx { dev, rep, .. } = cx;
-    dev.set_early_gemv_weights(EarlyWeights::default());
     // A bf16 GEMM input against f32 weights is refused.
     {
         let dx = dev.zeros::<u16>(HIDDEN)?;
@@ -200,9 +173,7 @@ fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
         let wf = widen(&w);
         (w, wf)
     };
-    for early in [false, true] {
-        dev.set_early_gemv_weights(early_weights(early));
-        let how = if early { ", early weights" } else { "" };
+    {
         for (m, k, nn) in [(1, HIDDEN, ROW), (2, IM, HIDDEN), (1, 1000, 77), (2, 8, 33)] {
             let x = rng.vec(m * k);
             let (w, wf) = bf16_weights(rng, nn * k);
@@ -210,8 +181,8 @@ fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
             matmul_t(&x, m, k, MatRef::F32(&wf), nn, &mut want);
             let (dx, dwm) = (dev.upload(&x)?, DeviceMatrix::Bf16(dev.upload(&w)?));
             let mut dout = dev.zeros::<f32>(m * nn)?;
-            dev.matmul_t_before(&dx, m, k, &dwm, nn, &mut dout, None)?;
-            let case = format!("{m}x{k}x{nn}{how}");
+            dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+            let case = format!("{m}x{k}x{nn}");
             rep.add("gemv (f32 rows)", &case, &dev.download(&dout)?, &want, 1e-3);
         }
         for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
@@ -248,22 +219,19 @@ fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
                 let mut x_out = dev.zeros::<f32>(m * k)?;
                 dev.norm_gemv(
                     &mut out,
-                    &dx,
-                    Some(&dres),
-                    &mut x_out,
-                    &dnw,
-                    EPS,
-                    &dwm,
-                    m,
-                    k,
-                    n,
-                    silu,
+                    ResidualRows {
+                        x: &dx,
+                        residual: Some(&dres),
+                        x_out: &mut x_out,
+                        m,
+                        k,
+                    },
+                    norm(&dnw),
+                    GemvWeights { w: &dwm, n, silu },
                     GemvInput::F32,
-                    None,
-                    None,
                 )?;
                 let tol = want.iter().fold(0.0f32, |a, v| a.max(v.abs())) * 1e-5 + 1e-4;
-                let case = format!("{m}x{k}x{n}{}{how}", if silu { ", silu" } else { "" });
+                let case = format!("{m}x{k}x{n}{}", if silu { ", silu" } else { "" });
                 rep.add(
                     "gemv_norm (f32 rows)",
                     &case,

@@ -21,8 +21,6 @@ mod elementwise;
 #[cfg(feature = "cuda")]
 mod gemm;
 #[cfg(feature = "cuda")]
-mod qkv_rope;
-#[cfg(feature = "cuda")]
 mod sampling;
 #[cfg(feature = "cuda")]
 mod split_inputs;
@@ -61,7 +59,6 @@ fn run() -> Result<bool, tandem_engine::error::EngineError> {
     elementwise::rope_and_silu(&mut cx)?;
     attention::kv_and_attention(&mut cx)?;
     gemm::gemms(&mut cx)?;
-    qkv_rope::qkv_rope(&mut cx)?;
     split_inputs::split_inputs(&mut cx)?;
     elementwise::gather_and_bias(&mut cx)?;
     sampling::argmax_and_sampling(&mut cx)?;

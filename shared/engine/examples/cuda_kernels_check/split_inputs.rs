@@ -31,18 +31,18 @@ pub(crate) fn split_inputs(cx: &mut Ctx) -> Result<(), EngineError> {
         let (mut x_want, mut x_got) = (dev.upload(&x0)?, dev.upload(&x0)?);
         let mut want = dev.zeros::<u16>(2 * t * HIDDEN)?;
         let res_folded = folded(dev, &res2)?;
-        dev.rms_norm(&mut want, &mut x_want, Some(&res_folded), &dw, t, EPS, true)?;
-        let mut got = dev.zeros::<u16>(2 * t * HIDDEN)?;
-        let dres2 = dev.upload(&res2)?;
-        dev.rms_norm_split_residual(
-            &mut got,
-            &mut x_got,
-            Some((&dres2, true)),
-            &dw,
+        dev.rms_norm(
+            &mut want,
+            &mut x_want,
+            Some(&res_folded),
+            norm(&dw),
             t,
-            EPS,
             true,
         )?;
+        let mut got = dev.zeros::<u16>(2 * t * HIDDEN)?;
+        let dres2 = dev.upload(&res2)?;
+        let res = Some((&dres2, true));
+        dev.rms_norm_split_residual(&mut got, &mut x_got, res, norm(&dw), t, true)?;
         let (got, want) = (widen(&dev.download(&got)?), widen(&dev.download(&want)?));
         rep.add(
             "rms_norm (unfolded residual)",
@@ -86,7 +86,7 @@ pub(crate) fn split_inputs(cx: &mut Ctx) -> Result<(), EngineError> {
         };
         let (mut want_pool, mut got_pool) = (new_pool()?, new_pool()?);
         let mut want = folded(dev, &qkv2)?;
-        dev.qk_norm_rope_kv(&mut want, ROW, &heads, &maps, &mut want_pool, shape, 1)?;
+        dev.qk_norm_rope_kv(&mut want, ROW, &heads, &maps, kv_at(&mut want_pool, 1))?;
         let mut got = dev.upload(&qkv2)?;
         dev.qk_norm_rope_kv_split_input(
             &mut got,
@@ -94,9 +94,7 @@ pub(crate) fn split_inputs(cx: &mut Ctx) -> Result<(), EngineError> {
             ROW,
             &heads,
             &maps,
-            &mut got_pool,
-            shape,
-            1,
+            kv_at(&mut got_pool, 1),
         )?;
         // The q and k heads of each row (the v heads' hi rows are left unfolded).
         let qk = |v: Vec<f32>| -> Vec<f32> {

@@ -11,85 +11,72 @@ use super::{
 };
 use crate::error::EngineError;
 
+/// What every paged attention launch reads: the step's `qkv` rows (`row_stride` apart, the q
+/// heads first), `nq` q heads over the pool's KV heads, `layer` of `pool` (laid out as
+/// `shape`; this step's K/V written already), the step's token maps and the softmax scale.
+#[derive(Clone, Copy)]
+pub struct AttentionInputs<'a> {
+    pub qkv: &'a CudaSlice<f32>,
+    pub row_stride: usize,
+    pub nq: usize,
+    pub pool: &'a KvPool,
+    pub shape: PoolShape,
+    pub layer: usize,
+    pub maps: &'a TokenMaps,
+    pub scale: f32,
+}
+
 impl CudaDevice {
-    /// Paged attention (`attention_fast.cu`) of every token of `maps` over positions
-    /// `lo_pos ..= pos` of its sequence in `layer` of the pool (q is `qkv[t, 0 .. nq*head_dim]`,
-    /// `out` is `[tokens, nq * head_dim]`; this step's K/V must be written first): one block
-    /// per (token, KV head) serving the whole q-head
-    /// group, warps over positions, and for few (token, head) pairs the positions split over
-    /// several blocks merged in the same launch. `out` is f32 or bf16 (the o_proj GEMM's input).
-    #[allow(clippy::too_many_arguments)]
+    /// Paged attention (`attention_fast.cu`) of every token of `a.maps` over positions
+    /// `lo_pos ..= pos` of its sequence (`out` is `[tokens, nq * head_dim]`): one block per
+    /// (token, KV head) serving the whole q-head group, warps over positions, and for few
+    /// (token, head) pairs the positions split over several blocks merged in the same launch.
+    /// `out` is f32 or bf16 (the o_proj GEMM's input).
     pub fn attention_fast<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        pool: &KvPool,
-        shape: PoolShape,
-        layer: usize,
-        nq: usize,
-        maps: &TokenMaps,
-        scale: f32,
+        a: &AttentionInputs<'_>,
         scratch: &mut AttentionScratch,
         split: bool,
     ) -> Result<(), EngineError> {
-        self.attention_fast_rows(
-            out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, None,
-        )
+        self.attention_fast_rows(out, a, scratch, split, None)
     }
 
     /// The attention of a step: with tiles in `maps` (see [`TokenMaps::tile_tokens`]) the
-    /// prefill chunks on tensor cores and the single-token rows by `attention_fast`, else every
-    /// token by `attention_fast`.
-    #[allow(clippy::too_many_arguments)]
+    /// prefill chunks on tensor cores and the single-token rows by the tensor-core decode
+    /// kernel or `attention_fast`, else every token by `attention_fast`.
     pub fn attention<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        pool: &KvPool,
-        shape: PoolShape,
-        layer: usize,
-        nq: usize,
-        maps: &TokenMaps,
-        scale: f32,
+        a: &AttentionInputs<'_>,
         scratch: &mut AttentionScratch,
         split: bool,
     ) -> Result<(), EngineError> {
+        let maps = a.maps;
         if maps.tile_tokens == 0 {
-            return self.attention_fast(
-                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split,
-            );
+            return self.attention_fast(out, a, scratch, split);
         }
         if maps.n_tiles > 0 {
-            self.attention_prefill(
-                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, split,
-            )?;
+            self.attention_prefill(out, a, split)?;
         }
         if maps.n_singles == 0 {
             return Ok(());
         }
         if maps.decode_tc {
-            let (pairs, group) = (
-                maps.n_singles * shape.num_kv_heads,
-                nq / shape.num_kv_heads.max(1),
-            );
+            let nkv = a.shape.num_kv_heads;
+            let (pairs, group) = (maps.n_singles * nkv, a.nq / nkv.max(1));
             // The half-KV program has cluster variants for both its outputs; the main
             // program's kernels stand for them in the choice (the same code).
-            let chosen_as = if matches!(pool, KvPool::Half(_)) {
+            let chosen_as = if matches!(a.pool, KvPool::Half(_)) {
                 "bf16"
             } else {
                 O::SUFFIX
             };
-            let launch = scratch.decode_launch(self, pairs, chosen_as, group, shape.head_dim)?;
-            self.attention_decode(
-                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, launch,
-            )
+            let launch = scratch.decode_launch(self, pairs, chosen_as, group, a.shape.head_dim)?;
+            self.attention_decode(out, a, scratch, split, launch)
         } else {
             let rows = Some((&maps.singles, maps.n_singles));
-            self.attention_fast_rows(
-                out, qkv, row_stride, pool, shape, layer, nq, maps, scale, scratch, split, rows,
-            )
+            self.attention_fast_rows(out, a, scratch, split, rows)
         }
     }
 
@@ -101,23 +88,16 @@ impl CudaDevice {
             .then_some(FA_ROWS / group)
     }
 
-    /// Causal attention of the tiles of `maps` (`attention_prefill.cu`: tensor cores, Q and P
-    /// rounded to the program's 16-bit type, f32 accumulation), over a 16-bit pool.
-    #[allow(clippy::too_many_arguments)]
+    /// Causal attention of the tiles of `a.maps` (`attention_prefill.cu`: tensor cores, Q and
+    /// P rounded to the program's 16-bit type, f32 accumulation), over a 16-bit pool.
     pub fn attention_prefill<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        pool: &KvPool,
-        shape: PoolShape,
-        layer: usize,
-        nq: usize,
-        maps: &TokenMaps,
-        scale: f32,
+        a: &AttentionInputs<'_>,
         split: bool,
     ) -> Result<(), EngineError> {
-        let tc = TcShape::check("attention_prefill", pool, shape, nq, row_stride, layer)?;
+        let (maps, nq) = (a.maps, a.nq);
+        let tc = TcShape::check("attention_prefill", a)?;
         let (nkv, hd) = (tc.nkv, tc.hd);
         let Some(tile_tokens) = Self::prefill_tile_tokens(true, hd, tc.group) else {
             return Err(bad(format!(
@@ -130,7 +110,7 @@ impl CudaDevice {
                 maps.tile_tokens
             )));
         }
-        check_len("attention qkv", qkv.len(), maps.tokens * row_stride)?;
+        check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
         let name = tc.kernel(&format!("attention_prefill_{}_hd{hd}", O::SUFFIX));
@@ -142,7 +122,7 @@ impl CudaDevice {
         };
         let mut b = self.stream.launch_builder(f);
         b.arg(out);
-        tc.push_args(&mut b, qkv, maps, &maps.tiles, &scale);
+        tc.push_args(&mut b, a, &maps.tiles);
         b.arg(&lo_off);
         // SAFETY: signature matches; shapes checked above; the tiles were built with the
         // token maps (each within one sequence, tokens in range); block ids were validated by
@@ -151,87 +131,42 @@ impl CudaDevice {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// `attention_fast` over the listed rows (`rows`: the list and its length) or every token.
     fn attention_fast_rows<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        pool: &KvPool,
-        shape: PoolShape,
-        layer: usize,
-        nq: usize,
-        maps: &TokenMaps,
-        scale: f32,
+        a: &AttentionInputs<'_>,
         scratch: &mut AttentionScratch,
         split: bool,
         rows: Option<(&DevAddr, usize)>,
     ) -> Result<(), EngineError> {
-        let t = maps.tokens;
+        let t = a.maps.tokens;
         if t == 0 {
             return Ok(());
         }
+        let group = fast_group(a)?;
+        let (nkv, hd) = (a.shape.num_kv_heads, a.shape.head_dim);
+        check_len("attention pool", a.pool.len(), a.shape.elems())?;
+        check_len("attention qkv", a.qkv.len(), t * a.row_stride)?;
+        let lo_off = super::ops::lo_offset::<O>("attention out", out.len(), t * a.nq * hd, split)?;
         // Blocks along x: the listed rows, or every token.
         let bx = rows.map_or(t, |(_, n)| n);
-        let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
-        if nkv == 0
-            || !nq.is_multiple_of(nkv)
-            || !(1..=ATT_GMAX).contains(&(nq / nkv))
-            || hd > ATT_HDMAX
-            || nq * hd > row_stride
-            || layer >= shape.num_layers
-        {
-            return Err(bad(format!(
-                "attention_fast: {nq} q heads over {nkv} KV heads (group ≤ {ATT_GMAX}), head_dim {hd} \
-                 (≤ {ATT_HDMAX}), row stride {row_stride}, layer {layer}"
-            )));
-        }
-        check_len("attention pool", pool.len(), shape.elems())?;
-        check_len("attention qkv", qkv.len(), t * row_stride)?;
-        let lo_off = super::ops::lo_offset::<O>("attention out", out.len(), t * nq * hd, split)?;
-        let group = nq / nkv;
         let splits = scratch.splits_for(bx * nkv);
         if splits > 1 {
             scratch.ensure(self, bx * nkv * splits * group, hd, bx * nkv)?;
         }
-        let inst = attention_instance(pool.kernel_suffix(), O::SUFFIX, hd, group);
-        let ints = [
-            to_i32("row stride", row_stride)?,
-            to_i32("nq", nq)?,
-            to_i32("nkv", nkv)?,
-            to_i32("head_dim", hd)?,
-            to_i32("block size", shape.block_size)?,
-            to_i32("layer", layer)?,
-            to_i32("layers", shape.num_layers)?,
-        ];
+        let ints = FastInts::of(a)?;
         let cfg = LaunchConfig {
             grid_dim: (bx as u32, nkv as u32, splits as u32),
             block_dim: (ATT_WARPS * 32, 1, 1),
             // The warps' states merge in [ATT_WARPS][group][head_dim] floats.
             shared_mem_bytes: (ATT_WARPS as usize * group * hd * 4) as u32,
         };
+        let inst = attention_instance(a.pool.kernel_suffix(), O::SUFFIX, hd, group);
         let f = self.instance_func(inst)?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(out).arg(qkv).arg(&ints[0]);
-        match pool {
-            KvPool::F32(p) => b.arg(p),
-            KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
-        };
-        b.arg(&maps.tables)
-            .arg(&maps.table_start)
-            .arg(&maps.positions)
-            .arg(&maps.lo_pos)
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4])
-            .arg(&ints[5])
-            .arg(&ints[6])
-            .arg(&scale)
-            .arg(&scratch.part_acc)
-            .arg(&scratch.part_ml)
-            .arg(&scratch.counters)
-            .arg(&lo_off);
+        b.arg(out);
+        ints.push_args(&mut b, a, scratch, &lo_off);
         // A null list: every token.
         let null: u64 = 0;
         match rows {
@@ -243,6 +178,74 @@ impl CudaDevice {
         // validated by the caller.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_fast"))?;
         Ok(())
+    }
+}
+
+/// The q heads per KV head of an `attention_fast.cu` launch, once the shape is one it serves
+/// (whole groups of at most ATT_GMAX, head_dim at most ATT_HDMAX, the q heads within a row,
+/// the layer in the pool).
+fn fast_group(a: &AttentionInputs<'_>) -> Result<usize, EngineError> {
+    let (nq, row_stride, layer) = (a.nq, a.row_stride, a.layer);
+    let (nkv, hd) = (a.shape.num_kv_heads, a.shape.head_dim);
+    if nkv == 0
+        || !nq.is_multiple_of(nkv)
+        || !(1..=ATT_GMAX).contains(&(nq / nkv))
+        || hd > ATT_HDMAX
+        || nq * hd > row_stride
+        || layer >= a.shape.num_layers
+    {
+        return Err(bad(format!(
+            "attention_fast: {nq} q heads over {nkv} KV heads (group ≤ {ATT_GMAX}), head_dim {hd} \
+             (≤ {ATT_HDMAX}), row stride {row_stride}, layer {layer}"
+        )));
+    }
+    Ok(nq / nkv)
+}
+
+/// The integer parameters of `attention_fast.cu`: row stride, nq, nkv, head_dim, block size,
+/// layer, layers.
+struct FastInts([i32; 7]);
+
+impl FastInts {
+    fn of(a: &AttentionInputs<'_>) -> Result<Self, EngineError> {
+        let shape = a.shape;
+        Ok(FastInts([
+            to_i32("row stride", a.row_stride)?,
+            to_i32("nq", a.nq)?,
+            to_i32("nkv", shape.num_kv_heads)?,
+            to_i32("head_dim", shape.head_dim)?,
+            to_i32("block size", shape.block_size)?,
+            to_i32("layer", a.layer)?,
+            to_i32("layers", shape.num_layers)?,
+        ]))
+    }
+
+    /// The kernel's parameters after `out` up to its row list, in their order.
+    fn push_args<'b>(
+        &'b self,
+        b: &mut LaunchArgs<'b>,
+        a: &'b AttentionInputs<'_>,
+        scratch: &'b AttentionScratch,
+        lo_off: &'b i64,
+    ) {
+        let (ints, maps) = (&self.0, a.maps);
+        b.arg(a.qkv).arg(&ints[0]);
+        match a.pool {
+            KvPool::F32(p) => b.arg(p),
+            KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
+        };
+        b.arg(&maps.tables)
+            .arg(&maps.table_start)
+            .arg(&maps.positions)
+            .arg(&maps.lo_pos);
+        for v in &ints[1..] {
+            b.arg(v);
+        }
+        b.arg(&a.scale)
+            .arg(&scratch.part_acc)
+            .arg(&scratch.part_ml)
+            .arg(&scratch.counters)
+            .arg(lo_off);
     }
 }
 
@@ -261,16 +264,10 @@ pub(super) struct TcShape<'a> {
 }
 
 impl<'a> TcShape<'a> {
-    pub(super) fn check(
-        kernel: &str,
-        pool: &'a KvPool,
-        shape: PoolShape,
-        nq: usize,
-        row_stride: usize,
-        layer: usize,
-    ) -> Result<Self, EngineError> {
+    pub(super) fn check(kernel: &str, a: &AttentionInputs<'a>) -> Result<Self, EngineError> {
+        let (nq, row_stride, layer, shape) = (a.nq, a.row_stride, a.layer, a.shape);
         let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
-        let (p, half_kv) = match pool {
+        let (p, half_kv) = match a.pool {
             KvPool::Bf16(p) => (p, false),
             KvPool::Half(p) => (p, true),
             KvPool::F32(_) => return Err(bad(format!("{kernel}: needs a 16-bit pool"))),
@@ -291,7 +288,7 @@ impl<'a> TcShape<'a> {
                 shape.num_layers
             )));
         }
-        check_len("attention pool", pool.len(), shape.elems())?;
+        check_len("attention pool", a.pool.len(), shape.elems())?;
         Ok(TcShape {
             pool: p,
             half_kv,
@@ -330,12 +327,11 @@ impl<'a> TcShape<'a> {
     pub(super) fn push_args<'b>(
         &'b self,
         b: &mut LaunchArgs<'b>,
-        qkv: &'b CudaSlice<f32>,
-        maps: &'b TokenMaps,
+        a: &'b AttentionInputs<'_>,
         list: &'b DevAddr,
-        scale: &'b f32,
     ) {
-        b.arg(qkv)
+        let maps = a.maps;
+        b.arg(a.qkv)
             .arg(&self.ints[0])
             .arg(self.pool)
             .arg(&maps.tables)
@@ -346,7 +342,7 @@ impl<'a> TcShape<'a> {
         for v in &self.ints[1..] {
             b.arg(v);
         }
-        b.arg(scale);
+        b.arg(&a.scale);
     }
 
     /// [`Self::push_args`] for a launch whose parameters go in by hand
@@ -355,12 +351,11 @@ impl<'a> TcShape<'a> {
         &self,
         dev: &CudaDevice,
         p: &mut RawParams,
-        qkv: &CudaSlice<f32>,
-        maps: &TokenMaps,
+        a: &AttentionInputs<'_>,
         list: DevAddr,
-        scale: f32,
     ) {
-        p.slice(dev, qkv)
+        let maps = a.maps;
+        p.slice(dev, a.qkv)
             .int(self.ints[0])
             .slice(dev, self.pool)
             .addr(maps.tables)
@@ -371,7 +366,7 @@ impl<'a> TcShape<'a> {
         for &v in &self.ints[1..] {
             p.int(v);
         }
-        p.float(scale);
+        p.float(a.scale);
     }
 }
 

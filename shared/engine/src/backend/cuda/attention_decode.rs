@@ -1,226 +1,110 @@
 //! Launch wrappers of the tensor-core decode attention (`attention_decode.cu`): the plain
-//! kernel and the fused one that also normalises, rotates and stores the step's q/k/v.
+//! kernel and its cluster variant.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::attention::{TcShape, FA_KEYS, FA_PAD};
+use super::attention::{AttentionInputs, TcShape, FA_KEYS, FA_PAD};
 use super::attention_scratch::{AttentionScratch, DecodeLaunch, MAX_CLUSTER, MAX_SPLITS};
 use super::cluster_launch::{ClusterConfig, RawParams};
-use super::ops::HeadNorms;
-use super::{bad, check_len, cuda_err, CudaDevice, DeviceElem, KvPool, PoolShape, TokenMaps};
+use super::{bad, check_len, cuda_err, CudaDevice, DeviceElem};
 use crate::error::EngineError;
 
 impl CudaDevice {
-    /// The single-token rows of `maps` (decode) on tensor cores (`attention_decode.cu`, bf16
+    /// The single-token rows of `a.maps` (decode) on tensor cores (`attention_decode.cu`, bf16
     /// pool, head_dim 64 or 128, at most 16 q heads per KV head): transposed products with the
-    /// group's q heads on the narrow n8 side, the keys split over the block's four warps and over `splits`
-    /// blocks per (row, KV head), merged in the same launch. Q and P are rounded to bf16.
-    #[allow(clippy::too_many_arguments)]
+    /// group's q heads on the narrow n8 side, the keys split over the block's four warps and
+    /// over `launch.splits` blocks per (row, KV head), merged in the same launch (through
+    /// global memory, or within a thread-block cluster with `launch.cluster`). Q and P are
+    /// rounded to bf16.
     pub fn attention_decode<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        pool: &KvPool,
-        shape: PoolShape,
-        layer: usize,
-        nq: usize,
-        maps: &TokenMaps,
-        scale: f32,
+        a: &AttentionInputs<'_>,
         scratch: &mut AttentionScratch,
         split: bool,
         launch: DecodeLaunch,
     ) -> Result<(), EngineError> {
-        let args = DecodeArgs {
-            qkv,
-            row_stride,
-            shape,
-            layer,
-            nq,
-            maps,
-            scale,
-        };
-        self.decode_launch(out, pool, &args, scratch, split, launch, None)
-    }
-
-    /// Whether [`Self::attention_decode_rope`] serves the step of `maps`: every row a
-    /// decode row bound for the tensor-core decode kernel (no prefill tile, no row left to
-    /// `attention_fast`).
-    pub fn decode_rope_fits(maps: &TokenMaps) -> bool {
-        maps.tokens > 0 && maps.decode_tc && maps.n_tiles == 0 && maps.n_singles == maps.tokens
-    }
-
-    /// [`Self::qk_norm_rope_kv`] and [`Self::attention_decode`] in one launch, for a step whose
-    /// rows are all decode rows ([`Self::decode_rope_fits`]): each block normalises and
-    /// rotates its q heads from the raw qkv row, and the block whose keys end at the step's own
-    /// position writes that K (normalised, rotated) and V into `pool` before reading its keys.
-    /// `qkv` is left as the GEMM wrote it; `out` is 16-bit. `launch`: splits and stages, or
-    /// `None` for those [`AttentionScratch::decode_launch`] picks.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_decode_rope<O: DeviceElem>(
-        &self,
-        out: &mut CudaSlice<O>,
-        qkv: &CudaSlice<f32>,
-        row_stride: usize,
-        heads: &HeadNorms<'_>,
-        pool: &mut KvPool,
-        shape: PoolShape,
-        layer: usize,
-        maps: &TokenMaps,
-        scale: f32,
-        scratch: &mut AttentionScratch,
-        launch: Option<DecodeLaunch>,
-    ) -> Result<(), EngineError> {
-        let (nq, nkv, hd) = (heads.nq, heads.nkv, heads.head_dim);
-        if O::SUFFIX != "bf16" || !Self::decode_rope_fits(maps) {
-            return Err(bad(format!(
-                "attention_decode_rope: needs a 16-bit output ({} given) and a step of decode \
-                 rows only ({} rows, {} of them decode rows, {} prefill tiles)",
-                O::SUFFIX,
-                maps.tokens,
-                maps.n_singles,
-                maps.n_tiles
-            )));
-        }
-        if nkv != shape.num_kv_heads || hd != shape.head_dim || (nq + 2 * nkv) * hd > row_stride {
-            return Err(bad(format!(
-                "attention_decode_rope: {nq}+2×{nkv} heads of {hd} over row stride {row_stride} \
-                 against a pool of {} KV heads of {}",
-                shape.num_kv_heads, shape.head_dim
-            )));
-        }
-        heads.check_lengths("attention_decode_rope")?;
-        let launch = match launch {
-            Some(l) => l,
-            None => scratch.plain_decode_launch(
-                self,
-                maps.n_singles * nkv,
-                O::SUFFIX,
-                nq / nkv.max(1),
-                hd,
-            )?,
-        };
-        let args = DecodeArgs {
-            qkv,
-            row_stride,
-            shape,
-            layer,
-            nq,
-            maps,
-            scale,
-        };
-        self.decode_launch(out, pool, &args, scratch, false, launch, Some(heads))
-    }
-
-    /// One `attention_decode.cu` launch: the plain kernel, or with `rope` the fused one
-    /// (which also writes the step's K and V into `pool`).
-    #[allow(clippy::too_many_arguments)]
-    fn decode_launch<O: DeviceElem>(
-        &self,
-        out: &mut CudaSlice<O>,
-        pool: &KvPool,
-        a: &DecodeArgs<'_>,
-        scratch: &mut AttentionScratch,
-        split: bool,
-        launch: DecodeLaunch,
-        rope: Option<&HeadNorms<'_>>,
-    ) -> Result<(), EngineError> {
-        let (maps, nq) = (a.maps, a.nq);
-        let tc = TcShape::check("attention_decode", pool, a.shape, nq, a.row_stride, a.layer)?;
-        let (nkv, hd, group) = (tc.nkv, tc.hd, tc.group);
-        let DecodeLaunch {
-            splits,
-            stages,
-            cluster,
-        } = launch;
-        if group > 16 || !(1..=MAX_SPLITS).contains(&splits) || !(1..=2).contains(&stages) {
-            return Err(bad(format!(
-                "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits \
-                 (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
-            )));
-        }
-        if tc.half_kv && rope.is_some() {
-            return Err(bad(
-                "attention_decode: an f16 pool beside bf16 weights has no fused q/k norms".into(),
-            ));
-        }
-        // The main program's cluster variant writes 16-bit outputs, the half-KV one's f32 too.
-        let cluster_out = O::SUFFIX == "bf16" || tc.half_kv;
-        if cluster && (rope.is_some() || !cluster_out || splits > MAX_CLUSTER) {
-            return Err(bad(format!(
-                "attention_decode: the cluster variant takes a 16-bit output ({} given), no \
-                 fused q/k norms, and at most {MAX_CLUSTER} splits ({splits} given)",
-                O::SUFFIX
-            )));
-        }
-        let rows = maps.n_singles;
-        if rows == 0 {
+        let tc = TcShape::check("attention_decode", a)?;
+        check_decode_launch::<O>(&tc, a.nq, launch)?;
+        let maps = a.maps;
+        if maps.n_singles == 0 {
             return Ok(());
         }
         check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
-        let lo_off =
-            super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        if cluster {
-            let f = self.func(&tc.kernel(&decode_cluster_kernel(O::SUFFIX, group, hd)))?;
-            let cfg = ClusterConfig {
-                grid: (rows as u32, nkv as u32, splits as u32),
-                block: 128,
-                shared_mem_bytes: decode_smem_bytes(hd, stages),
-                cluster: (1, 1, splits as u32),
-            };
-            let mut p = RawParams::new();
-            p.slice(self, out);
-            tc.push_raw(self, &mut p, a.qkv, maps, maps.singles, a.scale);
-            p.slice(self, &scratch.part_acc)
-                .slice(self, &scratch.part_ml)
-                .slice(self, &scratch.counters)
-                .long(lo_off);
-            // SAFETY: the parameters follow ATTENTION_DECODE_CLUSTER's signature (the plain
-            // kernel's: `out`, the shape arguments of push_raw in push_args' order, the
-            // unused split scratch, lo_off); shapes checked above; one cluster per (row, KV
-            // head), the grid's z extent, as the kernel's merge assumes.
-            unsafe { self.launch_clustered(f, &cfg, &mut p) }?;
-            return Ok(());
+        let elems = maps.tokens * a.nq * tc.hd;
+        let lo_off = super::ops::lo_offset::<O>("attention out", out.len(), elems, split)?;
+        if launch.cluster {
+            self.decode_cluster_launch(out, a, &tc, scratch, launch, lo_off)
+        } else {
+            self.decode_plain_launch(out, a, &tc, scratch, launch, lo_off)
         }
+    }
+
+    /// The cluster variant: one cluster of `launch.splits` blocks per (row, KV head).
+    fn decode_cluster_launch<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        a: &AttentionInputs<'_>,
+        tc: &TcShape<'_>,
+        scratch: &AttentionScratch,
+        launch: DecodeLaunch,
+        lo_off: i64,
+    ) -> Result<(), EngineError> {
+        let (rows, splits) = (a.maps.n_singles, launch.splits);
+        let f = self.func(&tc.kernel(&decode_cluster_kernel(O::SUFFIX, tc.group, tc.hd)))?;
+        let cfg = ClusterConfig {
+            grid: (rows as u32, tc.nkv as u32, splits as u32),
+            block: 128,
+            shared_mem_bytes: decode_smem_bytes(tc.hd, launch.stages),
+            cluster: (1, 1, splits as u32),
+        };
+        let mut p = RawParams::new();
+        p.slice(self, out);
+        tc.push_raw(self, &mut p, a, a.maps.singles);
+        p.slice(self, &scratch.part_acc)
+            .slice(self, &scratch.part_ml)
+            .slice(self, &scratch.counters)
+            .long(lo_off);
+        // SAFETY: the parameters follow ATTENTION_DECODE_CLUSTER's signature (the plain
+        // kernel's: `out`, the shape arguments of push_raw in push_args' order, the unused
+        // split scratch, lo_off); shapes checked by the caller; one cluster per (row, KV head),
+        // the grid's z extent, as the kernel's merge assumes.
+        unsafe { self.launch_clustered(f, &cfg, &mut p) }
+    }
+
+    /// The plain kernel: `launch.splits` blocks per (row, KV head) merging through the
+    /// scratch.
+    fn decode_plain_launch<O: DeviceElem>(
+        &self,
+        out: &mut CudaSlice<O>,
+        a: &AttentionInputs<'_>,
+        tc: &TcShape<'_>,
+        scratch: &mut AttentionScratch,
+        launch: DecodeLaunch,
+        lo_off: i64,
+    ) -> Result<(), EngineError> {
+        let (rows, splits) = (a.maps.n_singles, launch.splits);
+        let (nkv, hd, group) = (tc.nkv, tc.hd, tc.group);
         if splits > 1 {
             scratch.ensure(self, rows * nkv * splits * group, hd, rows * nkv)?;
         }
-        let name = match rope {
-            Some(_) => decode_rope_kernel(group, hd),
-            None => tc.kernel(&decode_kernel(O::SUFFIX, group, hd)),
-        };
-        let f = self.func(&name)?;
+        let f = self.func(&tc.kernel(&decode_kernel(O::SUFFIX, group, hd)))?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, nkv as u32, splits as u32),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: decode_smem_bytes(hd, stages),
+            shared_mem_bytes: decode_smem_bytes(hd, launch.stages),
         };
-        let null = 0u64;
         let mut b = self.stream.launch_builder(f);
         b.arg(out);
-        tc.push_args(&mut b, a.qkv, maps, &maps.singles, &a.scale);
+        tc.push_args(&mut b, a, &a.maps.singles);
         b.arg(&scratch.part_acc)
             .arg(&scratch.part_ml)
             .arg(&scratch.counters)
             .arg(&lo_off);
-        if let Some(h) = rope {
-            b.arg(h.inv_freq);
-            for n in [h.q_norm, h.k_norm] {
-                match n {
-                    Some(n) => b.arg(n),
-                    None => b.arg(&null),
-                };
-            }
-            b.arg(&h.eps);
-        }
-        // SAFETY: signature matches (the rope arguments only for the fused kernel, whose
-        // norm weights and frequencies the caller checked); shapes checked above; `singles`
-        // holds `rows` valid token indices (built with the maps); with splits > 1 the scratch
-        // holds every partial state and counter the launch touches (ensured above); block ids
-        // were validated by the caller. The fused kernel writes one K and one V row per
-        // (row, KV head) into the pool, at the row's own position of its table: the pool goes
-        // in as a shared borrow, which is sound here because the backend runs one stream with
-        // cudarc's event tracking off (mod.rs), so no read/write ordering rests on it.
+        // SAFETY: signature matches; shapes checked by the caller; `singles` holds `rows`
+        // valid token indices (built with the maps); with splits > 1 the scratch holds every
+        // partial state and counter the launch touches (ensured above); block ids were
+        // validated by the caller.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_decode"))?;
         Ok(())
     }
@@ -243,15 +127,36 @@ impl CudaDevice {
     }
 }
 
-/// The shape-side arguments of a decode attention launch.
-struct DecodeArgs<'a> {
-    qkv: &'a CudaSlice<f32>,
-    row_stride: usize,
-    shape: PoolShape,
-    layer: usize,
+/// `launch` is one `attention_decode.cu` takes for `tc`: a group of at most 16 q heads, 1 to
+/// MAX_SPLITS splits, one or two stages; a cluster only for an output its program has a
+/// cluster variant of and at most MAX_CLUSTER splits.
+fn check_decode_launch<O: DeviceElem>(
+    tc: &TcShape<'_>,
     nq: usize,
-    maps: &'a TokenMaps,
-    scale: f32,
+    launch: DecodeLaunch,
+) -> Result<(), EngineError> {
+    let (nkv, group) = (tc.nkv, tc.group);
+    let DecodeLaunch {
+        splits,
+        stages,
+        cluster,
+    } = launch;
+    if group > 16 || !(1..=MAX_SPLITS).contains(&splits) || !(1..=2).contains(&stages) {
+        return Err(bad(format!(
+            "attention_decode: {nq} q heads over {nkv} KV heads (group ≤ 16), {splits} splits \
+             (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
+        )));
+    }
+    // The main program's cluster variant writes 16-bit outputs, the half-KV one's f32 too.
+    let cluster_out = O::SUFFIX == "bf16" || tc.half_kv;
+    if cluster && (!cluster_out || splits > MAX_CLUSTER) {
+        return Err(bad(format!(
+            "attention_decode: the cluster variant takes a 16-bit output ({} given) and at \
+             most {MAX_CLUSTER} splits ({splits} given)",
+            O::SUFFIX
+        )));
+    }
+    Ok(())
 }
 
 /// Dynamic shared memory of `attention_decode.cu` at `head_dim` with `stages` stages of K and
@@ -275,16 +180,10 @@ pub(super) fn decode_cluster_kernel(out: &str, group: usize, head_dim: usize) ->
     decode_kernel(out, group, head_dim).replace("attention_decode_", "attention_decode_cluster_")
 }
 
-/// The fused (q/k norm, RoPE and KV write) `attention_decode.cu` kernel for a group size and a
-/// head size; 16-bit output only.
-pub(super) fn decode_rope_kernel(group: usize, head_dim: usize) -> String {
-    decode_kernel("bf16", group, head_dim).replace("attention_decode_", "attention_decode_rope_")
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::attention::prefill_smem_bytes;
-    use super::{decode_cluster_kernel, decode_kernel, decode_rope_kernel, decode_smem_bytes};
+    use super::{decode_cluster_kernel, decode_kernel, decode_smem_bytes};
 
     #[test]
     fn decode_shared_memory_holds_its_stages_and_merge_area() {
@@ -320,14 +219,6 @@ mod tests {
         assert_eq!(
             decode_cluster_kernel("f32", 16, 64),
             "attention_decode_cluster_f32_n16_hd64"
-        );
-        assert_eq!(
-            decode_rope_kernel(2, 128),
-            "attention_decode_rope_bf16_n8_hd128"
-        );
-        assert_eq!(
-            decode_rope_kernel(16, 64),
-            "attention_decode_rope_bf16_n16_hd64"
         );
     }
 }

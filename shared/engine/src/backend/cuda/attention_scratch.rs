@@ -37,18 +37,12 @@ impl DecodeLaunch {
     }
 }
 
-/// Heads (q + k + v) of the models whose qkv GEMV may carry the q/k norms and RoPE.
-pub const MAX_FUSED_HEADS: usize = 1024;
-
 /// Device scratch of the split attention: the partial states and the per-(token, head)
 /// counters (zeroed once; the merging block resets its counter).
 pub struct AttentionScratch {
     pub(super) part_acc: CudaSlice<f32>,
     pub(super) part_ml: CudaSlice<f32>,
     pub(super) counters: CudaSlice<u32>,
-    /// Per-head counters of the qkv GEMV with the q/k norms and RoPE in its tail
-    /// ([`super::QkvRope`]), zeroed once; the last block of a head resets its counter.
-    pub(super) head_counters: CudaSlice<u32>,
     sms: usize,
     /// Blocks of `attention_decode.cu` resident at once on the whole GPU (occupancy × SMs)
     /// with one and two shared-memory stages, found on first use.
@@ -75,7 +69,6 @@ impl AttentionScratch {
             part_acc: dev.zeros(1)?,
             part_ml: dev.zeros(1)?,
             counters: dev.zeros(1)?,
-            head_counters: dev.zeros(MAX_FUSED_HEADS)?,
             sms: dev.sm_count(),
             decode_slots: [None; 2],
             decode_stages: super::switches::decode_stages()?,
@@ -139,9 +132,8 @@ impl AttentionScratch {
         Ok(plain)
     }
 
-    /// [`Self::decode_launch`] without clusters: the stages and splits alone (the fused
-    /// kernel, which has no cluster variant, takes this).
-    pub fn plain_decode_launch(
+    /// [`Self::decode_launch`] without clusters: the stages and splits alone.
+    fn plain_decode_launch(
         &mut self,
         dev: &CudaDevice,
         pairs: usize,

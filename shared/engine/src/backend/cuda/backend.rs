@@ -16,9 +16,7 @@ use super::graphs::{replay_seconds, run_step, GraphCache, GraphStats};
 pub use super::precision::ComputeMode;
 use super::precision::PoolElem;
 use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Workspace};
-use super::switches::{
-    decode_fusion_from_env, decode_tc_min, pdl_from_env, tiled_prefill_attention, DecodeFusion,
-};
+use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
 use super::weights::{upload_weights, DeviceWeights};
 use super::{AttentionScratch, CudaDevice, KvPool, PoolShape};
 use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
@@ -53,9 +51,6 @@ pub struct CudaOptions {
     /// into CUDA graphs, one per batch size, on their second occurrence, and replayed
     /// after (`cuda_graph_config.max_batch_size`; 0 turns graphs off).
     pub graph_max_batch: usize,
-    /// The decode-step fusions; `None` reads `TANDEM_CUDA_DECODE_FUSION`
-    /// ([`super::switches::DECODE_FUSION_ENV`]).
-    pub decode_fusion: Option<DecodeFusion>,
 }
 
 /// The decoder on one GPU.
@@ -97,19 +92,7 @@ impl CudaBackend {
         model_id: String,
         opts: &CudaOptions,
     ) -> Result<Self, EngineError> {
-        let block_size = opts.block_size;
-        if block_size == 0 {
-            return Err(EngineError::InvalidInput("block_size must be > 0".into()));
-        }
-        let layout = KvLayout {
-            version: LAYOUT_VERSION,
-            model_id,
-            dtype: opts.kv_dtype,
-            block_size,
-            num_layers: config.num_hidden_layers,
-            num_kv_heads: config.num_key_value_heads,
-            head_dim: config.head_dim,
-        };
+        let layout = kv_layout(&config, model_id, opts)?;
         let mode = opts.mode;
         if dev.float16() != mode.float16() {
             return Err(EngineError::InvalidInput(format!(
@@ -128,93 +111,14 @@ impl CudaBackend {
         } = upload_weights(&dev, mode, &config, weights)?;
         // The workspace first, at the step size the engine schedules, so the pool sized from
         // the free memory leaves it room.
-        let rows = 256;
-        let ws = match mode {
-            ComputeMode::F32 => AnyWorkspace::F32(Workspace::new(
-                &dev,
-                &config,
-                opts.max_step_tokens,
-                rows,
-                false,
-            )?),
-            ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => {
-                AnyWorkspace::Bf16(Workspace::new(
-                    &dev,
-                    &config,
-                    opts.max_step_tokens,
-                    rows,
-                    mode == ComputeMode::Bf16Split,
-                )?)
-            }
-        };
+        let ws = new_workspace(&dev, &config, mode, opts.max_step_tokens)?;
         let group = config.num_attention_heads / config.num_key_value_heads.max(1);
         let scratch = AttentionScratch::for_model(&dev, group, config.head_dim)?;
-        // The attention instance decode launches, compiled now rather than in the first step.
-        let out = match mode {
-            ComputeMode::F32 => "f32",
-            ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => "bf16",
-        };
-        let pool16 = pool_elem != PoolElem::F32;
-        dev.preload_attention(pool_elem.kernel_suffix(), out, config.head_dim, group)?;
-        if mode == ComputeMode::Bf16Split {
-            // Steps of one or two rows read their attention output in f32.
-            dev.preload_attention(pool_elem.kernel_suffix(), "f32", config.head_dim, group)?;
-        }
-        // An f16 cache beside bf16 weights takes its tensor-core attention (Q and P in f16)
-        // from the half-KV program.
-        let half_kv = pool_elem == PoolElem::HalfBesideBf16;
-        if half_kv {
-            dev.load_half_kv_attention()?;
-        }
-        let mut inputs = StepInputs::new(&dev)?;
-        // Prefill chunks and decode rows on tensor cores in the bf16 and f16 modes and in the
-        // split mode with an f16 cache (its Q and P rounded to f16, 8× finer than bf16); the
-        // f32 mode, and the split mode with an f32 or bf16 cache, keep the exact attention.
-        let tensor_cores = matches!(mode, ComputeMode::Bf16 | ComputeMode::F16) || half_kv;
-        if tensor_cores && tiled_prefill_attention()? {
-            if let Some(n) = CudaDevice::prefill_tile_tokens(pool16, config.head_dim, group) {
-                inputs.maps.tile_tokens = n;
-                // attention_decode.cu holds a group in one 16-row fragment.
-                if group <= 16 {
-                    inputs.maps.decode_tc_min = decode_tc_min()?;
-                }
-            }
-        }
+        let inputs = attention_setup(&mut dev, &config, mode, pool_elem)?;
         // Programmatic launch in decode graphs where the GPU and driver have it (asked for
         // or not, TANDEM_CUDA_PDL is checked so a bad value is an error everywhere).
         let pdl = pdl_from_env()? && dev.pdl_capable();
-        let decode_fusion = match opts.decode_fusion {
-            Some(f) => f,
-            None => decode_fusion_from_env()?,
-        };
-        dev.set_early_gemv_weights(decode_fusion.early_weights);
-        let per_block = layout.block_bytes();
-        let num_blocks = match opts.pool {
-            PoolSize::Blocks(n) => n,
-            PoolSize::FreeFraction(f) => {
-                if !(f > 0.0 && f <= 1.0) {
-                    return Err(EngineError::InvalidInput(format!(
-                        "free_gpu_memory_fraction must be in (0, 1], got {f}"
-                    )));
-                }
-                dev.synchronize()?;
-                let (free, _) = dev.mem_info()?;
-                (free as f64 * f) as usize / per_block.max(1)
-            }
-        };
-        if num_blocks == 0 {
-            return Err(EngineError::Config(format!(
-                "the KV pool gets no block of {per_block} bytes (pool size {:?})",
-                opts.pool
-            )));
-        }
-        let shape = PoolShape {
-            num_blocks,
-            num_layers: layout.num_layers,
-            block_size,
-            num_kv_heads: layout.num_kv_heads,
-            head_dim: layout.head_dim,
-        };
+        let shape = pool_shape(&dev, &layout, opts.pool)?;
         let pool = match pool_elem {
             PoolElem::F32 => KvPool::F32(dev.zeros(shape.elems())?),
             PoolElem::Own16 => KvPool::Bf16(dev.zeros(shape.elems())?),
@@ -225,8 +129,8 @@ impl CudaBackend {
             arch = dev.arch(),
             ?mode,
             kv_dtype = %layout.dtype,
-            num_blocks,
-            pool_gib = (num_blocks * per_block) as f64 / (1u64 << 30) as f64,
+            num_blocks = shape.num_blocks,
+            pool_gib = (shape.num_blocks * layout.block_bytes()) as f64 / (1u64 << 30) as f64,
             "CUDA backend ready"
         );
         Ok(CudaBackend {
@@ -242,7 +146,6 @@ impl CudaBackend {
                 inv_freq,
                 scratch,
                 inputs,
-                decode_fusion,
             },
             ws,
             layout,
@@ -503,6 +406,125 @@ impl Backend for CudaBackend {
         }
         Ok(())
     }
+}
+
+/// The pool's layout: the model's KV heads and layers in blocks of `opts.block_size` (not 0)
+/// tokens of `opts.kv_dtype`.
+fn kv_layout(
+    config: &ModelConfig,
+    model_id: String,
+    opts: &CudaOptions,
+) -> Result<KvLayout, EngineError> {
+    if opts.block_size == 0 {
+        return Err(EngineError::InvalidInput("block_size must be > 0".into()));
+    }
+    Ok(KvLayout {
+        version: LAYOUT_VERSION,
+        model_id,
+        dtype: opts.kv_dtype,
+        block_size: opts.block_size,
+        num_layers: config.num_hidden_layers,
+        num_kv_heads: config.num_key_value_heads,
+        head_dim: config.head_dim,
+    })
+}
+
+/// The activation workspace of `mode` for steps of `tokens` tokens (and up to 256 logits
+/// rows): f32 GEMM inputs in the f32 mode, 16-bit ones (hi and lo rows in the split mode)
+/// otherwise.
+fn new_workspace(
+    dev: &CudaDevice,
+    config: &ModelConfig,
+    mode: ComputeMode,
+    tokens: usize,
+) -> Result<AnyWorkspace, EngineError> {
+    let rows = 256;
+    Ok(match mode {
+        ComputeMode::F32 => AnyWorkspace::F32(Workspace::new(dev, config, tokens, rows, false)?),
+        ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => {
+            let split = mode == ComputeMode::Bf16Split;
+            AnyWorkspace::Bf16(Workspace::new(dev, config, tokens, rows, split)?)
+        }
+    })
+}
+
+/// The attention kernels a model of `config` in `mode` over a pool of `pool_elem` takes,
+/// compiled or loaded now rather than in the first step, and the step inputs whose token maps
+/// send prefill chunks and decode rows to the tensor-core kernels where they serve.
+fn attention_setup(
+    dev: &mut CudaDevice,
+    config: &ModelConfig,
+    mode: ComputeMode,
+    pool_elem: PoolElem,
+) -> Result<StepInputs, EngineError> {
+    let group = config.num_attention_heads / config.num_key_value_heads.max(1);
+    // The attention instance decode launches.
+    let out = match mode {
+        ComputeMode::F32 => "f32",
+        ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => "bf16",
+    };
+    let pool16 = pool_elem != PoolElem::F32;
+    dev.preload_attention(pool_elem.kernel_suffix(), out, config.head_dim, group)?;
+    if mode == ComputeMode::Bf16Split {
+        // Steps of one or two rows read their attention output in f32.
+        dev.preload_attention(pool_elem.kernel_suffix(), "f32", config.head_dim, group)?;
+    }
+    // An f16 cache beside bf16 weights takes its tensor-core attention (Q and P in f16)
+    // from the half-KV program.
+    let half_kv = pool_elem == PoolElem::HalfBesideBf16;
+    if half_kv {
+        dev.load_half_kv_attention()?;
+    }
+    let mut inputs = StepInputs::new(dev)?;
+    // Prefill chunks and decode rows on tensor cores in the bf16 and f16 modes and in the
+    // split mode with an f16 cache (its Q and P rounded to f16, 8× finer than bf16); the
+    // f32 mode, and the split mode with an f32 or bf16 cache, keep the exact attention.
+    let tensor_cores = matches!(mode, ComputeMode::Bf16 | ComputeMode::F16) || half_kv;
+    if tensor_cores && tiled_prefill_attention()? {
+        if let Some(n) = CudaDevice::prefill_tile_tokens(pool16, config.head_dim, group) {
+            inputs.maps.tile_tokens = n;
+            // attention_decode.cu holds a group in one 16-row fragment.
+            if group <= 16 {
+                inputs.maps.decode_tc_min = decode_tc_min()?;
+            }
+        }
+    }
+    Ok(inputs)
+}
+
+/// The pool's shape: `size` blocks, or as many as the fraction of the device memory free now
+/// holds (at least one).
+fn pool_shape(
+    dev: &CudaDevice,
+    layout: &KvLayout,
+    size: PoolSize,
+) -> Result<PoolShape, EngineError> {
+    let per_block = layout.block_bytes();
+    let num_blocks = match size {
+        PoolSize::Blocks(n) => n,
+        PoolSize::FreeFraction(f) => {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(EngineError::InvalidInput(format!(
+                    "free_gpu_memory_fraction must be in (0, 1], got {f}"
+                )));
+            }
+            dev.synchronize()?;
+            let (free, _) = dev.mem_info()?;
+            (free as f64 * f) as usize / per_block.max(1)
+        }
+    };
+    if num_blocks == 0 {
+        return Err(EngineError::Config(format!(
+            "the KV pool gets no block of {per_block} bytes (pool size {size:?})"
+        )));
+    }
+    Ok(PoolShape {
+        num_blocks,
+        num_layers: layout.num_layers,
+        block_size: layout.block_size,
+        num_kv_heads: layout.num_kv_heads,
+        head_dim: layout.head_dim,
+    })
 }
 
 /// A step's token ids split per sequence (`counts[i]` rows each, in batch order). A negative

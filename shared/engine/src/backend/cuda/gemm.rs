@@ -4,10 +4,8 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::ops::HeadNorms;
-use super::{
-    check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps,
-};
+use super::ops::Norm;
+use super::{check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix};
 use crate::error::EngineError;
 
 impl CudaDevice {
@@ -22,22 +20,6 @@ impl CudaDevice {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), EngineError> {
-        self.matmul_t_before(x, m, k, w, n, out, None)
-    }
-
-    /// [`Self::matmul_t`] before the GEMM over `next_weights`: a GEMV of one or two rows asks
-    /// those weights into L2 while it runs (`TANDEM_CUDA_L2_PREFETCH`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_t_before<X: DeviceElem>(
-        &self,
-        x: &CudaSlice<X>,
-        m: usize,
-        k: usize,
-        w: &DeviceMatrix,
-        n: usize,
-        out: &mut CudaSlice<f32>,
-        next_weights: Option<&DeviceMatrix>,
-    ) -> Result<(), EngineError> {
         let (w_type, w_len) = match w {
             DeviceMatrix::F32(s) => (f32::cuda_type(self.e16), s.len()),
             DeviceMatrix::Bf16(s) => (u16::cuda_type(self.e16), s.len()),
@@ -49,10 +31,7 @@ impl CudaDevice {
             return Err(EngineError::Backend(format!(
                 "GEMM of {} activations with {} weights is not supported",
                 X::SUFFIX,
-                match w {
-                    DeviceMatrix::F32(_) => "f32",
-                    DeviceMatrix::Bf16(_) => "bf16",
-                }
+                w.elem_name()
             )));
         }
         if m == 0 || n == 0 {
@@ -64,13 +43,12 @@ impl CudaDevice {
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
         if let (DeviceMatrix::Bf16(ws), Some(rows)) = (w, gemv_rows(m, k)) {
             if self.small_m_gemv {
-                let next = self.l2_next(next_weights);
                 let input = if f32_gemv {
                     GemvInput::F32
                 } else {
                     GemvInput::Bf16
                 };
-                return self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki), next);
+                return self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki));
             }
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -160,30 +138,16 @@ impl CudaDevice {
     pub fn f32_rows_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix) -> bool {
         matches!(w, DeviceMatrix::Bf16(_)) && self.small_m_gemv && gemv_rows(m, k).is_some()
     }
+}
 
-    /// Where the weights of the GEMM after a GEMV start and how many bytes they hold, for the
-    /// GEMV to ask into L2 while it runs (`gemv.cu`'s `l2_prefetch_next`; one- and two-row
-    /// decode steps are bound by DRAM latency, not bandwidth): (0, 0) when there are none,
-    /// they are not 16-bit, or [`switches::L2_PREFETCH_ENV`] is `off`.
-    fn l2_next(&self, next: Option<&DeviceMatrix>) -> (u64, u64) {
-        match next {
-            Some(DeviceMatrix::Bf16(s)) if self.l2_prefetch_next => {
-                // Event tracking is off (CudaDevice::new), so the guard has nothing to record.
-                let (ptr, _guard) = s.device_ptr(&self.stream);
-                (ptr, (s.len() as u64 * 2) & !15)
-            }
-            _ => (0, 0),
-        }
-    }
-
-    /// The part of a `gemv.cu` entry point's name that picks the early-weight variant for a
-    /// GEMV of `rows` rows.
-    fn gemv_variant(&self, rows: usize) -> &'static str {
-        if self.early_gemv_weights.applies(rows) {
-            "_early"
-        } else {
-            ""
-        }
+/// The part of a `gemv.cu` entry point's name for a GEMV of `rows` rows: the one-row GEMVs load
+/// their first weights before the PDL wait (`_early_`: batch 1 +2.7% on the H200), the
+/// two-row ones after it (early weights lost 6% there).
+fn gemv_variant(rows: usize) -> &'static str {
+    if rows == 1 {
+        "_early"
+    } else {
+        ""
     }
 }
 
@@ -193,7 +157,6 @@ const GEMV_WARPS: usize = 8;
 impl CudaDevice {
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ `rows` by `gemv.cu` (bf16 weights, `input`
     /// rows, f32 out); shapes and element types checked by the caller (`X` is `input`).
-    #[allow(clippy::too_many_arguments)]
     fn gemv_bf16<X: DeviceElem>(
         &self,
         x: &CudaSlice<X>,
@@ -202,9 +165,8 @@ impl CudaDevice {
         rows: usize,
         input: GemvInput,
         (m, n, k): (i32, i32, i32),
-        (next, next_bytes): (u64, u64),
     ) -> Result<(), EngineError> {
-        let early = self.gemv_variant(rows);
+        let early = gemv_variant(rows);
         let name = format!("gemv{early}_{}_m{rows}", input.kernel_part());
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
@@ -213,18 +175,10 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(x)
-            .arg(w)
-            .arg(&m)
-            .arg(&n)
-            .arg(&k)
-            .arg(&next)
-            .arg(&next_bytes);
+        b.arg(out).arg(x).arg(w).arg(&m).arg(&n).arg(&k);
         // SAFETY: signature matches; x holds m·k, w n·k and out m·n elements (checked by
         // matmul_t), k is a multiple of 8 and the buffers' starts are 256-byte aligned, so
-        // the kernel's 16-byte loads stay in bounds and aligned; `next` is null or a live
-        // allocation of at least `next_bytes` (a multiple of 16), 256-byte aligned.
+        // the kernel's 16-byte loads stay in bounds and aligned.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_bf16"))?;
         Ok(())
     }
@@ -234,33 +188,6 @@ impl CudaDevice {
 /// (m · k bf16): the default 48 KiB limit of a launch less a margin for the kernel's static
 /// shared memory (block_sum's 132 bytes), which counts against the same limit.
 const NORM_GEMV_SMEM_MAX: usize = (48 << 10) - 1024;
-
-/// The q/k norms, RoPE and KV write of `qk_norm_rope_kv` run in the tail of a decode step's
-/// qkv [`CudaDevice::norm_gemv`] (`gemv_norm_rope_*`: the last block of each head does them).
-pub struct QkvRope<'a> {
-    pub heads: &'a HeadNorms<'a>,
-    pub maps: &'a TokenMaps,
-    pub pool: &'a mut KvPool,
-    pub shape: PoolShape,
-    pub layer: usize,
-    /// One zeroed counter per head at least (the scratch's `head_counters`).
-    pub counters: &'a CudaSlice<u32>,
-}
-
-impl QkvRope<'_> {
-    /// Whether a model of these heads can take it with GEMV rows of `input`: a pool of the
-    /// program's 16-bit element for bf16 rows (the kernel's `e16_t`), an f16 pool beside bf16
-    /// weights for f32 rows (`h16_t`), heads a whole number of GEMV blocks, a head's rotation
-    /// pairs within the block's threads, a counter per head.
-    pub fn fits(heads: &HeadNorms<'_>, pool: &KvPool, counters: usize, input: GemvInput) -> bool {
-        matches!(
-            (input, pool),
-            (GemvInput::Bf16, KvPool::Bf16(_)) | (GemvInput::F32, KvPool::Half(_))
-        ) && heads.head_dim.is_multiple_of(2 * GEMV_WARPS)
-            && heads.head_dim / 2 <= GEMV_WARPS * 32
-            && heads.nq + 2 * heads.nkv <= counters
-    }
-}
 
 impl CudaDevice {
     /// Whether [`Self::norm_gemv`] takes `m` rows of `k` over weights `w` with rows of
@@ -274,160 +201,124 @@ impl CudaDevice {
 
     /// A decode step's RMSNorm and GEMV in one launch (`gemv.cu`'s `gemv_norm_*`): the rows
     /// `x + residual` (stored to `x_out`, the residual stream's other buffer) normalised by
-    /// `norm_w`, rounded to bf16 (`input` bf16) or kept in f32, times `wᵀ` into `out[m, n]`
-    /// (f32). With `silu`, `w` holds the gate and up rows interleaved (2n rows) and `out` gets
-    /// silu(gate) · up in the `input` type. Shapes must pass [`Self::norm_gemv_fits`].
-    #[allow(clippy::too_many_arguments)]
+    /// `norm`, rounded to bf16 (`input` bf16) or kept in f32, times the weights' transpose into
+    /// `out[m, n]` (f32). With `weights.silu`, `out` gets silu(gate) · up in the `input` type.
+    /// Shapes must pass [`Self::norm_gemv_fits`].
     pub fn norm_gemv<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        x: &CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        x_out: &mut CudaSlice<f32>,
-        norm_w: &CudaSlice<f32>,
-        eps: f32,
-        w: &DeviceMatrix,
-        m: usize,
-        k: usize,
-        n: usize,
-        silu: bool,
+        rows: ResidualRows<'_>,
+        norm: Norm<'_>,
+        weights: GemvWeights<'_>,
         input: GemvInput,
-        next_weights: Option<&DeviceMatrix>,
-        rope: Option<QkvRope<'_>>,
     ) -> Result<(), EngineError> {
-        let (DeviceMatrix::Bf16(ws), Some(rows), true) =
-            (w, gemv_rows(m, k), self.norm_gemv_fits(m, k, w, input))
-        else {
+        let (m, k, n) = (rows.m, rows.k, weights.n);
+        let (DeviceMatrix::Bf16(ws), Some(instance), true) = (
+            weights.w,
+            gemv_rows(m, k),
+            self.norm_gemv_fits(m, k, weights.w, input),
+        ) else {
             return Err(EngineError::Backend(format!(
                 "norm_gemv: {m} rows of {k} over {} weights is not a fused-GEMV shape",
-                match w {
-                    DeviceMatrix::F32(_) => "f32",
-                    DeviceMatrix::Bf16(_) => "bf16",
-                }
+                weights.w.elem_name()
             )));
         };
-        let want_out = match (silu, input) {
-            (true, GemvInput::Bf16) => "bf16",
-            _ => "f32",
-        };
-        if O::SUFFIX != want_out {
-            return Err(EngineError::Backend(format!(
-                "norm_gemv: {} output, expected {want_out}",
-                O::SUFFIX
-            )));
-        }
+        check_norm_gemv_output::<O>(weights.silu, input)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
-        check_len("norm_gemv x", x.len(), m * k)?;
-        if let Some(r) = residual {
-            check_len("norm_gemv residual", r.len(), m * k)?;
-        }
-        check_len("norm_gemv x_out", x_out.len(), m * k)?;
-        check_len("norm_gemv norm weight", norm_w.len(), k)?;
-        let w_rows = if silu { 2 * n } else { n };
-        if ws.len() != w_rows * k {
-            return Err(EngineError::Backend(format!(
-                "norm_gemv: weights of {} elements, expected {w_rows} × {k}",
-                ws.len()
-            )));
-        }
+        rows.check_lengths(norm)?;
+        weights.check_len(ws.len(), k)?;
         check_len("norm_gemv out", out.len(), m * n)?;
-        let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
-        if let Some(r) = &rope {
-            let h = r.heads;
-            // Every column a head's (blocks map to heads by column), no SiLU, a fitting pool.
-            if silu
-                || !QkvRope::fits(h, r.pool, r.counters.len(), input)
-                || n != (h.nq + 2 * h.nkv) * h.head_dim
-            {
-                return Err(EngineError::Backend(format!(
-                    "norm_gemv with RoPE: {}+2×{} heads of {} as {n} columns{}",
-                    h.nq,
-                    h.nkv,
-                    h.head_dim,
-                    if silu { " with SiLU" } else { "" },
-                )));
-            }
-            h.check_pool("norm_gemv with RoPE", n, r.pool, r.shape, r.layer)?;
-            h.check_lengths("norm_gemv with RoPE")?;
-            check_len("norm_gemv with RoPE tokens", r.maps.tokens, m)?;
-        }
-        let silu_part = if silu { "_silu" } else { "" };
-        let early = self.gemv_variant(rows);
+        let ints = [to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?];
+        let silu_part = if weights.silu { "_silu" } else { "" };
+        let early = gemv_variant(instance);
         let rows_type = input.kernel_part();
-        let name = if rope.is_some() {
-            format!("gemv_norm_rope_{rows_type}_m{rows}")
-        } else {
-            format!("gemv_norm{silu_part}{early}_{rows_type}_m{rows}")
-        };
-        let f = self.func(&name)?;
+        let f = self.func(&format!(
+            "gemv_norm{silu_part}{early}_{rows_type}_m{instance}"
+        ))?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: (rows * k * input.bytes()) as u32,
+            shared_mem_bytes: (instance * k * input.bytes()) as u32,
         };
         let null = 0u64;
-        let (next, next_bytes) = self.l2_next(next_weights);
         let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(x);
-        match residual {
+        b.arg(out).arg(rows.x);
+        match rows.residual {
             Some(r) => b.arg(r),
             None => b.arg(&null),
         };
-        b.arg(x_out)
-            .arg(norm_w)
-            .arg(&eps)
-            .arg(ws)
-            .arg(&mi)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&next)
-            .arg(&next_bytes);
-        let rope_ints;
-        if let Some(r) = rope {
-            let h = r.heads;
-            rope_ints = [
-                to_i32("nq", h.nq)?,
-                to_i32("nkv", h.nkv)?,
-                to_i32("head_dim", h.head_dim)?,
-                to_i32("block size", r.shape.block_size)?,
-                to_i32("layer", r.layer)?,
-                to_i32("layers", r.shape.num_layers)?,
-            ];
-            b.arg(&rope_ints[0])
-                .arg(&rope_ints[1])
-                .arg(&rope_ints[2])
-                .arg(&r.maps.positions)
-                .arg(h.inv_freq);
-            for nw in [h.q_norm, h.k_norm] {
-                match nw {
-                    Some(nw) => b.arg(nw),
-                    None => b.arg(&null),
-                };
-            }
-            let (KvPool::Bf16(pool) | KvPool::Half(pool)) = r.pool else {
-                return Err(EngineError::Backend(
-                    "norm_gemv with RoPE: the pool is not 16-bit".into(),
-                ));
-            };
-            b.arg(pool)
-                .arg(&r.maps.token_block)
-                .arg(&rope_ints[3])
-                .arg(&rope_ints[4])
-                .arg(&rope_ints[5])
-                .arg(r.counters);
+        b.arg(rows.x_out).arg(norm.w).arg(&norm.eps).arg(ws);
+        for v in &ints {
+            b.arg(v);
         }
-        // SAFETY: signature matches (the RoPE arguments only for gemv_norm_rope_*); every
-        // buffer's length was checked above (x, residual and x_out m·k, w (silu ? 2n : n)·k,
-        // out m·n), k is a multiple of 8 and the buffers' starts are 256-byte aligned for the
-        // 16-byte weight loads; the shared memory holds the instance's rows of k `input`
-        // elements; `next` is null or a live allocation of at least `next_bytes` (a multiple
-        // of 16). With RoPE:
-        // the pool holds the whole shape, the block ids come from tables the caller validated
-        // against `shape.num_blocks`, there is a zeroed counter per head, and n is a multiple
-        // of GEMV_WARPS (head_dim is), so every warp of a head's blocks has a column.
+        // SAFETY: signature matches; every buffer's length was checked above (x, residual and
+        // x_out m·k, w (silu ? 2n : n)·k, out m·n), k is a multiple of 8 and the buffers'
+        // starts are 256-byte aligned for the 16-byte weight loads; the shared memory holds
+        // the instance's rows of k `input` elements.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_norm"))?;
         Ok(())
     }
+}
+
+/// The rows a fused norm GEMV reads and where it leaves their sum: `m` rows of `k`, `x` plus
+/// `residual` (the last output into the residual stream, if any), stored to `x_out`.
+pub struct ResidualRows<'a> {
+    pub x: &'a CudaSlice<f32>,
+    pub residual: Option<&'a CudaSlice<f32>>,
+    pub x_out: &'a mut CudaSlice<f32>,
+    pub m: usize,
+    pub k: usize,
+}
+
+impl ResidualRows<'_> {
+    /// Every buffer holds the m·k rows, the norm one weight per element of a row.
+    fn check_lengths(&self, norm: Norm<'_>) -> Result<(), EngineError> {
+        let mk = self.m * self.k;
+        check_len("norm_gemv x", self.x.len(), mk)?;
+        if let Some(r) = self.residual {
+            check_len("norm_gemv residual", r.len(), mk)?;
+        }
+        check_len("norm_gemv x_out", self.x_out.len(), mk)?;
+        check_len("norm_gemv norm weight", norm.w.len(), self.k)
+    }
+}
+
+/// A fused norm GEMV's weights: `n` output columns; with `silu`, `w` holds the gate and up
+/// rows interleaved (2n rows, as the backend loads gate_up) and the epilogue is SiLU·mul.
+#[derive(Clone, Copy)]
+pub struct GemvWeights<'a> {
+    pub w: &'a DeviceMatrix,
+    pub n: usize,
+    pub silu: bool,
+}
+
+impl GemvWeights<'_> {
+    /// The weights hold their rows (`n`, or `2n` with SiLU) of `k`.
+    fn check_len(&self, len: usize, k: usize) -> Result<(), EngineError> {
+        let w_rows = if self.silu { 2 * self.n } else { self.n };
+        if len != w_rows * k {
+            return Err(EngineError::Backend(format!(
+                "norm_gemv: weights of {len} elements, expected {w_rows} × {k}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The output a fused norm GEMV writes: bf16 for SiLU·mul over bf16 rows (the down
+/// projection's input), else f32; `O` must be it.
+fn check_norm_gemv_output<O: DeviceElem>(silu: bool, input: GemvInput) -> Result<(), EngineError> {
+    let want_out = match (silu, input) {
+        (true, GemvInput::Bf16) => "bf16",
+        _ => "f32",
+    };
+    if O::SUFFIX != want_out {
+        return Err(EngineError::Backend(format!(
+            "norm_gemv: {} output, expected {want_out}",
+            O::SUFFIX
+        )));
+    }
+    Ok(())
 }

@@ -25,6 +25,7 @@ mod attention_decode;
 mod attention_scratch;
 pub mod backend;
 mod cluster_launch;
+mod forward;
 mod gemm;
 mod graphs;
 pub mod kernels;
@@ -39,11 +40,14 @@ mod token_maps;
 mod weights;
 mod workspace;
 
+pub use attention::AttentionInputs;
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
-pub use gemm::{GemvInput, QkvRope};
+pub use gemm::{GemvInput, GemvWeights, ResidualRows};
 pub use graphs::GraphStats;
+pub use ops::Norm;
 pub use profile::LaunchTime;
+pub use rope_kv::KvTarget;
 pub use token_maps::{DevAddr, DeviceList, TokenMaps};
 
 use std::collections::HashMap;
@@ -169,6 +173,14 @@ impl DeviceBuf {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The element's name in errors: `f32` or `bf16`.
+    pub fn elem_name(&self) -> &'static str {
+        match self {
+            DeviceBuf::F32(_) => "f32",
+            DeviceBuf::Bf16(_) => "bf16",
+        }
+    }
 }
 
 /// The paged KV pool on the device, in the layout's element type.
@@ -248,12 +260,6 @@ pub struct CudaDevice {
     /// bf16 GEMMs of one or two rows by `gemv.cu` rather than cuBLAS
     /// ([`switches::SMALL_GEMM_ENV`]).
     small_m_gemv: bool,
-    /// Which GEMVs of one or two rows load their first weights before the PDL wait (their
-    /// `_early_` entry points; [`switches::DecodeFusion::early_weights`]).
-    early_gemv_weights: switches::EarlyWeights,
-    /// The GEMVs of one or two rows ask the next GEMM's weights into L2
-    /// ([`switches::L2_PREFETCH_ENV`]).
-    l2_prefetch_next: bool,
     /// Programmatic dependent launch works here: compute capability 9.0 or later (the
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
@@ -346,8 +352,6 @@ impl CudaDevice {
             launches: std::sync::atomic::AtomicU64::new(0),
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
-            early_gemv_weights: switches::EarlyWeights::default(),
-            l2_prefetch_next: switches::l2_prefetch_from_env()?,
             pdl_capable,
             cluster_capable,
             e16,
@@ -384,12 +388,6 @@ impl CudaDevice {
             "CUDA half-KV attention kernels compiled"
         );
         Ok(())
-    }
-
-    /// Which GEMVs of one or two rows (`gemv.cu`) load their first weights before waiting on
-    /// the kernel before them: their `_early_` entry points.
-    pub fn set_early_gemv_weights(&mut self, early: switches::EarlyWeights) {
-        self.early_gemv_weights = early;
     }
 
     /// What this device's 16-bit buffers hold (the program it compiled).

@@ -72,6 +72,13 @@ impl HeadNorms<'_> {
     }
 }
 
+/// An RMSNorm's weights (one per element of a row; the row length is theirs) and epsilon.
+#[derive(Clone, Copy)]
+pub struct Norm<'a> {
+    pub w: &'a CudaSlice<f32>,
+    pub eps: f32,
+}
+
 impl CudaDevice {
     /// `out[t, :] = table[ids[t], :]` as f32 (`hidden` columns). Ids must be below the
     /// table's row count; `vocab` is checked here on the host copy of the ids.
@@ -134,37 +141,35 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// RMSNorm of `rows` rows of `dim`: with `residual`, first `x += residual` (written back),
-    /// then `out = w * x / sqrt(mean(x²) + eps)`; `out` is f32 or bf16 (a bf16 GEMM's input).
-    #[allow(clippy::too_many_arguments)]
+    /// RMSNorm of `rows` rows of `norm.w.len()`: with `residual`, first `x += residual`
+    /// (written back), then `out = w * x / sqrt(mean(x²) + eps)`; `out` is f32 or bf16 (a bf16
+    /// GEMM's input), with `split` its hi and lo halves.
     pub fn rms_norm<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
         x: &mut CudaSlice<f32>,
         residual: Option<&CudaSlice<f32>>,
-        w: &CudaSlice<f32>,
+        norm: Norm<'_>,
         rows: usize,
-        eps: f32,
         split: bool,
     ) -> Result<(), EngineError> {
         let residual = residual.map(|r| (r, false));
-        self.rms_norm_split_residual(out, x, residual, w, rows, eps, split)
+        self.rms_norm_split_residual(out, x, residual, norm, rows, split)
     }
 
     /// [`Self::rms_norm`] whose residual may be a split GEMM's unfolded output (`(buffer,
     /// true)`: hi rows, then as many lo rows), folded as it is read: one launch fewer than
     /// `fold_rows` first.
-    #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_split_residual<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
         x: &mut CudaSlice<f32>,
         residual: Option<(&CudaSlice<f32>, bool)>,
-        w: &CudaSlice<f32>,
+        norm: Norm<'_>,
         rows: usize,
-        eps: f32,
         split: bool,
     ) -> Result<(), EngineError> {
+        let Norm { w, eps } = norm;
         let dim = w.len();
         if rows == 0 {
             return Ok(());

@@ -1,7 +1,7 @@
 //! Launch wrappers of the q/k norms + RoPE (`qk_norm_rope.cu`, with the KV write in the same
 //! launch) and of the plain KV write (`kv_write.cu`), over the heads [`HeadNorms`] describes.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::ops::HeadNorms;
 use super::{
@@ -9,57 +9,62 @@ use super::{
 };
 use crate::error::EngineError;
 
+/// Where a launch stores the step's K and V: `layer` of `pool`, laid out as `shape`.
+pub struct KvTarget<'a> {
+    pub pool: &'a mut KvPool,
+    pub shape: PoolShape,
+    pub layer: usize,
+}
+
+impl KvTarget<'_> {
+    /// The kernels' block size, layer and layer count.
+    fn ints(&self) -> Result<[i32; 3], EngineError> {
+        Ok([
+            to_i32("block size", self.shape.block_size)?,
+            to_i32("layer", self.layer)?,
+            to_i32("layers", self.shape.num_layers)?,
+        ])
+    }
+
+    /// Pushes the pool (whichever element it holds).
+    fn push_pool<'b>(&'b self, b: &mut LaunchArgs<'b>) {
+        match &*self.pool {
+            KvPool::F32(p) => b.arg(p),
+            KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
+        };
+    }
+}
+
 impl CudaDevice {
-    /// Per-head RMSNorm (when `q_norm`/`k_norm` are given, each `head_dim` long) and RoPE in
-    /// place on the first `nq + nkv` heads of each of the `maps.tokens` rows of `qkv` (rows
-    /// `row_stride` apart). `inv_freq` holds `head_dim / 2` frequencies (as f32).
-    #[allow(clippy::too_many_arguments)]
+    /// Per-head RMSNorm (when `heads.q_norm`/`k_norm` are given, each `head_dim` long) and
+    /// RoPE in place on the first `nq + nkv` heads of each of the `maps.tokens` rows of `qkv`
+    /// (rows `row_stride` apart).
     pub fn qk_norm_rope(
         &self,
         qkv: &mut CudaSlice<f32>,
         row_stride: usize,
-        nq: usize,
-        nkv: usize,
-        head_dim: usize,
+        heads: &HeadNorms<'_>,
         maps: &TokenMaps,
-        inv_freq: &CudaSlice<f32>,
-        q_norm: Option<&CudaSlice<f32>>,
-        k_norm: Option<&CudaSlice<f32>>,
-        eps: f32,
     ) -> Result<(), EngineError> {
-        let heads = HeadNorms {
-            nq,
-            nkv,
-            head_dim,
-            inv_freq,
-            q_norm,
-            k_norm,
-            eps,
-        };
-        self.qk_norm_rope_into(qkv, row_stride, &heads, maps, None)
+        self.qk_norm_rope_into(qkv, row_stride, heads, maps, None)
     }
 
     /// [`Self::qk_norm_rope`], then the rotated K and the V heads (after the k heads in each
-    /// row) stored into `layer` of the pool: the KV write of [`Self::kv_write`] in the same
-    /// launch.
-    #[allow(clippy::too_many_arguments)]
+    /// row) stored into `kv`: the KV write of [`Self::kv_write`] in the same launch.
     pub fn qk_norm_rope_kv(
         &self,
         qkv: &mut CudaSlice<f32>,
         row_stride: usize,
         heads: &HeadNorms<'_>,
         maps: &TokenMaps,
-        pool: &mut KvPool,
-        shape: PoolShape,
-        layer: usize,
+        kv: KvTarget<'_>,
     ) -> Result<(), EngineError> {
-        self.qk_norm_rope_kv_split_input(qkv, false, row_stride, heads, maps, pool, shape, layer)
+        self.qk_norm_rope_kv_split_input(qkv, false, row_stride, heads, maps, kv)
     }
 
     /// [`Self::qk_norm_rope_kv`] over a split GEMM's unfolded output when `unfolded` (hi rows,
     /// then as many lo rows): each value is read as hi + lo, the q and k heads written back
     /// folded (the v heads' hi rows stay as they are; the pool holds them folded).
-    #[allow(clippy::too_many_arguments)]
     pub fn qk_norm_rope_kv_split_input(
         &self,
         qkv: &mut CudaSlice<f32>,
@@ -67,11 +72,10 @@ impl CudaDevice {
         row_stride: usize,
         heads: &HeadNorms<'_>,
         maps: &TokenMaps,
-        pool: &mut KvPool,
-        shape: PoolShape,
-        layer: usize,
+        kv: KvTarget<'_>,
     ) -> Result<(), EngineError> {
-        heads.check_pool("qk_norm_rope_kv", row_stride, pool, shape, layer)?;
+        let kernel = "qk_norm_rope_kv";
+        heads.check_pool(kernel, row_stride, kv.pool, kv.shape, kv.layer)?;
         let in_lo = if unfolded {
             check_len(
                 "qk_norm_rope_kv qkv",
@@ -82,92 +86,65 @@ impl CudaDevice {
         } else {
             0
         };
-        self.qk_norm_rope_into(
-            qkv,
-            row_stride,
-            heads,
-            maps,
-            Some((pool, shape, layer, in_lo)),
-        )
+        self.qk_norm_rope_into(qkv, row_stride, heads, maps, Some((kv, in_lo)))
     }
 
+    /// One `qk_norm_rope.cu` launch: the plain kernel, or with `kv` (and the offset of the lo
+    /// rows, 0 for folded input) the one that also writes K and V.
     fn qk_norm_rope_into(
         &self,
         qkv: &mut CudaSlice<f32>,
         row_stride: usize,
         heads: &HeadNorms<'_>,
         maps: &TokenMaps,
-        pool: Option<(&mut KvPool, PoolShape, usize, usize)>,
+        kv: Option<(KvTarget<'_>, usize)>,
     ) -> Result<(), EngineError> {
-        let HeadNorms {
-            nq,
-            nkv,
-            head_dim,
-            inv_freq,
-            q_norm,
-            k_norm,
-            eps,
-        } = *heads;
         let t = maps.tokens;
         if t == 0 {
             return Ok(());
         }
-        if !head_dim.is_multiple_of(2) || (nq + nkv) * head_dim > row_stride {
-            return Err(bad(format!(
-                "qk_norm_rope: head_dim {head_dim}, {nq}+{nkv} heads, row stride {row_stride}"
-            )));
-        }
-        check_len("qk_norm_rope qkv", qkv.len(), t * row_stride)?;
-        heads.check_lengths("qk_norm_rope")?;
-        let (rs, q, kv, hd) = (
+        check_rope_rows(qkv, row_stride, heads, t)?;
+        let (nq, nkv, head_dim) = (heads.nq, heads.nkv, heads.head_dim);
+        let ints = [
             to_i32("row stride", row_stride)?,
             to_i32("nq", nq)?,
             to_i32("nkv", nkv)?,
             to_i32("head_dim", head_dim)?,
-        );
-        let null = 0u64;
-        let grid_heads = if pool.is_some() {
-            nq + 2 * nkv
-        } else {
-            nq + nkv
-        };
+        ];
+        let grid_heads = if kv.is_some() { nq + 2 * nkv } else { nq + nkv };
         let cfg = LaunchConfig {
             grid_dim: (t as u32, grid_heads as u32, 1),
             block_dim: (threads_for(head_dim / 2), 1, 1),
             shared_mem_bytes: 0,
         };
-        let name = match &pool {
+        let name = match &kv {
             None => "qk_norm_rope_f32",
-            Some((KvPool::F32(_), ..)) => "qk_norm_rope_kv_f32",
-            Some((KvPool::Bf16(_), ..)) => "qk_norm_rope_kv_bf16",
-            Some((KvPool::Half(_), ..)) => "qk_norm_rope_kv_h16",
+            Some((k, _)) => match &*k.pool {
+                KvPool::F32(_) => "qk_norm_rope_kv_f32",
+                KvPool::Bf16(_) => "qk_norm_rope_kv_bf16",
+                KvPool::Half(_) => "qk_norm_rope_kv_h16",
+            },
         };
         let f = self.func(name)?;
+        let null = 0u64;
         let mut b = self.stream.launch_builder(f);
-        b.arg(qkv).arg(&rs).arg(&q);
-        if pool.is_some() {
-            b.arg(&kv);
+        b.arg(qkv).arg(&ints[0]).arg(&ints[1]);
+        if kv.is_some() {
+            b.arg(&ints[2]);
         }
-        b.arg(&hd).arg(&maps.positions).arg(inv_freq);
-        for n in [q_norm, k_norm] {
+        b.arg(&ints[3]).arg(&maps.positions).arg(heads.inv_freq);
+        for n in [heads.q_norm, heads.k_norm] {
             match n {
                 Some(n) => b.arg(n),
                 None => b.arg(&null),
             };
         }
-        b.arg(&eps);
+        b.arg(&heads.eps);
         let (tail, in_lo);
-        if let Some((pool, shape, layer, lo)) = pool {
-            tail = [
-                to_i32("block size", shape.block_size)?,
-                to_i32("layer", layer)?,
-                to_i32("layers", shape.num_layers)?,
-            ];
-            in_lo = lo as i64;
-            match pool {
-                KvPool::F32(p) => b.arg(p),
-                KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
-            };
+        if let Some((kv, lo)) = &kv {
+            tail = kv.ints()?;
+            in_lo = *lo as i64;
+            kv.push_pool(&mut b);
             b.arg(&maps.token_block)
                 .arg(&tail[0])
                 .arg(&tail[1])
@@ -182,13 +159,10 @@ impl CudaDevice {
     }
 
     /// Stores the K and V of every token of `maps` (in `qkv` at column `k_off`, K then V,
-    /// `num_kv_heads * head_dim` each) into `layer` of the pool, at the layout's address.
-    #[allow(clippy::too_many_arguments)]
+    /// `num_kv_heads * head_dim` each) into `kv`, at the layout's address.
     pub fn kv_write(
         &self,
-        pool: &mut KvPool,
-        shape: PoolShape,
-        layer: usize,
+        kv: KvTarget<'_>,
         qkv: &CudaSlice<f32>,
         row_stride: usize,
         k_off: usize,
@@ -198,6 +172,7 @@ impl CudaDevice {
         if t == 0 {
             return Ok(());
         }
+        let (shape, layer) = (kv.shape, kv.layer);
         let kvd = shape.num_kv_heads * shape.head_dim;
         if k_off + 2 * kvd > row_stride || layer >= shape.num_layers {
             return Err(bad(format!(
@@ -205,7 +180,7 @@ impl CudaDevice {
                 shape.num_layers
             )));
         }
-        check_len("kv_write pool", pool.len(), shape.elems())?;
+        check_len("kv_write pool", kv.pool.len(), shape.elems())?;
         check_len("kv_write qkv", qkv.len(), t * row_stride)?;
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
@@ -217,22 +192,15 @@ impl CudaDevice {
             to_i32("k offset", k_off)?,
             to_i32("kv width", kvd)?,
         ];
-        let tail = [
-            to_i32("block size", shape.block_size)?,
-            to_i32("layer", layer)?,
-            to_i32("layers", shape.num_layers)?,
-        ];
-        let name = match pool {
+        let tail = kv.ints()?;
+        let name = match &*kv.pool {
             KvPool::F32(_) => "kv_write_f32",
             KvPool::Bf16(_) => "kv_write_bf16",
             KvPool::Half(_) => "kv_write_h16",
         };
         let f = self.func(name)?;
         let mut b = self.stream.launch_builder(f);
-        match pool {
-            KvPool::F32(p) => b.arg(p),
-            KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
-        };
+        kv.push_pool(&mut b);
         b.arg(qkv)
             .arg(&args[0])
             .arg(&args[1])
@@ -247,4 +215,22 @@ impl CudaDevice {
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching kv_write"))?;
         Ok(())
     }
+}
+
+/// The heads fit `t` rows of `qkv` (`row_stride` apart, even head_dim), and the frequencies
+/// and norm weights are long enough.
+fn check_rope_rows(
+    qkv: &CudaSlice<f32>,
+    row_stride: usize,
+    heads: &HeadNorms<'_>,
+    t: usize,
+) -> Result<(), EngineError> {
+    let (nq, nkv, head_dim) = (heads.nq, heads.nkv, heads.head_dim);
+    if !head_dim.is_multiple_of(2) || (nq + nkv) * head_dim > row_stride {
+        return Err(bad(format!(
+            "qk_norm_rope: head_dim {head_dim}, {nq}+{nkv} heads, row stride {row_stride}"
+        )));
+    }
+    check_len("qk_norm_rope qkv", qkv.len(), t * row_stride)?;
+    heads.check_lengths("qk_norm_rope")
 }

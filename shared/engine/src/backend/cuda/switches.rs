@@ -1,7 +1,10 @@
 //! Environment switches of the CUDA backend, for comparisons on a GPU (each refuses unknown
-//! values): which attention kernels serve prefill chunks and decode rows, which GEMM serves
-//! steps of one or two rows, whether decode steps fuse their norms into the kernels after
-//! them, and whether decode graphs use programmatic dependent launch.
+//! values): which attention kernels serve prefill chunks and decode rows, how the decode
+//! attention is split and staged, which GEMM serves steps of one or two rows, and whether
+//! decode graphs use programmatic dependent launch. Variants that measured slower and had no
+//! other use are gone (docs/benchmarks.md keeps their figures: the decode-step fusions of
+//! `TANDEM_CUDA_DECODE_FUSION`, the two-row early GEMV weights, `TANDEM_CUDA_L2_PREFETCH`);
+//! each kept non-default value says why it stays.
 
 use crate::error::EngineError;
 
@@ -33,6 +36,8 @@ fn choice<T: Copy>(name: &str, choices: &[(&str, T)]) -> Result<T, EngineError> 
 
 /// `TANDEM_CUDA_PREFILL_ATTENTION`: `tiled` (the default: prefill chunks on tensor cores
 /// where the shape allows) or `fast` (every token by `attention_fast`, for comparisons).
+/// `fast` stays: `attention_fast` runs anyway wherever the tiles cannot (the f32 mode, the
+/// bf16x2 mode over an f32 or bf16 cache), so forcing it costs no code of its own.
 pub const PREFILL_ATTENTION_ENV: &str = "TANDEM_CUDA_PREFILL_ATTENTION";
 
 pub(super) fn tiled_prefill_attention() -> Result<bool, EngineError> {
@@ -42,6 +47,8 @@ pub(super) fn tiled_prefill_attention() -> Result<bool, EngineError> {
 /// `TANDEM_CUDA_DECODE_ATTENTION`: `tiled` (the default: the decode rows of a 16-bit step
 /// through the tensor-core decode kernel, measured faster on an H200 from one row on: batch 1
 /// 893 against 822 tok/s) or `split` (the CUDA-core split kernel, for comparisons).
+/// `split` stays: that kernel serves the decode rows wherever the tensor cores cannot (the f32
+/// mode, the bf16x2 mode over an f32 or bf16 cache) anyway.
 pub const DECODE_ATTENTION_ENV: &str = "TANDEM_CUDA_DECODE_ATTENTION";
 
 /// The fewest decode rows a step sends to the tensor-core decode kernel (see
@@ -53,7 +60,8 @@ pub(super) fn decode_tc_min() -> Result<usize, EngineError> {
 /// `TANDEM_CUDA_DECODE_STAGES`: shared-memory stages of the tensor-core decode kernel,
 /// `auto` (the default: chosen per launch, see [`super::AttentionScratch::decode_launch`]),
 /// `2` (each run of keys loads while the one before computes) or `1` (half the shared memory
-/// per block, so more blocks per SM hide each other's loads).
+/// per block, so more blocks per SM hide each other's loads). `1` and `2` stay: `auto` picks
+/// between the same two per launch; fixing one is how that choice is measured.
 pub const DECODE_STAGES_ENV: &str = "TANDEM_CUDA_DECODE_STAGES";
 
 pub(super) fn decode_stages() -> Result<Option<usize>, EngineError> {
@@ -66,7 +74,8 @@ pub(super) fn decode_stages() -> Result<Option<usize>, EngineError> {
 /// `TANDEM_CUDA_DECODE_SPLITS`: blocks per (row, KV head) of the tensor-core decode kernel,
 /// `auto` (the default: the count that fills the GPU's resident slots in the most even waves,
 /// see [`super::AttentionScratch::decode_launch`]) or a count from 1 to 32 (at most what the
-/// split scratch holds for the step's pairs).
+/// split scratch holds for the step's pairs). A fixed count stays: it reruns the split
+/// comparisons behind `auto` and takes no code path of its own.
 pub const DECODE_SPLITS_ENV: &str = "TANDEM_CUDA_DECODE_SPLITS";
 
 pub(super) fn decode_splits() -> Result<Option<usize>, EngineError> {
@@ -99,6 +108,8 @@ fn parse_splits(v: &str) -> Result<Option<usize>, EngineError> {
 /// launch has at most one block per SM, where the merge is on every block's critical path —
 /// measured on the H200: batch 1 +1.1%, +2.0% with the second run staged early, while
 /// clustering batch 2 lost 0.5% and batch 8 7%), `off` or `on` (whenever a launch splits).
+/// `off` and `on` stay: `auto` runs both kernels (clusters at batch 1, none above), so forcing
+/// one measures that choice with no code of its own.
 pub const DECODE_CLUSTER_ENV: &str = "TANDEM_CUDA_DECODE_CLUSTER";
 
 /// See [`DECODE_CLUSTER_ENV`].
@@ -122,123 +133,18 @@ pub(super) fn decode_cluster_from_env() -> Result<DecodeCluster, EngineError> {
 
 /// `TANDEM_CUDA_SMALL_GEMM`: `gemv` (the default: bf16 GEMMs of one or two rows, the decode
 /// steps of few sequences, by the weight-streaming kernels of `gemv.cu`, with their fused
-/// norms) or `cublas` (for comparisons).
+/// norms) or `cublas` (for comparisons). `cublas` stays: cuBLAS serves every GEMM of three
+/// rows or more anyway, so it is the reference the GEMVs are measured against.
 pub const SMALL_GEMM_ENV: &str = "TANDEM_CUDA_SMALL_GEMM";
 
 pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
     choice(SMALL_GEMM_ENV, &[("gemv", true), ("cublas", false)])
 }
 
-/// `TANDEM_CUDA_L2_PREFETCH`: `off` (the default: measured 2% slower at batch 1 on the H200,
-/// docs/benchmarks.md) or `on`: the GEMVs of one or two rows ask the weights of the GEMM
-/// after them into L2 while they run.
-pub const L2_PREFETCH_ENV: &str = "TANDEM_CUDA_L2_PREFETCH";
-
-pub(super) fn l2_prefetch_from_env() -> Result<bool, EngineError> {
-    choice(L2_PREFETCH_ENV, &[("off", false), ("on", true)])
-}
-
-/// `TANDEM_CUDA_DECODE_FUSION`: which decode-step fusions are on. Unset, only one: the GEMVs
-/// of one row (decode steps of one sequence) load their first weights before waiting on the
-/// kernel before them (batch 1 +2.7% on the H200; at two rows it lost 6%); every other one
-/// measured slower (docs/benchmarks.md). `off` turns that one off too, `on` turns on all, and
-/// a comma-separated list adds to the default
-/// - `rope`: in steps whose every row is a decode row, the q/k norms, RoPE and KV write ride
-///   in the tensor-core decode attention (one launch per layer fewer);
-/// - `final-norm`: in steps of one or two rows that want every row's logits, the final
-///   RMSNorm rides in the lm_head GEMV (no row gathers, no separate norm: three launches
-///   fewer);
-/// - `early-weights`: the GEMVs of two rows too load their first weights before waiting on
-///   the kernel before them (programmatic launch), overlapping its tail;
-/// - `qkv-rope`: in steps of one or two rows, the q/k norms, RoPE and KV write ride in the
-///   tail of the qkv GEMV (the last block of each head does them: one launch per layer
-///   fewer).
-pub const DECODE_FUSION_ENV: &str = "TANDEM_CUDA_DECODE_FUSION";
-
-/// The fusions of [`DECODE_FUSION_ENV`]; `Default` is what an unset variable gives.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DecodeFusion {
-    pub rope: bool,
-    pub final_norm: bool,
-    pub early_weights: EarlyWeights,
-    pub qkv_rope: bool,
-}
-
-/// Which GEMVs (`gemv.cu`'s one- and two-row kernels) load their first weights before the
-/// programmatic-launch wait: their `_early_` entry points.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum EarlyWeights {
-    Off,
-    #[default]
-    OneRow,
-    OneAndTwoRows,
-}
-
-impl EarlyWeights {
-    /// Whether a GEMV of `rows` rows takes its early variant.
-    pub fn applies(self, rows: usize) -> bool {
-        match self {
-            EarlyWeights::Off => false,
-            EarlyWeights::OneRow => rows == 1,
-            EarlyWeights::OneAndTwoRows => true,
-        }
-    }
-}
-
-impl DecodeFusion {
-    /// `off`, `on`, or a comma-separated list of `rope`, `final-norm`, `early-weights`,
-    /// `qkv-rope`.
-    pub fn parse(v: &str) -> Result<Self, EngineError> {
-        match v {
-            "off" => {
-                return Ok(DecodeFusion {
-                    early_weights: EarlyWeights::Off,
-                    ..DecodeFusion::default()
-                })
-            }
-            "on" => {
-                return Ok(DecodeFusion {
-                    rope: true,
-                    final_norm: true,
-                    early_weights: EarlyWeights::OneAndTwoRows,
-                    qkv_rope: true,
-                })
-            }
-            _ => {}
-        }
-        let mut f = DecodeFusion::default();
-        for part in v.split(',').map(str::trim) {
-            match part {
-                "rope" => f.rope = true,
-                "final-norm" => f.final_norm = true,
-                "early-weights" => f.early_weights = EarlyWeights::OneAndTwoRows,
-                "qkv-rope" => f.qkv_rope = true,
-                other => {
-                    return Err(EngineError::InvalidInput(format!(
-                        "{DECODE_FUSION_ENV} must be `off`, `on` or a comma-separated list of \
-                         `rope`, `final-norm`, `early-weights`, `qkv-rope`, not `{other}` (in \
-                         `{v}`)"
-                    )))
-                }
-            }
-        }
-        Ok(f)
-    }
-}
-
-pub(super) fn decode_fusion_from_env() -> Result<DecodeFusion, EngineError> {
-    match std::env::var(DECODE_FUSION_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(DecodeFusion::default()),
-        Ok(v) => DecodeFusion::parse(&v),
-        Err(e) => Err(EngineError::InvalidInput(format!(
-            "{DECODE_FUSION_ENV}: {e}"
-        ))),
-    }
-}
-
 /// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the
 /// program's kernels are programmatic, so each kernel launches while the one before it runs)
-/// or `off` (plain edges, for comparisons).
+/// or `off` (plain edges, for comparisons). `off` stays: plain edges are what a GPU below
+/// compute capability 9.0 or a driver older than CUDA 12.3 gets anyway.
 pub const PDL_ENV: &str = "TANDEM_CUDA_PDL";
 
 pub(super) fn pdl_from_env() -> Result<bool, EngineError> {
@@ -247,7 +153,7 @@ pub(super) fn pdl_from_env() -> Result<bool, EngineError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{choice, parse_splits, DecodeFusion, EarlyWeights};
+    use super::{choice, parse_splits};
 
     #[test]
     fn decode_splits_are_auto_or_a_count() {
@@ -257,29 +163,6 @@ mod tests {
             let e = parse_splits(bad).unwrap_err().to_string();
             assert!(e.contains("TANDEM_CUDA_DECODE_SPLITS"), "{e}");
         }
-    }
-
-    #[test]
-    fn decode_fusion_takes_off_on_or_a_list_and_names_a_bad_part() {
-        let off = DecodeFusion::parse("off").unwrap();
-        assert!(!off.rope && !off.final_norm && !off.qkv_rope);
-        assert_eq!(off.early_weights, EarlyWeights::Off);
-        // Unset: the one-row early weights only.
-        let default = DecodeFusion::default();
-        assert!(!default.rope && !default.final_norm && !default.qkv_rope);
-        assert_eq!(default.early_weights, EarlyWeights::OneRow);
-        let all = DecodeFusion::parse("on").unwrap();
-        assert!(all.rope && all.final_norm && all.qkv_rope);
-        assert_eq!(all.early_weights, EarlyWeights::OneAndTwoRows);
-        let q = DecodeFusion::parse("qkv-rope").unwrap();
-        assert!(q.qkv_rope && !q.rope && !q.final_norm);
-        assert_eq!(q.early_weights, EarlyWeights::OneRow);
-        let two = DecodeFusion::parse("rope, early-weights").unwrap();
-        assert!(two.rope && !two.final_norm);
-        assert_eq!(two.early_weights, EarlyWeights::OneAndTwoRows);
-        let e = DecodeFusion::parse("rope,fast").unwrap_err().to_string();
-        assert!(e.contains("not `fast`") && e.contains("final-norm"), "{e}");
-        assert!(DecodeFusion::parse("").is_err());
     }
 
     #[test]

@@ -234,35 +234,8 @@ fn write_image(
     tile_tokens: usize,
 ) -> Result<ImageLayout, EngineError> {
     let t: usize = seqs.iter().map(|(_, r)| r.len()).sum();
-    if !ids.is_empty() && ids.len() != t {
-        return Err(bad(format!("{} token ids for {t} tokens", ids.len())));
-    }
-    if rows.len() > t {
-        return Err(bad(format!("{} logits rows for {t} tokens", rows.len())));
-    }
-    if let Some(&r) = rows.iter().find(|&&r| r as usize >= t) {
-        return Err(bad(format!("logits row {r} of a step of {t} tokens")));
-    }
-    if block_size == 0 {
-        return Err(bad("block size 0".into()));
-    }
-    let mut tiles = Vec::new();
-    let mut singles = Vec::new();
-    let mut first = 0;
-    for (_, range) in seqs {
-        if tile_tokens > 0 && range.len() > 1 {
-            let mut at = 0;
-            while at < range.len() {
-                let n = tile_tokens.min(range.len() - at);
-                tiles.push(to_i32("token", first + at)?);
-                tiles.push(to_i32("tile tokens", n)?);
-                at += n;
-            }
-        } else if tile_tokens > 0 && range.len() == 1 {
-            singles.push(to_i32("token", first)?);
-        }
-        first += range.len();
-    }
+    check_image_inputs(ids, rows, t, block_size)?;
+    let (tiles, singles) = tiles_and_singles(seqs, tile_tokens)?;
     let n_tables: usize = seqs.iter().map(|(table, _)| table.len()).sum();
     let (tiles_at, tables_at) = (7 * t, 7 * t + tiles.len());
     let total = tables_at + n_tables;
@@ -305,6 +278,56 @@ fn write_image(
         tables_at,
         total,
     })
+}
+
+/// The step's ids (none, or one per token) and logits rows (at most one per token, each a
+/// token of the step) fit its `t` tokens, and the block size is not 0.
+fn check_image_inputs(
+    ids: &[u32],
+    rows: &[u32],
+    t: usize,
+    block_size: usize,
+) -> Result<(), EngineError> {
+    if !ids.is_empty() && ids.len() != t {
+        return Err(bad(format!("{} token ids for {t} tokens", ids.len())));
+    }
+    if rows.len() > t {
+        return Err(bad(format!("{} logits rows for {t} tokens", rows.len())));
+    }
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= t) {
+        return Err(bad(format!("logits row {r} of a step of {t} tokens")));
+    }
+    if block_size == 0 {
+        return Err(bad("block size 0".into()));
+    }
+    Ok(())
+}
+
+/// With tiles of `tile_tokens` (0: none), the (first token, tokens) pairs of the tiles that
+/// cover each sequence of several tokens, and the tokens of the single-token sequences
+/// (decode rows).
+fn tiles_and_singles(
+    seqs: &[(&[u32], std::ops::Range<usize>)],
+    tile_tokens: usize,
+) -> Result<(Vec<i32>, Vec<i32>), EngineError> {
+    let mut tiles = Vec::new();
+    let mut singles = Vec::new();
+    let mut first = 0;
+    for (_, range) in seqs {
+        if tile_tokens > 0 && range.len() > 1 {
+            let mut at = 0;
+            while at < range.len() {
+                let n = tile_tokens.min(range.len() - at);
+                tiles.push(to_i32("token", first + at)?);
+                tiles.push(to_i32("tile tokens", n)?);
+                at += n;
+            }
+        } else if tile_tokens > 0 && range.len() == 1 {
+            singles.push(to_i32("token", first)?);
+        }
+        first += range.len();
+    }
+    Ok((tiles, singles))
 }
 
 #[cfg(test)]

@@ -53,139 +53,21 @@ __device__ __forceinline__ void load_q_b_fragments(unsigned (&qb)[NH][HD / 16][2
     }
 }
 
-// load_q_b_fragments for the fused variant: the q heads straight from the GEMM output, their
-// RMSNorm (q_norm, optional) and RoPE applied on the way, as qk_norm_rope.cu does. A quad's
-// four lanes hold all of head qr's dimensions (16 kc + 2 qc, + 1, + 8, + 9), so the norm's sum
-// meets in two shuffles, and each lane holds both halves of its RoPE pairs (d, d + HD / 2:
-// chunk kc and kc + HD / 32).
-template <int HD, int NH>
-__device__ __forceinline__ void load_q_b_fragments_rope(unsigned (&qb)[NH][HD / 16][2], const float* qrow, int g,
-                                                        int group, const float* inv_freq, const float* q_norm,
-                                                        float eps, int pos) {
-    constexpr int KC = HD / 16;
-    const int qr = (threadIdx.x & 31) >> 2;
-    const int qc = threadIdx.x & 3;
-#pragma unroll
-    for (int nt = 0; nt < NH; ++nt) {
-        const int j = nt * 8 + qr;
-        const float* q = qrow + (long long)(g * group + (j < group ? j : 0)) * HD + 2 * qc;
-        // v[kc][e]: dimension 16 kc + 2 qc + (e & 1) + 8 (e >> 1).
-        float v[KC][4];
-        float ss = 0.0f;
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-            const float2 lo = *reinterpret_cast<const float2*>(q + kc * 16);
-            const float2 hi = *reinterpret_cast<const float2*>(q + kc * 16 + 8);
-            v[kc][0] = lo.x, v[kc][1] = lo.y, v[kc][2] = hi.x, v[kc][3] = hi.y;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ss += v[kc][e] * v[kc][e];
-        }
-        if (q_norm != nullptr) {  // uniform over the block
-            ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-            ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-            const float r = 1.0f / sqrtf(ss / (float)HD + eps);
-#pragma unroll
-            for (int kc = 0; kc < KC; ++kc)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) v[kc][e] = q_norm[kc * 16 + 2 * qc + (e & 1) + 8 * (e >> 1)] * (v[kc][e] * r);
-        }
-#pragma unroll
-        for (int kc = 0; kc < KC / 2; ++kc) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float angle = inv_freq[kc * 16 + 2 * qc + (e & 1) + 8 * (e >> 1)] * (float)pos;
-                float sn, cs;
-                sincosf(angle, &sn, &cs);
-                const float a = v[kc][e];
-                const float b = v[kc + KC / 2][e];
-                v[kc][e] = a * cs - b * sn;
-                v[kc + KC / 2][e] = b * cs + a * sn;
-            }
-        }
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-            qb[nt][kc][0] = pack_e16(v[kc][0], v[kc][1]);
-            qb[nt][kc][1] = pack_e16(v[kc][2], v[kc][3]);
-        }
-    }
-}
-
-// The fused variant's KV write: the step's own K row of KV head g (k_norm, optional, then
-// RoPE; warp 0, lanes over the RoPE pairs) and V row (warp 1) into the pool at `at` (K) and
-// `at + part_e` (V), rounded as qk_norm_rope.cu's store does.
-template <int HD>
-__device__ __forceinline__ void write_step_kv(e16_t* pool, long long at, long long part_e, const float* k,
-                                              const float* v, const float* inv_freq, const float* k_norm,
-                                              float eps, int pos) {
-    constexpr int HALF = HD / 2;
-    constexpr int P = HALF / 32;  // RoPE pairs per lane
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp == 0) {
-        float a[P], b[P];
-        float ss = 0.0f;
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            a[p] = k[lane + 32 * p];
-            b[p] = k[lane + 32 * p + HALF];
-            ss += a[p] * a[p] + b[p] * b[p];
-        }
-        if (k_norm != nullptr) {
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            const float r = 1.0f / sqrtf(ss / (float)HD + eps);
-#pragma unroll
-            for (int p = 0; p < P; ++p) {
-                a[p] = k_norm[lane + 32 * p] * (a[p] * r);
-                b[p] = k_norm[lane + 32 * p + HALF] * (b[p] * r);
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            const int d = lane + 32 * p;
-            float sn, cs;
-            sincosf(inv_freq[d] * (float)pos, &sn, &cs);
-            pool[at + d] = f32_to_e16(a[p] * cs - b[p] * sn);
-            pool[at + d + HALF] = f32_to_e16(b[p] * cs + a[p] * sn);
-        }
-    } else if (warp == 1) {
-#pragma unroll
-        for (int d = lane; d < HD; d += 32) pool[at + part_e + d] = f32_to_e16(v[d]);
-    }
-}
-
-// What the fused variant (attention_decode_rope_*) adds: the RoPE frequencies, the optional
-// q / k norm weights and their epsilon, and the pool to write the step's K and V into.
-struct DecodeRope {
-    const float* inv_freq;
-    const float* q_norm;
-    const float* k_norm;
-    float eps;
-    e16_t* pool;
-};
-
 // The keys [beg, end) of split `sp` of `splits` over a row's keys [lo, pos], in whole runs of
-// FA_BK: with EVEN, spread evenly (split sp takes runs [sp·runs / splits, (sp + 1)·runs /
-// splits)), else ceil(runs / splits) runs a split (one division fewer: the fused variant's
-// register budget); with more splits than runs some take none, beg >= end.
-template <bool EVEN>
+// FA_BK spread evenly (split sp takes runs [sp·runs / splits, (sp + 1)·runs / splits)); with
+// more splits than runs some take none, beg >= end.
 __device__ __forceinline__ int2 split_keys(int lo, int pos, int splits, int sp) {
     const int runs = (pos - lo + FA_BK) / FA_BK;
-    if (EVEN) {
-        const int beg = lo + (sp * runs / splits) * FA_BK;
-        return make_int2(beg, min(pos + 1, lo + ((sp + 1) * runs / splits) * FA_BK));
-    }
-    const int per = (runs + splits - 1) / splits;
-    const int beg = lo + sp * per * FA_BK;
-    return make_int2(beg, min(pos + 1, beg + per * FA_BK));
+    const int beg = lo + (sp * runs / splits) * FA_BK;
+    return make_int2(beg, min(pos + 1, lo + ((sp + 1) * runs / splits) * FA_BK));
 }
 
-template <typename O, int HD, int NH, bool ROPE, bool EARLY, bool CLUSTER>
+template <typename O, int HD, int NH, bool CLUSTER>
 __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
                                       const int* tables, const int* table_start, const int* positions,
                                       const int* lo_pos, const int* token_list, int nq, int nkv, int group,
                                       int block_size, int layer, int num_layers, float scale, float* part_acc,
-                                      float* part_ml, unsigned int* counters, long long lo_off,
-                                      const DecodeRope rope) {
+                                      float* part_ml, unsigned int* counters, long long lo_off) {
     constexpr int ROW = HD + FA_PAD;
     constexpr int SO_ROW = HD + FD_SO_PAD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -196,10 +78,10 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const int sp = blockIdx.z;
     // Blocks past the row's runs of keys do nothing, and the merge counts only the others
     // (the grid's splits are fixed when a graph is captured, the context grows under it;
-    // idle blocks in the merge cost batch 1 2%). The fused variant keeps them all, and so
-    // does the cluster variant (its barriers count every block of the cluster).
+    // idle blocks in the merge cost batch 1 2%). The cluster variant keeps them all (its
+    // barriers count every block of the cluster).
     const int splits =
-        ROPE || CLUSTER ? (int)gridDim.z : min((int)gridDim.z, (positions[t] - lo_pos[t] + FA_BK) / FA_BK);
+        CLUSTER ? (int)gridDim.z : min((int)gridDim.z, (positions[t] - lo_pos[t] + FA_BK) / FA_BK);
     if (sp >= splits) return;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -212,18 +94,17 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
 
-    // The block's keys: found before the early staging, else after the q fragments (the
-    // fused variant's q prologue is short of registers: nothing more may live across it).
+    // The block's keys, staged before the q fragments.
     int2 keys = make_int2(0, 0);
     // Two shared-memory stages (the next run loads while this one computes) when the launch
     // gave the memory for them, else one (more blocks per SM hide each other's loads instead).
     // early2: the block's first two runs were both staged before the wait.
     bool ring = false, early2 = false;
-    if (EARLY) {
+    {
         const int* table = tables + table_start[t];
         const int pos = positions[t];
         const long long layer_off = (long long)layer * layer_e;
-        keys = split_keys<!ROPE>(lo_pos[t], pos, splits, sp);
+        keys = split_keys(lo_pos[t], pos, splits, sp);
         const int beg = keys.x;
         const int end = keys.y;
         unsigned smem_bytes;
@@ -256,12 +137,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         }
     }
     unsigned qb[NH][HD / 16][2];
-    if (ROPE) {
-        load_q_b_fragments_rope<HD, NH>(qb, qkv + (long long)t * row_stride, g, group, rope.inv_freq, rope.q_norm,
-                                        rope.eps, positions[t]);
-    } else {
-        load_q_b_fragments<HD, NH>(qb, qkv + (long long)t * row_stride, g, group);
-    }
+    load_q_b_fragments<HD, NH>(qb, qkv + (long long)t * row_stride, g, group);
     // O^T per (head tile, 16 dimensions): element e is dimension 16 dt + qr + 8 (e >> 1) of
     // head 8 nt + 2 qc + (e & 1).
     float o[NH][HD / 16][4];
@@ -278,7 +154,6 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
 
     const int* table = tables + table_start[t];
     const int pos = positions[t];
-    if (!EARLY) keys = split_keys<!ROPE>(lo_pos[t], pos, splits, sp);
     const int beg = keys.x;
     const int end = keys.y;
     const long long layer_off = (long long)layer * layer_e;
@@ -287,23 +162,6 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, end, block_size, block_e,
                          layer_off, kvd, part_e, g);
     };
-    if (!EARLY) {  // here, not earlier: the fused variant's q prologue is short of registers
-        unsigned smem_bytes;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-        ring = smem_bytes >= 2 * 2 * FA_BK * ROW * sizeof(e16_t);
-    }
-    // Fused variant: the block whose keys end at the step's own writes its K and V first
-    // (no other block reads that position), visible to the block's staging after the barrier.
-    if (ROPE && beg <= pos && pos < end) {
-        const float* row = qkv + (long long)t * row_stride;
-        const long long at = (long long)table[pos / block_size] * block_e + layer_off +
-                             (long long)(pos % block_size) * kvd + (long long)g * HD;
-        write_step_kv<HD>(rope.pool, at, part_e, row + (long long)(nq + g) * HD, row + (nq + nkv + (long long)g) * HD,
-                          rope.inv_freq, rope.k_norm, rope.eps, pos);
-        __threadfence_block();
-        __syncthreads();
-    }
-    if (!EARLY && beg < end) stage(0, beg);
     int st = 0;
     for (int k0 = beg; k0 < end; k0 += FA_BK) {
         if (early2 && k0 == beg) {
@@ -435,9 +293,9 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     // to warp 0's rows of `so`: each (head, dimension) is read and written by one thread).
     __shared__ float2 cluster_ml[CLUSTER ? NH * 8 : 1];
     // Slots by the grid's z extent, not `splits`: rows of fewer runs merge fewer splits, and
-    // their states must not run into the next row's. (The fused and cluster variants merge
-    // every split of the grid: the same number, kept as `splits` for their register budgets.)
-    const int slots = ROPE || CLUSTER ? splits : (int)gridDim.z;
+    // their states must not run into the next row's. (The cluster variant merges every split
+    // of the grid: the same number, kept as `splits` for its register budget.)
+    const int slots = CLUSTER ? splits : (int)gridDim.z;
     const long long pi = ((long long)bx * nkv + g) * slots + sp;
     for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
         const int j = idx / HD;
@@ -474,34 +332,6 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     merge_split_states(out, part_acc, part_ml, counters, bx, g, nkv, splits, slots, group, HD, t, nq, lo_off);
 }
 
-// The fused variant's K and V rows of the block's first run asked into L2 before the kernel
-// waits on the one before it (PDL): this kernel writes the step's own key itself, and L2 is
-// where that write lands, so an early prefetch of its line is harmless. (The plain kernel
-// stages its first run into shared memory before the wait instead, the step's own key after.)
-template <int HD>
-__device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int* tables, const int* table_start,
-                                                   const int* positions, const int* lo_pos, const int* token_list,
-                                                   int nkv, int block_size, int layer, int num_layers) {
-    constexpr int LINES = HD * (int)sizeof(e16_t) / 128;  // 128-byte lines per head row
-    const int t = token_list[blockIdx.x];
-    const int pos = positions[t];
-    const int beg = split_keys<false>(lo_pos[t], pos, gridDim.z, blockIdx.z).x;
-    const int end = min(pos + 1, beg + FA_BK);
-    const int* table = tables + table_start[t];
-    const long long kvd = (long long)nkv * HD;
-    const long long part_e = (long long)block_size * kvd;
-    const long long block_e = (long long)num_layers * 2 * part_e;
-    for (int i = threadIdx.x; i < FA_BK * 2 * LINES; i += blockDim.x) {
-        const int key = beg + i / (2 * LINES);
-        if (key >= end) break;
-        const int part = (i / LINES) & 1;
-        const int line = i % LINES;
-        const long long at = (long long)table[key / block_size] * block_e + layer * 2 * part_e + part * part_e +
-                             (long long)(key % block_size) * kvd + (long long)blockIdx.y * HD + line * 64;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(pool + at));
-    }
-}
-
 // One entry point per (output type, q heads per KV head up to NH × 8, head size).
 #define ATTENTION_DECODE(NAME, O, NH, HD)                                                                    \
     extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
@@ -509,10 +339,9 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) {                                          \
-        attention_decode_impl<O, HD, NH, false, true, false>(out, qkv, row_stride, pool, tables, table_start, positions,   \
+        attention_decode_impl<O, HD, NH, false>(out, qkv, row_stride, pool, tables, table_start, positions,  \
                                                 lo_pos, token_list, nq, nkv, group, block_size, layer,       \
-                                                num_layers, scale, part_acc, part_ml, counters, lo_off,      \
-                                                DecodeRope{nullptr, nullptr, nullptr, 0.0f, nullptr});       \
+                                                num_layers, scale, part_acc, part_ml, counters, lo_off);     \
     }
 
 // The cluster variant: launched with clusters of (1, 1, gridDim.z), one cluster per (row,
@@ -525,36 +354,9 @@ __device__ __forceinline__ void prefetch_first_run(const e16_t* pool, const int*
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) {                                          \
-        attention_decode_impl<O, HD, NH, false, true, true>(                                                 \
+        attention_decode_impl<O, HD, NH, true>(                                                              \
             out, qkv, row_stride, pool, tables, table_start, positions, lo_pos, token_list, nq, nkv, group,  \
-            block_size, layer, num_layers, scale, part_acc, part_ml, counters, lo_off,                       \
-            DecodeRope{nullptr, nullptr, nullptr, 0.0f, nullptr});                                           \
-    }
-
-// The fused variant, for steps whose every row is a decode row: the q/k norms, RoPE and the
-// KV write of qk_norm_rope_kv_bf16 done here, one launch per layer fewer. 16-bit output only.
-// BOUNDS: FD_BOUNDS, or FD_BOUNDS_5 where registers must allow 5 blocks per SM: the q
-// prologue (sincosf per dimension) took the n8 hd128 instance from the plain kernel's 96
-// registers to 126 (4 blocks per SM instead of 5); held to 5 it stays at 96 without spills
-// (ptxas 13.0, sm_90). The others keep the plain kernel's counts unbounded (an explicit
-// minimum of 1 made ptxas take 154-185).
-#define FD_BOUNDS __launch_bounds__(FD_WARPS * 32)
-#define FD_BOUNDS_5 __launch_bounds__(FD_WARPS * 32, 5)
-#define ATTENTION_DECODE_ROPE(NAME, NH, HD, BOUNDS)                                                          \
-    extern "C" __global__ void BOUNDS NAME(                                        \
-        e16_t* out, const float* qkv, int row_stride, e16_t* pool, const int* tables, const int* table_start, \
-        const int* positions, const int* lo_pos, const int* token_list, int nq, int nkv, int group,          \
-        int block_size, int layer, int num_layers, float scale, float* part_acc, float* part_ml,             \
-        unsigned int* counters, long long lo_off, const float* inv_freq, const float* q_norm,                \
-        const float* k_norm, float eps) {                                                                    \
-        prefetch_first_run<HD>(pool, tables, table_start, positions, lo_pos, token_list, nkv, block_size,    \
-                               layer, num_layers);                                                           \
-        GRID_DEPENDENCY_SYNC();                                                                              \
-        attention_decode_impl<e16_t, HD, NH, true, false, false>(out, qkv, row_stride, pool, tables, table_start,          \
-                                                   positions, lo_pos, token_list, nq, nkv, group,            \
-                                                   block_size, layer, num_layers, scale, part_acc, part_ml,  \
-                                                   counters, lo_off,                                         \
-                                                   DecodeRope{inv_freq, q_norm, k_norm, eps, pool});         \
+            block_size, layer, num_layers, scale, part_acc, part_ml, counters, lo_off);                      \
     }
 
 ATTENTION_DECODE(attention_decode_f32_n8_hd64, float, 1, 64)
@@ -565,10 +367,6 @@ ATTENTION_DECODE(attention_decode_f32_n16_hd64, float, 2, 64)
 ATTENTION_DECODE(attention_decode_bf16_n16_hd64, e16_t, 2, 64)
 ATTENTION_DECODE(attention_decode_f32_n16_hd128, float, 2, 128)
 ATTENTION_DECODE(attention_decode_bf16_n16_hd128, e16_t, 2, 128)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd64, 1, 64, FD_BOUNDS)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n8_hd128, 1, 128, FD_BOUNDS_5)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd64, 2, 64, FD_BOUNDS)
-ATTENTION_DECODE_ROPE(attention_decode_rope_bf16_n16_hd128, 2, 128, FD_BOUNDS)
 ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd64, e16_t, 1, 64)
 ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n8_hd128, e16_t, 1, 128)
 ATTENTION_DECODE_CLUSTER(attention_decode_cluster_bf16_n16_hd64, e16_t, 2, 64)

@@ -6,27 +6,6 @@
 // lanes' partial sums meet in a shuffle reduction. k must be a multiple of 8.
 #define GEMV_WARPS 8
 
-// The weights of the GEMM after this one asked into L2 while this kernel runs (sm_90's bulk
-// prefetch, one instruction per 32 KiB, spread over the blocks' first threads), so that the
-// next GEMV would read L2 (a layer's matrices, 31 MB at the 0.6B shape, fit the H200's 50 MB).
-// Off by default (TANDEM_CUDA_L2_PREFETCH): on the H200 it made batch 1 2% slower, since each
-// GEMV already has its whole matrix in flight at once and waits on the first bytes' latency,
-// which the prefetches' competing reads lengthen. `next` is null for none; it must be 16-byte
-// aligned and `bytes` a multiple of 16.
-#define L2_PREFETCH_CHUNK 32768ull
-__device__ __forceinline__ void l2_prefetch_next(const unsigned char* next, unsigned long long bytes) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-    if (next == nullptr) return;
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long c = blockIdx.x + (unsigned long long)gridDim.x * threadIdx.x;
-         c * L2_PREFETCH_CHUNK < bytes; c += stride) {
-        const unsigned long long off = c * L2_PREFETCH_CHUNK;
-        const unsigned int size = (unsigned int)min(L2_PREFETCH_CHUNK, bytes - off);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next + off), "r"(size) : "memory");
-    }
-#endif
-}
-
 __device__ __forceinline__ void e16x8_to_f32(const uint4 v, float (&f)[8]) {
     f[0] = e16_lo(v.x);
     f[1] = e16_hi(v.x);
@@ -105,9 +84,7 @@ __device__ __forceinline__ void gemv_column(O* out, const X* x, const e16_t* w, 
 }
 
 template <int M, typename X>
-__device__ void gemv_sync_bf16_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
-                                    const unsigned char* next, unsigned long long next_bytes) {
-    l2_prefetch_next(next, next_bytes);
+__device__ void gemv_sync_bf16_impl(float* out, const X* x, const e16_t* w, int m, int n, int k) {
     GRID_DEPENDENCY_SYNC();
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (col >= n) return;
@@ -198,9 +175,7 @@ __device__ __forceinline__ void gemv_accumulate(float (&acc)[M], float (&up)[M],
 // ptxas otherwise interleaved gemv_column's loads with their math: 32 registers, one load in
 // flight at a time; batch 2 ran at 75% of bf16's).
 template <int M, typename X, bool EARLY, int RUN>
-__device__ void gemv_runs_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
-                                     const unsigned char* next, unsigned long long next_bytes) {
-    l2_prefetch_next(next, next_bytes);
+__device__ void gemv_runs_impl(float* out, const X* x, const e16_t* w, int m, int n, int k) {
     if (!EARLY) GRID_DEPENDENCY_SYNC();
     const int lane = threadIdx.x & 31;
     const int col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
@@ -222,45 +197,37 @@ __device__ void gemv_runs_impl(float* out, const X* x, const e16_t* w, int m, in
 
 // Runs of 12 weight loads (a k = 3072 row in one run), waiting first.
 template <int M, typename X>
-__device__ void gemv_runs12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k, const unsigned char* next,
-                                 unsigned long long next_bytes) {
-    gemv_runs_impl<M, X, false, 12>(out, x, w, m, n, k, next, next_bytes);
+__device__ void gemv_runs12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k) {
+    gemv_runs_impl<M, X, false, 12>(out, x, w, m, n, k);
 }
 
 // Runs of 12 weight loads, the first before the PDL wait: a k = 3072 row (the down
 // projection) is one run, one DRAM round trip instead of runs of 8 and 4 (H200, A/B in one
 // lease: batch 1 +4.2% in bf16x2, +1.9% in bf16; 80-90 registers, 3 blocks per SM).
 template <int M, typename X>
-__device__ void gemv_early12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k,
-                                  const unsigned char* next, unsigned long long next_bytes) {
-    gemv_runs_impl<M, X, true, 12>(out, x, w, m, n, k, next, next_bytes);
+__device__ void gemv_early12_impl(float* out, const X* x, const e16_t* w, int m, int n, int k) {
+    gemv_runs_impl<M, X, true, 12>(out, x, w, m, n, k);
 }
 
-// Plain GEMVs; the _early_ variants load their first weights before the PDL wait; the _xf32_
-// ones read f32 activations (the bf16x2 precision's one- and two-row steps).
+// The one-row GEMVs (_early_) load their first weights before the PDL wait (batch 1 +2.7% on
+// the H200); the two-row ones wait first (early weights lost 6% there). The _xf32_ ones read
+// f32 activations (the bf16x2 precision's one- and two-row steps).
 #define GEMV_BF16(NAME, IMPL, M, X)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        NAME(float* out, const X* x, const e16_t* w, int m, int n, int k, const unsigned char* next,      \
-             unsigned long long next_bytes) {                                                           \
-        IMPL<M, X>(out, x, w, m, n, k, next, next_bytes);                                               \
+        NAME(float* out, const X* x, const e16_t* w, int m, int n, int k) {                             \
+        IMPL<M, X>(out, x, w, m, n, k);                                                                 \
     }
 
-GEMV_BF16(gemv_bf16_m1, gemv_sync_bf16_impl, 1, e16_t)
 GEMV_BF16(gemv_bf16_m2, gemv_sync_bf16_impl, 2, e16_t)
 GEMV_BF16(gemv_early_bf16_m1, gemv_early12_impl, 1, e16_t)
-GEMV_BF16(gemv_early_bf16_m2, gemv_early12_impl, 2, e16_t)
-GEMV_BF16(gemv_xf32_m1, gemv_sync_bf16_impl, 1, float)
 GEMV_BF16(gemv_xf32_m2, gemv_runs12_impl, 2, float)
 GEMV_BF16(gemv_early_xf32_m1, gemv_early12_impl, 1, float)
-GEMV_BF16(gemv_early_xf32_m2, gemv_early12_impl, 2, float)
 
 // With EARLY the first weight chunks are loaded before the PDL wait (as gemv_runs_impl).
 // X: the normalised rows' type in shared memory (bf16 as rms_norm_bf16 rounds them, or f32).
 template <int M, bool SILU, bool EARLY, typename O, typename X>
 __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, float* x_out,
-                               const float* norm_w, float eps, const e16_t* w, int m, int n, int k,
-                               const unsigned char* next, unsigned long long next_bytes) {
-    l2_prefetch_next(next, next_bytes);
+                               const float* norm_w, float eps, const e16_t* w, int m, int n, int k) {
     if (!EARLY) GRID_DEPENDENCY_SYNC();
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     X* xs = reinterpret_cast<X*>(gemv_smem);  // [M][k]
@@ -306,79 +273,20 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
     }
 }
 
-// The qkv GEMV of a decode step of one or two rows with the q/k norms, RoPE and the KV write
-// of qk_norm_rope.cu in its tail: the blocks of one head (head_dim / GEMV_WARPS of them; n a
-// multiple of GEMV_WARPS, so every warp has a column) count themselves in `counters[head]`
-// once their columns are stored and fenced, and the last one runs qk_norm_rope_head on the
-// head for each row (and resets the counter for the next launch). One launch per layer fewer
-// than the GEMV and qk_norm_rope_kv apart.
-template <int M, typename X, typename P>
-__device__ void gemv_norm_rope_impl(float* out, const float* x, const float* residual, float* x_out,
-                                    const float* norm_w, float eps, const e16_t* w, int m, int n, int k,
-                                    const unsigned char* next, unsigned long long next_bytes, int nq, int nkv,
-                                    int head_dim, const int* positions, const float* inv_freq, const float* q_norm,
-                                    const float* k_norm, P* pool, const int* token_block, int block_size,
-                                    int layer, int num_layers, unsigned int* counters) {
-    gemv_norm_impl<M, false, false, float, X>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes);
-    __shared__ bool last;
-    const unsigned int blocks_per_head = (unsigned int)(head_dim / GEMV_WARPS);
-    const int head = blockIdx.x / blocks_per_head;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(counters + head, 1u) == blocks_per_head - 1;
-        if (last) counters[head] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int r = 0; r < m; ++r) {
-        qk_norm_rope_head<P>(r, head, out, n, nq, nkv, head_dim, positions, inv_freq, q_norm, k_norm, eps, pool,
-                                 token_block, block_size, layer, num_layers, 0);
-    }
-}
-
-// X: the normalised rows' type (see gemv_norm_impl); P: the pool's element.
-#define GEMV_NORM_ROPE(NAME, M, X, P)                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        NAME(float* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
-             const e16_t* w, int m, int n, int k, const unsigned char* next, unsigned long long next_bytes, \
-             int nq, int nkv, int head_dim, const int* positions, const float* inv_freq, const float* q_norm, \
-             const float* k_norm, P* pool, const int* token_block, int block_size, int layer,            \
-             int num_layers, unsigned int* counters) {                                                   \
-        gemv_norm_rope_impl<M, X, P>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next, next_bytes, nq, nkv, \
-                               head_dim, positions, inv_freq, q_norm, k_norm, pool, token_block,         \
-                               block_size, layer, num_layers, counters);                                \
-    }
-
-GEMV_NORM_ROPE(gemv_norm_rope_bf16_m1, 1, e16_t, e16_t)
-GEMV_NORM_ROPE(gemv_norm_rope_bf16_m2, 2, e16_t, e16_t)
-// The bf16x2 precision with an f16 cache: f32 rows, an IEEE half pool.
-GEMV_NORM_ROPE(gemv_norm_rope_xf32_m1, 1, float, h16_t)
-GEMV_NORM_ROPE(gemv_norm_rope_xf32_m2, 2, float, h16_t)
-
+// One row: the first weights before the PDL wait (EARLY); two rows: after it.
 #define GEMV_NORM(NAME, M, SILU, EARLY, O, X)                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         NAME(O* out, const float* x, const float* residual, float* x_out, const float* norm_w, float eps, \
-             const e16_t* w, int m, int n, int k, const unsigned char* next, unsigned long long next_bytes) { \
-        gemv_norm_impl<M, SILU, EARLY, O, X>(out, x, residual, x_out, norm_w, eps, w, m, n, k, next,   \
-                                          next_bytes);                                                  \
+             const e16_t* w, int m, int n, int k) {                                                     \
+        gemv_norm_impl<M, SILU, EARLY, O, X>(out, x, residual, x_out, norm_w, eps, w, m, n, k);         \
     }
 
-GEMV_NORM(gemv_norm_bf16_m1, 1, false, false, float, e16_t)
 GEMV_NORM(gemv_norm_bf16_m2, 2, false, false, float, e16_t)
-GEMV_NORM(gemv_norm_silu_bf16_m1, 1, true, false, e16_t, e16_t)
 GEMV_NORM(gemv_norm_silu_bf16_m2, 2, true, false, e16_t, e16_t)
 GEMV_NORM(gemv_norm_early_bf16_m1, 1, false, true, float, e16_t)
-GEMV_NORM(gemv_norm_early_bf16_m2, 2, false, true, float, e16_t)
 GEMV_NORM(gemv_norm_silu_early_bf16_m1, 1, true, true, e16_t, e16_t)
-GEMV_NORM(gemv_norm_silu_early_bf16_m2, 2, true, true, e16_t, e16_t)
 // f32 normalised rows (and f32 SiLU·mul outputs): the bf16x2 precision's one- and two-row steps.
-GEMV_NORM(gemv_norm_xf32_m1, 1, false, false, float, float)
 GEMV_NORM(gemv_norm_xf32_m2, 2, false, false, float, float)
-GEMV_NORM(gemv_norm_silu_xf32_m1, 1, true, false, float, float)
 GEMV_NORM(gemv_norm_silu_xf32_m2, 2, true, false, float, float)
 GEMV_NORM(gemv_norm_early_xf32_m1, 1, false, true, float, float)
-GEMV_NORM(gemv_norm_early_xf32_m2, 2, false, true, float, float)
 GEMV_NORM(gemv_norm_silu_early_xf32_m1, 1, true, true, float, float)
-GEMV_NORM(gemv_norm_silu_early_xf32_m2, 2, true, true, float, float)

@@ -1,0 +1,349 @@
+//! [`DeviceModel::launch`]: the kernels and GEMMs of one prepared step, in order (no copy, no
+//! allocation: a decode step's launch is what a CUDA graph captures). Each layer is its
+//! attention half (input norm, qkv GEMM, q/k norms + RoPE + KV write, attention, o
+//! projection) and its MLP half (post-attention norm, gate_up GEMM, SiLU·mul, down GEMM);
+//! then the final norm and the lm_head GEMM over the wanted rows, and the readout.
+
+use cudarc::driver::CudaSlice;
+
+use super::gemm::{GemvInput, GemvWeights, ResidualRows};
+use super::ops::{HeadNorms, Norm};
+use super::step::{dims, DeviceLayer, DeviceModel, Readout, Workspace};
+use super::{AttentionInputs, CudaDevice, DeviceElem, KvTarget};
+use crate::error::EngineError;
+
+/// What every layer of a step shares: its sizes and how its GEMMs run.
+#[derive(Clone, Copy)]
+struct StepPlan {
+    t: usize,
+    /// Rows of each GEMM input: the split mode stacks [hi; lo] rows (2t), else t.
+    m: usize,
+    /// Split mode: each GEMM's output halves are folded into the first t rows by the kernel
+    /// that reads the output next where it can (`*_split_*`: no fold launch), else by
+    /// `fold_rows`.
+    split: bool,
+    /// Decode of one or two sequences: each norm rides in the GEMV after it, which reads the
+    /// stream from `x` and writes the sum to `x2` (and back for the second norm), so the
+    /// launches per layer drop from ten to six.
+    fused: bool,
+    /// The split mode's fused GEMVs read their rows in f32 instead of as hi + lo bf16:
+    /// nothing to fold.
+    f32_rows: bool,
+    gemv_in: GemvInput,
+    hidden: usize,
+    q_dim: usize,
+    inter: usize,
+    /// The qkv GEMM's output width (q, k and v heads).
+    qkv_w: usize,
+    eps: f32,
+    scale: f32,
+}
+
+impl StepPlan {
+    fn new<A: DeviceElem>(model: &DeviceModel, ws: &Workspace<A>, t: usize) -> Self {
+        let cfg = &model.config;
+        let (hidden, q_dim, kv_dim, inter) = dims(cfg);
+        let split = ws.split;
+        let gemv_in = if split {
+            GemvInput::F32
+        } else {
+            GemvInput::Bf16
+        };
+        // Every layer has the same shapes, so the first decides for all.
+        let fused = model.layers.first().is_some_and(|lw| {
+            let dev = &model.dev;
+            dev.norm_gemv_fits(t, hidden, &lw.qkv, gemv_in)
+                && dev.norm_gemv_fits(t, hidden, &lw.gate_up, gemv_in)
+        });
+        StepPlan {
+            t,
+            m: if split { 2 * t } else { t },
+            split,
+            fused,
+            f32_rows: fused && split,
+            gemv_in,
+            hidden,
+            q_dim,
+            inter,
+            qkv_w: q_dim + 2 * kv_dim,
+            eps: cfg.rms_norm_eps,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// Folds a split GEMM's output (`elems` per half) in place; nothing outside the split mode.
+    fn fold(
+        &self,
+        dev: &CudaDevice,
+        out: &mut CudaSlice<f32>,
+        elems: usize,
+    ) -> Result<(), EngineError> {
+        if self.split {
+            dev.fold_rows(out, elems)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl DeviceModel {
+    /// The kernels of a prepared step of `t` tokens and `r` logits rows (argmax or sampling
+    /// too, by `readout`). No copy or allocation happens here.
+    pub(super) fn launch<A: DeviceElem>(
+        &mut self,
+        ws: &mut Workspace<A>,
+        t: usize,
+        r: usize,
+        readout: Readout,
+    ) -> Result<(), EngineError> {
+        if t == 0 {
+            return Ok(());
+        }
+        let plan = StepPlan::new(self, ws, t);
+        let ids = self.inputs.maps.id_list();
+        (self.dev).embedding_dev(&mut ws.x, &self.embed, ids, plan.hidden)?;
+        // Whether `proj` (the last GEMM into the residual stream) still holds split halves.
+        let mut proj_unfolded = false;
+        for l in 0..self.layers.len() {
+            let qkv_unfolded = self.qkv_projection(ws, &plan, l, proj_unfolded)?;
+            proj_unfolded = self.attention_and_o_proj(ws, &plan, l, qkv_unfolded)?;
+            proj_unfolded = self.mlp(ws, &plan, l, proj_unfolded)?;
+        }
+        if r == 0 {
+            return Ok(());
+        }
+        self.final_norm_and_lm_head(ws, &plan, r, proj_unfolded)?;
+        self.readout(ws, r, readout)
+    }
+
+    /// Layer `l`'s input norm (the previous layer's MLP output joining the residual stream
+    /// first: a fused add) and qkv GEMM into `ws.qkv`, and its bias. Returns whether `qkv`
+    /// holds unfolded split halves (folded by the q/k norm kernel that reads it).
+    fn qkv_projection<A: DeviceElem>(
+        &self,
+        ws: &mut Workspace<A>,
+        p: &StepPlan,
+        l: usize,
+        proj_unfolded: bool,
+    ) -> Result<bool, EngineError> {
+        let (dev, lw) = (&self.dev, &self.layers[l]);
+        let norm = Norm {
+            w: &lw.input_norm,
+            eps: p.eps,
+        };
+        let residual = (l > 0).then_some(&ws.proj);
+        let mut qkv_unfolded = false;
+        if p.fused {
+            let rows = ResidualRows {
+                x: &ws.x,
+                residual,
+                x_out: &mut ws.x2,
+                m: p.t,
+                k: p.hidden,
+            };
+            let weights = GemvWeights {
+                w: &lw.qkv,
+                n: p.qkv_w,
+                silu: false,
+            };
+            dev.norm_gemv(&mut ws.qkv, rows, norm, weights, p.gemv_in)?;
+        } else {
+            let residual = residual.map(|r| (r, proj_unfolded));
+            let (normed, x) = (&mut ws.normed, &mut ws.x);
+            dev.rms_norm_split_residual(normed, x, residual, norm, p.t, p.split)?;
+            dev.matmul_t(&ws.normed, p.m, p.hidden, &lw.qkv, p.qkv_w, &mut ws.qkv)?;
+            // Folded by qk_norm_rope_kv, unless a bias comes first.
+            if lw.qkv_bias.is_some() {
+                p.fold(dev, &mut ws.qkv, p.t * p.qkv_w)?;
+            } else {
+                qkv_unfolded = p.split;
+            }
+        }
+        if let Some(b) = &lw.qkv_bias {
+            dev.bias_add(&mut ws.qkv, b, p.t)?;
+        }
+        Ok(qkv_unfolded)
+    }
+
+    /// Layer `l`'s q/k norms and RoPE with the step's K and V written into the pool (one
+    /// launch), the attention and the o projection into `ws.proj` (and its bias). Returns
+    /// whether `proj` holds unfolded split halves (folded by the next norm).
+    fn attention_and_o_proj<A: DeviceElem>(
+        &mut self,
+        ws: &mut Workspace<A>,
+        p: &StepPlan,
+        l: usize,
+        qkv_unfolded: bool,
+    ) -> Result<bool, EngineError> {
+        let DeviceModel {
+            dev,
+            config,
+            shape,
+            pool,
+            layers,
+            inv_freq,
+            scratch,
+            inputs,
+            ..
+        } = self;
+        let lw: &DeviceLayer = &layers[l];
+        let heads = HeadNorms {
+            nq: config.num_attention_heads,
+            nkv: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            inv_freq,
+            q_norm: lw.q_norm.as_ref(),
+            k_norm: lw.k_norm.as_ref(),
+            eps: p.eps,
+        };
+        let maps = &inputs.maps;
+        let kv = KvTarget {
+            pool,
+            shape: *shape,
+            layer: l,
+        };
+        let qkv = &mut ws.qkv;
+        dev.qk_norm_rope_kv_split_input(qkv, qkv_unfolded, p.qkv_w, &heads, maps, kv)?;
+        let a = AttentionInputs {
+            qkv: &ws.qkv,
+            row_stride: p.qkv_w,
+            nq: heads.nq,
+            pool,
+            shape: *shape,
+            layer: l,
+            maps,
+            scale: p.scale,
+        };
+        let (t, h) = (p.t, p.hidden);
+        let mut proj_unfolded = false;
+        if p.f32_rows {
+            dev.attention(&mut ws.attn_f32, &a, scratch, false)?;
+            dev.matmul_t(&ws.attn_f32, t, p.q_dim, &lw.o_proj, h, &mut ws.proj)?;
+        } else {
+            dev.attention(&mut ws.attn, &a, scratch, p.split)?;
+            dev.matmul_t(&ws.attn, p.m, p.q_dim, &lw.o_proj, h, &mut ws.proj)?;
+            // Folded by the next norm, unless a bias comes first.
+            if lw.o_bias.is_some() {
+                p.fold(dev, &mut ws.proj, t * h)?;
+            } else {
+                proj_unfolded = p.split;
+            }
+        }
+        if let Some(b) = &lw.o_bias {
+            dev.bias_add(&mut ws.proj, b, t)?;
+        }
+        Ok(proj_unfolded)
+    }
+
+    /// Layer `l`'s post-attention norm (the attention output joining the residual stream),
+    /// gate_up GEMM, SiLU·mul and down GEMM into `ws.proj`. Returns whether `proj` holds
+    /// unfolded split halves.
+    fn mlp<A: DeviceElem>(
+        &self,
+        ws: &mut Workspace<A>,
+        p: &StepPlan,
+        l: usize,
+        proj_unfolded: bool,
+    ) -> Result<bool, EngineError> {
+        let (dev, lw) = (&self.dev, &self.layers[l]);
+        let (t, h, im) = (p.t, p.hidden, p.inter);
+        let norm = Norm {
+            w: &lw.post_norm,
+            eps: p.eps,
+        };
+        if p.fused {
+            // The stream back from `x2` into `x`.
+            let rows = ResidualRows {
+                x: &ws.x2,
+                residual: Some(&ws.proj),
+                x_out: &mut ws.x,
+                m: t,
+                k: h,
+            };
+            let weights = GemvWeights {
+                w: &lw.gate_up,
+                n: im,
+                silu: true,
+            };
+            if p.f32_rows {
+                dev.norm_gemv(&mut ws.act_f32, rows, norm, weights, p.gemv_in)?;
+                dev.matmul_t(&ws.act_f32, t, im, &lw.down, h, &mut ws.proj)?;
+                return Ok(false);
+            }
+            dev.norm_gemv(&mut ws.act, rows, norm, weights, p.gemv_in)?;
+        } else {
+            let residual = Some((&ws.proj, proj_unfolded));
+            let (normed, x) = (&mut ws.normed, &mut ws.x);
+            dev.rms_norm_split_residual(normed, x, residual, norm, t, p.split)?;
+            dev.matmul_t(&ws.normed, p.m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
+            dev.silu_mul_split_input(&mut ws.act, &ws.gu, p.split, t, im, p.split)?;
+        }
+        dev.matmul_t(&ws.act, p.m, im, &lw.down, h, &mut ws.proj)?;
+        Ok(p.split)
+    }
+
+    /// The final norm (with its fused add of the last MLP output) and the lm_head GEMM on the
+    /// wanted rows alone: all of them in place (r == t: rows are increasing, so every row in
+    /// order; decode steps), else gathered first.
+    fn final_norm_and_lm_head<A: DeviceElem>(
+        &self,
+        ws: &mut Workspace<A>,
+        p: &StepPlan,
+        r: usize,
+        mut proj_unfolded: bool,
+    ) -> Result<(), EngineError> {
+        let (dev, t, h) = (&self.dev, p.t, p.hidden);
+        let v = self.config.vocab_size;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        if proj_unfolded && r < t {
+            p.fold(dev, &mut ws.proj, t * h)?;
+            proj_unfolded = false;
+        }
+        let layers = !self.layers.is_empty();
+        let (stream, mlp_out) = if r == t {
+            (&mut ws.x, layers.then_some(&ws.proj))
+        } else {
+            let rows = self.inputs.maps.row_list();
+            dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, rows, h, false)?;
+            if layers {
+                dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, rows, h, false)?;
+            }
+            (&mut ws.sel_x, layers.then_some(&ws.sel_res))
+        };
+        let mlp_out = mlp_out.map(|o| (o, proj_unfolded));
+        let norm = Norm {
+            w: &self.norm,
+            eps: p.eps,
+        };
+        if p.split && dev.f32_rows_gemv_fits(r, h, head) {
+            // One or two rows in the split mode: the lm_head GEMV reads them in f32 (no hi
+            // and lo rows, no fold of 151,936-wide logits rows at the 0.6B shape).
+            dev.rms_norm_split_residual(&mut ws.sel_f32, stream, mlp_out, norm, r, false)?;
+            dev.matmul_t(&ws.sel_f32, r, h, head, v, &mut ws.logits)
+        } else {
+            dev.rms_norm_split_residual(&mut ws.sel, stream, mlp_out, norm, r, p.split)?;
+            let head_rows = if p.split { 2 * r } else { r };
+            dev.matmul_t(&ws.sel, head_rows, h, head, v, &mut ws.logits)?;
+            p.fold(dev, &mut ws.logits, r * v)
+        }
+    }
+
+    /// The device-side readout of the `r` logits rows: argmax or sampled ids into `ws.ids`,
+    /// or nothing (the logits themselves are copied back).
+    fn readout<A: DeviceElem>(
+        &self,
+        ws: &mut Workspace<A>,
+        r: usize,
+        readout: Readout,
+    ) -> Result<(), EngineError> {
+        let (dev, v) = (&self.dev, self.config.vocab_size);
+        match readout {
+            Readout::Argmax => dev.argmax(&mut ws.ids, &ws.logits, r, v, &mut ws.argmax),
+            Readout::Sample => {
+                let sampling = &self.inputs.sampling;
+                dev.sample_rows(&mut ws.ids, &mut ws.logits, r, v, sampling)
+            }
+            Readout::Logits => Ok(()),
+        }
+    }
+}
