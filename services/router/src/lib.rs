@@ -19,5 +19,6 @@ pub mod openai;
 pub mod params;
 pub mod respond;
 pub mod watcher;
+pub mod wire;
 
 pub use tandem_worker::serve::discovery_options;
