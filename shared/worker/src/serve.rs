@@ -127,6 +127,16 @@ pub async fn run_with_transfer(
     server_shutdown.trigger();
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     built.engine.shutdown();
+    // Everything that uses the transport (connections, the engine's registered pool) goes
+    // before it.
+    let DisaggSides {
+        decode,
+        prefill,
+        transport,
+    } = sides;
+    drop((decode, prefill));
+    drop(built);
+    drop(transport);
     tracing::info!("worker stopped");
     Ok(())
 }
@@ -157,10 +167,14 @@ async fn start_engine(
     Ok((built, transport))
 }
 
-/// The decode or prefill side of disaggregated serving this worker's mode runs, if any.
+/// The decode or prefill side of disaggregated serving this worker's mode runs, if any, and
+/// the KV transport they use.
 struct DisaggSides {
     decode: Option<Arc<DecodeSide>>,
     prefill: Option<Arc<PrefillSide>>,
+    /// Open for as long as the worker runs: prefill workers reach a decode worker's pool
+    /// through its listener.
+    transport: Option<Arc<AnyTransport>>,
 }
 
 impl DisaggSides {
@@ -189,8 +203,8 @@ impl DisaggSides {
             }
             _ => None,
         };
-        let writer = match (mode, transport, kv) {
-            (DisaggregationMode::Prefill, Some(t), _) => Some(KvWriter::Transport(t)),
+        let writer = match (mode, &transport, kv) {
+            (DisaggregationMode::Prefill, Some(t), _) => Some(KvWriter::Transport(t.clone())),
             (DisaggregationMode::Prefill, None, KvTransfer::Simulated(link)) => {
                 Some(KvWriter::Simulated(link))
             }
@@ -203,7 +217,11 @@ impl DisaggSides {
                 layout_id,
             ))
         });
-        Ok(DisaggSides { decode, prefill })
+        Ok(DisaggSides {
+            decode,
+            prefill,
+            transport,
+        })
     }
 
     /// Leases in flight (decode) or writes in flight (prefill).
