@@ -323,7 +323,7 @@ pub fn plan(
     let policy = DisaggPolicy::from_config(&state.config.routing);
     let compatible = compatible_prefill(&view.prefill, decode);
     let input = DecisionInput {
-        decode_role: &decode.card.role,
+        decode_role: decode.card.role.as_str(),
         prompt_len,
         cached_tokens: selection.cached_tokens,
         n,

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_kv_protocol::{KvCacheEvent, KvStoredDump};
 use tandem_kv_router::{ApplyOutcome, KvRouter, RouterEvent};
 use tandem_protocol::worker::{DumpKvBlocksRequest, SubscribeKvEventsRequest};
 use tokio_stream::StreamExt;
@@ -17,7 +16,7 @@ async fn take_dump(router: &KvRouter, worker_id: u64, client: &mut Client) -> an
         .dump_kv_blocks(DumpKvBlocksRequest {})
         .await?
         .into_inner();
-    let dump: KvStoredDump = serde_json::from_str(&reply.dump_json)?;
+    let dump = crate::wire::kv_dump(reply);
     router.apply_dump(worker_id, &dump);
     metrics::counter!("tandem_router_kv_dumps_total").increment(1);
     Ok(dump.last_event_id)
@@ -54,7 +53,7 @@ async fn replay(
     let mut stream = stream.into_inner();
     let mut events = Vec::new();
     while let Some(Ok(msg)) = stream.next().await {
-        let Ok(event) = serde_json::from_str::<KvCacheEvent>(&msg.event_json) else {
+        let Ok(event) = crate::wire::kv_event(msg) else {
             return false;
         };
         if event.event_id >= received {
@@ -93,7 +92,7 @@ async fn follow(router: &KvRouter, worker_id: u64, client: &mut Client, from: u6
             Err(s) if s.code() == tonic::Code::FailedPrecondition => return End::NeedDump,
             Err(_) => return End::ResumeFrom(next),
         };
-        let event: KvCacheEvent = match serde_json::from_str(&msg.event_json) {
+        let event = match crate::wire::kv_event(msg) {
             Ok(e) => e,
             Err(e) => {
                 tracing::warn!(

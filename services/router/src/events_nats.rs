@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tandem_kv_protocol::{KvCacheEvent, KvStoredDump};
+use tandem_kv_protocol::KvCacheEvent;
 use tandem_kv_router::{ApplyOutcome, RouterEvent};
 use tandem_protocol::worker::DumpKvBlocksRequest;
 use tandem_runtime::events::NatsEventPlane;
@@ -37,13 +37,9 @@ pub fn spawn_dump(state: AppState, worker_id: u64, inflight: DumpsInFlight) {
             };
             match client.dump_kv_blocks(DumpKvBlocksRequest {}).await {
                 Ok(reply) => {
-                    match serde_json::from_str::<KvStoredDump>(&reply.into_inner().dump_json) {
-                        Ok(dump) => {
-                            state.kv_of(worker_id).apply_dump(worker_id, &dump);
-                            metrics::counter!("tandem_router_kv_dumps_total").increment(1);
-                        }
-                        Err(e) => tracing::warn!(worker_id, "malformed KV dump: {e}"),
-                    }
+                    let dump = crate::wire::kv_dump(reply.into_inner());
+                    state.kv_of(worker_id).apply_dump(worker_id, &dump);
+                    metrics::counter!("tandem_router_kv_dumps_total").increment(1);
                     break;
                 }
                 Err(s) => {

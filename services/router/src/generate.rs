@@ -146,8 +146,6 @@ pub async fn start(
     .inspect_err(|_| free_all(request_id))?;
     let prefill_worker_id = prefill.first().map(|t| t.instance_id);
     let mut client = worker.client.clone();
-    let params_json =
-        serde_json::to_string(&params).map_err(|e| ApiError::internal(e.to_string()))?;
     let n = params.n;
     let skip_special = params.skip_special_tokens;
     let stops = params.stop.clone();
@@ -157,7 +155,7 @@ pub async fn start(
     let request = GenerateRequest {
         request_id: request_id.to_string(),
         prompt: prompt.clone(),
-        sampling_params_json: params_json,
+        sampling_params: Some(crate::wire::sampling_params(&params)),
     };
     // Both calls stream the same `GenerateOutput`s.
     let call = async {
@@ -260,11 +258,7 @@ pub async fn start(
                     text.push_str(&choice.stop.flush());
                 }
             }
-            let logprobs: Vec<TokenLogprob> = if out.logprobs_json.is_empty() {
-                vec![]
-            } else {
-                serde_json::from_str(&out.logprobs_json).unwrap_or_default()
-            };
+            let logprobs = crate::wire::logprobs(&out.logprobs);
             let finish = (!out.finish_reason.is_empty()).then(|| out.finish_reason.clone());
             if let Some(u) = &out.usage {
                 usage.completion_tokens += u.completion_tokens as usize;

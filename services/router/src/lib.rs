@@ -19,3 +19,4 @@ pub mod openai;
 pub mod params;
 pub mod respond;
 pub mod watcher;
+pub mod wire;

@@ -14,7 +14,7 @@ use std::sync::{Arc, RwLock};
 
 use tandem_protocol::worker::worker_client::WorkerClient;
 use tandem_protocol::worker::ModelFilesRequest;
-use tandem_protocol::ModelCard;
+use tandem_protocol::{ModelCard, WorkerRole};
 use tandem_text::{tokenizer_hash, ChatTemplate, Tokenizer};
 use tonic::transport::Channel;
 
@@ -42,12 +42,9 @@ pub struct Model {
     pub prefill: HashMap<u64, WorkerEntry>,
 }
 
-/// The role name of a prefill-only worker in its model card.
-pub const PREFILL_ROLE: &str = "prefill";
-
 /// True for a card of a prefill-only worker.
 pub fn is_prefill(card: &ModelCard) -> bool {
-    card.role == PREFILL_ROLE
+    card.role == WorkerRole::Prefill
 }
 
 struct Owner {
@@ -277,18 +274,19 @@ impl Registry {
 mod tests {
     use super::*;
 
-    fn card(role: &str, id: u64, model: &str) -> ModelCard {
+    fn card(role: WorkerRole, id: u64, model: &str) -> ModelCard {
         ModelCard {
+            protocol_version: tandem_protocol::WORKER_PROTOCOL_VERSION,
             served_model_name: model.into(),
             tokenizer_hash: "h".into(),
             context_length: 4096,
             kv_cache_block_size: 32,
-            kv_dtype: "float32".into(),
+            kv_dtype: tandem_protocol::KvDtype::Float32,
             kv_layout_id: "L".into(),
             total_kv_blocks: 100,
             max_num_seqs: 8,
             max_num_batched_tokens: 2048,
-            role: role.into(),
+            role,
             grpc_addr: format!("127.0.0.1:{}", 9000 + id),
             http_addr: String::new(),
             instance_id: id,
@@ -322,7 +320,7 @@ mod tests {
         let r = Registry::default();
         let a = assets();
         let client = || connect_lazy("127.0.0.1:1").expect("client");
-        r.add(card("prefill", 1, "m"), client(), a.clone());
+        r.add(card(WorkerRole::Prefill, 1, "m"), client(), a.clone());
         // Prefill workers alone serve nothing: known (503, not 404) but not listed or counted.
         let v = r.view("m").expect("known");
         assert!(v.workers.is_empty());
@@ -332,7 +330,7 @@ mod tests {
         assert_eq!(r.is_prefill_worker(1), Some(true));
         assert!(r.contains(1) && r.client(1).is_some());
 
-        r.add(card("pd", 2, "m"), client(), a.clone());
+        r.add(card(WorkerRole::Pd, 2, "m"), client(), a.clone());
         let v = r.view("m").expect("known");
         assert_eq!(v.workers.len(), 1);
         assert_eq!(v.workers[0].card.instance_id, 2);

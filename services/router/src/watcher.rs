@@ -4,24 +4,74 @@
 
 use std::sync::Arc;
 
+use serde_json::Value;
 use tandem_config::runtime::EventPlane;
-use tandem_protocol::ModelCard;
+use tandem_protocol::{ModelCard, WorkerRole, WORKER_PROTOCOL_VERSION};
 use tandem_runtime::discovery::{Discovery, DiscoveryEvent};
 
 use crate::app::AppState;
 use crate::models::{connect_lazy, fetch_assets};
 
-pub async fn add_worker(state: &AppState, card_json: serde_json::Value) {
-    let card: ModelCard = match serde_json::from_value(card_json) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!("ignoring a worker with a malformed model card: {e}");
+/// Why a worker found in discovery is not routed to.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error(
+        "ignoring worker {worker}: it speaks worker protocol version {theirs}, this router \
+         speaks version {ours}"
+    )]
+    Version {
+        worker: String,
+        /// The version the card announces, or `none`.
+        theirs: String,
+        ours: u32,
+    },
+    #[error("ignoring worker {worker}: malformed model card: {source}")]
+    Malformed {
+        worker: String,
+        source: serde_json::Error,
+    },
+}
+
+/// The model card of a worker this router may route to: one announcing this router's
+/// [`WORKER_PROTOCOL_VERSION`] (checked first, so a worker of another version is named as
+/// such even when the rest of its card has changed), and well-formed.
+pub fn admit(card: serde_json::Value) -> Result<ModelCard, Refusal> {
+    let worker = worker_name(&card);
+    let announced = card.get("protocol_version").and_then(Value::as_u64);
+    if announced != Some(u64::from(WORKER_PROTOCOL_VERSION)) {
+        return Err(Refusal::Version {
+            worker,
+            theirs: announced.map_or_else(|| "none".to_owned(), |v| v.to_string()),
+            ours: WORKER_PROTOCOL_VERSION,
+        });
+    }
+    serde_json::from_value(card).map_err(|source| Refusal::Malformed { worker, source })
+}
+
+/// A worker as its card names it: instance id and gRPC address, as far as the card has them.
+fn worker_name(card: &Value) -> String {
+    let id = card.get("instance_id").and_then(Value::as_u64);
+    let addr = card.get("grpc_addr").and_then(Value::as_str);
+    match (id, addr) {
+        (Some(id), Some(addr)) => format!("{id} ({addr})"),
+        (Some(id), None) => id.to_string(),
+        (None, Some(addr)) => format!("at {addr}"),
+        (None, None) => "(no instance id)".to_owned(),
+    }
+}
+
+pub async fn add_worker(state: &AppState, card_json: Value) {
+    let card = match admit(card_json) {
+        Ok(card) => card,
+        Err(refusal) => {
+            tracing::warn!("{refusal}");
+            metrics::counter!("tandem_router_refused_workers_total").increment(1);
             return;
         }
     };
     // Encode workers are not used yet (multimodal is a later stage). Prefill workers are
     // kept apart from the workers that serve `Generate` (see `models`).
-    if card.role == "encode" {
+    if card.role == WorkerRole::Encode {
         return;
     }
     let mut client = match connect_lazy(&card.grpc_addr) {
@@ -87,4 +137,72 @@ pub async fn run(state: AppState, discovery: Arc<dyn Discovery>) -> anyhow::Resu
         }
     }
     anyhow::bail!("the discovery watch ended")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn card(version: Option<u64>) -> Value {
+        let mut card = serde_json::json!({
+            "served_model_name": "m",
+            "tokenizer_hash": "h",
+            "context_length": 4096,
+            "kv_cache_block_size": 32,
+            "kv_dtype": "bfloat16",
+            "kv_layout_id": "L",
+            "total_kv_blocks": 100,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 2048,
+            "role": "pd",
+            "grpc_addr": "10.0.0.7:9000",
+            "http_addr": "10.0.0.7:9001",
+            "instance_id": 42,
+            "eos_token_ids": [2],
+        });
+        if let Some(v) = version {
+            card["protocol_version"] = v.into();
+        }
+        card
+    }
+
+    #[test]
+    fn a_worker_of_this_protocol_version_is_admitted() {
+        let admitted = admit(card(Some(WORKER_PROTOCOL_VERSION.into()))).expect("admitted");
+        assert_eq!(admitted.protocol_version, WORKER_PROTOCOL_VERSION);
+        assert_eq!(admitted.role, WorkerRole::Pd);
+        assert_eq!(admitted.kv_dtype, tandem_protocol::KvDtype::Bfloat16);
+    }
+
+    #[test]
+    fn a_worker_of_another_version_or_none_is_refused_by_name() {
+        let older = admit(card(Some(1))).expect_err("version 1");
+        assert!(matches!(older, Refusal::Version { .. }), "{older:?}");
+        assert_eq!(
+            older.to_string(),
+            format!(
+                "ignoring worker 42 (10.0.0.7:9000): it speaks worker protocol version 1, this \
+                 router speaks version {WORKER_PROTOCOL_VERSION}"
+            )
+        );
+        let unversioned = admit(card(None)).expect_err("no version");
+        assert!(
+            unversioned.to_string().contains("protocol version none"),
+            "{unversioned}"
+        );
+        // The version is checked before the rest: a newer worker's unknown role is reported
+        // as a version mismatch, not as a malformed card.
+        let mut newer = card(Some(u64::from(WORKER_PROTOCOL_VERSION) + 1));
+        newer["role"] = "router".into();
+        assert!(matches!(admit(newer), Err(Refusal::Version { .. })));
+    }
+
+    #[test]
+    fn a_malformed_card_of_this_version_is_refused() {
+        let mut bad = card(Some(WORKER_PROTOCOL_VERSION.into()));
+        bad["role"] = "router".into();
+        let e = admit(bad).expect_err("unknown role");
+        assert!(matches!(e, Refusal::Malformed { .. }), "{e:?}");
+        assert!(e.to_string().starts_with("ignoring worker 42"), "{e}");
+    }
 }

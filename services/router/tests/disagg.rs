@@ -43,9 +43,9 @@ async fn collect(mut s: tonic::Streaming<GenerateOutput>) -> Result<Out, tonic::
         let out = item?;
         o.tokens.extend(&out.token_ids);
         o.text.push_str(&out.text);
-        if !out.logprobs_json.is_empty() {
-            let v: Vec<Value> = serde_json::from_str(&out.logprobs_json).expect("logprobs json");
-            o.logprobs.extend(v);
+        for lp in tandem_router::wire::logprobs(&out.logprobs) {
+            o.logprobs
+                .push(serde_json::to_value(lp).expect("logprob as JSON"));
         }
         if let Some(u) = out.usage {
             o.completion_tokens += u.completion_tokens;
@@ -116,7 +116,9 @@ fn request(rid: &str, prompt: &[u32], params: &Value) -> GenerateRequest {
     GenerateRequest {
         request_id: rid.into(),
         prompt: prompt.to_vec(),
-        sampling_params_json: params.to_string(),
+        sampling_params: Some(tandem_router::wire::sampling_params(
+            &serde_json::from_value(params.clone()).expect("sampling params"),
+        )),
     }
 }
 

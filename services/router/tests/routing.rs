@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use common::Topology;
 use serde_json::{json, Value};
 use tandem_protocol::worker::GenerateRequest;
+use tandem_text::SamplingParams;
 use tokio_stream::StreamExt;
 
 use common::{worker_blocks, worker_client as client, worker_stats as stats};
@@ -50,7 +51,10 @@ async fn direct_generate(addr: &str, id: &str, prompt: Vec<u32>) {
         .generate(GenerateRequest {
             request_id: id.into(),
             prompt,
-            sampling_params_json: r#"{"max_tokens": 1, "temperature": 0}"#.into(),
+            sampling_params: Some(tandem_router::wire::sampling_params(&SamplingParams {
+                max_tokens: Some(1),
+                ..SamplingParams::greedy()
+            })),
         })
         .await
         .expect("generate")

@@ -2,14 +2,20 @@
 //! model card workers publish in discovery.
 
 pub mod card;
+pub mod wire;
 
 /// Generated code of `proto/worker.proto`.
 pub mod worker {
     #![allow(clippy::all)]
-    tonic::include_proto!("tandem.worker.v1");
+    tonic::include_proto!("tandem.worker.v2");
 }
 
-pub use card::ModelCard;
+pub use card::{KvDtype, ModelCard, WorkerRole};
+pub use wire::WireError;
+
+/// The version of `proto/worker.proto` (its package is `tandem.worker.v<this>`). Workers
+/// announce it in their model card; a router routes only to workers of its own version.
+pub const WORKER_PROTOCOL_VERSION: u32 = 2;
 
 /// gRPC messages may carry the tokenizer (about 11 MB for Qwen3).
 pub const MAX_GRPC_MESSAGE_BYTES: usize = 64 * 1024 * 1024;

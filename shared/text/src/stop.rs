@@ -40,6 +40,19 @@ impl StopMatcher {
         }
     }
 
+    /// A matcher in the state another one exported ([`Self::stops`], [`Self::pending`]).
+    pub fn resume(stops: Vec<String>, pending: String) -> Self {
+        Self {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            pending,
+        }
+    }
+
+    /// The stop strings matched (the request's, without empty ones).
+    pub fn stops(&self) -> &[String] {
+        &self.stops
+    }
+
     /// Text currently held back.
     pub fn pending(&self) -> &str {
         &self.pending

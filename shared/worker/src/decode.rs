@@ -17,14 +17,20 @@ use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
 use tandem_engine::error::EngineError;
 use tandem_engine::sampler::SamplingParams;
 use tandem_kv_transfer::RemoteRegion;
+use tandem_protocol::wire::required;
 use tandem_protocol::worker::worker_client::WorkerClient;
-use tandem_protocol::worker::*;
+use tandem_protocol::worker::{
+    FenceLeaseRequest, GenerateDisaggRequest, GenerateOutput, GenerateRequest, KvLease,
+    PrefillReply, PrefillRequest, PrefillTarget,
+};
+use tandem_protocol::WireError;
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use crate::grpc::forward;
 use crate::leases::{count_fence, listener_gone, FenceProof, LeaseTable};
+use crate::wire::{engine_sub, sub, EngineIntoWire};
 
 /// Prefill workers tried per request before giving up.
 pub const MAX_PREFILL_ATTEMPTS: usize = 3;
@@ -98,18 +104,12 @@ impl DecodeSide {
 
     /// Checks a `GenerateDisagg` call and starts it; outputs go to `tx`.
     pub fn start(self: &Arc<Self>, req: GenerateDisaggRequest, tx: Out) -> Result<(), Status> {
-        let request = req
-            .request
-            .ok_or_else(|| Status::invalid_argument("request is missing"))?;
+        let request = required(req.request, "request")?;
         if request.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
         }
-        let params: SamplingParams = if request.sampling_params_json.is_empty() {
-            SamplingParams::default()
-        } else {
-            serde_json::from_str(&request.sampling_params_json)
-                .map_err(|e| Status::invalid_argument(format!("sampling_params_json: {e}")))?
-        };
+        let params: SamplingParams = sub(request.sampling_params.clone(), "sampling_params")
+            .map_err(|e: WireError| e.within("request"))?;
         params.validate().map_err(Status::invalid_argument)?;
         if params.n != 1 {
             return Err(Status::invalid_argument(format!(
@@ -169,6 +169,28 @@ impl DecodeSide {
         target: &PrefillTarget,
         tx: &Out,
     ) -> Attempt {
+        let lease = match self.lease(request, params, target).await {
+            Ok(lease) => lease,
+            Err(refused) => return refused,
+        };
+        let lease_id = lease.lease_id;
+        let reply = match self.call_prefill(request, lease, target, tx).await {
+            Ok(reply) => reply,
+            Err(ended) => return ended,
+        };
+        // The prefill worker answered: every write of this lease has completed.
+        self.bytes_received
+            .fetch_add(reply.bytes_transferred, Ordering::Relaxed);
+        self.continue_here(lease_id, reply, tx).await
+    }
+
+    /// Reserves the prompt's blocks and grants `target` a lease to write the missing ones.
+    async fn lease(
+        &self,
+        request: &GenerateRequest,
+        params: &SamplingParams,
+        target: &PrefillTarget,
+    ) -> Result<KvLease, Attempt> {
         let (lease_id, epoch) = self.leases.next();
         let reservation = match self
             .engine
@@ -177,30 +199,42 @@ impl DecodeSide {
         {
             Ok(r) => r,
             Err(e @ EngineError::OutOfBlocks { .. }) => {
-                return Attempt::Refused(Status::resource_exhausted(e.to_string()))
+                return Err(Attempt::Refused(Status::resource_exhausted(e.to_string())))
             }
-            Err(e) => return Attempt::Refused(Status::invalid_argument(e.to_string())),
+            Err(e) => return Err(Attempt::Refused(Status::invalid_argument(e.to_string()))),
         };
         self.leases.grant(lease_id, epoch, &target.grpc_addr);
         let first_block = reservation.cached_tokens / self.block_size;
-        let lease = KvLease {
+        Ok(KvLease {
             lease_id,
             epoch,
             owner_instance_id: self.instance_id,
             kv_layout_id: self.layout_id.clone(),
-            region_json: serde_json::to_string(&self.region).unwrap_or_default(),
+            region: Some(self.region.clone().into_wire()),
             first_block: first_block as u32,
             block_offsets: reservation.block_ids[first_block..]
                 .iter()
                 .map(|&b| b as u64 * self.block_bytes)
                 .collect(),
             ttl_ms: self.ttl.as_millis() as u64,
-        };
+        })
+    }
+
+    /// Calls `target`'s `Prefill` under the lease. Every way it can fail releases the lease
+    /// (the writer has stopped) or revokes it (it may still be writing).
+    async fn call_prefill(
+        &self,
+        request: &GenerateRequest,
+        lease: KvLease,
+        target: &PrefillTarget,
+        tx: &Out,
+    ) -> Result<PrefillReply, Attempt> {
+        let (lease_id, epoch) = (lease.lease_id, lease.epoch);
         let mut client = match self.client(&target.grpc_addr) {
             Ok(c) => c,
             Err(e) => {
                 self.release(lease_id).await;
-                return Attempt::PrefillFailed(e);
+                return Err(Attempt::PrefillFailed(e));
             }
         };
         let call = client.prefill(PrefillRequest {
@@ -213,41 +247,35 @@ impl DecodeSide {
             r = tokio::time::timeout(self.ttl, call) => r,
             _ = tx.closed() => {
                 self.revoke(lease_id, epoch, &target.grpc_addr);
-                return Attempt::Over;
+                return Err(Attempt::Over);
             }
         };
-        let reply = match answer {
+        match answer {
             Err(_) => {
                 self.revoke(lease_id, epoch, &target.grpc_addr);
-                return Attempt::PrefillFailed(format!(
+                Err(Attempt::PrefillFailed(format!(
                     "no answer within the lease TTL of {:?}",
                     self.ttl
-                ));
+                )))
             }
             Ok(Err(status)) if writer_stopped(&status) => {
                 self.release(lease_id).await;
                 if status.code() == Code::InvalidArgument {
-                    return Attempt::Refused(status);
+                    return Err(Attempt::Refused(status));
                 }
-                return Attempt::PrefillFailed(format!(
-                    "{:?}: {}",
-                    status.code(),
-                    status.message()
-                ));
+                Err(Attempt::PrefillFailed(describe(&status)))
             }
             Ok(Err(status)) => {
                 self.revoke(lease_id, epoch, &target.grpc_addr);
-                return Attempt::PrefillFailed(format!(
-                    "{:?}: {}",
-                    status.code(),
-                    status.message()
-                ));
+                Err(Attempt::PrefillFailed(describe(&status)))
             }
-            Ok(Ok(reply)) => reply.into_inner(),
-        };
-        // The prefill worker answered: every write of this lease has completed.
-        self.bytes_received
-            .fetch_add(reply.bytes_transferred, Ordering::Relaxed);
+            Ok(Ok(reply)) => Ok(reply.into_inner()),
+        }
+    }
+
+    /// Streams the prefill's first token and continues the request on this engine from the
+    /// state the prefill worker handed over.
+    async fn continue_here(&self, lease_id: u64, reply: PrefillReply, tx: &Out) -> Attempt {
         let Some(first) = reply.first else {
             self.release(lease_id).await;
             return Attempt::PrefillFailed("the reply has no first token".into());
@@ -257,11 +285,11 @@ impl DecodeSide {
             let _ = tx.send(Ok(first)).await;
             return Attempt::Over;
         }
-        let state: SequenceState = match serde_json::from_str(&reply.state_json) {
+        let state: SequenceState = match engine_sub(reply.state, "state") {
             Ok(s) => s,
             Err(e) => {
                 self.release(lease_id).await;
-                return Attempt::PrefillFailed(format!("state_json: {e}"));
+                return Attempt::PrefillFailed(format!("malformed prefill reply: {e}"));
             }
         };
         // Stream the first token before activating: it is the TTFT.
@@ -344,6 +372,10 @@ impl DecodeSide {
             );
         });
     }
+}
+
+fn describe(status: &Status) -> String {
+    format!("{:?}: {}", status.code(), status.message())
 }
 
 /// Whether a Prefill error came from the prefill worker's handler after its writes stopped

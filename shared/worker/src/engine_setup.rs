@@ -238,23 +238,55 @@ pub fn build_engine_with(
 ) -> anyhow::Result<BuiltEngine> {
     let folder = model_folder(cfg)?;
     let model = Arc::new(LoadedModel::load(&folder, load)?);
-    let opts = &cfg.engine;
-    let block_size = cfg.kv_cache.kv_block_size as usize;
-    let dtype = kv_dtype(
-        opts.kv_cache_config.dtype,
-        device,
-        &cfg.model.cuda_precision,
+    let layout = kv_layout(cfg, &model, device);
+    let backend = backend(&model, &layout, pool_blocks(cfg, &layout)?)?;
+    // The backend may size its own pool (the CUDA backend, from the free GPU memory).
+    let num_blocks = backend.num_blocks();
+    let engine_cfg = engine_config(cfg, &model, num_blocks);
+    // The engine thread owns its own tokenizer handle (a clone of the model's: a GGUF model's
+    // tokenizer comes from its metadata, not from a tokenizer.json in a folder).
+    let tokenizer = Arc::new(model.tokenizer.clone());
+    let max_seq_len = engine_cfg.max_seq_len;
+    let engine = Engine::start(backend, Some(tokenizer), engine_cfg)?;
+    tracing::info!(
+        model = %folder.display(),
+        ?device,
+        num_blocks,
+        block_size = layout.block_size,
+        max_seq_len,
+        "engine started"
     );
-    let layout = KvLayout {
+    Ok(BuiltEngine {
+        engine,
+        model,
+        num_blocks,
+        kv_region: None,
+    })
+}
+
+/// The KV layout of `model` in the configured block size and the device's cache dtype.
+fn kv_layout(cfg: &WorkerConfig, model: &LoadedModel, device: Device) -> KvLayout {
+    KvLayout {
         version: LAYOUT_VERSION,
         model_id: model.model_id.clone(),
-        dtype,
-        block_size,
+        dtype: kv_dtype(
+            cfg.engine.kv_cache_config.dtype,
+            device,
+            &cfg.model.cuda_precision,
+        ),
+        block_size: cfg.kv_cache.kv_block_size as usize,
         num_layers: model.config.num_hidden_layers,
         num_kv_heads: model.config.num_key_value_heads,
         head_dim: model.config.head_dim,
-    };
-    let num_blocks = match opts.kv_cache_config.max_tokens {
+    }
+}
+
+/// Blocks in the KV pool: `kv_cache_config.max_tokens`, or else the share of the host's
+/// memory `free_gpu_memory_fraction` gives (capped).
+fn pool_blocks(cfg: &WorkerConfig, layout: &KvLayout) -> anyhow::Result<usize> {
+    let kv = &cfg.engine.kv_cache_config;
+    let block_size = layout.block_size;
+    Ok(match kv.max_tokens {
         Some(tokens) => {
             let blocks = EngineConfig::num_blocks_for_max_tokens(tokens as usize, block_size);
             anyhow::ensure!(
@@ -265,23 +297,24 @@ pub fn build_engine_with(
         }
         None => cpu_kv_blocks_from_memory(
             layout.block_bytes(),
-            opts.kv_cache_config.free_gpu_memory_fraction,
+            kv.free_gpu_memory_fraction,
             DEFAULT_CPU_KV_CAP_BYTES,
         ),
-    };
-    let max_seq_len = opts
-        .max_seq_len
-        .map(|v| v as usize)
-        .unwrap_or(model.config.max_position_embeddings);
-    let backend = backend(&model, &layout, num_blocks)?;
-    // The backend may size its own pool (the CUDA backend, from the free GPU memory).
-    let num_blocks = backend.num_blocks();
-    let engine_cfg = EngineConfig {
+    })
+}
+
+/// The engine's scheduling limits from the merged engine options.
+fn engine_config(cfg: &WorkerConfig, model: &LoadedModel, num_blocks: usize) -> EngineConfig {
+    let opts = &cfg.engine;
+    EngineConfig {
         max_batch_size: opts.max_batch_size as usize,
         max_num_tokens: opts.max_num_tokens as usize,
-        max_seq_len,
+        max_seq_len: opts
+            .max_seq_len
+            .map(|v| v as usize)
+            .unwrap_or(model.config.max_position_embeddings),
         enable_chunked_prefill: opts.enable_chunked_prefill,
-        kv_block_size: block_size,
+        kv_block_size: cfg.kv_cache.kv_block_size as usize,
         num_blocks,
         enable_block_reuse: opts.kv_cache_config.enable_block_reuse,
         event_buffer_max_size: opts.kv_cache_config.event_buffer_max_size as usize,
@@ -295,25 +328,7 @@ pub fn build_engine_with(
         eos_token_ids: model.eos_token_ids(),
         dp_rank: 0,
         max_beam_width: opts.max_beam_width.max(1) as usize,
-    };
-    // The engine thread owns its own tokenizer handle (a clone of the model's: a GGUF model's
-    // tokenizer comes from its metadata, not from a tokenizer.json in a folder).
-    let tokenizer = Arc::new(model.tokenizer.clone());
-    let engine = Engine::start(backend, Some(tokenizer), engine_cfg)?;
-    tracing::info!(
-        model = %folder.display(),
-        ?device,
-        num_blocks,
-        block_size,
-        max_seq_len,
-        "engine started"
-    );
-    Ok(BuiltEngine {
-        engine,
-        model,
-        num_blocks,
-        kv_region: None,
-    })
+    }
 }
 
 #[cfg(test)]

@@ -8,12 +8,16 @@ use tandem_engine::engine::{EngineHandle, RequestStream};
 
 use crate::decode::DecodeSide;
 use crate::prefill::PrefillSide;
+use crate::wire::{EngineIntoWire, EngineTryFromWire, IntoWire};
 use tandem_engine::kv::events::KvCacheEvent;
-use tandem_engine::request::{Request, RequestOutput};
-use tandem_engine::sampler::SamplingParams;
-use tandem_engine::sequence::FinishReason;
+use tandem_engine::request::Request;
 use tandem_protocol::worker::worker_server::Worker;
-use tandem_protocol::worker::*;
+use tandem_protocol::worker::{
+    AbortReply, AbortRequest, DumpKvBlocksRequest, FenceLeaseReply, FenceLeaseRequest,
+    GenerateDisaggRequest, GenerateOutput, GenerateRequest, HealthReply, HealthRequest, KvDump,
+    KvEvent, LoadStatsReply, LoadStatsRequest, ModelFiles, ModelFilesRequest, PrefillReply,
+    PrefillRequest, SubscribeKvEventsRequest,
+};
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
@@ -75,50 +79,6 @@ impl WorkerService {
     }
 }
 
-fn finish_name(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Abort => "abort",
-        FinishReason::Migrated => "migrated",
-    }
-}
-
-pub(crate) fn to_proto(out: RequestOutput) -> GenerateOutput {
-    GenerateOutput {
-        index: out.index as u32,
-        token_ids: out.token_ids,
-        text: out.text,
-        logprobs_json: if out.logprobs.is_empty() {
-            String::new()
-        } else {
-            serde_json::to_string(&out.logprobs).unwrap_or_default()
-        },
-        finish_reason: out
-            .finish_reason
-            .map(finish_name)
-            .unwrap_or_default()
-            .to_string(),
-        stop_reason_json: out
-            .stop_reason
-            .map(|r| serde_json::to_string(&r).unwrap_or_default())
-            .unwrap_or_default(),
-        usage: out.usage.map(|u| Usage {
-            prompt_tokens: u.prompt_tokens as u32,
-            completion_tokens: u.completion_tokens as u32,
-            cached_tokens: u.cached_tokens as u32,
-        }),
-        error: out.error.unwrap_or_default(),
-    }
-}
-
-fn event_to_proto(e: &KvCacheEvent) -> KvEvent {
-    KvEvent {
-        event_id: e.event_id,
-        event_json: serde_json::to_string(e).unwrap_or_default(),
-    }
-}
-
 /// Forwards a broadcast of live events to a gRPC stream, ending it with an error when the
 /// subscriber fell behind (it must then resubscribe from its last id, or take a dump).
 fn forward_events(
@@ -131,7 +91,7 @@ fn forward_events(
         let mut last = after;
         for e in backlog {
             last = e.event_id;
-            if tx.send(Ok(event_to_proto(&e))).await.is_err() {
+            if tx.send(Ok(e.into_wire())).await.is_err() {
                 return;
             }
         }
@@ -141,7 +101,7 @@ fn forward_events(
                 Ok(e) if crate::failpoints::skipped_kv_event(e.event_id) => continue,
                 Ok(e) => {
                     last = e.event_id;
-                    if tx.send(Ok(event_to_proto(&e))).await.is_err() {
+                    if tx.send(Ok(e.into_wire())).await.is_err() {
                         return;
                     }
                 }
@@ -172,7 +132,7 @@ pub(crate) async fn forward(
         tokio::select! {
             out = stream.next() => match out {
                 Some(out) => {
-                    if tx.send(Ok(to_proto(out))).await.is_err() {
+                    if tx.send(Ok(out.into_wire())).await.is_err() {
                         break;
                     }
                 }
@@ -238,24 +198,14 @@ impl Worker for WorkerService {
         request: GrpcRequest<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         self.check_accepting()?;
-        let req = request.into_inner();
+        let req = Request::try_from_wire(request.into_inner())?;
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
         }
-        let params: SamplingParams = if req.sampling_params_json.is_empty() {
-            SamplingParams::default()
-        } else {
-            serde_json::from_str(&req.sampling_params_json)
-                .map_err(|e| Status::invalid_argument(format!("sampling_params_json: {e}")))?
-        };
-        params.validate().map_err(Status::invalid_argument)?;
+        req.params.validate().map_err(Status::invalid_argument)?;
         let stream = self
             .engine
-            .submit(Request {
-                request_id: req.request_id,
-                prompt: req.prompt,
-                params,
-            })
+            .submit(req)
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let (tx, rx) = mpsc::channel(64);
@@ -300,10 +250,7 @@ impl Worker for WorkerService {
         _request: GrpcRequest<DumpKvBlocksRequest>,
     ) -> Result<Response<KvDump>, Status> {
         let (dump, _live) = self.engine.dump_stored_blocks();
-        Ok(Response::new(KvDump {
-            last_event_id: dump.last_event_id,
-            dump_json: serde_json::to_string(&dump).map_err(|e| Status::internal(e.to_string()))?,
-        }))
+        Ok(Response::new(dump.into_wire()))
     }
 
     async fn health(

@@ -15,6 +15,7 @@ pub mod prefill;
 pub mod serve;
 pub mod stats;
 pub mod transport;
+pub mod wire;
 
 pub use engine_setup::{
     build_engine, build_engine_on, build_engine_with, choose_device, BuiltEngine, Device,

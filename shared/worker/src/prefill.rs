@@ -17,17 +17,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_engine::engine::{EngineHandle, PrefillEvent};
-use tandem_engine::request::{FinishReason, Request};
-use tandem_engine::sampler::SamplingParams;
+use tandem_engine::engine::{EngineHandle, PrefillEvent, PrefillStream};
+use tandem_engine::request::{FinishReason, Request, RequestOutput, SequenceState};
 use tandem_kv_transfer::{AnyConnection, AnyTransport, Bytes, KvConnection, KvTransport, Put};
 use tandem_kv_transfer::{PeerAddress, RemoteRegion};
-use tandem_protocol::worker::*;
+use tandem_protocol::wire::required;
+use tandem_protocol::worker::{
+    FenceLeaseReply, FenceLeaseRequest, KvLease, PrefillReply, PrefillRequest,
+};
+use tandem_protocol::WireError;
 use tokio::sync::{oneshot, watch, Notify};
 use tonic::Status;
 
-use crate::grpc::to_proto;
 use crate::transport::{KvWriter, SimulatedLink};
+use crate::wire::{engine_sub, EngineIntoWire};
 
 /// Fenced leases remembered (so a Prefill arriving after its fence is refused).
 const FENCED_MEMORY: usize = 65_536;
@@ -116,66 +119,15 @@ impl PrefillSide {
     }
 
     pub async fn prefill(self: &Arc<Self>, req: PrefillRequest) -> Result<PrefillReply, Status> {
-        let lease = req
-            .lease
-            .ok_or_else(|| Status::invalid_argument("lease is missing"))?;
-        let request = req
-            .request
-            .ok_or_else(|| Status::invalid_argument("request is missing"))?;
-        if lease.kv_layout_id != self.layout_id {
-            return Err(Status::failed_precondition(format!(
-                "KV layouts differ: the decode worker's is {:?}, this prefill worker's is {:?}",
-                lease.kv_layout_id, self.layout_id
-            )));
-        }
-        let region: RemoteRegion = serde_json::from_str(&lease.region_json)
-            .map_err(|e| Status::invalid_argument(format!("lease.region_json: {e}")))?;
-        region
-            .validate()
-            .map_err(|e| Status::invalid_argument(format!("lease.region_json: {e}")))?;
-        let params: SamplingParams = if request.sampling_params_json.is_empty() {
-            SamplingParams::default()
-        } else {
-            serde_json::from_str(&request.sampling_params_json)
-                .map_err(|e| Status::invalid_argument(format!("sampling_params_json: {e}")))?
-        };
-        params.validate().map_err(Status::invalid_argument)?;
+        let (request, lease, region) = self.check(req)?;
         let key = (lease.owner_instance_id, lease.lease_id);
         let cancel = Arc::new(Cancel::default());
-        let (done_tx, done_rx) = watch::channel(false);
-        {
-            let mut w = self.writes();
-            if w.1.set.contains(&key) {
-                return Err(Status::aborted(format!(
-                    "lease {} was revoked before its prefill started",
-                    lease.lease_id
-                )));
-            }
-            if w.0.contains_key(&key) {
-                return Err(Status::already_exists(format!(
-                    "lease {} is already being written",
-                    lease.lease_id
-                )));
-            }
-            w.0.insert(
-                key,
-                ActiveWrite {
-                    epoch: lease.epoch,
-                    cancel: cancel.clone(),
-                    done: done_rx,
-                },
-            );
-        }
+        let done_tx = self.register_write(key, &lease, &cancel)?;
         let (result_tx, result_rx) = oneshot::channel();
         let me = self.clone();
         let task_cancel = cancel.clone();
         tokio::spawn(async move {
-            let engine_request = Request {
-                request_id: request.request_id,
-                prompt: request.prompt,
-                params,
-            };
-            let r = me.write(engine_request, lease, region, &task_cancel).await;
+            let r = me.write(request, lease, region, &task_cancel).await;
             me.writes().0.remove(&key);
             let _ = done_tx.send(true);
             let _ = result_tx.send(r);
@@ -186,6 +138,62 @@ impl PrefillSide {
             .unwrap_or_else(|_| Err(Status::aborted("the prefill task ended without a result")));
         guard.0 = None;
         r
+    }
+
+    /// The request, lease and destination region of a `Prefill` call, checked: a malformed
+    /// message, another KV layout or bad sampling parameters are refused before any write.
+    fn check(&self, req: PrefillRequest) -> Result<(Request, KvLease, RemoteRegion), Status> {
+        let mut lease = required(req.lease, "lease")?;
+        let request: Request = engine_sub(req.request, "request")?;
+        if lease.kv_layout_id != self.layout_id {
+            return Err(Status::failed_precondition(format!(
+                "KV layouts differ: the decode worker's is {:?}, this prefill worker's is {:?}",
+                lease.kv_layout_id, self.layout_id
+            )));
+        }
+        let region: RemoteRegion =
+            engine_sub(lease.region.take(), "region").map_err(|e: WireError| e.within("lease"))?;
+        region
+            .validate()
+            .map_err(|e| Status::invalid_argument(format!("lease.region: {e}")))?;
+        request
+            .params
+            .validate()
+            .map_err(Status::invalid_argument)?;
+        Ok((request, lease, region))
+    }
+
+    /// Records the lease as being written (refused if it was fenced or is written already);
+    /// the returned sender marks the write ended.
+    fn register_write(
+        &self,
+        key: LeaseKey,
+        lease: &KvLease,
+        cancel: &Arc<Cancel>,
+    ) -> Result<watch::Sender<bool>, Status> {
+        let (done_tx, done_rx) = watch::channel(false);
+        let mut w = self.writes();
+        if w.1.set.contains(&key) {
+            return Err(Status::aborted(format!(
+                "lease {} was revoked before its prefill started",
+                lease.lease_id
+            )));
+        }
+        if w.0.contains_key(&key) {
+            return Err(Status::already_exists(format!(
+                "lease {} is already being written",
+                lease.lease_id
+            )));
+        }
+        w.0.insert(
+            key,
+            ActiveWrite {
+                epoch: lease.epoch,
+                cancel: cancel.clone(),
+                done: done_rx,
+            },
+        );
+        Ok(done_tx)
     }
 
     async fn connection(&self, peer: &PeerAddress) -> Result<Arc<AnyConnection>, Status> {
@@ -212,6 +220,14 @@ impl PrefillSide {
         self.connections.lock().await.remove(peer);
     }
 
+    /// Where a lease's blocks go: a connection to the region's peer, or the simulated link.
+    async fn link(&self, region: &RemoteRegion) -> Result<Link, Status> {
+        Ok(match &self.writer {
+            KvWriter::Transport(_) => Link::Real(self.connection(&region.peer).await?),
+            KvWriter::Simulated(s) => Link::Simulated(s.clone()),
+        })
+    }
+
     /// Runs the prompt and writes its blocks. Every error is returned after the last put of
     /// this lease has completed or failed: the caller may then treat the writer as stopped.
     async fn write(
@@ -222,120 +238,30 @@ impl PrefillSide {
         cancel: &Cancel,
     ) -> Result<PrefillReply, Status> {
         let deadline = Instant::now() + Duration::from_millis(lease.ttl_ms.max(1));
-        let first_block = lease.first_block as usize;
-        let want = lease.block_offsets.len();
-        let prompt_len = request.prompt.len();
         let request_id = request.request_id.clone();
+        let prompt_len = request.prompt.len();
         let mut stream = self
             .engine
-            .prefill(request, first_block)
+            .prefill(request, lease.first_block as usize)
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let link = match &self.writer {
-            KvWriter::Transport(_) => Link::Real(self.connection(&region.peer).await?),
-            KvWriter::Simulated(s) => Link::Simulated(s.clone()),
+        let mut w = LeaseWrite {
+            link: self.link(&region).await?,
+            lease,
+            region,
+            request_id,
+            prompt_len,
+            sent_blocks: 0,
+            sent_bytes: 0,
+            started: Instant::now(),
         };
-        let bb = self.block_bytes;
-        let mut sent_blocks = 0usize;
-        let mut sent_bytes = 0u64;
-        let t0 = Instant::now();
         loop {
-            if cancel.is_set() {
-                return Err(Status::aborted("the lease was revoked"));
-            }
-            let event = tokio::select! {
-                ev = stream.next() => ev,
-                _ = tokio::time::sleep_until(deadline.into()) => {
-                    return Err(Status::aborted(format!(
-                        "lease {} expired (ttl {} ms) before the prefill finished",
-                        lease.lease_id, lease.ttl_ms
-                    )));
-                }
-                _ = cancel.wait() => return Err(Status::aborted("the lease was revoked")),
-            };
-            match event {
+            match next_event(&mut stream, &w.lease, deadline, cancel).await? {
                 Some(PrefillEvent::Blocks {
                     first_block: at,
                     data,
-                }) => {
-                    let n = data.len() / bb;
-                    if data.len() % bb != 0
-                        || at < first_block
-                        || at + n > first_block + want
-                        || at != first_block + sent_blocks
-                    {
-                        return Err(Status::internal(format!(
-                            "engine produced blocks {at}..{} ({} bytes) outside the lease's {first_block}..{}",
-                            at + n,
-                            data.len(),
-                            first_block + want
-                        )));
-                    }
-                    let offsets = &lease.block_offsets[at - first_block..at + n - first_block];
-                    let written = match &link {
-                        Link::Real(conn) => {
-                            let data = Bytes::from(data);
-                            let puts: Vec<Put> = (0..n)
-                                .map(|j| Put {
-                                    local: data.slice(j * bb..(j + 1) * bb),
-                                    offset: offsets[j],
-                                })
-                                .collect();
-                            crate::failpoints::prefill_hold(&request_id, at + n - 1).await;
-                            if let Err(e) = conn.write(&region, puts).await {
-                                self.forget_connection(&region.peer).await;
-                                return Err(Status::aborted(format!(
-                                    "writing KV blocks to the decode worker failed: {e}"
-                                )));
-                            }
-                            data.len() as u64
-                        }
-                        Link::Simulated(sim) => {
-                            // No bytes move: the export is dropped unread.
-                            drop(data);
-                            crate::failpoints::prefill_hold(&request_id, at + n - 1).await;
-                            sim.write(&region, offsets, bb as u64).await.map_err(|e| {
-                                Status::aborted(format!(
-                                    "writing KV blocks to the decode worker failed: {e}"
-                                ))
-                            })?
-                        }
-                    };
-                    sent_blocks += n;
-                    sent_bytes += written;
-                    self.bytes_sent.fetch_add(written, Ordering::Relaxed);
-                }
-                Some(PrefillEvent::Done { output, state }) => {
-                    if output.finish_reason == Some(FinishReason::Abort) {
-                        return Err(Status::aborted(format!(
-                            "the prefill was aborted: {}",
-                            output.error.as_deref().unwrap_or("engine abort")
-                        )));
-                    }
-                    if sent_blocks != want {
-                        return Err(Status::internal(format!(
-                            "the prefill sent {sent_blocks} of the lease's {want} blocks"
-                        )));
-                    }
-                    let state_json = serde_json::to_string(&state)
-                        .map_err(|e| Status::internal(format!("state: {e}")))?;
-                    tracing::debug!(
-                        lease_id = lease.lease_id,
-                        prompt_len,
-                        blocks = sent_blocks,
-                        bytes = sent_bytes,
-                        ms = t0.elapsed().as_secs_f64() * 1e3,
-                        "remote prefill done"
-                    );
-                    let prefill_cached_tokens = state.cached_prompt_tokens as u32;
-                    return Ok(PrefillReply {
-                        first: Some(to_proto(output)),
-                        state_json,
-                        bytes_transferred: sent_bytes,
-                        blocks_transferred: sent_blocks as u32,
-                        prefill_cached_tokens,
-                    });
-                }
+                }) => self.send_blocks(&mut w, at, data).await?,
+                Some(PrefillEvent::Done { output, state }) => return w.finish(output, state),
                 None => {
                     return Err(Status::aborted(
                         "the prefill ended without a result (request aborted or engine stopped)",
@@ -343,6 +269,49 @@ impl PrefillSide {
                 }
             }
         }
+    }
+
+    /// Writes the engine's blocks `at..` (their bytes in `data`) to the lease's offsets.
+    async fn send_blocks(
+        &self,
+        w: &mut LeaseWrite,
+        at: usize,
+        data: Vec<u8>,
+    ) -> Result<(), Status> {
+        let bb = self.block_bytes;
+        let n = data.len() / bb;
+        w.check_blocks(at, n, data.len(), bb)?;
+        let offsets = &w.lease.block_offsets[at - w.first_block()..at + n - w.first_block()];
+        let last_block = at + n - 1;
+        let written = match &w.link {
+            Link::Real(conn) => {
+                let data = Bytes::from(data);
+                let puts: Vec<Put> = (0..n)
+                    .map(|j| Put {
+                        local: data.slice(j * bb..(j + 1) * bb),
+                        offset: offsets[j],
+                    })
+                    .collect();
+                crate::failpoints::prefill_hold(&w.request_id, last_block).await;
+                if let Err(e) = conn.write(&w.region, puts).await {
+                    self.forget_connection(&w.region.peer).await;
+                    return Err(write_failed(e));
+                }
+                data.len() as u64
+            }
+            Link::Simulated(sim) => {
+                // No bytes move: the export is dropped unread.
+                drop(data);
+                crate::failpoints::prefill_hold(&w.request_id, last_block).await;
+                sim.write(&w.region, offsets, bb as u64)
+                    .await
+                    .map_err(write_failed)?
+            }
+        };
+        w.sent_blocks += n;
+        w.sent_bytes += written;
+        self.bytes_sent.fetch_add(written, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Stops writing for a lease and returns once no write for it can happen any more.
@@ -365,6 +334,112 @@ impl PrefillSide {
             let _ = done.wait_for(|d| *d).await;
         }
         FenceLeaseReply { was_active }
+    }
+}
+
+/// The engine's next prefill event, unless the lease expires or is revoked first.
+async fn next_event(
+    stream: &mut PrefillStream,
+    lease: &KvLease,
+    deadline: Instant,
+    cancel: &Cancel,
+) -> Result<Option<PrefillEvent>, Status> {
+    if cancel.is_set() {
+        return Err(Status::aborted("the lease was revoked"));
+    }
+    tokio::select! {
+        ev = stream.next() => Ok(ev),
+        _ = tokio::time::sleep_until(deadline.into()) => Err(Status::aborted(format!(
+            "lease {} expired (ttl {} ms) before the prefill finished",
+            lease.lease_id, lease.ttl_ms
+        ))),
+        _ = cancel.wait() => Err(Status::aborted("the lease was revoked")),
+    }
+}
+
+fn write_failed(e: impl std::fmt::Display) -> Status {
+    Status::aborted(format!(
+        "writing KV blocks to the decode worker failed: {e}"
+    ))
+}
+
+/// One lease being written: where its blocks go and how far the write has got.
+struct LeaseWrite {
+    lease: KvLease,
+    region: RemoteRegion,
+    link: Link,
+    request_id: String,
+    prompt_len: usize,
+    sent_blocks: usize,
+    sent_bytes: u64,
+    started: Instant,
+}
+
+impl LeaseWrite {
+    fn first_block(&self) -> usize {
+        self.lease.first_block as usize
+    }
+
+    /// Blocks the lease asks for.
+    fn want(&self) -> usize {
+        self.lease.block_offsets.len()
+    }
+
+    /// The engine's blocks `at..at + n` (`len` bytes) must be whole blocks, next in order,
+    /// and inside the lease.
+    fn check_blocks(
+        &self,
+        at: usize,
+        n: usize,
+        len: usize,
+        block_bytes: usize,
+    ) -> Result<(), Status> {
+        let (first, want) = (self.first_block(), self.want());
+        if !len.is_multiple_of(block_bytes)
+            || at < first
+            || at + n > first + want
+            || at != first + self.sent_blocks
+        {
+            return Err(Status::internal(format!(
+                "engine produced blocks {at}..{} ({len} bytes) outside the lease's {first}..{}",
+                at + n,
+                first + want
+            )));
+        }
+        Ok(())
+    }
+
+    /// The reply once the engine has computed the prompt: the first token and the state
+    /// that continues the request on the decode worker.
+    fn finish(self, output: RequestOutput, state: SequenceState) -> Result<PrefillReply, Status> {
+        if output.finish_reason == Some(FinishReason::Abort) {
+            return Err(Status::aborted(format!(
+                "the prefill was aborted: {}",
+                output.error.as_deref().unwrap_or("engine abort")
+            )));
+        }
+        if self.sent_blocks != self.want() {
+            return Err(Status::internal(format!(
+                "the prefill sent {} of the lease's {} blocks",
+                self.sent_blocks,
+                self.want()
+            )));
+        }
+        tracing::debug!(
+            lease_id = self.lease.lease_id,
+            prompt_len = self.prompt_len,
+            blocks = self.sent_blocks,
+            bytes = self.sent_bytes,
+            ms = self.started.elapsed().as_secs_f64() * 1e3,
+            "remote prefill done"
+        );
+        Ok(PrefillReply {
+            first: Some(output.into_wire()),
+            prefill_cached_tokens: state.cached_prompt_tokens as u32,
+            state: Some(state.into_wire()),
+            bytes_transferred: self.sent_bytes,
+            blocks_transferred: self.sent_blocks as u32,
+        })
     }
 }
 

@@ -9,6 +9,7 @@ use anyhow::Context;
 use tandem_config::runtime::EventPlane;
 use tandem_config::WorkerConfig;
 use tandem_protocol::worker::worker_server::WorkerServer;
+use tandem_protocol::ModelCard;
 use tandem_runtime::discovery::{self, DiscoveryOptions, Instance};
 use tandem_runtime::net::advertised_addr;
 
@@ -74,65 +75,10 @@ pub async fn run_with_transfer(
     // Idempotent: every worker of a process shares the one recorder.
     let metrics_handle = tandem_runtime::metrics::install_recorder()?;
     let cfg = Arc::new(cfg);
-    let mode = cfg.disaggregation.disaggregation_mode;
-    let transport = match (mode, &kv) {
-        (
-            DisaggregationMode::Pd | DisaggregationMode::Decode | DisaggregationMode::Prefill,
-            KvTransfer::Transport,
-        ) => Some(crate::transport::open(&cfg).await?),
-        _ => None,
-    };
-    let build_cfg = cfg.clone();
-    let pool_transport = match mode {
-        DisaggregationMode::Pd | DisaggregationMode::Decode => transport.clone(),
-        _ => None,
-    };
-    let built = tokio::task::spawn_blocking(move || build(&build_cfg, pool_transport))
-        .await
-        .context("engine start-up task failed")??;
+    let (built, transport) = start_engine(&cfg, build, &kv).await?;
     let instance_id = discovery::new_instance_id();
-    let layout_id = crate::card::layout_id(built.engine.layout());
-    let decode = match mode {
-        DisaggregationMode::Pd | DisaggregationMode::Decode => {
-            let region = built.kv_region.clone().context(
-                "this engine's KV pool is not in transport-registered memory (nor a simulated \
-                 region), so it cannot serve --disaggregation-mode pd/decode",
-            )?;
-            Some(Arc::new(DecodeSide::new(
-                built.engine.clone(),
-                instance_id,
-                layout_id.clone(),
-                region,
-                Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.into()),
-            )))
-        }
-        _ => None,
-    };
-    let prefill = match (mode, &transport, kv) {
-        (DisaggregationMode::Prefill, Some(t), _) => Some(Arc::new(PrefillSide::new(
-            built.engine.clone(),
-            t.clone(),
-            layout_id.clone(),
-        ))),
-        (DisaggregationMode::Prefill, None, KvTransfer::Simulated(link)) => {
-            Some(Arc::new(PrefillSide::with_writer(
-                built.engine.clone(),
-                KvWriter::Simulated(link),
-                layout_id.clone(),
-            )))
-        }
-        _ => None,
-    };
-
-    let rpc_bind = format!("{}:{}", cfg.network.rpc_host, cfg.network.rpc_port);
-    let listener = tokio::net::TcpListener::bind(&rpc_bind)
-        .await
-        .with_context(|| {
-            format!("cannot bind the gRPC listener on {rpc_bind} (--rpc-host/--rpc-port)")
-        })?;
-    let rpc_bound = listener.local_addr()?;
-    let grpc_addr = advertised_addr(rpc_bound, cfg.network.rpc_advertise_host.as_deref())?;
-
+    let sides = DisaggSides::new(&cfg, &built, instance_id, transport, kv)?;
+    let (listener, grpc_addr) = bind_grpc(&cfg).await?;
     let service = WorkerService::new(
         built.engine.clone(),
         ModelFilesSource {
@@ -140,8 +86,8 @@ pub async fn run_with_transfer(
             tokenizer_hash: built.model.tokenizer_hash.clone(),
         },
     )
-    .with_decode(decode.clone())
-    .with_prefill(prefill.clone());
+    .with_decode(sides.decode.clone())
+    .with_prefill(sides.prefill.clone());
     let accepting = service.accepting_flag();
     let health_flag = accepting.clone();
     let status_bind = format!("{}:{}", cfg.network.system_host, cfg.network.system_port);
@@ -156,46 +102,209 @@ pub async fn run_with_transfer(
         format!("cannot bind the status server on {status_bind} (--system-host/--system-port)")
     })?;
     let http_addr = advertised_addr(status_bound, cfg.network.rpc_advertise_host.as_deref())?;
+    let card = model_card(&cfg, &built, instance_id, grpc_addr, http_addr);
+    let registration = register(&cfg, &card).await?;
+    start_publishing(&cfg, &built, instance_id, &shutdown).await?;
+    announce_ready(&cfg, &card);
+    let (server_shutdown, server) = spawn_server(service, listener);
 
+    shutdown.cancelled().await;
+    tracing::info!("shutting down: deregistering, then draining in-flight requests");
+    accepting.store(false, Ordering::SeqCst);
+    if let Err(e) = registration.deregister().await {
+        tracing::warn!("deregistration failed (the entry will expire by TTL): {e}");
+    }
+    drain(&cfg, &built, &sides).await;
+    server_shutdown.trigger();
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    built.engine.shutdown();
+    // Everything that uses the transport (connections, the engine's registered pool) goes
+    // before it.
+    let DisaggSides {
+        decode,
+        prefill,
+        transport,
+    } = sides;
+    drop((decode, prefill));
+    drop(built);
+    drop(transport);
+    tracing::info!("worker stopped");
+    Ok(())
+}
+
+/// Opens the KV transport a disaggregated role needs and builds the engine (its pool
+/// allocated through the transport on decode workers).
+async fn start_engine(
+    cfg: &Arc<WorkerConfig>,
+    build: EngineBuilder,
+    kv: &KvTransfer,
+) -> anyhow::Result<(BuiltEngine, Option<Arc<AnyTransport>>)> {
+    let mode = cfg.disaggregation.disaggregation_mode;
+    let transport = match (mode, kv) {
+        (
+            DisaggregationMode::Pd | DisaggregationMode::Decode | DisaggregationMode::Prefill,
+            KvTransfer::Transport,
+        ) => Some(crate::transport::open(cfg).await?),
+        _ => None,
+    };
+    let build_cfg = cfg.clone();
+    let pool_transport = match mode {
+        DisaggregationMode::Pd | DisaggregationMode::Decode => transport.clone(),
+        _ => None,
+    };
+    let built = tokio::task::spawn_blocking(move || build(&build_cfg, pool_transport))
+        .await
+        .context("engine start-up task failed")??;
+    Ok((built, transport))
+}
+
+/// The decode or prefill side of disaggregated serving this worker's mode runs, if any, and
+/// the KV transport they use.
+struct DisaggSides {
+    decode: Option<Arc<DecodeSide>>,
+    prefill: Option<Arc<PrefillSide>>,
+    /// Open for as long as the worker runs: prefill workers reach a decode worker's pool
+    /// through its listener.
+    transport: Option<Arc<AnyTransport>>,
+}
+
+impl DisaggSides {
+    fn new(
+        cfg: &WorkerConfig,
+        built: &BuiltEngine,
+        instance_id: u64,
+        transport: Option<Arc<AnyTransport>>,
+        kv: KvTransfer,
+    ) -> anyhow::Result<Self> {
+        let mode = cfg.disaggregation.disaggregation_mode;
+        let layout_id = crate::card::layout_id(built.engine.layout());
+        let decode = match mode {
+            DisaggregationMode::Pd | DisaggregationMode::Decode => {
+                let region = built.kv_region.clone().context(
+                    "this engine's KV pool is not in transport-registered memory (nor a \
+                     simulated region), so it cannot serve --disaggregation-mode pd/decode",
+                )?;
+                Some(Arc::new(DecodeSide::new(
+                    built.engine.clone(),
+                    instance_id,
+                    layout_id.clone(),
+                    region,
+                    Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.into()),
+                )))
+            }
+            _ => None,
+        };
+        let writer = match (mode, &transport, kv) {
+            (DisaggregationMode::Prefill, Some(t), _) => Some(KvWriter::Transport(t.clone())),
+            (DisaggregationMode::Prefill, None, KvTransfer::Simulated(link)) => {
+                Some(KvWriter::Simulated(link))
+            }
+            _ => None,
+        };
+        let prefill = writer.map(|writer| {
+            Arc::new(PrefillSide::with_writer(
+                built.engine.clone(),
+                writer,
+                layout_id,
+            ))
+        });
+        Ok(DisaggSides {
+            decode,
+            prefill,
+            transport,
+        })
+    }
+
+    /// Leases in flight (decode) or writes in flight (prefill).
+    fn handoffs(&self) -> bool {
+        self.decode
+            .as_ref()
+            .map(|d| !d.leases.is_empty())
+            .unwrap_or(false)
+            || self
+                .prefill
+                .as_ref()
+                .map(|p| p.active() > 0)
+                .unwrap_or(false)
+    }
+}
+
+/// Binds the gRPC listener; returns it and the address to advertise.
+async fn bind_grpc(cfg: &WorkerConfig) -> anyhow::Result<(tokio::net::TcpListener, String)> {
+    let rpc_bind = format!("{}:{}", cfg.network.rpc_host, cfg.network.rpc_port);
+    let listener = tokio::net::TcpListener::bind(&rpc_bind)
+        .await
+        .with_context(|| {
+            format!("cannot bind the gRPC listener on {rpc_bind} (--rpc-host/--rpc-port)")
+        })?;
+    let rpc_bound = listener.local_addr()?;
+    let grpc_addr = advertised_addr(rpc_bound, cfg.network.rpc_advertise_host.as_deref())?;
+    Ok((listener, grpc_addr))
+}
+
+/// Publishes the worker and its model card in discovery.
+async fn register(
+    cfg: &WorkerConfig,
+    card: &ModelCard,
+) -> anyhow::Result<tandem_runtime::discovery::Registration> {
     let endpoint = cfg.endpoint();
-    let card = model_card(
-        &cfg,
-        &built,
-        instance_id,
-        grpc_addr.clone(),
-        http_addr.clone(),
-    );
     let store = discovery::connect(&discovery_options(&cfg.runtime)).await?;
-    let registration = store
+    store
         .register(
             Instance {
                 namespace: endpoint.namespace.clone(),
                 component: endpoint.component.clone(),
                 endpoint: endpoint.endpoint.clone(),
-                instance_id,
-                grpc_addr: grpc_addr.clone(),
-                http_addr: Some(http_addr.clone()),
-                role: card.role.clone(),
+                instance_id: card.instance_id,
+                grpc_addr: card.grpc_addr.clone(),
+                http_addr: Some(card.http_addr.clone()),
+                role: card.role.as_str().into(),
             },
-            serde_json::to_value(&card)?,
+            serde_json::to_value(card)?,
         )
         .await
-        .context("cannot register in discovery")?;
+        .context("cannot register in discovery")
+}
 
+/// Starts the KV event publisher on NATS (with `--event-plane nats`) and the engine gauges.
+async fn start_publishing(
+    cfg: &WorkerConfig,
+    built: &BuiltEngine,
+    instance_id: u64,
+    shutdown: &tandem_runtime::shutdown::ShutdownToken,
+) -> anyhow::Result<()> {
     if cfg.runtime.event_plane == EventPlane::Nats {
-        crate::nats::spawn_publisher(&cfg, &endpoint, instance_id, built.engine.clone()).await?;
+        let endpoint = cfg.endpoint();
+        crate::nats::spawn_publisher(cfg, &endpoint, instance_id, built.engine.clone()).await?;
     }
     crate::stats::spawn_gauges(built.engine.clone(), instance_id, shutdown.clone());
+    Ok(())
+}
 
-    // One line on stdout that launchers and tests wait for instead of sleeping.
+/// One line on stdout that launchers and tests wait for instead of sleeping.
+fn announce_ready(cfg: &WorkerConfig, card: &ModelCard) {
     println!(
-        "TANDEM_WORKER_READY instance_id={instance_id} grpc={grpc_addr} http={http_addr} model={}",
-        card.served_model_name
+        "TANDEM_WORKER_READY instance_id={} grpc={} http={} model={}",
+        card.instance_id, card.grpc_addr, card.http_addr, card.served_model_name
     );
-    tracing::info!(%grpc_addr, %http_addr, instance_id, endpoint = %endpoint, "worker ready");
+    tracing::info!(
+        grpc_addr = %card.grpc_addr,
+        http_addr = %card.http_addr,
+        instance_id = card.instance_id,
+        endpoint = %cfg.endpoint(),
+        "worker ready"
+    );
+}
 
-    let server_shutdown = tandem_runtime::shutdown::channel();
-    let server_token = server_shutdown.1.clone();
+/// Serves the gRPC service on `listener` until the returned trigger fires.
+fn spawn_server(
+    service: WorkerService,
+    listener: tokio::net::TcpListener,
+) -> (
+    tandem_runtime::shutdown::Shutdown,
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+) {
+    let (server_shutdown, server_token) = tandem_runtime::shutdown::channel();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
@@ -212,22 +321,15 @@ pub async fn run_with_transfer(
                 async move { server_token.cancelled().await },
             ),
     );
+    (server_shutdown, server)
+}
 
-    shutdown.cancelled().await;
-    tracing::info!("shutting down: deregistering, then draining in-flight requests");
-    accepting.store(false, Ordering::SeqCst);
-    if let Err(e) = registration.deregister().await {
-        tracing::warn!("deregistration failed (the entry will expire by TTL): {e}");
-    }
+/// Waits until the engine has no request left and no hand-off is in flight (nothing may be
+/// left writing into a pool that goes away), or the drain deadline passes.
+async fn drain(cfg: &WorkerConfig, built: &BuiltEngine, sides: &DisaggSides) {
     let deadline = Instant::now() + Duration::from_secs(cfg.runtime.drain_timeout_secs.into());
     loop {
-        // Leases in flight (decode) and writes in flight (prefill) finish or are revoked
-        // before the engine stops: nothing may be left writing into a pool that goes away.
-        let handoffs = decode
-            .as_ref()
-            .map(|d| !d.leases.is_empty())
-            .unwrap_or(false)
-            || prefill.as_ref().map(|p| p.active() > 0).unwrap_or(false);
+        let handoffs = sides.handoffs();
         match built.engine.stats().await {
             Ok(s) if s.running + s.waiting == 0 && !handoffs => break,
             Ok(s) if Instant::now() >= deadline => {
@@ -242,9 +344,4 @@ pub async fn run_with_transfer(
             Err(_) => break,
         }
     }
-    server_shutdown.0.trigger();
-    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    built.engine.shutdown();
-    tracing::info!("worker stopped");
-    Ok(())
 }

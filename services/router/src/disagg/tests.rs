@@ -210,16 +210,17 @@ fn decode_workers_are_always_disaggregated() {
 fn entry(role: &str, layout: &str, id: u64) -> WorkerEntry {
     WorkerEntry {
         card: tandem_protocol::ModelCard {
+            protocol_version: tandem_protocol::WORKER_PROTOCOL_VERSION,
             served_model_name: "m".into(),
             tokenizer_hash: "h".into(),
             context_length: 4096,
             kv_cache_block_size: 32,
-            kv_dtype: "float32".into(),
+            kv_dtype: tandem_protocol::KvDtype::Float32,
             kv_layout_id: layout.into(),
             total_kv_blocks: 100,
             max_num_seqs: 8,
             max_num_batched_tokens: 2048,
-            role: role.into(),
+            role: serde_json::from_value(role.into()).expect("role"),
             grpc_addr: format!("127.0.0.1:{}", 9000 + id),
             http_addr: String::new(),
             instance_id: id,

@@ -188,13 +188,7 @@ pub async fn worker_blocks(addr: &str) -> (u64, Vec<u64>) {
         .await
         .expect("dump")
         .into_inner();
-    let v: serde_json::Value = serde_json::from_str(&dump.dump_json).expect("dump json");
-    let mut hashes: Vec<u64> = v["blocks"]
-        .as_array()
-        .expect("blocks")
-        .iter()
-        .filter_map(|b| b["block_hash"].as_u64())
-        .collect();
+    let mut hashes: Vec<u64> = dump.blocks.iter().map(|b| b.block_hash).collect();
     hashes.sort_unstable();
     (dump.last_event_id, hashes)
 }
