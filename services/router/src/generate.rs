@@ -133,17 +133,16 @@ pub async fn start(
         state.kv.free(rid);
         state.prefill_kv.free(rid);
     };
-    let prefill = crate::disagg::plan(
-        state,
-        view,
-        worker,
-        &selection,
+    let routed = crate::disagg::RoutedRequest {
         request_id,
-        &hashes,
-        prompt.len(),
-        &params,
-    )
-    .inspect_err(|_| free_all(request_id))?;
+        decode: worker,
+        selection,
+        hashes: &hashes,
+        prompt_len: prompt.len(),
+        params: &params,
+    };
+    let prefill =
+        crate::disagg::plan(state, view, &routed).inspect_err(|_| free_all(request_id))?;
     let prefill_worker_id = prefill.first().map(|t| t.instance_id);
     let mut client = worker.client.clone();
     let params_json =
