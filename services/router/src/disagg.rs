@@ -1,4 +1,5 @@
-//! Where a request's prompt is prefilled (DESIGN.md, request flow steps 3 and 5).
+//! Where a request's prompt is prefilled: on the decode worker the router chose, or on prefill
+//! workers that send the prompt's KV to it.
 //!
 //! The decode worker D is chosen first, on the decode index (`AppState::kv`), as for an
 //! aggregated request. Then:
@@ -256,7 +257,8 @@ pub fn compatible_prefill<'a>(
         .collect()
 }
 
-fn worker_info(w: &WorkerEntry) -> WorkerInfo {
+/// What the KV router needs to know of a worker.
+pub(crate) fn worker_info(w: &WorkerEntry) -> WorkerInfo {
     WorkerInfo {
         id: w.card.instance_id,
         total_blocks: w.card.total_kv_blocks.into(),
@@ -303,87 +305,119 @@ fn count(decision: &'static str, reason: &'static str) {
     metrics::counter!(m::DISAGG_DECISIONS, "decision" => decision, "reason" => reason).increment(1);
 }
 
-/// Decides where the prompt of a request routed to `decode` (with `selection` from the decode
-/// index) is prefilled. An empty list means on `decode` itself (`Generate`); otherwise the
-/// prefill workers to hand to `decode.GenerateDisagg`, best first, the request being recorded
-/// on the first one in `state.prefill_kv` (the caller marks and frees it there as on the
-/// decode side).
-#[allow(clippy::too_many_arguments)]
+/// A request routed to a decode worker, as [`plan`] sees it.
+#[derive(Clone, Copy)]
+pub struct RoutedRequest<'a> {
+    pub request_id: &'a str,
+    /// The decode worker the decode index chose.
+    pub decode: &'a WorkerEntry,
+    /// The decode index's choice (the prompt tokens `decode` already holds).
+    pub selection: Selection,
+    pub hashes: &'a [LocalBlockHash],
+    pub prompt_len: usize,
+    pub params: &'a SamplingParams,
+}
+
+/// Decides where the prompt of a request routed to `req.decode` is prefilled. An empty list
+/// means on the decode worker itself (`Generate`); otherwise the prefill workers to hand to
+/// `decode.GenerateDisagg`, best first, the request being recorded on the first one in
+/// `state.prefill_kv` (the caller marks and frees it there as on the decode side).
 pub fn plan(
     state: &AppState,
     view: &ModelView,
-    decode: &WorkerEntry,
-    selection: &Selection,
-    request_id: &str,
-    hashes: &[LocalBlockHash],
-    prompt_len: usize,
-    params: &SamplingParams,
+    req: &RoutedRequest<'_>,
 ) -> Result<Vec<PrefillTarget>, ApiError> {
-    let n = params.n;
     let policy = DisaggPolicy::from_config(&state.config.routing);
-    let compatible = compatible_prefill(&view.prefill, decode);
-    let input = DecisionInput {
-        decode_role: decode.card.role.as_str(),
-        prompt_len,
-        cached_tokens: selection.cached_tokens,
-        n,
-        beam_search: params.use_beam_search,
-        compatible_prefill: compatible.len(),
-    };
-    let local = |reason: LocalReason| {
+    let compatible = compatible_prefill(&view.prefill, req.decode);
+    match decide(&policy, &req.decision_input(compatible.len())) {
+        Decision::Local(reason) => {
+            req.prefill_locally(reason);
+            Ok(Vec::new())
+        }
+        Decision::Refuse { what, cause } => Err(req.refuse(what, cause, compatible.len())),
+        Decision::Remote(reason) => req.prefill_remotely(state, reason, &compatible),
+    }
+}
+
+impl RoutedRequest<'_> {
+    fn decision_input(&self, compatible_prefill: usize) -> DecisionInput<'_> {
+        DecisionInput {
+            decode_role: self.decode.card.role.as_str(),
+            prompt_len: self.prompt_len,
+            cached_tokens: self.selection.cached_tokens,
+            n: self.params.n,
+            beam_search: self.params.use_beam_search,
+            compatible_prefill,
+        }
+    }
+
+    /// Logs and counts a prompt left to the decode worker.
+    fn prefill_locally(&self, reason: LocalReason) {
         tracing::debug!(
-            request_id,
-            decode = decode.card.instance_id,
-            prompt_len,
-            cached_tokens = selection.cached_tokens,
+            request_id = self.request_id,
+            decode = self.decode.card.instance_id,
+            prompt_len = self.prompt_len,
+            cached_tokens = self.selection.cached_tokens,
             reason = reason.label(),
             "prefill on the decode worker"
         );
         count("local", reason.label());
-    };
-    let reason = match decide(&policy, &input) {
-        Decision::Local(reason) => {
-            local(reason);
-            return Ok(Vec::new());
-        }
-        Decision::Refuse { what, cause } => {
-            tracing::debug!(
-                request_id,
-                decode = decode.card.instance_id,
-                compatible_prefill = compatible.len(),
-                n,
-                "refused: must run disaggregated ({}) but cannot ({what:?})",
-                cause.label()
-            );
-            return Err(refusal_error(what, cause, decode));
-        }
-        Decision::Remote(reason) => reason,
-    };
-    let targets = match pick_prefill(state, request_id, hashes, prompt_len, &compatible) {
-        Ok(t) => t,
-        Err(RouteError::Select(e @ SelectError::NoWorkerAvailable { .. })) => {
-            if reason == RemoteReason::UncachedPrompt {
-                local(LocalReason::PrefillBusy);
-                return Ok(Vec::new());
+    }
+
+    /// The client's error for a request that must run disaggregated but cannot.
+    fn refuse(&self, what: Refusal, cause: RemoteReason, compatible_prefill: usize) -> ApiError {
+        tracing::debug!(
+            request_id = self.request_id,
+            decode = self.decode.card.instance_id,
+            compatible_prefill,
+            n = self.params.n,
+            "refused: must run disaggregated ({}) but cannot ({what:?})",
+            cause.label()
+        );
+        refusal_error(what, cause, self.decode)
+    }
+
+    /// The prefill workers for the request, out of `compatible`. When all are busy, a request
+    /// that may prefill locally (`UncachedPrompt`) does; any other is refused (503).
+    fn prefill_remotely(
+        &self,
+        state: &AppState,
+        reason: RemoteReason,
+        compatible: &[&WorkerEntry],
+    ) -> Result<Vec<PrefillTarget>, ApiError> {
+        let picked = pick_prefill(
+            state,
+            self.request_id,
+            self.hashes,
+            self.prompt_len,
+            compatible,
+        );
+        let targets = match picked {
+            Ok(t) => t,
+            Err(RouteError::Select(e @ SelectError::NoWorkerAvailable { .. })) => {
+                if reason == RemoteReason::UncachedPrompt {
+                    self.prefill_locally(LocalReason::PrefillBusy);
+                    return Ok(Vec::new());
+                }
+                return Err(ApiError::unavailable(format!(
+                    "no prefill worker available for decode worker {}: {e}",
+                    self.decode.card.instance_id
+                )));
             }
-            return Err(ApiError::unavailable(format!(
-                "no prefill worker available for decode worker {}: {e}",
-                decode.card.instance_id
-            )));
-        }
-        Err(e) => return Err(ApiError::internal(e.to_string())),
-    };
-    tracing::debug!(
-        request_id,
-        decode = decode.card.instance_id,
-        prefill = ?targets.iter().map(|t| t.instance_id).collect::<Vec<_>>(),
-        prompt_len,
-        cached_tokens = selection.cached_tokens,
-        reason = reason.label(),
-        "prefill on a prefill worker"
-    );
-    count("remote", reason.label());
-    Ok(targets)
+            Err(e) => return Err(ApiError::internal(e.to_string())),
+        };
+        tracing::debug!(
+            request_id = self.request_id,
+            decode = self.decode.card.instance_id,
+            prefill = ?targets.iter().map(|t| t.instance_id).collect::<Vec<_>>(),
+            prompt_len = self.prompt_len,
+            cached_tokens = self.selection.cached_tokens,
+            reason = reason.label(),
+            "prefill on a prefill worker"
+        );
+        count("remote", reason.label());
+        Ok(targets)
+    }
 }
 
 #[cfg(test)]

@@ -1,23 +1,33 @@
-//! One request's trip through the router: check it fits the context, route it (and decide
-//! where its prompt is prefilled, see `disagg`), call the worker's `Generate` (or
-//! `GenerateDisagg`), and turn the token stream into text deltas (incremental, valid UTF-8,
-//! stop strings held back) with the engine's own detokenizer and stop matcher. Dropping the
-//! receiver (client gone) cancels the call, which aborts the request on the worker.
+//! One request's trip through the router, as [`start`]'s stages:
+//! 1. validate: a decode worker serves the model and the request fits its context;
+//! 2. hash: the prompt's KV block hashes, which routing matches against the workers' caches;
+//! 3. route: the decode worker, chosen on the decode index (which records the request);
+//! 4. dispatch: where the prompt is prefilled (see `disagg`), then the worker's `Generate`
+//!    (or `GenerateDisagg`) call;
+//! 5. stream: a task that turns the token stream into text deltas (incremental, valid UTF-8,
+//!    stop strings held back) with the engine's own detokenizer and stop matcher.
+//!
+//! Dropping the receiver (client gone) cancels the call, which aborts the request on the
+//! worker.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_kv_router::{RouteError, SelectError, SelectOptions, WorkerInfo};
+use tandem_kv_router::protocols::LocalBlockHash;
+use tandem_kv_router::{KvRouter, RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
 use tandem_protocol::worker::{GenerateDisaggRequest, GenerateRequest};
-use tandem_text::IncrementalDecoder;
-use tandem_text::{SamplingParams, StopMatcher, TokenLogprob};
+use tandem_protocol::worker::{GenerateOutput, PrefillTarget};
+use tandem_text::{IncrementalDecoder, SamplingParams, StopMatcher, TokenLogprob};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
+use tonic::Streaming;
 
 use crate::app::AppState;
+use crate::disagg::{self, RoutedRequest};
 use crate::error::{from_status, ApiError};
 use crate::metrics as m;
-use crate::models::ModelView;
+use crate::models::{ModelAssets, ModelView, WorkerEntry};
 
 #[derive(Debug, Clone)]
 pub struct ChoiceDelta {
@@ -51,12 +61,10 @@ pub struct Routed {
     pub prefill_worker_id: Option<u64>,
 }
 
-struct ChoiceText {
-    decoder: IncrementalDecoder,
-    stop: StopMatcher,
-    stopped: bool,
-}
-
+/// Runs one request through the stages (see the module doc) and returns the stream stage's
+/// events with where the request went. An error of stages 1 to 4 is the client's answer;
+/// from the dispatch on, a failure also frees the request in the KV indexes (which the stream
+/// stage does when it ends).
 pub async fn start(
     state: &AppState,
     view: &ModelView,
@@ -65,253 +73,508 @@ pub async fn start(
     params: SamplingParams,
     received: Instant,
 ) -> Result<(mpsc::Receiver<GenEvent>, Routed), ApiError> {
-    let first = view.workers.first().ok_or_else(|| {
-        ApiError::unavailable(if view.prefill.is_empty() {
-            format!(
-                "no decode worker serves `{}`: no worker serves it",
-                view.name
+    let req = Request {
+        state,
+        view,
+        id: request_id,
+        prompt,
+        params,
+        received,
+    };
+    let block_size = req.validate()?;
+    let hashes = req.hash_blocks(block_size);
+    let route = req.route(&hashes)?;
+    let call = req.dispatch(&route, &hashes).await?;
+    let routed = Routed {
+        worker_id: route.selection.worker_id,
+        cached_tokens: route.selection.cached_tokens,
+        prefill_worker_id: call.prefill_worker_id,
+    };
+    Ok((req.stream(&route, call), routed))
+}
+
+/// One request as the stages see it.
+struct Request<'a> {
+    state: &'a AppState,
+    view: &'a ModelView,
+    /// The internal request id, the one the workers and the KV indexes see.
+    id: &'a str,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    /// When the HTTP request arrived (TTFT and the router's overhead are measured from here).
+    received: Instant,
+}
+
+/// The route stage's answer: the decode worker and the decode index's selection.
+struct Route<'a> {
+    worker: &'a WorkerEntry,
+    selection: Selection,
+}
+
+/// The dispatch stage's answer: the worker's output stream, under way.
+struct Call {
+    stream: Streaming<GenerateOutput>,
+    /// The first prefill worker, when disaggregated.
+    prefill_worker_id: Option<u64>,
+    /// The request's deadline (`--request-timeout-secs` from the dispatch).
+    deadline: Instant,
+}
+
+impl Request<'_> {
+    /// Stage 1: a decode worker serves the model and the prompt plus `max_tokens` fits its
+    /// context. Returns the KV block size the prompt is hashed with.
+    fn validate(&self) -> Result<u32, ApiError> {
+        let first = self
+            .view
+            .workers
+            .first()
+            .ok_or_else(|| no_decode_worker(&self.view.name, !self.view.prefill.is_empty()))?;
+        check_fits(
+            self.prompt.len(),
+            self.params.max_tokens,
+            first.card.context_length as usize,
+        )?;
+        Ok(first.card.kv_cache_block_size)
+    }
+
+    /// Stage 2: the prompt's KV block hashes.
+    fn hash_blocks(&self, block_size: u32) -> Vec<LocalBlockHash> {
+        let t_hash = Instant::now();
+        let hashes = tandem_kv_router::protocols::request_block_hashes(&self.prompt, block_size);
+        metrics::histogram!(m::BLOCK_HASHING_MS).record(t_hash.elapsed().as_secs_f64() * 1e3);
+        hashes
+    }
+
+    /// Stage 3: the decode worker, chosen on the decode index, which records the request
+    /// under its id.
+    fn route(&self, hashes: &[LocalBlockHash]) -> Result<Route<'_>, ApiError> {
+        let candidates: Vec<WorkerInfo> =
+            self.view.workers.iter().map(disagg::worker_info).collect();
+        let t_sched = Instant::now();
+        let selection = self
+            .state
+            .kv
+            .route(
+                self.id,
+                hashes,
+                self.prompt.len(),
+                &candidates,
+                &SelectOptions::default(),
             )
-        } else {
-            format!(
-                "no decode worker serves `{}`: only prefill workers do",
-                view.name
-            )
+            .map_err(route_error)?;
+        metrics::histogram!(m::SCHEDULING_MS).record(t_sched.elapsed().as_secs_f64() * 1e3);
+        let worker = self
+            .view
+            .workers
+            .iter()
+            .find(|w| w.card.instance_id == selection.worker_id)
+            .ok_or_else(|| ApiError::unavailable("the chosen worker left"))?;
+        Ok(Route { worker, selection })
+    }
+
+    /// Stage 4: plans where the prompt is prefilled, then calls the worker. A failure frees
+    /// the request in the KV indexes.
+    async fn dispatch(
+        &self,
+        route: &Route<'_>,
+        hashes: &[LocalBlockHash],
+    ) -> Result<Call, ApiError> {
+        let prefill = self
+            .plan_prefill(route, hashes)
+            .inspect_err(|_| self.free())?;
+        self.call(route.worker, prefill).await
+    }
+
+    /// Where the prompt is prefilled (`disagg::plan`): an empty list means on the decode
+    /// worker itself.
+    fn plan_prefill(
+        &self,
+        route: &Route<'_>,
+        hashes: &[LocalBlockHash],
+    ) -> Result<Vec<PrefillTarget>, ApiError> {
+        disagg::plan(
+            self.state,
+            self.view,
+            &RoutedRequest {
+                request_id: self.id,
+                decode: route.worker,
+                selection: route.selection,
+                hashes,
+                prompt_len: self.prompt.len(),
+                params: &self.params,
+            },
+        )
+    }
+
+    /// Calls `worker`'s `Generate`, or `GenerateDisagg` with `prefill` when there are prefill
+    /// workers, before the request's deadline.
+    async fn call(
+        &self,
+        worker: &WorkerEntry,
+        prefill: Vec<PrefillTarget>,
+    ) -> Result<Call, ApiError> {
+        let prefill_worker_id = prefill.first().map(|t| t.instance_id);
+        let mut client = worker.client.clone();
+        let deadline =
+            Instant::now() + Duration::from_secs(self.state.config.request_timeout_secs.into());
+        metrics::histogram!(m::OVERHEAD_TOTAL_MS)
+            .record(self.received.elapsed().as_secs_f64() * 1e3);
+        let request = GenerateRequest {
+            request_id: self.id.to_string(),
+            prompt: self.prompt.clone(),
+            sampling_params: Some(crate::wire::sampling_params(&self.params)),
+        };
+        // Both calls stream the same `GenerateOutput`s.
+        let call = async {
+            if prefill.is_empty() {
+                client.generate(request).await
+            } else {
+                client
+                    .generate_disagg(GenerateDisaggRequest {
+                        request: Some(request),
+                        prefill_workers: prefill,
+                    })
+                    .await
+            }
+        };
+        let stream = match tokio::time::timeout_at(deadline.into(), call).await {
+            Ok(Ok(s)) => s.into_inner(),
+            Ok(Err(status)) => {
+                self.free();
+                return Err(from_status(&status));
+            }
+            Err(_) => {
+                self.free();
+                return Err(ApiError::timeout(
+                    "the worker did not answer before the request deadline",
+                ));
+            }
+        };
+        Ok(Call {
+            stream,
+            prefill_worker_id,
+            deadline,
         })
-    })?;
-    let context = first.card.context_length as usize;
-    let wanted = prompt.len() + params.max_tokens.unwrap_or(1);
-    if prompt.is_empty() {
+    }
+
+    /// Forgets the request in both KV indexes.
+    fn free(&self) {
+        self.state.kv.free(self.id);
+        self.state.prefill_kv.free(self.id);
+    }
+
+    /// Stage 5: spawns the task that turns `call`'s outputs into [`GenEvent`]s on the returned
+    /// channel.
+    fn stream(&self, route: &Route<'_>, call: Call) -> mpsc::Receiver<GenEvent> {
+        let (tx, rx) = mpsc::channel(64);
+        let task = StreamTask {
+            tx,
+            rid: self.id.to_string(),
+            worker_label: route.selection.worker_id.to_string(),
+            kv: self.state.kv.clone(),
+            prefill_kv: call
+                .prefill_worker_id
+                .map(|_| self.state.prefill_kv.clone()),
+            assets: self.view.assets.clone(),
+            received: self.received,
+            deadline: call.deadline,
+            idle: Duration::from_secs(self.state.config.sse_idle_timeout_secs.into()),
+        };
+        let progress = Progress::new(&self.params, self.prompt.len());
+        tokio::spawn(task.run(call.stream, progress));
+        rx
+    }
+}
+
+/// The error for a model whose workers are all prefill workers, or that has none left.
+fn no_decode_worker(model: &str, has_prefill: bool) -> ApiError {
+    ApiError::unavailable(if has_prefill {
+        format!("no decode worker serves `{model}`: only prefill workers do")
+    } else {
+        format!("no decode worker serves `{model}`: no worker serves it")
+    })
+}
+
+/// Refuses an empty prompt, and a prompt whose `max_tokens` (1 when unset) would not fit in
+/// the model's `context` tokens.
+fn check_fits(
+    prompt_len: usize,
+    max_tokens: Option<usize>,
+    context: usize,
+) -> Result<(), ApiError> {
+    let wanted = prompt_len + max_tokens.unwrap_or(1);
+    if prompt_len == 0 {
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
     }
     if wanted > context {
         return Err(ApiError::bad_request(
             format!(
-                "the prompt ({} tokens) plus max_tokens ({}) exceeds the model's context length of {context} tokens",
-                prompt.len(),
-                params.max_tokens.unwrap_or(1)
+                "the prompt ({prompt_len} tokens) plus max_tokens ({}) exceeds the model's context length of {context} tokens",
+                max_tokens.unwrap_or(1)
             ),
             Some("messages"),
         ));
     }
-    let block_size = first.card.kv_cache_block_size;
-    let t_hash = Instant::now();
-    let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, block_size);
-    metrics::histogram!(m::BLOCK_HASHING_MS).record(t_hash.elapsed().as_secs_f64() * 1e3);
-    let candidates: Vec<WorkerInfo> = view
-        .workers
-        .iter()
-        .map(|w| WorkerInfo {
-            id: w.card.instance_id,
-            total_blocks: w.card.total_kv_blocks.into(),
-            max_num_batched_tokens: w.card.max_num_batched_tokens.into(),
-            block_size: w.card.kv_cache_block_size,
-        })
-        .collect();
-    let t_sched = Instant::now();
-    let selection = state
-        .kv
-        .route(
-            request_id,
-            &hashes,
-            prompt.len(),
-            &candidates,
-            &SelectOptions::default(),
-        )
-        .map_err(|e| match e {
-            RouteError::Select(SelectError::NoWorkerAvailable { .. }) => {
-                ApiError::unavailable(e.to_string())
-            }
-            other => ApiError::internal(other.to_string()),
-        })?;
-    metrics::histogram!(m::SCHEDULING_MS).record(t_sched.elapsed().as_secs_f64() * 1e3);
-    let worker = view
-        .workers
-        .iter()
-        .find(|w| w.card.instance_id == selection.worker_id)
-        .ok_or_else(|| ApiError::unavailable("the chosen worker left"))?;
-    let free_all = |rid: &str| {
-        state.kv.free(rid);
-        state.prefill_kv.free(rid);
-    };
-    let prefill = crate::disagg::plan(
-        state,
-        view,
-        worker,
-        &selection,
-        request_id,
-        &hashes,
-        prompt.len(),
-        &params,
-    )
-    .inspect_err(|_| free_all(request_id))?;
-    let prefill_worker_id = prefill.first().map(|t| t.instance_id);
-    let mut client = worker.client.clone();
-    let n = params.n;
-    let skip_special = params.skip_special_tokens;
-    let stops = params.stop.clone();
-    let deadline = Instant::now() + Duration::from_secs(state.config.request_timeout_secs.into());
-    let idle = Duration::from_secs(state.config.sse_idle_timeout_secs.into());
-    metrics::histogram!(m::OVERHEAD_TOTAL_MS).record(received.elapsed().as_secs_f64() * 1e3);
-    let request = GenerateRequest {
-        request_id: request_id.to_string(),
-        prompt: prompt.clone(),
-        sampling_params: Some(crate::wire::sampling_params(&params)),
-    };
-    // Both calls stream the same `GenerateOutput`s.
-    let call = async {
-        if prefill.is_empty() {
-            client.generate(request).await
-        } else {
-            client
-                .generate_disagg(GenerateDisaggRequest {
-                    request: Some(request),
-                    prefill_workers: prefill,
-                })
-                .await
-        }
-    };
-    let mut stream = match tokio::time::timeout_at(deadline.into(), call).await {
-        Ok(Ok(s)) => s.into_inner(),
-        Ok(Err(status)) => {
-            free_all(request_id);
-            return Err(from_status(&status));
-        }
-        Err(_) => {
-            free_all(request_id);
-            return Err(ApiError::timeout(
-                "the worker did not answer before the request deadline",
-            ));
-        }
-    };
+    Ok(())
+}
 
-    let (tx, rx) = mpsc::channel(64);
-    let kv = state.kv.clone();
-    let prefill_kv = prefill_worker_id.map(|_| state.prefill_kv.clone());
-    let assets = view.assets.clone();
-    let rid = request_id.to_string();
-    let worker_label = selection.worker_id.to_string();
-    tokio::spawn(async move {
-        let mut choices: HashMap<usize, ChoiceText> = HashMap::new();
-        let mut usage = UsageTotals {
-            prompt_tokens: prompt.len(),
-            ..Default::default()
-        };
-        let mut finished = 0usize;
-        let mut first_token = true;
-        let mut last_token_at = Instant::now();
-        let outcome: Result<(), ApiError> = loop {
-            let item = tokio::select! {
-                item = tokio::time::timeout_at(deadline.into(), stream.next()) => item,
-                _ = tx.closed() => break Err(ApiError::bad_request("client disconnected", None)),
-            };
-            let out = match item {
-                Err(_) => break Err(ApiError::timeout("request deadline passed")),
-                Ok(None) => break Err(ApiError::internal("the worker ended the stream early")),
-                Ok(Some(Err(status))) => break Err(from_status(&status)),
-                Ok(Some(Ok(out))) => out,
+/// Busy workers are the client's 503; anything else is the router's fault.
+fn route_error(e: RouteError) -> ApiError {
+    match e {
+        RouteError::Select(SelectError::NoWorkerAvailable { .. }) => {
+            ApiError::unavailable(e.to_string())
+        }
+        other => ApiError::internal(other.to_string()),
+    }
+}
+
+/// How the stream stage ended.
+enum Ended {
+    /// Every choice finished.
+    Finished,
+    /// The client went away (or stopped reading past the idle timeout).
+    ClientGone,
+    Failed(ApiError),
+}
+
+/// What the stream stage's task owns, besides the stream and its [`Progress`].
+struct StreamTask {
+    tx: mpsc::Sender<GenEvent>,
+    rid: String,
+    /// The decode worker's id, for the logs.
+    worker_label: String,
+    kv: Arc<KvRouter>,
+    /// The prefill index, when the request was recorded there too (disaggregated).
+    prefill_kv: Option<Arc<KvRouter>>,
+    assets: Arc<ModelAssets>,
+    received: Instant,
+    deadline: Instant,
+    /// `--sse-idle-timeout-secs`: how long a full channel may wait for its reader.
+    idle: Duration,
+}
+
+impl StreamTask {
+    /// Forwards the outputs until every choice has finished, then frees the request in the KV
+    /// indexes and tells the client how it ended. Returning drops `stream`, which cancels the
+    /// call when it has not ended: the worker aborts the request and frees its blocks.
+    async fn run(self, mut stream: Streaming<GenerateOutput>, mut progress: Progress) {
+        let ended = self.forward(&mut stream, &mut progress).await;
+        self.kv.free(&self.rid);
+        if let Some(p) = &self.prefill_kv {
+            p.free(&self.rid);
+        }
+        self.report(ended, progress.usage).await;
+    }
+
+    async fn forward(
+        &self,
+        stream: &mut Streaming<GenerateOutput>,
+        progress: &mut Progress,
+    ) -> Ended {
+        loop {
+            let out = match self.next_output(stream).await {
+                Ok(out) => out,
+                Err(ended) => return ended,
             };
             if !out.error.is_empty() && out.finish_reason == "abort" {
-                break Err(ApiError::internal(format!("worker error: {}", out.error)));
+                return Ended::Failed(ApiError::internal(format!("worker error: {}", out.error)));
             }
-            let now = Instant::now();
-            if !out.token_ids.is_empty() {
-                if first_token {
-                    kv.mark_prefill_completed(&rid);
-                    if let Some(p) = &prefill_kv {
-                        p.mark_prefill_completed(&rid);
-                    }
-                    metrics::histogram!(m::TTFT).record(received.elapsed().as_secs_f64());
-                    first_token = false;
-                } else {
-                    let per = now.duration_since(last_token_at).as_secs_f64()
-                        / out.token_ids.len() as f64;
-                    metrics::histogram!(m::ITL).record(per);
-                }
-                last_token_at = now;
-                metrics::counter!(m::OUTPUT_TOKENS_TOTAL).increment(out.token_ids.len() as u64);
+            self.record_tokens(&mut progress.timing, out.token_ids.len());
+            let delta = progress.delta(&out, &self.assets);
+            if let Err(ended) = self.send(delta).await {
+                return ended;
             }
-            let index = out.index as usize;
-            let choice = choices.entry(index).or_insert_with(|| ChoiceText {
-                decoder: IncrementalDecoder::new(skip_special),
-                stop: StopMatcher::new(&stops),
-                stopped: false,
-            });
-            let mut text = String::new();
-            if !choice.stopped {
-                let mut raw = String::new();
-                for id in &out.token_ids {
-                    raw.push_str(
-                        &choice
-                            .decoder
-                            .push(&assets.tokenizer, *id)
-                            .unwrap_or_default(),
-                    );
-                }
-                if !out.finish_reason.is_empty() {
-                    raw.push_str(&choice.decoder.flush(&assets.tokenizer).unwrap_or_default());
-                }
-                let fed = choice.stop.feed(&raw);
-                text = fed.emit;
-                if fed.matched.is_some() {
-                    choice.stopped = true;
-                } else if !out.finish_reason.is_empty() {
-                    text.push_str(&choice.stop.flush());
-                }
+            if progress.finished == progress.n {
+                return Ended::Finished;
             }
-            let logprobs = crate::wire::logprobs(&out.logprobs);
-            let finish = (!out.finish_reason.is_empty()).then(|| out.finish_reason.clone());
-            if let Some(u) = &out.usage {
-                usage.completion_tokens += u.completion_tokens as usize;
-                usage.cached_tokens = usage.cached_tokens.max(u.cached_tokens as usize);
-            }
-            if finish.is_some() {
-                finished += 1;
-            }
-            let delta = ChoiceDelta {
-                index,
-                text,
-                logprobs,
-                finish_reason: finish,
-            };
-            // A reader that stops reading fills this channel; after the idle timeout it counts
-            // as gone, so it cannot hold KV blocks on the worker.
-            match tokio::time::timeout(idle, tx.send(GenEvent::Delta(delta))).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) | Err(_) => {
-                    break Err(ApiError::bad_request("client disconnected", None))
-                }
-            }
-            if finished == n {
-                break Ok(());
-            }
-        };
-        kv.free(&rid);
-        if let Some(p) = &prefill_kv {
-            p.free(&rid);
         }
-        match outcome {
-            Ok(()) => {
+    }
+
+    /// The worker's next output, or how the stream ended without one.
+    async fn next_output(
+        &self,
+        stream: &mut Streaming<GenerateOutput>,
+    ) -> Result<GenerateOutput, Ended> {
+        let item = tokio::select! {
+            item = tokio::time::timeout_at(self.deadline.into(), stream.next()) => item,
+            _ = self.tx.closed() => return Err(Ended::ClientGone),
+        };
+        match item {
+            Err(_) => Err(Ended::Failed(ApiError::timeout("request deadline passed"))),
+            Ok(None) => Err(Ended::Failed(ApiError::internal(
+                "the worker ended the stream early",
+            ))),
+            Ok(Some(Err(status))) => Err(Ended::Failed(from_status(&status))),
+            Ok(Some(Ok(out))) => Ok(out),
+        }
+    }
+
+    /// On the first tokens, marks the prefill done in the KV indexes and records the TTFT;
+    /// after, the inter-token latency.
+    fn record_tokens(&self, timing: &mut TokenTiming, tokens: usize) {
+        let now = Instant::now();
+        if tokens == 0 {
+            return;
+        }
+        if timing.first_token {
+            self.kv.mark_prefill_completed(&self.rid);
+            if let Some(p) = &self.prefill_kv {
+                p.mark_prefill_completed(&self.rid);
+            }
+            metrics::histogram!(m::TTFT).record(self.received.elapsed().as_secs_f64());
+            timing.first_token = false;
+        } else {
+            let per = now.duration_since(timing.last_token_at).as_secs_f64() / tokens as f64;
+            metrics::histogram!(m::ITL).record(per);
+        }
+        timing.last_token_at = now;
+        metrics::counter!(m::OUTPUT_TOKENS_TOTAL).increment(tokens as u64);
+    }
+
+    /// Hands `delta` to the client. A reader that stops reading fills this channel; after the
+    /// idle timeout it counts as gone, so it cannot hold KV blocks on the worker.
+    async fn send(&self, delta: ChoiceDelta) -> Result<(), Ended> {
+        match tokio::time::timeout(self.idle, self.tx.send(GenEvent::Delta(delta))).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) | Err(_) => Err(Ended::ClientGone),
+        }
+    }
+
+    async fn report(&self, ended: Ended, usage: UsageTotals) {
+        match ended {
+            Ended::Finished => {
                 metrics::histogram!(m::OUTPUT_SEQUENCE_TOKENS)
                     .record(usage.completion_tokens as f64);
-                let _ = tx.send(GenEvent::Done(usage)).await;
+                let _ = self.tx.send(GenEvent::Done(usage)).await;
             }
-            Err(e) if e.message == "client disconnected" => {
-                // Dropping `stream` here cancels the call; the worker aborts and frees blocks.
-                tracing::info!(request_id = %rid, worker = %worker_label, "client disconnected; request cancelled");
+            Ended::ClientGone => {
+                tracing::info!(request_id = %self.rid, worker = %self.worker_label, "client disconnected; request cancelled");
                 metrics::counter!(m::CANCELLATIONS).increment(1);
             }
-            Err(e) => {
-                tracing::warn!(request_id = %rid, worker = %worker_label, "request failed: {}", e.message);
-                let _ = tx.send(GenEvent::Error(e)).await;
+            Ended::Failed(e) => {
+                tracing::warn!(request_id = %self.rid, worker = %self.worker_label, "request failed: {}", e.message);
+                let _ = self.tx.send(GenEvent::Error(e)).await;
             }
         }
-    });
-    Ok((
-        rx,
-        Routed {
-            worker_id: selection.worker_id,
-            cached_tokens: selection.cached_tokens,
-            prefill_worker_id,
-        },
-    ))
+    }
 }
+
+/// When tokens came, for the TTFT and the inter-token latency.
+struct TokenTiming {
+    first_token: bool,
+    last_token_at: Instant,
+}
+
+/// What the stream stage accumulates over the outputs.
+struct Progress {
+    choices: Choices,
+    usage: UsageTotals,
+    /// Choices asked for (`n`) and finished so far.
+    n: usize,
+    finished: usize,
+    timing: TokenTiming,
+}
+
+impl Progress {
+    fn new(params: &SamplingParams, prompt_tokens: usize) -> Self {
+        Progress {
+            choices: Choices {
+                skip_special: params.skip_special_tokens,
+                stops: params.stop.clone(),
+                by_index: HashMap::new(),
+            },
+            usage: UsageTotals {
+                prompt_tokens,
+                ..Default::default()
+            },
+            n: params.n,
+            finished: 0,
+            timing: TokenTiming {
+                first_token: true,
+                last_token_at: Instant::now(),
+            },
+        }
+    }
+
+    /// Applies one output: its choice's new text, its logprobs, finish and usage.
+    fn delta(&mut self, out: &GenerateOutput, assets: &ModelAssets) -> ChoiceDelta {
+        let index = out.index as usize;
+        let finishing = !out.finish_reason.is_empty();
+        let text = self
+            .choices
+            .get(index)
+            .push(assets, &out.token_ids, finishing);
+        let logprobs = crate::wire::logprobs(&out.logprobs);
+        let finish = (!out.finish_reason.is_empty()).then(|| out.finish_reason.clone());
+        if let Some(u) = &out.usage {
+            self.usage.completion_tokens += u.completion_tokens as usize;
+            self.usage.cached_tokens = self.usage.cached_tokens.max(u.cached_tokens as usize);
+        }
+        if finish.is_some() {
+            self.finished += 1;
+        }
+        ChoiceDelta {
+            index,
+            text,
+            logprobs,
+            finish_reason: finish,
+        }
+    }
+}
+
+/// Each choice's text state, made on its first output.
+struct Choices {
+    skip_special: bool,
+    stops: Vec<String>,
+    by_index: HashMap<usize, ChoiceText>,
+}
+
+impl Choices {
+    fn get(&mut self, index: usize) -> &mut ChoiceText {
+        self.by_index.entry(index).or_insert_with(|| ChoiceText {
+            decoder: IncrementalDecoder::new(self.skip_special),
+            stop: StopMatcher::new(&self.stops),
+            stopped: false,
+        })
+    }
+}
+
+/// One choice's detokenizer and stop matcher.
+struct ChoiceText {
+    decoder: IncrementalDecoder,
+    stop: StopMatcher,
+    stopped: bool,
+}
+
+impl ChoiceText {
+    /// The text `token_ids` add, stop strings held back; `last` flushes what was held. After
+    /// a stop string matched, nothing more.
+    fn push(&mut self, assets: &ModelAssets, token_ids: &[u32], last: bool) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let mut raw = String::new();
+        for id in token_ids {
+            raw.push_str(
+                &self
+                    .decoder
+                    .push(&assets.tokenizer, *id)
+                    .unwrap_or_default(),
+            );
+        }
+        if last {
+            raw.push_str(&self.decoder.flush(&assets.tokenizer).unwrap_or_default());
+        }
+        let fed = self.stop.feed(&raw);
+        let mut text = fed.emit;
+        if fed.matched.is_some() {
+            self.stopped = true;
+        } else if last {
+            text.push_str(&self.stop.flush());
+        }
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests;

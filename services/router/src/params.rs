@@ -14,17 +14,39 @@ fn bad(field: &str, msg: &str) -> ApiError {
 pub const MAX_N: i64 = 16;
 pub const MAX_LOGPROBS: i64 = 20;
 
+/// The engine's sampling parameters for a request's fields, each checked in the order the
+/// groups are listed (the first bad field is the one reported), then as a whole.
 pub fn sampling_params(
-    c: CommonFields,
+    mut c: CommonFields,
     logprobs: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
     let mut p = SamplingParams::default();
+    max_tokens(&c, &mut p)?;
+    sampling(&c, &mut p)?;
+    stop_strings(&mut c, &mut p)?;
+    choices(&c, &mut p)?;
+    penalties(&c, &mut p)?;
+    stopping(&mut c, &mut p)?;
+    beam_search(&c, &mut p)?;
+    refuse_sampling_options_with_beams(&p, logprobs)?;
+    p.logprobs = logprobs;
+    p.validate().map_err(|m| ApiError::bad_request(m, None))?;
+    Ok(p)
+}
+
+/// `max_tokens`: at least 1.
+fn max_tokens(c: &CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     if let Some(v) = c.max_tokens {
         if v < 1 {
             return Err(bad("max_tokens", "must be at least 1"));
         }
         p.max_tokens = Some(v as usize);
     }
+    Ok(())
+}
+
+/// The sampling knobs: `temperature`, `top_p`, `top_k`, `min_p` and `seed`.
+fn sampling(c: &CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     if let Some(t) = c.temperature {
         if !(0.0..=2.0).contains(&t) {
             return Err(bad("temperature", "must be between 0 and 2"));
@@ -51,19 +73,34 @@ pub fn sampling_params(
         p.min_p = v;
     }
     p.seed = c.seed;
-    if let Some(stop) = c.stop {
+    Ok(())
+}
+
+/// `stop`: at most 16 strings.
+fn stop_strings(c: &mut CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
+    if let Some(stop) = c.stop.take() {
         let stops = stop.into_vec();
         if stops.len() > 16 {
             return Err(bad("stop", "may hold at most 16 strings"));
         }
         p.stop = stops;
     }
+    Ok(())
+}
+
+/// `n`: 1 to [`MAX_N`].
+fn choices(c: &CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     if let Some(n) = c.n {
         if !(1..=MAX_N).contains(&n) {
             return Err(bad("n", &format!("must be between 1 and {MAX_N}")));
         }
         p.n = n as usize;
     }
+    Ok(())
+}
+
+/// `presence_penalty` and `frequency_penalty` (-2 to 2), `repetition_penalty` (> 0).
+fn penalties(c: &CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     for (name, v, slot) in [
         (
             "presence_penalty",
@@ -89,6 +126,12 @@ pub fn sampling_params(
         }
         p.repetition_penalty = v;
     }
+    Ok(())
+}
+
+/// When a choice may end and what its text shows: `ignore_eos`, `min_tokens` (at most
+/// `max_tokens`, checked before), `stop_token_ids` and `skip_special_tokens`.
+fn stopping(c: &mut CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     p.ignore_eos = c.ignore_eos.unwrap_or(false);
     if let Some(m) = c.min_tokens {
         if m < 0 {
@@ -99,10 +142,17 @@ pub fn sampling_params(
         }
         p.min_tokens = m as usize;
     }
-    p.stop_token_ids = c.stop_token_ids.unwrap_or_default();
+    p.stop_token_ids = c.stop_token_ids.take().unwrap_or_default();
     if let Some(s) = c.skip_special_tokens {
         p.skip_special_tokens = s;
     }
+    Ok(())
+}
+
+/// vLLM's beam search fields: `use_beam_search`, `best_of` (1 to [`MAX_N`], at least `n`,
+/// checked before; more than `n` only with beam search), `length_penalty` and
+/// `early_stopping`.
+fn beam_search(c: &CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     p.use_beam_search = c.use_beam_search.unwrap_or(false);
     if let Some(b) = c.best_of {
         if !(1..=MAX_N).contains(&b) {
@@ -127,24 +177,31 @@ pub fn sampling_params(
         p.length_penalty = v;
     }
     p.early_stopping = c.early_stopping.unwrap_or(false);
-    if p.use_beam_search {
-        // Beam search is deterministic: the sampling knobs are ignored (see SamplingParams).
-        for (set, field) in [
-            (logprobs.is_some(), "logprobs"),
-            (!p.stop.is_empty(), "stop"),
-            (p.min_tokens > 0, "min_tokens"),
-            (p.repetition_penalty != 1.0, "repetition_penalty"),
-            (p.presence_penalty != 0.0, "presence_penalty"),
-            (p.frequency_penalty != 0.0, "frequency_penalty"),
-        ] {
-            if set {
-                return Err(bad(field, "is not supported with `use_beam_search`"));
-            }
+    Ok(())
+}
+
+/// Beam search is deterministic: the sampling-only options set on `p` (or `logprobs`) are
+/// refused with it, naming the field, rather than ignored (see `SamplingParams`).
+fn refuse_sampling_options_with_beams(
+    p: &SamplingParams,
+    logprobs: Option<usize>,
+) -> Result<(), ApiError> {
+    if !p.use_beam_search {
+        return Ok(());
+    }
+    for (set, field) in [
+        (logprobs.is_some(), "logprobs"),
+        (!p.stop.is_empty(), "stop"),
+        (p.min_tokens > 0, "min_tokens"),
+        (p.repetition_penalty != 1.0, "repetition_penalty"),
+        (p.presence_penalty != 0.0, "presence_penalty"),
+        (p.frequency_penalty != 0.0, "frequency_penalty"),
+    ] {
+        if set {
+            return Err(bad(field, "is not supported with `use_beam_search`"));
         }
     }
-    p.logprobs = logprobs;
-    p.validate().map_err(|m| ApiError::bad_request(m, None))?;
-    Ok(p)
+    Ok(())
 }
 
 /// Chat `logprobs: true` + `top_logprobs: k`.
@@ -215,5 +272,167 @@ mod tests {
         };
         let e = sampling_params(c, None).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("length_penalty"));
+    }
+
+    fn param_of(c: CommonFields) -> Option<String> {
+        let e = sampling_params(c, None).expect_err("refused");
+        assert_eq!(e.status.as_u16(), 400, "{}", e.message);
+        e.param
+    }
+
+    #[test]
+    fn unset_fields_keep_the_engine_defaults() {
+        let p = sampling_params(CommonFields::default(), None).unwrap();
+        assert_eq!(p, SamplingParams::default());
+    }
+
+    #[test]
+    fn sampling_knobs_are_range_checked() {
+        let c = CommonFields {
+            temperature: Some(0.5),
+            top_p: Some(0.9),
+            top_k: Some(-1),
+            min_p: Some(0.1),
+            seed: Some(3),
+            ..CommonFields::default()
+        };
+        let p = sampling_params(c, None).unwrap();
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.5, 0.9, 0));
+        assert_eq!((p.min_p, p.seed), (0.1, Some(3)));
+        for (c, field) in [
+            (
+                CommonFields {
+                    temperature: Some(2.5),
+                    ..CommonFields::default()
+                },
+                "temperature",
+            ),
+            (
+                CommonFields {
+                    top_p: Some(0.0),
+                    ..CommonFields::default()
+                },
+                "top_p",
+            ),
+            (
+                CommonFields {
+                    top_k: Some(-2),
+                    ..CommonFields::default()
+                },
+                "top_k",
+            ),
+            (
+                CommonFields {
+                    min_p: Some(1.5),
+                    ..CommonFields::default()
+                },
+                "min_p",
+            ),
+        ] {
+            assert_eq!(param_of(c).as_deref(), Some(field));
+        }
+    }
+
+    #[test]
+    fn stops_choices_and_penalties_are_range_checked() {
+        let many = crate::openai::StopField::Many((0..17).map(|i| i.to_string()).collect());
+        for (c, field) in [
+            (
+                CommonFields {
+                    stop: Some(many),
+                    ..CommonFields::default()
+                },
+                "stop",
+            ),
+            (
+                CommonFields {
+                    n: Some(MAX_N + 1),
+                    ..CommonFields::default()
+                },
+                "n",
+            ),
+            (
+                CommonFields {
+                    frequency_penalty: Some(-2.5),
+                    ..CommonFields::default()
+                },
+                "frequency_penalty",
+            ),
+            (
+                CommonFields {
+                    repetition_penalty: Some(0.0),
+                    ..CommonFields::default()
+                },
+                "repetition_penalty",
+            ),
+        ] {
+            assert_eq!(param_of(c).as_deref(), Some(field));
+        }
+    }
+
+    #[test]
+    fn min_tokens_may_not_exceed_max_tokens() {
+        let c = CommonFields {
+            max_tokens: Some(4),
+            min_tokens: Some(4),
+            ignore_eos: Some(true),
+            stop_token_ids: Some(vec![5]),
+            skip_special_tokens: Some(false),
+            ..CommonFields::default()
+        };
+        let p = sampling_params(c, None).unwrap();
+        assert_eq!((p.max_tokens, p.min_tokens), (Some(4), 4));
+        assert!(p.ignore_eos && !p.skip_special_tokens);
+        assert_eq!(p.stop_token_ids, vec![5]);
+        let c = CommonFields {
+            max_tokens: Some(4),
+            min_tokens: Some(5),
+            ..CommonFields::default()
+        };
+        let e = sampling_params(c, None).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("min_tokens"));
+        assert!(e.message.contains("max_tokens"), "{}", e.message);
+    }
+
+    #[test]
+    fn the_first_bad_field_in_the_group_order_is_reported() {
+        // max_tokens, then the sampling knobs, stop, n, penalties, min_tokens, beam search.
+        let c = CommonFields {
+            max_tokens: Some(0),
+            temperature: Some(9.0),
+            n: Some(0),
+            min_tokens: Some(-1),
+            ..CommonFields::default()
+        };
+        assert_eq!(param_of(c.clone()).as_deref(), Some("max_tokens"));
+        let c = CommonFields {
+            max_tokens: None,
+            ..c
+        };
+        assert_eq!(param_of(c.clone()).as_deref(), Some("temperature"));
+        let c = CommonFields {
+            temperature: None,
+            presence_penalty: Some(3.0),
+            ..c
+        };
+        assert_eq!(param_of(c.clone()).as_deref(), Some("n"));
+        let c = CommonFields { n: None, ..c };
+        assert_eq!(param_of(c.clone()).as_deref(), Some("presence_penalty"));
+        let c = CommonFields {
+            presence_penalty: None,
+            ..c
+        };
+        assert_eq!(param_of(c).as_deref(), Some("min_tokens"));
+    }
+
+    #[test]
+    fn logprobs_pass_through_unless_beam_searching() {
+        let p = sampling_params(CommonFields::default(), Some(3)).unwrap();
+        assert_eq!(p.logprobs, Some(3));
+        let c = CommonFields {
+            stop: Some(crate::openai::StopField::One("x".into())),
+            ..beams(2, 4)
+        };
+        assert_eq!(param_of(c).as_deref(), Some("stop"));
     }
 }

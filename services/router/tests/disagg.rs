@@ -242,39 +242,57 @@ fn sampled(max_tokens: u32) -> Value {
     })
 }
 
-/// One disaggregated request checked against the aggregated reference, the decode worker's
-/// received bytes (the blocks it did not hold × block size) and its prompt compute (none).
-#[allow(clippy::too_many_arguments)]
-async fn check_case(
-    name: &str,
-    reference: &str,
-    decode: &str,
-    prefill: &[&Proc],
-    prompt: &[u32],
-    params: &Value,
+/// The aggregated worker that disaggregated outputs must equal, and the KV bytes of a block.
+struct Reference<'a> {
+    addr: &'a str,
+    block_bytes: u64,
+}
+
+/// One disaggregated request of the equality test.
+struct Case<'a> {
+    name: &'a str,
+    /// The decode worker's gRPC address.
+    decode: &'a str,
+    prefill: &'a [&'a Proc],
+    prompt: &'a [u32],
+    params: &'a Value,
+    /// Prompt blocks the decode worker already holds: they are not sent to it.
     decode_cached_blocks: u64,
-    bb: u64,
-) -> Out {
-    let want = agg(reference, &format!("ref-{name}"), prompt, params).await;
-    let before = worker_stats(decode).await;
-    let got = disagg(decode, &format!("dis-{name}"), prompt, params, prefill)
-        .await
-        .unwrap_or_else(|s| panic!("{name}: {s}"));
-    assert_eq!(
-        got, want,
-        "{name}: disaggregated output differs from aggregated"
-    );
-    let after = worker_stats(decode).await;
-    assert_eq!(
-        after.kv_bytes_received - before.kv_bytes_received,
-        (blocks_for(prompt.len()) - decode_cached_blocks) * bb,
-        "{name}: bytes received"
-    );
-    assert_eq!(
-        after.prompt_tokens_computed, 0,
-        "{name}: the decode worker computed prompt tokens"
-    );
-    got
+}
+
+impl Reference<'_> {
+    /// Runs `case` disaggregated and checks it against the reference, the decode worker's
+    /// received bytes (the blocks it did not hold × block size) and its prompt compute (none).
+    async fn check(&self, case: Case<'_>) -> Out {
+        let Case {
+            name,
+            decode,
+            prefill,
+            prompt,
+            params,
+            decode_cached_blocks,
+        } = case;
+        let want = agg(self.addr, &format!("ref-{name}"), prompt, params).await;
+        let before = worker_stats(decode).await;
+        let got = disagg(decode, &format!("dis-{name}"), prompt, params, prefill)
+            .await
+            .unwrap_or_else(|s| panic!("{name}: {s}"));
+        assert_eq!(
+            got, want,
+            "{name}: disaggregated output differs from aggregated"
+        );
+        let after = worker_stats(decode).await;
+        assert_eq!(
+            after.kv_bytes_received - before.kv_bytes_received,
+            (blocks_for(prompt.len()) - decode_cached_blocks) * self.block_bytes,
+            "{name}: bytes received"
+        );
+        assert_eq!(
+            after.prompt_tokens_computed, 0,
+            "{name}: the decode worker computed prompt tokens"
+        );
+        got
+    }
 }
 
 async fn equality(transport: &str) {
@@ -296,14 +314,35 @@ async fn equality(transport: &str) {
         start_role(&disc, "tandem-decode", "pd", &common, &[]),
     ];
     let (r, d0, d1) = (addr(&reference), addr(&d[0]), addr(&d[1]));
-    let bb = block_bytes();
+    let agg_ref = Reference {
+        addr: &r,
+        block_bytes: block_bytes(),
+    };
     let a = tokens(1, 100);
     let b = tokens(2, 70);
 
     // Chunked (100 > max_num_tokens 64), nothing cached anywhere.
-    check_case("greedy-chunked", &r, &d0, &[&p[0]], &a, &greedy(24), 0, bb).await;
+    agg_ref
+        .check(Case {
+            name: "greedy-chunked",
+            decode: &d0,
+            prefill: &[&p[0]],
+            prompt: &a,
+            params: &greedy(24),
+            decode_cached_blocks: 0,
+        })
+        .await;
     // Seeded sampling with penalties and logprobs.
-    let s = check_case("sampled", &r, &d0, &[&p[0]], &b, &sampled(24), 0, bb).await;
+    let s = agg_ref
+        .check(Case {
+            name: "sampled",
+            decode: &d0,
+            prefill: &[&p[0]],
+            prompt: &b,
+            params: &sampled(24),
+            decode_cached_blocks: 0,
+        })
+        .await;
     assert_eq!(s.logprobs.len(), s.tokens.len());
     // A stop string taken from that output: both must stop at the same place.
     let chars: Vec<char> = s.text.chars().collect();
@@ -311,62 +350,76 @@ async fn equality(transport: &str) {
         let stop: String = chars[4..7].iter().collect();
         let mut params = sampled(24);
         params["stop"] = json!([stop]);
-        let o = check_case("stop", &r, &d0, &[&p[0]], &b, &params, 2, bb).await;
+        let o = agg_ref
+            .check(Case {
+                name: "stop",
+                decode: &d0,
+                prefill: &[&p[0]],
+                prompt: &b,
+                params: &params,
+                decode_cached_blocks: 2,
+            })
+            .await;
         assert_eq!(o.finish, "stop");
     }
     // Prefix cached on both sides (3 full blocks of `a` on p0 and d0).
     let both: Vec<u32> = a[..96].iter().copied().chain(tokens(3, 30)).collect();
-    check_case("cached-both", &r, &d0, &[&p[0]], &both, &greedy(16), 3, bb).await;
+    agg_ref
+        .check(Case {
+            name: "cached-both",
+            decode: &d0,
+            prefill: &[&p[0]],
+            prompt: &both,
+            params: &greedy(16),
+            decode_cached_blocks: 3,
+        })
+        .await;
     // Prefix cached on the decode side only (p1 has never seen `a`).
     let dec_only: Vec<u32> = a[..64].iter().copied().chain(tokens(4, 40)).collect();
-    check_case(
-        "cached-decode",
-        &r,
-        &d0,
-        &[&p[1]],
-        &dec_only,
-        &greedy(16),
-        2,
-        bb,
-    )
-    .await;
+    agg_ref
+        .check(Case {
+            name: "cached-decode",
+            decode: &d0,
+            prefill: &[&p[1]],
+            prompt: &dec_only,
+            params: &greedy(16),
+            decode_cached_blocks: 2,
+        })
+        .await;
     // Prefix cached on the prefill side only (d1 has never seen `b`).
     let pre_only: Vec<u32> = b[..64].iter().copied().chain(tokens(5, 20)).collect();
-    check_case(
-        "cached-prefill",
-        &r,
-        &d1,
-        &[&p[0]],
-        &pre_only,
-        &sampled(16),
-        0,
-        bb,
-    )
-    .await;
+    agg_ref
+        .check(Case {
+            name: "cached-prefill",
+            decode: &d1,
+            prefill: &[&p[0]],
+            prompt: &pre_only,
+            params: &sampled(16),
+            decode_cached_blocks: 0,
+        })
+        .await;
     // A long prompt: five chunks streamed while computing.
-    check_case(
-        "long",
-        &r,
-        &d1,
-        &[&p[1]],
-        &tokens(6, 300),
-        &greedy(12),
-        0,
-        bb,
-    )
-    .await;
+    agg_ref
+        .check(Case {
+            name: "long",
+            decode: &d1,
+            prefill: &[&p[1]],
+            prompt: &tokens(6, 300),
+            params: &greedy(12),
+            decode_cached_blocks: 0,
+        })
+        .await;
     // The first token ends the request: no decode step, the reservation is released.
-    let one = check_case(
-        "one-token",
-        &r,
-        &d1,
-        &[&p[1]],
-        &tokens(7, 40),
-        &greedy(1),
-        0,
-        bb,
-    )
-    .await;
+    let one = agg_ref
+        .check(Case {
+            name: "one-token",
+            decode: &d1,
+            prefill: &[&p[1]],
+            prompt: &tokens(7, 40),
+            params: &greedy(1),
+            decode_cached_blocks: 0,
+        })
+        .await;
     assert_eq!((one.tokens.len(), one.finish.as_str()), (1, "length"));
 
     // Concurrent requests over both pairs.

@@ -305,6 +305,25 @@ fn selection(worker_id: u64, cached_tokens: usize, prompt_len: usize) -> Selecti
     }
 }
 
+/// `request_id` routed to `decode` (which holds `cached_tokens` of the prompt).
+fn routed<'a>(
+    decode: &'a WorkerEntry,
+    request_id: &'a str,
+    hashes: &'a [LocalBlockHash],
+    cached_tokens: usize,
+    prompt_len: usize,
+    params: &'a SamplingParams,
+) -> RoutedRequest<'a> {
+    RoutedRequest {
+        request_id,
+        decode,
+        selection: selection(decode.card.instance_id, cached_tokens, prompt_len),
+        hashes,
+        prompt_len,
+        params,
+    }
+}
+
 fn view(decode: WorkerEntry, prefill: Vec<WorkerEntry>) -> ModelView {
     let dir = std::env::temp_dir().join(format!("tandem-router-disagg-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).expect("dir");
@@ -362,17 +381,7 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
         .filter(|id| st.prefill_kv.worker_load(*id).active_requests > 0)
         .collect();
     let d = &v.workers[0];
-    let targets = plan(
-        &st,
-        &v,
-        d,
-        &selection(1, 0, 1024),
-        "r1",
-        &hashes,
-        1024,
-        &sp(1),
-    )
-    .expect("plan");
+    let targets = plan(&st, &v, &routed(d, "r1", &hashes, 0, 1024, &sp(1))).expect("plan");
     let ids: Vec<u64> = targets.iter().map(|t| t.instance_id).collect();
     assert_eq!(ids.len(), MAX_PREFILL_CANDIDATES, "{ids:?}");
     assert!(!ids.contains(&6), "another KV layout was paired: {ids:?}");
@@ -396,22 +405,12 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
     // A short prompt stays on the decode worker and records nothing.
     let short: Vec<u32> = (0..40).collect();
     let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
-    let t = plan(&st, &v, d, &selection(1, 0, 40), "r2", &h, 40, &sp(1)).expect("plan");
+    let t = plan(&st, &v, &routed(d, "r2", &h, 0, 40, &sp(1))).expect("plan");
     assert!(t.is_empty());
     assert!(!st.prefill_kv.free("r2"));
     // An agg worker never disaggregates.
     let agg = entry("agg", "L1", 9);
-    let t = plan(
-        &st,
-        &v,
-        &agg,
-        &selection(9, 0, 1024),
-        "r3",
-        &hashes,
-        1024,
-        &sp(1),
-    )
-    .expect("plan");
+    let t = plan(&st, &v, &routed(&agg, "r3", &hashes, 0, 1024, &sp(1))).expect("plan");
     assert!(t.is_empty());
 }
 
@@ -422,34 +421,14 @@ async fn enforced_plan_refuses_what_cannot_run_disaggregated() {
     let short: Vec<u32> = (0..8).collect();
     let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
     let d = &v.workers[0];
-    let e = plan(&st, &v, d, &selection(1, 8, 8), "r1", &h, 8, &sp(1)).expect_err("no layout");
+    let e = plan(&st, &v, &routed(d, "r1", &h, 8, 8, &sp(1))).expect_err("no layout");
     assert_eq!(e.status.as_u16(), 503);
     assert!(e.message.contains("--enforce-disagg"), "{}", e.message);
     let v = view(entry("pd", "L1", 1), vec![entry("prefill", "L1", 2)]);
-    let t = plan(
-        &st,
-        &v,
-        &v.workers[0],
-        &selection(1, 8, 8),
-        "r2",
-        &h,
-        8,
-        &sp(1),
-    )
-    .expect("plan");
+    let t = plan(&st, &v, &routed(&v.workers[0], "r2", &h, 8, 8, &sp(1))).expect("plan");
     assert_eq!(t.len(), 1);
     assert_eq!(t[0].instance_id, 2);
-    let e = plan(
-        &st,
-        &v,
-        &v.workers[0],
-        &selection(1, 0, 8),
-        "r3",
-        &h,
-        8,
-        &sp(2),
-    )
-    .expect_err("n");
+    let e = plan(&st, &v, &routed(&v.workers[0], "r3", &h, 0, 8, &sp(2))).expect_err("n");
     assert_eq!(e.status.as_u16(), 400);
     assert_eq!(e.param.as_deref(), Some("n"));
     let beams = SamplingParams {
@@ -457,17 +436,7 @@ async fn enforced_plan_refuses_what_cannot_run_disaggregated() {
         best_of: Some(4),
         ..sp(2)
     };
-    let e = plan(
-        &st,
-        &v,
-        &v.workers[0],
-        &selection(1, 0, 8),
-        "r4",
-        &h,
-        8,
-        &beams,
-    )
-    .expect_err("beam search");
+    let e = plan(&st, &v, &routed(&v.workers[0], "r4", &h, 0, 8, &beams)).expect_err("beam search");
     assert_eq!(e.status.as_u16(), 400);
     assert_eq!(e.param.as_deref(), Some("use_beam_search"));
 }
