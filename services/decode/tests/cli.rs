@@ -1,4 +1,4 @@
-//! The "done when" examples, run against the real `tandem-decode` binary.
+//! The documented command-line examples, run against the real `tandem-decode` binary.
 
 use std::process::{Command, Output};
 

@@ -26,6 +26,7 @@ use tandem_config::RoutingConfig;
 use tandem_kv_router::protocols::LocalBlockHash;
 use tandem_kv_router::{RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
 use tandem_protocol::worker::PrefillTarget;
+use tandem_protocol::WorkerRole;
 use tandem_text::SamplingParams;
 
 use crate::app::AppState;
@@ -60,9 +61,9 @@ impl DisaggPolicy {
 
 /// What the decision looks at.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DecisionInput<'a> {
+pub struct DecisionInput {
     /// The decode worker's role (its model card's `role`).
-    pub decode_role: &'a str,
+    pub decode_role: WorkerRole,
     pub prompt_len: usize,
     /// Prompt tokens the decode worker already holds.
     pub cached_tokens: usize,
@@ -152,12 +153,14 @@ pub enum Decision {
 }
 
 /// The pure decision for a request routed to a decode worker.
-pub fn decide(policy: &DisaggPolicy, input: &DecisionInput<'_>) -> Decision {
+pub fn decide(policy: &DisaggPolicy, input: &DecisionInput) -> Decision {
     let forced = match input.decode_role {
-        "decode" => RemoteReason::DecodeOnly,
-        "pd" if policy.enforce => RemoteReason::Enforced,
-        "pd" => RemoteReason::UncachedPrompt,
-        _ => return Decision::Local(LocalReason::AggWorker),
+        WorkerRole::Decode => RemoteReason::DecodeOnly,
+        WorkerRole::Pd if policy.enforce => RemoteReason::Enforced,
+        WorkerRole::Pd => RemoteReason::UncachedPrompt,
+        WorkerRole::Agg | WorkerRole::Prefill | WorkerRole::Encode => {
+            return Decision::Local(LocalReason::AggWorker)
+        }
     };
     if forced != RemoteReason::UncachedPrompt {
         if input.beam_search {
@@ -340,9 +343,9 @@ pub fn plan(
 }
 
 impl RoutedRequest<'_> {
-    fn decision_input(&self, compatible_prefill: usize) -> DecisionInput<'_> {
+    fn decision_input(&self, compatible_prefill: usize) -> DecisionInput {
         DecisionInput {
-            decode_role: self.decode.card.role.as_str(),
+            decode_role: self.decode.card.role,
             prompt_len: self.prompt_len,
             cached_tokens: self.selection.cached_tokens,
             n: self.params.n,

@@ -376,7 +376,7 @@ impl StreamTask {
                 Ok(out) => out,
                 Err(ended) => return ended,
             };
-            if !out.error.is_empty() && out.finish_reason == "abort" {
+            if !out.error.is_empty() && crate::wire::finish_reason(&out) == Some("abort") {
                 return Ended::Failed(ApiError::internal(format!("worker error: {}", out.error)));
             }
             self.record_tokens(&mut progress.timing, out.token_ids.len());
@@ -499,13 +499,13 @@ impl Progress {
     /// Applies one output: its choice's new text, its logprobs, finish and usage.
     fn delta(&mut self, out: &GenerateOutput, assets: &ModelAssets) -> ChoiceDelta {
         let index = out.index as usize;
-        let finishing = !out.finish_reason.is_empty();
+        let finish = crate::wire::finish_reason(out);
+        let finishing = finish.is_some();
         let text = self
             .choices
             .get(index)
             .push(assets, &out.token_ids, finishing);
         let logprobs = crate::wire::logprobs(&out.logprobs);
-        let finish = (!out.finish_reason.is_empty()).then(|| out.finish_reason.clone());
         if let Some(u) = &out.usage {
             self.usage.completion_tokens += u.completion_tokens as usize;
             self.usage.cached_tokens = self.usage.cached_tokens.max(u.cached_tokens as usize);
@@ -517,7 +517,7 @@ impl Progress {
             index,
             text,
             logprobs,
-            finish_reason: finish,
+            finish_reason: finish.map(str::to_owned),
         }
     }
 }

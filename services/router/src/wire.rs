@@ -24,6 +24,26 @@ pub fn kv_event(wire: pb::KvEvent) -> Result<KvCacheEvent, WireError> {
     KvCacheEvent::try_from_wire(wire)
 }
 
+/// The OpenAI `finish_reason` of an output: `None` while its choice goes on. A value this
+/// version does not know (a newer worker) ends the choice as `abort`.
+pub fn finish_reason(out: &pb::GenerateOutput) -> Option<&'static str> {
+    use pb::FinishReason as F;
+    match F::try_from(out.finish_reason) {
+        Ok(F::Unspecified) => None,
+        Ok(F::Stop) => Some("stop"),
+        Ok(F::Length) => Some("length"),
+        Ok(F::Abort) => Some("abort"),
+        Ok(F::Migrated) => Some("migrated"),
+        Err(_) => {
+            tracing::warn!(
+                value = out.finish_reason,
+                "a worker sent an unknown finish reason; the choice ends as abort"
+            );
+            Some("abort")
+        }
+    }
+}
+
 /// A worker's dump of its stored blocks.
 pub fn kv_dump(wire: pb::KvDump) -> KvStoredDump {
     KvStoredDump::from_wire(wire)

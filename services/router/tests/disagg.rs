@@ -50,9 +50,9 @@ async fn collect(mut s: tonic::Streaming<GenerateOutput>) -> Result<Out, tonic::
         if let Some(u) = out.usage {
             o.completion_tokens += u.completion_tokens;
         }
-        if !out.finish_reason.is_empty() {
+        if let Some(finish) = tandem_router::wire::finish_reason(&out) {
             assert!(out.error.is_empty(), "worker error: {}", out.error);
-            o.finish = out.finish_reason;
+            o.finish = finish.to_owned();
         }
     }
     Ok(o)

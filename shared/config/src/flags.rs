@@ -1,7 +1,7 @@
 //! The table of every flag. Names, env vars, defaults and choices follow the TensorRT-LLM
-//! worker of Dynamo (seed page `trtllm-config-reference`, notes §2.2–2.4); Tandem-specific
+//! worker of Dynamo (the TensorRT-LLM backend's configuration reference); Tandem-specific
 //! values (discovery `file`, event plane `direct`, gRPC request plane, the built-in tiny
-//! model) are the ones DESIGN.md sets.
+//! model) are listed in docs/config.md.
 
 use crate::spec::{FlagSpec, Group::*, Kind::*, Scope};
 

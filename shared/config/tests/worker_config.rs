@@ -1,4 +1,4 @@
-//! Behaviour of the resolved worker config: the examples, one test per error class,
+//! Behaviour of the resolved worker config: the documented examples, one test per error class,
 //! merge semantics of the engine-option layers, and the not-implemented table.
 
 use std::collections::HashMap;

@@ -4,7 +4,7 @@
 //! mode with f32 and bf16 KV pools and in bf16 mode, and prints a JSON report: max |Δ| of
 //! logits over the CPU logits' std per step, greedy token agreement, the device argmax against
 //! the host argmax of the same logits, and the exported KV blocks' max |Δ|. Exits 1 when
-//! max |Δ| / std exceeds the tolerance (1e-4 in f32 mode with an f32 KV pool, issue 7's f32
+//! max |Δ| / std exceeds the tolerance (1e-4 in f32 mode with an f32 KV pool, the f32
 //! criterion; 1e-3 with a bf16 pool, where a 1e-6 difference can flip one bf16 rounding of a
 //! cached K/V value, 1 ulp = 2e-3 relative; 1e-1 in bf16 mode, whose greedy tokens may
 //! differ and are only reported; 1e-3 in split-bf16 mode) or an f32-mode greedy token differs, 2 without a GPU.

@@ -1,4 +1,4 @@
-//! The CUDA backend's speed on a model folder (issue 7's benchmark), each figure beside its
+//! The CUDA backend's speed on a model folder (the figures of docs/benchmarks.md), each figure beside its
 //! limit measured in the same run:
 //! - HBM bandwidth: a device-to-device copy (bytes read + written over the time);
 //! - 16-bit GEMM rate: cuBLAS GemmEx 8192³ (the mode's 16-bit inputs — bf16, or f16 in the f16

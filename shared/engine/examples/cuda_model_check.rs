@@ -1,4 +1,4 @@
-//! The correctness run of issue 7 on a real checkpoint: loads a model folder on the CUDA
+//! The correctness run against transformers on a real checkpoint: loads a model folder on the CUDA
 //! backend (bf16 mode by default) and, for the cases `scripts/gpu/hf_reference.py` wrote
 //! (`cases.json`: prompts and transformers' greedy continuations),
 //! - teacher-forced: runs prompt + continuation and writes the logits rows that predict each

@@ -1,4 +1,4 @@
-//! Router settings: the fields behind the router flags of notes §4.7, with Dynamo's defaults.
+//! Router settings: the fields behind the router flags (docs/config.md), with Dynamo's defaults.
 //!
 //! This is a plain struct; the config crate owns the flags and env vars and fills it in. Field
 //! names follow the flags' destination names (`--router-track-active-blocks` →

@@ -1,4 +1,4 @@
-//! Metric names (Dynamo's, notes §8) and the helpers this crate records through the `metrics`
+//! Metric names (Dynamo's) and the helpers this crate records through the `metrics`
 //! facade. No exporter here: the serving process installs one, and until it does every call
 //! is a cheap no-op.
 //!

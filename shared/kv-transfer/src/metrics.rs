@@ -1,4 +1,4 @@
-//! `trtllm_kv_transfer_*` metrics (dynamo-notes §8, Dynamo's TensorRT-LLM additions), through
+//! `trtllm_kv_transfer_*` metrics (Dynamo's TensorRT-LLM additions), through
 //! the `metrics` facade: the process's exporter decides where they go.
 
 use std::time::Duration;

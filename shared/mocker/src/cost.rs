@@ -120,7 +120,7 @@ fn interpolate(points: &[(f64, f64)], x: f64) -> f64 {
 
 #[derive(Clone, Debug)]
 pub enum Timing {
-    /// Dynamo's default fit (notes §5).
+    /// Dynamo's default fit.
     Polynomial,
     Profile(Profile),
 }

@@ -215,7 +215,7 @@ async fn serve(
     Ok(addr)
 }
 
-/// Metric names, per Dynamo's `prometheus_names.rs` (notes §8). Use these, never literals,
+/// Metric names, per Dynamo's `prometheus_names.rs`. Use these, never literals,
 /// so the router and every worker export the same series.
 pub mod names {
     /// Label keys.

@@ -1,6 +1,6 @@
 //! Graceful shutdown: SIGTERM / SIGINT become a [`ShutdownToken`] that every part of a service
 //! can await, so the order is deregister → stop accepting → drain in-flight work → exit
-//! (Dynamo's graceful shutdown, notes §7.3).
+//! (Dynamo's graceful shutdown).
 //!
 //! ```no_run
 //! # async fn serve() {

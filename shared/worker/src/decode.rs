@@ -280,7 +280,7 @@ impl DecodeSide {
             self.release(lease_id).await;
             return Attempt::PrefillFailed("the reply has no first token".into());
         };
-        if !first.finish_reason.is_empty() {
+        if first.finish_reason != i32::from(tandem_protocol::worker::FinishReason::Unspecified) {
             self.release(lease_id).await;
             let _ = tx.send(Ok(first)).await;
             return Attempt::Over;

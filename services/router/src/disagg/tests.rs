@@ -12,13 +12,13 @@ const ENFORCED: DisaggPolicy = DisaggPolicy {
     ..POLICY
 };
 
-fn input(role: &str, prompt_len: usize, cached: usize, n: usize, prefill: usize) -> Decision {
+fn input(role: WorkerRole, prompt_len: usize, cached: usize, n: usize, prefill: usize) -> Decision {
     input_with(&POLICY, role, prompt_len, cached, n, prefill)
 }
 
 fn input_with(
     policy: &DisaggPolicy,
-    role: &str,
+    role: WorkerRole,
     prompt_len: usize,
     cached: usize,
     n: usize,
@@ -37,7 +37,7 @@ fn input_with(
     )
 }
 
-fn beam(policy: &DisaggPolicy, role: &str, prefill: usize) -> Decision {
+fn beam(policy: &DisaggPolicy, role: WorkerRole, prefill: usize) -> Decision {
     decide(
         policy,
         &DecisionInput {
@@ -53,13 +53,19 @@ fn beam(policy: &DisaggPolicy, role: &str, prefill: usize) -> Decision {
 
 #[test]
 fn beam_search_runs_aggregated_or_is_refused_when_disagg_is_forced() {
-    assert_eq!(beam(&POLICY, "agg", 2), Local(LocalReason::AggWorker));
-    assert_eq!(beam(&POLICY, "pd", 2), Local(LocalReason::BeamSearch));
+    assert_eq!(
+        beam(&POLICY, WorkerRole::Agg, 2),
+        Local(LocalReason::AggWorker)
+    );
+    assert_eq!(
+        beam(&POLICY, WorkerRole::Pd, 2),
+        Local(LocalReason::BeamSearch)
+    );
     assert_eq!(LocalReason::BeamSearch.label(), "beam_search");
     for (policy, role, cause) in [
-        (&ENFORCED, "pd", RemoteReason::Enforced),
-        (&POLICY, "decode", RemoteReason::DecodeOnly),
-        (&ENFORCED, "decode", RemoteReason::DecodeOnly),
+        (&ENFORCED, WorkerRole::Pd, RemoteReason::Enforced),
+        (&POLICY, WorkerRole::Decode, RemoteReason::DecodeOnly),
+        (&ENFORCED, WorkerRole::Decode, RemoteReason::DecodeOnly),
     ] {
         assert_eq!(
             beam(policy, role, 2),
@@ -82,23 +88,29 @@ fn sp(n: usize) -> SamplingParams {
 
 #[test]
 fn agg_workers_always_prefill_locally() {
-    assert_eq!(input("agg", 4096, 0, 1, 3), Local(LocalReason::AggWorker));
     assert_eq!(
-        input_with(&ENFORCED, "agg", 4096, 0, 4, 0),
+        input(WorkerRole::Agg, 4096, 0, 1, 3),
         Local(LocalReason::AggWorker)
     );
-    assert_eq!(input("", 4096, 0, 1, 3), Local(LocalReason::AggWorker));
+    assert_eq!(
+        input_with(&ENFORCED, WorkerRole::Agg, 4096, 0, 4, 0),
+        Local(LocalReason::AggWorker)
+    );
+    assert_eq!(
+        input(WorkerRole::Prefill, 4096, 0, 1, 3),
+        Local(LocalReason::AggWorker)
+    );
 }
 
 #[test]
 fn pd_long_uncached_prompt_goes_remote() {
     assert_eq!(
-        input("pd", 1024, 0, 1, 1),
+        input(WorkerRole::Pd, 1024, 0, 1, 1),
         Remote(RemoteReason::UncachedPrompt)
     );
     // Exactly the threshold of uncached tokens is enough.
     assert_eq!(
-        input("pd", 256, 0, 1, 1),
+        input(WorkerRole::Pd, 256, 0, 1, 1),
         Remote(RemoteReason::UncachedPrompt)
     );
 }
@@ -106,27 +118,30 @@ fn pd_long_uncached_prompt_goes_remote() {
 #[test]
 fn pd_local_shortcuts() {
     assert_eq!(
-        input("pd", 1024, 0, 1, 0),
+        input(WorkerRole::Pd, 1024, 0, 1, 0),
         Local(LocalReason::NoPrefillWorker)
     );
-    assert_eq!(input("pd", 255, 0, 1, 2), Local(LocalReason::ShortPrompt));
+    assert_eq!(
+        input(WorkerRole::Pd, 255, 0, 1, 2),
+        Local(LocalReason::ShortPrompt)
+    );
     // 1024 prompt, 800 cached: 224 uncached < 256.
     assert_eq!(
-        input("pd", 1024, 800, 1, 2),
+        input(WorkerRole::Pd, 1024, 800, 1, 2),
         Local(LocalReason::ShortPrompt)
     );
     // 4096 prompt, 3300 cached: 796 uncached, but 80.6% cached.
     assert_eq!(
-        input("pd", 4096, 3300, 1, 2),
+        input(WorkerRole::Pd, 4096, 3300, 1, 2),
         Local(LocalReason::DecodeCacheHit)
     );
     // 4096 prompt, 3200 cached: 78.1% < 80%.
     assert_eq!(
-        input("pd", 4096, 3200, 1, 2),
+        input(WorkerRole::Pd, 4096, 3200, 1, 2),
         Remote(RemoteReason::UncachedPrompt)
     );
     assert_eq!(
-        input("pd", 4096, 0, 2, 2),
+        input(WorkerRole::Pd, 4096, 0, 2, 2),
         Local(LocalReason::MultipleChoices)
     );
 }
@@ -139,7 +154,7 @@ fn thresholds_at_their_limits() {
         decode_hit_ratio: 1.0,
     };
     assert_eq!(
-        input_with(&never_local, "pd", 1, 0, 1, 1),
+        input_with(&never_local, WorkerRole::Pd, 1, 0, 1, 1),
         Remote(RemoteReason::UncachedPrompt)
     );
     // Fully cached with ratio 1.0: the whole prompt is on D, prefill there.
@@ -148,7 +163,7 @@ fn thresholds_at_their_limits() {
         ..never_local
     };
     assert_eq!(
-        input_with(&full, "pd", 64, 64, 1, 1),
+        input_with(&full, WorkerRole::Pd, 64, 64, 1, 1),
         Local(LocalReason::DecodeCacheHit)
     );
     let always_local = DisaggPolicy {
@@ -156,28 +171,31 @@ fn thresholds_at_their_limits() {
         ..never_local
     };
     assert_eq!(
-        input_with(&always_local, "pd", 4096, 0, 1, 1),
+        input_with(&always_local, WorkerRole::Pd, 4096, 0, 1, 1),
         Local(LocalReason::DecodeCacheHit)
     );
     // Cached tokens over the prompt length (cannot happen, but must not underflow).
-    assert_eq!(input("pd", 100, 200, 1, 1), Local(LocalReason::ShortPrompt));
+    assert_eq!(
+        input(WorkerRole::Pd, 100, 200, 1, 1),
+        Local(LocalReason::ShortPrompt)
+    );
 }
 
 #[test]
 fn enforced_pd_has_no_shortcuts() {
     assert_eq!(
-        input_with(&ENFORCED, "pd", 8, 8, 1, 1),
+        input_with(&ENFORCED, WorkerRole::Pd, 8, 8, 1, 1),
         Remote(RemoteReason::Enforced)
     );
     assert_eq!(
-        input_with(&ENFORCED, "pd", 8, 0, 1, 0),
+        input_with(&ENFORCED, WorkerRole::Pd, 8, 0, 1, 0),
         Refuse {
             what: Refusal::NoPrefillWorker,
             cause: RemoteReason::Enforced
         }
     );
     assert_eq!(
-        input_with(&ENFORCED, "pd", 8, 0, 2, 1),
+        input_with(&ENFORCED, WorkerRole::Pd, 8, 0, 2, 1),
         Refuse {
             what: Refusal::MultipleChoices,
             cause: RemoteReason::Enforced
@@ -188,18 +206,18 @@ fn enforced_pd_has_no_shortcuts() {
 #[test]
 fn decode_workers_are_always_disaggregated() {
     assert_eq!(
-        input("decode", 8, 8, 1, 1),
+        input(WorkerRole::Decode, 8, 8, 1, 1),
         Remote(RemoteReason::DecodeOnly)
     );
     assert_eq!(
-        input("decode", 4096, 0, 1, 0),
+        input(WorkerRole::Decode, 4096, 0, 1, 0),
         Refuse {
             what: Refusal::NoPrefillWorker,
             cause: RemoteReason::DecodeOnly
         }
     );
     assert_eq!(
-        input("decode", 4096, 0, 3, 2),
+        input(WorkerRole::Decode, 4096, 0, 3, 2),
         Refuse {
             what: Refusal::MultipleChoices,
             cause: RemoteReason::DecodeOnly
@@ -207,7 +225,7 @@ fn decode_workers_are_always_disaggregated() {
     );
 }
 
-fn entry(role: &str, layout: &str, id: u64) -> WorkerEntry {
+fn entry(role: WorkerRole, layout: &str, id: u64) -> WorkerEntry {
     WorkerEntry {
         card: tandem_protocol::ModelCard {
             protocol_version: tandem_protocol::WORKER_PROTOCOL_VERSION,
@@ -220,7 +238,7 @@ fn entry(role: &str, layout: &str, id: u64) -> WorkerEntry {
             total_kv_blocks: 100,
             max_num_seqs: 8,
             max_num_batched_tokens: 2048,
-            role: serde_json::from_value(role.into()).expect("role"),
+            role,
             grpc_addr: format!("127.0.0.1:{}", 9000 + id),
             http_addr: String::new(),
             instance_id: id,
@@ -232,7 +250,7 @@ fn entry(role: &str, layout: &str, id: u64) -> WorkerEntry {
 
 #[tokio::test]
 async fn refusal_errors_name_the_cause() {
-    let d = entry("pd", "L1", 7);
+    let d = entry(WorkerRole::Pd, "L1", 7);
     let e = refusal_error(Refusal::MultipleChoices, RemoteReason::Enforced, &d);
     assert_eq!(e.status.as_u16(), 400);
     assert_eq!(e.param.as_deref(), Some("n"));
@@ -258,19 +276,19 @@ async fn refusal_errors_name_the_cause() {
 #[tokio::test]
 async fn only_prefill_workers_of_the_same_layout_pair() {
     let prefill = vec![
-        entry("prefill", "L1", 2),
-        entry("prefill", "L2", 3),
-        entry("prefill", "", 4),
-        entry("prefill", "L1", 5),
+        entry(WorkerRole::Prefill, "L1", 2),
+        entry(WorkerRole::Prefill, "L2", 3),
+        entry(WorkerRole::Prefill, "", 4),
+        entry(WorkerRole::Prefill, "L1", 5),
     ];
-    let mut ids: Vec<u64> = compatible_prefill(&prefill, &entry("pd", "L1", 1))
+    let mut ids: Vec<u64> = compatible_prefill(&prefill, &entry(WorkerRole::Pd, "L1", 1))
         .iter()
         .map(|w| w.card.instance_id)
         .collect();
     ids.sort_unstable();
     assert_eq!(ids, vec![2, 5]);
     // A decode worker with no layout id pairs with nothing.
-    assert!(compatible_prefill(&prefill, &entry("pd", "", 9)).is_empty());
+    assert!(compatible_prefill(&prefill, &entry(WorkerRole::Pd, "", 9)).is_empty());
 }
 
 fn state(flags: &[&str]) -> AppState {
@@ -354,10 +372,10 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
     let st = state(&[]);
     let prefill: Vec<WorkerEntry> = [2, 3, 4, 5]
         .into_iter()
-        .map(|id| entry("prefill", "L1", id))
-        .chain([entry("prefill", "L2", 6)])
+        .map(|id| entry(WorkerRole::Prefill, "L1", id))
+        .chain([entry(WorkerRole::Prefill, "L2", 6)])
         .collect();
-    let v = view(entry("pd", "L1", 1), prefill);
+    let v = view(entry(WorkerRole::Pd, "L1", 1), prefill);
     let prompt: Vec<u32> = (0..1024).collect();
     let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, 32);
     // Workers 2 and 3 are already busy prefilling other prompts: they come last.
@@ -409,7 +427,7 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
     assert!(t.is_empty());
     assert!(!st.prefill_kv.free("r2"));
     // An agg worker never disaggregates.
-    let agg = entry("agg", "L1", 9);
+    let agg = entry(WorkerRole::Agg, "L1", 9);
     let t = plan(&st, &v, &routed(&agg, "r3", &hashes, 0, 1024, &sp(1))).expect("plan");
     assert!(t.is_empty());
 }
@@ -417,14 +435,20 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
 #[tokio::test]
 async fn enforced_plan_refuses_what_cannot_run_disaggregated() {
     let st = state(&["--enforce-disagg"]);
-    let v = view(entry("pd", "L1", 1), vec![entry("prefill", "L2", 2)]);
+    let v = view(
+        entry(WorkerRole::Pd, "L1", 1),
+        vec![entry(WorkerRole::Prefill, "L2", 2)],
+    );
     let short: Vec<u32> = (0..8).collect();
     let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
     let d = &v.workers[0];
     let e = plan(&st, &v, &routed(d, "r1", &h, 8, 8, &sp(1))).expect_err("no layout");
     assert_eq!(e.status.as_u16(), 503);
     assert!(e.message.contains("--enforce-disagg"), "{}", e.message);
-    let v = view(entry("pd", "L1", 1), vec![entry("prefill", "L1", 2)]);
+    let v = view(
+        entry(WorkerRole::Pd, "L1", 1),
+        vec![entry(WorkerRole::Prefill, "L1", 2)],
+    );
     let t = plan(&st, &v, &routed(&v.workers[0], "r2", &h, 8, 8, &sp(1))).expect("plan");
     assert_eq!(t.len(), 1);
     assert_eq!(t[0].instance_id, 2);

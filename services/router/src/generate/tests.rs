@@ -27,10 +27,17 @@ fn assets() -> ModelAssets {
 }
 
 fn output(index: u32, token_ids: Vec<u32>, finish_reason: &str) -> GenerateOutput {
+    use tandem_protocol::worker::FinishReason as F;
+    let finish = match finish_reason {
+        "" => F::Unspecified,
+        "stop" => F::Stop,
+        "length" => F::Length,
+        other => panic!("no finish reason {other:?} in these tests"),
+    };
     GenerateOutput {
         index,
         token_ids,
-        finish_reason: finish_reason.into(),
+        finish_reason: finish.into(),
         ..Default::default()
     }
 }

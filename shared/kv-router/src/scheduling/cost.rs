@@ -1,4 +1,4 @@
-//! The KV router's cost function (notes §4.4) and the two ways of turning costs into a choice.
+//! The KV router's cost function (Dynamo's) and the two ways of turning costs into a choice.
 //!
 //! `logit(w) = overlap_weight × potential_prefill_blocks(w) + potential_decode_blocks(w)`, where
 //! prefill blocks are the tokens the worker would still have to prefill (already queued plus

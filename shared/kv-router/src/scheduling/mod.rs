@@ -103,7 +103,7 @@ impl WorkerSelector {
 
     /// Above `router_queue_threshold × max_num_batched_tokens` active prefill tokens: the
     /// worker cannot start a new prompt soon. When every candidate is saturated the serving
-    /// layer holds the request in its queue instead of piling it onto a worker (notes §4.5).
+    /// layer holds the request in its queue instead of piling it onto a worker.
     /// Never true when the threshold is disabled or the budget unknown.
     pub fn is_saturated(&self, w: &WorkerInfo, load: &WorkerLoad) -> bool {
         self.config.router_queue_threshold.is_some_and(|f| {

@@ -18,13 +18,13 @@ impl EngineTryFromWire<pb::GenerateRequest> for Request {
     }
 }
 
-/// The finish reason's name on the wire ("stop", "length", "abort", "migrated").
-pub fn finish_name(reason: FinishReason) -> &'static str {
+/// The finish reason on the wire.
+pub fn finish_reason(reason: FinishReason) -> pb::FinishReason {
     match reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Abort => "abort",
-        FinishReason::Migrated => "migrated",
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Abort => pb::FinishReason::Abort,
+        FinishReason::Migrated => pb::FinishReason::Migrated,
     }
 }
 
@@ -51,9 +51,8 @@ impl EngineIntoWire for RequestOutput {
             logprobs: self.logprobs.into_iter().map(IntoWire::into_wire).collect(),
             finish_reason: self
                 .finish_reason
-                .map(finish_name)
-                .unwrap_or_default()
-                .to_string(),
+                .map_or(pb::FinishReason::Unspecified, finish_reason)
+                .into(),
             stop_reason: self.stop_reason.map(IntoWire::into_wire),
             usage: self.usage.map(EngineIntoWire::into_wire),
             error: self.error.unwrap_or_default(),
@@ -230,7 +229,7 @@ mod tests {
         };
         let wire = out.into_wire();
         assert_eq!(wire.index, 2);
-        assert_eq!(wire.finish_reason, "stop");
+        assert_eq!(wire.finish_reason(), pb::FinishReason::Stop);
         assert_eq!(
             wire.logprobs
                 .into_iter()

@@ -1,4 +1,4 @@
-//! The CUDA backend (issue 7), behind the `cuda` feature: on cudarc with dynamic loading, so
+//! The CUDA backend, behind the `cuda` feature: on cudarc with dynamic loading, so
 //! building needs no CUDA and a binary built here runs on a GPU machine.
 //!
 //! What this module owns:
