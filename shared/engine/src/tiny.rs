@@ -9,40 +9,20 @@ pub use tandem_tiny_model::*;
 /// The tensor names and shapes (Hugging Face names) of a decoder model with this config:
 /// biases and q/k norms as its family has them.
 pub fn tensor_shapes(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, hd, im) = (c.hidden_size, c.head_dim, c.intermediate_size);
-    let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-    let mut v = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![c.vocab_size, h],
-    )];
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}.");
-        let mut push = |name: &str, shape: Vec<usize>| v.push((format!("{p}{name}"), shape));
-        push("input_layernorm.weight", vec![h]);
-        for (proj, rows) in [("q", qd), ("k", kvd), ("v", kvd)] {
-            push(&format!("self_attn.{proj}_proj.weight"), vec![rows, h]);
-            if c.qkv_bias {
-                push(&format!("self_attn.{proj}_proj.bias"), vec![rows]);
-            }
-        }
-        push("self_attn.o_proj.weight", vec![h, qd]);
-        if c.o_bias {
-            push("self_attn.o_proj.bias", vec![h]);
-        }
-        if c.qk_norm {
-            push("self_attn.q_norm.weight", vec![hd]);
-            push("self_attn.k_norm.weight", vec![hd]);
-        }
-        push("post_attention_layernorm.weight", vec![h]);
-        push("mlp.gate_proj.weight", vec![im, h]);
-        push("mlp.up_proj.weight", vec![im, h]);
-        push("mlp.down_proj.weight", vec![h, im]);
+    tandem_tiny_model::shapes::DecoderShape {
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        num_hidden_layers: c.num_hidden_layers,
+        num_attention_heads: c.num_attention_heads,
+        num_key_value_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        tie_word_embeddings: c.tie_word_embeddings,
+        qk_norm: c.qk_norm,
+        qkv_bias: c.qkv_bias,
+        o_bias: c.o_bias,
     }
-    v.push(("model.norm.weight".to_string(), vec![h]));
-    if !c.tie_word_embeddings {
-        v.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
-    }
-    v
+    .tensor_shapes()
 }
 
 #[cfg(test)]
