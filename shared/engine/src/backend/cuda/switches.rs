@@ -2,7 +2,7 @@
 //! values): which attention kernels serve prefill chunks and decode rows, how the decode
 //! attention is split and staged, which GEMM serves steps of one or two rows, and whether
 //! decode graphs use programmatic dependent launch. Variants that measured slower and had no
-//! other use are gone (docs/benchmarks.md keeps their figures: the decode-step fusions of
+//! other use are gone (git history keeps their code and A/Bs: the decode-step fusions of
 //! `TANDEM_CUDA_DECODE_FUSION`, the two-row early GEMV weights, `TANDEM_CUDA_L2_PREFETCH`);
 //! each kept non-default value says why it stays.
 
