@@ -6,8 +6,8 @@
 #   pressure   a small KV pool (kv_cache_config.max_tokens 12288), max_num_tokens 512 and the
 #              MAX_UTILIZATION policy: chunked prefill and preemption (counted by the worker's
 #              metrics, must be > 0) under 32 concurrent requests of up to 1k tokens
-#              (the router's busy thresholds lifted so that the engine, not the router, meets
-#              the pressure)
+#              (the router's busy thresholds lifted and its queue off, so that the engine,
+#              not the router, meets the pressure)
 #   cancel     streams cut by the client mid-generation, then the worker still serves a
 #              normal load, and once idle no KV block stays referenced (worker metrics)
 #   disagg     a CUDA prefill worker pushing KV over TCP into a CUDA decode worker, with the
@@ -21,27 +21,7 @@ set -uo pipefail
 BIN=$1
 MODEL=$2
 OUT=$3
-PORT=${TANDEM_SERVE_PORT:-18080}
-URL=http://127.0.0.1:$PORT
-fails=0
-pid=
-
-stop() {
-    if [ -n "$pid" ]; then
-        kill -INT "$pid" 2>/dev/null
-        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-        kill -KILL "$pid" 2>/dev/null
-        pid=
-    fi
-}
-trap stop EXIT
-
-up() { # name, extra args for tandem up...
-    local name=$1; shift
-    "$BIN/tandem" up --model-path "$MODEL" --http-port "$PORT" --worker-arg=--device --worker-arg=cuda \
-        "$@" > "$OUT/serve_$name.log" 2>&1 &
-    pid=$!
-}
+. "$(dirname "$0")/serve_lib.sh"
 
 load() { # name, loadtest args...
     local name=$1; shift
@@ -56,8 +36,6 @@ print(f"{sys.argv[2]}: {r['succeeded']}/{r['requests']} ok, {r['output_token_thr
 sys.exit(0 if ok else 1)
 PY
 }
-
-case_result() { if [ "$2" -eq 0 ]; then echo "case $1: PASS"; else echo "case $1: FAIL"; fails=$((fails + 1)); fi; }
 
 # agg: continuous batching on one CUDA worker, in the default precision.
 kv_f16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -c 'CUDA backend ready.*mode=Bf16Split.*kv_dtype=f16' > /dev/null; }
@@ -75,7 +53,8 @@ up pressure --topology agg --worker-arg=--system-port --worker-arg=18091 \
     --worker-arg=--override-engine-args \
     --worker-arg='{"kv_cache_config":{"max_tokens":12288},"scheduler_config":{"capacity_scheduler_policy":"MAX_UTILIZATION"}}' \
     --router-arg=--active-decode-blocks-threshold --router-arg=1000 \
-    --router-arg=--active-prefill-tokens-threshold-frac --router-arg=1000
+    --router-arg=--active-prefill-tokens-threshold-frac --router-arg=1000 \
+    --router-arg=--router-queue-threshold --router-arg=none
 load pressure --num-requests 128 --concurrency 32 --isl uniform:256:1024 --osl 128 --vocab-hi 150000
 rc=$?
 curl -s "$METRICS" | grep -E '^dynamo_component_(preemptions_total|kv_cache_active_blocks)' \

@@ -2,20 +2,23 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tandem_config::RouterConfig;
 use tandem_kv_router::{KvRouter, KvRouterConfig, RouterMode};
 
 use crate::error::ApiError;
 use crate::handlers;
+use crate::limits::RateLimits;
 use crate::models::Registry;
+use crate::queue::AdmissionQueue;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -26,9 +29,33 @@ pub struct AppState {
     /// The prefill workers' index and load (same config as `kv`).
     pub prefill_kv: Arc<KvRouter>,
     pub dumps: crate::events_nats::DumpsInFlight,
+    /// Requests waiting for a worker with room.
+    pub queue: Arc<AdmissionQueue>,
+    pub limits: Arc<RateLimits>,
 }
 
 impl AppState {
+    /// The state for `cfg`, with no workers known yet.
+    pub fn new(cfg: RouterConfig, seed: Option<u64>) -> anyhow::Result<Self> {
+        let kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, seed));
+        let prefill_kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, seed));
+        let a = &cfg.admission;
+        let queue = Arc::new(AdmissionQueue::new(
+            a.queue_threshold.is_some(),
+            a.queue_shortest_first,
+            a.queue_max_requests as usize,
+        ));
+        Ok(AppState {
+            limits: Arc::new(RateLimits::new(a)),
+            config: Arc::new(cfg),
+            registry: Arc::new(Registry::default()),
+            kv,
+            prefill_kv,
+            dumps: Default::default(),
+            queue,
+        })
+    }
+
     /// The KV router that follows worker `id`: `prefill_kv` for a prefill worker, else `kv`.
     pub fn kv_of(&self, id: u64) -> &Arc<KvRouter> {
         if self.registry.is_prefill_worker(id) == Some(true) {
@@ -55,8 +82,7 @@ pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
         router_ttl_secs: r.router_ttl_secs,
         router_max_tree_size: r.router_max_tree_size as usize,
         router_prune_target_ratio: r.router_prune_target_ratio,
-        // Tandem has no request queue yet (the flag refuses other values): busy means 503.
-        router_queue_threshold: None,
+        router_queue_threshold: cfg.admission.queue_threshold,
         router_event_threads: 1,
         ..KvRouterConfig::default()
     };
@@ -64,58 +90,78 @@ pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
     Ok(kv)
 }
 
-/// Bodies over the limit get an OpenAI-style 413, not axum's plain text.
-fn body_or_error(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| {
-        let status = rejection.status();
-        let err = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError {
-                status,
-                kind: "invalid_request_error",
-                message: "request body too large (see --http-body-limit-mb)".into(),
-                param: None,
-            }
-        } else {
-            ApiError::bad_request(format!("cannot read the request body: {rejection}"), None)
-        };
-        err
-    })
-}
-
-async fn chat(
-    state: State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match body_or_error(body) {
-        Ok(b) => handlers::chat_completions(state, headers, b).await,
-        Err(e) => e.into_response(),
+/// The body of a JSON request: `content-type` must say JSON (415), the body must fit
+/// `--http-body-limit-mb` (413) and arrive within `--http-body-read-timeout-secs` (408).
+async fn json_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    check_json_content_type(headers)?;
+    let limit = state.config.http_body_limit_mb as usize * 1024 * 1024;
+    let secs = state.config.http.body_read_timeout_secs;
+    let read = Limited::new(body, limit).collect();
+    match tokio::time::timeout(Duration::from_secs(secs.into()), read).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request body too large (see --http-body-limit-mb)",
+        )),
+        Ok(Err(e)) => Err(ApiError::bad_request(
+            format!("cannot read the request body: {e}"),
+            None,
+        )),
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body did not arrive within {secs} s (--http-body-read-timeout-secs)"
+            ),
+        )),
     }
 }
 
-async fn completions(
-    state: State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match body_or_error(body) {
+/// `application/json`, or another JSON media type (`application/*+json`), any parameters.
+fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let value = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let media = value.split(';').next().unwrap_or_default().trim();
+    let media = media.to_ascii_lowercase();
+    if media == "application/json"
+        || (media.starts_with("application/") && media.ends_with("+json"))
+    {
+        return Ok(());
+    }
+    let got = if value.is_empty() {
+        "none".to_string()
+    } else {
+        format!("`{value}`")
+    };
+    Err(ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "invalid_request_error",
+        format!("the body must be JSON with `content-type: application/json` (got {got})"),
+    ))
+}
+
+async fn chat(state: State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match json_body(&state, &headers, body).await {
+        Ok(b) => handlers::chat_completions(state, headers, b).await,
+        Err(e) => handlers::refused_early(e, &headers, "chat_completions"),
+    }
+}
+
+async fn completions(state: State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match json_body(&state, &headers, body).await {
         Ok(b) => handlers::completions(state, headers, b).await,
-        Err(e) => e.into_response(),
+        Err(e) => handlers::refused_early(e, &headers, "completions"),
     }
 }
 
 async fn not_found() -> Response {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        kind: "not_found",
-        message: "no such route".into(),
-        param: None,
-    }
-    .into_response()
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route").into_response()
 }
 
 pub fn app(state: AppState, metrics: metrics_exporter_prometheus::PrometheusHandle) -> Router {
-    let limit = state.config.http_body_limit_mb as usize * 1024 * 1024;
     let min_workers = state.config.routing.router_min_initial_workers.max(1) as usize;
     let registry = state.registry.clone();
     let status = tandem_runtime::metrics::status_router(
@@ -127,7 +173,6 @@ pub fn app(state: AppState, metrics: metrics_exporter_prometheus::PrometheusHand
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(handlers::list_models))
         .route("/debug/kv_index", get(handlers::debug_kv_index))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
         .merge(status)
         .fallback(not_found)
@@ -137,15 +182,8 @@ pub fn app(state: AppState, metrics: metrics_exporter_prometheus::PrometheusHand
 pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
     let metrics = tandem_runtime::metrics::install_recorder()?;
     let shutdown = tandem_runtime::shutdown::on_signals();
-    let kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, None));
-    let prefill_kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, None));
-    let state = AppState {
-        config: Arc::new(cfg),
-        registry: Arc::new(Registry::default()),
-        kv,
-        prefill_kv,
-        dumps: Default::default(),
-    };
+    let state = AppState::new(cfg, None)?;
+    state.queue.spawn_ticker();
     if state.config.routing.use_kv_events
         && state.config.runtime.event_plane == tandem_config::runtime::EventPlane::Nats
     {
@@ -187,14 +225,9 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
         anyhow::anyhow!("cannot bind the HTTP API on {bind} (--http-host/--http-port): {e}")
     })?;
     let addr = listener.local_addr()?;
-    // The first token of a kept-alive stream must not wait for Nagle's algorithm.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     println!("TANDEM_ROUTER_READY http={addr}");
     tracing::info!(%addr, "router listening");
-    axum::serve(listener, app(state, metrics))
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await?;
+    let http = state.config.http.clone();
+    crate::server::serve(listener, app(state, metrics), &http, shutdown).await;
     Ok(())
 }

@@ -11,48 +11,59 @@ pub struct ApiError {
     pub kind: &'static str,
     pub message: String,
     pub param: Option<String>,
+    /// Seconds for the `Retry-After` header of a 429 or 503.
+    pub retry_after_secs: Option<u64>,
 }
 
 impl ApiError {
-    pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         ApiError {
-            status: StatusCode::BAD_REQUEST,
-            kind: "invalid_request_error",
+            status,
+            kind,
             message: message.into(),
-            param: param.map(str::to_string),
+            param: None,
+            retry_after_secs: None,
         }
+    }
+    pub fn with_param(mut self, param: Option<&str>) -> Self {
+        self.param = param.map(str::to_string);
+        self
+    }
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after_secs = Some(secs.max(1));
+        self
+    }
+    pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message).with_param(param)
     }
     pub fn not_found_model(model: &str) -> Self {
-        ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: "model_not_found",
-            message: format!("the model `{model}` does not exist or no worker serves it"),
-            param: Some("model".into()),
-        }
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!("the model `{model}` does not exist or no worker serves it"),
+        )
+        .with_param(Some("model"))
     }
     pub fn unavailable(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "service_unavailable",
-            message: message.into(),
-            param: None,
-        }
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            message,
+        )
     }
     pub fn internal(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            kind: "internal_error",
-            message: message.into(),
-            param: None,
-        }
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
     }
     pub fn timeout(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::GATEWAY_TIMEOUT,
-            kind: "timeout",
-            message: message.into(),
-            param: None,
-        }
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message)
+    }
+    pub fn rate_limited(message: impl Into<String>, retry_after_secs: u64) -> Self {
+        Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            message,
+        )
+        .with_retry_after(retry_after_secs)
     }
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({
@@ -67,9 +78,9 @@ impl ApiError {
     /// Label for the error metrics.
     pub fn metric_label(&self) -> &'static str {
         match self.status.as_u16() {
-            400 | 413 | 422 => "validation",
+            400 | 408 | 413 | 415 | 422 => "validation",
             404 => "not_found",
-            503 => "overload",
+            429 | 503 => "overload",
             504 => "response_timeout",
             _ => "internal",
         }
@@ -78,7 +89,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let retry_after = self.retry_after_secs;
+        let mut resp = (self.status, Json(self.body())).into_response();
+        if let Some(secs) = retry_after {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        resp
     }
 }
 
@@ -88,6 +105,7 @@ pub fn from_status(status: &tonic::Status) -> ApiError {
         tonic::Code::InvalidArgument => ApiError::bad_request(status.message().to_string(), None),
         tonic::Code::Unavailable | tonic::Code::ResourceExhausted => {
             ApiError::unavailable(format!("worker unavailable: {}", status.message()))
+                .with_retry_after(1)
         }
         tonic::Code::DeadlineExceeded => ApiError::timeout(status.message().to_string()),
         _ => ApiError::internal(format!("worker error: {}", status.message())),

@@ -26,8 +26,10 @@ use tonic::Streaming;
 use crate::app::AppState;
 use crate::disagg::{self, RoutedRequest};
 use crate::error::{from_status, ApiError};
+use crate::limits::RateLimits;
 use crate::metrics as m;
 use crate::models::{ModelAssets, ModelView, WorkerEntry};
+use crate::queue::{AdmissionQueue, Attempt, Ticket};
 
 #[derive(Debug, Clone)]
 pub struct ChoiceDelta {
@@ -59,6 +61,8 @@ pub struct Routed {
     pub cached_tokens: usize,
     /// The first prefill worker handed to the decode worker, when disaggregated.
     pub prefill_worker_id: Option<u64>,
+    /// Time spent in the router's queue.
+    pub queued: Duration,
 }
 
 /// Runs one request through the stages (see the module doc) and returns the stream stage's
@@ -68,47 +72,61 @@ pub struct Routed {
 pub async fn start(
     state: &AppState,
     view: &ModelView,
-    request_id: &str,
-    prompt: Vec<u32>,
-    params: SamplingParams,
-    received: Instant,
+    request: Incoming,
 ) -> Result<(mpsc::Receiver<GenEvent>, Routed), ApiError> {
-    let req = Request {
+    let mut req = Request {
         state,
-        view,
-        id: request_id,
-        prompt,
-        params,
-        received,
+        view: view.clone(),
+        id: &request.id,
+        prompt: request.prompt,
+        params: request.params,
+        priority: request.priority,
+        received: request.received,
     };
     let block_size = req.validate()?;
     let hashes = req.hash_blocks(block_size);
-    let route = req.route(&hashes)?;
+    let route = req.route(&hashes).await?;
     let call = req.dispatch(&route, &hashes).await?;
     let routed = Routed {
         worker_id: route.selection.worker_id,
         cached_tokens: route.selection.cached_tokens,
         prefill_worker_id: call.prefill_worker_id,
+        queued: route.queued,
     };
     Ok((req.stream(&route, call), routed))
+}
+
+/// A request as the handlers hand it over: tokenized and validated.
+pub struct Incoming {
+    /// The internal request id, the one the workers and the KV indexes see.
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// The queue's order: lower first.
+    pub priority: i32,
+    /// When the HTTP request arrived.
+    pub received: Instant,
 }
 
 /// One request as the stages see it.
 struct Request<'a> {
     state: &'a AppState,
-    view: &'a ModelView,
-    /// The internal request id, the one the workers and the KV indexes see.
+    /// The model's workers: the handler's snapshot, renewed when the request leaves the queue.
+    view: ModelView,
     id: &'a str,
     prompt: Vec<u32>,
     params: SamplingParams,
+    priority: i32,
     /// When the HTTP request arrived (TTFT and the router's overhead are measured from here).
     received: Instant,
 }
 
 /// The route stage's answer: the decode worker and the decode index's selection.
-struct Route<'a> {
-    worker: &'a WorkerEntry,
+struct Route {
+    worker: WorkerEntry,
     selection: Selection,
+    /// Time spent in the router's queue.
+    queued: Duration,
 }
 
 /// The dispatch stage's answer: the worker's output stream, under way.
@@ -146,58 +164,102 @@ impl Request<'_> {
     }
 
     /// Stage 3: the decode worker, chosen on the decode index, which records the request
-    /// under its id.
-    fn route(&self, hashes: &[LocalBlockHash]) -> Result<Route<'_>, ApiError> {
-        let candidates: Vec<WorkerInfo> =
-            self.view.workers.iter().map(disagg::worker_info).collect();
+    /// under its id. While every worker is saturated or busy the request waits in the
+    /// router's queue; each attempt after the first sees the model's workers afresh.
+    async fn route(&mut self, hashes: &[LocalBlockHash]) -> Result<Route, ApiError> {
+        let ticket = Ticket {
+            model: self.view.name.clone(),
+            priority: self.priority,
+            prompt_tokens: self.prompt.len(),
+            deadline: self.received
+                + Duration::from_secs(self.state.config.request_timeout_secs.into()),
+        };
+        let mut view = Some(self.view.clone());
+        let attempt = || {
+            let view = match view.take() {
+                Some(v) => v,
+                None => self.state.registry.view(&self.view.name).ok_or_else(|| {
+                    no_decode_worker(&self.view.name, !self.view.prefill.is_empty())
+                })?,
+            };
+            Ok(match self.try_route(&view, hashes)? {
+                Some((worker, selection)) => Attempt::Admitted((view, worker, selection)),
+                None => Attempt::Saturated,
+            })
+        };
+        let ((view, worker, selection), queued) = self.state.queue.admit(&ticket, attempt).await?;
+        self.view = view;
+        Ok(Route {
+            worker,
+            selection,
+            queued,
+        })
+    }
+
+    /// One routing attempt on `view`'s workers: the chosen worker, or `None` when every one
+    /// is saturated (above the queue threshold) or busy.
+    fn try_route(
+        &self,
+        view: &ModelView,
+        hashes: &[LocalBlockHash],
+    ) -> Result<Option<(WorkerEntry, Selection)>, ApiError> {
+        let candidates: Vec<WorkerInfo> = view.workers.iter().map(disagg::worker_info).collect();
+        if candidates.is_empty() {
+            return Err(no_decode_worker(&view.name, !view.prefill.is_empty()));
+        }
+        if self.state.kv.should_queue(&candidates) {
+            return Ok(None);
+        }
         let t_sched = Instant::now();
-        let selection = self
-            .state
-            .kv
-            .route(
-                self.id,
-                hashes,
-                self.prompt.len(),
-                &candidates,
-                &SelectOptions::default(),
-            )
-            .map_err(route_error)?;
+        let routed = self.state.kv.route(
+            self.id,
+            hashes,
+            self.prompt.len(),
+            &candidates,
+            &SelectOptions::default(),
+        );
+        let selection = match routed {
+            Ok(s) => s,
+            Err(RouteError::Select(SelectError::NoWorkerAvailable { .. })) => return Ok(None),
+            Err(e) => return Err(ApiError::internal(e.to_string())),
+        };
         metrics::histogram!(m::SCHEDULING_MS).record(t_sched.elapsed().as_secs_f64() * 1e3);
-        let worker = self
-            .view
+        let worker = view
             .workers
             .iter()
             .find(|w| w.card.instance_id == selection.worker_id)
-            .ok_or_else(|| ApiError::unavailable("the chosen worker left"))?;
-        Ok(Route { worker, selection })
+            .cloned();
+        match worker {
+            Some(w) => Ok(Some((w, selection))),
+            None => {
+                self.state.kv.free(self.id);
+                Err(ApiError::unavailable("the chosen worker left"))
+            }
+        }
     }
 
     /// Stage 4: plans where the prompt is prefilled, then calls the worker. A failure frees
     /// the request in the KV indexes.
-    async fn dispatch(
-        &self,
-        route: &Route<'_>,
-        hashes: &[LocalBlockHash],
-    ) -> Result<Call, ApiError> {
+    async fn dispatch(&self, route: &Route, hashes: &[LocalBlockHash]) -> Result<Call, ApiError> {
         let prefill = self
             .plan_prefill(route, hashes)
             .inspect_err(|_| self.free())?;
-        self.call(route.worker, prefill).await
+        self.call(&route.worker, prefill).await
     }
 
     /// Where the prompt is prefilled (`disagg::plan`): an empty list means on the decode
     /// worker itself.
     fn plan_prefill(
         &self,
-        route: &Route<'_>,
+        route: &Route,
         hashes: &[LocalBlockHash],
     ) -> Result<Vec<PrefillTarget>, ApiError> {
         disagg::plan(
             self.state,
-            self.view,
+            &self.view,
             &RoutedRequest {
                 request_id: self.id,
-                decode: route.worker,
+                decode: &route.worker,
                 selection: route.selection,
                 hashes,
                 prompt_len: self.prompt.len(),
@@ -261,11 +323,12 @@ impl Request<'_> {
     fn free(&self) {
         self.state.kv.free(self.id);
         self.state.prefill_kv.free(self.id);
+        self.state.queue.wake();
     }
 
     /// Stage 5: spawns the task that turns `call`'s outputs into [`GenEvent`]s on the returned
     /// channel.
-    fn stream(&self, route: &Route<'_>, call: Call) -> mpsc::Receiver<GenEvent> {
+    fn stream(&self, route: &Route, call: Call) -> mpsc::Receiver<GenEvent> {
         let (tx, rx) = mpsc::channel(64);
         let task = StreamTask {
             tx,
@@ -275,6 +338,8 @@ impl Request<'_> {
             prefill_kv: call
                 .prefill_worker_id
                 .map(|_| self.state.prefill_kv.clone()),
+            queue: self.state.queue.clone(),
+            limits: self.state.limits.clone(),
             assets: self.view.assets.clone(),
             received: self.received,
             deadline: call.deadline,
@@ -302,7 +367,7 @@ fn check_fits(
     max_tokens: Option<usize>,
     context: usize,
 ) -> Result<(), ApiError> {
-    let wanted = prompt_len + max_tokens.unwrap_or(1);
+    let wanted = prompt_len.saturating_add(max_tokens.unwrap_or(1));
     if prompt_len == 0 {
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
     }
@@ -316,16 +381,6 @@ fn check_fits(
         ));
     }
     Ok(())
-}
-
-/// Busy workers are the client's 503; anything else is the router's fault.
-fn route_error(e: RouteError) -> ApiError {
-    match e {
-        RouteError::Select(SelectError::NoWorkerAvailable { .. }) => {
-            ApiError::unavailable(e.to_string())
-        }
-        other => ApiError::internal(other.to_string()),
-    }
 }
 
 /// How the stream stage ended.
@@ -346,6 +401,10 @@ struct StreamTask {
     kv: Arc<KvRouter>,
     /// The prefill index, when the request was recorded there too (disaggregated).
     prefill_kv: Option<Arc<KvRouter>>,
+    /// Woken when this request's load leaves the indexes.
+    queue: Arc<AdmissionQueue>,
+    /// Charged with the output tokens.
+    limits: Arc<RateLimits>,
     assets: Arc<ModelAssets>,
     received: Instant,
     deadline: Instant,
@@ -363,6 +422,7 @@ impl StreamTask {
         if let Some(p) = &self.prefill_kv {
             p.free(&self.rid);
         }
+        self.queue.wake();
         self.report(ended, progress.usage).await;
     }
 
@@ -416,11 +476,13 @@ impl StreamTask {
         if tokens == 0 {
             return;
         }
+        self.limits.charge_tokens(tokens);
         if timing.first_token {
             self.kv.mark_prefill_completed(&self.rid);
             if let Some(p) = &self.prefill_kv {
                 p.mark_prefill_completed(&self.rid);
             }
+            self.queue.wake();
             metrics::histogram!(m::TTFT).record(self.received.elapsed().as_secs_f64());
             timing.first_token = false;
         } else {

@@ -1,7 +1,7 @@
 //! The HTTP handlers: `/v1/chat/completions`, `/v1/completions` and `/v1/models`.
 
 use std::convert::Infallible;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -17,9 +17,8 @@ use crate::app::AppState;
 use crate::error::ApiError;
 use crate::generate::{self, GenEvent, Routed, UsageTotals};
 use crate::metrics as m;
-use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
-use crate::params;
-use crate::respond::{self, Collected, Kind, Meta};
+use crate::prepare::{self, Prepared};
+use crate::respond::{self, Collected};
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const WORKER_HEADER: &str = "x-tandem-worker-id";
@@ -107,134 +106,6 @@ fn error_response(
     with_headers(e.into_response(), request_id, None)
 }
 
-struct Prepared {
-    meta: Meta,
-    prompt: Vec<u32>,
-    params: tandem_text::SamplingParams,
-    stream: bool,
-    include_usage: bool,
-    want_logprobs: bool,
-    view: crate::models::ModelView,
-}
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-fn prepare_chat(
-    state: &AppState,
-    body: &[u8],
-    rid: &str,
-) -> Result<Prepared, (ApiError, String, bool)> {
-    let req: ChatCompletionRequest = parse_body(body).map_err(|e| (e, String::new(), false))?;
-    let fail = |e: ApiError| (e, req.model.clone(), req.stream);
-    let view = state
-        .registry
-        .view(&req.model)
-        .ok_or_else(|| fail(ApiError::not_found_model(&req.model)))?;
-    if req.stream_options.is_some() && !req.stream {
-        return Err(fail(ApiError::bad_request(
-            "`stream_options` requires `stream: true`",
-            Some("stream_options"),
-        )));
-    }
-    let t = Instant::now();
-    let prompt = crate::chat::chat_prompt(&view.assets, &req).map_err(fail)?;
-    metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
-    let lp = params::chat_logprobs(req.logprobs, req.top_logprobs).map_err(fail)?;
-    let params = params::sampling_params(req.common(), lp).map_err(fail)?;
-    if let Some(user) = &req.user {
-        tracing::info!(request_id = rid, user = %user, "chat request");
-    }
-    Ok(Prepared {
-        meta: Meta {
-            kind: Kind::Chat,
-            id: format!("chatcmpl-{rid}"),
-            model: req.model.clone(),
-            created: now_secs(),
-        },
-        prompt,
-        params,
-        stream: req.stream,
-        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
-        want_logprobs: lp.is_some(),
-        view,
-    })
-}
-
-fn prepare_completion(
-    state: &AppState,
-    body: &[u8],
-    rid: &str,
-) -> Result<Prepared, (ApiError, String, bool)> {
-    let req: CompletionRequest = parse_body(body).map_err(|e| (e, String::new(), false))?;
-    let fail = |e: ApiError| (e, req.model.clone(), req.stream);
-    for (set, field) in [
-        (req.echo == Some(true), "echo"),
-        (req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix"),
-    ] {
-        if set {
-            return Err(fail(ApiError::bad_request(
-                format!("`{field}` is not supported yet"),
-                Some(field),
-            )));
-        }
-    }
-    let view = state
-        .registry
-        .view(&req.model)
-        .ok_or_else(|| fail(ApiError::not_found_model(&req.model)))?;
-    if req.stream_options.is_some() && !req.stream {
-        return Err(fail(ApiError::bad_request(
-            "`stream_options` requires `stream: true`",
-            Some("stream_options"),
-        )));
-    }
-    let prompt = match &req.prompt {
-        PromptField::Text(t) => view.assets.tokenizer.encode(t, false).map_err(|e| {
-            fail(ApiError::bad_request(
-                format!("cannot tokenize the prompt: {e}"),
-                Some("prompt"),
-            ))
-        })?,
-        PromptField::Tokens(ids) => {
-            let vocab = view.assets.tokenizer.vocab_size() as u32;
-            if let Some(bad) = ids.iter().find(|id| **id >= vocab) {
-                return Err(fail(ApiError::bad_request(
-                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
-                    Some("prompt"),
-                )));
-            }
-            ids.clone()
-        }
-        PromptField::Batch(_) => {
-            return Err(fail(ApiError::bad_request(
-                "a batch of prompts is not supported yet; send one prompt per request",
-                Some("prompt"),
-            )))
-        }
-    };
-    let lp = params::completion_logprobs(req.logprobs).map_err(fail)?;
-    let params = params::sampling_params(req.common(), lp).map_err(fail)?;
-    Ok(Prepared {
-        meta: Meta {
-            kind: Kind::Completion,
-            id: format!("cmpl-{rid}"),
-            model: req.model.clone(),
-            created: now_secs(),
-        },
-        prompt,
-        params,
-        stream: req.stream,
-        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
-        want_logprobs: lp.is_some(),
-        view,
-    })
-}
-
 async fn serve(
     state: AppState,
     p: Prepared,
@@ -245,20 +116,18 @@ async fn serve(
     let model = p.meta.model.clone();
     metrics::histogram!(m::INPUT_SEQUENCE_TOKENS).record(p.prompt.len() as f64);
     let inflight = Inflight::new(&model, endpoint);
-    let (rx, routed) = match generate::start(
-        &state,
-        &p.view,
-        &internal_id(&rid),
-        p.prompt,
-        p.params,
+    let incoming = generate::Incoming {
+        id: internal_id(&rid),
+        prompt: p.prompt,
+        params: p.params,
+        priority: p.priority,
         received,
-    )
-    .await
-    {
+    };
+    let (rx, routed) = match generate::start(&state, &p.view, incoming).await {
         Ok(x) => x,
         Err(e) => return error_response(e, &rid, &model, endpoint, p.stream),
     };
-    tracing::info!(request_id = %rid, worker = routed.worker_id, prefill_worker = ?routed.prefill_worker_id, cached_tokens = routed.cached_tokens, "routed");
+    tracing::info!(request_id = %rid, worker = routed.worker_id, prefill_worker = ?routed.prefill_worker_id, cached_tokens = routed.cached_tokens, queued_ms = routed.queued.as_millis() as u64, "routed");
     let assets = p.view.assets.clone();
     let meta = p.meta;
     if p.stream {
@@ -319,9 +188,9 @@ pub async fn chat_completions(
 ) -> Response {
     let received = Instant::now();
     let rid = request_id(&headers);
-    match prepare_chat(&state, &body, &rid) {
+    match prepare::chat(&state, &body, &rid).await {
         Ok(p) => serve(state, p, rid, "chat_completions", received).await,
-        Err((e, model, stream)) => error_response(e, &rid, &model, "chat_completions", stream),
+        Err(r) => error_response(r.error, &rid, &r.model, "chat_completions", r.stream),
     }
 }
 
@@ -332,10 +201,15 @@ pub async fn completions(
 ) -> Response {
     let received = Instant::now();
     let rid = request_id(&headers);
-    match prepare_completion(&state, &body, &rid) {
+    match prepare::completion(&state, &body, &rid).await {
         Ok(p) => serve(state, p, rid, "completions", received).await,
-        Err((e, model, stream)) => error_response(e, &rid, &model, "completions", stream),
+        Err(r) => error_response(r.error, &rid, &r.model, "completions", r.stream),
     }
+}
+
+/// The answer to a request refused before its body was read (content type, size, timeout).
+pub fn refused_early(e: ApiError, headers: &HeaderMap, endpoint: &'static str) -> Response {
+    error_response(e, &request_id(headers), "", endpoint, false)
 }
 
 pub async fn list_models(State(state): State<AppState>) -> Json<serde_json::Value> {

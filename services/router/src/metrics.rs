@@ -12,3 +12,10 @@ pub use tandem_runtime::metrics::names::router_overhead::{
 
 /// Prefill placement decisions, `decision="remote|local"`, `reason=...` (see `disagg`).
 pub const DISAGG_DECISIONS: &str = "tandem_router_disagg_decisions_total";
+
+/// Requests waiting in the router's queue (Dynamo's name).
+pub const QUEUE_PENDING: &str = "dynamo_frontend_router_queue_pending_requests";
+/// How long admitted requests waited in the router's queue.
+pub const QUEUE_WAIT_SECONDS: &str = "tandem_router_queue_wait_seconds";
+/// Requests refused by the rate limits, `limit="requests|tokens"`.
+pub const RATE_LIMITED: &str = "tandem_router_rate_limited_total";

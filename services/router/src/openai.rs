@@ -71,6 +71,8 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<Value>,
     /// Recorded in the logs with the request id.
     pub user: Option<String>,
+    /// vLLM's queue priority: lower is served first (default 0).
+    pub priority: Option<i64>,
     // Flattened fields cannot be combined with deny_unknown_fields in serde, so they are
     // listed here again.
     pub max_tokens: Option<i64>,
@@ -117,6 +119,8 @@ pub struct CompletionRequest {
     pub best_of: Option<i64>,
     pub suffix: Option<String>,
     pub user: Option<String>,
+    /// vLLM's queue priority: lower is served first (default 0).
+    pub priority: Option<i64>,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,

@@ -13,6 +13,9 @@ fn bad(field: &str, msg: &str) -> ApiError {
 /// Largest `n` and `logprobs` accepted (bounded so one request cannot hog a worker).
 pub const MAX_N: i64 = 16;
 pub const MAX_LOGPROBS: i64 = 20;
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
 
 /// The engine's sampling parameters for a request's fields, each checked in the order the
 /// groups are listed (the first bad field is the one reported), then as a whole.
@@ -76,16 +79,32 @@ fn sampling(c: &CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `stop`: at most 16 strings.
+/// `stop`: at most [`MAX_STOP_STRINGS`] strings of at most [`MAX_STOP_STRING_BYTES`] bytes.
 fn stop_strings(c: &mut CommonFields, p: &mut SamplingParams) -> Result<(), ApiError> {
     if let Some(stop) = c.stop.take() {
         let stops = stop.into_vec();
-        if stops.len() > 16 {
-            return Err(bad("stop", "may hold at most 16 strings"));
+        if stops.len() > MAX_STOP_STRINGS {
+            return Err(bad(
+                "stop",
+                &format!("may hold at most {MAX_STOP_STRINGS} strings"),
+            ));
+        }
+        if stops.iter().any(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(bad(
+                "stop",
+                &format!("strings may be at most {MAX_STOP_STRING_BYTES} bytes long"),
+            ));
         }
         p.stop = stops;
     }
     Ok(())
+}
+
+/// vLLM's `priority`: an integer in the i32 range, lower served first.
+pub fn priority(v: Option<i64>) -> Result<i32, ApiError> {
+    v.map_or(Ok(0), |v| {
+        i32::try_from(v).map_err(|_| bad("priority", "must be a 32-bit integer"))
+    })
 }
 
 /// `n`: 1 to [`MAX_N`].
@@ -143,6 +162,12 @@ fn stopping(c: &mut CommonFields, p: &mut SamplingParams) -> Result<(), ApiError
         p.min_tokens = m as usize;
     }
     p.stop_token_ids = c.stop_token_ids.take().unwrap_or_default();
+    if p.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(bad(
+            "stop_token_ids",
+            &format!("may hold at most {MAX_STOP_TOKEN_IDS} ids"),
+        ));
+    }
     if let Some(s) = c.skip_special_tokens {
         p.skip_special_tokens = s;
     }

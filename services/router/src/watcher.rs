@@ -108,6 +108,8 @@ pub async fn add_worker(state: &AppState, card_json: Value) {
     };
     tracing::info!(worker = id, addr = %card.grpc_addr, model = %card.served_model_name, role = %card.role, "worker added");
     state.registry.add(card, client.clone(), assets);
+    // Requests waiting in the queue may fit on the new worker.
+    state.queue.wake();
     if state.config.routing.use_kv_events && state.config.runtime.event_plane == EventPlane::Direct
     {
         crate::events::spawn_follower(router, state.registry.clone(), id, client);

@@ -257,6 +257,23 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("sse-idle-timeout-secs", INT1, Router,
         "A streaming client that reads nothing for this long is dropped (its request aborted).")
         .env("DYN_SSE_IDLE_TIMEOUT_SECS").default("30").scope(Scope::Router),
+    FlagSpec::new("http-header-read-timeout-secs", INT1, Router,
+        "A client must send a request's headers within this many seconds, or its connection is closed.")
+        .env("DYN_HTTP_HEADER_READ_TIMEOUT_SECS").default("10").scope(Scope::Router),
+    FlagSpec::new("http-body-read-timeout-secs", INT1, Router,
+        "A client must send a request's whole body within this many seconds, or gets 408.")
+        .env("DYN_HTTP_BODY_READ_TIMEOUT_SECS").default("30").scope(Scope::Router),
+    FlagSpec::new("http-max-connections", INT1, Router,
+        "Most open HTTP connections; further clients wait to be accepted.")
+        .env("DYN_HTTP_MAX_CONNECTIONS").default("4096").scope(Scope::Router),
+    FlagSpec::new("rate-limit-requests-per-sec", Float, Router,
+        "Requests per second the router admits (token bucket, a second of burst); 0: no limit. \
+         Over it, 429 with Retry-After.")
+        .env("DYN_RATE_LIMIT_REQUESTS_PER_SEC").default("0").scope(Scope::Router),
+    FlagSpec::new("rate-limit-tokens-per-sec", Float, Router,
+        "Prompt plus output tokens per second the router admits (token bucket, a second of \
+         burst); 0: no limit. Over it, 429 with Retry-After.")
+        .env("DYN_RATE_LIMIT_TOKENS_PER_SEC").default("0").scope(Scope::Router),
     FlagSpec::new("router-mode",
         Choice(&["kv", "round-robin", "random", "least-loaded", "power-of-two", "direct"]), Router,
         "How the router picks a worker. Tandem defaults to kv (Dynamo defaults to round-robin).")
@@ -315,13 +332,17 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("router-prefill-load-model", Choice(&["none", "aic"]), Router,
         "Model of prefill load used in routing.")
         .env("DYN_ROUTER_PREFILL_LOAD_MODEL").default("none").scope(Scope::Router),
-    FlagSpec::new("router-queue-threshold", Float, Router,
-        "Queue requests while every worker is above this fraction of max_num_batched_tokens; \
-         unset: no queue, busy workers give 503.")
-        .env("DYN_ROUTER_QUEUE_THRESHOLD").scope(Scope::Router),
+    FlagSpec::new("router-queue-threshold", Str, Router,
+        "Requests wait in the router's queue while every worker has more active prefill tokens \
+         than this fraction of its max_num_batched_tokens, or is busy; `none`: no queue, busy \
+         workers give 503.")
+        .env("DYN_ROUTER_QUEUE_THRESHOLD").default("4.0").scope(Scope::Router),
     FlagSpec::new("router-queue-policy", Choice(&["fcfs", "wspt"]), Router,
-        "Order of the request queue.")
+        "Order of the request queue after `priority`: fcfs by arrival, wspt shortest prompt first.")
         .env("DYN_ROUTER_QUEUE_POLICY").default("fcfs").scope(Scope::Router),
+    FlagSpec::new("router-queue-max-requests", INT1, Router,
+        "Most requests waiting in the router's queue; past it, 503 with Retry-After.")
+        .env("DYN_ROUTER_QUEUE_MAX_REQUESTS").default("4096").scope(Scope::Router),
     FlagSpec::new("router-event-threads", INT1, Router,
         "Threads applying KV events to the index (Tandem's index is one lock-protected tree).")
         .env("DYN_ROUTER_EVENT_THREADS").default("1").scope(Scope::Router),

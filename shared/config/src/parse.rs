@@ -208,12 +208,36 @@ pub struct RouterConfig {
     pub http_body_limit_mb: u32,
     pub request_timeout_secs: u32,
     pub sse_idle_timeout_secs: u32,
+    pub http: HttpServerConfig,
+    pub admission: AdmissionConfig,
     pub routing: RoutingConfig,
     pub runtime: RuntimeConfig,
     #[serde(skip)]
     pub print_config: bool,
     #[serde(skip)]
     pub warnings: Vec<String>,
+}
+
+/// How the router's HTTP server treats connections.
+#[derive(Clone, Debug, Serialize)]
+pub struct HttpServerConfig {
+    pub header_read_timeout_secs: u32,
+    pub body_read_timeout_secs: u32,
+    pub max_connections: u32,
+}
+
+/// Which requests the router admits now, which wait, and which it refuses.
+#[derive(Clone, Debug, Serialize)]
+pub struct AdmissionConfig {
+    /// Dynamo's `router_queue_threshold`: a fraction of `max_num_batched_tokens`; `None`: no
+    /// queue (busy workers give 503).
+    pub queue_threshold: Option<f64>,
+    /// Shortest prompt first among equal priorities (`wspt`), else arrival order (`fcfs`).
+    pub queue_shortest_first: bool,
+    pub queue_max_requests: u32,
+    /// Token-bucket rates; 0 turns a limit off.
+    pub rate_limit_requests_per_sec: f64,
+    pub rate_limit_tokens_per_sec: f64,
 }
 
 /// KV-aware routing settings (Dynamo's `KvRouterConfig` names).
@@ -268,6 +292,12 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
         http_body_limit_mb: g.u32("http-body-limit-mb")?,
         request_timeout_secs: g.u32("request-timeout-secs")?,
         sse_idle_timeout_secs: g.u32("sse-idle-timeout-secs")?,
+        http: HttpServerConfig {
+            header_read_timeout_secs: g.u32("http-header-read-timeout-secs")?,
+            body_read_timeout_secs: g.u32("http-body-read-timeout-secs")?,
+            max_connections: g.u32("http-max-connections")?,
+        },
+        admission: admission(&resolved)?,
         routing: RoutingConfig {
             router_mode: g.string("router-mode")?,
             overlap_score_weight: non_negative("router-kv-overlap-score-weight")?,
@@ -312,6 +342,48 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
         runtime: RuntimeConfig::from_resolved(&resolved, false, env)?,
         print_config: g.bool("print-config")?,
         warnings: resolved.warnings.clone(),
+    })
+}
+
+/// The router's queue and rate limits.
+fn admission(resolved: &Resolved) -> Result<AdmissionConfig, ConfigError> {
+    let g = Get(resolved);
+    let invalid = |name: &str, value: String, reason: &str| ConfigError::InvalidValue {
+        origin: resolved.origin(name),
+        value,
+        reason: reason.into(),
+    };
+    let raw = g.string("router-queue-threshold")?;
+    let queue_threshold = match raw.trim() {
+        "none" | "None" | "off" => None,
+        v => match v.parse::<f64>() {
+            Ok(f) if f.is_finite() && f >= 0.0 => Some(f),
+            _ => {
+                return Err(invalid(
+                    "router-queue-threshold",
+                    raw,
+                    "must be a number >= 0 or `none`",
+                ))
+            }
+        },
+    };
+    let rate = |name: &str| -> Result<f64, ConfigError> {
+        let v = g.f64(name)?;
+        if v < 0.0 {
+            return Err(invalid(
+                name,
+                v.to_string(),
+                "must be >= 0 (0 turns the limit off)",
+            ));
+        }
+        Ok(v)
+    };
+    Ok(AdmissionConfig {
+        queue_threshold,
+        queue_shortest_first: g.string("router-queue-policy")? == "wspt",
+        queue_max_requests: g.u32("router-queue-max-requests")?,
+        rate_limit_requests_per_sec: rate("rate-limit-requests-per-sec")?,
+        rate_limit_tokens_per_sec: rate("rate-limit-tokens-per-sec")?,
     })
 }
 

@@ -264,8 +264,6 @@ pub const ROUTER_NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
     ("router-snapshot-threshold", "JetStream KV events"),
     ("router-reset-states", "JetStream KV events"),
     ("router-prefill-load-model", "the aic prefill load model"),
-    ("router-queue-threshold", "the router request queue"),
-    ("router-queue-policy", "the router request queue"),
     ("router-event-threads", "multi-threaded event application"),
     ("use-remote-indexer", "remote KV indexers"),
     ("serve-indexer", "remote KV indexers"),

@@ -543,14 +543,17 @@ fn custom_template_must_exist() {
     );
 }
 
+/// `tandem-router` followed by `args`.
+fn router_argv(args: &[&str]) -> Vec<String> {
+    std::iter::once("tandem-router")
+        .chain(args.iter().copied())
+        .map(String::from)
+        .collect()
+}
+
 #[test]
 fn router_flags_parse_and_reject_bad_ports() {
-    let argv = |a: &[&str]| -> Vec<String> {
-        std::iter::once("tandem-router")
-            .chain(a.iter().copied())
-            .map(String::from)
-            .collect()
-    };
+    let argv = router_argv;
     let none = |_: &str| None;
     let cfg = tandem_config::parse_router(&argv(&["--http-port", "9000"]), &none).unwrap();
     assert_eq!((cfg.http_host.as_str(), cfg.http_port), ("0.0.0.0", 9000));
@@ -562,6 +565,44 @@ fn router_flags_parse_and_reject_bad_ports() {
     );
     // Worker-only flags are not router flags.
     assert!(tandem_config::parse_router(&argv(&["--max-batch-size", "3"]), &none).is_err());
+}
+
+#[test]
+fn router_admission_flags_parse_with_dynamo_defaults() {
+    let argv = router_argv;
+    let none = |_: &str| None;
+    let cfg = tandem_config::parse_router(&argv(&[]), &none).unwrap();
+    assert_eq!(cfg.admission.queue_threshold, Some(4.0));
+    assert_eq!(cfg.admission.queue_max_requests, 4096);
+    assert!(!cfg.admission.queue_shortest_first);
+    assert_eq!(cfg.admission.rate_limit_requests_per_sec, 0.0);
+    assert!(cfg.http.max_connections >= 1024);
+    let cfg = tandem_config::parse_router(
+        &argv(&[
+            "--router-queue-threshold",
+            "none",
+            "--router-queue-policy",
+            "wspt",
+        ]),
+        &none,
+    )
+    .unwrap();
+    assert_eq!(cfg.admission.queue_threshold, None);
+    assert!(cfg.admission.queue_shortest_first);
+    let env = |k: &str| (k == "DYN_ROUTER_QUEUE_THRESHOLD").then(|| "0.5".to_string());
+    let cfg = tandem_config::parse_router(&argv(&[]), &env).unwrap();
+    assert_eq!(cfg.admission.queue_threshold, Some(0.5));
+    for bad in [
+        &["--router-queue-threshold", "-1"][..],
+        &["--router-queue-threshold", "lots"],
+        &["--rate-limit-tokens-per-sec", "-3"],
+        &["--http-max-connections", "0"],
+    ] {
+        let e = tandem_config::parse_router(&argv(bad), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(bad[0]), "{bad:?}: {e}");
+    }
 }
 
 #[test]

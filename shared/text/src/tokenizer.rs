@@ -15,6 +15,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// sha256 of `tokenizer.json` (combined with the template in [`tokenizer_hash`]).
     file_sha256: String,
+    /// The longest token string of the vocabulary, in bytes (see [`Tokenizer::min_tokens`]).
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -44,10 +46,27 @@ impl Tokenizer {
     pub fn from_bytes(bytes: &[u8], origin: &str) -> Result<Self, TextError> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TextError::Tokenizer(format!("{origin}: cannot load: {e}")))?;
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Tokenizer {
             inner,
             file_sha256: hex(&Sha256::digest(bytes)),
+            max_token_bytes,
         })
+    }
+
+    /// A lower bound on the tokens `text_bytes` bytes of text encode to, known before
+    /// encoding: a token's string spells its bytes at least once (byte-level and
+    /// SentencePiece vocabularies write each input byte as one or more bytes; byte-fallback
+    /// tokens as six), and normalisation (NFC, NFKC) shrinks text at most threefold. An
+    /// oversized prompt is refused on this bound without being tokenized.
+    pub fn min_tokens(&self, text_bytes: usize) -> usize {
+        text_bytes / (3 * self.max_token_bytes)
     }
 
     /// Token ids of `text`. Chat prompts are rendered by the template with their special

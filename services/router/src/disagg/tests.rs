@@ -297,19 +297,7 @@ fn state(flags: &[&str]) -> AppState {
         .map(String::from)
         .collect();
     let cfg = tandem_config::parse_router(&args, &|_| None).expect("config");
-    let kv = || {
-        std::sync::Arc::new(tandem_kv_router::KvRouter::new(
-            crate::app::kv_router_config(&cfg).expect("kv config"),
-            Some(7),
-        ))
-    };
-    AppState {
-        registry: Default::default(),
-        kv: kv(),
-        prefill_kv: kv(),
-        dumps: Default::default(),
-        config: std::sync::Arc::new(cfg),
-    }
+    AppState::new(cfg, Some(7)).expect("state")
 }
 
 fn selection(worker_id: u64, cached_tokens: usize, prompt_len: usize) -> Selection {

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The burst stage of scripts/gpu-check: one aggregated CUDA worker behind the router, default
+# settings (the router's queue on, threshold 4.0), driven by tandem-loadtest at 256 and then
+# 512 concurrent clients (ISL 512, OSL 512, 1,024 requests each). Every request must succeed:
+# bursts wait in the router's queue rather than getting 503. Records the loadtest reports and
+# the router's queue metrics.
+# Usage: burst_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
+set -uo pipefail
+BIN=$1
+MODEL=$2
+OUT=$3
+. "$(dirname "$0")/serve_lib.sh"
+
+up burst --topology agg
+for c in 256 512; do
+    name=burst_c$c
+    "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/load_$name" \
+        --num-requests 1024 --concurrency "$c" --isl 512 --osl 512 --vocab-hi 150000 \
+        > "$OUT/load_$name.txt" 2>&1
+    curl -s "$URL/metrics" | grep -E '^(tandem_router_queue_wait_seconds_(sum|count)|dynamo_frontend_model_rejection_total)' \
+        > "$OUT/${name}_router_metrics.txt"
+    python3 - "$OUT/load_$name/report.json" "$name" "$OUT/${name}_router_metrics.txt" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["summary"]
+m = {}
+for line in open(sys.argv[3]):
+    k, v = line.rsplit(" ", 1)
+    m[k] = float(v)
+s, n = m.get("tandem_router_queue_wait_seconds_sum", 0), m.get("tandem_router_queue_wait_seconds_count", 0)
+ok = r["failed"] == 0 and r["succeeded"] == r["requests"] > 0
+print(f"{sys.argv[2]}: {r['succeeded']}/{r['requests']} ok, {r['failed']} failed, "
+      f"{r['output_token_throughput']:.0f} out tok/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms "
+      f"p90 {r['ttft_ms'].get('p90', float('nan')):.0f} ms p99 {r['ttft_ms']['p99']:.0f} ms, "
+      f"ITL p50 {r['itl_ms']['p50']:.2f} ms; queued (cumulative) {n:.0f}, mean wait {s / n if n else 0:.2f} s; "
+      f"errors {r['errors']}")
+sys.exit(0 if ok else 1)
+PY
+    case_result "$name" $?
+done
+stop
+echo "burst_check: $fails case(s) failed"
+[ "$fails" -eq 0 ]

@@ -1,0 +1,344 @@
+//! From a request body to a [`Prepared`] request: parse, find the model, check the sizes a
+//! client controls, bound the prompt's length before tokenizing it, render and tokenize off
+//! the async threads, turn the fields into sampling parameters, and take the request from
+//! the rate limits. Every refusal is a 4xx naming what was wrong.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+use tandem_text::SamplingParams;
+use tokio::sync::Semaphore;
+
+use crate::app::AppState;
+use crate::error::ApiError;
+use crate::limits::{LARGE_PROMPT_BYTES, MAX_MESSAGES, MAX_TOOLS};
+use crate::models::{ModelAssets, ModelView};
+use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
+use crate::params;
+use crate::respond::{Kind, Meta};
+
+/// Large prompts tokenized at once; the others wait for a turn, small prompts never do.
+static LARGE_PROMPTS: Semaphore = Semaphore::const_new(2);
+
+/// A request ready for [`crate::generate::start`].
+pub struct Prepared {
+    pub meta: Meta,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub priority: i32,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub want_logprobs: bool,
+    pub view: ModelView,
+}
+
+/// A refused request, with what its metrics are labelled with.
+pub struct Refusal {
+    pub error: ApiError,
+    /// The served model's name; empty when the request named no served model, so client
+    /// input never becomes a metric label.
+    pub model: String,
+    pub stream: bool,
+}
+
+impl Refusal {
+    fn unlabelled(error: ApiError) -> Self {
+        Refusal {
+            error,
+            model: String::new(),
+            stream: false,
+        }
+    }
+}
+
+/// The response's identity: `chatcmpl-` or `cmpl-` and the request id, the served model, now.
+fn meta(kind: Kind, rid: &str, model: &str) -> Meta {
+    let prefix = match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+    };
+    Meta {
+        kind,
+        id: format!("{prefix}-{rid}"),
+        model: model.to_string(),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    }
+}
+
+/// Refusals of a request for the served model `model`, labelled with it.
+fn labelled(model: &str, stream: bool) -> impl Fn(ApiError) -> Refusal + Copy + '_ {
+    move |error| Refusal {
+        error,
+        model: model.to_string(),
+        stream,
+    }
+}
+
+/// The served model `name`, or 404.
+fn served(state: &AppState, name: &str) -> Result<ModelView, Refusal> {
+    state
+        .registry
+        .view(name)
+        .ok_or_else(|| Refusal::unlabelled(ApiError::not_found_model(name)))
+}
+
+pub async fn chat(state: &AppState, body: &[u8], rid: &str) -> Result<Prepared, Refusal> {
+    let req: ChatCompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
+    let view = served(state, &req.model)?;
+    let stream = req.stream;
+    let fail = labelled(&view.name, stream);
+    check_chat_sizes(&req).map_err(fail)?;
+    stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
+    let lp = params::chat_logprobs(req.logprobs, req.top_logprobs).map_err(fail)?;
+    let params = sampling_params(&view, req.common(), lp).map_err(fail)?;
+    let text_bytes = content_bytes(&req.messages);
+    check_prompt_bound(&view, text_bytes, params.max_tokens, "messages").map_err(fail)?;
+    let priority = params::priority(req.priority).map_err(fail)?;
+    let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let t = Instant::now();
+    let assets = view.assets.clone();
+    let (prompt, req) = off_thread(text_bytes, move || {
+        (crate::chat::chat_prompt(&assets, &req), req)
+    })
+    .await
+    .map_err(fail)?;
+    let prompt = prompt.map_err(fail)?;
+    metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
+    state.limits.admit(prompt.len()).map_err(fail)?;
+    if let Some(user) = &req.user {
+        tracing::info!(request_id = rid, user = %user, "chat request");
+    }
+    Ok(Prepared {
+        meta: meta(Kind::Chat, rid, &view.name),
+        prompt,
+        params,
+        priority,
+        stream,
+        include_usage,
+        want_logprobs: lp.is_some(),
+        view,
+    })
+}
+
+pub async fn completion(state: &AppState, body: &[u8], rid: &str) -> Result<Prepared, Refusal> {
+    let req: CompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
+    let view = served(state, &req.model)?;
+    let stream = req.stream;
+    let fail = labelled(&view.name, stream);
+    refuse_unsupported_completion_fields(&req).map_err(fail)?;
+    stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
+    let lp = params::completion_logprobs(req.logprobs).map_err(fail)?;
+    let params = sampling_params(&view, req.common(), lp).map_err(fail)?;
+    let priority = params::priority(req.priority).map_err(fail)?;
+    let t = Instant::now();
+    let prompt = completion_prompt(&view, req.prompt, params.max_tokens)
+        .await
+        .map_err(fail)?;
+    metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
+    state.limits.admit(prompt.len()).map_err(fail)?;
+    Ok(Prepared {
+        meta: meta(Kind::Completion, rid, &view.name),
+        prompt,
+        params,
+        priority,
+        stream,
+        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        want_logprobs: lp.is_some(),
+        view,
+    })
+}
+
+/// `echo` and `suffix` are not implemented: refused by name rather than ignored.
+fn refuse_unsupported_completion_fields(req: &CompletionRequest) -> Result<(), ApiError> {
+    for (set, field) in [
+        (req.echo == Some(true), "echo"),
+        (req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix"),
+    ] {
+        if set {
+            return Err(ApiError::bad_request(
+                format!("`{field}` is not supported yet"),
+                Some(field),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn stream_options_need_stream(has_options: bool, stream: bool) -> Result<(), ApiError> {
+    if has_options && !stream {
+        return Err(ApiError::bad_request(
+            "`stream_options` requires `stream: true`",
+            Some("stream_options"),
+        ));
+    }
+    Ok(())
+}
+
+/// The sampling parameters, with the stop token ids checked against the model's vocabulary.
+fn sampling_params(
+    view: &ModelView,
+    common: crate::openai::CommonFields,
+    logprobs: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
+    let p = params::sampling_params(common, logprobs)?;
+    let vocab = view.assets.tokenizer.vocab_size();
+    if let Some(bad) = p.stop_token_ids.iter().find(|id| **id as usize >= vocab) {
+        return Err(ApiError::bad_request(
+            format!("`stop_token_ids` holds {bad}, outside the vocabulary (size {vocab})"),
+            Some("stop_token_ids"),
+        ));
+    }
+    Ok(p)
+}
+
+/// At most [`MAX_MESSAGES`] messages and [`MAX_TOOLS`] tools.
+fn check_chat_sizes(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+    if let Some(list) = req.messages.as_array() {
+        if list.len() > MAX_MESSAGES {
+            return Err(ApiError::bad_request(
+                format!(
+                    "`messages` holds {} messages; at most {MAX_MESSAGES} are accepted",
+                    list.len()
+                ),
+                Some("messages"),
+            ));
+        }
+    }
+    if let Some(tools) = req.tools.as_ref().and_then(Value::as_array) {
+        if tools.len() > MAX_TOOLS {
+            return Err(ApiError::bad_request(
+                format!(
+                    "`tools` holds {} tools; at most {MAX_TOOLS} are accepted",
+                    tools.len()
+                ),
+                Some("tools"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of the text in the messages' `content` (strings, and text parts), which the chat
+/// template copies into the prompt.
+fn content_bytes(messages: &Value) -> usize {
+    fn strings(v: &Value) -> usize {
+        match v {
+            Value::String(s) => s.len(),
+            Value::Array(a) => a.iter().map(strings).sum(),
+            Value::Object(o) => o.get("text").map_or(0, strings),
+            _ => 0,
+        }
+    }
+    messages.as_array().map_or(0, |list| {
+        list.iter()
+            .filter_map(|m| m.get("content"))
+            .map(strings)
+            .sum()
+    })
+}
+
+/// Refuses, before tokenizing, a prompt of `text_bytes` bytes that cannot fit the model's
+/// context: it encodes to at least `Tokenizer::min_tokens` tokens.
+fn check_prompt_bound(
+    view: &ModelView,
+    text_bytes: usize,
+    max_tokens: Option<usize>,
+    param: &str,
+) -> Result<(), ApiError> {
+    let Some(worker) = view.workers.first() else {
+        return Ok(());
+    };
+    let context = worker.card.context_length as usize;
+    let at_least = view.assets.tokenizer.min_tokens(text_bytes);
+    let wanted = at_least.saturating_add(max_tokens.unwrap_or(1));
+    if wanted > context {
+        return Err(ApiError::bad_request(
+            format!(
+                "the prompt ({text_bytes} bytes, so at least {at_least} tokens) plus max_tokens \
+                 ({}) exceeds the model's context length of {context} tokens",
+                max_tokens.unwrap_or(1)
+            ),
+            Some(param),
+        ));
+    }
+    Ok(())
+}
+
+/// The token ids of a completion prompt: text tokenized off the async threads, ids checked
+/// against the vocabulary.
+async fn completion_prompt(
+    view: &ModelView,
+    prompt: PromptField,
+    max_tokens: Option<usize>,
+) -> Result<Vec<u32>, ApiError> {
+    match prompt {
+        PromptField::Text(text) => {
+            check_prompt_bound(view, text.len(), max_tokens, "prompt")?;
+            let assets: Arc<ModelAssets> = view.assets.clone();
+            off_thread(text.len(), move || assets.tokenizer.encode(&text, false))
+                .await?
+                .map_err(|e| {
+                    ApiError::bad_request(
+                        format!("cannot tokenize the prompt: {e}"),
+                        Some("prompt"),
+                    )
+                })
+        }
+        PromptField::Tokens(ids) => {
+            let vocab = view.assets.tokenizer.vocab_size() as u32;
+            if let Some(bad) = ids.iter().find(|id| **id >= vocab) {
+                return Err(ApiError::bad_request(
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                    Some("prompt"),
+                ));
+            }
+            Ok(ids)
+        }
+        PromptField::Batch(_) => Err(ApiError::bad_request(
+            "a batch of prompts is not supported yet; send one prompt per request",
+            Some("prompt"),
+        )),
+    }
+}
+
+/// Runs `work` (rendering, tokenizing) on the blocking pool, so the async threads keep
+/// serving; prompts over [`LARGE_PROMPT_BYTES`] take turns.
+async fn off_thread<T: Send + 'static>(
+    text_bytes: usize,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let _turn = if text_bytes > LARGE_PROMPT_BYTES {
+        Some(
+            LARGE_PROMPTS
+                .acquire()
+                .await
+                .map_err(|_| ApiError::internal("the tokenizer pool is closed"))?,
+        )
+    } else {
+        None
+    };
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn content_bytes_counts_strings_and_text_parts() {
+        let m = json!([
+            {"role": "system", "content": "abc"},
+            {"role": "user", "content": [{"type": "text", "text": "de"}, {"type": "text", "text": "f"}]},
+            {"role": "assistant", "content": null},
+        ]);
+        assert_eq!(content_bytes(&m), 6);
+        assert_eq!(content_bytes(&json!("not a list")), 0);
+    }
+}
