@@ -450,7 +450,8 @@ pub static FLAGS: &[FlagSpec] = &[
         "Public URL prefix of generated media.")
         .env("DYN_MEDIA_OUTPUT_HTTP_URL"),
     FlagSpec::new("engine-request-limit", INT1, Runtime,
-        "Worker-side limit of concurrent requests before rejection; unlimited when unset.")
+        "Worker-side limit of concurrent requests (running and waiting) before rejection \
+         (gRPC RESOURCE_EXHAUSTED); unlimited when unset.")
         .env("DYN_ENGINE_REQUEST_LIMIT"),
     FlagSpec::new("print-config", Bool, Runtime,
         "Print the resolved config and engine options as JSON and exit.")

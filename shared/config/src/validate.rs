@@ -152,7 +152,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
     ("output-modalities", "output modalities other than text"),
     ("media-output-fs-url", "media outputs"),
     ("media-output-http-url", "media outputs"),
-    ("engine-request-limit", "worker-side request limits"),
 ];
 
 /// Fails on the first flag or engine option that asks for a feature not implemented yet.

@@ -28,9 +28,12 @@ mod core;
 #[cfg(test)]
 mod disagg_tests;
 mod emit;
+#[cfg(test)]
+mod hardening_tests;
 mod lease;
 mod migrate;
 mod prefill;
+mod queue;
 mod requests;
 mod step;
 #[cfg(test)]
@@ -41,15 +44,15 @@ mod validate;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, mpsc as tmpsc, oneshot};
+use tokio::sync::{broadcast, mpsc as tmpsc, oneshot, watch};
 
 use self::core::{Command, Core};
 pub use self::lease::Reservation;
 pub use self::prefill::{PrefillEvent, PrefillStream};
+use self::queue::{command_queue, CommandQueue};
 use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockStats;
@@ -91,6 +94,19 @@ pub struct EngineConfig {
     /// Widest beam search accepted (`use_beam_search` with `best_of`/`n`); 1 refuses beam
     /// search wider than one beam.
     pub max_beam_width: usize,
+    /// Most requests held at once (running and waiting, decode reservations included); a new
+    /// one past it is refused with [`EngineError::Overloaded`]. None: unlimited
+    /// (`--engine-request-limit`).
+    #[serde(default)]
+    pub request_limit: Option<usize>,
+    /// Most commands that start or ask for something (submit, prefill, stats, ...) waiting
+    /// for the engine thread; more are refused with [`EngineError::QueueFull`].
+    #[serde(default = "default_command_queue_capacity")]
+    pub command_queue_capacity: usize,
+}
+
+fn default_command_queue_capacity() -> usize {
+    4096
 }
 
 impl Default for EngineConfig {
@@ -108,6 +124,8 @@ impl Default for EngineConfig {
             eos_token_ids: Vec::new(),
             dp_rank: 0,
             max_beam_width: 1,
+            request_limit: None,
+            command_queue_capacity: default_command_queue_capacity(),
         }
     }
 }
@@ -174,20 +192,28 @@ impl Engine {
             ("max_seq_len", config.max_seq_len),
             ("num_blocks", config.num_blocks),
             ("max_beam_width", config.max_beam_width),
+            ("command_queue_capacity", config.command_queue_capacity),
+            ("request_limit", config.request_limit.unwrap_or(1)),
         ] {
             if v == 0 {
                 return Err(EngineError::Config(format!("{name} must be > 0")));
             }
         }
         let events = KvEventPublisher::new(config.event_buffer_max_size, config.dp_rank);
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = command_queue(config.command_queue_capacity);
         let core = Core::new(backend, tokenizer, config.clone(), events.clone());
+        // Dropped when the thread ends, however it ends (a panic unwinds through it).
+        let (alive_tx, alive) = watch::channel(());
         std::thread::Builder::new()
             .name("tandem-engine".into())
-            .spawn(move || core.run(rx))
+            .spawn(move || {
+                let _alive = alive_tx;
+                core.run(rx)
+            })
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
         Ok(EngineHandle {
             tx,
+            alive,
             info: Arc::new(Info { config, layout }),
             events,
             next_key: Arc::new(AtomicU64::new(1)),
@@ -203,7 +229,9 @@ struct Info {
 /// A cloneable handle on a running engine.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
+    tx: CommandQueue,
+    /// Closed once the engine thread has ended.
+    alive: watch::Receiver<()>,
     info: Arc<Info>,
     events: KvEventPublisher,
     next_key: Arc<AtomicU64>,
@@ -220,7 +248,18 @@ impl EngineHandle {
     }
 
     fn send(&self, cmd: Command) -> Result<(), EngineError> {
-        self.tx.send(cmd).map_err(|_| EngineError::Stopped)
+        self.tx.send(cmd)
+    }
+
+    /// Whether the engine thread still runs (false once it ended: shutdown, or a panic).
+    pub fn is_running(&self) -> bool {
+        self.alive.has_changed().is_ok()
+    }
+
+    /// Resolves once the engine thread has ended, however it ended.
+    pub fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut alive = self.alive.clone();
+        async move { while alive.changed().await.is_ok() {} }
     }
 
     /// Sends a command now (so commands keep the order of the calls, even before the
@@ -435,7 +474,9 @@ pub struct RequestStream {
     key: u64,
     remaining: usize,
     rx: tmpsc::UnboundedReceiver<RequestOutput>,
-    tx: mpsc::Sender<Command>,
+    tx: CommandQueue,
+    /// The outputs ended before every choice finished (the engine thread is gone).
+    cut: bool,
 }
 
 impl RequestStream {
@@ -444,7 +485,7 @@ impl RequestStream {
         key: u64,
         n: usize,
         rx: tmpsc::UnboundedReceiver<RequestOutput>,
-        tx: mpsc::Sender<Command>,
+        tx: CommandQueue,
     ) -> Self {
         Self {
             request_id,
@@ -452,7 +493,14 @@ impl RequestStream {
             remaining: n,
             rx,
             tx,
+            cut: false,
         }
+    }
+
+    /// Whether the stream ended before every choice finished: the engine thread stopped
+    /// without ending the request (it died).
+    pub fn was_cut(&self) -> bool {
+        self.cut
     }
 
     pub fn request_id(&self) -> &str {
@@ -473,6 +521,7 @@ impl RequestStream {
             }
             None => {
                 self.remaining = 0;
+                self.cut = true;
                 None
             }
         }

@@ -55,6 +55,18 @@ pub enum EngineError {
     /// A request the engine refuses (bad parameters, too long for `max_seq_len`, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// Sampling parameters out of range or over a cap (from `tandem-text`).
+    #[error("invalid request: {0}")]
+    Params(#[from] tandem_text::ParamsError),
+    /// The engine already holds its limit of requests (`--engine-request-limit`).
+    #[error(
+        "the engine is at its limit of {limit} concurrent requests (--engine-request-limit); \
+         retry later or on another worker"
+    )]
+    Overloaded { limit: usize },
+    /// The queue of commands to the engine thread is full.
+    #[error("the engine's command queue is full ({capacity} commands waiting); retry later")]
+    QueueFull { capacity: usize },
     /// A request id that is already in use.
     #[error("request {0:?} is already running")]
     DuplicateRequest(String),
@@ -88,7 +100,52 @@ pub enum EngineError {
     Stopped,
 }
 
+/// Who is at fault when the engine refuses or fails something: what a service maps to its
+/// status codes (gRPC, HTTP) without reading messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The caller's input is wrong (parameters, lengths, ids, a malformed snapshot).
+    Invalid,
+    /// A request, lease or id that is not there (any more).
+    NotFound,
+    /// An id already in use.
+    AlreadyExists,
+    /// Out of capacity right now (KV blocks, the request limit): retry later or elsewhere.
+    Exhausted,
+    /// The engine cannot take work (stopped, shutting down, its queue full).
+    Unavailable,
+    /// Something failed inside (backend, files, configuration).
+    Internal,
+}
+
 impl EngineError {
+    /// The class of this error, by variant.
+    pub fn class(&self) -> ErrorClass {
+        use EngineError as E;
+        match self {
+            E::InvalidRequest(_) | E::Params(_) | E::BadSnapshot(_) | E::LayoutMismatch { .. } => {
+                ErrorClass::Invalid
+            }
+            E::UnknownRequest(_) | E::UnknownLease(_) => ErrorClass::NotFound,
+            E::DuplicateRequest(_) | E::DuplicateLease(_) => ErrorClass::AlreadyExists,
+            E::OutOfBlocks { .. } | E::Overloaded { .. } => ErrorClass::Exhausted,
+            E::Stopped | E::QueueFull { .. } => ErrorClass::Unavailable,
+            E::Io { .. }
+            | E::ModelPathMissing(_)
+            | E::MissingFile { .. }
+            | E::BadFile { .. }
+            | E::Tensor { .. }
+            | E::Tokenizer(_)
+            | E::Template(_)
+            | E::Fetch(_)
+            | E::TinyModel(_)
+            | E::InvalidInput(_)
+            | E::Config(_)
+            | E::Backend(_)
+            | E::Text(_) => ErrorClass::Internal,
+        }
+    }
+
     /// Wraps an I/O error with the path it concerns.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         EngineError::Io {

@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod engine;
 pub mod error;
+pub mod failpoints;
 pub mod kv;
 pub mod model;
 pub mod request;

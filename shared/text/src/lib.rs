@@ -9,6 +9,7 @@
 pub mod chat;
 pub mod error;
 pub mod incremental;
+pub mod limits;
 pub mod logprob;
 pub mod params;
 pub mod stop;
@@ -18,7 +19,7 @@ pub use chat::{ChatRequest, ChatTemplate};
 pub use error::TextError;
 pub use incremental::IncrementalDecoder;
 pub use logprob::TokenLogprob;
-pub use params::SamplingParams;
+pub use params::{ParamsError, SamplingParams};
 pub use stop::{StopFeed, StopMatcher, StopReason};
 pub use tokenizer::{tokenizer_hash, Tokenizer};
 

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::limits;
+
 /// How a request's tokens are chosen and when it stops.
 ///
 /// Semantics follow vLLM (which follows OpenAI where OpenAI defines them):
@@ -108,81 +110,293 @@ impl SamplingParams {
         }
     }
 
-    /// Checks ranges; returns a message naming the offending field.
-    pub fn validate(&self) -> Result<(), String> {
-        let finite = |name: &str, v: f32| {
-            if v.is_finite() {
-                Ok(())
-            } else {
-                Err(format!("{name} must be finite"))
-            }
-        };
-        finite("temperature", self.temperature)?;
-        finite("top_p", self.top_p)?;
-        finite("min_p", self.min_p)?;
-        finite("repetition_penalty", self.repetition_penalty)?;
-        finite("presence_penalty", self.presence_penalty)?;
-        finite("frequency_penalty", self.frequency_penalty)?;
-        if self.n == 0 {
-            return Err("n must be at least 1".into());
-        }
-        if self.temperature < 0.0 {
-            return Err("temperature must be >= 0".into());
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err("top_p must be in (0, 1]".into());
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return Err("min_p must be in [0, 1]".into());
-        }
-        if self.repetition_penalty <= 0.0 {
-            return Err("repetition_penalty must be > 0".into());
-        }
-        if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return Err("presence_penalty must be in [-2, 2]".into());
-        }
-        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return Err("frequency_penalty must be in [-2, 2]".into());
-        }
-        finite("length_penalty", self.length_penalty)?;
+    /// Checks ranges and the caps of [`crate::limits`]; the error names the offending field.
+    pub fn validate(&self) -> Result<(), ParamsError> {
+        self.validate_floats()?;
+        self.validate_counts()?;
         if let Some(b) = self.best_of {
             if b < self.n {
-                return Err(format!("best_of ({b}) must be >= n ({})", self.n));
+                return Err(ParamsError::BestOfBelowN {
+                    best_of: b,
+                    n: self.n,
+                });
             }
             if b != self.n && !self.use_beam_search {
-                return Err(
-                    "best_of > n is only supported with use_beam_search (sampling best_of is \
-                     not implemented)"
-                        .into(),
-                );
+                return Err(ParamsError::BestOfWithoutBeamSearch);
             }
         }
         if self.use_beam_search {
-            let refuse = |what: &str| Err(format!("{what} is not supported with use_beam_search"));
-            if self.repetition_penalty != 1.0
-                || self.presence_penalty != 0.0
-                || self.frequency_penalty != 0.0
-            {
-                return refuse("a repetition, presence or frequency penalty");
-            }
-            if self.min_tokens > 0 {
-                return refuse("min_tokens");
-            }
-            if !self.stop.is_empty() {
-                return refuse("stop");
-            }
-            if self.logprobs.is_some() {
-                return refuse("logprobs");
-            }
+            self.validate_beam_search()?;
         }
         if let Some(m) = self.max_tokens {
             if m == 0 {
-                return Err("max_tokens must be at least 1".into());
+                return Err(range("max_tokens", "at least 1".into()));
             }
             if self.min_tokens > m {
-                return Err("min_tokens must not exceed max_tokens".into());
+                return Err(ParamsError::MinTokensOverMax);
             }
         }
         Ok(())
+    }
+
+    /// The float parameters: finite and in range.
+    fn validate_floats(&self) -> Result<(), ParamsError> {
+        for (field, v) in [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("min_p", self.min_p),
+            ("repetition_penalty", self.repetition_penalty),
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+            ("length_penalty", self.length_penalty),
+        ] {
+            if !v.is_finite() {
+                return Err(ParamsError::NotFinite { field });
+            }
+        }
+        if self.temperature < 0.0 {
+            return Err(range("temperature", ">= 0".into()));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(range("top_p", "in (0, 1]".into()));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(range("min_p", "in [0, 1]".into()));
+        }
+        if self.repetition_penalty <= 0.0 {
+            return Err(range("repetition_penalty", "> 0".into()));
+        }
+        for (field, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(range(field, "in [-2, 2]".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The sizes a client controls: `n`, `best_of`, `logprobs`, the stop strings and stop
+    /// token ids, against [`crate::limits`].
+    fn validate_counts(&self) -> Result<(), ParamsError> {
+        let between = |field, v: usize, max: usize| {
+            if (1..=max).contains(&v) {
+                Ok(())
+            } else {
+                Err(range(field, format!("between 1 and {max}")))
+            }
+        };
+        between("n", self.n, limits::MAX_N)?;
+        if let Some(b) = self.best_of {
+            between("best_of", b, limits::MAX_N)?;
+        }
+        if self.logprobs.is_some_and(|k| k > limits::MAX_LOGPROBS) {
+            let max = limits::MAX_LOGPROBS;
+            return Err(range("logprobs", format!("between 0 and {max}")));
+        }
+        too_many("stop", self.stop.len(), limits::MAX_STOP_STRINGS)?;
+        too_many(
+            "stop_token_ids",
+            self.stop_token_ids.len(),
+            limits::MAX_STOP_TOKEN_IDS,
+        )?;
+        let max = limits::MAX_STOP_STRING_BYTES;
+        match self.stop.iter().position(|s| s.len() > max) {
+            Some(index) => Err(ParamsError::StopStringTooLong {
+                index,
+                got: self.stop[index].len(),
+                max,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// What beam search refuses.
+    fn validate_beam_search(&self) -> Result<(), ParamsError> {
+        let refused = [
+            ("repetition_penalty", self.repetition_penalty != 1.0),
+            ("presence_penalty", self.presence_penalty != 0.0),
+            ("frequency_penalty", self.frequency_penalty != 0.0),
+            ("min_tokens", self.min_tokens > 0),
+            ("stop", !self.stop.is_empty()),
+            ("logprobs", self.logprobs.is_some()),
+        ];
+        match refused.into_iter().find(|(_, set)| *set) {
+            Some((field, _)) => Err(ParamsError::NotWithBeamSearch { field }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Why [`SamplingParams::validate`] refused parameters. Every variant names its field
+/// ([`ParamsError::field`]); the message is the one a client sees.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ParamsError {
+    #[error("{field} must be finite")]
+    NotFinite { field: &'static str },
+    /// A value outside its range; `range` says which, e.g. `in (0, 1]`.
+    #[error("{field} must be {range}")]
+    OutOfRange { field: &'static str, range: String },
+    /// A list longer than its cap in [`crate::limits`].
+    #[error("{field} has {got} entries; at most {max} are allowed")]
+    TooMany {
+        field: &'static str,
+        got: usize,
+        max: usize,
+    },
+    #[error("stop[{index}] is {got} bytes long; at most {max} are allowed")]
+    StopStringTooLong {
+        index: usize,
+        got: usize,
+        max: usize,
+    },
+    #[error("{field} is not supported with use_beam_search")]
+    NotWithBeamSearch { field: &'static str },
+    #[error("best_of ({best_of}) must be >= n ({n})")]
+    BestOfBelowN { best_of: usize, n: usize },
+    #[error(
+        "best_of > n is only supported with use_beam_search (sampling best_of is not implemented)"
+    )]
+    BestOfWithoutBeamSearch,
+    #[error("min_tokens must not exceed max_tokens")]
+    MinTokensOverMax,
+}
+
+impl ParamsError {
+    /// The parameter at fault.
+    pub fn field(&self) -> &'static str {
+        match self {
+            ParamsError::NotFinite { field }
+            | ParamsError::OutOfRange { field, .. }
+            | ParamsError::TooMany { field, .. }
+            | ParamsError::NotWithBeamSearch { field } => field,
+            ParamsError::StopStringTooLong { .. } => "stop",
+            ParamsError::BestOfBelowN { .. } | ParamsError::BestOfWithoutBeamSearch => "best_of",
+            ParamsError::MinTokensOverMax => "min_tokens",
+        }
+    }
+}
+
+/// The message, for callers that report text.
+impl From<ParamsError> for String {
+    fn from(e: ParamsError) -> String {
+        e.to_string()
+    }
+}
+
+fn range(field: &'static str, range: String) -> ParamsError {
+    ParamsError::OutOfRange { field, range }
+}
+
+fn too_many(field: &'static str, got: usize, max: usize) -> Result<(), ParamsError> {
+    if got > max {
+        Err(ParamsError::TooMany { field, got, max })
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::*;
+
+    fn err(p: SamplingParams) -> ParamsError {
+        p.validate().expect_err("refused")
+    }
+
+    #[test]
+    fn defaults_and_the_caps_themselves_pass() {
+        SamplingParams::default().validate().expect("defaults");
+        let p = SamplingParams {
+            n: MAX_N,
+            logprobs: Some(MAX_LOGPROBS),
+            stop: vec!["x".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS],
+            stop_token_ids: vec![7; MAX_STOP_TOKEN_IDS],
+            ..SamplingParams::default()
+        };
+        p.validate().expect("at the caps");
+    }
+
+    #[test]
+    fn n_and_best_of_are_bounded() {
+        for n in [0, MAX_N + 1, usize::MAX] {
+            let e = err(SamplingParams {
+                n,
+                ..SamplingParams::default()
+            });
+            assert_eq!(e.field(), "n", "{e}");
+        }
+        let e = err(SamplingParams {
+            best_of: Some(usize::MAX),
+            use_beam_search: true,
+            ..SamplingParams::default()
+        });
+        assert_eq!(e.field(), "best_of", "{e}");
+    }
+
+    #[test]
+    fn lists_over_their_caps_name_the_field() {
+        let e = err(SamplingParams {
+            stop: vec!["a".into(); MAX_STOP_STRINGS + 1],
+            ..SamplingParams::default()
+        });
+        assert!(
+            matches!(e, ParamsError::TooMany { field: "stop", .. }),
+            "{e}"
+        );
+        let e = err(SamplingParams {
+            stop: vec!["ok".into(), "y".repeat(MAX_STOP_STRING_BYTES + 1)],
+            ..SamplingParams::default()
+        });
+        assert!(
+            matches!(e, ParamsError::StopStringTooLong { index: 1, .. }),
+            "{e}"
+        );
+        let e = err(SamplingParams {
+            stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1],
+            ..SamplingParams::default()
+        });
+        assert_eq!(e.field(), "stop_token_ids", "{e}");
+        let e = err(SamplingParams {
+            logprobs: Some(MAX_LOGPROBS + 1),
+            ..SamplingParams::default()
+        });
+        assert_eq!(e.field(), "logprobs", "{e}");
+    }
+
+    #[test]
+    fn ranges_and_beam_search_refusals_keep_their_messages() {
+        let e = err(SamplingParams {
+            top_p: 0.0,
+            ..SamplingParams::default()
+        });
+        assert_eq!(e.to_string(), "top_p must be in (0, 1]");
+        let e = err(SamplingParams {
+            temperature: f32::NAN,
+            ..SamplingParams::default()
+        });
+        assert_eq!(
+            e,
+            ParamsError::NotFinite {
+                field: "temperature"
+            }
+        );
+        let e = err(SamplingParams {
+            use_beam_search: true,
+            logprobs: Some(1),
+            ..SamplingParams::default()
+        });
+        assert_eq!(
+            e.to_string(),
+            "logprobs is not supported with use_beam_search"
+        );
+        let e = err(SamplingParams {
+            max_tokens: Some(2),
+            min_tokens: 3,
+            ..SamplingParams::default()
+        });
+        assert_eq!(e.field(), "min_tokens");
     }
 }

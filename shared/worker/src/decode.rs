@@ -14,7 +14,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
-use tandem_engine::error::EngineError;
 use tandem_engine::sampler::SamplingParams;
 use tandem_kv_transfer::RemoteRegion;
 use tandem_protocol::wire::required;
@@ -198,10 +197,7 @@ impl DecodeSide {
             .await
         {
             Ok(r) => r,
-            Err(e @ EngineError::OutOfBlocks { .. }) => {
-                return Err(Attempt::Refused(Status::resource_exhausted(e.to_string())))
-            }
-            Err(e) => return Err(Attempt::Refused(Status::invalid_argument(e.to_string()))),
+            Err(e) => return Err(Attempt::Refused(crate::status::engine_status(e))),
         };
         self.leases.grant(lease_id, epoch, &target.grpc_addr);
         let first_block = reservation.cached_tokens / self.block_size;
@@ -304,9 +300,10 @@ impl DecodeSide {
             }
             Err(e) => {
                 self.release(lease_id).await;
-                Attempt::Refused(Status::internal(format!(
-                    "cannot continue the request after its remote prefill: {e}"
-                )))
+                Attempt::Refused(Status::new(
+                    crate::status::engine_code(&e),
+                    format!("cannot continue the request after its remote prefill: {e}"),
+                ))
             }
         }
     }

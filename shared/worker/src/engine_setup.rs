@@ -328,6 +328,8 @@ fn engine_config(cfg: &WorkerConfig, model: &LoadedModel, num_blocks: usize) -> 
         eos_token_ids: model.eos_token_ids(),
         dp_rank: 0,
         max_beam_width: opts.max_beam_width.max(1) as usize,
+        request_limit: cfg.runtime.engine_request_limit.map(|v| v as usize),
+        ..EngineConfig::default()
     }
 }
 

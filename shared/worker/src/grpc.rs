@@ -8,6 +8,7 @@ use tandem_engine::engine::{EngineHandle, RequestStream};
 
 use crate::decode::DecodeSide;
 use crate::prefill::PrefillSide;
+use crate::status::engine_status;
 use crate::wire::{EngineIntoWire, EngineTryFromWire, IntoWire};
 use tandem_engine::kv::events::KvCacheEvent;
 use tandem_engine::request::Request;
@@ -66,10 +67,12 @@ impl WorkerService {
     }
 
     fn check_accepting(&self) -> Result<(), Status> {
-        if self.accepting.load(std::sync::atomic::Ordering::SeqCst) {
-            Ok(())
-        } else {
+        if !self.accepting.load(std::sync::atomic::Ordering::SeqCst) {
             Err(Status::unavailable("worker is draining"))
+        } else if !self.engine.is_running() {
+            Err(Status::unavailable("the worker's engine has stopped"))
+        } else {
+            Ok(())
         }
     }
 
@@ -135,6 +138,15 @@ pub(crate) async fn forward(
                     if tx.send(Ok(out.into_wire())).await.is_err() {
                         break;
                     }
+                }
+                None if stream.was_cut() => {
+                    // The engine thread died with the request in flight.
+                    let _ = tx
+                        .send(Err(Status::unavailable(
+                            "the engine stopped before the request finished",
+                        )))
+                        .await;
+                    return;
                 }
                 None => return,
             },
@@ -203,11 +215,7 @@ impl Worker for WorkerService {
             return Err(Status::invalid_argument("request_id is empty"));
         }
         req.params.validate().map_err(Status::invalid_argument)?;
-        let stream = self
-            .engine
-            .submit(req)
-            .await
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let stream = self.engine.submit(req).await.map_err(engine_status)?;
         let (tx, rx) = mpsc::channel(64);
         let engine = self.engine.clone();
         tokio::spawn(async move { forward(stream, &tx, &engine).await });
@@ -258,7 +266,8 @@ impl Worker for WorkerService {
         _request: GrpcRequest<HealthRequest>,
     ) -> Result<Response<HealthReply>, Status> {
         let accepting = self.accepting.load(std::sync::atomic::Ordering::SeqCst);
-        let healthy = accepting && self.engine.stats().await.is_ok();
+        // Not through the command queue: a full queue is load, not ill health.
+        let healthy = accepting && self.engine.is_running();
         let status = if !accepting {
             "draining"
         } else if healthy {
@@ -276,11 +285,7 @@ impl Worker for WorkerService {
         &self,
         _request: GrpcRequest<LoadStatsRequest>,
     ) -> Result<Response<LoadStatsReply>, Status> {
-        let s = self
-            .engine
-            .stats()
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let s = self.engine.stats().await.map_err(engine_status)?;
         Ok(Response::new(LoadStatsReply {
             running: s.running as u32,
             waiting: s.waiting as u32,

@@ -14,6 +14,7 @@ pub mod nats;
 pub mod prefill;
 pub mod serve;
 pub mod stats;
+pub mod status;
 pub mod transport;
 pub mod wire;
 

@@ -244,7 +244,7 @@ impl PrefillSide {
             .engine
             .prefill(request, lease.first_block as usize)
             .await
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .map_err(crate::status::engine_status)?;
         let mut w = LeaseWrite {
             link: self.link(&region).await?,
             lease,

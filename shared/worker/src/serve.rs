@@ -90,11 +90,14 @@ pub async fn run_with_transfer(
     .with_prefill(sides.prefill.clone());
     let accepting = service.accepting_flag();
     let health_flag = accepting.clone();
+    let health_engine = built.engine.clone();
     let status_bind = format!("{}:{}", cfg.network.system_host, cfg.network.system_port);
+    // Healthy while accepting work and while the engine thread runs: a dead engine fails
+    // `/health` at once.
     let status_bound = tandem_runtime::metrics::serve_status_until(
         &status_bind,
         metrics_handle,
-        Arc::new(move || health_flag.load(Ordering::SeqCst)),
+        Arc::new(move || health_flag.load(Ordering::SeqCst) && health_engine.is_running()),
         shutdown.clone(),
     )
     .await
@@ -108,7 +111,12 @@ pub async fn run_with_transfer(
     announce_ready(&cfg, &card);
     let (server_shutdown, server) = spawn_server(service, listener);
 
-    shutdown.cancelled().await;
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = built.engine.stopped() => {
+            return engine_died(&accepting, registration, server_shutdown, server).await;
+        }
+    }
     tracing::info!("shutting down: deregistering, then draining in-flight requests");
     accepting.store(false, Ordering::SeqCst);
     if let Err(e) = registration.deregister().await {
@@ -130,6 +138,29 @@ pub async fn run_with_transfer(
     drop(transport);
     tracing::info!("worker stopped");
     Ok(())
+}
+
+/// The engine thread ended while the worker serves (a panic outside one request's work, or
+/// an engine that stopped on its own): stop accepting (`/health` already fails, as the
+/// engine is not running), leave discovery at once so routers stop sending work here, stop
+/// the gRPC server and return an error, so the process exits non-zero and its supervisor
+/// (the launcher, Kubernetes) can restart it. Requests in flight already ended with
+/// `UNAVAILABLE`.
+async fn engine_died(
+    accepting: &std::sync::atomic::AtomicBool,
+    registration: tandem_runtime::discovery::Registration,
+    server_shutdown: tandem_runtime::shutdown::Shutdown,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+) -> anyhow::Result<()> {
+    accepting.store(false, Ordering::SeqCst);
+    tracing::error!("the engine thread stopped unexpectedly; deregistering and exiting");
+    if let Err(e) = registration.deregister().await {
+        tracing::warn!("deregistration failed (the entry will expire by TTL): {e}");
+    }
+    // Graceful: the streams in flight deliver their UNAVAILABLE first.
+    server_shutdown.trigger();
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    anyhow::bail!("the engine thread stopped unexpectedly; the worker deregistered and exits")
 }
 
 /// Opens the KV transport a disaggregated role needs and builds the engine (its pool

@@ -88,11 +88,10 @@ impl BeamGroup {
         } else {
             eos_token_ids.to_vec()
         };
-        for &t in &p.stop_token_ids {
-            if !eos.contains(&t) {
-                eos.push(t);
-            }
-        }
+        // Sorted and without repeats: looked up by binary search on every candidate.
+        eos.extend_from_slice(&p.stop_token_ids);
+        eos.sort_unstable();
+        eos.dedup();
         BeamGroup {
             width: p.beam_width(),
             n: p.n,
@@ -108,6 +107,10 @@ impl BeamGroup {
             cached_tokens: 0,
             skip_special_tokens: p.skip_special_tokens,
         }
+    }
+
+    fn is_eos(&self, token: u32) -> bool {
+        self.eos.binary_search(&token).is_ok()
     }
 
     fn k(&self) -> usize {
@@ -198,7 +201,7 @@ impl BeamGroup {
             return;
         }
         for c in cands.iter().take(self.width) {
-            let is_eos = self.eos.contains(&c.token);
+            let is_eos = self.is_eos(c.token);
             if !(is_eos || at_max) {
                 continue;
             }
@@ -221,7 +224,7 @@ impl BeamGroup {
         cands
             .iter()
             .copied()
-            .filter(|c| !self.eos.contains(&c.token))
+            .filter(|c| !self.is_eos(c.token))
             .take(self.width)
             .collect()
     }
@@ -305,7 +308,7 @@ impl BeamGroup {
             None => FinishReason::Length,
         });
         o.stop_reason = h.eos.map(|t| {
-            if self.stop_token_ids.contains(&t) && !eos_token_ids.contains(&t) {
+            if self.stop_token_ids.binary_search(&t).is_ok() && !eos_token_ids.contains(&t) {
                 StopReason::TokenId(t)
             } else {
                 StopReason::Eos(t)

@@ -2,7 +2,7 @@
 //! (live requests, leases, prefill cursors, beam groups), turns commands into state changes and
 //! runs steps (see `step.rs`) while there is work.
 
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::TryRecvError;
 use std::sync::Arc;
 
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -10,6 +10,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 use super::beam::BeamGroups;
 use super::lease::{Leases, Reservation};
 use super::prefill::{PrefillCursors, PrefillEvent};
+use super::queue::CommandReceiver;
 use super::requests::{Entry, Requests, Sink};
 use super::{EngineConfig, EngineStats};
 use crate::backend::Backend;
@@ -75,6 +76,20 @@ pub(crate) enum Command {
     Shutdown,
 }
 
+impl Command {
+    /// Whether the command ends something already admitted (so it must never be refused by
+    /// the bounded queue, see `queue.rs`).
+    pub(crate) fn is_cleanup(&self) -> bool {
+        matches!(
+            self,
+            Command::Abort { .. }
+                | Command::AbortKey(_)
+                | Command::ReleaseReservation { .. }
+                | Command::Shutdown
+        )
+    }
+}
+
 /// Counts reported in [`EngineStats`].
 #[derive(Default)]
 pub(super) struct Counters {
@@ -90,9 +105,10 @@ impl Counters {
         self.preemptions += sch.preempted.len() as u64;
     }
 
-    /// A step ran its forward pass.
-    pub(super) fn stepped(&mut self) {
+    /// A step ran its forward pass; returns how many have run.
+    pub(super) fn stepped(&mut self) -> u64 {
         self.steps += 1;
+        self.steps
     }
 
     /// A forward pass computed `n` tokens at prompt positions.
@@ -149,6 +165,15 @@ pub(super) fn state_of(seq: &Sequence) -> SequenceState {
     }
 }
 
+/// Parameters as a sequence keeps them: `stop_token_ids` sorted and without repeats, so
+/// each generated token is looked up by binary search (their count is capped, see
+/// `tandem_text::limits`).
+pub(super) fn normalized(mut params: SamplingParams) -> SamplingParams {
+    params.stop_token_ids.sort_unstable();
+    params.stop_token_ids.dedup();
+    params
+}
+
 pub(super) fn usage(seq: &Sequence) -> Usage {
     Usage {
         prompt_tokens: seq.prompt_len,
@@ -193,7 +218,7 @@ impl Core {
         }
     }
 
-    pub(crate) fn run(mut self, rx: Receiver<Command>) {
+    pub(crate) fn run(mut self, rx: CommandReceiver) {
         loop {
             // Block while idle; otherwise take what has arrived and go on stepping.
             if self.sched.is_idle() {
@@ -344,9 +369,10 @@ impl Core {
     }
 
     pub(super) fn submit(&mut self, req: Request, key: u64, out: Sink) -> Result<(), EngineError> {
+        self.check_request_limit()?;
         let max_tokens = self.validate(&req.request_id, &req.prompt, &req.params)?;
         let seed = req.params.seed.unwrap_or_else(Rng::random_seed);
-        let params = Arc::new(req.params);
+        let params = Arc::new(normalized(req.params));
         let rid: Arc<str> = Arc::from(req.request_id.as_str());
         // A beam request starts as one sequence; its beams fork from it (see `beam.rs`).
         let choices = if params.use_beam_search { 1 } else { params.n };

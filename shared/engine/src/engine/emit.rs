@@ -72,6 +72,7 @@ fn append_token(
     eos: &[u32],
     tokenizer: Option<&Tokenizer>,
 ) -> (RequestOutput, Option<FinishReason>) {
+    crate::failpoints::panic_request(&seq.request_id);
     let tok = sampled.token;
     seq.tokens.push(tok);
     let mut o = output(&seq.request_id, seq.index);
@@ -94,11 +95,12 @@ fn append_token(
     (o, finish)
 }
 
-/// The stop reason when `tok` is an EOS (unless `ignore_eos`) or a stop token id.
+/// The stop reason when `tok` is an EOS (unless `ignore_eos`) or a stop token id (sorted,
+/// see `core::normalized`).
 fn stop_token(params: &SamplingParams, eos: &[u32], tok: u32) -> Option<StopReason> {
     if eos.contains(&tok) && !params.ignore_eos {
         Some(StopReason::Eos(tok))
-    } else if params.stop_token_ids.contains(&tok) {
+    } else if params.stop_token_ids.binary_search(&tok).is_ok() {
         Some(StopReason::TokenId(tok))
     } else {
         None

@@ -161,6 +161,7 @@ impl Core {
         if self.leases.contains(lease_id) {
             return Err(EngineError::DuplicateLease(lease_id));
         }
+        self.check_request_limit()?;
         self.validate_prompt(&prompt, params)?;
         if params.use_beam_search {
             return Err(EngineError::InvalidRequest(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc as tmpsc;
 
-use super::core::{output, state_of, usage, Core};
+use super::core::{normalized, output, state_of, usage, Core};
 use super::requests::{Entry, Sink};
 use crate::error::EngineError;
 use crate::request::{FinishReason, RequestOutput, RequestSnapshot, SequenceState};
@@ -111,6 +111,9 @@ impl Core {
         if st.params.n != 1 && st.index >= st.params.n {
             return bad("choice index out of range");
         }
+        if st.prompt_len > st.tokens.len() {
+            return bad("prompt_len exceeds the tokens");
+        }
         let max_tokens = self.validate(&st.request_id, &st.tokens[..st.prompt_len], &st.params)?;
         if st.max_tokens > max_tokens || st.tokens.len() - st.prompt_len > st.max_tokens {
             return bad("max_tokens does not fit this engine or is already exceeded");
@@ -132,7 +135,7 @@ impl Core {
             tokens: st.tokens,
             max_tokens: st.max_tokens,
             arrival: self.requests.new_arrival(),
-            params: Arc::new(st.params),
+            params: Arc::new(normalized(st.params)),
             sampler: st.sampler,
         });
         seq.prompt_len = st.prompt_len;

@@ -17,11 +17,11 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::mpsc;
 
 use tokio::sync::mpsc as tmpsc;
 
 use super::core::{Command, Core};
+use super::queue::CommandQueue;
 use super::requests::{Entry, Sink};
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
@@ -58,7 +58,7 @@ pub struct PrefillStream {
     key: u64,
     done: bool,
     rx: tmpsc::UnboundedReceiver<PrefillEvent>,
-    tx: mpsc::Sender<Command>,
+    tx: CommandQueue,
 }
 
 impl PrefillStream {
@@ -66,7 +66,7 @@ impl PrefillStream {
         request_id: String,
         key: u64,
         rx: tmpsc::UnboundedReceiver<PrefillEvent>,
-        tx: mpsc::Sender<Command>,
+        tx: CommandQueue,
     ) -> Self {
         Self {
             request_id,

@@ -2,6 +2,8 @@
 //! forward pass over the scheduled pieces, then mark them computed and sample (on the device or
 //! here), emit, and step the beam groups whose beams all have their rows.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
 use super::core::Core;
 use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
@@ -24,7 +26,9 @@ impl Core {
             // A step that only preempted made room: the next one makes progress.
             return !sch.preempted.is_empty();
         }
-        self.counters.stepped();
+        let steps = self.counters.stepped();
+        // A fault in the batched part is fatal to the thread (the worker sees it die).
+        crate::failpoints::die_after_steps(steps);
         // Blocks complete before this step (a cached prefix, earlier chunks) go out now, so
         // sending overlaps this step's compute. (A failed send ends its request, which
         // `live_pieces` then leaves out.)
@@ -143,23 +147,57 @@ impl Core {
             if !p.sample {
                 continue;
             }
-            match result {
+            // Sampling, stop checks and emission are one request's own work: a panic in
+            // them fails that request only.
+            let beam = self.isolated(p.id, |core| match result {
                 // Sampled on the device with this step's plan.
                 StepResult::Tokens(tokens) => {
-                    self.emit_device_token(p.id, tokens.get(i).copied().flatten());
+                    core.emit_device_token(p.id, tokens.get(i).copied().flatten());
+                    None
                 }
-                StepResult::Logits(out) => {
-                    if let Some(rid) = self.sample_row(p.id, logits_row(out, i)) {
-                        if !beam_reqs.contains(&rid) {
-                            beam_reqs.push(rid);
-                        }
-                    }
+                StepResult::Logits(out) => core.sample_row(p.id, logits_row(out, i)),
+            });
+            if let Some(rid) = beam.flatten() {
+                if !beam_reqs.contains(&rid) {
+                    beam_reqs.push(rid);
                 }
             }
         }
         for rid in beam_reqs {
-            self.beam_step(&rid);
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| self.beam_step(&rid))) {
+                self.fail_panicked(&rid, payload.as_ref());
+            }
         }
+    }
+
+    /// Runs sequence `id`'s part of a step. A panic in it fails the sequence's request (each
+    /// choice ends with `abort` and an error, its blocks are freed) and returns None; the
+    /// engine thread and the batch's other requests go on.
+    fn isolated<R>(&mut self, id: SeqId, work: impl FnOnce(&mut Core) -> R) -> Option<R> {
+        match catch_unwind(AssertUnwindSafe(|| work(self))) {
+            Ok(r) => Some(r),
+            Err(payload) => {
+                match self.requests.request_of(id).map(str::to_owned) {
+                    Some(rid) => self.fail_panicked(&rid, payload.as_ref()),
+                    None => tracing::error!(
+                        seq = id,
+                        "a sequence's step panicked after it ended: {}",
+                        panic_message(payload.as_ref())
+                    ),
+                }
+                None
+            }
+        }
+    }
+
+    /// Fails request `rid` after a panic in its own work.
+    fn fail_panicked(&mut self, rid: &str, payload: &(dyn std::any::Any + Send)) {
+        let what = panic_message(payload);
+        tracing::error!(
+            request_id = rid,
+            "the request's step panicked: {what}; failing it"
+        );
+        self.fail(rid, Some(format!("internal engine error: {what}")));
     }
 
     /// Emits the token the device sampled for `id`, or fails its request when there is none.
@@ -186,6 +224,15 @@ impl Core {
         self.sample_and_emit(id, row);
         None
     }
+}
+
+/// The message of a panic payload (`panic!` with a literal or a format string).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// The backend rows of the pieces, in order.

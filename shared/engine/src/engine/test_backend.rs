@@ -27,6 +27,8 @@ pub(super) struct TestBackend {
     pub(super) device_sampling: bool,
     /// Steps that went through forward_sampled.
     pub(super) sampled_steps: Arc<AtomicUsize>,
+    /// Panic in the forward pass (a fatal fault in the batched part).
+    pub(super) panic_in_forward: bool,
     /// When set, every step first takes one permit: the test decides how far the engine runs.
     gate: Option<std::sync::mpsc::Receiver<()>>,
     /// When set, told after every step.
@@ -53,6 +55,7 @@ impl TestBackend {
             no_logits: false,
             device_sampling: false,
             sampled_steps: Arc::new(AtomicUsize::new(0)),
+            panic_in_forward: false,
             gate: None,
             done: None,
         }
@@ -123,6 +126,10 @@ impl Backend for TestBackend {
         VOCAB
     }
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
+        assert!(
+            !self.panic_in_forward,
+            "test backend: panic in the forward pass"
+        );
         if let Some(g) = &self.gate {
             g.recv_timeout(T)
                 .map_err(|_| EngineError::InvalidInput("test gate closed or timed out".into()))?;

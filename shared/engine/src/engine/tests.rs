@@ -7,7 +7,7 @@ use super::*;
 use crate::kv::events::KvCacheEventData;
 use crate::sampler::SamplingParams;
 
-fn config(num_blocks: usize) -> EngineConfig {
+pub(super) fn config(num_blocks: usize) -> EngineConfig {
     EngineConfig {
         max_batch_size: 8,
         max_num_tokens: 32,
@@ -42,7 +42,7 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
         .collect()
 }
 
-fn greedy(max_tokens: usize) -> SamplingParams {
+pub(super) fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         max_tokens: Some(max_tokens),
         ignore_eos: true,
@@ -71,12 +71,12 @@ fn tokens(outs: &[RequestOutput]) -> Vec<u32> {
         .collect()
 }
 
-async fn run(h: &EngineHandle, r: Request) -> Vec<RequestOutput> {
+pub(super) async fn run(h: &EngineHandle, r: Request) -> Vec<RequestOutput> {
     let s = h.submit(r).await.unwrap();
     tokio::time::timeout(T, s.collect()).await.unwrap()
 }
 
-async fn wait_idle(h: &EngineHandle) -> EngineStats {
+pub(super) async fn wait_idle(h: &EngineHandle) -> EngineStats {
     // Finishing is processed before the last output is sent, so one round trip suffices.
     tokio::time::timeout(T, h.stats()).await.unwrap().unwrap()
 }

@@ -6,6 +6,17 @@ use crate::error::EngineError;
 use crate::sampler::SamplingParams;
 
 impl Core {
+    /// Refuses new work while the engine holds `request_limit` requests (running and waiting,
+    /// decode reservations included).
+    pub(super) fn check_request_limit(&self) -> Result<(), EngineError> {
+        match self.cfg.request_limit {
+            Some(limit) if self.requests.len() + self.leases.len() >= limit => {
+                Err(EngineError::Overloaded { limit })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Checks a request against the engine's limits; returns the resolved max_tokens.
     pub(super) fn validate(
         &self,
@@ -26,7 +37,7 @@ impl Core {
         params: &SamplingParams,
     ) -> Result<usize, EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        params.validate().map_err(EngineError::InvalidRequest)?;
+        params.validate()?;
         let width = params.beam_width();
         if width > self.cfg.max_beam_width {
             return bad(format!(
@@ -47,6 +58,11 @@ impl Core {
         if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return bad(format!("token id {t} is outside the vocabulary ({vocab})"));
         }
+        if let Some(t) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!(
+                "stop_token_ids: {t} is outside the vocabulary ({vocab})"
+            ));
+        }
         if !params.stop.is_empty() && self.tokenizer.is_none() {
             return bad("stop strings need a tokenizer, and this engine has none".into());
         }
@@ -61,23 +77,24 @@ impl Core {
         // Without max_tokens, a request may run up to max_seq_len, or as far as the whole pool
         // can hold it, whichever is less: a small pool must not turn every request without
         // max_tokens into an error.
-        let pool_tokens = self.cfg.num_blocks * self.cfg.kv_block_size;
+        let pool_tokens = self.cfg.num_blocks.saturating_mul(self.cfg.kv_block_size);
         let max_tokens = params.max_tokens.unwrap_or_else(|| {
             max_seq_len
                 .min(pool_tokens)
                 .saturating_sub(prompt.len())
                 .max(1)
         });
-        if prompt.len() + max_tokens > max_seq_len {
+        // max_tokens comes from a client (up to u64::MAX over gRPC): no sum may overflow.
+        let total = prompt.len().saturating_add(max_tokens);
+        if total > max_seq_len {
             return bad(format!(
-                "prompt ({} tokens) + max_tokens ({max_tokens}) = {} exceeds max_seq_len \
+                "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len \
                  ({max_seq_len})",
                 prompt.len(),
-                prompt.len() + max_tokens
             ));
         }
         // Beams share their prefix, but each may grow to the full length alone.
-        let need = self.sched.blocks().blocks_for(prompt.len() + max_tokens) * width;
+        let need = self.sched.blocks().blocks_for(total).saturating_mul(width);
         if need > self.cfg.num_blocks {
             return bad(format!(
                 "prompt + max_tokens needs {need} KV blocks{}; the pool has {}",

@@ -118,9 +118,10 @@ pub fn sample(
     state: &mut SamplerState,
     ctx: &SampleContext<'_>,
 ) -> Sampled {
-    let plan = SamplePlan::new(params, state, ctx);
+    let plan = SamplePlan::unmasked(params, state, ctx);
     let mut l = logits.to_vec();
     plan.penalize(&mut l);
+    plan::mask_in_place(&mut l, plan::masked_ids(params, state, ctx));
     if !plan.greedy {
         plan.scale(&mut l);
     }

@@ -32,6 +32,18 @@ impl SamplePlan {
     /// The plan of the sequence's next token; takes the draw's uniform from its RNG unless
     /// the step is greedy (as the CPU sampler does).
     pub fn new(params: &SamplingParams, state: &mut SamplerState, ctx: &SampleContext<'_>) -> Self {
+        let mut plan = Self::unmasked(params, state, ctx);
+        plan.masked = masked_ids(params, state, ctx).collect();
+        plan
+    }
+
+    /// Like [`SamplePlan::new`] with an empty `masked`: the CPU sampler masks straight from
+    /// the parameters ([`mask_in_place`]) instead of copying the ids into every step's plan.
+    pub(super) fn unmasked(
+        params: &SamplingParams,
+        state: &mut SamplerState,
+        ctx: &SampleContext<'_>,
+    ) -> Self {
         let seen = if params.repetition_penalty != 1.0 {
             let mut s = ctx.all_tokens.to_vec();
             s.sort_unstable();
@@ -42,15 +54,6 @@ impl SamplePlan {
         };
         let counts = if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
             state.output_counts.iter().map(|(&t, &c)| (t, c)).collect()
-        } else {
-            Vec::new()
-        };
-        let masked = if state.num_generated() < params.min_tokens {
-            ctx.eos_token_ids
-                .iter()
-                .chain(&params.stop_token_ids)
-                .copied()
-                .collect()
         } else {
             Vec::new()
         };
@@ -67,7 +70,7 @@ impl SamplePlan {
             presence_penalty: params.presence_penalty,
             seen,
             counts,
-            masked,
+            masked: Vec::new(),
             uniform,
         }
     }
@@ -90,11 +93,7 @@ impl SamplePlan {
                 *l -= self.frequency_penalty * c as f32 + self.presence_penalty;
             }
         }
-        for &t in &self.masked {
-            if let Some(x) = logits.get_mut(t as usize) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
+        mask_in_place(logits, self.masked.iter().copied());
     }
 
     /// Divides penalised logits by the temperature in place (not for greedy plans).
@@ -122,5 +121,29 @@ impl SamplePlan {
             self.scale(&mut l);
         }
         self.choose(&l)
+    }
+}
+
+/// The ids masked at this step: EOS and the stop token ids until `min_tokens` are generated.
+pub(super) fn masked_ids<'a>(
+    params: &'a SamplingParams,
+    state: &SamplerState,
+    ctx: &SampleContext<'a>,
+) -> impl Iterator<Item = u32> + 'a {
+    let active = state.num_generated() < params.min_tokens;
+    let (eos, stop): (&[u32], &[u32]) = if active {
+        (ctx.eos_token_ids, &params.stop_token_ids)
+    } else {
+        (&[], &[])
+    };
+    eos.iter().chain(stop).copied()
+}
+
+/// Sets the logits of `ids` to -inf (ids outside the row are ignored).
+pub(super) fn mask_in_place(logits: &mut [f32], ids: impl Iterator<Item = u32>) {
+    for t in ids {
+        if let Some(x) = logits.get_mut(t as usize) {
+            *x = f32::NEG_INFINITY;
+        }
     }
 }

@@ -96,9 +96,10 @@ impl SamplingInputs {
                 counts.push(to_i32("token count", c as usize)?);
             }
             count_off.push(to_i32("penalty list", counts.len() / 2)?);
-            for &t in &p.masked {
-                masked.push(id(t)?);
-            }
+            // An id past i32 cannot index a logits row (the engine refuses ids outside the
+            // vocabulary anyway): leaving it out cannot change the draw, while failing would
+            // fail the whole batch.
+            masked.extend(p.masked.iter().filter_map(|&t| i32::try_from(t).ok()));
             mask_off.push(to_i32("mask list", masked.len())?);
         }
         // The fixed part: f64 first keeps every list aligned to its element.
