@@ -1,6 +1,7 @@
 //! From OpenAI request fields to the engine's sampling parameters, with range checks that
 //! name the field.
 
+use tandem_text::limits::{self, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 use tandem_text::SamplingParams;
 
 use crate::error::ApiError;
@@ -10,12 +11,10 @@ fn bad(field: &str, msg: &str) -> ApiError {
     ApiError::bad_request(format!("`{field}` {msg}"), Some(field))
 }
 
-/// Largest `n` and `logprobs` accepted (bounded so one request cannot hog a worker).
-pub const MAX_N: i64 = 16;
-pub const MAX_LOGPROBS: i64 = 20;
-pub const MAX_STOP_STRINGS: usize = 16;
-pub const MAX_STOP_STRING_BYTES: usize = 1024;
-pub const MAX_STOP_TOKEN_IDS: usize = 256;
+/// Largest `n` and `logprobs` accepted (bounded so one request cannot hog a worker). The
+/// caps live in `tandem_text::limits`, which the workers enforce again on their gRPC.
+pub const MAX_N: i64 = limits::MAX_N as i64;
+pub const MAX_LOGPROBS: i64 = limits::MAX_LOGPROBS as i64;
 
 /// The engine's sampling parameters for a request's fields, each checked in the order the
 /// groups are listed (the first bad field is the one reported), then as a whole.
@@ -33,7 +32,8 @@ pub fn sampling_params(
     beam_search(&c, &mut p)?;
     refuse_sampling_options_with_beams(&p, logprobs)?;
     p.logprobs = logprobs;
-    p.validate().map_err(|m| ApiError::bad_request(m, None))?;
+    p.validate()
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some(e.field())))?;
     Ok(p)
 }
 
