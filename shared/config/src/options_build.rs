@@ -77,17 +77,22 @@ pub fn read_yaml(path: &Path) -> Result<Map<String, Value>, ConfigError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let origin = format!("--extra-engine-args {}", path.display());
-    let value: Value = serde_yaml::from_str(&text).map_err(|e| {
+    parse_yaml(&text, &format!("--extra-engine-args {}", path.display()))
+}
+
+/// Parses the text of an `--extra-engine-args` file: a mapping of options (an empty file is
+/// an empty mapping). Errors name `origin` and the 1-based line and column.
+pub fn parse_yaml(text: &str, origin: &str) -> Result<Map<String, Value>, ConfigError> {
+    let value: Value = serde_saphyr::from_str(text).map_err(|e| {
         let (line, column) = e
             .location()
-            .map(|l| (l.line(), l.column()))
+            .map(|l| (l.line() as usize, l.column() as usize))
             .unwrap_or((0, 0));
         ConfigError::Parse {
-            origin: origin.clone(),
+            origin: origin.to_string(),
             line,
             column,
-            message: e.to_string(),
+            message: yaml_message(&e),
         }
     })?;
     match value {
@@ -97,6 +102,24 @@ pub fn read_yaml(path: &Path) -> Result<Map<String, Value>, ConfigError> {
             "{origin}: the file must hold a mapping of options"
         ))),
     }
+}
+
+/// The YAML parser's message without the position (the error gives it once) and without its
+/// advice on parser options.
+fn yaml_message(e: &serde_saphyr::Error) -> String {
+    let mut text = e.without_snippet().to_string();
+    if let Some(at) = text.rfind(" at line ") {
+        let tail = &text[at + " at line ".len()..];
+        let positional = tail.split_once(", column ").is_some_and(|(l, c)| {
+            [l, c]
+                .iter()
+                .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        });
+        if positional {
+            text.truncate(at);
+        }
+    }
+    text.replace(", set DuplicateKeyPolicy in Options if acceptable", "")
 }
 
 /// Parses `--override-engine-args`: JSON first, then a Python dict literal.
@@ -299,6 +322,40 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--trtllm.a") && e.contains("nested"), "{e}");
+    }
+
+    #[test]
+    fn yaml_files_are_mappings_and_errors_carry_their_position() {
+        let text = "# engine args\nmax_batch_size: 16\nkv_cache_config:\n  \
+                    free_gpu_memory_fraction: 0.5\n  enable_block_reuse: false\n\
+                    max_seq_len: ~\nbase: &b {x: 1.5e-3, y: [a, 'b']}\nother: *b\n";
+        let m = parse_yaml(text, "o").unwrap();
+        let other = json!({"x": 0.0015, "y": ["a", "b"]});
+        assert_eq!(
+            Value::Object(m),
+            json!({"max_batch_size": 16, "kv_cache_config": {"free_gpu_memory_fraction": 0.5,
+                   "enable_block_reuse": false}, "max_seq_len": null, "base": other,
+                   "other": other})
+        );
+        assert!(parse_yaml("", "o").unwrap().is_empty());
+        assert!(parse_yaml("# nothing but a comment\n", "o")
+            .unwrap()
+            .is_empty());
+        let e = parse_yaml("a: 1\nb: [unclosed\n", "--extra-engine-args f.yaml").unwrap_err();
+        let ConfigError::Parse { line, column, .. } = &e else {
+            panic!("{e}");
+        };
+        assert!(*line >= 2 && *column >= 1, "{e}");
+        assert!(e
+            .to_string()
+            .starts_with("--extra-engine-args f.yaml: parse error at line"));
+        assert_eq!(e.to_string().matches("line").count(), 1, "{e}");
+        let e = parse_yaml("a: 1\na: 2\n", "o").unwrap_err().to_string();
+        assert!(e.contains("duplicate") && !e.contains("Options"), "{e}");
+        assert!(parse_yaml("- a\n", "o")
+            .unwrap_err()
+            .to_string()
+            .contains("mapping"));
     }
 
     #[test]

@@ -132,6 +132,11 @@ impl Parser {
                         'n' => out.push('\n'),
                         't' => out.push('\t'),
                         'r' => out.push('\r'),
+                        // Python's (and JSON's) control escapes.
+                        'b' => out.push('\u{8}'),
+                        'f' => out.push('\u{c}'),
+                        'v' => out.push('\u{b}'),
+                        'a' => out.push('\u{7}'),
                         '0' => out.push('\0'),
                         'u' => {
                             let hex: String = self.chars.iter().skip(self.pos).take(4).collect();
@@ -225,6 +230,10 @@ mod tests {
                 json!({"nested": {"deeper": {"k": "it's"}}, "e": []}),
             ),
             ("{'trailing': [1, 2,], }", json!({"trailing": [1, 2]})),
+            (
+                "{'ctl': '\\b\\f\\v\\a', 'json': \"\\u0008\"}",
+                json!({"ctl": "\u{8}\u{c}\u{b}\u{7}", "json": "\u{8}"}),
+            ),
             (
                 "{\"json\": true, \"n\": null, \"f\": 1e-3}",
                 json!({"json": true, "n": null, "f": 0.001}),

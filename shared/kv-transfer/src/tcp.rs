@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -170,8 +170,17 @@ async fn accept_loop(
 
 /// Serves one sender until it closes (Ok) or breaks the protocol / the socket fails (Err).
 async fn serve_conn(stream: TcpStream, shared: &Shared) -> Result<()> {
-    let (rd, mut wr) = stream.into_split();
-    let mut rd = BufReader::with_capacity(256 * 1024, rd);
+    let (rd, wr) = stream.into_split();
+    serve_frames(BufReader::with_capacity(256 * 1024, rd), wr, shared).await
+}
+
+/// The receiver's side of the wire format (module docs): reads frames from `rd` until a clean
+/// end between frames (Ok) or a protocol or I/O error (Err), writing flush acks to `wr`.
+async fn serve_frames<R, W>(mut rd: R, mut wr: W, shared: &Shared) -> Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let mut buf: Vec<u8> = Vec::new();
     // The first refused put since the last flush; reported on the next flush ack.
     let mut first_error: Option<String> = None;
@@ -189,8 +198,13 @@ async fn serve_conn(stream: TcpStream, shared: &Shared) -> Result<()> {
                 if len > MAX_PUT_BYTES {
                     return Err(TransferError::Protocol(format!("put of {len} bytes")));
                 }
-                buf.resize(len as usize, 0);
-                rd.read_exact(&mut buf).await?;
+                // Read what arrives rather than allocating `len` up front: a header alone must
+                // not make the receiver allocate 4 GiB.
+                buf.clear();
+                let got = (&mut rd).take(len).read_to_end(&mut buf).await?;
+                if (got as u64) < len {
+                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                }
                 if let Err(e) = shared.copy_in(id, offset, &buf) {
                     first_error.get_or_insert(e);
                 }
@@ -221,6 +235,47 @@ async fn serve_conn(stream: TcpStream, shared: &Shared) -> Result<()> {
                 )))
             }
         }
+    }
+}
+
+/// What [`replay_frames`] saw the receiver do.
+#[derive(Debug)]
+pub struct FrameReplay {
+    /// How the frame loop ended: Ok on a clean end between frames.
+    pub result: Result<()>,
+    /// The bytes written back to the sender (flush acks).
+    pub acks: Vec<u8>,
+    /// The notifications handed to the receiver's event stream.
+    pub events: Vec<Event>,
+}
+
+/// Runs the receiver's frame loop over `input`, as if one sender had sent exactly these bytes
+/// on a connection, with `region` registered as region 1 (and no other). For the fuzz targets
+/// and tests: a receiver in service reads frames from its TCP connections.
+pub async fn replay_frames(input: &[u8], region: &mut [u8]) -> FrameReplay {
+    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let shared = Shared {
+        regions: Mutex::new(HashMap::from([(
+            1,
+            RegionEntry {
+                ptr: region.as_mut_ptr(),
+                len: region.len(),
+            },
+        )])),
+        next_region: AtomicU64::new(2),
+        events: events_tx,
+    };
+    let mut acks = Vec::new();
+    let result = serve_frames(input, &mut acks, &shared).await;
+    drop(shared);
+    let mut events = Vec::new();
+    while let Ok(ev) = events_rx.try_recv() {
+        events.push(ev);
+    }
+    FrameReplay {
+        result,
+        acks,
+        events,
     }
 }
 

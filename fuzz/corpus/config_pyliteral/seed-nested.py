@@ -1,0 +1,1 @@
+{'kv_cache_config': {'enable_block_reuse': False, 'max_tokens': 4096}}

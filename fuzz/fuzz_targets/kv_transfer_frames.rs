@@ -1,0 +1,5 @@
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    tandem_fuzz_targets::kv_transfer::kv_transfer_frames(data);
+});
