@@ -79,8 +79,11 @@ impl TensorInfo {
         self.dims.iter().rev().map(|&d| d as usize).collect()
     }
 
-    pub fn n_elements(&self) -> usize {
-        self.dims.iter().product::<u64>() as usize
+    /// The element count, or `None` when the dims' product overflows (a corrupt header).
+    pub fn n_elements(&self) -> Option<usize> {
+        self.dims
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?))
     }
 }
 
@@ -298,7 +301,9 @@ impl GgufFile {
                 ),
             )
         })?;
-        let n = info.n_elements();
+        let n = info
+            .n_elements()
+            .ok_or_else(|| self.err(name, format!("dims {:?} overflow", info.dims)))?;
         let row = info.dims.first().copied().unwrap_or(1) as usize;
         if !row.is_multiple_of(ty.block_elems()) {
             return Err(self.err(
@@ -310,12 +315,16 @@ impl GgufFile {
                 ),
             ));
         }
-        let len = n / ty.block_elems() * ty.block_bytes();
-        let start = self.data_start + info.offset as usize;
-        let bytes = self
-            .mmap
-            .get(start..start + len)
-            .ok_or_else(|| self.err(name, "data lies past the end of the file".into()))?;
+        let past_end = || self.err(name, "data lies past the end of the file".into());
+        let len = (n / ty.block_elems())
+            .checked_mul(ty.block_bytes())
+            .ok_or_else(past_end)?;
+        let start = usize::try_from(info.offset)
+            .ok()
+            .and_then(|o| self.data_start.checked_add(o))
+            .ok_or_else(past_end)?;
+        let end = start.checked_add(len).ok_or_else(past_end)?;
+        let bytes = self.mmap.get(start..end).ok_or_else(past_end)?;
         Ok(ty.dequantize(bytes))
     }
 }
