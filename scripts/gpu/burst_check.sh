@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The burst stage of scripts/gpu-check: one aggregated CUDA worker behind the router, default
 # settings (the router's queue on, threshold 4.0), driven by tandem-loadtest at 256 and then
-# 512 concurrent clients (ISL 512, OSL 512, 1,024 requests each). Every request must succeed:
+# 512 concurrent clients (ISL 512, OSL 512, 1,024 requests each, each run its own prompts). Every request must succeed:
 # bursts wait in the router's queue rather than getting 503. Records the loadtest reports and
 # the router's queue metrics.
 # Usage: burst_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
@@ -15,7 +15,7 @@ up burst --topology agg
 for c in 256 512; do
     name=burst_c$c
     "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/load_$name" \
-        --num-requests 1024 --concurrency "$c" --isl 512 --osl 512 --vocab-hi 150000 \
+        --num-requests 1024 --concurrency "$c" --isl 512 --osl 512 --vocab-hi 150000 --seed "$c" \
         > "$OUT/load_$name.txt" 2>&1
     curl -s "$URL/metrics" | grep -E '^(tandem_router_queue_wait_seconds_(sum|count)|dynamo_frontend_model_rejection_total)' \
         > "$OUT/${name}_router_metrics.txt"
