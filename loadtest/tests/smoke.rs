@@ -31,6 +31,9 @@ fn mocker_router_loadtest_smoke() {
             .args(["--num-gpu-blocks-override", "1024", "--block-size", "16"])
             .args(["--disaggregation-mode", "agg", "--publish-kv-events"])
             .args(["--rpc-host", "127.0.0.1", "--system-host", "127.0.0.1"])
+            // Benchmark set-ups may run plaintext on one host: this smoke test keeps that
+            // path working (the other tests run the default, mutual TLS).
+            .arg("--insecure-internal")
             .env("DYN_FILE_KV", &disc)
             .env("DYN_DISCOVERY_BACKEND", "file"),
         "TANDEM_WORKER_READY",
@@ -44,6 +47,7 @@ fn mocker_router_loadtest_smoke() {
         Command::new(bin("tandem-router"))
             .args(["--http-host", "127.0.0.1", "--http-port", "0"])
             .args(["--router-min-initial-workers", "2", "--router-mode", "kv"])
+            .arg("--insecure-internal")
             .env("DYN_FILE_KV", &disc)
             .env("DYN_DISCOVERY_BACKEND", "file"),
         "TANDEM_ROUTER_READY",

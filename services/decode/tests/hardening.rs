@@ -33,6 +33,7 @@ impl Worker {
         cmd.args(["--disaggregation-mode", "agg"])
             .args(["--rpc-host", "127.0.0.1", "--system-host", "127.0.0.1"])
             .args(["--trtllm.kv_cache_config.max_tokens", "8192"])
+            .args(tandem_test_support::tls_args())
             .args(extra)
             .env("DYN_FILE_KV", discovery.path())
             .env("DYN_DISCOVERY_BACKEND", "file")
@@ -46,9 +47,13 @@ impl Worker {
     }
 
     async fn client(&self) -> WorkerClient<Channel> {
-        WorkerClient::connect(format!("http://{}", self.line("grpc=")))
+        let channel = tandem_test_support::internal_security()
+            .endpoint(&self.line("grpc="))
+            .expect("worker address")
+            .connect()
             .await
-            .expect("connect to the worker")
+            .expect("connect to the worker");
+        WorkerClient::new(channel)
     }
 
     /// The worker's entry in file discovery, if it is there.

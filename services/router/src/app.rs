@@ -1,6 +1,7 @@
 //! The router process: shared state, the HTTP app, and start-up / shutdown.
 
 use std::sync::Arc;
+use tandem_pki::ChannelSecurity;
 
 use std::time::Duration;
 
@@ -32,11 +33,17 @@ pub struct AppState {
     /// Requests waiting for a worker with room.
     pub queue: Arc<AdmissionQueue>,
     pub limits: Arc<RateLimits>,
+    /// How the router's gRPC channels to workers are secured.
+    pub security: Arc<ChannelSecurity>,
 }
 
 impl AppState {
     /// The state for `cfg`, with no workers known yet.
-    pub fn new(cfg: RouterConfig, seed: Option<u64>) -> anyhow::Result<Self> {
+    pub fn new(
+        cfg: RouterConfig,
+        security: ChannelSecurity,
+        seed: Option<u64>,
+    ) -> anyhow::Result<Self> {
         let kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, seed));
         let prefill_kv = Arc::new(KvRouter::new(kv_router_config(&cfg)?, seed));
         let a = &cfg.admission;
@@ -53,6 +60,7 @@ impl AppState {
             prefill_kv,
             dumps: Default::default(),
             queue,
+            security: Arc::new(security),
         })
     }
 
@@ -182,7 +190,9 @@ pub fn app(state: AppState, metrics: metrics_exporter_prometheus::PrometheusHand
 pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
     let metrics = tandem_runtime::metrics::install_recorder()?;
     let shutdown = tandem_runtime::shutdown::on_signals();
-    let state = AppState::new(cfg, None)?;
+    let tls_dir = cfg.runtime.internal_tls()?;
+    let security = ChannelSecurity::from_dir(tls_dir)?;
+    let state = AppState::new(cfg, security, None)?;
     state.queue.spawn_ticker();
     if state.config.routing.use_kv_events
         && state.config.runtime.event_plane == tandem_config::runtime::EventPlane::Nats
@@ -196,7 +206,8 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
         });
     }
     let discovery = tandem_runtime::discovery::connect(
-        &tandem_runtime::discovery::DiscoveryOptions::from_config(&state.config.runtime),
+        &tandem_runtime::discovery::DiscoveryOptions::from_config(&state.config.runtime)
+            .with_security(&state.security),
     )
     .await?;
     tokio::spawn({

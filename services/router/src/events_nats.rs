@@ -64,7 +64,12 @@ pub const COMPONENTS: [&str; 2] = ["backend", "prefill"];
 /// Follows the KV-event subjects of [`COMPONENTS`].
 pub async fn run(state: AppState, inflight: DumpsInFlight) -> anyhow::Result<()> {
     let rt = &state.config.runtime;
-    let plane = NatsEventPlane::connect(&rt.nats_server, Duration::from_secs(5)).await?;
+    let plane = NatsEventPlane::connect(
+        &rt.nats_server,
+        Duration::from_secs(5),
+        state.security.identity(),
+    )
+    .await?;
     let backend = plane
         .kv_events_subscriber::<KvCacheEvent>(&rt.namespace, COMPONENTS[0])
         .await?;

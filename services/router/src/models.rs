@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
+use tandem_pki::ChannelSecurity;
 
 use tandem_protocol::worker::worker_client::WorkerClient;
 use tandem_protocol::worker::ModelFilesRequest;
@@ -70,8 +71,10 @@ pub struct ModelView {
     pub prefill: Vec<WorkerEntry>,
 }
 
-pub fn connect_lazy(addr: &str) -> anyhow::Result<Client> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+/// A lazily connecting client of the worker at `addr`, secured as `security` says.
+pub fn connect_lazy(security: &ChannelSecurity, addr: &str) -> anyhow::Result<Client> {
+    let channel = security
+        .endpoint(addr)?
         .tcp_nodelay(true)
         .connect_timeout(std::time::Duration::from_secs(3))
         .connect_lazy();
@@ -319,7 +322,7 @@ mod tests {
     async fn prefill_workers_are_kept_apart() {
         let r = Registry::default();
         let a = assets();
-        let client = || connect_lazy("127.0.0.1:1").expect("client");
+        let client = || connect_lazy(&ChannelSecurity::Plaintext, "127.0.0.1:1").expect("client");
         r.add(card(WorkerRole::Prefill, 1, "m"), client(), a.clone());
         // Prefill workers alone serve nothing: known (503, not 404) but not listed or counted.
         let v = r.view("m").expect("known");

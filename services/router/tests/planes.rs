@@ -78,9 +78,12 @@ async fn direct_event_plane_heals_a_gap_by_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
-    let etcd = tandem_test_support::EtcdServer::start()
+    // Both under the deployment's mutual TLS, as every process of it is.
+    let tls = tandem_test_support::internal_tls_dir();
+    let etcd = tandem_test_support::EtcdServer::start_tls(tls)
         .expect("etcd (Debian etcd-server) must be installed");
-    let nats = tandem_test_support::NatsServer::start().expect("nats-server must be installed");
+    let nats =
+        tandem_test_support::NatsServer::start_tls(tls).expect("nats-server must be installed");
     let discovery = temp_dir("unused");
     let ep = etcd.endpoint();
     let url = nats.url();

@@ -18,6 +18,19 @@ struct Cli {
 enum Command {
     /// Start a local topology (router + workers) on this machine.
     Up(up::UpArgs),
+    /// Make a deployment's mutual-TLS folder for the internal channels (ca.crt, node.crt,
+    /// node.key), unless OUT already holds one. Give the same folder to every process of the
+    /// deployment with --internal-tls-dir; the CA's key is not kept, so no one can add
+    /// certificates to it later.
+    Certs {
+        /// Folder to write (created if absent).
+        #[arg(long)]
+        out: PathBuf,
+        /// Extra DNS name or IP address for the node certificate (repeat), for clients that
+        /// check a host name of their own, such as etcd's and NATS's.
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+    },
     /// Model tools.
     Model {
         #[command(subcommand)]
@@ -44,6 +57,24 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Up(args) => up::run(args).await?,
+        Command::Certs { out, hosts } => {
+            let done = tandem_pki::generate(&out, &hosts)
+                .with_context(|| format!("making the TLS folder {}", out.display()))?;
+            match done {
+                tandem_pki::Generated::Created => {
+                    println!(
+                        "deployment CA and node certificate written to {}",
+                        out.display()
+                    )
+                }
+                tandem_pki::Generated::Existing => {
+                    println!(
+                        "{} already holds a TLS folder; left as it is",
+                        out.display()
+                    )
+                }
+            }
+        }
         Command::Model {
             command: ModelCommand::Tiny { out_dir, family },
         } => {

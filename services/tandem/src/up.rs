@@ -37,6 +37,13 @@ pub struct UpArgs {
     /// Seconds to wait for each process to become ready.
     #[arg(long, default_value_t = 300)]
     pub ready_timeout_secs: u64,
+    /// Folder of the deployment's mutual-TLS material for the internal channels; created on
+    /// first start (`<cache>/pki` when unset).
+    #[arg(long)]
+    pub internal_tls_dir: Option<PathBuf>,
+    /// Run the internal channels in plaintext, unauthenticated (benchmarks only).
+    #[arg(long, conflicts_with = "internal_tls_dir")]
+    pub insecure_internal: bool,
     /// Extra flags for every worker (repeat, e.g. --worker-arg=--max-batch-size --worker-arg=8).
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     pub worker_args: Vec<String>,
@@ -146,9 +153,38 @@ impl Topology {
     }
 }
 
+/// The internal channels' security flag every child gets: the TLS folder (made on first use),
+/// or `--insecure-internal` when asked for.
+fn internal_security(args: &UpArgs) -> anyhow::Result<Vec<String>> {
+    if args.insecure_internal {
+        println!(
+            "tandem: WARNING: --insecure-internal: the topology's internal channels are \
+             plaintext and unauthenticated"
+        );
+        return Ok(vec!["--insecure-internal".into()]);
+    }
+    let dir = args
+        .internal_tls_dir
+        .clone()
+        .unwrap_or_else(|| tandem_config::paths::cache_dir().join("pki"));
+    match tandem_pki::generate(&dir, &[])
+        .with_context(|| format!("preparing the internal TLS folder {}", dir.display()))?
+    {
+        tandem_pki::Generated::Created => println!(
+            "tandem: generated this deployment's CA and certificate in {}",
+            dir.display()
+        ),
+        tandem_pki::Generated::Existing => {}
+    }
+    Ok(vec!["--internal-tls-dir".into(), dir.display().to_string()])
+}
+
 fn spawn(bin: &Path, args: &[String], discovery_root: &Path) -> anyhow::Result<Child> {
     Command::new(bin)
         .args(args)
+        // The flags carry the security choice; an inherited variable must not contradict it.
+        .env_remove("TANDEM_INTERNAL_TLS_DIR")
+        .env_remove("TANDEM_INSECURE_INTERNAL")
         .env("DYN_FILE_KV", discovery_root)
         .env("DYN_DISCOVERY_BACKEND", "file")
         .stdout(Stdio::piped())
@@ -179,6 +215,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         _discovery_root: TempDir(root.clone()),
     };
     let timeout = Duration::from_secs(args.ready_timeout_secs);
+    let security = internal_security(&args)?;
 
     let result = async {
         // Prefill workers first: a `pd` decode worker serving before them would prefill
@@ -216,6 +253,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 wargs.push("--model-path".into());
                 wargs.push(p.display().to_string());
             }
+            wargs.extend(security.iter().cloned());
             wargs.extend(args.worker_args.iter().cloned());
             let mut child = spawn(bin, &wargs, &root)?;
             let out = child.stdout.take().context("worker stdout")?;
@@ -236,6 +274,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         ];
         let rargs: Vec<String> = rargs
             .into_iter()
+            .chain(security.iter().cloned())
             .chain(args.router_args.iter().cloned())
             .collect();
         let mut router = spawn(&router_bin, &rargs, &root)?;

@@ -453,6 +453,16 @@ pub static FLAGS: &[FlagSpec] = &[
         "Worker-side limit of concurrent requests (running and waiting) before rejection \
          (gRPC RESOURCE_EXHAUSTED); unlimited when unset.")
         .env("DYN_ENGINE_REQUEST_LIMIT"),
+    // ---- Runtime: internal channel security
+    FlagSpec::new("internal-tls-dir", Path, Runtime,
+        "Folder of the deployment's mutual-TLS material (ca.crt, node.crt, node.key; \
+         `tandem certs --out DIR` makes one): every internal gRPC channel is TLS with client \
+         certificates of that CA. Required unless --insecure-internal.")
+        .env("TANDEM_INTERNAL_TLS_DIR").scope(Scope::All),
+    FlagSpec::new("insecure-internal", Bool, Runtime,
+        "Run internal gRPC channels in plaintext without authentication (benchmarks on one \
+         trusted host only; logged as a warning).")
+        .env("TANDEM_INSECURE_INTERNAL").default("false").scope(Scope::All),
     FlagSpec::new("print-config", Bool, Runtime,
         "Print the resolved config and engine options as JSON and exit.")
         .default("false").scope(Scope::All),

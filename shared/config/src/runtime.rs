@@ -47,6 +47,10 @@ pub struct RuntimeConfig {
     pub media_output_http_url: Option<String>,
     pub engine_request_limit: Option<u32>,
     pub drain_timeout_secs: u32,
+    /// The deployment's mutual-TLS folder (`--internal-tls-dir`).
+    pub internal_tls_dir: Option<PathBuf>,
+    /// `--insecure-internal`: plaintext internal channels (never together with a TLS folder).
+    pub insecure_internal: bool,
 }
 
 impl RuntimeConfig {
@@ -139,7 +143,56 @@ impl RuntimeConfig {
             media_output_http_url: g.opt_string("media-output-http-url")?,
             engine_request_limit: g.opt_u32("engine-request-limit")?,
             drain_timeout_secs: g.u32("drain-timeout-secs")?,
+            internal_tls_dir: internal_tls_dir(resolved, env)?,
+            insecure_internal: g.bool("insecure-internal")?,
         })
+    }
+
+    /// The TLS folder internal channels must use, `None` when the operator chose plaintext;
+    /// an error when neither was chosen (a process that serves or dials internal channels
+    /// calls this before doing so).
+    pub fn internal_tls(&self) -> Result<Option<&std::path::Path>, ConfigError> {
+        match (&self.internal_tls_dir, self.insecure_internal) {
+            (Some(dir), _) => Ok(Some(dir)),
+            (None, true) => Ok(None),
+            (None, false) => Err(ConfigError::Invalid(
+                "internal channels are authenticated by default: pass --internal-tls-dir DIR \
+                 (TANDEM_INTERNAL_TLS_DIR; make one with `tandem certs --out DIR`) or, on one \
+                 trusted host only, --insecure-internal"
+                    .into(),
+            )),
+        }
+    }
+}
+
+/// `--internal-tls-dir`, checked against `--insecure-internal`: exactly one of them.
+fn internal_tls_dir(
+    resolved: &Resolved,
+    env: EnvLookup<'_>,
+) -> Result<Option<PathBuf>, ConfigError> {
+    let g = Get(resolved);
+    let insecure = g.bool("insecure-internal")?;
+    match (g.opt_string("internal-tls-dir")?, insecure) {
+        (Some(raw), false) => {
+            let path = PathBuf::from(expand_path(&raw, env));
+            if !path.is_dir() {
+                return Err(ConfigError::InvalidValue {
+                    origin: resolved.origin("internal-tls-dir"),
+                    value: raw,
+                    reason: format!(
+                        "folder {} not found (make one with `tandem certs --out DIR`)",
+                        path.display()
+                    ),
+                });
+            }
+            Ok(Some(path))
+        }
+        (None, _) => Ok(None),
+        (Some(_), true) => Err(ConfigError::Invalid(format!(
+            "{} and {} contradict each other: pass one",
+            resolved.origin("internal-tls-dir"),
+            resolved.origin("insecure-internal")
+        ))),
     }
 }
 

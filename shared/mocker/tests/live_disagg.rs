@@ -44,15 +44,20 @@ fn mocker(disc: &Path, mode: &str, workers: usize) -> Proc {
             "--kv-bytes-per-token",
             &BYTES_PER_TOKEN.to_string(),
         ])
+        .args(tandem_test_support::tls_args())
         .env("DYN_FILE_KV", disc)
         .env("DYN_DISCOVERY_BACKEND", "file");
     spawn_ready_n(&mut cmd, "TANDEM_WORKER_READY", workers)
 }
 
 async fn stats(addr: &str) -> LoadStatsReply {
-    WorkerClient::connect(format!("http://{addr}"))
+    let channel = tandem_test_support::internal_security()
+        .endpoint(addr)
+        .expect("worker address")
+        .connect()
         .await
-        .expect("connect to worker")
+        .expect("connect to worker");
+    WorkerClient::new(channel)
         .load_stats(LoadStatsRequest {})
         .await
         .expect("load stats")
@@ -107,6 +112,7 @@ async fn simulated_prefill_and_pd_workers_serve_behind_the_real_router() {
         Command::new(router_bin())
             .args(["--http-host", "127.0.0.1", "--http-port", "0"])
             .args(["--router-min-initial-workers", "2", "--enforce-disagg"])
+            .args(tandem_test_support::tls_args())
             .env("DYN_FILE_KV", &disc)
             .env("DYN_DISCOVERY_BACKEND", "file"),
         "TANDEM_ROUTER_READY",

@@ -16,7 +16,7 @@ struct KvEvent {
 #[tokio::test]
 async fn kv_events_round_trip_with_worker_id() {
     let server = NatsServer::start().expect("nats-server for tests");
-    let plane = NatsEventPlane::connect(&server.url(), TIMEOUT)
+    let plane = NatsEventPlane::connect(&server.url(), TIMEOUT, None)
         .await
         .unwrap();
     let mut sub = plane
@@ -24,7 +24,7 @@ async fn kv_events_round_trip_with_worker_id() {
         .await
         .unwrap();
     // Publisher on its own connection, as a separate worker process would have.
-    let worker = NatsEventPlane::connect(&server.url(), TIMEOUT)
+    let worker = NatsEventPlane::connect(&server.url(), TIMEOUT, None)
         .await
         .unwrap();
     let publisher = worker
@@ -64,7 +64,7 @@ async fn kv_events_round_trip_with_worker_id() {
 #[tokio::test]
 async fn undecodable_message_is_an_error_item_not_the_end() {
     let server = NatsServer::start().expect("nats-server for tests");
-    let plane = NatsEventPlane::connect(&server.url(), TIMEOUT)
+    let plane = NatsEventPlane::connect(&server.url(), TIMEOUT, None)
         .await
         .unwrap();
     let mut sub = plane
@@ -103,7 +103,7 @@ async fn undecodable_message_is_an_error_item_not_the_end() {
 #[tokio::test]
 async fn components_are_separate_subjects() {
     let server = NatsServer::start().expect("nats-server for tests");
-    let plane = NatsEventPlane::connect(&server.url(), TIMEOUT)
+    let plane = NatsEventPlane::connect(&server.url(), TIMEOUT, None)
         .await
         .unwrap();
     let mut prefill = plane
@@ -146,8 +146,12 @@ async fn components_are_separate_subjects() {
 async fn unreachable_server_fails_fast() {
     let port = tandem_test_support::free_port().unwrap();
     let started = std::time::Instant::now();
-    let result =
-        NatsEventPlane::connect(&format!("nats://127.0.0.1:{port}"), Duration::from_secs(2)).await;
+    let result = NatsEventPlane::connect(
+        &format!("nats://127.0.0.1:{port}"),
+        Duration::from_secs(2),
+        None,
+    )
+    .await;
     assert!(result.is_err());
     assert!(started.elapsed() < Duration::from_secs(10));
 }

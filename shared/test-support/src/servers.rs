@@ -130,13 +130,33 @@ fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
 pub struct EtcdServer {
     guard: Option<Guard>,
     bin: PathBuf,
-    client_port: u16,
-    peer_port: u16,
+    ports: EtcdPorts,
     dir: TempDir,
+    /// The TLS folder whose CA clients must be of (`--client-cert-auth`), if any.
+    tls: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct EtcdPorts {
+    client: u16,
+    peer: u16,
+    /// Plain-HTTP `/health` (and `/metrics`), probed for readiness even under TLS.
+    metrics: u16,
 }
 
 impl EtcdServer {
+    /// A plaintext etcd.
     pub fn start() -> Result<Self, HarnessError> {
+        Self::start_with(None)
+    }
+
+    /// An etcd serving TLS with the node certificate of the TLS folder `tls` and accepting
+    /// only clients with a certificate of its CA.
+    pub fn start_tls(tls: &Path) -> Result<Self, HarnessError> {
+        Self::start_with(Some(tls.to_owned()))
+    }
+
+    fn start_with(tls: Option<PathBuf>) -> Result<Self, HarnessError> {
         let bin = find_binary("etcd", "ETCD_BIN").ok_or(HarnessError::MissingBinary {
             binary: "etcd",
             package: "etcd-server",
@@ -145,16 +165,19 @@ impl EtcdServer {
         let dir = TempDir::new("tandem-etcd").map_err(io("creating etcd temp dir"))?;
         let mut last = String::new();
         for _attempt in 0..3 {
-            let client_port = free_port().map_err(io("finding a free port"))?;
-            let peer_port = free_port().map_err(io("finding a free port"))?;
-            match spawn_etcd(&bin, dir.path(), client_port, peer_port)? {
+            let ports = EtcdPorts {
+                client: free_port().map_err(io("finding a free port"))?,
+                peer: free_port().map_err(io("finding a free port"))?,
+                metrics: free_port().map_err(io("finding a free port"))?,
+            };
+            match spawn_etcd(&bin, dir.path(), ports, tls.as_deref())? {
                 Ok(guard) => {
                     return Ok(Self {
                         guard: Some(guard),
                         bin,
-                        client_port,
-                        peer_port,
+                        ports,
                         dir,
+                        tls,
                     })
                 }
                 Err(why) => last = why,
@@ -167,9 +190,10 @@ impl EtcdServer {
         })
     }
 
-    /// `http://127.0.0.1:{port}`, for `ETCD_ENDPOINTS`.
+    /// `http://127.0.0.1:{port}` (`https://` under TLS), for `ETCD_ENDPOINTS`.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.ports.client)
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -185,7 +209,7 @@ impl EtcdServer {
     /// killing it first): an etcd outage as clients see it.
     pub fn restart(&mut self) -> Result<(), HarnessError> {
         self.guard.take();
-        match spawn_etcd(&self.bin, self.dir.path(), self.client_port, self.peer_port)? {
+        match spawn_etcd(&self.bin, self.dir.path(), self.ports, self.tls.as_deref())? {
             Ok(guard) => {
                 self.guard = Some(guard);
                 Ok(())
@@ -202,12 +226,25 @@ impl EtcdServer {
 fn spawn_etcd(
     bin: &Path,
     dir: &Path,
-    client_port: u16,
-    peer_port: u16,
+    ports: EtcdPorts,
+    tls: Option<&Path>,
 ) -> Result<Result<Guard, String>, HarnessError> {
-    let client_url = format!("http://127.0.0.1:{client_port}");
-    let peer_url = format!("http://127.0.0.1:{peer_port}");
+    let client_port = ports.client;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let client_url = format!("{scheme}://127.0.0.1:{client_port}");
+    let peer_url = format!("http://127.0.0.1:{}", ports.peer);
     let mut cmd = Command::new(bin);
+    if let Some(tls) = tls {
+        cmd.arg("--cert-file")
+            .arg(tls.join("node.crt"))
+            .arg("--key-file")
+            .arg(tls.join("node.key"))
+            .arg("--trusted-ca-file")
+            .arg(tls.join("ca.crt"))
+            .arg("--client-cert-auth");
+    }
+    cmd.arg("--listen-metrics-urls")
+        .arg(format!("http://127.0.0.1:{}", ports.metrics));
     cmd.arg("--name")
         .arg("tandem-test")
         .arg("--data-dir")
@@ -226,7 +263,7 @@ fn spawn_etcd(
         .arg("warn")
         .arg("--logger")
         .arg("zap");
-    let addr = SocketAddr::from(([127, 0, 0, 1], client_port));
+    let addr = SocketAddr::from(([127, 0, 0, 1], ports.metrics));
     let log = dir.join(format!("etcd-{client_port}.log"));
     let probe = || match http_get(addr, "/health") {
         Some(body) if body.contains("\"health\":\"true\"") => Probe::Ready,
@@ -240,11 +277,23 @@ fn spawn_etcd(
 pub struct NatsServer {
     guard: Option<Guard>,
     port: u16,
+    tls: bool,
     _dir: TempDir,
 }
 
 impl NatsServer {
+    /// A plaintext nats-server.
     pub fn start() -> Result<Self, HarnessError> {
+        Self::start_with(None)
+    }
+
+    /// A nats-server requiring TLS with a client certificate of the TLS folder `tls`'s CA,
+    /// serving its node certificate (which must name 127.0.0.1).
+    pub fn start_tls(tls: &Path) -> Result<Self, HarnessError> {
+        Self::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<&Path>) -> Result<Self, HarnessError> {
         let bin =
             find_binary("nats-server", "NATS_SERVER_BIN").ok_or(HarnessError::MissingBinary {
                 binary: "nats-server",
@@ -260,6 +309,15 @@ impl NatsServer {
                 .arg("127.0.0.1")
                 .arg("-p")
                 .arg(port.to_string());
+            if let Some(tls) = tls {
+                cmd.arg("--tlsverify")
+                    .arg("--tlscert")
+                    .arg(tls.join("node.crt"))
+                    .arg("--tlskey")
+                    .arg(tls.join("node.key"))
+                    .arg("--tlscacert")
+                    .arg(tls.join("ca.crt"));
+            }
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
             let log = dir.path().join(format!("nats-{port}.log"));
             // Ready when the server greets a new connection with its INFO line.
@@ -280,6 +338,7 @@ impl NatsServer {
                     return Ok(Self {
                         guard: Some(guard),
                         port,
+                        tls: tls.is_some(),
                         _dir: dir,
                     })
                 }
@@ -293,9 +352,10 @@ impl NatsServer {
         })
     }
 
-    /// `nats://127.0.0.1:{port}`, for `NATS_SERVER`.
+    /// `nats://127.0.0.1:{port}` (`tls://` under TLS), for `NATS_SERVER`.
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "tls" } else { "nats" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     pub fn kill(&mut self) {

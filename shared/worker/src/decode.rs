@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tandem_pki::ChannelSecurity;
 
 use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
 use tandem_engine::sampler::SamplingParams;
@@ -44,6 +45,8 @@ pub struct DecodeSide {
     block_bytes: u64,
     block_size: usize,
     ttl: Duration,
+    /// How channels to prefill workers are secured.
+    security: ChannelSecurity,
     pub leases: Arc<LeaseTable>,
     clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
     pub bytes_received: AtomicU64,
@@ -68,6 +71,7 @@ impl DecodeSide {
         layout_id: String,
         region: RemoteRegion,
         ttl: Duration,
+        security: ChannelSecurity,
     ) -> Self {
         let layout = engine.layout().clone();
         DecodeSide {
@@ -78,6 +82,7 @@ impl DecodeSide {
             block_bytes: layout.block_bytes() as u64,
             block_size: layout.block_size,
             ttl,
+            security,
             leases: Arc::new(LeaseTable::new()),
             clients: Mutex::new(HashMap::new()),
             bytes_received: AtomicU64::new(0),
@@ -89,8 +94,10 @@ impl DecodeSide {
         if let Some(c) = m.get(addr) {
             return Ok(c.clone());
         }
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad prefill worker address {addr:?}: {e}"))?
+        let channel = self
+            .security
+            .endpoint(addr)
+            .map_err(|e| format!("bad prefill worker address: {e}"))?
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(3))
             .connect_lazy();

@@ -11,10 +11,14 @@ pub async fn spawn_publisher(
     endpoint: &EndpointAddr,
     worker_id: u64,
     engine: EngineHandle,
+    security: &tandem_pki::ChannelSecurity,
 ) -> anyhow::Result<()> {
-    let plane =
-        NatsEventPlane::connect(&cfg.runtime.nats_server, std::time::Duration::from_secs(5))
-            .await?;
+    let plane = NatsEventPlane::connect(
+        &cfg.runtime.nats_server,
+        std::time::Duration::from_secs(5),
+        security.identity(),
+    )
+    .await?;
     let publisher = plane.kv_events_publisher::<KvCacheEvent>(
         &endpoint.namespace,
         &endpoint.component,

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tandem_pki::ChannelSecurity;
 
 use anyhow::Context;
 use tandem_config::runtime::EventPlane;
@@ -22,8 +23,11 @@ use crate::BuiltEngine;
 use tandem_config::DisaggregationMode;
 use tandem_kv_transfer::AnyTransport;
 
-pub fn discovery_options(rt: &tandem_config::RuntimeConfig) -> DiscoveryOptions {
-    DiscoveryOptions::from_config(rt)
+pub fn discovery_options(
+    rt: &tandem_config::RuntimeConfig,
+    security: &ChannelSecurity,
+) -> DiscoveryOptions {
+    DiscoveryOptions::from_config(rt).with_security(security)
 }
 
 /// Builds the engine a worker serves: [`crate::engine_setup::build_engine_on`] for the real
@@ -75,9 +79,10 @@ pub async fn run_with_transfer(
     // Idempotent: every worker of a process shares the one recorder.
     let metrics_handle = tandem_runtime::metrics::install_recorder()?;
     let cfg = Arc::new(cfg);
+    let security = ChannelSecurity::from_dir(cfg.runtime.internal_tls()?)?;
     let (built, transport) = start_engine(&cfg, build, &kv).await?;
     let instance_id = discovery::new_instance_id();
-    let sides = DisaggSides::new(&cfg, &built, instance_id, transport, kv)?;
+    let sides = DisaggSides::new(&cfg, &built, instance_id, transport, kv, &security)?;
     let (listener, grpc_addr) = bind_grpc(&cfg).await?;
     let service = WorkerService::new(
         built.engine.clone(),
@@ -106,10 +111,10 @@ pub async fn run_with_transfer(
     })?;
     let http_addr = advertised_addr(status_bound, cfg.network.rpc_advertise_host.as_deref())?;
     let card = model_card(&cfg, &built, instance_id, grpc_addr, http_addr);
-    let registration = register(&cfg, &card).await?;
-    start_publishing(&cfg, &built, instance_id, &shutdown).await?;
+    let registration = register(&cfg, &card, &security).await?;
+    start_publishing(&cfg, &built, instance_id, &shutdown, &security).await?;
     announce_ready(&cfg, &card);
-    let (server_shutdown, server) = spawn_server(service, listener);
+    let (server_shutdown, server) = spawn_server(service, listener, &security)?;
 
     tokio::select! {
         _ = shutdown.cancelled() => {}
@@ -206,6 +211,7 @@ impl DisaggSides {
         instance_id: u64,
         transport: Option<Arc<AnyTransport>>,
         kv: KvTransfer,
+        security: &ChannelSecurity,
     ) -> anyhow::Result<Self> {
         let mode = cfg.disaggregation.disaggregation_mode;
         let layout_id = crate::card::layout_id(built.engine.layout());
@@ -221,6 +227,7 @@ impl DisaggSides {
                     layout_id.clone(),
                     region,
                     Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.into()),
+                    security.clone(),
                 )))
             }
             _ => None,
@@ -277,9 +284,10 @@ async fn bind_grpc(cfg: &WorkerConfig) -> anyhow::Result<(tokio::net::TcpListene
 async fn register(
     cfg: &WorkerConfig,
     card: &ModelCard,
+    security: &ChannelSecurity,
 ) -> anyhow::Result<tandem_runtime::discovery::Registration> {
     let endpoint = cfg.endpoint();
-    let store = discovery::connect(&discovery_options(&cfg.runtime)).await?;
+    let store = discovery::connect(&discovery_options(&cfg.runtime, security)).await?;
     store
         .register(
             Instance {
@@ -303,10 +311,12 @@ async fn start_publishing(
     built: &BuiltEngine,
     instance_id: u64,
     shutdown: &tandem_runtime::shutdown::ShutdownToken,
+    security: &ChannelSecurity,
 ) -> anyhow::Result<()> {
     if cfg.runtime.event_plane == EventPlane::Nats {
         let endpoint = cfg.endpoint();
-        crate::nats::spawn_publisher(cfg, &endpoint, instance_id, built.engine.clone()).await?;
+        let engine = built.engine.clone();
+        crate::nats::spawn_publisher(cfg, &endpoint, instance_id, engine, security).await?;
     }
     crate::stats::spawn_gauges(built.engine.clone(), instance_id, shutdown.clone());
     Ok(())
@@ -331,13 +341,20 @@ fn announce_ready(cfg: &WorkerConfig, card: &ModelCard) {
 fn spawn_server(
     service: WorkerService,
     listener: tokio::net::TcpListener,
-) -> (
+    security: &ChannelSecurity,
+) -> anyhow::Result<(
     tandem_runtime::shutdown::Shutdown,
     tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
-) {
+)> {
     let (server_shutdown, server_token) = tandem_runtime::shutdown::channel();
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = security.server_tls() {
+        builder = builder
+            .tls_config(tls)
+            .context("cannot use the internal TLS certificate for the gRPC server")?;
+    }
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        builder
             .tcp_nodelay(true)
             .add_service(
                 WorkerServer::new(service)
@@ -352,7 +369,7 @@ fn spawn_server(
                 async move { server_token.cancelled().await },
             ),
     );
-    (server_shutdown, server)
+    Ok((server_shutdown, server))
 }
 
 /// Waits until the engine has no request left and no hand-off is in flight (nothing may be

@@ -244,7 +244,8 @@ fn entry(role: WorkerRole, layout: &str, id: u64) -> WorkerEntry {
             instance_id: id,
             eos_token_ids: vec![],
         },
-        client: crate::models::connect_lazy("127.0.0.1:1").expect("client"),
+        client: crate::models::connect_lazy(&tandem_pki::ChannelSecurity::Plaintext, "127.0.0.1:1")
+            .expect("client"),
     }
 }
 
@@ -297,7 +298,7 @@ fn state(flags: &[&str]) -> AppState {
         .map(String::from)
         .collect();
     let cfg = tandem_config::parse_router(&args, &|_| None).expect("config");
-    AppState::new(cfg, Some(7)).expect("state")
+    AppState::new(cfg, tandem_pki::ChannelSecurity::Plaintext, Some(7)).expect("state")
 }
 
 fn selection(worker_id: u64, cached_tokens: usize, prompt_len: usize) -> Selection {

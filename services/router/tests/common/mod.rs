@@ -68,6 +68,7 @@ pub fn start_router(discovery: &PathBuf, min_workers: usize, extra: &[&str]) -> 
         "--router-min-initial-workers",
     ])
     .arg(min_workers.to_string())
+    .args(tandem_test_support::tls_args())
     .args(extra)
     .env("DYN_FILE_KV", discovery)
     .env("DYN_DISCOVERY_BACKEND", "file");
@@ -165,10 +166,15 @@ impl Topology {
 pub type WorkerClient =
     tandem_protocol::worker::worker_client::WorkerClient<tonic::transport::Channel>;
 
+/// A client of a worker the test started (over the test deployment's mutual TLS).
 pub async fn worker_client(addr: &str) -> WorkerClient {
-    WorkerClient::connect(format!("http://{addr}"))
+    let channel = tandem_test_support::internal_security()
+        .endpoint(addr)
+        .expect("worker address")
+        .connect()
         .await
-        .expect("connect to worker")
+        .expect("connect to worker");
+    WorkerClient::new(channel)
 }
 
 pub async fn worker_stats(addr: &str) -> tandem_protocol::worker::LoadStatsReply {
@@ -214,6 +220,7 @@ pub fn start_role(
         "127.0.0.1",
     ])
     .args(["--trtllm.kv_cache_config.max_tokens", "8192"])
+    .args(tandem_test_support::tls_args())
     .args(extra)
     .env("DYN_FILE_KV", discovery)
     .env("DYN_DISCOVERY_BACKEND", "file");

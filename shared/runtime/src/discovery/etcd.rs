@@ -27,6 +27,8 @@ pub struct EtcdOptions {
     pub request_timeout: Duration,
     /// Pause before retrying after a broken keep-alive or watch stream.
     pub retry_delay: Duration,
+    /// The deployment's identity for etcd's TLS; plaintext when `None`.
+    pub tls: Option<tandem_pki::InternalIdentity>,
 }
 
 impl Default for EtcdOptions {
@@ -35,6 +37,7 @@ impl Default for EtcdOptions {
             ttl: DEFAULT_TTL,
             request_timeout: Duration::from_secs(5),
             retry_delay: Duration::from_millis(500),
+            tls: None,
         }
     }
 }
@@ -43,6 +46,36 @@ impl EtcdOptions {
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
+    }
+
+    /// Reach etcd over TLS as this identity (every endpoint must then be https://).
+    pub fn with_tls(mut self, tls: Option<tandem_pki::InternalIdentity>) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// The client options: TLS with the deployment's certificate when there is one. Endpoints
+    /// must agree: all https:// with TLS, none without.
+    fn connect_options(&self, endpoints: &[String]) -> Result<ConnectOptions> {
+        let timeout = self.request_timeout;
+        // No per-request gRPC deadline in ConnectOptions: it would also cut the long-lived
+        // watch and keep-alive streams. Calls are bounded individually instead.
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            .with_keep_alive(Duration::from_secs(10), timeout);
+        let https = |e: &String| e.to_ascii_lowercase().starts_with("https://");
+        match &self.tls {
+            Some(id) => {
+                if let Some(e) = endpoints.iter().find(|e| !https(e)) {
+                    return Err(DiscoveryError::PlaintextEtcd(e.clone()));
+                }
+                Ok(opts.with_tls(id.client_tls()))
+            }
+            None => match endpoints.iter().find(|e| https(e)) {
+                Some(e) => Err(DiscoveryError::EtcdTlsWithoutIdentity(e.clone())),
+                None => Ok(opts),
+            },
+        }
     }
 
     fn ttl_secs(&self) -> i64 {
@@ -72,11 +105,7 @@ impl EtcdDiscovery {
             endpoints: endpoints.clone(),
             timeout,
         };
-        // No per-request gRPC deadline in ConnectOptions: it would also cut the long-lived
-        // watch and keep-alive streams. Calls are bounded individually instead.
-        let connect_opts = ConnectOptions::new()
-            .with_connect_timeout(timeout)
-            .with_keep_alive(Duration::from_secs(10), timeout);
+        let connect_opts = opts.connect_options(&endpoints)?;
         let mut client =
             tokio::time::timeout(timeout, Client::connect(&endpoints, Some(connect_opts)))
                 .await

@@ -71,6 +71,19 @@ pub enum DiscoveryError {
     Encode(#[from] serde_json::Error),
     #[error("discovery backend task stopped")]
     Closed,
+    #[error(
+        "etcd endpoint {0:?} is plaintext but internal channels use mutual TLS: give https:// \
+         endpoints of an etcd started with --client-cert-auth and the deployment's CA, or run \
+         with --insecure-internal"
+    )]
+    PlaintextEtcd(String),
+    #[error(
+        "etcd endpoint {0:?} is https:// but this process has no --internal-tls-dir to present \
+         a client certificate with"
+    )]
+    EtcdTlsWithoutIdentity(String),
+    #[error("the etcd client's TLS settings: {0}")]
+    EtcdTls(String),
 }
 
 /// One serving instance: a process (or a data-parallel rank) behind one endpoint.
@@ -333,6 +346,8 @@ pub struct DiscoveryOptions {
     pub etcd_endpoints: Vec<String>,
     /// Lease / heartbeat TTL.
     pub ttl: Duration,
+    /// The deployment's identity: etcd is then reached over TLS with its client certificate.
+    pub tls: Option<tandem_pki::InternalIdentity>,
 }
 
 impl Default for DiscoveryOptions {
@@ -342,6 +357,7 @@ impl Default for DiscoveryOptions {
             file_root: file::default_root(),
             etcd_endpoints: vec!["http://localhost:2379".to_string()],
             ttl: DEFAULT_TTL,
+            tls: None,
         }
     }
 }
@@ -362,6 +378,15 @@ impl DiscoveryOptions {
             ..Self::default()
         }
     }
+
+    /// With the deployment's identity (from `--internal-tls-dir`), for etcd's TLS.
+    pub fn with_security(mut self, security: &tandem_pki::ChannelSecurity) -> Self {
+        self.tls = match security {
+            tandem_pki::ChannelSecurity::MutualTls(id) => Some(id.clone()),
+            tandem_pki::ChannelSecurity::Plaintext => None,
+        };
+        self
+    }
 }
 
 /// Opens the configured backend. `mem` returns the process-wide in-memory store, so that
@@ -375,7 +400,9 @@ pub async fn connect(options: &DiscoveryOptions) -> Result<Arc<dyn Discovery>> {
         DiscoveryBackend::Etcd => Arc::new(
             etcd::EtcdDiscovery::connect(
                 &options.etcd_endpoints,
-                etcd::EtcdOptions::default().with_ttl(options.ttl),
+                etcd::EtcdOptions::default()
+                    .with_ttl(options.ttl)
+                    .with_tls(options.tls.clone()),
             )
             .await?,
         ),

@@ -29,6 +29,14 @@ pub enum EventError {
         #[source]
         source: async_nats::ConnectError,
     },
+    #[error(
+        "NATS server {0:?} is plaintext but internal channels use mutual TLS: give a tls:// \
+         URL of a nats-server with `tls {{ verify: true }}` and the deployment's CA, or run \
+         with --insecure-internal"
+    )]
+    PlaintextNats(String),
+    #[error("NATS server {0:?} is tls:// but this process has no --internal-tls-dir")]
+    NatsTlsWithoutIdentity(String),
     #[error("NATS at {url} did not answer within {timeout:?}")]
     ConnectTimeout { url: String, timeout: Duration },
     #[error("publishing on {subject}: {source}")]
@@ -112,8 +120,27 @@ pub struct NatsEventPlane {
 impl NatsEventPlane {
     /// Connects to `url` (`NATS_SERVER`, e.g. `nats://127.0.0.1:4222`), failing after `timeout`
     /// instead of retrying forever, so a misconfigured process exits with a clear error.
-    pub async fn connect(url: &str, timeout: Duration) -> Result<Self> {
-        let opts = async_nats::ConnectOptions::new().connection_timeout(timeout);
+    /// With `tls`, the server must be `tls://` and is reached with the deployment's CA and
+    /// client certificate (the certificate must also name the server's host: `tandem certs
+    /// --host`).
+    pub async fn connect(
+        url: &str,
+        timeout: Duration,
+        tls: Option<&tandem_pki::InternalIdentity>,
+    ) -> Result<Self> {
+        let is_tls = url.to_ascii_lowercase().starts_with("tls://");
+        let mut opts = async_nats::ConnectOptions::new().connection_timeout(timeout);
+        match (tls, is_tls) {
+            (Some(id), true) => {
+                opts = opts
+                    .add_root_certificates(id.ca_path())
+                    .add_client_certificate(id.cert_path(), id.key_path())
+                    .require_tls(true);
+            }
+            (Some(_), false) => return Err(EventError::PlaintextNats(url.to_string())),
+            (None, true) => return Err(EventError::NatsTlsWithoutIdentity(url.to_string())),
+            (None, false) => {}
+        }
         let client = tokio::time::timeout(timeout, opts.connect(url))
             .await
             .map_err(|_| EventError::ConnectTimeout {
