@@ -87,7 +87,15 @@ pub async fn run(state: AppState, inflight: DumpsInFlight) -> anyhow::Result<()>
             }
         };
         let worker_id = env.worker_id;
-        if !state.registry.contains(worker_id) {
+        // Only a registered worker's events, signed with the key of its card: another member
+        // of the deployment cannot speak for it.
+        let Some(key) = state.registry.event_key(worker_id) else {
+            continue;
+        };
+        if let Err(e) = env.verify(&key) {
+            tracing::warn!(worker_id, "KV event dropped: {e}");
+            metrics::counter!("tandem_router_kv_events_rejected_total", "reason" => "signature")
+                .increment(1);
             continue;
         }
         match state

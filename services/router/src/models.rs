@@ -251,8 +251,8 @@ impl Registry {
         true
     }
 
-    /// The gRPC client of a worker, if it is registered.
-    pub fn client(&self, id: u64) -> Option<Client> {
+    /// `f` of a registered worker's entry.
+    fn with_entry<R>(&self, id: u64, f: impl FnOnce(&WorkerEntry) -> R) -> Option<R> {
         let (name, prefill) = self
             .owners
             .read()
@@ -262,7 +262,17 @@ impl Registry {
         let models = self.models.read().unwrap_or_else(|e| e.into_inner());
         let m = models.get(&name)?;
         let set = if prefill { &m.prefill } else { &m.workers };
-        set.get(&id).map(|w| w.client.clone())
+        set.get(&id).map(f)
+    }
+
+    /// The gRPC client of a worker, if it is registered.
+    pub fn client(&self, id: u64) -> Option<Client> {
+        self.with_entry(id, |w| w.client.clone())
+    }
+
+    /// The key a registered worker signs its NATS KV events with (its card's).
+    pub fn event_key(&self, id: u64) -> Option<String> {
+        self.with_entry(id, |w| w.card.kv_event_key.clone())
     }
 
     pub fn contains(&self, id: u64) -> bool {
@@ -294,6 +304,7 @@ mod tests {
             http_addr: String::new(),
             instance_id: id,
             eos_token_ids: vec![],
+            kv_event_key: String::new(),
         }
     }
 

@@ -147,3 +147,91 @@ async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
         );
     }
 }
+
+/// The value of a counter with labels on the router's `/metrics`, 0 when absent.
+async fn counter(base: &str, series: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_nats_event_is_dropped_and_counted() {
+    use std::sync::Arc;
+    use tandem_kv_protocol::events::{KvCacheEvent, KvCacheEventData};
+    use tandem_runtime::events::{EventSigner, NatsEventPlane};
+
+    let tls = tandem_test_support::internal_tls_dir();
+    let nats =
+        tandem_test_support::NatsServer::start_tls(tls).expect("nats-server must be installed");
+    let url = nats.url();
+    let planes = ["--event-plane", "nats", "--nats-server", url.as_str()];
+    let discovery = temp_dir("forged");
+    let w = start_worker_env(&discovery, &planes, &[]);
+    let r = start_router(&discovery, 1, &planes);
+    let base = format!("http://{}", common::field(r.ready_line(), "http="));
+    let t = Topology {
+        workers: vec![w],
+        router: Some(r),
+        base,
+        discovery,
+    };
+    t.wait_healthy().await;
+    traffic(&t, 3).await;
+    wait_index_matches(&t).await;
+    let before: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+
+    // A member of the deployment (it has the TLS folder, so NATS lets it publish) claims to
+    // be the worker, with a key of its own: a `Cleared` that would empty the worker's index.
+    let identity = tandem_test_support::internal_security();
+    let plane = NatsEventPlane::connect(&url, Duration::from_secs(5), identity.identity())
+        .await
+        .expect("connect to NATS");
+    let forger = Arc::new(EventSigner::generate().expect("key"));
+    let publisher = plane
+        .kv_events_publisher::<KvCacheEvent>("dynamo", "backend", t.worker_id(0), forger)
+        .expect("publisher");
+    let series = "tandem_router_kv_events_rejected_total{reason=\"signature\"}";
+    assert_eq!(counter(&t.base, series).await, 0.0);
+    let last = before["workers"][t.worker_id(0).to_string()]["last_event_id"]
+        .as_u64()
+        .expect("the worker is indexed");
+    publisher
+        .publish(&KvCacheEvent {
+            event_id: last + 1,
+            data: KvCacheEventData::Cleared,
+            dp_rank: 0,
+        })
+        .await
+        .expect("publish");
+    publisher.flush().await.expect("flush");
+
+    // The router handles NATS messages in order: once the counter moved, the event was seen.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while counter(&t.base, series).await < 1.0 {
+        assert!(Instant::now() < deadline, "forged event never counted");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let after: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(before, after, "a forged event changed the index");
+    // The worker's own (signed) events still apply.
+    traffic(&t, 2).await;
+    wait_index_matches(&t).await;
+}

@@ -28,6 +28,10 @@ pub struct ModelCard {
     pub instance_id: u64,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
+    /// Hex Ed25519 public key the worker signs its NATS KV events with; a router drops any
+    /// event claiming this worker that the key does not verify.
+    #[serde(default)]
+    pub kv_event_key: String,
 }
 
 /// What a worker does in (dis)aggregated serving: its `--disaggregation-mode`.

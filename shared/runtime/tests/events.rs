@@ -1,8 +1,9 @@
 //! NATS event plane against a real nats-server.
 
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use std::time::Duration;
-use tandem_runtime::events::{kv_events_subject, EventError, NatsEventPlane};
+use tandem_runtime::events::{kv_events_subject, EventError, EventSigner, NatsEventPlane};
 use tandem_test_support::NatsServer;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -11,6 +12,10 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 struct KvEvent {
     event_id: u64,
     stored: Vec<u64>,
+}
+
+fn signer() -> Arc<EventSigner> {
+    Arc::new(EventSigner::generate().expect("signing key"))
 }
 
 #[tokio::test]
@@ -27,8 +32,9 @@ async fn kv_events_round_trip_with_worker_id() {
     let worker = NatsEventPlane::connect(&server.url(), TIMEOUT, None)
         .await
         .unwrap();
+    let key = signer();
     let publisher = worker
-        .kv_events_publisher::<KvEvent>("dynamo", "backend", 42)
+        .kv_events_publisher::<KvEvent>("dynamo", "backend", 42, key.clone())
         .unwrap();
     assert_eq!(
         publisher.subject(),
@@ -51,6 +57,10 @@ async fn kv_events_round_trip_with_worker_id() {
             .expect("subscription open")
             .expect("decodes");
         assert_eq!(got.worker_id, 42);
+        // Signed by the worker's key, and by no other.
+        got.verify(&key.public_key_hex())
+            .expect("signed by the worker");
+        assert!(got.verify(&signer().public_key_hex()).is_err());
         assert_eq!(
             got.event,
             KvEvent {
@@ -78,7 +88,7 @@ async fn undecodable_message_is_an_error_item_not_the_end() {
         .await
         .unwrap();
     let good = plane
-        .kv_events_publisher::<KvEvent>("ns", "comp", 7)
+        .kv_events_publisher::<KvEvent>("ns", "comp", 7, signer())
         .unwrap();
     good.publish(&KvEvent {
         event_id: 9,
@@ -111,10 +121,10 @@ async fn components_are_separate_subjects() {
         .await
         .unwrap();
     let decode = plane
-        .kv_events_publisher::<KvEvent>("ns", "decode", 1)
+        .kv_events_publisher::<KvEvent>("ns", "decode", 1, signer())
         .unwrap();
     let prefill_pub = plane
-        .kv_events_publisher::<KvEvent>("ns", "prefill", 2)
+        .kv_events_publisher::<KvEvent>("ns", "prefill", 2, signer())
         .unwrap();
     decode
         .publish(&KvEvent {

@@ -57,6 +57,8 @@ pub fn model_card(
         http_addr,
         instance_id,
         eos_token_ids: engine_cfg.eos_token_ids.clone(),
+        // Set by the caller, which holds the signing key.
+        kv_event_key: String::new(),
     }
 }
 

@@ -4,7 +4,7 @@ use tandem_config::endpoint::EndpointAddr;
 use tandem_config::WorkerConfig;
 use tandem_engine::engine::EngineHandle;
 use tandem_engine::kv::events::KvCacheEvent;
-use tandem_runtime::events::NatsEventPlane;
+use tandem_runtime::events::{EventSigner, NatsEventPlane};
 
 pub async fn spawn_publisher(
     cfg: &WorkerConfig,
@@ -12,6 +12,7 @@ pub async fn spawn_publisher(
     worker_id: u64,
     engine: EngineHandle,
     security: &tandem_pki::ChannelSecurity,
+    signer: std::sync::Arc<EventSigner>,
 ) -> anyhow::Result<()> {
     let plane = NatsEventPlane::connect(
         &cfg.runtime.nats_server,
@@ -23,6 +24,7 @@ pub async fn spawn_publisher(
         &endpoint.namespace,
         &endpoint.component,
         worker_id,
+        signer,
     )?;
     let mut events = engine.subscribe_events();
     tokio::spawn(async move {

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tandem_pki::ChannelSecurity;
+use tandem_runtime::events::EventSigner;
 
 use anyhow::Context;
 use tandem_config::runtime::EventPlane;
@@ -82,6 +83,8 @@ pub async fn run_with_transfer(
     let security = ChannelSecurity::from_dir(cfg.runtime.internal_tls()?)?;
     let (built, transport) = start_engine(&cfg, build, &kv).await?;
     let instance_id = discovery::new_instance_id();
+    // Signs the KV events this worker publishes on NATS; the public half goes in its card.
+    let signer = Arc::new(EventSigner::generate()?);
     let sides = DisaggSides::new(&cfg, &built, instance_id, transport, kv, &security)?;
     let (listener, grpc_addr) = bind_grpc(&cfg).await?;
     let service = WorkerService::new(
@@ -110,9 +113,14 @@ pub async fn run_with_transfer(
         format!("cannot bind the status server on {status_bind} (--system-host/--system-port)")
     })?;
     let http_addr = advertised_addr(status_bound, cfg.network.rpc_advertise_host.as_deref())?;
-    let card = model_card(&cfg, &built, instance_id, grpc_addr, http_addr);
+    let mut card = model_card(&cfg, &built, instance_id, grpc_addr, http_addr);
+    card.kv_event_key = signer.public_key_hex();
     let registration = register(&cfg, &card, &security).await?;
-    start_publishing(&cfg, &built, instance_id, &shutdown, &security).await?;
+    let publishing = Publishing {
+        security: &security,
+        signer: &signer,
+    };
+    start_publishing(&cfg, &built, instance_id, &shutdown, publishing).await?;
     announce_ready(&cfg, &card);
     let (server_shutdown, server) = spawn_server(service, listener, &security)?;
 
@@ -305,18 +313,26 @@ async fn register(
         .context("cannot register in discovery")
 }
 
+/// What publishing events needs beside the config: the channels' security and the signing key.
+struct Publishing<'a> {
+    security: &'a ChannelSecurity,
+    signer: &'a Arc<EventSigner>,
+}
+
 /// Starts the KV event publisher on NATS (with `--event-plane nats`) and the engine gauges.
 async fn start_publishing(
     cfg: &WorkerConfig,
     built: &BuiltEngine,
     instance_id: u64,
     shutdown: &tandem_runtime::shutdown::ShutdownToken,
-    security: &ChannelSecurity,
+    with: Publishing<'_>,
 ) -> anyhow::Result<()> {
     if cfg.runtime.event_plane == EventPlane::Nats {
         let endpoint = cfg.endpoint();
         let engine = built.engine.clone();
-        crate::nats::spawn_publisher(cfg, &endpoint, instance_id, engine, security).await?;
+        let signer = with.signer.clone();
+        crate::nats::spawn_publisher(cfg, &endpoint, instance_id, engine, with.security, signer)
+            .await?;
     }
     crate::stats::spawn_gauges(built.engine.clone(), instance_id, shutdown.clone());
     Ok(())

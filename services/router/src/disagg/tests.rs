@@ -243,6 +243,7 @@ fn entry(role: WorkerRole, layout: &str, id: u64) -> WorkerEntry {
             http_addr: String::new(),
             instance_id: id,
             eos_token_ids: vec![],
+            kv_event_key: String::new(),
         },
         client: crate::models::connect_lazy(&tandem_pki::ChannelSecurity::Plaintext, "127.0.0.1:1")
             .expect("client"),

@@ -3,12 +3,18 @@
 //! Subject: `namespace.{ns}.component.{comp}.{topic}`; KV events use the topic `kv-events`.
 //! Each message is an [`EventEnvelope`] `{"worker_id": .., "event": ..}` (the shape of Dynamo's
 //! `RouterEvent`), where `event` is whatever serializable type the caller publishes.
-//! Plain core NATS (no JetStream), which works with Debian's nats-server 2.9.
+//! Plain core NATS (no JetStream), which works with Debian's nats-server 2.9. Every event is
+//! signed by its worker ([`EventSigner`], header [`SIGNATURE_HEADER`]); subscribers check it
+//! with [`Received::verify`] against the key in the worker's card.
+
+mod signing;
+pub use signing::{verify, EventSigner, SignatureError, SIGNATURE_HEADER};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -158,14 +164,16 @@ impl NatsEventPlane {
         &self.client
     }
 
-    /// A publisher of `T` for `worker_id` on the component's KV-event subject.
+    /// A publisher of `T` for `worker_id` on the component's KV-event subject, signing with
+    /// `signer`.
     pub fn kv_events_publisher<T: Serialize>(
         &self,
         namespace: &str,
         component: &str,
         worker_id: u64,
+        signer: Arc<EventSigner>,
     ) -> Result<EventPublisher<T>> {
-        self.publisher(namespace, component, KV_EVENTS_TOPIC, worker_id)
+        self.publisher(namespace, component, KV_EVENTS_TOPIC, worker_id, signer)
     }
 
     pub fn publisher<T: Serialize>(
@@ -174,11 +182,13 @@ impl NatsEventPlane {
         component: &str,
         topic: &str,
         worker_id: u64,
+        signer: Arc<EventSigner>,
     ) -> Result<EventPublisher<T>> {
         Ok(EventPublisher {
             client: self.client.clone(),
             subject: subject(namespace, component, topic)?,
             worker_id,
+            signer,
             _t: PhantomData,
         })
     }
@@ -217,12 +227,13 @@ impl NatsEventPlane {
     }
 }
 
-/// Publishes `T`s wrapped in an [`EventEnvelope`] with this worker's id.
+/// Publishes `T`s wrapped in an [`EventEnvelope`] with this worker's id, signed.
 #[derive(Clone, Debug)]
 pub struct EventPublisher<T> {
     client: async_nats::Client,
     subject: String,
     worker_id: u64,
+    signer: Arc<EventSigner>,
     _t: PhantomData<fn(&T)>,
 }
 
@@ -239,8 +250,13 @@ impl<T: Serialize> EventPublisher<T> {
             event,
         })
         .map_err(EventError::Encode)?;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            SIGNATURE_HEADER,
+            self.signer.sign(&self.subject, &payload).as_str(),
+        );
         self.client
-            .publish(self.subject.clone(), payload.into())
+            .publish_with_headers(self.subject.clone(), headers, payload.into())
             .await
             .map_err(|source| EventError::Publish {
                 subject: self.subject.clone(),
@@ -261,27 +277,60 @@ pub struct EventSubscriber<T> {
     _t: PhantomData<fn() -> T>,
 }
 
-impl<T: DeserializeOwned> EventSubscriber<T> {
-    /// The next event; `None` when the subscription ended (connection closed for good).
-    pub async fn next(&mut self) -> Option<Result<EventEnvelope<T>>> {
-        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next_event(cx)).await
-    }
+/// An event as received: its envelope, and what its signature is checked over.
+#[derive(Debug)]
+pub struct Received<T> {
+    pub worker_id: u64,
+    pub event: T,
+    subject: String,
+    payload: bytes::Bytes,
+    signature: Option<String>,
+}
 
-    fn poll_next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<EventEnvelope<T>>>> {
-        use futures_core::Stream;
-        Pin::new(&mut self.inner).poll_next(cx).map(|msg| {
-            msg.map(|msg| {
-                serde_json::from_slice(&msg.payload).map_err(|source| EventError::Decode {
-                    subject: msg.subject.to_string(),
-                    source,
-                })
-            })
-        })
+impl<T> Received<T> {
+    /// Checks the event's signature against `key`, the hex public key in the card of the
+    /// worker it claims to come from (`worker_id`).
+    pub fn verify(&self, key: &str) -> Result<(), SignatureError> {
+        verify(key, &self.subject, &self.payload, self.signature.as_deref())
     }
 }
 
+impl<T: DeserializeOwned> EventSubscriber<T> {
+    /// The next event; `None` when the subscription ended (connection closed for good).
+    pub async fn next(&mut self) -> Option<Result<Received<T>>> {
+        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next_event(cx)).await
+    }
+
+    fn poll_next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Received<T>>>> {
+        use futures_core::Stream;
+        Pin::new(&mut self.inner)
+            .poll_next(cx)
+            .map(|msg| msg.map(decode))
+    }
+}
+
+fn decode<T: DeserializeOwned>(msg: async_nats::Message) -> Result<Received<T>> {
+    let env: EventEnvelope<T> =
+        serde_json::from_slice(&msg.payload).map_err(|source| EventError::Decode {
+            subject: msg.subject.to_string(),
+            source,
+        })?;
+    let signature = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(SIGNATURE_HEADER))
+        .map(|v| v.as_str().to_owned());
+    Ok(Received {
+        worker_id: env.worker_id,
+        event: env.event,
+        subject: msg.subject.to_string(),
+        payload: msg.payload,
+        signature,
+    })
+}
+
 impl<T: DeserializeOwned> futures_core::Stream for EventSubscriber<T> {
-    type Item = Result<EventEnvelope<T>>;
+    type Item = Result<Received<T>>;
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         self.get_mut().poll_next_event(cx)
     }
