@@ -18,7 +18,7 @@ async fn worker_state(addr: &str) -> (u64, Vec<u64>) {
 async fn wait_index_matches(t: &Topology) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
+        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.admin_base()))
             .await
             .unwrap()
             .json()
@@ -63,7 +63,7 @@ const SKIP: (&str, &str) = ("TANDEM_FAILPOINT_SKIP_KV_EVENT_IDS", "2,3");
 async fn direct_event_plane_heals_a_gap_by_replay() {
     let discovery = temp_dir("direct-gap");
     let w = start_worker_env(&discovery, &[], &[SKIP]);
-    let r = start_router(&discovery, 1, &[]);
+    let r = start_router(&discovery, 1, &["--admin-port", "0"]);
     let base = format!("http://{}", common::field(r.ready_line(), "http="));
     let t = Topology {
         workers: vec![w],
@@ -96,7 +96,8 @@ async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
     ];
     let w0 = start_worker_env(&discovery, &planes, &[SKIP]);
     let w1 = start_worker_env(&discovery, &planes, &[]);
-    let r = start_router(&discovery, 2, &planes);
+    let router_args = [&planes[..], &["--admin-port", "0", "--expose-worker-id"]].concat();
+    let r = start_router(&discovery, 2, &router_args);
     let base = format!("http://{}", common::field(r.ready_line(), "http="));
     let mut t = Topology {
         workers: vec![w0, w1],
@@ -115,7 +116,7 @@ async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
     let _ = dead.child.wait();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
+        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.admin_base()))
             .await
             .unwrap()
             .json()
