@@ -6,8 +6,9 @@ use tandem_pki::ChannelSecurity;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -15,9 +16,10 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tandem_config::RouterConfig;
 use tandem_kv_router::{KvRouter, KvRouterConfig, RouterMode};
 
+use crate::auth::{self, ApiKeys, Caller, Guard};
 use crate::error::ApiError;
 use crate::handlers;
-use crate::limits::RateLimits;
+use crate::limits::CallerLimits;
 use crate::models::Registry;
 use crate::queue::AdmissionQueue;
 
@@ -32,9 +34,12 @@ pub struct AppState {
     pub dumps: crate::events_nats::DumpsInFlight,
     /// Requests waiting for a worker with room.
     pub queue: Arc<AdmissionQueue>,
-    pub limits: Arc<RateLimits>,
-    /// How the router's gRPC channels to workers are secured.
-    pub security: Arc<ChannelSecurity>,
+    /// The rate limits, per API key when keys are set.
+    pub limits: Arc<CallerLimits>,
+    /// The API keys of both listeners (none: open).
+    pub keys: Arc<ApiKeys>,
+    /// How the router's gRPC channels to workers (and etcd, NATS) are secured.
+    pub channels: Arc<ChannelSecurity>,
 }
 
 impl AppState {
@@ -52,15 +57,17 @@ impl AppState {
             a.queue_shortest_first,
             a.queue_max_requests as usize,
         ));
+        let keys = Arc::new(ApiKeys::new(cfg.security.api_keys.keys()));
         Ok(AppState {
-            limits: Arc::new(RateLimits::new(a)),
+            limits: Arc::new(CallerLimits::new(a, keys.len())),
+            keys,
             config: Arc::new(cfg),
             registry: Arc::new(Registry::default()),
             kv,
             prefill_kv,
             dumps: Default::default(),
             queue,
-            security: Arc::new(security),
+            channels: Arc::new(security),
         })
     }
 
@@ -151,16 +158,31 @@ fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     ))
 }
 
-async fn chat(state: State<AppState>, headers: HeaderMap, body: Body) -> Response {
+/// The caller `auth::require_key` let through (the shared one when keys are off).
+fn caller_of(caller: Option<Extension<Caller>>) -> Caller {
+    caller.map(|Extension(c)| c).unwrap_or_default()
+}
+
+async fn chat(
+    state: State<AppState>,
+    caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     match json_body(&state, &headers, body).await {
-        Ok(b) => handlers::chat_completions(state, headers, b).await,
+        Ok(b) => handlers::chat_completions(state, caller_of(caller), headers, b).await,
         Err(e) => handlers::refused_early(e, &headers, "chat_completions"),
     }
 }
 
-async fn completions(state: State<AppState>, headers: HeaderMap, body: Body) -> Response {
+async fn completions(
+    state: State<AppState>,
+    caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     match json_body(&state, &headers, body).await {
-        Ok(b) => handlers::completions(state, headers, b).await,
+        Ok(b) => handlers::completions(state, caller_of(caller), headers, b).await,
         Err(e) => handlers::refused_early(e, &headers, "completions"),
     }
 }
@@ -169,6 +191,9 @@ async fn not_found() -> Response {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route").into_response()
 }
 
+/// The public port: the OpenAI API, `/metrics`, and the probes `/health` and `/live`. With
+/// API keys, everything but the probes needs a key (unknown paths included, so nothing is
+/// learnt without one). `/debug/*` is not here: see [`admin_app`].
 pub fn app(state: AppState, metrics: metrics_exporter_prometheus::PrometheusHandle) -> Router {
     let min_workers = state.config.routing.router_min_initial_workers.max(1) as usize;
     let registry = state.registry.clone();
@@ -176,18 +201,44 @@ pub fn app(state: AppState, metrics: metrics_exporter_prometheus::PrometheusHand
         metrics,
         Arc::new(move || registry.worker_count() >= min_workers),
     );
+    let guard = Guard {
+        keys: state.keys.clone(),
+        listener: "public",
+        open_paths: auth::OPEN_PATHS,
+    };
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(handlers::list_models))
-        .route("/debug/kv_index", get(handlers::debug_kv_index))
         .with_state(state)
         .merge(status)
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(guard, auth::require_key))
+}
+
+/// The admin listener (`--admin-port`): `/debug/kv_index`, behind the same API keys.
+pub fn admin_app(state: AppState) -> Router {
+    let guard = Guard {
+        keys: state.keys.clone(),
+        listener: "admin",
+        open_paths: &[],
+    };
+    Router::new()
+        .route("/debug/kv_index", get(handlers::debug_kv_index))
+        .with_state(state)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(guard, auth::require_key))
 }
 
 /// Runs the router until SIGTERM / SIGINT.
 pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
+    // Bad TLS files stop the router before it connects to anything.
+    let tls = cfg
+        .security
+        .tls
+        .as_ref()
+        .map(crate::tls::acceptor)
+        .transpose()?;
     let metrics = tandem_runtime::metrics::install_recorder()?;
     let shutdown = tandem_runtime::shutdown::on_signals();
     let tls_dir = cfg.runtime.internal_tls()?;
@@ -207,7 +258,7 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
     }
     let discovery = tandem_runtime::discovery::connect(
         &tandem_runtime::discovery::DiscoveryOptions::from_config(&state.config.runtime)
-            .with_security(&state.security),
+            .with_security(&state.channels),
     )
     .await?;
     tokio::spawn({
@@ -231,14 +282,73 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
             }
         }
     });
-    let bind = format!("{}:{}", state.config.http_host, state.config.http_port);
-    let listener = tokio::net::TcpListener::bind(&bind).await.map_err(|e| {
+    let listeners = bind(&state.config, tls).await?;
+    let http = state.config.http.clone();
+    let public = crate::server::serve(
+        listeners.public,
+        app(state.clone(), metrics),
+        &http,
+        listeners.tls,
+        shutdown.clone(),
+    );
+    match listeners.admin {
+        None => public.await,
+        Some(admin) => {
+            let admin =
+                crate::server::serve(admin, admin_app(state), &http, None, shutdown.clone());
+            tokio::join!(public, admin);
+        }
+    }
+    Ok(())
+}
+
+/// The listeners of a router, bound.
+struct Listeners {
+    public: tokio::net::TcpListener,
+    /// `--tls-cert-path`: the public port speaks HTTPS.
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    admin: Option<tokio::net::TcpListener>,
+}
+
+/// Binds the public port and the admin listener, and prints the READY
+/// line: `TANDEM_ROUTER_READY http=ADDR [admin=ADDR] [tls=on]`.
+async fn bind(
+    cfg: &RouterConfig,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> anyhow::Result<Listeners> {
+    let sec = &cfg.security;
+    let bind = format!("{}:{}", cfg.http_host, cfg.http_port);
+    let public = tokio::net::TcpListener::bind(&bind).await.map_err(|e| {
         anyhow::anyhow!("cannot bind the HTTP API on {bind} (--http-host/--http-port): {e}")
     })?;
-    let addr = listener.local_addr()?;
-    println!("TANDEM_ROUTER_READY http={addr}");
-    tracing::info!(%addr, "router listening");
-    let http = state.config.http.clone();
-    crate::server::serve(listener, app(state, metrics), &http, shutdown).await;
-    Ok(())
+    let addr = public.local_addr()?;
+    let mut ready = format!("TANDEM_ROUTER_READY http={addr}");
+    let admin = match &sec.admin {
+        None => None,
+        Some(a) => {
+            let bind = format!("{}:{}", a.host, a.port);
+            let l = tokio::net::TcpListener::bind(&bind).await.map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot bind the admin listener on {bind} (--admin-host/--admin-port): {e}"
+                )
+            })?;
+            let admin_addr = l.local_addr()?;
+            ready.push_str(&format!(" admin={admin_addr}"));
+            tracing::info!(%admin_addr, "admin listener (/debug/*)");
+            Some(l)
+        }
+    };
+    if tls.is_some() {
+        ready.push_str(" tls=on");
+    }
+    if sec.api_keys.is_empty() {
+        tracing::warn!(
+            "no API key (--api-key, --api-key-file): the API is open to anyone who reaches it"
+        );
+    } else {
+        tracing::info!(keys = sec.api_keys.len(), "API keys required");
+    }
+    println!("{ready}");
+    tracing::info!(%addr, tls = tls.is_some(), "router listening");
+    Ok(Listeners { public, tls, admin })
 }

@@ -13,6 +13,23 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Seconds for the `Retry-After` header of a 429 or 503.
     pub retry_after_secs: Option<u64>,
+    /// OpenAI's string `code`; without one the body's code is the status.
+    pub code: Option<ErrorCode>,
+}
+
+/// OpenAI's string error codes that Tandem answers with (one byte, so `ApiError` stays small).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// A missing or wrong API key.
+    InvalidApiKey,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidApiKey => "invalid_api_key",
+        }
+    }
 }
 
 impl ApiError {
@@ -23,6 +40,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             retry_after_secs: None,
+            code: None,
         }
     }
     pub fn with_param(mut self, param: Option<&str>) -> Self {
@@ -65,13 +83,24 @@ impl ApiError {
         )
         .with_retry_after(retry_after_secs)
     }
+    /// A missing or wrong API key (see `auth`), as OpenAI answers it.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        ApiError {
+            code: Some(ErrorCode::InvalidApiKey),
+            ..Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+        }
+    }
     pub fn body(&self) -> serde_json::Value {
+        let code = match self.code {
+            Some(c) => serde_json::Value::from(c.as_str()),
+            None => serde_json::Value::from(self.status.as_u16()),
+        };
         serde_json::json!({
             "error": {
                 "message": self.message,
                 "type": self.kind,
                 "param": self.param,
-                "code": self.status.as_u16(),
+                "code": code,
             }
         })
     }
@@ -79,6 +108,7 @@ impl ApiError {
     pub fn metric_label(&self) -> &'static str {
         match self.status.as_u16() {
             400 | 408 | 413 | 415 | 422 => "validation",
+            401 | 403 => "unauthorized",
             404 => "not_found",
             429 | 503 => "overload",
             504 => "response_timeout",

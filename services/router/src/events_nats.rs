@@ -67,7 +67,7 @@ pub async fn run(state: AppState, inflight: DumpsInFlight) -> anyhow::Result<()>
     let plane = NatsEventPlane::connect(
         &rt.nats_server,
         Duration::from_secs(5),
-        state.security.identity(),
+        state.channels.identity(),
     )
     .await?;
     let backend = plane

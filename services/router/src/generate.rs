@@ -82,6 +82,7 @@ pub async fn start(
         params: request.params,
         priority: request.priority,
         received: request.received,
+        limits: request.limits,
     };
     let block_size = req.validate()?;
     let hashes = req.hash_blocks(block_size);
@@ -106,6 +107,8 @@ pub struct Incoming {
     pub priority: i32,
     /// When the HTTP request arrived.
     pub received: Instant,
+    /// The caller's rate limits, charged with the output tokens.
+    pub limits: Arc<RateLimits>,
 }
 
 /// One request as the stages see it.
@@ -119,6 +122,7 @@ struct Request<'a> {
     priority: i32,
     /// When the HTTP request arrived (TTFT and the router's overhead are measured from here).
     received: Instant,
+    limits: Arc<RateLimits>,
 }
 
 /// The route stage's answer: the decode worker and the decode index's selection.
@@ -339,7 +343,7 @@ impl Request<'_> {
                 .prefill_worker_id
                 .map(|_| self.state.prefill_kv.clone()),
             queue: self.state.queue.clone(),
-            limits: self.state.limits.clone(),
+            limits: self.limits.clone(),
             assets: self.view.assets.clone(),
             received: self.received,
             deadline: call.deadline,

@@ -14,6 +14,7 @@ use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::app::AppState;
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::generate::{self, GenEvent, Routed, UsageTotals};
 use crate::metrics as m;
@@ -21,8 +22,10 @@ use crate::prepare::{self, Prepared};
 use crate::respond::{self, Collected};
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// The worker that served a request; sent only with `--expose-worker-id` (instance ids help
+/// whoever would fence other users' leases).
 pub const WORKER_HEADER: &str = "x-tandem-worker-id";
-/// The (first) prefill worker of a disaggregated request.
+/// The (first) prefill worker of a disaggregated request; with `--expose-worker-id` too.
 pub const PREFILL_WORKER_HEADER: &str = "x-tandem-prefill-worker-id";
 
 pub fn request_id(headers: &HeaderMap) -> String {
@@ -114,6 +117,7 @@ async fn serve(
     received: Instant,
 ) -> Response {
     let model = p.meta.model.clone();
+    let expose = state.config.security.expose_worker_id;
     metrics::histogram!(m::INPUT_SEQUENCE_TOKENS).record(p.prompt.len() as f64);
     let inflight = Inflight::new(&model, endpoint);
     let incoming = generate::Incoming {
@@ -122,6 +126,7 @@ async fn serve(
         params: p.params,
         priority: p.priority,
         received,
+        limits: p.limits,
     };
     let (rx, routed) = match generate::start(&state, &p.view, incoming).await {
         Ok(x) => x,
@@ -130,6 +135,7 @@ async fn serve(
     tracing::info!(request_id = %rid, worker = routed.worker_id, prefill_worker = ?routed.prefill_worker_id, cached_tokens = routed.cached_tokens, queued_ms = routed.queued.as_millis() as u64, "routed");
     let assets = p.view.assets.clone();
     let meta = p.meta;
+    let shown = expose.then_some(&routed);
     if p.stream {
         count(&model, endpoint, true, "success");
         let include_usage = p.include_usage;
@@ -162,7 +168,7 @@ async fn serve(
         let resp = Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response();
-        return with_headers(resp, &rid, Some(&routed));
+        return with_headers(resp, &rid, shown);
     }
     // Non-streaming: if the client goes away, this future is dropped with `rx`, which cancels.
     let mut rx = rx;
@@ -178,17 +184,19 @@ async fn serve(
     drop(inflight);
     count(&model, endpoint, false, "success");
     let body = collected.body(&meta, &assets, &usage, p.want_logprobs);
-    with_headers(Json(body).into_response(), &rid, Some(&routed))
+    with_headers(Json(body).into_response(), &rid, shown)
 }
 
 pub async fn chat_completions(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     let received = Instant::now();
     let rid = request_id(&headers);
-    match prepare::chat(&state, &body, &rid).await {
+    let limits = state.limits.of(caller).clone();
+    match prepare::chat(&state, &body, &rid, &limits).await {
         Ok(p) => serve(state, p, rid, "chat_completions", received).await,
         Err(r) => error_response(r.error, &rid, &r.model, "chat_completions", r.stream),
     }
@@ -196,12 +204,14 @@ pub async fn chat_completions(
 
 pub async fn completions(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     let received = Instant::now();
     let rid = request_id(&headers);
-    match prepare::completion(&state, &body, &rid).await {
+    let limits = state.limits.of(caller).clone();
+    match prepare::completion(&state, &body, &rid, &limits).await {
         Ok(p) => serve(state, p, rid, "completions", received).await,
         Err(r) => error_response(r.error, &rid, &r.model, "completions", r.stream),
     }

@@ -6,6 +6,7 @@
 #![deny(clippy::too_many_lines, clippy::too_many_arguments)]
 
 pub mod app;
+pub mod auth;
 pub mod chat;
 pub mod disagg;
 pub mod error;
@@ -22,5 +23,6 @@ pub mod prepare;
 pub mod queue;
 pub mod respond;
 pub mod server;
+pub mod tls;
 pub mod watcher;
 pub mod wire;

@@ -1,12 +1,13 @@
 //! What one client may ask of the router: rates (token buckets over requests and tokens per
-//! second, `--rate-limit-*`) and the size of a request's parts. The limits are global until
-//! API keys exist; then each key gets its own buckets.
+//! second, `--rate-limit-*`) and the size of a request's parts. Without API keys the buckets
+//! are global; with keys (`--api-key`) each key has its own ([`CallerLimits`]).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tandem_config::AdmissionConfig;
 
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::metrics as m;
 
@@ -111,6 +112,30 @@ impl RateLimits {
     }
 }
 
+/// The buckets of every caller: one set per API key, or one shared set without keys.
+#[derive(Debug)]
+pub struct CallerLimits {
+    sets: Vec<Arc<RateLimits>>,
+    /// The shared set (the first), for a caller the table does not know.
+    first: Arc<RateLimits>,
+}
+
+impl CallerLimits {
+    /// Buckets for `keys` API keys (0: one shared set).
+    pub fn new(cfg: &AdmissionConfig, keys: usize) -> Self {
+        let sets: Vec<Arc<RateLimits>> = (0..keys.max(1))
+            .map(|_| Arc::new(RateLimits::new(cfg)))
+            .collect();
+        let first = sets[0].clone();
+        CallerLimits { sets, first }
+    }
+
+    /// The buckets of `caller` (see `auth::Caller`).
+    pub fn of(&self, caller: Caller) -> &Arc<RateLimits> {
+        self.sets.get(caller.0).unwrap_or(&self.first)
+    }
+}
+
 fn refused(limit: &'static str, rate: f64, wait: Duration) -> ApiError {
     metrics::counter!(m::RATE_LIMITED, "limit" => limit).increment(1);
     ApiError::rate_limited(
@@ -167,6 +192,29 @@ mod tests {
         let l = limits(0.0, 100.0);
         l.charge_tokens(250);
         assert!(l.admit(1).is_err());
+    }
+
+    #[test]
+    fn each_api_key_has_its_own_buckets() {
+        let cfg = AdmissionConfig {
+            queue_threshold: None,
+            queue_shortest_first: false,
+            queue_max_requests: 1,
+            rate_limit_requests_per_sec: 2.0,
+            rate_limit_tokens_per_sec: 0.0,
+        };
+        let l = CallerLimits::new(&cfg, 2);
+        for _ in 0..2 {
+            l.of(Caller(0)).admit(1).unwrap();
+        }
+        assert!(l.of(Caller(0)).admit(1).is_err(), "key 0 is over its rate");
+        // Key 1 is not held back by key 0.
+        l.of(Caller(1)).admit(1).unwrap();
+        // Without keys, every request shares one set.
+        let shared = CallerLimits::new(&cfg, 0);
+        shared.of(Caller(0)).admit(1).unwrap();
+        shared.of(Caller(0)).admit(1).unwrap();
+        assert!(shared.of(Caller(0)).admit(1).is_err());
     }
 
     #[test]

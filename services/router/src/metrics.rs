@@ -19,3 +19,6 @@ pub const QUEUE_PENDING: &str = "dynamo_frontend_router_queue_pending_requests";
 pub const QUEUE_WAIT_SECONDS: &str = "tandem_router_queue_wait_seconds";
 /// Requests refused by the rate limits, `limit="requests|tokens"`.
 pub const RATE_LIMITED: &str = "tandem_router_rate_limited_total";
+/// Requests refused for a missing or wrong API key, `listener="public|admin"`,
+/// `reason="missing|invalid"` (see `auth`).
+pub const UNAUTHORIZED: &str = "tandem_router_unauthorized_total";

@@ -12,7 +12,7 @@ use tokio::sync::Semaphore;
 
 use crate::app::AppState;
 use crate::error::ApiError;
-use crate::limits::{LARGE_PROMPT_BYTES, MAX_MESSAGES, MAX_TOOLS};
+use crate::limits::{RateLimits, LARGE_PROMPT_BYTES, MAX_MESSAGES, MAX_TOOLS};
 use crate::models::{ModelAssets, ModelView};
 use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
 use crate::params;
@@ -31,6 +31,8 @@ pub struct Prepared {
     pub include_usage: bool,
     pub want_logprobs: bool,
     pub view: ModelView,
+    /// The caller's rate limits (its API key's, or the shared ones), charged as tokens stream.
+    pub limits: Arc<RateLimits>,
 }
 
 /// A refused request, with what its metrics are labelled with.
@@ -86,7 +88,12 @@ fn served(state: &AppState, name: &str) -> Result<ModelView, Refusal> {
         .ok_or_else(|| Refusal::unlabelled(ApiError::not_found_model(name)))
 }
 
-pub async fn chat(state: &AppState, body: &[u8], rid: &str) -> Result<Prepared, Refusal> {
+pub async fn chat(
+    state: &AppState,
+    body: &[u8],
+    rid: &str,
+    limits: &Arc<RateLimits>,
+) -> Result<Prepared, Refusal> {
     let req: ChatCompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
     let view = served(state, &req.model)?;
     let stream = req.stream;
@@ -108,7 +115,7 @@ pub async fn chat(state: &AppState, body: &[u8], rid: &str) -> Result<Prepared, 
     .map_err(fail)?;
     let prompt = prompt.map_err(fail)?;
     metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
-    state.limits.admit(prompt.len()).map_err(fail)?;
+    limits.admit(prompt.len()).map_err(fail)?;
     if let Some(user) = &req.user {
         tracing::info!(request_id = rid, user = %user, "chat request");
     }
@@ -121,10 +128,16 @@ pub async fn chat(state: &AppState, body: &[u8], rid: &str) -> Result<Prepared, 
         include_usage,
         want_logprobs: lp.is_some(),
         view,
+        limits: limits.clone(),
     })
 }
 
-pub async fn completion(state: &AppState, body: &[u8], rid: &str) -> Result<Prepared, Refusal> {
+pub async fn completion(
+    state: &AppState,
+    body: &[u8],
+    rid: &str,
+    limits: &Arc<RateLimits>,
+) -> Result<Prepared, Refusal> {
     let req: CompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
     let view = served(state, &req.model)?;
     let stream = req.stream;
@@ -139,7 +152,7 @@ pub async fn completion(state: &AppState, body: &[u8], rid: &str) -> Result<Prep
         .await
         .map_err(fail)?;
     metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
-    state.limits.admit(prompt.len()).map_err(fail)?;
+    limits.admit(prompt.len()).map_err(fail)?;
     Ok(Prepared {
         meta: meta(Kind::Completion, rid, &view.name),
         prompt,
@@ -149,6 +162,7 @@ pub async fn completion(state: &AppState, body: &[u8], rid: &str) -> Result<Prep
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
         want_logprobs: lp.is_some(),
         view,
+        limits: limits.clone(),
     })
 }
 

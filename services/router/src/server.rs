@@ -3,7 +3,9 @@
 //! timeout (`--http-header-read-timeout-secs`; an idle keep-alive connection is closed after
 //! it too), `TCP_NODELAY` so a stream's first token does not wait for Nagle, and a graceful
 //! shutdown that lets requests in flight finish. The body-read timeout is the handlers'
-//! (see `app`), so it can answer 408.
+//! (see `app`), so it can answer 408. With TLS (`--tls-cert-path`), each accepted connection
+//! first completes its handshake within the header-read timeout (a client that sends nothing,
+//! or plain HTTP, is dropped) while holding its connection permit.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,16 +20,20 @@ use tandem_config::HttpServerConfig;
 use tandem_runtime::shutdown::ShutdownToken;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
 /// How long a graceful shutdown waits for requests in flight.
 const DRAIN: Duration = Duration::from_secs(30);
 
-/// Serves `app` on `listener` until `shutdown` is cancelled, then drains.
+/// Serves `app` on `listener` (over TLS when `tls` is given) until `shutdown` is cancelled,
+/// then drains.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     cfg: &HttpServerConfig,
+    tls: Option<TlsAcceptor>,
     shutdown: ShutdownToken,
 ) {
     let max = cfg.max_connections;
@@ -36,8 +42,17 @@ pub async fn serve(
     while let Some((tcp, permit)) = next_connection(&listener, &permits, &shutdown).await {
         let app = app.clone();
         let shutdown = shutdown.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            serve_connection(tcp, app, header_timeout, shutdown).await;
+            match tls {
+                None => serve_connection(TokioIo::new(tcp), app, header_timeout, shutdown).await,
+                Some(acceptor) => {
+                    if let Some(stream) = handshake(&acceptor, tcp, header_timeout, &shutdown).await
+                    {
+                        serve_connection(TokioIo::new(stream), app, header_timeout, shutdown).await;
+                    }
+                }
+            }
             drop(permit);
         });
     }
@@ -84,12 +99,38 @@ async fn next_connection(
     }
 }
 
-async fn serve_connection(
+/// The TLS session of `tcp`, or `None` when the handshake fails, takes longer than
+/// `timeout`, or shutdown starts first.
+async fn handshake(
+    acceptor: &TlsAcceptor,
     tcp: TcpStream,
+    timeout: Duration,
+    shutdown: &ShutdownToken,
+) -> Option<TlsStream<TcpStream>> {
+    tokio::select! {
+        r = tokio::time::timeout(timeout, acceptor.accept(tcp)) => match r {
+            Ok(Ok(stream)) => Some(stream),
+            Ok(Err(e)) => {
+                tracing::debug!("TLS handshake failed: {e}");
+                None
+            }
+            Err(_) => {
+                tracing::debug!("TLS handshake not done within {timeout:?}; connection closed");
+                None
+            }
+        },
+        _ = shutdown.cancelled() => None,
+    }
+}
+
+async fn serve_connection<I>(
+    io: TokioIo<I>,
     app: Router,
     header_timeout: Duration,
     shutdown: ShutdownToken,
-) {
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let service = TowerToHyperService::new(
         app.map_request(|req: Request<Incoming>| req.map(axum::body::Body::new)),
     );
@@ -98,7 +139,7 @@ async fn serve_connection(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
-    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+    let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => log_end(r),

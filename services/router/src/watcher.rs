@@ -74,7 +74,7 @@ pub async fn add_worker(state: &AppState, card_json: Value) {
     if card.role == WorkerRole::Encode {
         return;
     }
-    let mut client = match connect_lazy(&state.security, &card.grpc_addr) {
+    let mut client = match connect_lazy(&state.channels, &card.grpc_addr) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(addr = %card.grpc_addr, "ignoring a worker with a bad address: {e}");

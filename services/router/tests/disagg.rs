@@ -709,7 +709,7 @@ async fn router_enforced_disagg_matches_aggregated_and_follows_prefill_overlap()
         start_role(&disc, "tandem-prefill", "prefill", &[], &[]),
     ];
     let d = start_role(&disc, "tandem-decode", "pd", &[], &[]);
-    let router = start_router(&disc, 1, &["--enforce-disagg"]);
+    let router = start_router(&disc, 1, &["--enforce-disagg", "--expose-worker-id"]);
     let base = format!("http://{}", field(router.ready_line(), "http="));
     let dis = Topology {
         workers: vec![],
@@ -850,8 +850,16 @@ async fn router_enforced_disagg_matches_aggregated_and_follows_prefill_overlap()
 async fn conditional_disaggregation_follows_the_threshold() {
     let disc = temp_dir("disagg-cond");
     let d = start_role(&disc, "tandem-decode", "pd", &[], &[]);
-    let plain = start_router(&disc, 1, &["--disagg-prefill-threshold-tokens", "100"]);
-    let enforced = start_router(&disc, 1, &["--enforce-disagg"]);
+    let plain = start_router(
+        &disc,
+        1,
+        &[
+            "--disagg-prefill-threshold-tokens",
+            "100",
+            "--expose-worker-id",
+        ],
+    );
+    let enforced = start_router(&disc, 1, &["--enforce-disagg", "--expose-worker-id"]);
     let base = |r: &Proc| format!("http://{}", field(r.ready_line(), "http="));
     let c = reqwest::Client::new();
     let post = |b: String, body: Value| {

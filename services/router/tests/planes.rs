@@ -14,16 +14,21 @@ async fn worker_state(addr: &str) -> (u64, Vec<u64>) {
     (last, common::worker_blocks(addr).await.1)
 }
 
+/// The router's index, from its admin listener.
+async fn kv_index(t: &Topology) -> Value {
+    reqwest::get(format!("{}/debug/kv_index", t.admin_base()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 /// Waits until the router's index for every worker equals the worker's own dump.
 async fn wait_index_matches(t: &Topology) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let index = kv_index(t).await;
         let mut all = true;
         for i in 0..t.workers.len() {
             let (last, blocks) = worker_state(&t.worker_grpc(i)).await;
@@ -63,7 +68,7 @@ const SKIP: (&str, &str) = ("TANDEM_FAILPOINT_SKIP_KV_EVENT_IDS", "2,3");
 async fn direct_event_plane_heals_a_gap_by_replay() {
     let discovery = temp_dir("direct-gap");
     let w = start_worker_env(&discovery, &[], &[SKIP]);
-    let r = start_router(&discovery, 1, &[]);
+    let r = start_router(&discovery, 1, &["--admin-port", "0"]);
     let base = format!("http://{}", common::field(r.ready_line(), "http="));
     let t = Topology {
         workers: vec![w],
@@ -99,7 +104,8 @@ async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
     ];
     let w0 = start_worker_env(&discovery, &planes, &[SKIP]);
     let w1 = start_worker_env(&discovery, &planes, &[]);
-    let r = start_router(&discovery, 2, &planes);
+    let router_args = [&planes[..], &["--admin-port", "0", "--expose-worker-id"]].concat();
+    let r = start_router(&discovery, 2, &router_args);
     let base = format!("http://{}", common::field(r.ready_line(), "http="));
     let mut t = Topology {
         workers: vec![w0, w1],
@@ -118,12 +124,7 @@ async fn etcd_discovery_and_nats_events_with_a_gap_and_a_killed_worker() {
     let _ = dead.child.wait();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let index: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let index = kv_index(&t).await;
         if index["workers"].get(dead_id.to_string()).is_none() {
             break;
         }
@@ -175,7 +176,8 @@ async fn a_forged_nats_event_is_dropped_and_counted() {
     let planes = ["--event-plane", "nats", "--nats-server", url.as_str()];
     let discovery = temp_dir("forged");
     let w = start_worker_env(&discovery, &planes, &[]);
-    let r = start_router(&discovery, 1, &planes);
+    let router_args = [&planes[..], &["--admin-port", "0"]].concat();
+    let r = start_router(&discovery, 1, &router_args);
     let base = format!("http://{}", common::field(r.ready_line(), "http="));
     let t = Topology {
         workers: vec![w],
@@ -186,12 +188,7 @@ async fn a_forged_nats_event_is_dropped_and_counted() {
     t.wait_healthy().await;
     traffic(&t, 3).await;
     wait_index_matches(&t).await;
-    let before: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let before = kv_index(&t).await;
 
     // A member of the deployment (it has the TLS folder, so NATS lets it publish) claims to
     // be the worker, with a key of its own: a `Cleared` that would empty the worker's index.
@@ -224,12 +221,7 @@ async fn a_forged_nats_event_is_dropped_and_counted() {
         assert!(Instant::now() < deadline, "forged event never counted");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let after: Value = reqwest::get(format!("{}/debug/kv_index", t.base))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let after = kv_index(&t).await;
     assert_eq!(before, after, "a forged event changed the index");
     // The worker's own (signed) events still apply.
     traffic(&t, 2).await;

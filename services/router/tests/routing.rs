@@ -13,7 +13,7 @@ use tokio_stream::StreamExt;
 use common::{worker_blocks, worker_client as client, worker_stats as stats};
 
 async fn router_index(t: &Topology) -> Value {
-    reqwest::get(format!("{}/debug/kv_index", t.base))
+    reqwest::get(format!("{}/debug/kv_index", t.admin_base()))
         .await
         .unwrap()
         .json()
@@ -97,7 +97,12 @@ async fn complete(t: &Topology, prompt: Vec<u32>) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_prefixes_go_to_the_worker_holding_them_and_follow_eviction() {
-    let t = Topology::start_healthy(2, &["--trtllm.kv_cache_config.max_tokens", "1024"], &[]).await;
+    let t = Topology::start_healthy(
+        2,
+        &["--trtllm.kv_cache_config.max_tokens", "1024"],
+        &["--admin-port", "0", "--expose-worker-id"],
+    )
+    .await;
     let (first, _) = complete(&t, with_suffix(0)).await;
     wait_synced(&t).await;
     for i in 1..4 {
@@ -129,7 +134,18 @@ async fn shared_prefixes_go_to_the_worker_holding_them_and_follow_eviction() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_spreads_and_the_index_equals_the_workers_dumps() {
-    let t = Topology::start_healthy(2, &[], &["--router-mode", "round-robin"]).await;
+    let t = Topology::start_healthy(
+        2,
+        &[],
+        &[
+            "--router-mode",
+            "round-robin",
+            "--admin-port",
+            "0",
+            "--expose-worker-id",
+        ],
+    )
+    .await;
     let mut seen = std::collections::HashSet::new();
     let mut handles = Vec::new();
     for i in 0..8u32 {

@@ -311,7 +311,7 @@ async fn a_worker_with_a_different_tokenizer_for_the_same_model_is_refused() {
     cfg["chat_template"] = json!("{% for m in messages %}{{ m['content'] }}{% endfor %}");
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
 
-    let t = Topology::start_healthy(1, &[], &[]).await;
+    let t = Topology::start_healthy(1, &[], &["--expose-worker-id"]).await;
     let odd_path = odd.to_str().unwrap().to_string();
     let other = common::start_worker(
         &t.discovery,

@@ -77,7 +77,11 @@ fn args_for(spec: &'static FlagSpec) -> Vec<Arg> {
             .value_name(value_name)
             .num_args(1)
             .allow_hyphen_values(true)
-            .action(ArgAction::Set)
+            .action(if spec.repeatable {
+                ArgAction::Append
+            } else {
+                ArgAction::Set
+            })
             .help(help_text(spec))]
     }
 }

@@ -268,11 +268,11 @@ pub static FLAGS: &[FlagSpec] = &[
         .env("DYN_HTTP_MAX_CONNECTIONS").default("4096").scope(Scope::Router),
     FlagSpec::new("rate-limit-requests-per-sec", Float, Router,
         "Requests per second the router admits (token bucket, a second of burst); 0: no limit. \
-         Over it, 429 with Retry-After.")
+         Over it, 429 with Retry-After. Per API key when --api-key is set.")
         .env("DYN_RATE_LIMIT_REQUESTS_PER_SEC").default("0").scope(Scope::Router),
     FlagSpec::new("rate-limit-tokens-per-sec", Float, Router,
         "Prompt plus output tokens per second the router admits (token bucket, a second of \
-         burst); 0: no limit. Over it, 429 with Retry-After.")
+         burst); 0: no limit. Over it, 429 with Retry-After. Per API key when --api-key is set.")
         .env("DYN_RATE_LIMIT_TOKENS_PER_SEC").default("0").scope(Scope::Router),
     FlagSpec::new("router-mode",
         Choice(&["kv", "round-robin", "random", "least-loaded", "power-of-two", "direct"]), Router,
@@ -372,6 +372,35 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("router-min-initial-workers", INT0, Router,
         "Wait for this many workers before serving.")
         .env("DYN_ROUTER_MIN_INITIAL_WORKERS").default("0").scope(Scope::Router),
+    // ---- Router: public port security
+    FlagSpec::new("api-key", List, Router,
+        "API key a client must send (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every \
+         route but /health and /live; repeat the flag for several keys (TANDEM_API_KEYS: \
+         comma-separated). No key (here or in --api-key-file): the API is open. With keys, \
+         the rate limits apply per key.")
+        .env("TANDEM_API_KEYS").repeatable().scope(Scope::Router),
+    FlagSpec::new("api-key-file", Path, Router,
+        "File of API keys, one per line (blank lines and `#` comments ignored), added to \
+         --api-key; a missing, unreadable or empty file stops the router at start-up.")
+        .env("DYN_API_KEY_FILE").scope(Scope::Router),
+    FlagSpec::new("admin-port", INT0, Router,
+        "Port of the admin listener, which serves /debug/* (off the public port); 0 picks a \
+         free one. Unset: no admin listener.")
+        .env("DYN_ADMIN_PORT").scope(Scope::Router),
+    FlagSpec::new("admin-host", Str, Router,
+        "Address the admin listener binds to (the API keys apply there too).")
+        .env("DYN_ADMIN_HOST").default("127.0.0.1").scope(Scope::Router),
+    FlagSpec::new("expose-worker-id", Bool, Router,
+        "Send the `x-tandem-worker-id` (and `x-tandem-prefill-worker-id`) response headers, \
+         which name the worker instances that served a request.")
+        .env("DYN_EXPOSE_WORKER_ID").default("false").scope(Scope::Router),
+    FlagSpec::new("tls-cert-path", Path, Router,
+        "PEM certificate chain of the public port; with --tls-key-path the API is served over \
+         HTTPS only. Both or neither.")
+        .env("DYN_TLS_CERT_PATH").scope(Scope::Router),
+    FlagSpec::new("tls-key-path", Path, Router,
+        "PEM private key (PKCS#8, PKCS#1 or SEC1) of --tls-cert-path.")
+        .env("DYN_TLS_KEY_PATH").scope(Scope::Router),
     // ---- Runtime (every process)
     FlagSpec::new("rpc-host", Str, Runtime,
         "Address the worker's gRPC service binds to.")

@@ -25,8 +25,8 @@ pub mod worker;
 pub use engine_options::EngineOptions;
 pub use error::ConfigError;
 pub use parse::{
-    parse_router, parse_worker, router_command, worker_command, AdmissionConfig, HttpServerConfig,
-    RouterConfig, RoutingConfig,
+    parse_router, parse_worker, router_command, worker_command, AdminListener, AdmissionConfig,
+    ApiKeys, HttpServerConfig, RouterConfig, RoutingConfig, SecurityConfig, TlsFiles,
 };
 pub use resolve::process_env;
 pub use runtime::RuntimeConfig;

@@ -211,6 +211,7 @@ pub struct RouterConfig {
     pub http: HttpServerConfig,
     pub admission: AdmissionConfig,
     pub routing: RoutingConfig,
+    pub security: SecurityConfig,
     pub runtime: RuntimeConfig,
     #[serde(skip)]
     pub print_config: bool,
@@ -224,6 +225,71 @@ pub struct HttpServerConfig {
     pub header_read_timeout_secs: u32,
     pub body_read_timeout_secs: u32,
     pub max_connections: u32,
+}
+
+/// Who may use the public port, over what, and what it tells them.
+#[derive(Clone, Debug, Serialize)]
+pub struct SecurityConfig {
+    /// `--api-key`, `TANDEM_API_KEYS` and `--api-key-file`, without duplicates, in that order.
+    pub api_keys: ApiKeys,
+    /// `--admin-host`/`--admin-port`; `None`: no admin listener.
+    pub admin: Option<AdminListener>,
+    /// `--expose-worker-id`.
+    pub expose_worker_id: bool,
+    /// `--tls-cert-path`/`--tls-key-path`; `None`: plain HTTP.
+    pub tls: Option<TlsFiles>,
+}
+
+/// The API keys. Neither `Debug` nor `Serialize` shows them (`--print-config` prints how
+/// many there are).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ApiKeys(Vec<String>);
+
+impl ApiKeys {
+    pub fn new(keys: Vec<String>) -> Self {
+        let mut unique: Vec<String> = Vec::with_capacity(keys.len());
+        for k in keys {
+            if !unique.contains(&k) {
+                unique.push(k);
+            }
+        }
+        ApiKeys(unique)
+    }
+    pub fn keys(&self) -> &[String] {
+        &self.0
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl std::fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ApiKeys({} redacted)", self.0.len())
+    }
+}
+
+impl Serialize for ApiKeys {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{} key(s), redacted", self.0.len()))
+    }
+}
+
+/// Where the admin listener binds.
+#[derive(Clone, Debug, Serialize)]
+pub struct AdminListener {
+    pub host: String,
+    pub port: u16,
+}
+
+/// The public port's certificate chain and private key, PEM files.
+#[derive(Clone, Debug, Serialize)]
+pub struct TlsFiles {
+    pub cert_path: std::path::PathBuf,
+    pub key_path: std::path::PathBuf,
 }
 
 /// Which requests the router admits now, which wait, and which it refuses.
@@ -298,6 +364,7 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
             max_connections: g.u32("http-max-connections")?,
         },
         admission: admission(&resolved)?,
+        security: security(&resolved)?,
         routing: RoutingConfig {
             router_mode: g.string("router-mode")?,
             overlap_score_weight: non_negative("router-kv-overlap-score-weight")?,
@@ -343,6 +410,96 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
         print_config: g.bool("print-config")?,
         warnings: resolved.warnings.clone(),
     })
+}
+
+/// The public port's API keys, admin listener, worker-id header and TLS files.
+fn security(resolved: &Resolved) -> Result<SecurityConfig, ConfigError> {
+    let g = Get(resolved);
+    let mut keys: Vec<String> = resolved
+        .get("api-key")
+        .and_then(|v| v.as_list())
+        .map(<[String]>::to_vec)
+        .unwrap_or_default();
+    if let Some(path) = g.opt_string("api-key-file")? {
+        keys.extend(read_key_file(std::path::Path::new(&path))?);
+    }
+    // A key travels in an HTTP header: visible ASCII only. The error never shows the key.
+    if let Some(i) = keys
+        .iter()
+        .position(|k| !k.bytes().all(|b| b.is_ascii_graphic()))
+    {
+        return Err(ConfigError::Invalid(format!(
+            "API key #{} (--api-key / TANDEM_API_KEYS): only visible ASCII characters are allowed",
+            i + 1
+        )));
+    }
+    let admin = match g.opt_u32("admin-port")? {
+        None => None,
+        Some(port) => Some(AdminListener {
+            host: g.string("admin-host")?,
+            port: u16::try_from(port).map_err(|_| ConfigError::InvalidValue {
+                origin: resolved.origin("admin-port"),
+                value: port.to_string(),
+                reason: "must be a TCP port (0-65535)".into(),
+            })?,
+        }),
+    };
+    let cert = g.opt_string("tls-cert-path")?.filter(|s| !s.is_empty());
+    let key = g.opt_string("tls-key-path")?.filter(|s| !s.is_empty());
+    let tls = match (cert, key) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => Some(TlsFiles {
+            cert_path: cert.into(),
+            key_path: key.into(),
+        }),
+        (Some(_), None) | (None, Some(_)) => {
+            return Err(ConfigError::Invalid(
+                "--tls-cert-path and --tls-key-path go together: give both to serve HTTPS, \
+                 or neither"
+                    .into(),
+            ))
+        }
+    };
+    Ok(SecurityConfig {
+        api_keys: ApiKeys::new(keys),
+        admin,
+        expose_worker_id: g.bool("expose-worker-id")?,
+        tls,
+    })
+}
+
+/// The keys of an `--api-key-file`: one a line, surrounding blanks trimmed, blank lines and
+/// `#` comments skipped. A file without any key is an error: it would leave the API open.
+fn read_key_file(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigError::Invalid(format!(
+            "--api-key-file {}: cannot read the file: {e}",
+            path.display()
+        ))
+    })?;
+    let mut keys = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if !line.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConfigError::Invalid(format!(
+                "--api-key-file {}: line {}: an API key is one word of visible ASCII characters",
+                path.display(),
+                n + 1
+            )));
+        }
+        keys.push(line.to_string());
+    }
+    if keys.is_empty() {
+        return Err(ConfigError::Invalid(format!(
+            "--api-key-file {}: no API key in the file (one key per line; blank lines and # \
+             comments are ignored)",
+            path.display()
+        )));
+    }
+    Ok(keys)
 }
 
 /// The router's queue and rate limits.

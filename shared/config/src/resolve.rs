@@ -102,10 +102,17 @@ fn resolve_one(
             return Ok((Some(Value::Bool(false)), Source::Cli));
         }
     } else if on_command_line(matches, spec.name) {
-        let raw = matches
-            .get_one::<String>(spec.name)
-            .map(String::as_str)
+        // A repeatable (list) flag: every occurrence, joined as one list.
+        let all: Vec<&str> = matches
+            .get_many::<String>(spec.name)
+            .map(|v| v.map(String::as_str).collect())
             .unwrap_or_default();
+        let joined = all.join(",");
+        let raw = if spec.repeatable {
+            joined.as_str()
+        } else {
+            all.last().copied().unwrap_or_default()
+        };
         let value = parse_value(spec, raw).map_err(|reason| ConfigError::InvalidValue {
             origin: format!("--{}", spec.name),
             value: raw.to_string(),

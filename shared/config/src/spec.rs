@@ -101,6 +101,8 @@ pub struct FlagSpec {
     pub group: Group,
     pub scope: Scope,
     pub help: &'static str,
+    /// A list flag that may be given several times on the command line (the values add up).
+    pub repeatable: bool,
 }
 
 impl FlagSpec {
@@ -117,6 +119,7 @@ impl FlagSpec {
             group,
             scope: Scope::Worker,
             help,
+            repeatable: false,
         }
     }
     pub const fn env(mut self, var: &'static str) -> Self {
@@ -146,6 +149,11 @@ impl FlagSpec {
     }
     pub const fn scope(mut self, scope: Scope) -> Self {
         self.scope = scope;
+        self
+    }
+
+    pub const fn repeatable(mut self) -> Self {
+        self.repeatable = true;
         self
     }
 

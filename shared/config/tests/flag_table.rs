@@ -111,6 +111,11 @@ fn every_env_var_follows_dynamo_naming() {
                 "DYN_TCP_RPC_PORT",
                 "DYN_TCP_RPC_ADVERTISE_HOST",
                 "DYN_ROUTER_USE_KV_EVENTS",
+                // Several keys in one variable (Tandem's; Dynamo has no API keys).
+                "TANDEM_API_KEYS",
+                // Internal channel security (Tandem's own).
+                "TANDEM_INTERNAL_TLS_DIR",
+                "TANDEM_INSECURE_INTERNAL",
             ]
             .contains(&var);
         assert!(ok, "--{} uses env var {var}", spec.name);

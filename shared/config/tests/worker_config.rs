@@ -606,6 +606,96 @@ fn router_admission_flags_parse_with_dynamo_defaults() {
 }
 
 #[test]
+fn router_api_keys_add_up_from_flags_env_and_file_and_never_print() {
+    let argv = router_argv;
+    let none = |_: &str| None;
+    let cfg = tandem_config::parse_router(&argv(&[]), &none).unwrap();
+    assert!(cfg.security.api_keys.is_empty());
+    assert!(cfg.security.admin.is_none());
+    assert!(cfg.security.tls.is_none());
+    assert!(!cfg.security.expose_worker_id);
+
+    let file = yaml("# ops keys\n\n  key-from-file  \nk1\n# k9\n");
+    let path = file.0.display().to_string();
+    let cfg = tandem_config::parse_router(
+        &argv(&[
+            "--api-key",
+            "k1",
+            "--api-key",
+            "k2",
+            "--api-key-file",
+            &path,
+        ]),
+        &none,
+    )
+    .unwrap();
+    // Repeated flags add up; the file's keys follow; duplicates go.
+    assert_eq!(cfg.security.api_keys.keys(), ["k1", "k2", "key-from-file"]);
+    let shown = format!(
+        "{:?} {}",
+        cfg.security,
+        serde_json::to_string(&cfg).unwrap()
+    );
+    assert!(
+        !shown.contains("k1") && !shown.contains("key-from-file"),
+        "{shown}"
+    );
+
+    let env = |k: &str| (k == "TANDEM_API_KEYS").then(|| "e1,e2".to_string());
+    let cfg = tandem_config::parse_router(&argv(&[]), &env).unwrap();
+    assert_eq!(cfg.security.api_keys.keys(), ["e1", "e2"]);
+
+    let empty = yaml("# nothing but comments\n\n");
+    let e = tandem_config::parse_router(
+        &argv(&["--api-key-file", &empty.0.display().to_string()]),
+        &none,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("no API key") && e.contains(&empty.0.display().to_string()),
+        "{e}"
+    );
+    let e = tandem_config::parse_router(&argv(&["--api-key-file", "/nonexistent/keys"]), &none)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("/nonexistent/keys") && e.contains("cannot read"),
+        "{e}"
+    );
+}
+
+#[test]
+fn router_admin_listener_and_tls_flags() {
+    let argv = router_argv;
+    let none = |_: &str| None;
+    let cfg =
+        tandem_config::parse_router(&argv(&["--admin-port", "0", "--expose-worker-id"]), &none)
+            .unwrap();
+    let admin = cfg.security.admin.expect("admin listener");
+    assert_eq!((admin.host.as_str(), admin.port), ("127.0.0.1", 0));
+    assert!(cfg.security.expose_worker_id);
+    let e = tandem_config::parse_router(&argv(&["--admin-port", "70000"]), &none)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("admin-port"), "{e}");
+    let cfg = tandem_config::parse_router(
+        &argv(&["--tls-cert-path", "/c.pem", "--tls-key-path", "/k.pem"]),
+        &none,
+    )
+    .unwrap();
+    let tls = cfg.security.tls.expect("tls");
+    assert_eq!(tls.cert_path, std::path::Path::new("/c.pem"));
+    assert_eq!(tls.key_path, std::path::Path::new("/k.pem"));
+    for one in [["--tls-cert-path", "/c.pem"], ["--tls-key-path", "/k.pem"]] {
+        let e = tandem_config::parse_router(&argv(&one), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--tls-cert-path and --tls-key-path"), "{e}");
+    }
+}
+
+#[test]
 fn every_not_implemented_router_flag_exits_with_a_message_naming_it() {
     let argv = |a: Vec<String>| -> Vec<String> {
         std::iter::once("tandem-router".to_string())

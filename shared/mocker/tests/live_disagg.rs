@@ -113,6 +113,8 @@ async fn simulated_prefill_and_pd_workers_serve_behind_the_real_router() {
             .args(["--http-host", "127.0.0.1", "--http-port", "0"])
             .args(["--router-min-initial-workers", "2", "--enforce-disagg"])
             .args(tandem_test_support::tls_args())
+            // The tests read x-tandem-prefill-worker-id.
+            .arg("--expose-worker-id")
             .env("DYN_FILE_KV", &disc)
             .env("DYN_DISCOVERY_BACKEND", "file"),
         "TANDEM_ROUTER_READY",

@@ -152,6 +152,12 @@ impl Topology {
             .collect()
     }
 
+    /// The admin listener's base URL (`/debug/*`); the router must run with `--admin-port`.
+    pub fn admin_base(&self) -> String {
+        let r = self.router.as_ref().expect("a router");
+        format!("http://{}", field(r.ready_line(), "admin="))
+    }
+
     pub fn worker_id(&self, i: usize) -> u64 {
         field(self.workers[i].ready_line(), "instance_id=")
             .parse()
