@@ -190,7 +190,10 @@ impl DecodeSide {
         params: &SamplingParams,
         target: &PrefillTarget,
     ) -> Result<KvLease, Attempt> {
-        let (lease_id, epoch) = self.leases.next();
+        let (lease_id, epoch) = self
+            .leases
+            .next()
+            .map_err(|e| Attempt::Refused(Status::internal(e.to_string())))?;
         let reservation = match self
             .engine
             .reserve(lease_id, request.prompt.clone(), params.clone())
