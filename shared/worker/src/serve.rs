@@ -78,6 +78,14 @@ pub async fn run_with_transfer(
     let (built, transport) = start_engine(&cfg, build, &kv).await?;
     let instance_id = discovery::new_instance_id();
     let sides = DisaggSides::new(&cfg, &built, instance_id, transport, kv)?;
+    // A decode side dials only the prefill workers discovery lists in its namespace.
+    if let Some(decode) = &sides.decode {
+        let store = discovery::connect(&discovery_options(&cfg.runtime)).await?;
+        decode.set_known_prefills(crate::known_prefills::KnownPrefills::new(
+            store,
+            cfg.endpoint().namespace.clone(),
+        ));
+    }
     let (listener, grpc_addr) = bind_grpc(&cfg).await?;
     let service = WorkerService::new(
         built.engine.clone(),
