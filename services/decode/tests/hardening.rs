@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use tandem_protocol::wire::IntoWire;
 use tandem_protocol::worker::worker_client::WorkerClient;
-use tandem_protocol::worker::{GenerateOutput, GenerateRequest, LoadStatsRequest};
+use tandem_protocol::worker::{
+    GenerateDisaggRequest, GenerateOutput, GenerateRequest, LoadStatsRequest, PrefillTarget,
+};
 use tandem_test_support::{field, spawn_ready, Proc, TempDir};
 use tandem_text::limits::{MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 use tandem_text::SamplingParams;
@@ -332,4 +334,39 @@ async fn a_dead_engine_thread_fails_health_and_leaves_discovery() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(!status.success(), "a dead engine exits non-zero: {status}");
+}
+
+/// A decode worker dials only prefill workers that discovery lists in its namespace: a
+/// `GenerateDisagg` naming any other address (here: the worker itself, and a port nobody
+/// registered) is refused with PERMISSION_DENIED naming it, and no lease is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_disagg_naming_an_unknown_prefill_worker_is_refused() {
+    let w = Worker::start(
+        &["--disaggregation-mode", "decode", "--kv-transport", "tcp"],
+        &[],
+    );
+    let mut c = w.client().await;
+    let own_id: u64 = w.line("instance_id=").parse().expect("instance id");
+    for (instance_id, addr) in [
+        (7u64, "127.0.0.1:1".to_string()),
+        // Registered, but a decode worker, not a prefill worker.
+        (own_id, w.line("grpc=")),
+    ] {
+        let req = GenerateDisaggRequest {
+            request: Some(request("disagg-unknown", greedy(Some(4)))),
+            prefill_workers: vec![PrefillTarget {
+                instance_id,
+                grpc_addr: addr.clone(),
+            }],
+        };
+        let r = tokio::time::timeout(T, c.generate_disagg(req))
+            .await
+            .expect("an answer within the timeout");
+        let status = r.expect_err("refused");
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        assert!(
+            status.message().contains(&addr),
+            "the message names the address: {status:?}"
+        );
+    }
 }

@@ -403,8 +403,11 @@ pub static FLAGS: &[FlagSpec] = &[
         .env("DYN_TLS_KEY_PATH").scope(Scope::Router),
     // ---- Runtime (every process)
     FlagSpec::new("rpc-host", Str, Runtime,
-        "Address the worker's gRPC service binds to.")
-        .env("DYN_TCP_RPC_HOST").default("0.0.0.0"),
+        "Address the worker's gRPC service and its TCP KV transfer listener bind to. \
+         Default: the host of --rpc-advertise-host when set, else 127.0.0.1; internal \
+         listeners never bind every interface unless asked (0.0.0.0, e.g. behind NAT where \
+         the advertised address is not local).")
+        .env("DYN_TCP_RPC_HOST"),
     FlagSpec::new("rpc-port", INT0, Runtime,
         "Port of the worker's gRPC service; 0 picks a free one.")
         .env("DYN_TCP_RPC_PORT").default("0"),
@@ -413,8 +416,10 @@ pub static FLAGS: &[FlagSpec] = &[
          the bind host, or 127.0.0.1 for a wildcard bind, when unset.")
         .env("DYN_TCP_RPC_ADVERTISE_HOST"),
     FlagSpec::new("system-host", Str, Runtime,
-        "Address the worker's /metrics and /health HTTP server binds to.")
-        .env("DYN_SYSTEM_HOST").default("0.0.0.0"),
+        "Address the worker's /metrics and /health HTTP server binds to. Default: as \
+         --rpc-host (the host of --rpc-advertise-host, else 127.0.0.1); 0.0.0.0 only when \
+         set explicitly.")
+        .env("DYN_SYSTEM_HOST"),
     FlagSpec::new("system-port", INT0, Runtime,
         "Port of the worker's /metrics and /health server; 0 picks a free one.")
         .env("DYN_SYSTEM_PORT").default("0"),

@@ -115,6 +115,7 @@ fn worker_from_resolved(
             });
         }
     }
+    let advertise = g.opt_string("rpc-advertise-host")?;
     Ok(WorkerConfig {
         role,
         model: ModelLoading {
@@ -188,10 +189,14 @@ fn worker_from_resolved(
         },
         runtime,
         network: Network {
-            rpc_host: g.string("rpc-host")?,
+            rpc_host: g
+                .opt_string("rpc-host")?
+                .unwrap_or_else(|| default_bind_host(advertise.as_deref())),
             rpc_port: g.port("rpc-port")?,
-            rpc_advertise_host: g.opt_string("rpc-advertise-host")?,
-            system_host: g.string("system-host")?,
+            rpc_advertise_host: advertise.clone(),
+            system_host: g
+                .opt_string("system-host")?
+                .unwrap_or_else(|| default_bind_host(advertise.as_deref())),
             system_port: g.port("system-port")?,
         },
         engine: built.options,

@@ -162,6 +162,36 @@ pub struct Diffusion {
     pub default_num_images_per_prompt: u32,
 }
 
+/// The host part of an `--rpc-advertise-host` value (`host`, `host:port`, `ip`, `[ipv6]:port`),
+/// unbracketed; `None` for an empty value.
+pub fn advertise_host_part(value: &str) -> Option<&str> {
+    let v = value.trim();
+    if v.is_empty() {
+        return None;
+    }
+    if v.parse::<std::net::IpAddr>().is_ok() {
+        return Some(v);
+    }
+    if let Some(rest) = v.strip_prefix('[') {
+        return rest.split_once(']').map(|(h, _)| h);
+    }
+    match v.rsplit_once(':') {
+        Some((h, port)) if !h.contains(':') && port.parse::<u16>().is_ok() => Some(h),
+        _ => Some(v),
+    }
+}
+
+/// Where internal listeners (`--rpc-host`, `--system-host`) bind unless told: the advertised
+/// interface (the host of `--rpc-advertise-host`, an IPv6 address bracketed so that
+/// `host:port` parses), else loopback. Never the wildcard.
+pub fn default_bind_host(advertise: Option<&str>) -> String {
+    match advertise.and_then(advertise_host_part) {
+        Some(h) if h.parse::<std::net::Ipv6Addr>().is_ok() => format!("[{h}]"),
+        Some(h) => h.to_string(),
+        None => "127.0.0.1".to_string(),
+    }
+}
+
 /// Where the worker listens, and the addresses it advertises to other processes.
 #[derive(Clone, Debug, Serialize)]
 pub struct Network {

@@ -750,3 +750,43 @@ fn kv_transport_is_a_shorthand_for_the_transceiver_backend() {
     assert_eq!(cfg.disaggregation.kv_lease_ttl_secs, 7);
     assert!(err(&["--kv-lease-ttl-secs", "0"]).contains("kv-lease-ttl-secs"));
 }
+
+#[test]
+fn internal_listeners_bind_the_advertised_interface_unless_told() {
+    // No flags: loopback for both, never the wildcard.
+    let c = parse(&[]).unwrap();
+    assert_eq!(c.network.rpc_host, "127.0.0.1");
+    assert_eq!(c.network.system_host, "127.0.0.1");
+    // An advertised host: both bind it (its host part), flag or env.
+    let c = parse(&["--rpc-advertise-host", "10.0.0.7:9000"]).unwrap();
+    assert_eq!(c.network.rpc_host, "10.0.0.7");
+    assert_eq!(c.network.system_host, "10.0.0.7");
+    let c = parse_env(
+        Role::Decode,
+        &[],
+        &[("DYN_TCP_RPC_ADVERTISE_HOST", "decode-0.tandem")],
+    )
+    .unwrap();
+    assert_eq!(c.network.rpc_host, "decode-0.tandem");
+    let c = parse(&["--rpc-advertise-host", "fd00::7"]).unwrap();
+    assert_eq!(c.network.rpc_host, "[fd00::7]");
+    // 0.0.0.0 only when asked, each listener on its own.
+    let c = parse(&["--rpc-advertise-host", "10.0.0.7", "--rpc-host", "0.0.0.0"]).unwrap();
+    assert_eq!(c.network.rpc_host, "0.0.0.0");
+    assert_eq!(c.network.system_host, "10.0.0.7");
+    let c = parse_env(Role::Decode, &[], &[("DYN_SYSTEM_HOST", "0.0.0.0")]).unwrap();
+    assert_eq!(c.network.system_host, "0.0.0.0");
+    assert_eq!(c.network.rpc_host, "127.0.0.1");
+}
+
+#[test]
+fn advertise_host_parts() {
+    use tandem_config::worker::advertise_host_part as part;
+    assert_eq!(part("10.0.0.7"), Some("10.0.0.7"));
+    assert_eq!(part("10.0.0.7:5000"), Some("10.0.0.7"));
+    assert_eq!(part("decode-0.tandem"), Some("decode-0.tandem"));
+    assert_eq!(part("decode-0.tandem:5000"), Some("decode-0.tandem"));
+    assert_eq!(part("fd00::7"), Some("fd00::7"));
+    assert_eq!(part("[fd00::7]:5000"), Some("fd00::7"));
+    assert_eq!(part(" "), None);
+}

@@ -3,7 +3,7 @@
 
 use prost::Message;
 use tandem_kv_transfer::tcp::replay_frames;
-use tandem_kv_transfer::{Event, RemoteRegion, MAX_NOTIFICATION_BYTES};
+use tandem_kv_transfer::{Event, RemoteRegion, EVENT_QUEUE, MAX_NOTIFICATION_BYTES};
 use tandem_protocol::worker as pb;
 use tandem_worker::wire::{EngineIntoWire, EngineTryFromWire};
 
@@ -24,7 +24,10 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 }
 
 /// A reference reading of the wire format (tcp.rs): the region's content after the frames,
-/// the number of flushes answered and the notifications, up to the first malformed frame.
+/// the number of flushes answered and the notifications, up to the first malformed or refused
+/// frame (the receiver closes the connection on a put that does not fit region 1, the only
+/// region the replayed connection presented the secret of; on any hello, whose secret the
+/// input cannot know; and on a notification past the event queue's bound).
 fn reference(input: &[u8]) -> (Vec<u8>, usize, Vec<Vec<u8>>) {
     let mut region = vec![0u8; REGION];
     let (mut flushes, mut notes, mut at) = (0, Vec::new(), 0);
@@ -38,6 +41,9 @@ fn reference(input: &[u8]) -> (Vec<u8>, usize, Vec<Vec<u8>>) {
                 ) else {
                     break;
                 };
+                if id != 1 || off.checked_add(len).is_none_or(|e| e > REGION as u64) {
+                    break;
+                }
                 let start = at + 25;
                 let Some(data) = usize::try_from(len)
                     .ok()
@@ -45,10 +51,7 @@ fn reference(input: &[u8]) -> (Vec<u8>, usize, Vec<Vec<u8>>) {
                 else {
                     break;
                 };
-                let end = off.checked_add(len);
-                if id == 1 && end.is_some_and(|e| e <= REGION as u64) {
-                    region[off as usize..off as usize + data.len()].copy_from_slice(data);
-                }
+                region[off as usize..off as usize + data.len()].copy_from_slice(data);
                 at = start + data.len();
             }
             2 => {
@@ -69,6 +72,9 @@ fn reference(input: &[u8]) -> (Vec<u8>, usize, Vec<Vec<u8>>) {
                 let Some(p) = input.get(at + 5..at + 5 + len) else {
                     break;
                 };
+                if notes.len() == EVENT_QUEUE {
+                    break;
+                }
                 notes.push(p.to_vec());
                 at += 5 + len;
             }

@@ -10,7 +10,7 @@ use tandem_kv_protocol::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, KvStoredDump, LocalBlockHash, StoredBlock,
 };
-use tandem_kv_transfer::{Backend, MemoryKind, PeerAddress, RemoteRegion};
+use tandem_kv_transfer::{Backend, MemoryKind, PeerAddress, RegionSecret, RemoteRegion};
 use tandem_protocol::wire::IntoWire;
 use tandem_worker::wire::EngineIntoWire;
 
@@ -302,6 +302,7 @@ fn frames() {
         base: 0x7f00_0000_1000,
         len: 1 << 20,
         rkey: vec![],
+        secret: RegionSecret::from_bytes(vec![0x5e; RegionSecret::LEN]),
         memory: MemoryKind::Host,
         check: 0,
     };
@@ -312,6 +313,7 @@ fn frames() {
         backend: Backend::Ucx,
         peer: PeerAddress(vec![0x11, 0x22, 0x33, 0x44, 0, 1, 2, 3]),
         rkey: vec![0xab; 24],
+        secret: RegionSecret::default(),
         memory: MemoryKind::Cuda { device: 1 },
         ..region.clone()
     };

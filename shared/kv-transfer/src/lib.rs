@@ -23,7 +23,11 @@
 //! Safety model: the sender checks every put against the descriptor (offset + len within
 //! `len`), and a descriptor that is malformed (checksum mismatch — which guards the UCX rkey,
 //! since UCX crashes on a mangled one —, overflowing range, wrong backend or peer) is an error. The TCP receiver checks again against its own
-//! registration table, so a hostile sender cannot write outside what was registered. Over UCX
+//! registration table, so a hostile sender cannot write outside what was registered. Over TCP
+//! a region is also a capability: [`TcpTransport::register`] draws a random region id and a
+//! random 256-bit [`RegionSecret`] from the OS RNG, both carried in the descriptor (which
+//! travels over the authenticated gRPC control channel), and the receiver refuses every put
+//! into a region whose secret the connection has not presented (see [`tcp`]). Over UCX
 //! the receiver relies on the remote key (enforced by the NIC on RDMA transports; on tcp/shm
 //! UCX trusts the sender), so peers must be trusted cluster members, as in Dynamo/NIXL.
 
@@ -42,11 +46,17 @@ pub mod ucx;
 
 pub use any::{open, AnyConnection, AnyRegistration, AnyTransport};
 pub use bytes::Bytes;
+pub use metrics::{Refusal, REFUSED_TOTAL};
 pub use tcp::TcpTransport;
 pub use ucx::UcxTransport;
 
 /// Largest notification payload: notifications are control messages, not data.
 pub const MAX_NOTIFICATION_BYTES: usize = 64 * 1024;
+
+/// Events ([`Event`]) a receiver queues for its [`Notifications`] stream at most. A
+/// notification that finds the queue full is refused (TCP: the sender's connection is closed)
+/// and counted, so a sender cannot grow the receiver's memory when nobody drains the stream.
+pub const EVENT_QUEUE: usize = 1024;
 
 /// Everything that can go wrong moving KV blocks.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +94,10 @@ pub enum TransferError {
     Unsupported(String),
     #[error("notification of {0} bytes exceeds the {MAX_NOTIFICATION_BYTES}-byte limit")]
     NotificationTooLarge(usize),
+    #[error("the OS random number generator failed: {0}")]
+    Rng(String),
+    #[error("not authenticated: {0}")]
+    NotAuthenticated(String),
 }
 
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
@@ -200,6 +214,73 @@ impl LocalMemory {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PeerAddress(pub Vec<u8>);
 
+/// The capability to write into a TCP region: [`RegionSecret::LEN`] random bytes from the OS
+/// RNG, drawn when the region is registered (empty for UCX, whose rkey is its capability).
+///
+/// Never printed: `Debug` shows only its length, and it is compared in constant time.
+#[derive(Clone, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RegionSecret(Vec<u8>);
+
+impl RegionSecret {
+    /// Bytes of a TCP region's secret (256 bits).
+    pub const LEN: usize = 32;
+
+    /// A fresh secret from the OS RNG.
+    pub fn generate() -> Result<Self> {
+        let mut b = vec![0u8; Self::LEN];
+        getrandom::fill(&mut b).map_err(|e| TransferError::Rng(e.to_string()))?;
+        Ok(RegionSecret(b))
+    }
+
+    /// A secret received from a peer (a descriptor on the wire).
+    pub fn from_bytes(bytes: Vec<u8>) -> Self {
+        RegionSecret(bytes)
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `presented` is this secret, in time independent of where they differ. An
+    /// empty secret matches nothing.
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        !self.0.is_empty() && bool::from(self.0.as_slice().ct_eq(presented))
+    }
+}
+
+impl PartialEq for RegionSecret {
+    fn eq(&self, other: &Self) -> bool {
+        use subtle::ConstantTimeEq;
+        bool::from(self.0.as_slice().ct_eq(other.0.as_slice()))
+    }
+}
+
+impl Eq for RegionSecret {}
+
+impl fmt::Debug for RegionSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RegionSecret(<redacted, {} bytes>)", self.0.len())
+    }
+}
+
+/// A random non-zero `u64` from the OS RNG (region ids).
+pub(crate) fn random_u64() -> Result<u64> {
+    loop {
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).map_err(|e| TransferError::Rng(e.to_string()))?;
+        let v = u64::from_le_bytes(b);
+        if v != 0 {
+            return Ok(v);
+        }
+    }
+}
+
 /// Descriptor of a registered region, sent from the receiver to the sender.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteRegion {
@@ -213,6 +294,10 @@ pub struct RemoteRegion {
     pub len: u64,
     /// Packed UCX remote key (empty for TCP).
     pub rkey: Vec<u8>,
+    /// TCP: the capability a sender presents before writing (empty for UCX). Not covered by
+    /// `check`: the receiver verifies it itself, and the checksum must reveal nothing of it.
+    #[serde(default)]
+    pub secret: RegionSecret,
     pub memory: MemoryKind,
     /// Checksum over every other field, set by the receiver ([`RemoteRegion::seal`]). UCX
     /// does not validate packed remote keys (a truncated or mangled one crashes it), so a
@@ -304,15 +389,16 @@ pub enum Event {
     PeerClosed { peer: String, error: Option<String> },
 }
 
-/// The receiver's stream of [`Event`]s (one per transport, see `take_notifications`).
+/// The receiver's stream of [`Event`]s (one per transport, see `take_notifications`), at
+/// most [`EVENT_QUEUE`] of them queued.
 #[derive(Debug)]
 pub struct Notifications {
-    rx: mpsc::UnboundedReceiver<Event>,
+    rx: mpsc::Receiver<Event>,
 }
 
 impl Notifications {
-    fn channel() -> (mpsc::UnboundedSender<Event>, Notifications) {
-        let (tx, rx) = mpsc::unbounded_channel();
+    fn channel() -> (mpsc::Sender<Event>, Notifications) {
+        let (tx, rx) = mpsc::channel(EVENT_QUEUE);
         (tx, Notifications { rx })
     }
 
@@ -351,6 +437,9 @@ pub struct TransportConfig {
     pub backend: Backend,
     /// TCP: where the receiver listens (`127.0.0.1:0` picks a free loopback port).
     pub tcp_listen: std::net::SocketAddr,
+    /// TCP: the host the receiver's descriptors name (a worker's `--rpc-advertise-host`), with
+    /// the listener's port; `None`: the bound address (loopback for a wildcard bind).
+    pub tcp_advertise_host: Option<String>,
     /// Upper bound on any single operation (connect, a write batch, a notification).
     pub op_timeout: Duration,
     /// Extra labels on the `trtllm_kv_transfer_*` metrics (`model_name`, `engine_type`,
@@ -393,6 +482,7 @@ impl TransportConfig {
         TransportConfig {
             backend,
             tcp_listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            tcp_advertise_host: None,
             op_timeout: Duration::from_secs(30),
             metric_labels: Vec::new(),
             ucx_peer_error_handling: false,
@@ -527,6 +617,7 @@ mod tests {
             base: 0x1000,
             len: 100,
             rkey: vec![],
+            secret: RegionSecret::generate().unwrap(),
             memory: MemoryKind::Host,
             check: 0,
         };
@@ -547,5 +638,44 @@ mod tests {
         assert!(bad.validate().is_err(), "wrapping range");
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<RemoteRegion>(&json).unwrap(), r);
+        // The secret is not part of the checksum: changing it keeps the descriptor sealed.
+        let other = RemoteRegion {
+            secret: RegionSecret::generate().unwrap(),
+            ..r.clone()
+        };
+        assert!(other.validate().is_ok());
+        assert_ne!(other, r);
+    }
+
+    #[test]
+    fn secrets_are_random_redacted_and_compared_whole() {
+        let a = RegionSecret::generate().unwrap();
+        let b = RegionSecret::generate().unwrap();
+        assert_eq!(a.as_bytes().len(), RegionSecret::LEN);
+        assert_ne!(a, b);
+        assert!(a.matches(a.as_bytes()));
+        assert!(!a.matches(b.as_bytes()));
+        assert!(!a.matches(&a.as_bytes()[..RegionSecret::LEN - 1]));
+        assert!(!a.matches(&[]));
+        assert!(
+            !RegionSecret::default().matches(&[]),
+            "empty matches nothing"
+        );
+        let region = RemoteRegion {
+            backend: Backend::Tcp,
+            peer: PeerAddress(b"x".to_vec()),
+            region_id: random_u64().unwrap(),
+            base: 0,
+            len: 1,
+            rkey: vec![],
+            secret: a.clone(),
+            memory: MemoryKind::Host,
+            check: 0,
+        };
+        let printed = format!("{region:?} {a:?}");
+        assert!(printed.contains("redacted"), "{printed}");
+        // The bytes, as Debug of a Vec or slice would print them, appear nowhere.
+        let bytes = format!("{:?}", a.as_bytes());
+        assert!(!printed.contains(&bytes[1..bytes.len() - 1]), "{printed}");
     }
 }

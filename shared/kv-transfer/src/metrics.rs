@@ -1,13 +1,53 @@
-//! `trtllm_kv_transfer_*` metrics (Dynamo's TensorRT-LLM additions), through
-//! the `metrics` facade: the process's exporter decides where they go.
+//! `trtllm_kv_transfer_*` metrics (Dynamo's TensorRT-LLM additions), and the receiver's
+//! refusals, through the `metrics` facade: the process's exporter decides where they go.
 
 use std::time::Duration;
 
-pub(crate) fn record_transfer(labels: &[(String, String)], bytes: u64, elapsed: Duration) {
-    let labels: Vec<metrics::Label> = labels
+/// Counter of frames or events a receiver refused, by `reason` ([`Refusal::as_str`]).
+pub const REFUSED_TOTAL: &str = "tandem_kv_transfer_refused_total";
+
+/// Why a receiver refused a frame (the connection is closed, the pool untouched).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A hello naming an unknown region or presenting the wrong secret.
+    BadSecret,
+    /// A put or notification on a connection that has not presented the region's secret.
+    Unauthenticated,
+    /// A put whose `offset + len` does not fit the region (checked before its payload is read).
+    OutOfBounds,
+    /// A notification over [`crate::MAX_NOTIFICATION_BYTES`].
+    OversizedNotification,
+    /// A notification that found the event queue full ([`crate::EVENT_QUEUE`]).
+    EventQueueFull,
+}
+
+impl Refusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::BadSecret => "bad_secret",
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::OutOfBounds => "out_of_bounds",
+            Refusal::OversizedNotification => "oversized_notification",
+            Refusal::EventQueueFull => "event_queue_full",
+        }
+    }
+}
+
+fn labels_of(labels: &[(String, String)]) -> Vec<metrics::Label> {
+    labels
         .iter()
         .map(|(k, v)| metrics::Label::new(k.clone(), v.clone()))
-        .collect();
+        .collect()
+}
+
+pub(crate) fn record_refused(labels: &[(String, String)], reason: Refusal) {
+    let mut labels = labels_of(labels);
+    labels.push(metrics::Label::new("reason", reason.as_str()));
+    metrics::counter!(REFUSED_TOTAL, labels).increment(1);
+}
+
+pub(crate) fn record_transfer(labels: &[(String, String)], bytes: u64, elapsed: Duration) {
+    let labels = labels_of(labels);
     let secs = elapsed.as_secs_f64();
     metrics::counter!("trtllm_kv_transfer_success_total", labels.clone()).increment(1);
     metrics::histogram!("trtllm_kv_transfer_latency_seconds", labels.clone()).record(secs);

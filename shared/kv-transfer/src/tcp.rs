@@ -1,10 +1,26 @@
 //! [`TcpTransport`]: the KV transfer protocol over plain TCP, for machines without UCX.
 //!
 //! Wire format (little-endian), sender → receiver on one connection:
+//! - `HELLO`  `[4][region_id u64][secret 32 bytes]` — presents a region's
+//!   [`RegionSecret`]; the connection may then write into that region
 //! - `PUT`    `[1][region_id u64][offset u64][len u64][len bytes]`
 //! - `FLUSH`  `[2][seq u64]` — the receiver answers `[seq u64][status u8][msg_len u32][msg]`
 //!   once every preceding put has been copied (status 0) or with the first refused put's error
 //! - `NOTIFY` `[3][len u32][payload]` — handed to the receiver's event stream
+//!
+//! Authentication: a region is a capability. Its id and its 256-bit secret are drawn from the
+//! OS RNG at registration and travel in the descriptor over the (TLS) gRPC control channel. A
+//! sender presents the secret once per connection and region (`HELLO`, compared in constant
+//! time), not in every `PUT`: a prefill worker keeps one connection per decode worker and
+//! writes into one region (the whole pool) through it, so a hello costs 41 bytes once instead
+//! of 32 bytes and a comparison per put. A hello with a wrong secret or an unknown region, a
+//! put into a region the connection has not presented the secret of, a put that does not fit
+//! the region (checked on the header, before the payload is read or any buffer allocated),
+//! a notification before any valid hello, an oversized notification or one that finds the
+//! receiver's event queue ([`crate::EVENT_QUEUE`]) full: each is refused, counted
+//! ([`crate::REFUSED_TOTAL`], [`TcpTransport::refused`]) and the connection closed, with the
+//! pool untouched. A put is copied in slices of at most [`COPY_CHUNK`] bytes, so a connection
+//! holds at most that much payload in memory.
 //!
 //! The receiver copies each put into its registered region only after checking, against its
 //! own registration table, that the region exists and `offset + len` fits; it never trusts the
@@ -12,7 +28,7 @@
 //! seen after every put sent before it. Registration drop removes the region under the same
 //! lock the copy holds, so once `drop` returns no frame can touch that memory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,39 +39,137 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::metrics::{record_refused, Refusal};
 use crate::{
-    check_batch, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory, MemoryKind,
-    Notifications, PeerAddress, Put, RemoteRegion, Result, TransferError, TransportConfig,
-    MAX_NOTIFICATION_BYTES,
+    check_batch, random_u64, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory,
+    MemoryKind, Notifications, PeerAddress, Put, RegionSecret, RemoteRegion, Result, TransferError,
+    TransportConfig, EVENT_QUEUE, MAX_NOTIFICATION_BYTES,
 };
 
 const PUT: u8 = 1;
 const FLUSH: u8 = 2;
 const NOTIFY: u8 = 3;
+const HELLO: u8 = 4;
 
-/// Puts larger than this are a protocol violation (the connection is dropped) rather than a
-/// refused put whose payload is skipped.
-const MAX_PUT_BYTES: u64 = 1 << 32;
+/// Largest slice of a put's payload the receiver reads before copying it into the region.
+pub const COPY_CHUNK: usize = 1 << 20;
 
 struct RegionEntry {
     ptr: *mut u8,
     len: usize,
+    secret: RegionSecret,
 }
 
 // SAFETY: the entry is an address range whose validity the `LocalMemory::host` contract
 // guarantees until the registration is dropped; all access goes through `Shared::regions`.
 unsafe impl Send for RegionEntry {}
 
+/// Refusals by reason, for tests and `/metrics` (the counter [`crate::REFUSED_TOTAL`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RefusedCounts {
+    pub bad_secret: u64,
+    pub unauthenticated: u64,
+    pub out_of_bounds: u64,
+    pub oversized_notification: u64,
+    pub event_queue_full: u64,
+}
+
+impl RefusedCounts {
+    pub fn total(&self) -> u64 {
+        self.bad_secret
+            + self.unauthenticated
+            + self.out_of_bounds
+            + self.oversized_notification
+            + self.event_queue_full
+    }
+}
+
+#[derive(Default)]
+struct Refusals([AtomicU64; 5]);
+
+impl Refusals {
+    fn slot(reason: Refusal) -> usize {
+        match reason {
+            Refusal::BadSecret => 0,
+            Refusal::Unauthenticated => 1,
+            Refusal::OutOfBounds => 2,
+            Refusal::OversizedNotification => 3,
+            Refusal::EventQueueFull => 4,
+        }
+    }
+
+    fn counts(&self) -> RefusedCounts {
+        let c = |r| self.0[Self::slot(r)].load(Ordering::Relaxed);
+        RefusedCounts {
+            bad_secret: c(Refusal::BadSecret),
+            unauthenticated: c(Refusal::Unauthenticated),
+            out_of_bounds: c(Refusal::OutOfBounds),
+            oversized_notification: c(Refusal::OversizedNotification),
+            event_queue_full: c(Refusal::EventQueueFull),
+        }
+    }
+}
+
 struct Shared {
     regions: Mutex<HashMap<u64, RegionEntry>>,
-    next_region: AtomicU64,
-    events: mpsc::UnboundedSender<Event>,
+    events: mpsc::Sender<Event>,
+    refusals: Refusals,
+    labels: Vec<(String, String)>,
 }
 
 impl Shared {
+    fn new(events: mpsc::Sender<Event>, labels: Vec<(String, String)>) -> Self {
+        Shared {
+            regions: Mutex::new(HashMap::new()),
+            events,
+            refusals: Refusals::default(),
+            labels,
+        }
+    }
+
+    fn regions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, RegionEntry>> {
+        self.regions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts a refusal and returns the error that closes the connection.
+    fn refuse(&self, reason: Refusal, msg: String) -> TransferError {
+        self.refusals.0[Refusals::slot(reason)].fetch_add(1, Ordering::Relaxed);
+        record_refused(&self.labels, reason);
+        tracing::warn!(
+            reason = reason.as_str(),
+            "kv-transfer tcp: refused a frame: {msg}"
+        );
+        match reason {
+            Refusal::BadSecret | Refusal::Unauthenticated => TransferError::NotAuthenticated(msg),
+            _ => TransferError::Protocol(msg),
+        }
+    }
+
+    /// Whether `secret` is region `id`'s (constant-time comparison).
+    fn authenticate(&self, id: u64, secret: &[u8]) -> bool {
+        self.regions()
+            .get(&id)
+            .is_some_and(|r| r.secret.matches(secret))
+    }
+
+    /// `[offset, offset + len)` lies inside region `id` (which exists).
+    fn fits(&self, id: u64, offset: u64, len: u64) -> std::result::Result<(), String> {
+        let regions = self.regions();
+        let Some(r) = regions.get(&id) else {
+            return Err(format!("unknown or unregistered region {id}"));
+        };
+        match offset.checked_add(len) {
+            Some(end) if end <= r.len as u64 => Ok(()),
+            _ => Err(format!(
+                "put out of bounds: offset {offset} + len {len} exceeds the region's {} bytes",
+                r.len
+            )),
+        }
+    }
+
     /// Copies `data` into region `id` at `offset` if, and only if, it fits.
     fn copy_in(&self, id: u64, offset: u64, data: &[u8]) -> std::result::Result<(), String> {
-        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        let regions = self.regions();
         let Some(r) = regions.get(&id) else {
             return Err(format!("unknown or unregistered region {id}"));
         };
@@ -77,10 +191,32 @@ impl Shared {
     }
 }
 
+/// The address a descriptor names: `advertise` (a host) with the listener's port, or the bound
+/// address, loopback for a wildcard bind.
+fn advertised(bound: SocketAddr, advertise: Option<&str>) -> String {
+    match advertise.map(str::trim).filter(|h| !h.is_empty()) {
+        Some(h) if h.contains(':') && !h.starts_with('[') => format!("[{h}]:{}", bound.port()),
+        Some(h) => format!("{h}:{}", bound.port()),
+        None => {
+            let ip = match bound.ip() {
+                std::net::IpAddr::V4(ip) if ip.is_unspecified() => {
+                    std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+                }
+                std::net::IpAddr::V6(ip) if ip.is_unspecified() => {
+                    std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
+                }
+                ip => ip,
+            };
+            SocketAddr::new(ip, bound.port()).to_string()
+        }
+    }
+}
+
 /// KV transfer over TCP. Listens for senders at `address()`; `connect` dials other receivers.
 pub struct TcpTransport {
     shared: Arc<Shared>,
     local: SocketAddr,
+    address: PeerAddress,
     accept: JoinHandle<()>,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
     notifications: Mutex<Option<Notifications>>,
@@ -92,17 +228,16 @@ impl TcpTransport {
     pub async fn bind(config: TransportConfig) -> Result<Self> {
         let listener = TcpListener::bind(config.tcp_listen).await?;
         let local = listener.local_addr()?;
+        let address =
+            PeerAddress(advertised(local, config.tcp_advertise_host.as_deref()).into_bytes());
         let (tx, notifications) = Notifications::channel();
-        let shared = Arc::new(Shared {
-            regions: Mutex::new(HashMap::new()),
-            next_region: AtomicU64::new(1),
-            events: tx,
-        });
+        let shared = Arc::new(Shared::new(tx, config.metric_labels.clone()));
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let accept = tokio::spawn(accept_loop(listener, shared.clone(), conns.clone()));
         Ok(TcpTransport {
             shared,
             local,
+            address,
             accept,
             conns,
             notifications: Mutex::new(Some(notifications)),
@@ -110,8 +245,14 @@ impl TcpTransport {
         })
     }
 
+    /// The address the listener is bound to (`address()` is what descriptors advertise).
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// Frames and events this receiver refused so far, by reason.
+    pub fn refused(&self) -> RefusedCounts {
+        self.shared.refusals.counts()
     }
 }
 
@@ -128,11 +269,7 @@ impl Drop for TcpTransport {
         {
             h.abort();
         }
-        self.shared
-            .regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.shared.regions().clear();
     }
 }
 
@@ -157,7 +294,8 @@ async fn accept_loop(
                 .await
                 .err()
                 .map(|e| e.to_string());
-            let _ = shared2.events.send(Event::PeerClosed {
+            // A full queue drops the event: nobody is draining the stream.
+            let _ = shared2.events.try_send(Event::PeerClosed {
                 peer: peer.to_string(),
                 error,
             });
@@ -171,18 +309,32 @@ async fn accept_loop(
 /// Serves one sender until it closes (Ok) or breaks the protocol / the socket fails (Err).
 async fn serve_conn(stream: TcpStream, shared: &Shared) -> Result<()> {
     let (rd, wr) = stream.into_split();
-    serve_frames(BufReader::with_capacity(256 * 1024, rd), wr, shared).await
+    serve_frames(
+        BufReader::with_capacity(256 * 1024, rd),
+        wr,
+        shared,
+        HashSet::new(),
+    )
+    .await
 }
 
 /// The receiver's side of the wire format (module docs): reads frames from `rd` until a clean
-/// end between frames (Ok) or a protocol or I/O error (Err), writing flush acks to `wr`.
-async fn serve_frames<R, W>(mut rd: R, mut wr: W, shared: &Shared) -> Result<()>
+/// end between frames (Ok) or a protocol, authentication or I/O error (Err), writing flush
+/// acks to `wr`. `authorized`: the regions whose secret this connection has presented.
+async fn serve_frames<R, W>(
+    mut rd: R,
+    mut wr: W,
+    shared: &Shared,
+    mut authorized: HashSet<u64>,
+) -> Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    // Payload slices; allocated on the first accepted put, at most COPY_CHUNK bytes.
     let mut buf: Vec<u8> = Vec::new();
-    // The first refused put since the last flush; reported on the next flush ack.
+    // The first put that failed since the last flush (its region was unregistered while it
+    // was arriving); reported on the next flush ack.
     let mut first_error: Option<String> = None;
     loop {
         let kind = match rd.read_u8().await {
@@ -191,22 +343,45 @@ where
             Err(e) => return Err(e.into()),
         };
         match kind {
+            HELLO => {
+                let id = rd.read_u64_le().await?;
+                let mut secret = [0u8; RegionSecret::LEN];
+                rd.read_exact(&mut secret).await?;
+                if !shared.authenticate(id, &secret) {
+                    return Err(shared.refuse(
+                        Refusal::BadSecret,
+                        format!("hello for region {id}: unknown region or wrong secret"),
+                    ));
+                }
+                authorized.insert(id);
+            }
             PUT => {
                 let id = rd.read_u64_le().await?;
                 let offset = rd.read_u64_le().await?;
                 let len = rd.read_u64_le().await?;
-                if len > MAX_PUT_BYTES {
-                    return Err(TransferError::Protocol(format!("put of {len} bytes")));
+                if !authorized.contains(&id) {
+                    return Err(shared.refuse(
+                        Refusal::Unauthenticated,
+                        format!("put into region {id} before presenting its secret"),
+                    ));
                 }
-                // Read what arrives rather than allocating `len` up front: a header alone must
-                // not make the receiver allocate 4 GiB.
-                buf.clear();
-                let got = (&mut rd).take(len).read_to_end(&mut buf).await?;
-                if (got as u64) < len {
-                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                // Checked on the header alone: nothing of the payload is read, and nothing
+                // allocated, for a put that does not fit.
+                if let Err(msg) = shared.fits(id, offset, len) {
+                    return Err(shared.refuse(Refusal::OutOfBounds, msg));
                 }
-                if let Err(e) = shared.copy_in(id, offset, &buf) {
-                    first_error.get_or_insert(e);
+                let mut done = 0u64;
+                while done < len {
+                    // `len` fits the region, so it fits the address space.
+                    let n = (len - done).min(COPY_CHUNK as u64) as usize;
+                    if buf.len() < n {
+                        buf.resize(n, 0);
+                    }
+                    rd.read_exact(&mut buf[..n]).await?;
+                    if let Err(e) = shared.copy_in(id, offset + done, &buf[..n]) {
+                        first_error.get_or_insert(e);
+                    }
+                    done += n as u64;
                 }
             }
             FLUSH => {
@@ -222,12 +397,29 @@ where
             }
             NOTIFY => {
                 let len = rd.read_u32_le().await? as usize;
+                if authorized.is_empty() {
+                    return Err(shared.refuse(
+                        Refusal::Unauthenticated,
+                        "notification before presenting any region's secret".into(),
+                    ));
+                }
                 if len > MAX_NOTIFICATION_BYTES {
-                    return Err(TransferError::NotificationTooLarge(len));
+                    return Err(shared.refuse(
+                        Refusal::OversizedNotification,
+                        format!("notification of {len} bytes"),
+                    ));
                 }
                 let mut payload = vec![0u8; len];
                 rd.read_exact(&mut payload).await?;
-                let _ = shared.events.send(Event::Notification(payload));
+                match shared.events.try_send(Event::Notification(payload)) {
+                    Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        return Err(shared.refuse(
+                            Refusal::EventQueueFull,
+                            format!("notification with {EVENT_QUEUE} events already queued"),
+                        ))
+                    }
+                }
             }
             other => {
                 return Err(TransferError::Protocol(format!(
@@ -250,23 +442,23 @@ pub struct FrameReplay {
 }
 
 /// Runs the receiver's frame loop over `input`, as if one sender had sent exactly these bytes
-/// on a connection, with `region` registered as region 1 (and no other). For the fuzz targets
-/// and tests: a receiver in service reads frames from its TCP connections.
+/// on a connection that has already presented the secret of `region`, registered as region 1
+/// (and no other) with a fresh random secret (so a `HELLO` in `input` is refused). For the
+/// fuzz targets and tests: a receiver in service reads frames from its TCP connections.
 pub async fn replay_frames(input: &[u8], region: &mut [u8]) -> FrameReplay {
-    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
-    let shared = Shared {
-        regions: Mutex::new(HashMap::from([(
-            1,
-            RegionEntry {
-                ptr: region.as_mut_ptr(),
-                len: region.len(),
-            },
-        )])),
-        next_region: AtomicU64::new(2),
-        events: events_tx,
-    };
+    let (events_tx, mut events_rx) = mpsc::channel(EVENT_QUEUE);
+    let shared = Shared::new(events_tx, Vec::new());
+    // An RNG failure leaves an empty secret, which matches nothing: the same for the replay.
+    shared.regions().insert(
+        1,
+        RegionEntry {
+            ptr: region.as_mut_ptr(),
+            len: region.len(),
+            secret: RegionSecret::generate().unwrap_or_default(),
+        },
+    );
     let mut acks = Vec::new();
-    let result = serve_frames(input, &mut acks, &shared).await;
+    let result = serve_frames(input, &mut acks, &shared, HashSet::from([1])).await;
     drop(shared);
     let mut events = Vec::new();
     while let Ok(ev) = events_rx.try_recv() {
@@ -300,17 +492,19 @@ impl crate::Registration for TcpRegistration {
 
 impl Drop for TcpRegistration {
     fn drop(&mut self) {
-        self.shared
-            .regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.desc.region_id);
+        self.shared.regions().remove(&self.desc.region_id);
     }
+}
+
+/// The byte stream of a [`TcpConnection`] and the regions it has presented the secret of.
+struct ConnStream {
+    stream: TcpStream,
+    presented: HashSet<u64>,
 }
 
 /// A sender's connection to one TCP receiver.
 pub struct TcpConnection {
-    stream: tokio::sync::Mutex<TcpStream>,
+    stream: tokio::sync::Mutex<ConnStream>,
     peer: PeerAddress,
     seq: AtomicU64,
     /// Set when an operation was interrupted mid-frame (error, timeout, cancelled future):
@@ -342,10 +536,19 @@ impl TcpConnection {
 
     async fn write_inner(
         &self,
-        stream: &mut TcpStream,
+        conn: &mut ConnStream,
         remote: &RemoteRegion,
         puts: &[Put],
     ) -> Result<()> {
+        let stream = &mut conn.stream;
+        if !conn.presented.contains(&remote.region_id) {
+            let mut hello = [0u8; 9 + RegionSecret::LEN];
+            hello[0] = HELLO;
+            hello[1..9].copy_from_slice(&remote.region_id.to_le_bytes());
+            hello[9..].copy_from_slice(remote.secret.as_bytes());
+            stream.write_all(&hello).await?;
+            conn.presented.insert(remote.region_id);
+        }
         for p in puts {
             let mut hdr = [0u8; 25];
             hdr[0] = PUT;
@@ -388,6 +591,13 @@ impl TcpConnection {
 impl KvConnection for TcpConnection {
     async fn write(&self, remote: &RemoteRegion, puts: Vec<Put>) -> Result<()> {
         let bytes = check_batch(remote, Backend::Tcp, &self.peer, &puts)?;
+        if remote.secret.as_bytes().len() != RegionSecret::LEN {
+            return Err(TransferError::BadDescriptor(format!(
+                "a TCP region's secret is {} bytes, this descriptor carries {}",
+                RegionSecret::LEN,
+                remote.secret.as_bytes().len()
+            )));
+        }
         self.check_usable()?;
         let start = Instant::now();
         let mut stream = self.stream.lock().await;
@@ -421,7 +631,15 @@ impl KvConnection for TcpConnection {
             return Err(TransferError::NotificationTooLarge(payload.len()));
         }
         self.check_usable()?;
-        let mut stream = self.stream.lock().await;
+        let mut conn = self.stream.lock().await;
+        if conn.presented.is_empty() {
+            return Err(TransferError::NotAuthenticated(
+                "a TCP connection notifies only after writing into a region (its hello \
+                 presents the region's secret)"
+                    .into(),
+            ));
+        }
+        let stream = &mut conn.stream;
         let mut guard = BreakGuard(&self.broken, false);
         let send = async {
             let mut hdr = [0u8; 5];
@@ -455,23 +673,31 @@ impl KvTransport for TcpTransport {
     }
 
     fn address(&self) -> PeerAddress {
-        PeerAddress(self.local.to_string().into_bytes())
+        self.address.clone()
     }
 
     async fn register(&self, mem: LocalMemory) -> Result<TcpRegistration> {
         mem.check()?;
-        let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
-        self.shared
-            .regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
+        // Random id and secret: neither guessable from other registrations nor reused.
+        let secret = RegionSecret::generate()?;
+        let id = {
+            let mut regions = self.shared.regions();
+            let id = loop {
+                let id = random_u64()?;
+                if !regions.contains_key(&id) {
+                    break id;
+                }
+            };
+            regions.insert(
                 id,
                 RegionEntry {
                     ptr: mem.ptr,
                     len: mem.len,
+                    secret: secret.clone(),
                 },
             );
+            id
+        };
         Ok(TcpRegistration {
             shared: self.shared.clone(),
             desc: RemoteRegion {
@@ -481,6 +707,7 @@ impl KvTransport for TcpTransport {
                 base: mem.ptr as u64,
                 len: mem.len as u64,
                 rkey: Vec::new(),
+                secret,
                 memory: MemoryKind::Host,
                 check: 0,
             }
@@ -523,7 +750,10 @@ impl KvTransport for TcpTransport {
             };
         stream.set_nodelay(true)?;
         Ok(TcpConnection {
-            stream: tokio::sync::Mutex::new(stream),
+            stream: tokio::sync::Mutex::new(ConnStream {
+                stream,
+                presented: HashSet::new(),
+            }),
             peer: peer.clone(),
             seq: AtomicU64::new(0),
             broken: AtomicBool::new(false),

@@ -197,21 +197,26 @@ async fn out_of_bounds_and_malformed_descriptors_are_refused() {
                 .unwrap_err();
             assert!(matches!(e, TransferError::BadDescriptor(_)), "{e}");
             // A forged (resealed) descriptor that claims a bigger region passes the sender's
-            // checks, but the receiver checks against what it registered.
+            // checks, but the receiver checks against what it registered, and closes the
+            // connection on the put's header.
             forged.seal();
             let e = conn
                 .write(&forged, vec![put(1 << 20, 16)])
                 .await
                 .unwrap_err();
-            assert!(matches!(e, TransferError::PeerFailed(_)), "{e}");
+            assert!(matches!(e, TransferError::Io(_)), "{e}");
+            // The receiver closed that connection: later writes fail rather than hang.
+            assert!(conn.write(&desc, vec![put(0, 16)]).await.is_err());
+            let conn = tx.connect(&desc.peer).await.unwrap();
             let mut forged = RemoteRegion {
-                region_id: 999,
+                region_id: desc.region_id ^ 1,
                 ..desc.clone()
             };
             forged.seal();
             assert!(conn.write(&forged, vec![put(0, 16)]).await.is_err());
             assert!(pool.snapshot().iter().all(|&b| b == 0), "forged put wrote");
-            // The connection stays usable after refused puts.
+            // A new connection with the real descriptor still writes.
+            let conn = tx.connect(&desc.peer).await.unwrap();
             conn.write(&desc, vec![put(0, 16)]).await.unwrap();
         } else {
             // A mangled rkey (truncated, garbage, empty) is an error, not a crash: UCX itself
@@ -501,7 +506,21 @@ async fn tcp_receiver_sees_a_sender_that_dies() {
     let rx = transport(Backend::Tcp, T).await;
     let mut events = rx.take_notifications().unwrap();
     let tx = transport(Backend::Tcp, T).await;
+    let pool = Pool::new(4096);
+    let reg = rx.register(pool.memory()).await.unwrap();
     let conn = tx.connect(&rx.address()).await.unwrap();
+    // TCP notifies only once the connection presented a region's secret (by writing).
+    let e = conn.notify(Bytes::from_static(b"hello")).await.unwrap_err();
+    assert!(matches!(e, TransferError::NotAuthenticated(_)), "{e}");
+    conn.write(
+        reg.descriptor(),
+        vec![Put {
+            local: vec![1; 8].into(),
+            offset: 0,
+        }],
+    )
+    .await
+    .unwrap();
     conn.notify(Bytes::from_static(b"hello")).await.unwrap();
     assert_eq!(events.next_notification(T).await.unwrap(), b"hello");
     drop(conn);
@@ -612,4 +631,305 @@ async fn multi_lane_writes_land_byte_exact_before_their_notification() {
     drop(conn);
     drop(alloc_reg);
     drop(heap_reg);
+}
+
+// ---------------------------------------------------------------------------------------
+// TCP: a region is a capability (random id + secret); hostile frames are refused.
+// ---------------------------------------------------------------------------------------
+
+mod raw {
+    //! Hand-made frames on a plain TCP stream, as a hostile peer would send them.
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    pub fn hello(id: u64, secret: &[u8]) -> Vec<u8> {
+        let mut f = vec![4u8];
+        f.extend(id.to_le_bytes());
+        f.extend(secret);
+        f
+    }
+
+    /// A put header; the payload is whatever follows (possibly nothing).
+    pub fn put_header(id: u64, offset: u64, len: u64) -> Vec<u8> {
+        let mut f = vec![1u8];
+        f.extend(id.to_le_bytes());
+        f.extend(offset.to_le_bytes());
+        f.extend(len.to_le_bytes());
+        f
+    }
+
+    pub fn flush(seq: u64) -> Vec<u8> {
+        let mut f = vec![2u8];
+        f.extend(seq.to_le_bytes());
+        f
+    }
+
+    pub fn notify(payload: &[u8]) -> Vec<u8> {
+        let mut f = vec![3u8];
+        f.extend((payload.len() as u32).to_le_bytes());
+        f.extend(payload);
+        f
+    }
+
+    pub async fn connect(desc: &RemoteRegion) -> TcpStream {
+        let addr = std::str::from_utf8(&desc.peer.0).unwrap().to_string();
+        tokio::time::timeout(T, TcpStream::connect(addr))
+            .await
+            .expect("connect in time")
+            .expect("connect")
+    }
+
+    /// Sends `bytes` (the peer may already have closed: a write error is fine) and waits,
+    /// bounded, for the receiver to close the connection.
+    pub async fn expect_closed(stream: &mut TcpStream, bytes: &[u8]) {
+        let _ = stream.write_all(bytes).await;
+        let mut b = [0u8; 64];
+        loop {
+            match tokio::time::timeout(T, stream.read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return,
+                // A flush ack sent before the refusal: keep reading until the close.
+                Ok(Ok(_)) => continue,
+                Err(_) => panic!("the receiver kept the connection open"),
+            }
+        }
+    }
+
+    /// Sends `bytes`, then a flush, and returns the ack's status (0: every put landed).
+    pub async fn flush_status(stream: &mut TcpStream, bytes: &[u8], seq: u64) -> u8 {
+        stream.write_all(bytes).await.unwrap();
+        stream.write_all(&flush(seq)).await.unwrap();
+        let read = async {
+            let got = stream.read_u64_le().await?;
+            let status = stream.read_u8().await?;
+            let len = stream.read_u32_le().await?;
+            let mut msg = vec![0u8; len as usize];
+            stream.read_exact(&mut msg).await?;
+            Ok::<_, std::io::Error>((got, status))
+        };
+        let (got, status) = tokio::time::timeout(T, read).await.unwrap().unwrap();
+        assert_eq!(got, seq);
+        status
+    }
+}
+
+async fn tcp_receiver() -> (tandem_kv_transfer::TcpTransport, Pool, impl Registration) {
+    let rx = tandem_kv_transfer::TcpTransport::bind(common::config(Backend::Tcp, T))
+        .await
+        .unwrap();
+    let pool = Pool::new(64 * 1024);
+    let reg = rx.register(pool.memory()).await.unwrap();
+    (rx, pool, reg)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_regions_get_random_ids_and_secrets() {
+    let (rx, pool, reg) = tcp_receiver().await;
+    let other = rx.register(pool.memory()).await.unwrap();
+    let (a, b) = (reg.descriptor(), other.descriptor());
+    assert_ne!(a.region_id, b.region_id);
+    assert_ne!(a.region_id + 1, b.region_id, "ids are not a counter");
+    assert_eq!(
+        a.secret.as_bytes().len(),
+        tandem_kv_transfer::RegionSecret::LEN
+    );
+    assert_ne!(a.secret, b.secret);
+    // Debug output (e.g. a logged descriptor) never shows the secret.
+    let printed = format!("{a:?}");
+    assert!(printed.contains("redacted"), "{printed}");
+    let bytes = format!("{:?}", a.secret.as_bytes());
+    assert!(!printed.contains(&bytes[1..bytes.len() - 1]), "{printed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_puts_without_the_right_secret_are_refused_and_the_pool_untouched() {
+    let (rx, pool, reg) = tcp_receiver().await;
+    let desc = reg.descriptor().clone();
+    let data = [0xEE; 64];
+    let put = |id: u64| [raw::put_header(id, 0, 64), data.to_vec()].concat();
+
+    // No hello at all.
+    let mut s = raw::connect(&desc).await;
+    raw::expect_closed(&mut s, &put(desc.region_id)).await;
+    assert_eq!(rx.refused().unauthenticated, 1);
+
+    // A wrong secret (one bit flipped), a truncated one, and the right secret for a region
+    // id that does not exist.
+    let mut wrong = desc.secret.as_bytes().to_vec();
+    wrong[7] ^= 1;
+    let mut s = raw::connect(&desc).await;
+    raw::expect_closed(
+        &mut s,
+        &[raw::hello(desc.region_id, &wrong), put(desc.region_id)].concat(),
+    )
+    .await;
+    let mut s = raw::connect(&desc).await;
+    raw::expect_closed(
+        &mut s,
+        &[raw::hello(desc.region_id, &[0u8; 32]), put(desc.region_id)].concat(),
+    )
+    .await;
+    let mut s = raw::connect(&desc).await;
+    raw::expect_closed(
+        &mut s,
+        &[raw::hello(desc.region_id ^ 1, desc.secret.as_bytes())].concat(),
+    )
+    .await;
+    assert_eq!(rx.refused().bad_secret, 3);
+
+    // Through the API: a descriptor whose secret was altered or removed.
+    let tx = transport(Backend::Tcp, T).await;
+    let forged = RemoteRegion {
+        secret: tandem_kv_transfer::RegionSecret::from_bytes(wrong.clone()),
+        ..desc.clone()
+    };
+    let conn = tx.connect(&desc.peer).await.unwrap();
+    let p = Put {
+        local: Bytes::from(data.to_vec()),
+        offset: 0,
+    };
+    assert!(conn.write(&forged, vec![p.clone()]).await.is_err());
+    let missing = RemoteRegion {
+        secret: tandem_kv_transfer::RegionSecret::default(),
+        ..desc.clone()
+    };
+    let conn = tx.connect(&desc.peer).await.unwrap();
+    let e = conn.write(&missing, vec![p.clone()]).await.unwrap_err();
+    assert!(matches!(e, TransferError::BadDescriptor(_)), "{e}");
+    assert_eq!(rx.refused().bad_secret, 4);
+    assert!(
+        pool.snapshot().iter().all(|&b| b == 0),
+        "a refused put wrote"
+    );
+
+    // A secret presented for one region does not open another.
+    let other = Pool::new(4096);
+    let other_reg = rx.register(other.memory()).await.unwrap();
+    let mut s = raw::connect(&desc).await;
+    raw::expect_closed(
+        &mut s,
+        &[
+            raw::hello(desc.region_id, desc.secret.as_bytes()),
+            put(other_reg.descriptor().region_id),
+        ]
+        .concat(),
+    )
+    .await;
+    assert_eq!(rx.refused().unauthenticated, 2);
+    assert!(other.snapshot().iter().all(|&b| b == 0));
+    assert!(pool.snapshot().iter().all(|&b| b == 0));
+
+    // The right secret still works, raw and through the API.
+    let mut s = raw::connect(&desc).await;
+    let frames = [
+        raw::hello(desc.region_id, desc.secret.as_bytes()),
+        put(desc.region_id),
+    ]
+    .concat();
+    assert_eq!(raw::flush_status(&mut s, &frames, 1).await, 0);
+    assert_eq!(&pool.snapshot()[..64], &data[..]);
+    let conn = tx.connect(&desc.peer).await.unwrap();
+    let p = Put {
+        local: Bytes::from(vec![0x11; 16]),
+        offset: 100,
+    };
+    conn.write(&desc, vec![p]).await.unwrap();
+    assert_eq!(&pool.snapshot()[100..116], &[0x11; 16]);
+    assert_eq!(rx.refused().total(), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_puts_past_the_region_are_refused_on_their_header() {
+    let (rx, pool, reg) = tcp_receiver().await;
+    let desc = reg.descriptor().clone();
+    let hello = raw::hello(desc.region_id, desc.secret.as_bytes());
+    // Headers only, no payload: the receiver must decide (and close) on the header alone,
+    // without waiting for, reading or allocating the payload.
+    for (offset, len) in [
+        (desc.len - 8, 16), // past the end
+        (0, desc.len + 1),  // longer than the region
+        (0, 1 << 32),       // 4 GiB
+        (0, u64::MAX),      // absurd
+        (u64::MAX - 4, 16), // offset + len overflows
+        (desc.len, 1),      // starts at the end
+    ] {
+        let mut s = raw::connect(&desc).await;
+        raw::expect_closed(
+            &mut s,
+            &[hello.clone(), raw::put_header(desc.region_id, offset, len)].concat(),
+        )
+        .await;
+    }
+    assert_eq!(rx.refused().out_of_bounds, 6);
+    assert_eq!(rx.refused().total(), 6);
+    assert!(
+        pool.snapshot().iter().all(|&b| b == 0),
+        "a refused put wrote"
+    );
+    // A put that ends exactly at the region's end is accepted.
+    let mut s = raw::connect(&desc).await;
+    let frames = [
+        hello,
+        raw::put_header(desc.region_id, desc.len - 4, 4),
+        vec![9; 4],
+    ]
+    .concat();
+    assert_eq!(raw::flush_status(&mut s, &frames, 7).await, 0);
+    assert_eq!(&pool.snapshot()[desc.len as usize - 4..], &[9; 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_notification_floods_are_bounded() {
+    let (rx, pool, reg) = tcp_receiver().await;
+    let desc = reg.descriptor().clone();
+    let mut events = rx.take_notifications().unwrap();
+    // Unauthenticated and oversized notifications are refused at once.
+    let mut s = raw::connect(&desc).await;
+    raw::expect_closed(&mut s, &raw::notify(b"x")).await;
+    assert_eq!(rx.refused().unauthenticated, 1);
+    let hello = raw::hello(desc.region_id, desc.secret.as_bytes());
+    let mut s = raw::connect(&desc).await;
+    let mut big = vec![3u8];
+    big.extend((tandem_kv_transfer::MAX_NOTIFICATION_BYTES as u32 + 1).to_le_bytes());
+    raw::expect_closed(&mut s, &[hello.clone(), big].concat()).await;
+    assert_eq!(rx.refused().oversized_notification, 1);
+
+    // The two refused connections' close events.
+    for _ in 0..2 {
+        let ev = events.recv_timeout(T).await.unwrap();
+        assert!(matches!(ev, Event::PeerClosed { .. }), "{ev:?}");
+    }
+    // A flood from an authenticated peer while nobody drains the stream: the queue holds
+    // EVENT_QUEUE events, the first one past it is refused and the connection closed.
+    let flood: Vec<u8> = (0..tandem_kv_transfer::EVENT_QUEUE + 100)
+        .flat_map(|i| raw::notify(format!("n{i}").as_bytes()))
+        .collect();
+    let mut s = raw::connect(&desc).await;
+    raw::expect_closed(&mut s, &[hello.clone(), flood].concat()).await;
+    assert_eq!(rx.refused().event_queue_full, 1);
+    for i in 0..tandem_kv_transfer::EVENT_QUEUE {
+        let n = events.next_notification(T).await.unwrap();
+        assert_eq!(n, format!("n{i}").into_bytes());
+    }
+    // Nothing past the bound was queued (at most the flood's own close event, if it was sent
+    // after the queue started draining).
+    let after = events.recv_timeout(Duration::from_millis(50)).await;
+    assert!(!matches!(after, Ok(Event::Notification(_))), "{after:?}");
+    assert!(pool.snapshot().iter().all(|&b| b == 0));
+
+    // Drained, the queue accepts notifications again.
+    let tx = transport(Backend::Tcp, T).await;
+    let conn = tx.connect(&desc.peer).await.unwrap();
+    conn.write(
+        &desc,
+        vec![Put {
+            local: Bytes::from(vec![5; 8]),
+            offset: 0,
+        }],
+    )
+    .await
+    .unwrap();
+    conn.notify(Bytes::from_static(b"after")).await.unwrap();
+    assert_eq!(events.next_notification(T).await.unwrap(), b"after");
+    assert_eq!(&pool.snapshot()[..8], &[5; 8]);
 }

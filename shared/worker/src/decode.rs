@@ -50,6 +50,8 @@ pub struct DecodeSide {
     pub leases: Arc<LeaseTable>,
     clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
     pub bytes_received: AtomicU64,
+    /// The prefill workers this worker may dial (set once discovery is connected).
+    known_prefills: std::sync::OnceLock<Arc<crate::known_prefills::KnownPrefills>>,
 }
 
 /// How one attempt with one prefill worker ended.
@@ -86,7 +88,13 @@ impl DecodeSide {
             leases: Arc::new(LeaseTable::new()),
             clients: Mutex::new(HashMap::new()),
             bytes_received: AtomicU64::new(0),
+            known_prefills: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Where `GenerateDisagg`'s prefill workers are checked; until set, every one is refused.
+    pub fn set_known_prefills(&self, known: Arc<crate::known_prefills::KnownPrefills>) {
+        let _ = self.known_prefills.set(known);
     }
 
     fn client(&self, addr: &str) -> Result<WorkerClient<Channel>, String> {
@@ -109,7 +117,11 @@ impl DecodeSide {
     }
 
     /// Checks a `GenerateDisagg` call and starts it; outputs go to `tx`.
-    pub fn start(self: &Arc<Self>, req: GenerateDisaggRequest, tx: Out) -> Result<(), Status> {
+    pub async fn start(
+        self: &Arc<Self>,
+        req: GenerateDisaggRequest,
+        tx: Out,
+    ) -> Result<(), Status> {
         let request = required(req.request, "request")?;
         if request.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
@@ -127,9 +139,39 @@ impl DecodeSide {
         if req.prefill_workers.is_empty() {
             return Err(Status::invalid_argument("prefill_workers is empty"));
         }
+        // Only registered prefill workers of this namespace get dialled (and handed the KV
+        // region's descriptor and secret).
+        let Some(known) = self.known_prefills.get() else {
+            return Err(Status::unavailable(
+                "this decode worker does not know its prefill workers yet (discovery)",
+            ));
+        };
+        // Unknown targets are dropped (a worker that left discovery is not dialled; the
+        // router's list is a failover order); none left is a refusal naming them.
+        let mut targets = Vec::with_capacity(req.prefill_workers.len());
+        let mut refused = Vec::new();
+        for t in req.prefill_workers {
+            if known.allows(t.instance_id, &t.grpc_addr).await {
+                targets.push(t);
+            } else {
+                tracing::warn!(
+                    addr = %t.grpc_addr,
+                    instance_id = t.instance_id,
+                    "GenerateDisagg names a prefill worker not registered in discovery; not dialling it"
+                );
+                refused.push(format!("{:?} (instance {})", t.grpc_addr, t.instance_id));
+            }
+        }
+        if targets.is_empty() {
+            return Err(Status::permission_denied(format!(
+                "prefill worker {} is not a registered prefill worker of this namespace in \
+                 discovery; refusing to dial it",
+                refused.join(", ")
+            )));
+        }
         let me = self.clone();
         tokio::spawn(async move {
-            me.run(request, params, req.prefill_workers, tx).await;
+            me.run(request, params, targets, tx).await;
         });
         Ok(())
     }
@@ -197,7 +239,10 @@ impl DecodeSide {
         params: &SamplingParams,
         target: &PrefillTarget,
     ) -> Result<KvLease, Attempt> {
-        let (lease_id, epoch) = self.leases.next();
+        let (lease_id, epoch) = self
+            .leases
+            .next()
+            .map_err(|e| Attempt::Refused(Status::internal(e.to_string())))?;
         let reservation = match self
             .engine
             .reserve(lease_id, request.prompt.clone(), params.clone())

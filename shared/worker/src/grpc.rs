@@ -175,7 +175,7 @@ impl Worker for WorkerService {
         })?;
         self.check_accepting()?;
         let (tx, rx) = mpsc::channel(64);
-        decode.start(request.into_inner(), tx)?;
+        decode.start(request.into_inner(), tx).await?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

@@ -7,7 +7,6 @@
 //! any more (its process is gone). Only then are the blocks released to the engine.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -33,27 +32,32 @@ pub struct LeaseInfo {
     pub since: Instant,
 }
 
+/// The OS random number generator failed (lease ids cannot be drawn).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot draw a lease id from the OS random number generator: {0}")]
+pub struct LeaseRngError(String);
+
 /// Every lease this worker has granted and not yet finished.
 #[derive(Default)]
 pub struct LeaseTable {
     leases: Mutex<HashMap<u64, LeaseInfo>>,
-    next_id: AtomicU64,
-    next_epoch: AtomicU64,
+}
+
+/// A random non-zero `u64` from the OS RNG.
+fn random_u64() -> Result<u64, LeaseRngError> {
+    loop {
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).map_err(|e| LeaseRngError(e.to_string()))?;
+        let v = u64::from_le_bytes(b);
+        if v != 0 {
+            return Ok(v);
+        }
+    }
 }
 
 impl LeaseTable {
     pub fn new() -> Self {
-        // Ids and epochs start from the clock so that a restarted worker never reuses a pair
-        // a prefill worker may still remember as fenced.
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_micros() as u64)
-            .unwrap_or(1);
-        LeaseTable {
-            leases: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(seed),
-            next_epoch: AtomicU64::new(seed),
-        }
+        LeaseTable::default()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, LeaseInfo>> {
@@ -62,12 +66,18 @@ impl LeaseTable {
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A fresh (lease id, epoch).
-    pub fn next(&self) -> (u64, u64) {
-        (
-            self.next_id.fetch_add(1, Ordering::Relaxed),
-            self.next_epoch.fetch_add(1, Ordering::Relaxed),
-        )
+    /// A fresh (lease id, epoch), both drawn from the OS RNG: a client that sees its own
+    /// leases (ids, the owner's instance id) cannot predict another's to fence it, and a
+    /// restarted worker does not reuse a pair a prefill worker may remember as fenced. The id
+    /// is not in use in this table.
+    pub fn next(&self) -> Result<(u64, u64), LeaseRngError> {
+        let id = loop {
+            let id = random_u64()?;
+            if !self.lock().contains_key(&id) {
+                break id;
+            }
+        };
+        Ok((id, random_u64()?))
     }
 
     pub fn grant(&self, lease_id: u64, epoch: u64, writer: &str) {
@@ -161,10 +171,13 @@ mod tests {
     #[test]
     fn leases_move_from_live_to_quarantine_to_gone() {
         let t = LeaseTable::new();
-        let (a, ea) = t.next();
-        let (b, eb) = t.next();
+        let (a, ea) = t.next().unwrap();
+        let (b, eb) = t.next().unwrap();
         assert_ne!(a, b);
         assert_ne!(ea, eb);
+        // Not a counter: consecutive ids and epochs are unrelated.
+        assert_ne!(a.wrapping_add(1), b);
+        assert_ne!(ea.wrapping_add(1), eb);
         t.grant(a, ea, "127.0.0.1:1");
         t.grant(b, eb, "127.0.0.1:1");
         assert_eq!(t.counts(), (2, 0));

@@ -9,6 +9,7 @@ pub mod decode;
 pub mod engine_setup;
 pub mod failpoints;
 pub mod grpc;
+pub mod known_prefills;
 pub mod leases;
 pub mod nats;
 pub mod prefill;

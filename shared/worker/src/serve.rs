@@ -86,6 +86,14 @@ pub async fn run_with_transfer(
     // Signs the KV events this worker publishes on NATS; the public half goes in its card.
     let signer = Arc::new(EventSigner::generate()?);
     let sides = DisaggSides::new(&cfg, &built, instance_id, transport, kv, &security)?;
+    // A decode side dials only the prefill workers discovery lists in its namespace.
+    if let Some(decode) = &sides.decode {
+        let store = discovery::connect(&discovery_options(&cfg.runtime, &security)).await?;
+        decode.set_known_prefills(crate::known_prefills::KnownPrefills::new(
+            store,
+            cfg.endpoint().namespace.clone(),
+        ));
+    }
     let (listener, grpc_addr) = bind_grpc(&cfg).await?;
     let service = WorkerService::new(
         built.engine.clone(),

@@ -26,14 +26,16 @@ pub fn backend(cfg: &WorkerConfig) -> anyhow::Result<Backend> {
 pub async fn open(cfg: &WorkerConfig) -> anyhow::Result<Arc<AnyTransport>> {
     let backend = backend(cfg)?;
     let mut tc = TransportConfig::new(backend);
-    // The transfer listener binds where the gRPC listener does, so a multi-host deployment
-    // that opened --rpc-host to the network reaches it too.
-    let host: std::net::IpAddr = cfg
+    // The transfer listener binds where the gRPC listener does (--rpc-host, which defaults to
+    // the advertised interface), and its descriptors name the advertised host, so a prefill
+    // worker on another host dials this one rather than itself.
+    tc.tcp_listen = bind_addr(&cfg.network.rpc_host).await?;
+    tc.tcp_advertise_host = cfg
         .network
-        .rpc_host
-        .parse()
-        .unwrap_or(std::net::IpAddr::from([0, 0, 0, 0]));
-    tc.tcp_listen = std::net::SocketAddr::new(host, 0);
+        .rpc_advertise_host
+        .as_deref()
+        .and_then(tandem_config::worker::advertise_host_part)
+        .map(str::to_owned);
     tc.op_timeout = Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.max(1).into());
     tc.metric_labels = vec![
         ("engine_type".into(), "tandem".into()),
@@ -47,6 +49,26 @@ pub async fn open(cfg: &WorkerConfig) -> anyhow::Result<Arc<AnyTransport>> {
         .with_context(|| format!("cannot open the {backend} KV transport"))?;
     tracing::info!(%backend, "KV transport open");
     Ok(Arc::new(t))
+}
+
+/// The address (port 0) the transfer listener binds for `--rpc-host` `host`: an IP, or a name
+/// resolved like the gRPC listener's (never a silent wildcard).
+async fn bind_addr(host: &str) -> anyhow::Result<std::net::SocketAddr> {
+    let host = host.trim();
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        return Ok(std::net::SocketAddr::new(ip, 0));
+    }
+    tokio::net::lookup_host((bare, 0))
+        .await
+        .with_context(|| {
+            format!("cannot resolve --rpc-host {host:?} for the KV transfer listener")
+        })?
+        .next()
+        .with_context(|| format!("--rpc-host {host:?} resolves to no address"))
 }
 
 /// A decode worker's KV pool: memory allocated and registered by the transport, and the
@@ -101,6 +123,7 @@ pub fn simulated_region(region_id: u64, len: u64) -> tandem_kv_transfer::RemoteR
         base: 0,
         len,
         rkey: Vec::new(),
+        secret: tandem_kv_transfer::RegionSecret::default(),
         memory: tandem_kv_transfer::MemoryKind::Host,
         check: 0,
     };
@@ -197,6 +220,35 @@ impl SimulatedLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_transfer_listener_binds_the_rpc_host_and_advertises_the_advertised_one() {
+        assert_eq!(
+            bind_addr("127.0.0.1").await.unwrap(),
+            std::net::SocketAddr::from(([127, 0, 0, 1], 0))
+        );
+        assert_eq!(
+            bind_addr("[::1]").await.unwrap(),
+            "[::1]:0".parse::<std::net::SocketAddr>().unwrap()
+        );
+        assert!(bind_addr("localhost").await.unwrap().ip().is_loopback());
+        assert!(bind_addr("no-such-host.invalid").await.is_err());
+        // A listener on the wildcard whose descriptors name the advertised host, not 0.0.0.0.
+        let mut tc = TransportConfig::new(Backend::Tcp);
+        tc.tcp_listen = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
+        tc.tcp_advertise_host =
+            tandem_config::worker::advertise_host_part("192.0.2.9:7000").map(str::to_owned);
+        let t = tandem_kv_transfer::open(tc).await.unwrap();
+        let port = match &t {
+            AnyTransport::Tcp(t) => t.local_addr().port(),
+            AnyTransport::Ucx(_) => unreachable!(),
+        };
+        assert_eq!(
+            t.address().0,
+            format!("192.0.2.9:{port}").into_bytes(),
+            "the descriptor names the advertised host with the listener's port"
+        );
+    }
 
     #[tokio::test]
     async fn simulated_link_checks_like_a_write_and_counts_wire_bytes() {

@@ -158,7 +158,7 @@ impl Lane {
     fn spawn(
         name: String,
         settings: LaneSettings,
-        events: Option<mpsc::UnboundedSender<Event>>,
+        events: Option<mpsc::Sender<Event>>,
         init: InitSink,
     ) -> Result<(std_mpsc::Sender<Cmd>, JoinHandle<()>)> {
         let (tx, rx) = std_mpsc::channel();
@@ -325,6 +325,7 @@ impl UcxTransport {
                 base: base as u64,
                 len: len as u64,
                 rkey,
+                secret: crate::RegionSecret::default(),
                 memory: MemoryKind::Host,
                 check: 0,
             }

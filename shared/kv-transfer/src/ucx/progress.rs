@@ -63,7 +63,7 @@ unsafe extern "C" fn ep_error_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: s
 }
 
 struct AmCtx {
-    events: mpsc::UnboundedSender<Event>,
+    events: mpsc::Sender<Event>,
 }
 
 unsafe extern "C" fn am_recv_cb(
@@ -94,13 +94,20 @@ unsafe extern "C" fn am_recv_cb(
         // we copy them and return UCS_OK, so UCX may release them afterwards.
         unsafe { std::slice::from_raw_parts(data as *const u8, length) }.to_vec()
     };
-    let _ = ctx.events.send(Event::Notification(payload));
+    if let Err(mpsc::error::TrySendError::Full(_)) =
+        ctx.events.try_send(Event::Notification(payload))
+    {
+        // Nobody drains the receiver's events: dropped (and counted) rather than queued
+        // without bound.
+        crate::metrics::record_refused(&[], crate::metrics::Refusal::EventQueueFull);
+        tracing::warn!("kv-transfer: dropping a notification, the event queue is full");
+    }
     sys::UCS_OK
 }
 
 pub(super) fn progress_thread(
     rx: std_mpsc::Receiver<Cmd>,
-    events: Option<mpsc::UnboundedSender<Event>>,
+    events: Option<mpsc::Sender<Event>>,
     init: InitSink,
     settings: LaneSettings,
 ) {

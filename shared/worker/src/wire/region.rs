@@ -1,6 +1,6 @@
 //! The KV transfer region a decode worker's lease points a prefill worker at.
 
-use tandem_kv_transfer::{Backend, MemoryKind, PeerAddress, RemoteRegion};
+use tandem_kv_transfer::{Backend, MemoryKind, PeerAddress, RegionSecret, RemoteRegion};
 use tandem_protocol::worker as pb;
 use tandem_protocol::WireError;
 
@@ -27,6 +27,7 @@ impl EngineIntoWire for RemoteRegion {
             memory_kind: memory_kind.into(),
             cuda_device,
             check: self.check,
+            secret: self.secret.as_bytes().to_vec(),
         }
     }
 }
@@ -62,6 +63,7 @@ impl EngineTryFromWire<pb::RemoteRegion> for RemoteRegion {
             base: r.base,
             len: r.len,
             rkey: r.rkey,
+            secret: RegionSecret::from_bytes(r.secret),
             memory: memory(r.memory_kind, r.cuda_device)?,
             check: r.check,
         })
@@ -80,6 +82,7 @@ mod tests {
             base: 0x7f00_0000_1000,
             len: 1 << 30,
             rkey: vec![9, 8, 7],
+            secret: RegionSecret::from_bytes((0..32).collect()),
             memory,
             check: 0xdead_beef,
         }
