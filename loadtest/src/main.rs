@@ -30,6 +30,9 @@ struct Args {
     /// Base URL of the server (`/v1/completions` is appended).
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
+    /// API key sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY when set).
+    #[arg(long)]
+    api_key: Option<String>,
     /// Model name; default: the first of `/v1/models`.
     #[arg(long)]
     model: Option<String>,
@@ -151,6 +154,23 @@ fn build_jobs(a: &Args) -> anyhow::Result<Vec<Job>> {
     })
 }
 
+/// `Authorization: Bearer KEY` from `--api-key`, else `$OPENAI_API_KEY`; none without either.
+fn auth_headers(flag: Option<String>) -> anyhow::Result<reqwest::header::HeaderMap> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    let key = flag.or_else(|| {
+        std::env::var("OPENAI_API_KEY")
+            .ok()
+            .filter(|k| !k.is_empty())
+    });
+    if let Some(key) = key {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+            .map_err(|_| anyhow::anyhow!("--api-key holds characters a header cannot carry"))?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    Ok(headers)
+}
+
 async fn first_model_once(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
     let v: serde_json::Value = http
         .get(format!("{base}/v1/models"))
@@ -236,6 +256,7 @@ async fn main() -> anyhow::Result<()> {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs_f64(a.timeout))
         .tcp_nodelay(true)
+        .default_headers(auth_headers(a.api_key.clone())?)
         .build()?;
     let base = a.url.trim_end_matches('/').to_string();
     let model = match &a.model {

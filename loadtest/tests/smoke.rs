@@ -48,6 +48,9 @@ fn mocker_router_loadtest_smoke() {
             .args(["--http-host", "127.0.0.1", "--http-port", "0"])
             .args(["--router-min-initial-workers", "2", "--router-mode", "kv"])
             .arg("--insecure-internal")
+            // The load tester authenticates (here from $OPENAI_API_KEY): without the key every
+            // request, /v1/models included, would be a 401.
+            .args(["--api-key", "smoke-key"])
             .env("DYN_FILE_KV", &disc)
             .env("DYN_DISCOVERY_BACKEND", "file"),
         "TANDEM_ROUTER_READY",
@@ -73,6 +76,7 @@ fn mocker_router_loadtest_smoke() {
             "120",
         ])
         .arg("--quiet")
+        .env("OPENAI_API_KEY", "smoke-key")
         .arg("--out")
         .arg(&out)
         .stdout(Stdio::null())
