@@ -37,7 +37,7 @@ ensure_debian_packages() {
 # (our gRPC protos and etcd-client's), UCX (KV transfer).
 BUILD_PACKAGES=(build-essential pkg-config protobuf-compiler libprotobuf-dev libucx-dev ucx-utils)
 # What the tests add: real etcd and NATS servers.
-TEST_PACKAGES=(etcd-server nats-server)
+TEST_PACKAGES=(etcd-server nats-server curl iproute2)
 
 ensure_python_pip() {
     command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1 && return 0
