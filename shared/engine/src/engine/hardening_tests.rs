@@ -100,6 +100,9 @@ async fn the_request_limit_refuses_past_it_and_frees_with_the_request() {
         Err(e) => e,
     };
     assert!(matches!(e, EngineError::Overloaded { limit: 1 }), "{e}");
+    // The engine thread may now sit in "a"'s next gated step: one more permit lets it answer
+    // (without it, the gate's own timeout would fail "a" first and the count would be 0).
+    permits.send(()).unwrap();
     assert_eq!(wait_idle(&h).await.requests, 1);
     for _ in 0..100 {
         permits.send(()).unwrap();
