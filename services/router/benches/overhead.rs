@@ -99,7 +99,7 @@ fn one_request(kv: &KvRouter, assets: &ModelAssets, workers: &[WorkerInfo], body
     let prompt = tandem_router::chat::chat_prompt(assets, &req).expect("prompt");
     let params = tandem_router::params::sampling_params(req.common(), None).expect("params");
     std::hint::black_box(&params);
-    let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, BLOCK);
+    let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, BLOCK, None);
     kv.route(
         id,
         &hashes,

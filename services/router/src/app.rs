@@ -22,6 +22,7 @@ use crate::handlers;
 use crate::limits::CallerLimits;
 use crate::models::Registry;
 use crate::queue::AdmissionQueue;
+use crate::tenancy::Tenant;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -69,6 +70,20 @@ impl AppState {
             queue,
             channels: Arc::new(security),
         })
+    }
+
+    /// What `caller` shares the router under: its rate limits and, with
+    /// `--cache-salt-per-api-key`, its key's cache salt.
+    pub fn tenant(&self, caller: Caller) -> Tenant {
+        Tenant {
+            limits: self.limits.of(caller).clone(),
+            key_digest: self
+                .config
+                .security
+                .cache_salt_per_api_key
+                .then(|| self.keys.digest_of(caller))
+                .flatten(),
+        }
     }
 
     /// The KV router that follows worker `id`: `prefill_kv` for a prefill worker, else `kv`.

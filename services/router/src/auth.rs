@@ -64,6 +64,11 @@ impl ApiKeys {
         self.digests.is_empty()
     }
 
+    /// The SHA-256 of `caller`'s key (`None` without keys).
+    pub fn digest_of(&self, caller: Caller) -> Option<[u8; 32]> {
+        self.digests.get(caller.0).copied()
+    }
+
     /// The caller whose key `presented` is, or `None`. Every key is compared, in constant
     /// time, whatever matches.
     pub fn check(&self, presented: &[u8]) -> Option<Caller> {

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_kv_router::protocols::LocalBlockHash;
+use tandem_kv_router::protocols::{CacheSalt, LocalBlockHash};
 use tandem_kv_router::{KvRouter, RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
 use tandem_protocol::worker::{GenerateDisaggRequest, GenerateRequest};
 use tandem_protocol::worker::{GenerateOutput, PrefillTarget};
@@ -83,6 +83,7 @@ pub async fn start(
         priority: request.priority,
         received: request.received,
         limits: request.limits,
+        cache_salt: request.cache_salt,
     };
     let block_size = req.validate()?;
     let hashes = req.hash_blocks(block_size);
@@ -109,6 +110,8 @@ pub struct Incoming {
     pub received: Instant,
     /// The caller's rate limits, charged with the output tokens.
     pub limits: Arc<RateLimits>,
+    /// The salt the prompt's blocks are hashed under, here and on the workers.
+    pub cache_salt: Option<CacheSalt>,
 }
 
 /// One request as the stages see it.
@@ -123,6 +126,7 @@ struct Request<'a> {
     /// When the HTTP request arrived (TTFT and the router's overhead are measured from here).
     received: Instant,
     limits: Arc<RateLimits>,
+    cache_salt: Option<CacheSalt>,
 }
 
 /// The route stage's answer: the decode worker and the decode index's selection.
@@ -162,7 +166,11 @@ impl Request<'_> {
     /// Stage 2: the prompt's KV block hashes.
     fn hash_blocks(&self, block_size: u32) -> Vec<LocalBlockHash> {
         let t_hash = Instant::now();
-        let hashes = tandem_kv_router::protocols::request_block_hashes(&self.prompt, block_size);
+        let hashes = tandem_kv_router::protocols::request_block_hashes(
+            &self.prompt,
+            block_size,
+            self.cache_salt,
+        );
         metrics::histogram!(m::BLOCK_HASHING_MS).record(t_hash.elapsed().as_secs_f64() * 1e3);
         hashes
     }
@@ -289,6 +297,7 @@ impl Request<'_> {
             request_id: self.id.to_string(),
             prompt: self.prompt.clone(),
             sampling_params: Some(crate::wire::sampling_params(&self.params)),
+            cache_salt: self.cache_salt.map(|s| s.0),
         };
         // Both calls stream the same `GenerateOutput`s.
         let call = async {

@@ -127,6 +127,7 @@ async fn serve(
         priority: p.priority,
         received,
         limits: p.limits,
+        cache_salt: p.cache_salt,
     };
     let (rx, routed) = match generate::start(&state, &p.view, incoming).await {
         Ok(x) => x,
@@ -195,8 +196,8 @@ pub async fn chat_completions(
 ) -> Response {
     let received = Instant::now();
     let rid = request_id(&headers);
-    let limits = state.limits.of(caller).clone();
-    match prepare::chat(&state, &body, &rid, &limits).await {
+    let tenant = state.tenant(caller);
+    match prepare::chat(&state, &body, &rid, &tenant).await {
         Ok(p) => serve(state, p, rid, "chat_completions", received).await,
         Err(r) => error_response(r.error, &rid, &r.model, "chat_completions", r.stream),
     }
@@ -210,8 +211,8 @@ pub async fn completions(
 ) -> Response {
     let received = Instant::now();
     let rid = request_id(&headers);
-    let limits = state.limits.of(caller).clone();
-    match prepare::completion(&state, &body, &rid, &limits).await {
+    let tenant = state.tenant(caller);
+    match prepare::completion(&state, &body, &rid, &tenant).await {
         Ok(p) => serve(state, p, rid, "completions", received).await,
         Err(r) => error_response(r.error, &rid, &r.model, "completions", r.stream),
     }

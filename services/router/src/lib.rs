@@ -23,6 +23,7 @@ pub mod prepare;
 pub mod queue;
 pub mod respond;
 pub mod server;
+pub mod tenancy;
 pub mod tls;
 pub mod watcher;
 pub mod wire;

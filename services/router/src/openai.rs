@@ -73,6 +73,9 @@ pub struct ChatCompletionRequest {
     pub user: Option<String>,
     /// vLLM's queue priority: lower is served first (default 0).
     pub priority: Option<i64>,
+    /// vLLM's prefix-cache salt: the request shares cached KV only with requests of the same
+    /// salt (and, with `--cache-salt-per-api-key`, the same API key).
+    pub cache_salt: Option<String>,
     // Flattened fields cannot be combined with deny_unknown_fields in serde, so they are
     // listed here again.
     pub max_tokens: Option<i64>,
@@ -121,6 +124,8 @@ pub struct CompletionRequest {
     pub user: Option<String>,
     /// vLLM's queue priority: lower is served first (default 0).
     pub priority: Option<i64>,
+    /// vLLM's prefix-cache salt (see the chat request's).
+    pub cache_salt: Option<String>,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,

@@ -17,6 +17,8 @@ use crate::models::{ModelAssets, ModelView};
 use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
 use crate::params;
 use crate::respond::{Kind, Meta};
+use crate::tenancy::Tenant;
+use tandem_kv_router::protocols::CacheSalt;
 
 /// Large prompts tokenized at once; the others wait for a turn, small prompts never do.
 static LARGE_PROMPTS: Semaphore = Semaphore::const_new(2);
@@ -33,6 +35,8 @@ pub struct Prepared {
     pub view: ModelView,
     /// The caller's rate limits (its API key's, or the shared ones), charged as tokens stream.
     pub limits: Arc<RateLimits>,
+    /// The salt of the prompt's KV block hashes (the tenant's and the request's `cache_salt`).
+    pub cache_salt: Option<CacheSalt>,
 }
 
 /// A refused request, with what its metrics are labelled with.
@@ -92,13 +96,14 @@ pub async fn chat(
     state: &AppState,
     body: &[u8],
     rid: &str,
-    limits: &Arc<RateLimits>,
+    tenant: &Tenant,
 ) -> Result<Prepared, Refusal> {
     let req: ChatCompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
     let view = served(state, &req.model)?;
     let stream = req.stream;
     let fail = labelled(&view.name, stream);
     check_chat_sizes(&req).map_err(fail)?;
+    let cache_salt = tenant.cache_salt(req.cache_salt.as_deref()).map_err(fail)?;
     stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
     let lp = params::chat_logprobs(req.logprobs, req.top_logprobs).map_err(fail)?;
     let params = sampling_params(&view, req.common(), lp).map_err(fail)?;
@@ -115,7 +120,7 @@ pub async fn chat(
     .map_err(fail)?;
     let prompt = prompt.map_err(fail)?;
     metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
-    limits.admit(prompt.len()).map_err(fail)?;
+    tenant.limits.admit(prompt.len()).map_err(fail)?;
     if let Some(user) = &req.user {
         tracing::info!(request_id = rid, user = %user, "chat request");
     }
@@ -128,7 +133,8 @@ pub async fn chat(
         include_usage,
         want_logprobs: lp.is_some(),
         view,
-        limits: limits.clone(),
+        limits: tenant.limits.clone(),
+        cache_salt,
     })
 }
 
@@ -136,13 +142,14 @@ pub async fn completion(
     state: &AppState,
     body: &[u8],
     rid: &str,
-    limits: &Arc<RateLimits>,
+    tenant: &Tenant,
 ) -> Result<Prepared, Refusal> {
     let req: CompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
     let view = served(state, &req.model)?;
     let stream = req.stream;
     let fail = labelled(&view.name, stream);
     refuse_unsupported_completion_fields(&req).map_err(fail)?;
+    let cache_salt = tenant.cache_salt(req.cache_salt.as_deref()).map_err(fail)?;
     stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
     let lp = params::completion_logprobs(req.logprobs).map_err(fail)?;
     let params = sampling_params(&view, req.common(), lp).map_err(fail)?;
@@ -152,7 +159,7 @@ pub async fn completion(
         .await
         .map_err(fail)?;
     metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
-    limits.admit(prompt.len()).map_err(fail)?;
+    tenant.limits.admit(prompt.len()).map_err(fail)?;
     Ok(Prepared {
         meta: meta(Kind::Completion, rid, &view.name),
         prompt,
@@ -162,7 +169,8 @@ pub async fn completion(
         include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
         want_logprobs: lp.is_some(),
         view,
-        limits: limits.clone(),
+        limits: tenant.limits.clone(),
+        cache_salt,
     })
 }
 

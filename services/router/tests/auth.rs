@@ -215,12 +215,18 @@ async fn rate_limits_apply_per_api_key() {
 /// Runs the router with `args` and `env`, expecting it to exit at start-up: its stderr.
 async fn startup_error(args: &[&str], env: &[(&str, &str)]) -> String {
     let mut cmd = tokio::process::Command::new(bin("tandem-router"));
-    cmd.args(["--http-host", "127.0.0.1", "--http-port", "0"])
-        .args(args)
-        .envs(env.iter().copied())
-        .env("DYN_DISCOVERY_BACKEND", "file")
-        .env("DYN_FILE_KV", temp_dir("unused-disc"))
-        .kill_on_drop(true);
+    cmd.args([
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--insecure-internal",
+    ])
+    .args(args)
+    .envs(env.iter().copied())
+    .env("DYN_DISCOVERY_BACKEND", "file")
+    .env("DYN_FILE_KV", temp_dir("unused-disc"))
+    .kill_on_drop(true);
     let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
         .await
         .unwrap_or_else(|_| panic!("{args:?}: the router did not exit"))
@@ -236,12 +242,18 @@ async fn keys_come_from_the_environment_and_a_file_and_bad_files_stop_the_router
     std::fs::write(&file, "# operators\n\n  sk-from-file  \n# sk-commented\n").expect("write");
     let disc = temp_dir("keys-disc");
     let mut cmd = Command::new(bin("tandem-router"));
-    cmd.args(["--http-host", "127.0.0.1", "--http-port", "0"])
-        .arg("--api-key-file")
-        .arg(&file)
-        .env("TANDEM_API_KEYS", "sk-env-one,sk-env-two")
-        .env("DYN_DISCOVERY_BACKEND", "file")
-        .env("DYN_FILE_KV", &disc);
+    cmd.args([
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--insecure-internal",
+    ])
+    .arg("--api-key-file")
+    .arg(&file)
+    .env("TANDEM_API_KEYS", "sk-env-one,sk-env-two")
+    .env("DYN_DISCOVERY_BACKEND", "file")
+    .env("DYN_FILE_KV", &disc);
     let router = spawn_ready(&mut cmd, "TANDEM_ROUTER_READY");
     let base = format!("http://{}", field(router.ready_line(), "http="));
     let models = format!("{base}/v1/models");
@@ -479,4 +491,86 @@ async fn https_serves_the_api_and_drops_plain_http_and_silent_clients() {
     drop(router);
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&disc);
+}
+
+/// POSTs a greedy completion of `prompt` with `key` (and `cache_salt` when given): the
+/// status, and the prompt tokens served from the worker's prefix cache (or the error body).
+async fn cached_tokens(t: &Topology, key: &str, salt: Option<&str>) -> (u16, Value) {
+    let mut body = json!({
+        "model": "tandem-tiny",
+        "prompt": (1000..1000 + 96).collect::<Vec<u32>>(),
+        "max_tokens": 1,
+        "temperature": 0
+    });
+    if let Some(s) = salt {
+        body["cache_salt"] = json!(s);
+    }
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", t.base))
+        .header("authorization", bearer(key))
+        .json(&body)
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .expect("request");
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.expect("JSON body");
+    if status != 200 {
+        return (status, body);
+    }
+    (
+        status,
+        body["usage"]["prompt_tokens_details"]["cached_tokens"].clone(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_api_key_has_a_cache_of_its_own_with_cache_salt_per_api_key() {
+    let t = Topology::start_healthy(
+        1,
+        &[],
+        &[
+            "--api-key",
+            KEY,
+            "--api-key",
+            KEY2,
+            "--cache-salt-per-api-key",
+        ],
+    )
+    .await;
+    let ok = |n: u64| (200, json!(n));
+    assert_eq!(cached_tokens(&t, KEY, None).await, ok(0));
+    let (status, hit) = cached_tokens(&t, KEY, None).await;
+    assert_eq!(status, 200);
+    assert!(
+        hit.as_u64().unwrap() >= 64,
+        "the same key reuses its prefix: {hit}"
+    );
+    // The other key sends the same prompt: nothing cached for it, nothing learnt.
+    assert_eq!(cached_tokens(&t, KEY2, None).await, ok(0));
+    // A request salt splits a key's cache further; the same salt under another key does not
+    // reach the first key's blocks.
+    assert_eq!(cached_tokens(&t, KEY2, Some("s")).await, ok(0));
+    assert_eq!(cached_tokens(&t, KEY2, Some("s")).await.1, hit);
+    assert_eq!(cached_tokens(&t, KEY, Some("s")).await, ok(0));
+    // An empty salt is refused by name.
+    let (status, body) = cached_tokens(&t, KEY, Some("")).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "cache_salt", "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_share_cache_entries_only_with_the_same_cache_salt() {
+    // No per-key salting: requests of every key share the cache unless they send a salt.
+    let t = Topology::start_healthy(1, &[], &["--api-key", KEY, "--api-key", KEY2]).await;
+    let (_, unsalted) = cached_tokens(&t, KEY, None).await;
+    assert_eq!(unsalted, json!(0));
+    let (_, hit) = cached_tokens(&t, KEY2, None).await;
+    assert!(
+        hit.as_u64().unwrap() >= 64,
+        "keys share unsalted blocks: {hit}"
+    );
+    assert_eq!(cached_tokens(&t, KEY, Some("tenant-a")).await.1, json!(0));
+    assert_eq!(cached_tokens(&t, KEY2, Some("tenant-b")).await.1, json!(0));
+    assert_eq!(cached_tokens(&t, KEY2, Some("tenant-a")).await.1, hit);
 }

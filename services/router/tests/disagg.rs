@@ -115,6 +115,7 @@ fn json_close(a: &Value, b: &Value) -> bool {
 fn request(rid: &str, prompt: &[u32], params: &Value) -> GenerateRequest {
     GenerateRequest {
         request_id: rid.into(),
+        cache_salt: None,
         prompt: prompt.to_vec(),
         sampling_params: Some(tandem_router::wire::sampling_params(
             &serde_json::from_value(params.clone()).expect("sampling params"),

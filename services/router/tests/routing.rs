@@ -50,6 +50,7 @@ async fn direct_generate(addr: &str, id: &str, prompt: Vec<u32>) {
         .await
         .generate(GenerateRequest {
             request_id: id.into(),
+            cache_salt: None,
             prompt,
             sampling_params: Some(tandem_router::wire::sampling_params(&SamplingParams {
                 max_tokens: Some(1),

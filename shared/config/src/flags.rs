@@ -394,6 +394,12 @@ pub static FLAGS: &[FlagSpec] = &[
         "Send the `x-tandem-worker-id` (and `x-tandem-prefill-worker-id`) response headers, \
          which name the worker instances that served a request.")
         .env("DYN_EXPOSE_WORKER_ID").default("false").scope(Scope::Router),
+    FlagSpec::new("cache-salt-per-api-key", Bool, Router,
+        "Isolate each API key's KV cache: its requests' block hashes are salted with a value \
+         derived from the key, so tenants never share cache entries (nor learn from routing \
+         or cached-token counts what another tenant sent). Needs API keys. A request's own \
+         `cache_salt` is mixed in under its key's.")
+        .env("TANDEM_CACHE_SALT_PER_API_KEY").default("false").scope(Scope::Router),
     FlagSpec::new("tls-cert-path", Path, Router,
         "PEM certificate chain of the public port; with --tls-key-path the API is served over \
          HTTPS only. Both or neither.")

@@ -241,6 +241,8 @@ pub struct SecurityConfig {
     pub admin: Option<AdminListener>,
     /// `--expose-worker-id`.
     pub expose_worker_id: bool,
+    /// `--cache-salt-per-api-key`: each key's requests are hashed under a salt of its own.
+    pub cache_salt_per_api_key: bool,
     /// `--tls-cert-path`/`--tls-key-path`; `None`: plain HTTP.
     pub tls: Option<TlsFiles>,
 }
@@ -465,10 +467,20 @@ fn security(resolved: &Resolved) -> Result<SecurityConfig, ConfigError> {
             ))
         }
     };
+    let api_keys = ApiKeys::new(keys);
+    let cache_salt_per_api_key = g.bool("cache-salt-per-api-key")?;
+    if cache_salt_per_api_key && api_keys.is_empty() {
+        return Err(ConfigError::Invalid(
+            "--cache-salt-per-api-key salts each API key's KV cache, but no API key is set: \
+             give --api-key, TANDEM_API_KEYS or --api-key-file"
+                .into(),
+        ));
+    }
     Ok(SecurityConfig {
-        api_keys: ApiKeys::new(keys),
+        api_keys,
         admin,
         expose_worker_id: g.bool("expose-worker-id")?,
+        cache_salt_per_api_key,
         tls,
     })
 }

@@ -116,6 +116,8 @@ fn every_env_var_follows_dynamo_naming() {
                 // Internal channel security (Tandem's own).
                 "TANDEM_INTERNAL_TLS_DIR",
                 "TANDEM_INSECURE_INTERNAL",
+                // Per-key cache isolation (Tandem's own).
+                "TANDEM_CACHE_SALT_PER_API_KEY",
             ]
             .contains(&var);
         assert!(ok, "--{} uses env var {var}", spec.name);

@@ -666,6 +666,24 @@ fn router_api_keys_add_up_from_flags_env_and_file_and_never_print() {
 }
 
 #[test]
+fn per_key_cache_salting_needs_api_keys() {
+    let argv = router_argv;
+    let none = |_: &str| None;
+    let cfg = tandem_config::parse_router(&argv(&[]), &none).unwrap();
+    assert!(!cfg.security.cache_salt_per_api_key);
+    let e = tandem_config::parse_router(&argv(&["--cache-salt-per-api-key"]), &none)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--cache-salt-per-api-key") && e.contains("--api-key"),
+        "{e}"
+    );
+    let env = |k: &str| (k == "TANDEM_CACHE_SALT_PER_API_KEY").then(|| "true".to_string());
+    let cfg = tandem_config::parse_router(&argv(&["--api-key", "k1"]), &env).unwrap();
+    assert!(cfg.security.cache_salt_per_api_key);
+}
+
+#[test]
 fn router_admin_listener_and_tls_flags() {
     let argv = router_argv;
     let none = |_: &str| None;

@@ -57,6 +57,7 @@ use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockStats;
 use crate::kv::events::{KvCacheEvent, KvEventPublisher, KvStoredDump, ReplayGap};
+use crate::kv::hash::CacheSalt;
 use crate::kv::layout::KvLayout;
 pub use crate::request::{
     FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, StopReason, Usage,
@@ -375,17 +376,21 @@ impl EngineHandle {
     /// cannot be evicted) plus fresh blocks for the rest, which a remote prefill writes into
     /// the pool memory (at each block's offset). Validates the prompt as `submit` does (vocab,
     /// length < max_seq_len, the request fits the pool with max_tokens from `params`).
+    /// The prefix is matched under `cache_salt`, the request's (activation checks that the
+    /// prefilled state carries the same).
     /// Errors: `DuplicateLease`, `OutOfBlocks` when the pool cannot hold it right now.
     pub fn reserve(
         &self,
         lease_id: u64,
         prompt: Vec<u32>,
         params: SamplingParams,
+        cache_salt: Option<CacheSalt>,
     ) -> impl Future<Output = Result<Reservation, EngineError>> + Send + 'static {
         let reply = self.call(move |reply| Command::Reserve {
             lease_id,
             prompt,
             params,
+            cache_salt,
             reply,
         });
         async move { reply.await? }

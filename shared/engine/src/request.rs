@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::kv::hash::CacheSalt;
 use crate::kv::layout::KvLayout;
 use crate::sampler::{SamplerState, SamplingParams, StopMatcher, TokenLogprob};
 pub use crate::sequence::FinishReason;
@@ -14,6 +15,10 @@ pub struct Request {
     pub request_id: String,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// Its blocks are hashed under this salt: they are shared only with requests of the same
+    /// salt (see [`CacheSalt`]).
+    #[serde(default)]
+    pub cache_salt: Option<CacheSalt>,
 }
 
 /// Token counts of one choice, sent with its last output.
@@ -73,6 +78,9 @@ pub struct SequenceState {
     pub cached_prompt_tokens: usize,
     pub sampler: SamplerState,
     pub stop: StopMatcher,
+    /// The request's cache salt: the continuing engine hashes the blocks under it.
+    #[serde(default)]
+    pub cache_salt: Option<CacheSalt>,
 }
 
 /// An exported request: its state, the layout its KV was written in, and the KV bytes of

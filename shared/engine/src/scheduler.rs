@@ -324,8 +324,11 @@ impl Scheduler {
                         .blocks_for(seq.max_total_len())
                         .saturating_sub(seq.table.len())
                 } else {
-                    self.blocks
-                        .blocks_needed_for(&seq.tokens, seq.max_total_len())
+                    self.blocks.blocks_needed_for(
+                        &seq.tokens,
+                        seq.table.salt(),
+                        seq.max_total_len(),
+                    )
                 };
                 if need + self.reserved_growth() > self.blocks.available() {
                     if self.running.is_empty() && self.release_waiting_holder(id) {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::block_manager::BlockTable;
+use crate::kv::hash::CacheSalt;
 use crate::sampler::{SamplerState, SamplingParams, StopMatcher};
 use crate::tokenizer::incremental::IncrementalDecoder;
 
@@ -75,6 +76,8 @@ pub struct NewSequence {
     pub arrival: u64,
     pub params: Arc<SamplingParams>,
     pub sampler: SamplerState,
+    /// The request's cache salt: the sequence's blocks are hashed under it.
+    pub cache_salt: Option<CacheSalt>,
 }
 
 impl Sequence {
@@ -88,6 +91,7 @@ impl Sequence {
             arrival,
             params,
             sampler,
+            cache_salt,
         } = init;
         let stop = StopMatcher::new(&params.stop);
         Self {
@@ -99,7 +103,7 @@ impl Sequence {
             max_tokens,
             num_computed: 0,
             cached_prompt_tokens: None,
-            table: BlockTable::default(),
+            table: BlockTable::salted(cache_salt),
             status: SeqStatus::Waiting,
             arrival,
             params,

@@ -80,6 +80,7 @@ fn engine(
 fn request(id: &str, c: &Case) -> Request {
     Request {
         request_id: id.into(),
+        cache_salt: None,
         prompt: c.prompt_ids.clone(),
         params: SamplingParams {
             n: c.num_return_sequences,

@@ -102,6 +102,7 @@ fn start(
 fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
     Request {
         request_id: id.into(),
+        cache_salt: None,
         prompt,
         params,
     }

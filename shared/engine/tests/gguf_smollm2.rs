@@ -93,6 +93,7 @@ async fn smollm2_gguf_knows_the_capital_of_france() {
         let h = h.clone();
         let r = Request {
             request_id: id.into(),
+            cache_salt: None,
             prompt,
             params: greedy(n),
         };

@@ -10,6 +10,13 @@
 //!
 //! Only full blocks are hashed: a trailing partial block has no hash, because its contents
 //! are still changing and could never be matched by another request's full block.
+//!
+//! A request may carry a [`CacheSalt`] (one per tenant, or vLLM's `cache_salt`): its blocks'
+//! local hashes then cover the salt's eight bytes before the tokens, so every hash of a salted
+//! sequence differs from the unsalted one and from any other salt's. Engines register and
+//! match blocks under these hashes and routers index them, so requests of different salts
+//! never share a cache entry, and a prefix-cache hit (or a router's score) reveals nothing
+//! about another tenant's prompts.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -46,9 +53,27 @@ impl std::fmt::LowerHex for ExternalSequenceBlockHash {
     }
 }
 
+/// The salt of a request's block hashes: requests with different salts (or one salted, one
+/// not) never share KV blocks. Opaque to engines; the router derives it from the tenant (and
+/// a request's `cache_salt`), and it travels with the request to every worker that hashes
+/// its blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct CacheSalt(pub u64);
+
 /// Hash of one block's tokens alone.
 pub fn local_block_hash(tokens: &[u32]) -> LocalBlockHash {
-    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    salted_block_hash(None, tokens)
+}
+
+/// Hash of one block's tokens under `salt`: with a salt, its little-endian bytes come before
+/// the tokens' (so a salted block never hashes like an unsalted one: the inputs' lengths
+/// differ).
+pub fn salted_block_hash(salt: Option<CacheSalt>, tokens: &[u32]) -> LocalBlockHash {
+    let mut bytes = Vec::with_capacity(8 + tokens.len() * 4);
+    if let Some(CacheSalt(s)) = salt {
+        bytes.extend_from_slice(&s.to_le_bytes());
+    }
     for t in tokens {
         bytes.extend_from_slice(&t.to_le_bytes());
     }
@@ -57,12 +82,21 @@ pub fn local_block_hash(tokens: &[u32]) -> LocalBlockHash {
 
 /// Local hashes of every full block of `tokens`; the trailing partial block is dropped.
 pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<LocalBlockHash> {
+    salted_block_hashes(None, tokens, block_size)
+}
+
+/// Local hashes of every full block of `tokens` under `salt`.
+pub fn salted_block_hashes(
+    salt: Option<CacheSalt>,
+    tokens: &[u32],
+    block_size: usize,
+) -> Vec<LocalBlockHash> {
     if block_size == 0 {
         return Vec::new();
     }
     tokens
         .chunks_exact(block_size)
-        .map(local_block_hash)
+        .map(|chunk| salted_block_hash(salt, chunk))
         .collect()
 }
 
@@ -136,6 +170,32 @@ mod tests {
         assert!(block_hashes(&[1, 2, 3], 4).is_empty());
         assert_eq!(local_block_hashes(&[1, 2, 3, 4, 5], 4).len(), 1);
         assert!(local_block_hashes(&[1, 2], 0).is_empty());
+    }
+
+    #[test]
+    fn a_salt_changes_every_hash_and_no_salt_is_the_dynamo_hash() {
+        let toks: Vec<u32> = (0..16).collect();
+        assert_eq!(
+            salted_block_hashes(None, &toks, 4),
+            local_block_hashes(&toks, 4)
+        );
+        let a = salted_block_hashes(Some(CacheSalt(1)), &toks, 4);
+        let b = salted_block_hashes(Some(CacheSalt(2)), &toks, 4);
+        let plain = local_block_hashes(&toks, 4);
+        for i in 0..4 {
+            assert_ne!(a[i], plain[i], "block {i}");
+            assert_ne!(a[i], b[i], "block {i}");
+        }
+        assert_eq!(a, salted_block_hashes(Some(CacheSalt(1)), &toks, 4));
+        // Python: xxhash.xxh3_64_intdigest(struct.pack('<Q4I', 7, 1, 2, 3, 4), seed=1337)
+        let mut bytes = 7u64.to_le_bytes().to_vec();
+        for t in [1u32, 2, 3, 4] {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        assert_eq!(
+            salted_block_hash(Some(CacheSalt(7)), &[1, 2, 3, 4]),
+            LocalBlockHash(xxh3_64_with_seed(&bytes, XXH3_SEED))
+        );
     }
 
     #[test]

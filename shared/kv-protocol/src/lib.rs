@@ -1,5 +1,5 @@
 //! What an engine and a router must agree on about KV blocks, and nothing more: how a block is
-//! hashed (Dynamo's XXH3 scheme and seed) and the KV cache events workers publish (Dynamo's
+//! hashed (Dynamo's XXH3 scheme and seed, optionally salted per tenant) and the KV cache events workers publish (Dynamo's
 //! `KvCacheEvent` shape). A leaf crate: the engine publishes these, the KV router indexes them,
 //! and neither links the other.
 
@@ -11,6 +11,7 @@ pub use events::{
     KvStoredDump, ReplayGap, StoredBlock,
 };
 pub use hash::{
-    block_hashes, chain_hash, local_block_hash, local_block_hashes, sequence_hashes,
-    ExternalSequenceBlockHash, LocalBlockHash, XXH3_SEED,
+    block_hashes, chain_hash, local_block_hash, local_block_hashes, salted_block_hash,
+    salted_block_hashes, sequence_hashes, CacheSalt, ExternalSequenceBlockHash, LocalBlockHash,
+    XXH3_SEED,
 };

@@ -16,8 +16,9 @@ pub use tandem_kv_protocol::events::{
     KvStoredDump, StoredBlock,
 };
 pub use tandem_kv_protocol::hash::{
-    block_hashes, chain_hash, local_block_hash, local_block_hashes, sequence_hashes,
-    ExternalSequenceBlockHash, LocalBlockHash, XXH3_SEED,
+    block_hashes, chain_hash, local_block_hash, local_block_hashes, salted_block_hash,
+    salted_block_hashes, sequence_hashes, CacheSalt, ExternalSequenceBlockHash, LocalBlockHash,
+    XXH3_SEED,
 };
 
 /// Identity of a worker instance (Dynamo's `worker_id`, the discovery instance id).
@@ -60,9 +61,14 @@ impl OverlapScores {
 }
 
 /// Local block hashes of a request's tokens, as the router feeds them to
-/// [`crate::KvIndexer::find_matches`]. Only full blocks are hashed.
-pub fn request_block_hashes(tokens: &[u32], block_size: u32) -> Vec<LocalBlockHash> {
-    local_block_hashes(tokens, block_size as usize)
+/// [`crate::KvIndexer::find_matches`]. Only full blocks are hashed. With a salt, they match
+/// only blocks an engine stored for requests of the same salt.
+pub fn request_block_hashes(
+    tokens: &[u32],
+    block_size: u32,
+    salt: Option<CacheSalt>,
+) -> Vec<LocalBlockHash> {
+    salted_block_hashes(salt, tokens, block_size as usize)
 }
 
 /// Test shorthand: local hashes from plain numbers.
@@ -100,7 +106,7 @@ mod tests {
     #[test]
     fn request_hashes_match_engine_hashing() {
         let toks: Vec<u32> = (0..10).collect();
-        let hs = request_block_hashes(&toks, 4);
+        let hs = request_block_hashes(&toks, 4, None);
         assert_eq!(hs.len(), 2, "the trailing partial block is not hashed");
         assert_eq!(hs[0], local_block_hash(&[0, 1, 2, 3]));
     }

@@ -265,7 +265,7 @@ mod tests {
         let r = KvRouter::new(cfg, Some(1));
         let prompt: Vec<u32> = (0..64).collect();
         r.apply_event(event(2, 1, stored(&prompt))).unwrap();
-        let locals = crate::protocols::request_block_hashes(&prompt, 4);
+        let locals = crate::protocols::request_block_hashes(&prompt, 4, None);
         let sel = r
             .route("a", &locals, 64, &workers(), &SelectOptions::default())
             .unwrap();

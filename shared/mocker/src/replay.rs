@@ -245,6 +245,7 @@ fn request(idx: usize, suffix: &str, prompt: Vec<u32>, max_tokens: usize) -> Req
     params.seed = Some(idx as u64);
     Request {
         request_id: format!("r{idx}{suffix}"),
+        cache_salt: None,
         prompt,
         params,
     }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use tandem_pki::ChannelSecurity;
 
 use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
+use tandem_engine::kv::hash::CacheSalt;
 use tandem_engine::sampler::SamplingParams;
 use tandem_kv_transfer::RemoteRegion;
 use tandem_protocol::wire::required;
@@ -245,7 +246,12 @@ impl DecodeSide {
             .map_err(|e| Attempt::Refused(Status::internal(e.to_string())))?;
         let reservation = match self
             .engine
-            .reserve(lease_id, request.prompt.clone(), params.clone())
+            .reserve(
+                lease_id,
+                request.prompt.clone(),
+                params.clone(),
+                request.cache_salt.map(CacheSalt),
+            )
             .await
         {
             Ok(r) => r,

@@ -367,7 +367,7 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
         .collect();
     let v = view(entry(WorkerRole::Pd, "L1", 1), prefill);
     let prompt: Vec<u32> = (0..1024).collect();
-    let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, 32);
+    let hashes = tandem_kv_router::protocols::request_block_hashes(&prompt, 32, None);
     // Workers 2 and 3 are already busy prefilling other prompts: they come last.
     let infos: Vec<WorkerInfo> = v.prefill.iter().map(worker_info).collect();
     for (rid, id) in [("other-2", 2), ("other-3", 3)] {
@@ -412,7 +412,7 @@ async fn plan_orders_prefill_workers_and_records_the_best() {
 
     // A short prompt stays on the decode worker and records nothing.
     let short: Vec<u32> = (0..40).collect();
-    let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
+    let h = tandem_kv_router::protocols::request_block_hashes(&short, 32, None);
     let t = plan(&st, &v, &routed(d, "r2", &h, 0, 40, &sp(1))).expect("plan");
     assert!(t.is_empty());
     assert!(!st.prefill_kv.free("r2"));
@@ -430,7 +430,7 @@ async fn enforced_plan_refuses_what_cannot_run_disaggregated() {
         vec![entry(WorkerRole::Prefill, "L2", 2)],
     );
     let short: Vec<u32> = (0..8).collect();
-    let h = tandem_kv_router::protocols::request_block_hashes(&short, 32);
+    let h = tandem_kv_router::protocols::request_block_hashes(&short, 32, None);
     let d = &v.workers[0];
     let e = plan(&st, &v, &routed(d, "r1", &h, 8, 8, &sp(1))).expect_err("no layout");
     assert_eq!(e.status.as_u16(), 503);

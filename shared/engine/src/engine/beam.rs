@@ -440,6 +440,7 @@ impl Core {
             arrival: parent.arrival,
             params: Arc::clone(&parent.params),
             sampler: parent.sampler.clone(),
+            cache_salt: parent.table.salt(),
         });
         seq.prompt_len = parent.prompt_len;
         seq.cached_prompt_tokens = parent.cached_prompt_tokens;

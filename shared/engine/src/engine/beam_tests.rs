@@ -113,6 +113,7 @@ async fn run(
     let s = h
         .submit(Request {
             request_id: id.into(),
+            cache_salt: None,
             prompt,
             params: p,
         })
@@ -184,6 +185,7 @@ async fn beams_survive_preemption() {
         };
         let fut = h.submit(Request {
             request_id: format!("r{i}"),
+            cache_salt: None,
             prompt: p.clone(),
             params,
         });
@@ -228,6 +230,7 @@ async fn aborting_a_beam_search_frees_every_beam() {
     .unwrap();
     let fut = h.submit(Request {
         request_id: "a".into(),
+        cache_salt: None,
         prompt: prompt(5, 6),
         params: SamplingParams {
             ignore_eos: true,
@@ -276,6 +279,7 @@ async fn beam_requests_are_validated() {
     let submit = |p: SamplingParams| {
         h.submit(Request {
             request_id: "v".into(),
+            cache_salt: None,
             prompt: prompt(1, 4),
             params: p,
         })
@@ -300,6 +304,7 @@ async fn beam_requests_are_validated() {
         .prefill(
             Request {
                 request_id: "p".into(),
+                cache_salt: None,
                 prompt: prompt(1, 4),
                 params: p,
             },

@@ -17,6 +17,7 @@ use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
 use crate::kv::events::KvEventPublisher;
+use crate::kv::hash::CacheSalt;
 use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, Usage};
 use crate::sampler::{Rng, SamplerState, SamplingParams};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
@@ -53,6 +54,7 @@ pub(crate) enum Command {
         lease_id: u64,
         prompt: Vec<u32>,
         params: SamplingParams,
+        cache_salt: Option<CacheSalt>,
         reply: Reply<Reservation>,
     },
     ReleaseReservation {
@@ -162,6 +164,7 @@ pub(super) fn state_of(seq: &Sequence) -> SequenceState {
         cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
         sampler: seq.sampler.clone(),
         stop: seq.stop.clone(),
+        cache_salt: seq.table.salt(),
     }
 }
 
@@ -302,9 +305,10 @@ impl Core {
                 lease_id,
                 prompt,
                 params,
+                cache_salt,
                 reply,
             } => {
-                let _ = reply.send(self.reserve(lease_id, prompt, &params));
+                let _ = reply.send(self.reserve(lease_id, prompt, &params, cache_salt));
             }
             Command::ReleaseReservation { lease_id, reply } => {
                 let _ = reply.send(self.release_reservation(lease_id));
@@ -387,6 +391,7 @@ impl Core {
                 arrival: self.requests.new_arrival(),
                 params: params.clone(),
                 sampler: SamplerState::new(seed, index as u64),
+                cache_salt: req.cache_salt,
             });
             seq.decoder = self.new_decoder(&params);
             if params.use_beam_search {

@@ -12,6 +12,7 @@ use crate::backend::Backend;
 use crate::backend::KvPoolMemory;
 use crate::error::EngineError;
 use crate::kv::events::KvCacheEventData;
+use crate::kv::hash::CacheSalt;
 use crate::kv::layout::{KvDtype, KvLayout};
 use crate::model::{LoadOptions, LoadedModel};
 use crate::sampler::SamplingParams;
@@ -160,6 +161,7 @@ fn staged_decode_engine(t: &Tiny, max_num_tokens: usize) -> Decode {
 fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
     Request {
         request_id: id.into(),
+        cache_salt: None,
         prompt,
         params,
     }
@@ -200,7 +202,7 @@ struct Disagg {
 /// reservation, activate on B (unless the first token ended the request).
 async fn disagg(a: &EngineHandle, b: &Decode, lease: u64, r: Request) -> Disagg {
     let reservation =
-        b.h.reserve(lease, r.prompt.clone(), r.params.clone())
+        b.h.reserve(lease, r.prompt.clone(), r.params.clone(), r.cache_salt)
             .await
             .unwrap();
     let from = reservation.cached_tokens / BLOCK;
@@ -416,6 +418,34 @@ async fn decode_side_cached_prefix_is_not_sent() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_disaggregated_request_reuses_only_its_salts_prefix() {
+    let t = tiny();
+    let (w, x) = prefixed(&t);
+    let a = owned_engine(&t, 64);
+    let b = decode_engine(&t, 64);
+    let salted = |id: &str, p: &[u32], salt: u64| Request {
+        cache_salt: Some(CacheSalt(salt)),
+        ..req(id, p.to_vec(), greedy(2))
+    };
+    // Tenant 1's `w`, served disaggregated: the decode side registers it under salt 1.
+    let d = disagg(&a, &b, 1, salted("w", &w, 1)).await;
+    assert_eq!(d.reservation.cached_tokens, 0);
+    // Tenant 2 shares nothing with it, on either side: the prefill computes the whole prompt.
+    let computed = || async { stats(&a).await.prompt_tokens_computed };
+    let before = computed().await;
+    let d = disagg(&a, &b, 2, salted("x2", &x, 2)).await;
+    assert_eq!(d.reservation.cached_tokens, 0);
+    assert_eq!(computed().await - before, x.len() as u64);
+    assert_eq!(d.outs.last().unwrap().usage.unwrap().cached_tokens, 0);
+    // Tenant 1 reuses its own prefix on both sides.
+    let before = computed().await;
+    let d = disagg(&a, &b, 3, salted("x1", &x, 1)).await;
+    assert_eq!(d.reservation.cached_tokens, 3 * BLOCK);
+    assert_eq!(d.events.first().unwrap().0, 3);
+    assert_eq!(computed().await - before, (x.len() - 3 * BLOCK) as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_side_cached_prefix_is_sent_at_the_first_step() {
     let t = tiny();
     let (w, x) = prefixed(&t);
@@ -484,14 +514,14 @@ async fn reservations_count_and_release_every_block() {
     // A cached prefix first: 2 full blocks of prompt(10).
     run(&h, req("w", prompt(10), greedy(1))).await;
     let cached = stats(&h).await.blocks;
-    let r = h.reserve(1, prompt(14), greedy(4)).await.unwrap();
+    let r = h.reserve(1, prompt(14), greedy(4), None).await.unwrap();
     assert_eq!(r.cached_tokens, 8);
     assert_eq!(r.block_ids.len(), 4);
     let s = stats(&h).await;
     assert_eq!((s.reservations, s.reserved_blocks), (1, 4));
     assert_eq!(s.blocks.referenced, 4);
     assert!(matches!(
-        h.reserve(1, prompt(3), greedy(1)).await,
+        h.reserve(1, prompt(3), greedy(1), None).await,
         Err(EngineError::DuplicateLease(1))
     ));
     let e = h.clear_cache().await.unwrap_err();
@@ -510,18 +540,18 @@ async fn reservations_count_and_release_every_block() {
     h.clear_cache().await.unwrap();
     assert_eq!(stats(&h).await.blocks, base.blocks);
     // Refusals: the pool cannot hold it now; a bad prompt.
-    let _r1 = h.reserve(2, prompt(40), greedy(4)).await.unwrap();
+    let _r1 = h.reserve(2, prompt(40), greedy(4), None).await.unwrap();
     assert!(matches!(
-        h.reserve(3, prompt(40), greedy(4)).await,
+        h.reserve(3, prompt(40), greedy(4), None).await,
         Err(EngineError::OutOfBlocks { .. })
     ));
-    assert!(h.reserve(3, vec![99], greedy(1)).await.is_err());
-    assert!(h.reserve(3, prompt(10), greedy(100)).await.is_err());
+    assert!(h.reserve(3, vec![99], greedy(1), None).await.is_err());
+    assert!(h.reserve(3, prompt(10), greedy(100), None).await.is_err());
     assert_eq!(stats(&h).await.reservations, 1);
     // Shutdown drops reservations (and the engine answers no more).
     h.shutdown();
     assert!(matches!(
-        h.reserve(4, prompt(3), greedy(1)).await,
+        h.reserve(4, prompt(3), greedy(1), None).await,
         Err(EngineError::Stopped)
     ));
 }
@@ -538,6 +568,7 @@ fn dummy_state(p: &[u32]) -> SequenceState {
         cached_prompt_tokens: 0,
         sampler: crate::sampler::SamplerState::new(1, 0),
         stop: crate::sampler::StopMatcher::new(&[] as &[String]),
+        cache_salt: None,
     }
 }
 
@@ -559,16 +590,21 @@ async fn activate_refuses_a_mismatch_and_keeps_the_reservation() {
     let (out, state) = prefill_state(&a, req("r", prompt(9), greedy(4))).await;
     assert!(out.finish_reason.is_none() && out.usage.is_none());
     assert_eq!(out.token_ids.len(), 1);
-    b.reserve(1, prompt(10), greedy(4)).await.unwrap();
+    b.reserve(1, prompt(10), greedy(4), None).await.unwrap();
     let e = b.activate(1, state.clone()).await.err().unwrap();
     assert!(e.to_string().contains("prompt"), "{e}");
-    b.reserve(2, prompt(9), greedy(4)).await.unwrap();
+    b.reserve(2, prompt(9), greedy(4), None).await.unwrap();
     let mut bad = state.clone();
     bad.num_computed -= 1;
     assert!(b.activate(2, bad).await.is_err());
     let mut bad = state.clone();
     bad.tokens.truncate(9);
     assert!(b.activate(2, bad).await.is_err());
+    // A state of another cache salt than the reservation's.
+    let mut bad = state.clone();
+    bad.cache_salt = Some(crate::kv::hash::CacheSalt(5));
+    let e = b.activate(2, bad).await.err().unwrap();
+    assert!(matches!(e, EngineError::BadSnapshot(_)), "{e}");
     assert_eq!(stats(&b).await.reservations, 2);
     b.release_reservation(1).await.unwrap();
     b.release_reservation(2).await.unwrap();

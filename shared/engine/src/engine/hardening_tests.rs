@@ -11,6 +11,7 @@ use crate::sampler::SamplingParams;
 fn req(id: &str, params: SamplingParams) -> Request {
     Request {
         request_id: id.into(),
+        cache_salt: None,
         prompt: vec![1, 2, 3, 4, 5],
         params,
     }
@@ -100,10 +101,8 @@ async fn the_request_limit_refuses_past_it_and_frees_with_the_request() {
         Err(e) => e,
     };
     assert!(matches!(e, EngineError::Overloaded { limit: 1 }), "{e}");
-    // The engine thread may now sit in "a"'s next gated step: one more permit lets it answer
-    // (without it, the gate's own timeout would fail "a" first and the count would be 0).
-    permits.send(()).unwrap();
-    assert_eq!(wait_idle(&h).await.requests, 1);
+    // The refusal counted "a". No stats while "a" runs: the engine thread sits in a gated
+    // step and would answer only after the next permit, racing the gate's own timeout.
     for _ in 0..100 {
         permits.send(()).unwrap();
     }
@@ -111,6 +110,11 @@ async fn the_request_limit_refuses_past_it_and_frees_with_the_request() {
     assert_eq!(
         outs.last().unwrap().finish_reason,
         Some(FinishReason::Length)
+    );
+    assert_eq!(
+        wait_idle(&h).await.requests,
+        0,
+        "the request freed its place"
     );
     let again = h.submit(req("b", greedy(1))).await.expect("room again");
     tokio::time::timeout(T, again.collect()).await.unwrap();

@@ -15,6 +15,7 @@ use tokio::sync::mpsc as tmpsc;
 use super::core::Core;
 use crate::error::EngineError;
 use crate::kv::block_manager::{BlockManager, BlockTable};
+use crate::kv::hash::CacheSalt;
 use crate::request::{RequestOutput, SequenceState};
 use crate::sampler::SamplingParams;
 
@@ -37,9 +38,14 @@ struct Lease {
 }
 
 impl Lease {
-    /// Holds the blocks of `prompt`: the cached prefix attached, fresh blocks for the rest.
-    fn reserve(bm: &mut BlockManager, prompt: Vec<u32>) -> Result<Self, EngineError> {
-        let mut table = BlockTable::default();
+    /// Holds the blocks of `prompt`: the cached prefix (of its salt) attached, fresh blocks
+    /// for the rest.
+    fn reserve(
+        bm: &mut BlockManager,
+        prompt: Vec<u32>,
+        salt: Option<CacheSalt>,
+    ) -> Result<Self, EngineError> {
+        let mut table = BlockTable::salted(salt);
         let cached_tokens = bm.attach_prefix(&mut table, &prompt);
         if let Err(e) = bm.ensure_capacity(&mut table, prompt.len()) {
             bm.release(&mut table);
@@ -89,6 +95,11 @@ impl Lease {
         }
         if st.tokens.len() <= pl {
             return bad("the state has no generated token to continue from".into());
+        }
+        if st.cache_salt != self.table.salt() {
+            return bad(format!(
+                "the state's cache salt is not the one lease {lease_id} was reserved under"
+            ));
         }
         Ok(())
     }
@@ -157,6 +168,7 @@ impl Core {
         lease_id: u64,
         prompt: Vec<u32>,
         params: &SamplingParams,
+        cache_salt: Option<CacheSalt>,
     ) -> Result<Reservation, EngineError> {
         if self.leases.contains(lease_id) {
             return Err(EngineError::DuplicateLease(lease_id));
@@ -168,7 +180,7 @@ impl Core {
                 "beam search (use_beam_search) cannot be served by a decode reservation".into(),
             ));
         }
-        let lease = Lease::reserve(self.sched.blocks_mut(), prompt)?;
+        let lease = Lease::reserve(self.sched.blocks_mut(), prompt, cache_salt)?;
         let r = lease.reservation(lease_id);
         self.leases.insert(lease_id, lease);
         Ok(r)

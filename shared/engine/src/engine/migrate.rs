@@ -137,6 +137,7 @@ impl Core {
             arrival: self.requests.new_arrival(),
             params: Arc::new(normalized(st.params)),
             sampler: st.sampler,
+            cache_salt: st.cache_salt,
         });
         seq.prompt_len = st.prompt_len;
         seq.stop = st.stop;

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use super::test_backend::{TestBackend, EOS, T};
 use super::*;
 use crate::kv::events::KvCacheEventData;
+use crate::kv::hash::CacheSalt;
 use crate::sampler::SamplingParams;
 
 pub(super) fn config(num_blocks: usize) -> EngineConfig {
@@ -31,6 +32,7 @@ fn start(block_size: usize, num_blocks: usize, cfg: EngineConfig) -> EngineHandl
 fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
     Request {
         request_id: id.into(),
+        cache_salt: None,
         prompt,
         params,
     }
@@ -323,6 +325,40 @@ async fn prefix_reuse_reports_cached_tokens_and_events() {
     h.clear_cache().await.unwrap();
     let (dump, _) = h.dump_stored_blocks();
     assert!(dump.blocks.is_empty());
+}
+
+#[tokio::test]
+async fn requests_share_cached_blocks_only_under_the_same_salt() {
+    let h = start(4, 64, config(64));
+    let mut ev = h.subscribe_events();
+    let p = prompt(6, 10);
+    let salted = |id: &str, salt: Option<u64>| Request {
+        cache_salt: salt.map(CacheSalt),
+        ..req(id, p.clone(), greedy(3))
+    };
+    let cached = |outs: Vec<RequestOutput>| outs.last().unwrap().usage.unwrap().cached_tokens;
+    assert_eq!(cached(run(&h, salted("a", Some(1))).await), 0);
+    assert_eq!(
+        cached(run(&h, salted("b", Some(2))).await),
+        0,
+        "another salt"
+    );
+    assert_eq!(cached(run(&h, salted("c", None)).await), 0, "no salt");
+    assert_eq!(
+        cached(run(&h, salted("d", Some(1))).await),
+        8,
+        "the same salt"
+    );
+    // The first request's blocks were announced under salt 1's hashes.
+    let want = crate::kv::hash::salted_block_hashes(Some(CacheSalt(1)), &p, 4);
+    match ev.try_recv().unwrap().data {
+        KvCacheEventData::Stored(s) => {
+            let got: Vec<_> = s.blocks.iter().map(|b| b.tokens_hash).collect();
+            assert_eq!(got, want);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(wait_idle(&h).await.blocks.referenced, 0);
 }
 
 async fn continue_elsewhere(params: SamplingParams, after: usize) {

@@ -17,7 +17,9 @@ use std::collections::{BTreeMap, HashMap};
 use super::events::{
     KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, KvEventPublisher,
 };
-use tandem_kv_protocol::hash::{chain_hash, local_block_hash, ExternalSequenceBlockHash};
+use tandem_kv_protocol::hash::{
+    chain_hash, salted_block_hash, CacheSalt, ExternalSequenceBlockHash,
+};
 
 /// Not enough free or evictable blocks for an allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -36,16 +38,28 @@ pub struct BlockStats {
     pub free: usize,
 }
 
-/// The blocks of one sequence, in token order.
+/// The blocks of one sequence, in token order, and the salt its blocks are hashed under.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockTable {
     pub blocks: Vec<u32>,
     /// How many leading blocks are hashed (full and computed), and the last one's sequence hash.
     num_hashed: usize,
     last_hash: Option<ExternalSequenceBlockHash>,
+    /// The request's cache salt: its blocks are matched and registered under salted hashes.
+    salt: Option<CacheSalt>,
 }
 
 impl BlockTable {
+    /// An empty table whose blocks are hashed under `salt`.
+    pub fn salted(salt: Option<CacheSalt>) -> Self {
+        BlockTable {
+            salt,
+            ..BlockTable::default()
+        }
+    }
+    pub fn salt(&self) -> Option<CacheSalt> {
+        self.salt
+    }
     pub fn ids(&self) -> &[u32] {
         &self.blocks
     }
@@ -138,15 +152,20 @@ impl BlockManager {
         num_tokens.div_ceil(self.block_size)
     }
 
-    /// Leading full blocks of `tokens` whose KV is cached, as `(block id, sequence hash)`.
-    pub fn match_prefix(&self, tokens: &[u32]) -> Vec<(u32, ExternalSequenceBlockHash)> {
+    /// Leading full blocks of `tokens` (hashed under `salt`) whose KV is cached, as
+    /// `(block id, sequence hash)`.
+    pub fn match_prefix(
+        &self,
+        tokens: &[u32],
+        salt: Option<CacheSalt>,
+    ) -> Vec<(u32, ExternalSequenceBlockHash)> {
         let mut out = Vec::new();
         if !self.enable_reuse {
             return out;
         }
         let mut parent = None;
         for chunk in tokens.chunks_exact(self.block_size) {
-            let h = chain_hash(parent, local_block_hash(chunk));
+            let h = chain_hash(parent, salted_block_hash(salt, chunk));
             match self.by_hash.get(&h) {
                 Some(&id) => out.push((id, h)),
                 None => break,
@@ -159,8 +178,13 @@ impl BlockManager {
     /// Fresh blocks that admitting `tokens` (computing them all) would take, given the
     /// prefix cache: the blocks not covered by cached prefix blocks, plus any cached-but-free
     /// prefix blocks, which stop being evictable once referenced.
-    pub fn blocks_needed_for(&self, tokens: &[u32], total_tokens: usize) -> usize {
-        let hits = self.match_prefix(tokens);
+    pub fn blocks_needed_for(
+        &self,
+        tokens: &[u32],
+        salt: Option<CacheSalt>,
+        total_tokens: usize,
+    ) -> usize {
+        let hits = self.match_prefix(tokens, salt);
         let revived = hits
             .iter()
             .filter(|(id, _)| self.blocks[*id as usize].ref_count == 0)
@@ -169,10 +193,11 @@ impl BlockManager {
     }
 
     /// Starts a sequence's table from the prefix cache; returns the number of cached tokens.
-    /// The table must be empty. Takes no fresh block.
+    /// The table must be empty; its salt is the one the prefix is matched under. Takes no
+    /// fresh block.
     pub fn attach_prefix(&mut self, table: &mut BlockTable, tokens: &[u32]) -> usize {
         debug_assert!(table.is_empty());
-        let hits = self.match_prefix(tokens);
+        let hits = self.match_prefix(tokens, table.salt);
         for &(id, h) in &hits {
             self.incref(id);
             table.blocks.push(id);
@@ -247,7 +272,7 @@ impl BlockManager {
         let mut stored = Vec::new();
         for i in start..full {
             let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let local = local_block_hash(chunk);
+            let local = salted_block_hash(table.salt, chunk);
             let h = chain_hash(table.last_hash, local);
             let id = table.blocks[i];
             table.last_hash = Some(h);
@@ -275,7 +300,7 @@ impl BlockManager {
             let first_parent = if stored.len() == full - start {
                 parent_hash
             } else {
-                self.parent_of_first(tokens, &stored)
+                self.parent_of_first(tokens, table.salt, &stored)
             };
             self.events.emit(KvCacheEventData::Stored(KvCacheStoreData {
                 parent_hash: first_parent,
@@ -290,12 +315,13 @@ impl BlockManager {
     fn parent_of_first(
         &self,
         tokens: &[u32],
+        salt: Option<CacheSalt>,
         stored: &[KvCacheStoredBlockData],
     ) -> Option<ExternalSequenceBlockHash> {
         let first = stored.first()?.block_hash;
         let mut parent = None;
         for chunk in tokens.chunks_exact(self.block_size) {
-            let h = chain_hash(parent, local_block_hash(chunk));
+            let h = chain_hash(parent, salted_block_hash(salt, chunk));
             if h == first {
                 return parent;
             }
@@ -317,7 +343,7 @@ impl BlockManager {
         computed: usize,
     ) -> (BlockTable, Option<(u32, u32)>, usize) {
         let full = (computed / self.block_size).min(parent.len());
-        let mut t = BlockTable::default();
+        let mut t = BlockTable::salted(parent.salt);
         for &id in &parent.blocks[..full] {
             self.incref(id);
             t.blocks.push(id);
@@ -342,7 +368,7 @@ impl BlockManager {
         }
     }
 
-    /// Releases every block of `table` and empties it. Blocks are released tail first so that,
+    /// Releases every block of `table` and empties it (its salt stays). Blocks are released tail first so that,
     /// with equal recency, a prefix's later blocks are evicted before its earlier ones (an
     /// earlier block is worth more: every longer prefix needs it).
     pub fn release(&mut self, table: &mut BlockTable) {
@@ -364,7 +390,7 @@ impl BlockManager {
                 }
             }
         }
-        *table = BlockTable::default();
+        *table = BlockTable::salted(table.salt);
     }
 
     /// Drops every cached (unreferenced) block and announces `Cleared`. Refused while any
@@ -419,6 +445,46 @@ mod tests {
         m.commit_computed(&mut t, tokens, tokens.len());
         check_invariants(m);
         (t, cached)
+    }
+
+    /// Allocates and computes `tokens` as one sequence of salt `salt` would.
+    fn run_salted(m: &mut BlockManager, salt: Option<CacheSalt>, tokens: &[u32]) -> usize {
+        let mut t = BlockTable::salted(salt);
+        let cached = m.attach_prefix(&mut t, tokens);
+        m.ensure_capacity(&mut t, tokens.len()).unwrap();
+        m.commit_computed(&mut t, tokens, tokens.len());
+        m.release(&mut t);
+        assert_eq!(t.salt(), salt, "a released table keeps its salt");
+        check_invariants(m);
+        cached
+    }
+
+    #[test]
+    fn salted_sequences_share_blocks_only_with_their_own_salt() {
+        let (mut m, mut rx) = mgr(16, 4, true);
+        let p: Vec<u32> = (0..9).collect();
+        let (a, b) = (Some(CacheSalt(1)), Some(CacheSalt(2)));
+        assert_eq!(run_salted(&mut m, a, &p), 0);
+        assert_eq!(
+            run_salted(&mut m, a, &p),
+            8,
+            "same salt: the prefix is reused"
+        );
+        assert_eq!(run_salted(&mut m, b, &p), 0, "another salt misses");
+        assert_eq!(run_salted(&mut m, None, &p), 0, "no salt misses");
+        assert_eq!(m.match_prefix(&p, b).len(), 2);
+        // What the engine announces is what a router computes for the same salt.
+        let want = crate::kv::hash::salted_block_hashes(a, &p, 4);
+        let stored: Vec<_> = drain(&mut rx)
+            .into_iter()
+            .filter_map(|e| match e.data {
+                KvCacheEventData::Stored(s) => Some(s.blocks),
+                _ => None,
+            })
+            .collect();
+        let first: Vec<_> = stored[0].iter().map(|b| b.tokens_hash).collect();
+        assert_eq!(first, want);
+        assert_eq!(stored.len(), 3, "one Stored run per salt");
     }
 
     #[test]
@@ -490,8 +556,8 @@ mod tests {
             .flatten()
             .collect();
         assert_eq!(removed, vec![ha[1].1, ha[0].1]);
-        assert!(m.match_prefix(&a).is_empty());
-        assert_eq!(m.match_prefix(&b).len(), 2);
+        assert!(m.match_prefix(&a, None).is_empty());
+        assert_eq!(m.match_prefix(&b, None).len(), 2);
         m.release(&mut tc);
         check_invariants(&m);
         assert_eq!(m.stats().referenced, 0);
@@ -506,7 +572,7 @@ mod tests {
         let (mut t, _) = run_seq(&mut m, &[1, 2, 3, 4]);
         m.release(&mut t);
         assert_eq!(m.stats().cached, 2);
-        assert_eq!(m.blocks_needed_for(&[1, 2, 3, 4, 5], 5), 3);
+        assert_eq!(m.blocks_needed_for(&[1, 2, 3, 4, 5], None, 5), 3);
         let (mut t2, cached) = run_seq(&mut m, &[1, 2, 3, 4, 5]);
         assert_eq!(cached, 4);
         assert_eq!(m.stats().referenced, 3);
@@ -587,6 +653,6 @@ mod tests {
         m.clear_cache().unwrap();
         assert_eq!(drain(&mut rx)[0].data, KvCacheEventData::Cleared);
         assert_eq!(m.stats().free, 4);
-        assert!(m.match_prefix(&[1, 2]).is_empty());
+        assert!(m.match_prefix(&[1, 2], None).is_empty());
     }
 }

@@ -1,5 +1,6 @@
 //! Requests, their outputs, and the state of a prefilled request handed to a decode worker.
 
+use tandem_engine::kv::hash::CacheSalt;
 use tandem_engine::request::{FinishReason, Request, RequestOutput, SequenceState, Usage};
 use tandem_engine::sampler::{Rng, SamplerState, StopMatcher};
 use tandem_protocol::wire::{required, to_usize};
@@ -14,6 +15,7 @@ impl EngineTryFromWire<pb::GenerateRequest> for Request {
             request_id: r.request_id,
             prompt: r.prompt,
             params: sub(r.sampling_params, "sampling_params")?,
+            cache_salt: r.cache_salt.map(CacheSalt),
         })
     }
 }
@@ -96,6 +98,7 @@ impl EngineIntoWire for SequenceState {
             cached_prompt_tokens: count(self.cached_prompt_tokens),
             sampler: Some(self.sampler.into_wire()),
             stop: Some(self.stop.into_wire()),
+            cache_salt: self.cache_salt.map(|s| s.0),
         }
     }
 }
@@ -113,6 +116,7 @@ impl EngineTryFromWire<pb::SequenceState> for SequenceState {
             cached_prompt_tokens: to_usize(s.cached_prompt_tokens, "cached_prompt_tokens")?,
             sampler: engine_sub(s.sampler, "sampler")?,
             stop: StopMatcher::from_wire(required(s.stop, "stop")?),
+            cache_salt: s.cache_salt.map(CacheSalt),
         })
     }
 }
@@ -148,6 +152,7 @@ mod tests {
             cached_prompt_tokens: 2,
             sampler,
             stop,
+            cache_salt: Some(CacheSalt(42)),
         }
     }
 
@@ -188,11 +193,13 @@ mod tests {
             request_id: "r".into(),
             prompt: vec![1, 2],
             params: SamplingParams::greedy(),
+            cache_salt: Some(CacheSalt(0xfeed)),
         };
         let wire = pb::GenerateRequest {
             request_id: request.request_id.clone(),
             prompt: request.prompt.clone(),
             sampling_params: Some(request.params.clone().into_wire()),
+            cache_salt: Some(0xfeed),
         };
         assert_eq!(Request::try_from_wire(wire.clone()), Ok(request));
         let bare = pb::GenerateRequest {
