@@ -36,8 +36,11 @@ ensure_debian_packages() {
 # What building needs: a C toolchain (tokenizers), protoc and the protobuf well-known types
 # (our gRPC protos and etcd-client's), UCX (KV transfer).
 BUILD_PACKAGES=(build-essential pkg-config protobuf-compiler libprotobuf-dev libucx-dev ucx-utils)
-# What the tests add: real etcd and NATS servers.
-TEST_PACKAGES=(etcd-server nats-server curl iproute2)
+# What the tests add: real etcd and NATS servers; kubectl renders k8s/ (scripts/k8s-check).
+# Debian bookworm has no `kubectl` package: its kubernetes-client is kubectl 1.20, whose kustomize
+# predates components. The `kubectl` package (1.32, Google Cloud SDK's build) comes preinstalled
+# on this project's machines, so this only checks for it; scripts/k8s-check says what is missing.
+TEST_PACKAGES=(etcd-server nats-server curl iproute2 kubectl)
 
 ensure_python_pip() {
     command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1 && return 0
