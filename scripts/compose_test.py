@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""compose/disagg.yml for real: up (health checks), requests through the official `openai`
+client, `--scale decode=2` with both replicas used, `docker kill` of one decode replica under
+load (requests started once the router noticed succeed), `down -v` leaving nothing behind.
+
+Needs the images (scripts/images) and `docker compose` v2. Prints `== step` lines, timings,
+and PASS; exits non-zero naming the failed check.
+    python3 scripts/compose_test.py [--keep]
+"""
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILE = os.path.join(ROOT, "compose", "disagg.yml")
+PROJECT = "tandem-ci-" + secrets.token_hex(3)
+KEY = "sk-compose-" + secrets.token_hex(12)
+MODEL = "tandem-tiny"
+# Requests routed to a killed replica fail until the router notices it; after this long,
+# every request must succeed.
+NOTICE_WITHIN_S = 15.0
+
+
+def fail(msg):
+    print(f"FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = free_port()
+ENV = dict(
+    os.environ,
+    TANDEM_PORT=str(PORT),
+    TANDEM_API_KEYS=KEY,
+    DYN_EXPOSE_WORKER_ID="true",
+)
+
+
+def compose(*args, check=True, capture=False, timeout=300):
+    cmd = ["docker", "compose", "--progress", "quiet", "-p", PROJECT, "-f", FILE, *args]
+    r = subprocess.run(cmd, env=ENV, text=True, timeout=timeout,
+                       stdout=subprocess.PIPE if capture else None,
+                       stderr=subprocess.STDOUT if capture else None)
+    if check and r.returncode != 0:
+        if capture:
+            print(r.stdout)
+        subprocess.run(["docker", "compose", "-p", PROJECT, "-f", FILE, "logs", "--tail", "40"],
+                       env=ENV)
+        fail(f"docker compose {' '.join(args)} exited {r.returncode}")
+    return r.stdout if capture else ""
+
+
+def docker_lines(*args):
+    r = subprocess.run(["docker", *args], text=True, stdout=subprocess.PIPE, check=True)
+    return [l for l in r.stdout.splitlines() if l.strip()]
+
+
+def client():
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key=KEY,
+                         timeout=30, max_retries=0)
+
+
+def chat(c, text, max_tokens=8):
+    """One chat completion; returns (content, decode worker id, prefill worker id)."""
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": text}],
+        max_tokens=max_tokens, temperature=0)
+    body = raw.parse()
+    return (body.choices[0].message.content, raw.headers.get("x-tandem-worker-id"),
+            raw.headers.get("x-tandem-prefill-worker-id"))
+
+
+def step_up():
+    print(f"== up: {FILE} as project {PROJECT}, API on 127.0.0.1:{PORT}", flush=True)
+    t = time.monotonic()
+    compose("up", "-d", "--wait", "--wait-timeout", "180")
+    took = time.monotonic() - t
+    print(f"   healthy after {took:.1f} s", flush=True)
+    return took
+
+
+def step_requests(c):
+    print("== requests through the openai client", flush=True)
+    models = [m.id for m in c.models.list().data]
+    if MODEL not in models:
+        fail(f"/v1/models lists {models}, not {MODEL}")
+    try:
+        openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="wrong",
+                      max_retries=0).models.list()
+        fail("a wrong API key was accepted")
+    except openai.AuthenticationError:
+        pass
+    text, decode, _ = chat(c, "Hello there, how are you today?")
+    if not text:
+        fail("empty completion")
+    # A long prompt is prefilled by the prefill worker and its KV pushed to the decode worker.
+    long_prompt = " ".join(f"word{i}" for i in range(400))
+    text, decode, prefill = chat(c, long_prompt)
+    if not text or not prefill:
+        fail(f"the long prompt was not served disaggregated (prefill worker: {prefill})")
+    stream = c.chat.completions.create(model=MODEL, stream=True, max_tokens=6,
+                                       messages=[{"role": "user", "content": "Count to five"}])
+    pieces = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
+    if not "".join(pieces):
+        fail("the stream carried no text")
+    print(f"   ok (decode worker {decode}, prefill worker {prefill}, {len(pieces)} stream chunks)",
+          flush=True)
+
+
+def step_scale(c):
+    print("== scale decode to 2: both replicas serve", flush=True)
+    compose("up", "-d", "--wait", "--wait-timeout", "180", "--scale", "decode=2")
+    # Concurrent requests: while one replica is busy, the router sends the next to the other
+    # (one at a time, ties go to the replica with the emptier cache: always the new one).
+    seen = set()
+    deadline = time.monotonic() + 60
+    i = 0
+    while len(seen) < 2:
+        if time.monotonic() > deadline:
+            fail(f"after {i} requests only decode workers {seen} served")
+        batch = []
+        threads = [threading.Thread(
+            target=lambda n=n: batch.append(chat(c, f"Request {i + n}: say something.", 24)[1]))
+            for n in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        seen.update(batch)
+        i += len(threads)
+    print(f"   decode workers {sorted(seen)} served ({i} requests)", flush=True)
+
+
+def step_kill(c):
+    print("== docker kill one decode replica under load", flush=True)
+    ids = docker_lines("ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                       "--filter", "label=com.docker.compose.service=decode")
+    if len(ids) != 2:
+        fail(f"expected 2 decode containers, found {len(ids)}")
+    results = []  # (start time, ok)
+    stop = threading.Event()
+
+    def load(n):
+        j = 0
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                chat(c, f"Load {n}-{j}: go on.", max_tokens=4)
+                ok = True
+            except Exception:  # noqa: BLE001 - any failure counts as one
+                ok = False
+            results.append((start, ok))
+            j += 1
+
+    threads = [threading.Thread(target=load, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    killed_at = time.monotonic()
+    subprocess.run(["docker", "kill", ids[0]], check=True, stdout=subprocess.DEVNULL)
+    time.sleep(NOTICE_WITHIN_S + 10)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    after = [(s - killed_at, ok) for s, ok in results if s >= killed_at]
+    failed = [round(s, 1) for s, ok in after if not ok]
+    late = [s for s in failed if s > NOTICE_WITHIN_S]
+    print(f"   {len(after)} requests after the kill, {len(failed)} failed"
+          f"{' (started at +' + ', '.join(map(str, failed[:8])) + ' s)' if failed else ''}",
+          flush=True)
+    if len(after) < 10:
+        fail(f"only {len(after)} requests ran after the kill")
+    if late:
+        fail(f"requests started {late} s after the kill still failed (> {NOTICE_WITHIN_S} s)")
+    return failed
+
+
+def step_down():
+    print("== down -v leaves nothing", flush=True)
+    compose("down", "-v", "--timeout", "60")
+    label = f"label=com.docker.compose.project={PROJECT}"
+    left = (docker_lines("ps", "-aq", "--filter", label)
+            + docker_lines("network", "ls", "-q", "--filter", label)
+            + docker_lines("volume", "ls", "-q", "--filter", label))
+    if left:
+        fail(f"left behind: {left}")
+
+
+def main():
+    keep = "--keep" in sys.argv
+    up = step_up()
+    ok = False
+    try:
+        c = client()
+        step_requests(c)
+        step_scale(c)
+        failed = step_kill(c)
+        ok = True
+    finally:
+        if not ok and not keep:
+            compose("logs", "--tail", "30", check=False)
+        if not keep:
+            step_down()
+    print(json.dumps({"up_to_healthy_s": round(up, 1), "failed_after_kill": len(failed)}))
+    print("PASS compose/disagg.yml", flush=True)
+
+
+if __name__ == "__main__":
+    main()
