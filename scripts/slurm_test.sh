@@ -101,7 +101,8 @@ PartitionName=all Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 cat >"$work/setup/entry.sh" <<'EOF'
 #!/bin/bash
-# No systemd: munged as the munge user, then slurmctld or slurmd in the foreground.
+# No systemd: munged as the munge user, then slurmctld or slurmd in the foreground (under
+# docker --init, which reaps the orphans).
 set -e
 install -d -o munge -g munge -m 0755 /run/munge
 install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge /etc/munge
@@ -114,7 +115,7 @@ EOF
 docker network create "$net" >/dev/null
 run_node() { # name role
     containers+=("$P-$1")
-    docker run -d --name "$P-$1" --hostname "$1" --network "$net" --network-alias "$1" \
+    docker run -d --init --name "$P-$1" --hostname "$1" --network "$net" --network-alias "$1" \
         -v "$work/setup:/setup:ro" -v "$work/shared:/shared" \
         -v "$BIN_DIR:/opt/tandem/bin:ro" -v "$PWD/slurm:/opt/tandem/slurm:ro" \
         -v "$nats_cache/nats-server:/usr/local/bin/nats-server:ro" \
@@ -207,7 +208,8 @@ wait_job_gone 180 "$job" || die "job $job still in the queue 90 s after scancel"
 echo "job $job left the queue $(( $(date +%s) - cancelled )) s after scancel"
 # Process names (ps truncates them to 15 characters) of what the job ran: first the servers,
 # then Slurm's own step processes (they may take up to KillWait=30 s more).
-ours() { docker exec "$P-$1" ps -eo comm= | grep -xE "$2" || true; }
+# (--init reaps them: slurmstepd daemonises, and slurmd as PID 1 would leave zombies.)
+ours() { docker exec "$P-$1" ps -eo stat=,comm= | awk '$1 !~ /^Z/ {print $2}' | grep -xE "$2" || true; }
 for what in 'tandem.*|etcd|nats-server' 'srun|slurmstepd'; do
     left=""
     for c in node1 node2; do
@@ -217,7 +219,11 @@ for what in 'tandem.*|etcd|nats-server' 'srun|slurmstepd'; do
             sleep 0.5
         done
     done
-    [ -z "$left" ] || die "processes left 45 s after scancel: $left"
+    if [ -n "$left" ]; then
+        for c in node1 node2; do echo "--- $c" >&2; docker exec "$P-$c" ps -eo pid,ppid,stat,etime,args >&2; done
+        docker exec "$P-node1" tail -30 /var/log/slurm/slurmd.log >&2 || true
+        die "processes left 45 s after scancel: $left"
+    fi
     echo "no $what process on node1 or node2 $(( $(date +%s) - cancelled )) s after scancel"
 done
 for f in "$jobdir"/logs/*.log; do
