@@ -69,6 +69,9 @@ debian_base_image() {
     [ "$(id -u)" = 0 ] || die "building the base image $image needs root (debootstrap)"
     ensure_debian_packages debootstrap >&2
     rootfs=$(mktemp -d /tmp/tandem-rootfs.XXXXXX)
+    # mktemp makes it 0700: as the image's / that would lock out every non-root user (and
+    # fail postinst scripts that run as one, e.g. munge's).
+    chmod 0755 "$rootfs"
     echo "Building base image $image: debootstrap $DEBIAN_SUITE minbase + ${packages:-nothing}" >&2
     debootstrap --variant=minbase ${packages:+--include="$packages"} \
         "$DEBIAN_SUITE" "$rootfs" "$DEBIAN_MIRROR" > "$rootfs.log" 2>&1 \
