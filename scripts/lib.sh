@@ -59,7 +59,7 @@ debian_base_image() {
     local name=$1; shift
     local recipe tag image rootfs packages
     packages=$(printf '%s\n' "$@" | sort -u | paste -sd, -)
-    recipe="v1 $DEBIAN_SUITE minbase $packages"
+    recipe="v2 $DEBIAN_SUITE minbase $packages"
     tag=$(printf '%s' "$recipe" | sha256sum | cut -c1-12)
     image="$name:$tag"
     if docker image inspect "$image" >/dev/null 2>&1; then
