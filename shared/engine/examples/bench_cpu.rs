@@ -128,6 +128,7 @@ fn bench(
         start_pos: 0,
         block_table: &table,
         logits: LogitsMode::Last,
+        media: Default::default(),
     }])?;
     let s = t.elapsed().as_secs_f64();
     let flops = 2.0 * (layer_params * PREFILL + head_params) as f64;
@@ -157,6 +158,7 @@ fn bench(
                 start_pos: 0,
                 block_table: t,
                 logits: LogitsMode::None,
+                media: Default::default(),
             })
             .collect();
         be.forward(&inputs)?;
@@ -170,6 +172,7 @@ fn bench(
                     start_pos: CONTEXT + step,
                     block_table: t,
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 })
                 .collect();
             be.forward(&inputs)?;

@@ -173,6 +173,7 @@ mod check {
                 start_pos: start,
                 block_table: table,
                 logits: l,
+                media: Default::default(),
             };
             // Leak the small inputs so the SeqInputs can be 'static (a one-shot program).
             let ta: &'static [u32] = Box::leak(ta.into_boxed_slice());
@@ -227,12 +228,14 @@ mod check {
                     start_pos: pos,
                     block_table: tab_a,
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 }])?;
                 let step_g = [SeqInput {
                     tokens: &in_g,
                     start_pos: pos,
                     block_table: tab_a,
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 }];
                 // Device argmax first (it rewrites this position's K/V with the same values).
                 let dev_tok = gpu.forward_greedy(&step_g)?;

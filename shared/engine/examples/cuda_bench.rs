@@ -217,6 +217,7 @@ mod bench {
                         start_pos: 0,
                         block_table: &tables[i],
                         logits: LogitsMode::None,
+                        media: Default::default(),
                     })
                     .collect();
                 gpu.forward(&batch).map_err(e)?;
@@ -233,6 +234,7 @@ mod bench {
                         start_pos: context + s,
                         block_table: &tables[i],
                         logits: LogitsMode::Last,
+                        media: Default::default(),
                     })
                     .collect();
                 let t = Instant::now();
@@ -257,6 +259,7 @@ mod bench {
                     start_pos: context + warmup + steps,
                     block_table: &tables[i],
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 })
                 .collect();
             // The GPU's share of a step: the same step's graph replayed back to back (the
@@ -305,6 +308,7 @@ mod bench {
                         } else {
                             LogitsMode::None
                         },
+                        media: Default::default(),
                     }];
                     gpu.forward_greedy(&batch).map_err(e)?;
                     start = end;

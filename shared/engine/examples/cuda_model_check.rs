@@ -163,6 +163,7 @@ mod run {
                     start_pos: 0,
                     block_table: &tables[i],
                     logits: LogitsMode::All,
+                    media: Default::default(),
                 })
                 .collect();
             let out = gpu.forward(&batch).map_err(|e| e.to_string())?;
@@ -199,6 +200,7 @@ mod run {
                 start_pos: 0,
                 block_table: t,
                 logits: LogitsMode::Last,
+                media: Default::default(),
             })
             .collect();
         let first = gpu.forward_greedy(&batch).map_err(|e| e.to_string())?;
@@ -211,6 +213,7 @@ mod run {
                     start_pos: prompts[i].len() + step - 1,
                     block_table: &tables[i],
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 })
                 .collect();
             let next = gpu.forward_greedy(&batch).map_err(|e| e.to_string())?;

@@ -31,6 +31,8 @@ mod emit;
 #[cfg(test)]
 mod hardening_tests;
 mod lease;
+#[cfg(test)]
+mod media_tests;
 mod migrate;
 mod prefill;
 mod queue;
@@ -56,8 +58,8 @@ use self::queue::{command_queue, CommandQueue};
 use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockStats;
+use crate::kv::block_manager::HashContext;
 use crate::kv::events::{KvCacheEvent, KvEventPublisher, KvStoredDump, ReplayGap};
-use crate::kv::hash::CacheSalt;
 use crate::kv::layout::KvLayout;
 pub use crate::request::{
     FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, StopReason, Usage,
@@ -376,21 +378,21 @@ impl EngineHandle {
     /// cannot be evicted) plus fresh blocks for the rest, which a remote prefill writes into
     /// the pool memory (at each block's offset). Validates the prompt as `submit` does (vocab,
     /// length < max_seq_len, the request fits the pool with max_tokens from `params`).
-    /// The prefix is matched under `cache_salt`, the request's (activation checks that the
-    /// prefilled state carries the same).
+    /// The prefix is matched under `hashing` (the request's cache salt and media spans;
+    /// activation checks that the prefilled state carries the same).
     /// Errors: `DuplicateLease`, `OutOfBlocks` when the pool cannot hold it right now.
     pub fn reserve(
         &self,
         lease_id: u64,
         prompt: Vec<u32>,
         params: SamplingParams,
-        cache_salt: Option<CacheSalt>,
+        hashing: HashContext,
     ) -> impl Future<Output = Result<Reservation, EngineError>> + Send + 'static {
         let reply = self.call(move |reply| Command::Reserve {
             lease_id,
             prompt,
             params,
-            cache_salt,
+            hashing,
             reply,
         });
         async move { reply.await? }

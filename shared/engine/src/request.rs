@@ -3,10 +3,13 @@
 
 use serde::{Deserialize, Serialize};
 
+use std::sync::Arc;
+
 use crate::kv::hash::CacheSalt;
 use crate::kv::layout::KvLayout;
 use crate::sampler::{SamplerState, SamplingParams, StopMatcher, TokenLogprob};
 pub use crate::sequence::FinishReason;
+pub use tandem_kv_protocol::MediaSpan;
 
 /// A tokenized request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -19,6 +22,32 @@ pub struct Request {
     /// salt (see [`CacheSalt`]).
     #[serde(default)]
     pub cache_salt: Option<CacheSalt>,
+    /// Media (image) embeddings spliced into the prompt: each replaces the token embeddings
+    /// of its span's placeholder tokens; the spans' content hashes are part of the block
+    /// hashes.
+    #[serde(default)]
+    pub media: Vec<MediaEmbedding>,
+}
+
+/// An image's embeddings (a vision encoder's projected features): `span.len` rows of the
+/// model's `hidden_size` values that replace the embeddings of the prompt's placeholder
+/// tokens `span.start..span.start + span.len`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MediaEmbedding {
+    pub span: MediaSpan,
+    /// Row-major `[span.len, hidden_size]`.
+    pub data: Arc<Vec<f32>>,
+}
+
+impl MediaEmbedding {
+    /// The row of prompt position `pos`, when the span covers it.
+    pub fn row(&self, pos: usize, hidden: usize) -> Option<&[f32]> {
+        let i = pos.checked_sub(self.span.start)?;
+        if i >= self.span.len {
+            return None;
+        }
+        self.data.get(i * hidden..(i + 1) * hidden)
+    }
 }
 
 /// Token counts of one choice, sent with its last output.
@@ -81,6 +110,10 @@ pub struct SequenceState {
     /// The request's cache salt: the continuing engine hashes the blocks under it.
     #[serde(default)]
     pub cache_salt: Option<CacheSalt>,
+    /// The prompt's media spans (their hashes are part of the block hashes). The embeddings
+    /// themselves stay with the engine that computed the prompt.
+    #[serde(default)]
+    pub media: Vec<MediaSpan>,
 }
 
 /// An exported request: its state, the layout its KV was written in, and the KV bytes of

@@ -326,7 +326,7 @@ impl Scheduler {
                 } else {
                     self.blocks.blocks_needed_for(
                         &seq.tokens,
-                        seq.table.salt(),
+                        seq.table.hashing(),
                         seq.max_total_len(),
                     )
                 };

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::kv::block_manager::BlockTable;
-use crate::kv::hash::CacheSalt;
+use crate::kv::block_manager::{BlockTable, HashContext};
+use crate::request::MediaEmbedding;
 use crate::sampler::{SamplerState, SamplingParams, StopMatcher};
 use crate::tokenizer::incremental::IncrementalDecoder;
 
@@ -51,6 +51,8 @@ pub struct Sequence {
     /// Prompt tokens served from the prefix cache at first admission (for usage).
     pub cached_prompt_tokens: Option<usize>,
     pub table: BlockTable,
+    /// The prompt's media embeddings, spliced in when their positions are computed.
+    pub media: Arc<[MediaEmbedding]>,
     pub status: SeqStatus,
     /// FCFS order: smaller is older.
     pub arrival: u64,
@@ -76,8 +78,11 @@ pub struct NewSequence {
     pub arrival: u64,
     pub params: Arc<SamplingParams>,
     pub sampler: SamplerState,
-    /// The request's cache salt: the sequence's blocks are hashed under it.
-    pub cache_salt: Option<CacheSalt>,
+    /// What its block hashes cover besides tokens: the request's cache salt and media spans.
+    pub hashing: HashContext,
+    /// The prompt's media embeddings (empty for text, and on an engine continuing a sequence
+    /// another one prefilled).
+    pub media: Arc<[MediaEmbedding]>,
 }
 
 impl Sequence {
@@ -91,7 +96,8 @@ impl Sequence {
             arrival,
             params,
             sampler,
-            cache_salt,
+            hashing,
+            media,
         } = init;
         let stop = StopMatcher::new(&params.stop);
         Self {
@@ -103,7 +109,8 @@ impl Sequence {
             max_tokens,
             num_computed: 0,
             cached_prompt_tokens: None,
-            table: BlockTable::salted(cache_salt),
+            table: BlockTable::hashed(hashing),
+            media,
             status: SeqStatus::Waiting,
             arrival,
             params,

@@ -91,6 +91,7 @@ fn request(id: &str, c: &Case) -> Request {
             temperature: 0.0,
             ..SamplingParams::default()
         },
+        media: Default::default(),
     }
 }
 

@@ -105,6 +105,7 @@ fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
         cache_salt: None,
         prompt,
         params,
+        media: Default::default(),
     }
 }
 

@@ -117,6 +117,7 @@ fn prefill_rows(
                 start_pos: c * chunk_len,
                 block_table: table,
                 logits: LogitsMode::All,
+                media: Default::default(),
             }])
             .expect("prefill");
         ours.extend(out.logits.into_iter().next().expect("one sequence"));
@@ -189,6 +190,7 @@ fn check_model(name: &str, family: Family) -> f32 {
                     start_pos: p.ids.len() + got.len() - 1,
                     block_table: &table,
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 }])
                 .expect("decode");
             next = argmax(&out.logits[0][0]);

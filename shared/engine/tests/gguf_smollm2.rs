@@ -96,6 +96,7 @@ async fn smollm2_gguf_knows_the_capital_of_france() {
             cache_salt: None,
             prompt,
             params: greedy(n),
+            media: Default::default(),
         };
         async move {
             let s = h.submit(r).await.expect("submit");

@@ -92,6 +92,7 @@ fn qwen3_0_6b_layer_shapes_match_transformers() {
                         start_pos: c * chunk_len,
                         block_table: &table,
                         logits: LogitsMode::All,
+                        media: Default::default(),
                     }])
                     .expect("prefill");
                 ours.extend(out.logits.into_iter().next().expect("one sequence"));
@@ -126,6 +127,7 @@ fn qwen3_0_6b_layer_shapes_match_transformers() {
                     start_pos: p.ids.len() + got.len() - 1,
                     block_table: &table,
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 }])
                 .expect("decode");
             next = argmax(&out.logits[0][0]);

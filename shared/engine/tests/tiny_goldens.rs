@@ -135,6 +135,7 @@ fn teacher_forced(be: &mut CpuBackend, ids: &[u32], chunk: usize, table: &[u32])
                 start_pos: start,
                 block_table: table,
                 logits: LogitsMode::All,
+                media: Default::default(),
             }])
             .expect("forward");
         rows.extend(out.logits.into_iter().next().expect("one sequence"));
@@ -215,6 +216,7 @@ fn batched_prefill_matches_transformers() {
             start_pos: 0,
             block_table: t,
             logits: LogitsMode::All,
+            media: Default::default(),
         })
         .collect();
     let out = be.forward(&batch).expect("forward");
@@ -240,6 +242,7 @@ fn greedy_decoding_matches_transformers() {
                 start_pos: 0,
                 block_table: &table,
                 logits: LogitsMode::Last,
+                media: Default::default(),
             }])
             .expect("prefill");
         let mut got = Vec::new();
@@ -255,6 +258,7 @@ fn greedy_decoding_matches_transformers() {
                     start_pos: p.ids.len() + step,
                     block_table: &table,
                     logits: LogitsMode::Last,
+                    media: Default::default(),
                 }])
                 .expect("decode");
         }
@@ -305,6 +309,7 @@ fn exported_blocks_continue_in_another_backend() {
         start_pos: 0,
         block_table: &ta,
         logits: LogitsMode::None,
+        media: Default::default(),
     }])
     .expect("prefill a");
     let data = a.export_blocks(&ta).expect("export");
@@ -317,6 +322,7 @@ fn exported_blocks_continue_in_another_backend() {
             start_pos: n,
             block_table: t,
             logits: LogitsMode::Last,
+            media: Default::default(),
         }])
         .expect("decode")
         .logits

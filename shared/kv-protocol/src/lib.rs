@@ -5,6 +5,7 @@
 
 pub mod events;
 pub mod hash;
+pub mod media;
 
 pub use events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
@@ -15,3 +16,4 @@ pub use hash::{
     salted_block_hashes, sequence_hashes, CacheSalt, ExternalSequenceBlockHash, LocalBlockHash,
     XXH3_SEED,
 };
+pub use media::{BadMediaSpans, HashContext, MediaSpan};

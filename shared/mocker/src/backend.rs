@@ -131,12 +131,14 @@ mod tests {
                 start_pos: 0,
                 block_table: &table,
                 logits: LogitsMode::Last,
+                media: Default::default(),
             },
             SeqInput {
                 tokens: &toks[..1],
                 start_pos: 9,
                 block_table: &table,
                 logits: LogitsMode::Last,
+                media: Default::default(),
             },
         ];
         let s = step_shape(&batch, 100);

@@ -248,6 +248,7 @@ fn request(idx: usize, suffix: &str, prompt: Vec<u32>, max_tokens: usize) -> Req
         cache_salt: None,
         prompt,
         params,
+        media: Default::default(),
     }
 }
 

@@ -15,6 +15,7 @@ use std::time::Duration;
 use tandem_pki::ChannelSecurity;
 
 use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
+use tandem_engine::kv::block_manager::HashContext;
 use tandem_engine::kv::hash::CacheSalt;
 use tandem_engine::sampler::SamplingParams;
 use tandem_kv_transfer::RemoteRegion;
@@ -250,7 +251,7 @@ impl DecodeSide {
                 lease_id,
                 request.prompt.clone(),
                 params.clone(),
-                request.cache_salt.map(CacheSalt),
+                HashContext::salted(request.cache_salt.map(CacheSalt)),
             )
             .await
         {

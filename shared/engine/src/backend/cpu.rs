@@ -306,6 +306,10 @@ impl Backend for CpuBackend {
         self.num_blocks
     }
 
+    fn media_embedding_width(&self) -> Option<usize> {
+        Some(self.config.hidden_size)
+    }
+
     fn vocab_size(&self) -> usize {
         self.config.vocab_size
     }
@@ -411,6 +415,7 @@ mod tests {
             start_pos: start,
             block_table: table,
             logits: l,
+            media: Default::default(),
         }
     }
 

@@ -13,6 +13,7 @@ pub use pool_memory::KvPoolMemory;
 
 use crate::error::EngineError;
 use crate::kv::layout::KvLayout;
+use crate::request::MediaEmbedding;
 use crate::sampler::SamplePlan;
 
 /// Which logits a sequence wants back from a step.
@@ -36,6 +37,9 @@ pub struct SeqInput<'a> {
     /// Physical block ids covering positions `0..start_pos + tokens.len()`.
     pub block_table: &'a [u32],
     pub logits: LogitsMode,
+    /// The sequence's media embeddings: a token whose position a span covers takes the
+    /// span's row instead of its token embedding. Empty for text.
+    pub media: &'a [MediaEmbedding],
 }
 
 /// The result of a step.
@@ -51,6 +55,12 @@ pub trait Backend: Send {
     fn layout(&self) -> &KvLayout;
     fn num_blocks(&self) -> usize;
     fn vocab_size(&self) -> usize;
+    /// The width of the embedding rows [`SeqInput::media`] may carry (the model's hidden
+    /// size), or `None` when this backend does not splice media embeddings (the engine then
+    /// refuses requests that carry them).
+    fn media_embedding_width(&self) -> Option<usize> {
+        None
+    }
     /// Runs one step: writes the new tokens' K/V into their blocks and returns the asked logits.
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError>;
     /// Whether [`Backend::forward_sampled`] samples on the backend's own device.

@@ -440,7 +440,8 @@ impl Core {
             arrival: parent.arrival,
             params: Arc::clone(&parent.params),
             sampler: parent.sampler.clone(),
-            cache_salt: parent.table.salt(),
+            hashing: parent.table.hashing().clone(),
+            media: Arc::clone(&parent.media),
         });
         seq.prompt_len = parent.prompt_len;
         seq.cached_prompt_tokens = parent.cached_prompt_tokens;

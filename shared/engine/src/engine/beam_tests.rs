@@ -116,6 +116,7 @@ async fn run(
             cache_salt: None,
             prompt,
             params: p,
+            media: Default::default(),
         })
         .await
         .expect("submit");
@@ -188,6 +189,7 @@ async fn beams_survive_preemption() {
             cache_salt: None,
             prompt: p.clone(),
             params,
+            media: Default::default(),
         });
         pending.push((p, fut));
     }
@@ -236,6 +238,7 @@ async fn aborting_a_beam_search_frees_every_beam() {
             ignore_eos: true,
             ..beam_params(2, 4, 1.0, 30)
         },
+        media: Default::default(),
     });
     for _ in 0..4 {
         permits.send(()).unwrap();
@@ -282,6 +285,7 @@ async fn beam_requests_are_validated() {
             cache_salt: None,
             prompt: prompt(1, 4),
             params: p,
+            media: Default::default(),
         })
     };
     let err = |r: Result<RequestStream, EngineError>| match r {
@@ -307,6 +311,7 @@ async fn beam_requests_are_validated() {
                 cache_salt: None,
                 prompt: prompt(1, 4),
                 params: p,
+                media: Default::default(),
             },
             0,
         )

@@ -16,8 +16,8 @@ use super::{EngineConfig, EngineStats};
 use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
+use crate::kv::block_manager::HashContext;
 use crate::kv::events::KvEventPublisher;
-use crate::kv::hash::CacheSalt;
 use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, Usage};
 use crate::sampler::{Rng, SamplerState, SamplingParams};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
@@ -54,7 +54,7 @@ pub(crate) enum Command {
         lease_id: u64,
         prompt: Vec<u32>,
         params: SamplingParams,
-        cache_salt: Option<CacheSalt>,
+        hashing: HashContext,
         reply: Reply<Reservation>,
     },
     ReleaseReservation {
@@ -165,6 +165,7 @@ pub(super) fn state_of(seq: &Sequence) -> SequenceState {
         sampler: seq.sampler.clone(),
         stop: seq.stop.clone(),
         cache_salt: seq.table.salt(),
+        media: seq.table.hashing().media().to_vec(),
     }
 }
 
@@ -305,10 +306,10 @@ impl Core {
                 lease_id,
                 prompt,
                 params,
-                cache_salt,
+                hashing,
                 reply,
             } => {
-                let _ = reply.send(self.reserve(lease_id, prompt, &params, cache_salt));
+                let _ = reply.send(self.reserve(lease_id, prompt, &params, hashing));
             }
             Command::ReleaseReservation { lease_id, reply } => {
                 let _ = reply.send(self.release_reservation(lease_id));
@@ -375,6 +376,8 @@ impl Core {
     pub(super) fn submit(&mut self, req: Request, key: u64, out: Sink) -> Result<(), EngineError> {
         self.check_request_limit()?;
         let max_tokens = self.validate(&req.request_id, &req.prompt, &req.params)?;
+        let hashing = self.media_context(&req.prompt, req.cache_salt, &req.media)?;
+        let media: Arc<[_]> = Arc::from(req.media);
         let seed = req.params.seed.unwrap_or_else(Rng::random_seed);
         let params = Arc::new(normalized(req.params));
         let rid: Arc<str> = Arc::from(req.request_id.as_str());
@@ -391,7 +394,8 @@ impl Core {
                 arrival: self.requests.new_arrival(),
                 params: params.clone(),
                 sampler: SamplerState::new(seed, index as u64),
-                cache_salt: req.cache_salt,
+                hashing: hashing.clone(),
+                media: media.clone(),
             });
             seq.decoder = self.new_decoder(&params);
             if params.use_beam_search {

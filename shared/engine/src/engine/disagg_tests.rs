@@ -11,6 +11,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::backend::KvPoolMemory;
 use crate::error::EngineError;
+use crate::kv::block_manager::HashContext;
 use crate::kv::events::KvCacheEventData;
 use crate::kv::hash::CacheSalt;
 use crate::kv::layout::{KvDtype, KvLayout};
@@ -164,6 +165,7 @@ fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
         cache_salt: None,
         prompt,
         params,
+        media: Default::default(),
     }
 }
 
@@ -202,9 +204,14 @@ struct Disagg {
 /// reservation, activate on B (unless the first token ended the request).
 async fn disagg(a: &EngineHandle, b: &Decode, lease: u64, r: Request) -> Disagg {
     let reservation =
-        b.h.reserve(lease, r.prompt.clone(), r.params.clone(), r.cache_salt)
-            .await
-            .unwrap();
+        b.h.reserve(
+            lease,
+            r.prompt.clone(),
+            r.params.clone(),
+            HashContext::salted(r.cache_salt),
+        )
+        .await
+        .unwrap();
     let from = reservation.cached_tokens / BLOCK;
     let nblocks = r.prompt.len().div_ceil(BLOCK);
     assert_eq!(reservation.block_ids.len(), nblocks);
@@ -514,14 +521,18 @@ async fn reservations_count_and_release_every_block() {
     // A cached prefix first: 2 full blocks of prompt(10).
     run(&h, req("w", prompt(10), greedy(1))).await;
     let cached = stats(&h).await.blocks;
-    let r = h.reserve(1, prompt(14), greedy(4), None).await.unwrap();
+    let r = h
+        .reserve(1, prompt(14), greedy(4), HashContext::default())
+        .await
+        .unwrap();
     assert_eq!(r.cached_tokens, 8);
     assert_eq!(r.block_ids.len(), 4);
     let s = stats(&h).await;
     assert_eq!((s.reservations, s.reserved_blocks), (1, 4));
     assert_eq!(s.blocks.referenced, 4);
     assert!(matches!(
-        h.reserve(1, prompt(3), greedy(1), None).await,
+        h.reserve(1, prompt(3), greedy(1), HashContext::default())
+            .await,
         Err(EngineError::DuplicateLease(1))
     ));
     let e = h.clear_cache().await.unwrap_err();
@@ -540,18 +551,29 @@ async fn reservations_count_and_release_every_block() {
     h.clear_cache().await.unwrap();
     assert_eq!(stats(&h).await.blocks, base.blocks);
     // Refusals: the pool cannot hold it now; a bad prompt.
-    let _r1 = h.reserve(2, prompt(40), greedy(4), None).await.unwrap();
+    let _r1 = h
+        .reserve(2, prompt(40), greedy(4), HashContext::default())
+        .await
+        .unwrap();
     assert!(matches!(
-        h.reserve(3, prompt(40), greedy(4), None).await,
+        h.reserve(3, prompt(40), greedy(4), HashContext::default())
+            .await,
         Err(EngineError::OutOfBlocks { .. })
     ));
-    assert!(h.reserve(3, vec![99], greedy(1), None).await.is_err());
-    assert!(h.reserve(3, prompt(10), greedy(100), None).await.is_err());
+    assert!(h
+        .reserve(3, vec![99], greedy(1), HashContext::default())
+        .await
+        .is_err());
+    assert!(h
+        .reserve(3, prompt(10), greedy(100), HashContext::default())
+        .await
+        .is_err());
     assert_eq!(stats(&h).await.reservations, 1);
     // Shutdown drops reservations (and the engine answers no more).
     h.shutdown();
     assert!(matches!(
-        h.reserve(4, prompt(3), greedy(1), None).await,
+        h.reserve(4, prompt(3), greedy(1), HashContext::default())
+            .await,
         Err(EngineError::Stopped)
     ));
 }
@@ -569,6 +591,7 @@ fn dummy_state(p: &[u32]) -> SequenceState {
         sampler: crate::sampler::SamplerState::new(1, 0),
         stop: crate::sampler::StopMatcher::new(&[] as &[String]),
         cache_salt: None,
+        media: Default::default(),
     }
 }
 
@@ -590,10 +613,14 @@ async fn activate_refuses_a_mismatch_and_keeps_the_reservation() {
     let (out, state) = prefill_state(&a, req("r", prompt(9), greedy(4))).await;
     assert!(out.finish_reason.is_none() && out.usage.is_none());
     assert_eq!(out.token_ids.len(), 1);
-    b.reserve(1, prompt(10), greedy(4), None).await.unwrap();
+    b.reserve(1, prompt(10), greedy(4), HashContext::default())
+        .await
+        .unwrap();
     let e = b.activate(1, state.clone()).await.err().unwrap();
     assert!(e.to_string().contains("prompt"), "{e}");
-    b.reserve(2, prompt(9), greedy(4), None).await.unwrap();
+    b.reserve(2, prompt(9), greedy(4), HashContext::default())
+        .await
+        .unwrap();
     let mut bad = state.clone();
     bad.num_computed -= 1;
     assert!(b.activate(2, bad).await.is_err());

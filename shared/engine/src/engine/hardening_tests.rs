@@ -14,6 +14,7 @@ fn req(id: &str, params: SamplingParams) -> Request {
         cache_salt: None,
         prompt: vec![1, 2, 3, 4, 5],
         params,
+        media: Default::default(),
     }
 }
 

@@ -14,8 +14,8 @@ use tokio::sync::mpsc as tmpsc;
 
 use super::core::Core;
 use crate::error::EngineError;
+use crate::kv::block_manager::HashContext;
 use crate::kv::block_manager::{BlockManager, BlockTable};
-use crate::kv::hash::CacheSalt;
 use crate::request::{RequestOutput, SequenceState};
 use crate::sampler::SamplingParams;
 
@@ -43,9 +43,9 @@ impl Lease {
     fn reserve(
         bm: &mut BlockManager,
         prompt: Vec<u32>,
-        salt: Option<CacheSalt>,
+        hashing: HashContext,
     ) -> Result<Self, EngineError> {
-        let mut table = BlockTable::salted(salt);
+        let mut table = BlockTable::hashed(hashing);
         let cached_tokens = bm.attach_prefix(&mut table, &prompt);
         if let Err(e) = bm.ensure_capacity(&mut table, prompt.len()) {
             bm.release(&mut table);
@@ -99,6 +99,11 @@ impl Lease {
         if st.cache_salt != self.table.salt() {
             return bad(format!(
                 "the state's cache salt is not the one lease {lease_id} was reserved under"
+            ));
+        }
+        if st.media.as_slice() != self.table.hashing().media() {
+            return bad(format!(
+                "the state's media spans are not the ones lease {lease_id} was reserved under"
             ));
         }
         Ok(())
@@ -168,7 +173,7 @@ impl Core {
         lease_id: u64,
         prompt: Vec<u32>,
         params: &SamplingParams,
-        cache_salt: Option<CacheSalt>,
+        hashing: HashContext,
     ) -> Result<Reservation, EngineError> {
         if self.leases.contains(lease_id) {
             return Err(EngineError::DuplicateLease(lease_id));
@@ -180,7 +185,7 @@ impl Core {
                 "beam search (use_beam_search) cannot be served by a decode reservation".into(),
             ));
         }
-        let lease = Lease::reserve(self.sched.blocks_mut(), prompt, cache_salt)?;
+        let lease = Lease::reserve(self.sched.blocks_mut(), prompt, hashing)?;
         let r = lease.reservation(lease_id);
         self.leases.insert(lease_id, lease);
         Ok(r)

@@ -9,6 +9,7 @@ use tokio::sync::mpsc as tmpsc;
 use super::core::{normalized, output, state_of, usage, Core};
 use super::requests::{Entry, Sink};
 use crate::error::EngineError;
+use crate::kv::block_manager::HashContext;
 use crate::request::{FinishReason, RequestOutput, RequestSnapshot, SequenceState};
 use crate::sequence::{NewSequence, Sequence};
 
@@ -114,6 +115,16 @@ impl Core {
         if st.prompt_len > st.tokens.len() {
             return bad("prompt_len exceeds the tokens");
         }
+        if let Err(e) = HashContext::new(st.cache_salt, st.media.clone()) {
+            return Err(EngineError::BadSnapshot(e.to_string()));
+        }
+        if st
+            .media
+            .iter()
+            .any(|m| m.start.saturating_add(m.len) > st.prompt_len)
+        {
+            return bad("a media span ends past the prompt");
+        }
         let max_tokens = self.validate(&st.request_id, &st.tokens[..st.prompt_len], &st.params)?;
         if st.max_tokens > max_tokens || st.tokens.len() - st.prompt_len > st.max_tokens {
             return bad("max_tokens does not fit this engine or is already exceeded");
@@ -137,7 +148,10 @@ impl Core {
             arrival: self.requests.new_arrival(),
             params: Arc::new(normalized(st.params)),
             sampler: st.sampler,
-            cache_salt: st.cache_salt,
+            // Checked by `check_continuable`.
+            hashing: HashContext::new(st.cache_salt, st.media)
+                .unwrap_or_else(|_| HashContext::salted(st.cache_salt)),
+            media: Arc::from([]),
         });
         seq.prompt_len = st.prompt_len;
         seq.stop = st.stop;

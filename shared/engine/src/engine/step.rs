@@ -250,6 +250,7 @@ fn backend_inputs<'s>(sched: &'s Scheduler, pieces: &[ScheduledSeq]) -> Vec<SeqI
                 } else {
                     LogitsMode::None
                 },
+                media: &s.media,
             })
         })
         .collect()

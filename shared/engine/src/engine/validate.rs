@@ -3,6 +3,9 @@
 
 use super::core::Core;
 use crate::error::EngineError;
+use crate::kv::block_manager::HashContext;
+use crate::kv::hash::CacheSalt;
+use crate::request::MediaEmbedding;
 use crate::sampler::SamplingParams;
 
 impl Core {
@@ -28,6 +31,44 @@ impl Core {
             return Err(EngineError::DuplicateRequest(request_id.to_owned()));
         }
         self.validate_prompt(prompt, params)
+    }
+
+    /// The hash context of a prompt with `media` embeddings under `salt`, once the embeddings
+    /// are checked: each span lies inside the prompt, spans do not overlap, and each holds
+    /// `span.len` rows of the model's hidden size (a backend that cannot splice embeddings
+    /// refuses any).
+    pub(super) fn media_context(
+        &self,
+        prompt: &[u32],
+        salt: Option<CacheSalt>,
+        media: &[MediaEmbedding],
+    ) -> Result<HashContext, EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if media.is_empty() {
+            return Ok(HashContext::salted(salt));
+        }
+        let Some(hidden) = self.backend.media_embedding_width() else {
+            return bad("this backend does not take media (image) embeddings".into());
+        };
+        for (i, m) in media.iter().enumerate() {
+            if m.span.start.saturating_add(m.span.len) > prompt.len() {
+                return bad(format!(
+                    "media item {i}: span {}..+{} ends past the prompt ({} tokens)",
+                    m.span.start,
+                    m.span.len,
+                    prompt.len()
+                ));
+            }
+            if Some(m.data.len()) != m.span.len.checked_mul(hidden) {
+                return bad(format!(
+                    "media item {i}: {} values are not {} rows of the hidden size {hidden}",
+                    m.data.len(),
+                    m.span.len
+                ));
+            }
+        }
+        HashContext::new(salt, media.iter().map(|m| m.span).collect())
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))
     }
 
     /// The checks of [`Core::validate`] that do not depend on a request id.

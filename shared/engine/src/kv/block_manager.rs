@@ -17,9 +17,8 @@ use std::collections::{BTreeMap, HashMap};
 use super::events::{
     KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, KvEventPublisher,
 };
-use tandem_kv_protocol::hash::{
-    chain_hash, salted_block_hash, CacheSalt, ExternalSequenceBlockHash,
-};
+use tandem_kv_protocol::hash::{chain_hash, CacheSalt, ExternalSequenceBlockHash};
+pub use tandem_kv_protocol::HashContext;
 
 /// Not enough free or evictable blocks for an allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -45,20 +44,28 @@ pub struct BlockTable {
     /// How many leading blocks are hashed (full and computed), and the last one's sequence hash.
     num_hashed: usize,
     last_hash: Option<ExternalSequenceBlockHash>,
-    /// The request's cache salt: its blocks are matched and registered under salted hashes.
-    salt: Option<CacheSalt>,
+    /// What the blocks' hashes cover besides tokens (the request's cache salt and its media
+    /// spans): its blocks are matched and registered under these hashes.
+    hashing: HashContext,
 }
 
 impl BlockTable {
     /// An empty table whose blocks are hashed under `salt`.
     pub fn salted(salt: Option<CacheSalt>) -> Self {
+        Self::hashed(HashContext::salted(salt))
+    }
+    /// An empty table whose blocks are hashed under `hashing` (salt and media spans).
+    pub fn hashed(hashing: HashContext) -> Self {
         BlockTable {
-            salt,
+            hashing,
             ..BlockTable::default()
         }
     }
     pub fn salt(&self) -> Option<CacheSalt> {
-        self.salt
+        self.hashing.salt
+    }
+    pub fn hashing(&self) -> &HashContext {
+        &self.hashing
     }
     pub fn ids(&self) -> &[u32] {
         &self.blocks
@@ -152,20 +159,20 @@ impl BlockManager {
         num_tokens.div_ceil(self.block_size)
     }
 
-    /// Leading full blocks of `tokens` (hashed under `salt`) whose KV is cached, as
+    /// Leading full blocks of `tokens` (hashed under `hashing`) whose KV is cached, as
     /// `(block id, sequence hash)`.
     pub fn match_prefix(
         &self,
         tokens: &[u32],
-        salt: Option<CacheSalt>,
+        hashing: &HashContext,
     ) -> Vec<(u32, ExternalSequenceBlockHash)> {
         let mut out = Vec::new();
         if !self.enable_reuse {
             return out;
         }
         let mut parent = None;
-        for chunk in tokens.chunks_exact(self.block_size) {
-            let h = chain_hash(parent, salted_block_hash(salt, chunk));
+        for (i, chunk) in tokens.chunks_exact(self.block_size).enumerate() {
+            let h = chain_hash(parent, hashing.block_hash(i, self.block_size, chunk));
             match self.by_hash.get(&h) {
                 Some(&id) => out.push((id, h)),
                 None => break,
@@ -181,10 +188,10 @@ impl BlockManager {
     pub fn blocks_needed_for(
         &self,
         tokens: &[u32],
-        salt: Option<CacheSalt>,
+        hashing: &HashContext,
         total_tokens: usize,
     ) -> usize {
-        let hits = self.match_prefix(tokens, salt);
+        let hits = self.match_prefix(tokens, hashing);
         let revived = hits
             .iter()
             .filter(|(id, _)| self.blocks[*id as usize].ref_count == 0)
@@ -197,7 +204,7 @@ impl BlockManager {
     /// fresh block.
     pub fn attach_prefix(&mut self, table: &mut BlockTable, tokens: &[u32]) -> usize {
         debug_assert!(table.is_empty());
-        let hits = self.match_prefix(tokens, table.salt);
+        let hits = self.match_prefix(tokens, &table.hashing);
         for &(id, h) in &hits {
             self.incref(id);
             table.blocks.push(id);
@@ -272,7 +279,7 @@ impl BlockManager {
         let mut stored = Vec::new();
         for i in start..full {
             let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let local = salted_block_hash(table.salt, chunk);
+            let local = table.hashing.block_hash(i, self.block_size, chunk);
             let h = chain_hash(table.last_hash, local);
             let id = table.blocks[i];
             table.last_hash = Some(h);
@@ -300,7 +307,7 @@ impl BlockManager {
             let first_parent = if stored.len() == full - start {
                 parent_hash
             } else {
-                self.parent_of_first(tokens, table.salt, &stored)
+                self.parent_of_first(tokens, &table.hashing, &stored)
             };
             self.events.emit(KvCacheEventData::Stored(KvCacheStoreData {
                 parent_hash: first_parent,
@@ -315,13 +322,13 @@ impl BlockManager {
     fn parent_of_first(
         &self,
         tokens: &[u32],
-        salt: Option<CacheSalt>,
+        hashing: &HashContext,
         stored: &[KvCacheStoredBlockData],
     ) -> Option<ExternalSequenceBlockHash> {
         let first = stored.first()?.block_hash;
         let mut parent = None;
-        for chunk in tokens.chunks_exact(self.block_size) {
-            let h = chain_hash(parent, salted_block_hash(salt, chunk));
+        for (i, chunk) in tokens.chunks_exact(self.block_size).enumerate() {
+            let h = chain_hash(parent, hashing.block_hash(i, self.block_size, chunk));
             if h == first {
                 return parent;
             }
@@ -343,7 +350,7 @@ impl BlockManager {
         computed: usize,
     ) -> (BlockTable, Option<(u32, u32)>, usize) {
         let full = (computed / self.block_size).min(parent.len());
-        let mut t = BlockTable::salted(parent.salt);
+        let mut t = BlockTable::hashed(parent.hashing.clone());
         for &id in &parent.blocks[..full] {
             self.incref(id);
             t.blocks.push(id);
@@ -390,7 +397,7 @@ impl BlockManager {
                 }
             }
         }
-        *table = BlockTable::salted(table.salt);
+        *table = BlockTable::hashed(std::mem::take(&mut table.hashing));
     }
 
     /// Drops every cached (unreferenced) block and announces `Cleared`. Refused while any
@@ -472,7 +479,7 @@ mod tests {
         );
         assert_eq!(run_salted(&mut m, b, &p), 0, "another salt misses");
         assert_eq!(run_salted(&mut m, None, &p), 0, "no salt misses");
-        assert_eq!(m.match_prefix(&p, b).len(), 2);
+        assert_eq!(m.match_prefix(&p, &HashContext::salted(b)).len(), 2);
         // What the engine announces is what a router computes for the same salt.
         let want = crate::kv::hash::salted_block_hashes(a, &p, 4);
         let stored: Vec<_> = drain(&mut rx)
@@ -556,8 +563,8 @@ mod tests {
             .flatten()
             .collect();
         assert_eq!(removed, vec![ha[1].1, ha[0].1]);
-        assert!(m.match_prefix(&a, None).is_empty());
-        assert_eq!(m.match_prefix(&b, None).len(), 2);
+        assert!(m.match_prefix(&a, &HashContext::default()).is_empty());
+        assert_eq!(m.match_prefix(&b, &HashContext::default()).len(), 2);
         m.release(&mut tc);
         check_invariants(&m);
         assert_eq!(m.stats().referenced, 0);
@@ -572,7 +579,10 @@ mod tests {
         let (mut t, _) = run_seq(&mut m, &[1, 2, 3, 4]);
         m.release(&mut t);
         assert_eq!(m.stats().cached, 2);
-        assert_eq!(m.blocks_needed_for(&[1, 2, 3, 4, 5], None, 5), 3);
+        assert_eq!(
+            m.blocks_needed_for(&[1, 2, 3, 4, 5], &HashContext::default(), 5),
+            3
+        );
         let (mut t2, cached) = run_seq(&mut m, &[1, 2, 3, 4, 5]);
         assert_eq!(cached, 4);
         assert_eq!(m.stats().referenced, 3);
@@ -653,6 +663,6 @@ mod tests {
         m.clear_cache().unwrap();
         assert_eq!(drain(&mut rx)[0].data, KvCacheEventData::Cleared);
         assert_eq!(m.stats().free, 4);
-        assert!(m.match_prefix(&[1, 2], None).is_empty());
+        assert!(m.match_prefix(&[1, 2], &HashContext::default()).is_empty());
     }
 }

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::model::vision::{is_llava, VisionConfig};
+
 use crate::error::EngineError;
 
 /// A decoder family: one forward ([`crate::model::decoder`]) runs them all; they differ in
@@ -156,6 +158,9 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// The dtype the checkpoint was saved in (informational; tensors carry their own dtype).
     pub torch_dtype: Option<String>,
+    /// The vision tower and projector of a multimodal (LLaVA) model; `None` for text-only
+    /// models. The fields above are then its language model's (`text_config`).
+    pub vision: Option<VisionConfig>,
     /// The raw file, kept for the model identity hash.
     pub raw: Vec<u8>,
 }
@@ -390,6 +395,39 @@ impl RawConfig {
     }
 }
 
+/// A LLaVA config's `text_config`, with transformers' `LlamaConfig` defaults for the fields
+/// the Hub's configs leave out (llava-1.5's lists only a few) and `model_type` llama when
+/// absent. The top level's `vocab_size` fills the text's when only it is given.
+fn llava_text_config(value: &serde_json::Value) -> Result<serde_json::Value, String> {
+    let mut text = value
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .cloned()
+        .ok_or("a LLaVA config needs a text_config object")?;
+    let obj = text.as_object_mut().ok_or("text_config is not an object")?;
+    obj.remove("architectures");
+    let model_type = obj
+        .entry("model_type")
+        .or_insert_with(|| "llama".into())
+        .clone();
+    if model_type == "llama" {
+        for (k, v) in [
+            ("hidden_size", serde_json::json!(4096)),
+            ("intermediate_size", serde_json::json!(11008)),
+            ("num_hidden_layers", serde_json::json!(32)),
+            ("num_attention_heads", serde_json::json!(32)),
+            ("rms_norm_eps", serde_json::json!(1e-6)),
+            (
+                "vocab_size",
+                value.get("vocab_size").cloned().unwrap_or(32000.into()),
+            ),
+        ] {
+            obj.entry(k).or_insert(v);
+        }
+    }
+    Ok(text)
+}
+
 impl ModelConfig {
     /// Reads `config.json` from a model folder.
     pub fn load(folder: &Path) -> Result<Self, EngineError> {
@@ -418,6 +456,18 @@ impl ModelConfig {
         // missing field that its family does not have.
         let value: serde_json::Value =
             serde_json::from_slice(bytes).map_err(|e| format!("not valid JSON: {e}"))?;
+        if is_llava(&value) {
+            let text = llava_text_config(&value)?;
+            let mut cfg = Self::from_value(text, bytes).map_err(|e| format!("text_config: {e}"))?;
+            cfg.vision = Some(VisionConfig::from_llava(&value, cfg.hidden_size)?);
+            cfg.architecture = "LlavaForConditionalGeneration".into();
+            return Ok(cfg);
+        }
+        Self::from_value(value, bytes)
+    }
+
+    /// Parses a decoder config (a text model's, or a LLaVA's `text_config`).
+    fn from_value(value: serde_json::Value, bytes: &[u8]) -> Result<Self, String> {
         let family = family_of(&value)?;
         let raw: RawConfig =
             serde_json::from_value(value).map_err(|e| format!("invalid config: {e}"))?;
@@ -448,6 +498,7 @@ impl ModelConfig {
             tie_word_embeddings: raw.tie_word_embeddings,
             max_position_embeddings,
             torch_dtype: raw.torch_dtype.or(raw.dtype),
+            vision: None,
             raw: bytes.to_vec(),
         })
     }

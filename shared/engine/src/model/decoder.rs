@@ -48,8 +48,25 @@ pub struct DecoderWeights {
 
 impl DecoderWeights {
     /// Loads from a mapped checkpoint, with Hugging Face tensor names.
+    /// A LLaVA checkpoint's language model is found under its prefix (the Hub's
+    /// `language_model.model.*` / `language_model.lm_head.*`, or transformers ≥ 4.52's
+    /// `model.language_model.*` / `lm_head.*`).
     pub fn load(cfg: &ModelConfig, weights: &Weights) -> Result<Self, EngineError> {
-        Self::from_source(cfg, |name, shape| weights.tensor_matrix(name, shape))
+        let rename = |name: &str| -> String {
+            if cfg.vision.is_none() {
+                return name.to_owned();
+            }
+            if weights.contains("language_model.model.embed_tokens.weight") {
+                return format!("language_model.{name}");
+            }
+            match name.strip_prefix("model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => name.to_owned(),
+            }
+        };
+        Self::from_source(cfg, |name, shape| {
+            weights.tensor_matrix(&rename(name), shape)
+        })
     }
 
     /// Builds the weights from any source of named tensors (`get(name, shape)` returns the
@@ -301,7 +318,22 @@ fn embed(
         }
         w.embed.row_into(id, h, row);
     }
+    splice_media(h, batch, &mut x);
     Ok(x)
+}
+
+/// Replaces the embedding rows of tokens that a sequence's media spans cover with the
+/// spans' rows (image features at the image tokens' positions).
+fn splice_media(h: usize, batch: &[SeqInput<'_>], x: &mut [f32]) {
+    let mut rows = x.chunks_exact_mut(h);
+    for seq in batch {
+        for (i, row) in (&mut rows).take(seq.tokens.len()).enumerate() {
+            let pos = seq.start_pos + i;
+            if let Some(src) = seq.media.iter().find_map(|m| m.row(pos, h)) {
+                row.copy_from_slice(src);
+            }
+        }
+    }
 }
 
 /// Layer `l`'s attention half: RMSNorm, the qkv projection with its biases, norms and RoPE,

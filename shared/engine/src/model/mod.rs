@@ -8,6 +8,7 @@ pub mod config;
 pub mod decoder;
 pub mod generation_config;
 pub mod gguf;
+pub mod vision;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -22,6 +23,7 @@ pub use decoder::DecoderWeights;
 pub use generation_config::GenerationConfig;
 /// The former name of [`DecoderWeights`] (Qwen3 was the first family).
 pub type Qwen3Weights = DecoderWeights;
+pub use vision::{VisionConfig, VisionEncoder, VisionWeights};
 pub use weights::Weights;
 
 /// What [`LoadedModel::load`] loads.
@@ -45,6 +47,8 @@ pub struct LoadedModel {
     /// f32 compute weights, shared by every backend made from this model.
     /// Empty (no layers) when loaded with `LoadOptions { weights: false }`.
     pub weights: Arc<DecoderWeights>,
+    /// The vision tower and projector of a multimodal model, when loaded with weights.
+    pub vision: Option<Arc<VisionEncoder>>,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub generation_config: GenerationConfig,
@@ -92,6 +96,13 @@ impl LoadedModel {
                 lm_head: None,
             }
         };
+        let vision = match (&config.vision, opts.weights) {
+            (Some(vc), true) => Some(Arc::new(VisionEncoder::new(
+                vc.clone(),
+                VisionWeights::load(vc, &mapped)?,
+            ))),
+            _ => None,
+        };
         let mut h = Sha256::new();
         h.update(&config.raw);
         h.update(mapped.identity().as_bytes());
@@ -102,6 +113,7 @@ impl LoadedModel {
             path: path.to_path_buf(),
             config,
             weights: Arc::new(weights),
+            vision,
             tokenizer,
             chat_template,
             generation_config,

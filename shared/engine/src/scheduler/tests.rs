@@ -38,7 +38,8 @@ fn seq(id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Sequence {
         arrival: id,
         params: Arc::new(SamplingParams::greedy()),
         sampler: SamplerState::new(0, 0),
-        cache_salt: None,
+        hashing: Default::default(),
+        media: Arc::from([]),
     })
 }
 

@@ -16,6 +16,7 @@ impl EngineTryFromWire<pb::GenerateRequest> for Request {
             prompt: r.prompt,
             params: sub(r.sampling_params, "sampling_params")?,
             cache_salt: r.cache_salt.map(CacheSalt),
+            media: Default::default(),
         })
     }
 }
@@ -117,6 +118,7 @@ impl EngineTryFromWire<pb::SequenceState> for SequenceState {
             sampler: engine_sub(s.sampler, "sampler")?,
             stop: StopMatcher::from_wire(required(s.stop, "stop")?),
             cache_salt: s.cache_salt.map(CacheSalt),
+            media: Default::default(),
         })
     }
 }
@@ -153,6 +155,7 @@ mod tests {
             sampler,
             stop,
             cache_salt: Some(CacheSalt(42)),
+            media: Default::default(),
         }
     }
 
@@ -194,6 +197,7 @@ mod tests {
             prompt: vec![1, 2],
             params: SamplingParams::greedy(),
             cache_salt: Some(CacheSalt(0xfeed)),
+            media: Default::default(),
         };
         let wire = pb::GenerateRequest {
             request_id: request.request_id.clone(),

@@ -270,6 +270,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, EngineError>
         path: path.to_path_buf(),
         config,
         weights: Arc::new(weights),
+        vision: None,
         tokenizer,
         chat_template,
         generation_config,
