@@ -25,6 +25,7 @@ all `.bin` files f32 little endian, row-major:
   without the class token (the projector's input; for debugging);
 - `{case}.image_features.bin` [n_images, 16, text_hidden], `model.get_image_features`;
 - `{case}.logits_last.bin`    [4, vocab], the full prompt's logits at its last 4 positions;
+- `{case}.input_ids.json`, the prompt's ids after the processor expanded `<image>`;
 and in the manifest: input_ids, the argmax and top-2 margin (top1 - top2) of every prompt
 position, 8 greedy tokens from `generate(do_sample=False, max_new_tokens=8)`, and 8 greedy
 tokens from a plain no-cache argmax loop with each step's top-2 margin (the two agree unless
@@ -87,6 +88,11 @@ def as_feature_tensor(x):
     raise TypeError(f"get_image_features returned {type(x)}")
 
 
+def image_token_id(cfg):
+    v = getattr(cfg, "image_token_index", None)
+    return v if v is not None else cfg.image_token_id
+
+
 def vision_tower(model):
     vt = getattr(model, "vision_tower", None)
     if vt is None:
@@ -141,6 +147,7 @@ def run_case(model, processor, name, text, images, device, dtype, out_dir):
         "prompt": text,
         "n_images": len(images),
         "input_ids": input_ids[0].tolist(),
+        "n_image_tokens": int((input_ids[0] == image_token_id(model.config)).sum()),
         "pixel_values": write_bin(out_dir, f"{name}.pixel_values.bin", pixel_values),
     }
     pv = pixel_values.to(device=device, dtype=dtype)
@@ -157,6 +164,9 @@ def run_case(model, processor, name, text, images, device, dtype, out_dir):
             vision_feature_select_strategy=cfg.vision_feature_select_strategy,
         )
     )
+    want = (len(images), cfg.image_seq_length, cfg.text_config.hidden_size)
+    if tuple(feats.shape) != want:
+        sys.exit(f"{name}: image features of shape {tuple(feats.shape)}, expected {want}")
     entry["image_features"] = write_bin(out_dir, f"{name}.image_features.bin", feats)
 
     logits = model(
@@ -196,6 +206,9 @@ def run_case(model, processor, name, text, images, device, dtype, out_dir):
     entry["greedy_tokens"] = tokens
     entry["greedy_margins"] = margins
     entry["greedy_text"] = processor.tokenizer.decode(tokens)
+    with open(os.path.join(out_dir, f"{name}.input_ids.json"), "w") as f:
+        json.dump(entry["input_ids"], f)
+        f.write("\n")
     return entry
 
 

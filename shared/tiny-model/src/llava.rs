@@ -216,9 +216,7 @@ pub fn tiny_vl_init(name: &str, shape: &[usize]) -> (f32, f32) {
         (0.0, 0.1)
     } else if name.ends_with("class_embedding") {
         (0.0, 1.0)
-    } else if name.ends_with("position_embedding.weight") {
-        (0.0, 0.3)
-    } else if name.ends_with(".bias") {
+    } else if name.ends_with("position_embedding.weight") || name.ends_with(".bias") {
         (0.0, 0.3)
     } else {
         // Linear [out, in] and the patch convolution [out, channels, k, k]: fan-in is the
@@ -532,6 +530,42 @@ mod tests {
                 .count(),
             text.len()
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The committed transformers goldens (`goldens/llava/`, `scripts/goldens/llava.py`) were
+    /// made from these weights, and transformers' processor made the same ids as the
+    /// tokenizer here (with `<image>` expanded to 16 tokens).
+    #[test]
+    fn goldens_match_the_weights_and_the_tokenizer() {
+        let gold = Path::new(env!("CARGO_MANIFEST_DIR")).join("goldens/llava");
+        let dir = temp("gold");
+        write_tiny_vl_model(&dir).unwrap();
+        let tok = tandem_text::Tokenizer::load(&dir).unwrap();
+        for sub in ["", "cuda"] {
+            let path = gold.join(sub).join("manifest.json");
+            let m: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            assert_eq!(
+                m["weights_sha256"],
+                TINY_VL_WEIGHTS_SHA256,
+                "{}",
+                path.display()
+            );
+            assert_eq!(m["image_token_index"], IMAGE_TOKEN_ID);
+            let cases = m["cases"].as_array().unwrap();
+            assert_eq!(cases.len(), 3);
+            for case in cases {
+                let prompt = case["prompt"].as_str().unwrap();
+                let expanded = prompt.replace(IMAGE_TOKEN, &IMAGE_TOKEN.repeat(16));
+                let ids = tok.encode(&expanded, false).unwrap();
+                let want: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
+                assert_eq!(ids, want, "{}", case["case"]);
+                let n_images = case["n_images"].as_u64().unwrap() as usize;
+                let n = ids.iter().filter(|i| **i == IMAGE_TOKEN_ID).count();
+                assert_eq!(n, n_images * TINY_VL_IMAGE_TOKENS);
+            }
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
