@@ -1,4 +1,5 @@
-//! `tandem`: the local launcher and utility command (`tandem up`, `tandem model tiny`).
+//! `tandem`: the local launcher and utility command (`tandem up`, `tandem model tiny`,
+//! `tandem model tiny-vl`).
 
 mod up;
 
@@ -49,6 +50,12 @@ enum ModelCommand {
         #[arg(long, default_value = "qwen3")]
         family: String,
     },
+    /// Write the built-in tiny LLaVA model (a random CLIP vision tower, projector and tiny
+    /// Llama in llava-hf's layout; the Qwen3 tokenizer with an `<image>` token) into OUT_DIR.
+    TinyVl {
+        /// Folder to write (created if absent).
+        out_dir: PathBuf,
+    },
 }
 
 #[tokio::main]
@@ -84,6 +91,14 @@ async fn main() -> anyhow::Result<()> {
             tandem_tiny_model::write_family_model(f, &out_dir, true)
                 .with_context(|| format!("writing the tiny model to {}", out_dir.display()))?;
             println!("tiny model written to {}", out_dir.display());
+        }
+        Command::Model {
+            command: ModelCommand::TinyVl { out_dir },
+        } => {
+            tandem_tiny_model::write_tiny_vl_model(&out_dir).with_context(|| {
+                format!("writing the tiny LLaVA model to {}", out_dir.display())
+            })?;
+            println!("tiny LLaVA model written to {}", out_dir.display());
         }
     }
     Ok(())

@@ -2,7 +2,8 @@
 //! workspace's PRNG (splitmix64 + Box-Muller, [`weights`]), so that they never change with a
 //! crate upgrade, plus the real Qwen3 tokenizer files fetched once into a cache
 //! ([`tokenizer`]). Beside it, one tiny model per other family ([`families`]) and a one-layer
-//! model of Qwen3-0.6B's shapes ([`SHAPE_CHECK`]).
+//! model of Qwen3-0.6B's shapes ([`SHAPE_CHECK`]), and a tiny random LLaVA ([`llava`]: a CLIP
+//! vision tower, a projector and a tiny Llama, `tandem model tiny-vl`).
 //!
 //! It links no engine, so that the launcher (`tandem model tiny`, `tandem up`) can write the
 //! models; the engine re-exports it as `tandem_engine::tiny` and checks that the tensors
@@ -10,6 +11,7 @@
 
 pub mod cache;
 pub mod families;
+pub mod llava;
 pub mod qwen3;
 pub mod shapes;
 pub mod tokenizer;
@@ -18,6 +20,7 @@ mod write;
 
 pub use cache::{build_once, ensure_shape_check_model, ensure_tiny_model};
 pub use families::*;
+pub use llava::*;
 pub use qwen3::*;
 pub use tokenizer::{ensure_tokenizer_files, TOKENIZER_FILES, TOKENIZER_SHA256};
 pub use weights::{random_init, random_tensor};

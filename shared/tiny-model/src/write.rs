@@ -61,7 +61,7 @@ pub fn write_random_model(
     dtype: WeightDtype,
 ) -> Result<(), TinyModelError> {
     std::fs::create_dir_all(out_dir).map_err(|e| TinyModelError::io(out_dir, e))?;
-    let tensors = random_tensors(&tensor_shapes(cfg)?, seed, dtype);
+    let tensors = random_tensors(&tensor_shapes(cfg)?, seed, dtype, random_init);
     let st_path = out_dir.join("model.safetensors");
     write_file(&st_path, &serialize_safetensors(&st_path, &tensors, dtype)?)?;
     write_file(&out_dir.join("config.json"), &pretty(cfg))?;
@@ -72,18 +72,20 @@ pub fn write_random_model(
 }
 
 /// A named tensor's shape and little-endian bytes.
-type TensorBytes = (String, Vec<usize>, Vec<u8>);
+pub(crate) type TensorBytes = (String, Vec<usize>, Vec<u8>);
 
-/// Every tensor's values ([`random_tensor`] with [`random_init`]) in `dtype`.
-fn random_tensors(
+/// Every tensor's values ([`random_tensor`] with the mean and std `init` gives for the
+/// tensor's name and shape, [`random_init`] for the decoders) in `dtype`.
+pub(crate) fn random_tensors(
     shapes: &[(String, Vec<usize>)],
     seed: u64,
     dtype: WeightDtype,
+    init: impl Fn(&str, &[usize]) -> (f32, f32),
 ) -> Vec<TensorBytes> {
     shapes
         .iter()
         .map(|(name, shape)| {
-            let (mean, std) = random_init(name, shape);
+            let (mean, std) = init(name, shape);
             let n = shape.iter().product();
             let values = random_tensor(seed, name, n, mean, std);
             let bytes = match dtype {
@@ -99,7 +101,7 @@ fn random_tensors(
 }
 
 /// The safetensors file of these tensors (`st_path` names it in errors).
-fn serialize_safetensors(
+pub(crate) fn serialize_safetensors(
     st_path: &Path,
     tensors: &[TensorBytes],
     dtype: WeightDtype,
@@ -123,7 +125,7 @@ fn serialize_safetensors(
 }
 
 /// `generation_config.json` as Qwen3's.
-fn generation_config() -> serde_json::Value {
+pub(crate) fn generation_config() -> serde_json::Value {
     serde_json::json!({
         "bos_token_id": 151643,
         "do_sample": true,
@@ -135,7 +137,7 @@ fn generation_config() -> serde_json::Value {
     })
 }
 
-fn pretty(v: &serde_json::Value) -> Vec<u8> {
+pub(crate) fn pretty(v: &serde_json::Value) -> Vec<u8> {
     let mut s = serde_json::to_vec_pretty(v).unwrap_or_default();
     s.push(b'\n');
     s
