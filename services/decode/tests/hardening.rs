@@ -110,6 +110,7 @@ fn request(id: &str, params: SamplingParams) -> GenerateRequest {
         cache_salt: None,
         prompt: vec![1, 2, 3, 4, 5, 6, 7, 8],
         sampling_params: Some(params.into_wire()),
+        media: Default::default(),
     }
 }
 

@@ -36,22 +36,8 @@ pub fn normalize_messages(messages: &Value) -> Result<Value, ApiError> {
         match obj.get("content") {
             None | Some(Value::Null) | Some(Value::String(_)) => {}
             Some(Value::Array(parts)) => {
-                let mut text = String::new();
-                for (j, part) in parts.iter().enumerate() {
-                    match part.get("type").and_then(Value::as_str) {
-                        Some("text") => text.push_str(part.get("text").and_then(Value::as_str).unwrap_or_default()),
-                        other => {
-                            return Err(ApiError::bad_request(
-                                format!(
-                                    "`{param}.content[{j}]` of type {:?} is not supported: Tandem serves text models only (yet)",
-                                    other.unwrap_or("?")
-                                ),
-                                Some(&param),
-                            ))
-                        }
-                    }
-                }
-                obj.insert("content".into(), Value::String(text));
+                let content = content_parts(&param, parts)?;
+                obj.insert("content".into(), content);
             }
             Some(_) => {
                 return Err(ApiError::bad_request(
@@ -63,6 +49,43 @@ pub fn normalize_messages(messages: &Value) -> Result<Value, ApiError> {
         out.push(Value::Object(obj));
     }
     Ok(Value::Array(out))
+}
+
+/// A message's content parts for the template: text parts joined into one string when there
+/// is no image; else the parts in order, each `image_url` as `{"type": "image"}` (the chat
+/// templates of multimodal models place one image token there). Whether the model takes
+/// images is checked before (`prepare::chat_images`).
+fn content_parts(param: &str, parts: &[Value]) -> Result<Value, ApiError> {
+    let mut text = String::new();
+    let mut out = Vec::with_capacity(parts.len());
+    let mut images = false;
+    for (j, part) in parts.iter().enumerate() {
+        match part.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                let t = part.get("text").and_then(Value::as_str).unwrap_or_default();
+                text.push_str(t);
+                out.push(serde_json::json!({"type": "text", "text": t}));
+            }
+            Some("image_url") => {
+                images = true;
+                out.push(serde_json::json!({"type": "image"}));
+            }
+            other => {
+                let param = format!("{param}.content[{j}]");
+                return Err(ApiError::bad_request(
+                    format!(
+                        "`{param}` of type {:?} is not supported (text and image_url are)",
+                        other.unwrap_or("?")
+                    ),
+                    Some(&param),
+                ));
+            }
+        }
+    }
+    Ok(match images {
+        true => Value::Array(out),
+        false => Value::String(text),
+    })
 }
 
 /// Renders and tokenizes a chat request.

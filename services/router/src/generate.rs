@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use tandem_kv_router::protocols::{CacheSalt, LocalBlockHash};
 use tandem_kv_router::{KvRouter, RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
+use tandem_protocol::wire::IntoWire;
 use tandem_protocol::worker::{GenerateDisaggRequest, GenerateRequest};
 use tandem_protocol::worker::{GenerateOutput, PrefillTarget};
 use tandem_text::{IncrementalDecoder, SamplingParams, StopMatcher, TokenLogprob};
@@ -27,6 +28,7 @@ use crate::app::AppState;
 use crate::disagg::{self, RoutedRequest};
 use crate::error::{from_status, ApiError};
 use crate::limits::RateLimits;
+use crate::media::PlacedImage;
 use crate::metrics as m;
 use crate::models::{ModelAssets, ModelView, WorkerEntry};
 use crate::queue::{AdmissionQueue, Attempt, Ticket};
@@ -84,6 +86,7 @@ pub async fn start(
         received: request.received,
         limits: request.limits,
         cache_salt: request.cache_salt,
+        images: request.images,
     };
     let block_size = req.validate()?;
     let hashes = req.hash_blocks(block_size);
@@ -112,6 +115,8 @@ pub struct Incoming {
     pub limits: Arc<RateLimits>,
     /// The salt the prompt's blocks are hashed under, here and on the workers.
     pub cache_salt: Option<CacheSalt>,
+    /// The prompt's images, placed at their image tokens.
+    pub images: Vec<PlacedImage>,
 }
 
 /// One request as the stages see it.
@@ -127,6 +132,7 @@ struct Request<'a> {
     received: Instant,
     limits: Arc<RateLimits>,
     cache_salt: Option<CacheSalt>,
+    images: Vec<PlacedImage>,
 }
 
 /// The route stage's answer: the decode worker and the decode index's selection.
@@ -166,11 +172,8 @@ impl Request<'_> {
     /// Stage 2: the prompt's KV block hashes.
     fn hash_blocks(&self, block_size: u32) -> Vec<LocalBlockHash> {
         let t_hash = Instant::now();
-        let hashes = tandem_kv_router::protocols::request_block_hashes(
-            &self.prompt,
-            block_size,
-            self.cache_salt,
-        );
+        let hashes = crate::media::hash_context(self.cache_salt, &self.images)
+            .block_hashes(&self.prompt, block_size as usize);
         metrics::histogram!(m::BLOCK_HASHING_MS).record(t_hash.elapsed().as_secs_f64() * 1e3);
         hashes
     }
@@ -276,6 +279,7 @@ impl Request<'_> {
                 hashes,
                 prompt_len: self.prompt.len(),
                 params: &self.params,
+                images: !self.images.is_empty(),
             },
         )
     }
@@ -298,6 +302,7 @@ impl Request<'_> {
             prompt: self.prompt.clone(),
             sampling_params: Some(crate::wire::sampling_params(&self.params)),
             cache_salt: self.cache_salt.map(|s| s.0),
+            media: self.images.iter().map(media_input).collect(),
         };
         // Both calls stream the same `GenerateOutput`s.
         let call = async {
@@ -653,3 +658,12 @@ impl ChoiceText {
 
 #[cfg(test)]
 mod tests;
+
+/// An image as the worker gets it: its bytes, content hash and span.
+fn media_input(image: &PlacedImage) -> tandem_protocol::worker::MediaInput {
+    tandem_protocol::worker::MediaInput {
+        data: image.input.data.as_ref().clone(),
+        content_hash: image.input.hash.0.to_vec(),
+        span: Some(image.span.into_wire()),
+    }
+}

@@ -128,6 +128,7 @@ async fn serve(
         received,
         limits: p.limits,
         cache_salt: p.cache_salt,
+        images: p.images,
     };
     let (rx, routed) = match generate::start(&state, &p.view, incoming).await {
         Ok(x) => x,

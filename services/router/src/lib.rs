@@ -15,6 +15,7 @@ pub mod events_nats;
 pub mod generate;
 pub mod handlers;
 pub mod limits;
+pub mod media;
 pub mod metrics;
 pub mod models;
 pub mod openai;

@@ -71,6 +71,18 @@ pub struct ModelView {
     pub prefill: Vec<WorkerEntry>,
 }
 
+impl ModelView {
+    /// How the model takes images, when its workers announce that it does (all of them:
+    /// a model some of whose workers cannot take images is served as text-only).
+    pub fn multimodal(&self) -> Option<&tandem_protocol::MultimodalCard> {
+        let first = self.workers.first()?.card.multimodal.as_ref()?;
+        self.workers
+            .iter()
+            .all(|w| w.card.multimodal.as_ref() == Some(first))
+            .then_some(first)
+    }
+}
+
 /// A lazily connecting client of the worker at `addr`, secured as `security` says.
 pub fn connect_lazy(security: &ChannelSecurity, addr: &str) -> anyhow::Result<Client> {
     let channel = security
@@ -305,6 +317,7 @@ mod tests {
             instance_id: id,
             eos_token_ids: vec![],
             kv_event_key: String::new(),
+            multimodal: Default::default(),
         }
     }
 

@@ -13,6 +13,7 @@ use tokio::sync::Semaphore;
 use crate::app::AppState;
 use crate::error::ApiError;
 use crate::limits::{RateLimits, LARGE_PROMPT_BYTES, MAX_MESSAGES, MAX_TOOLS};
+use crate::media::{self, PlacedImage};
 use crate::models::{ModelAssets, ModelView};
 use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
 use crate::params;
@@ -37,6 +38,8 @@ pub struct Prepared {
     pub limits: Arc<RateLimits>,
     /// The salt of the prompt's KV block hashes (the tenant's and the request's `cache_salt`).
     pub cache_salt: Option<CacheSalt>,
+    /// The images of a chat prompt, placed at their image tokens.
+    pub images: Vec<PlacedImage>,
 }
 
 /// A refused request, with what its metrics are labelled with.
@@ -111,6 +114,9 @@ pub async fn chat(
     check_prompt_bound(&view, text_bytes, params.max_tokens, "messages").map_err(fail)?;
     let priority = params::priority(req.priority).map_err(fail)?;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let images = chat_images(state, &view, &req.messages)
+        .await
+        .map_err(fail)?;
     let t = Instant::now();
     let assets = view.assets.clone();
     let (prompt, req) = off_thread(text_bytes, move || {
@@ -118,7 +124,12 @@ pub async fn chat(
     })
     .await
     .map_err(fail)?;
-    let prompt = prompt.map_err(fail)?;
+    let (prompt, images) = match (prompt.map_err(fail)?, view.multimodal()) {
+        (prompt, Some(mm)) if !images.is_empty() => {
+            media::place(prompt, images, mm).map_err(fail)?
+        }
+        (prompt, _) => (prompt, Vec::new()),
+    };
     metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
     tenant.limits.admit(prompt.len()).map_err(fail)?;
     if let Some(user) = &req.user {
@@ -135,7 +146,42 @@ pub async fn chat(
         view,
         limits: tenant.limits.clone(),
         cache_salt,
+        images,
     })
+}
+
+/// The images of a chat request's `image_url` parts, read, decoded and hashed; refused for a
+/// model that does not take images, or past its per-request limit.
+async fn chat_images(
+    state: &AppState,
+    view: &ModelView,
+    messages: &Value,
+) -> Result<Vec<media::ImageInput>, ApiError> {
+    let urls = media::image_urls(messages);
+    if urls.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Some(mm) = view.multimodal() else {
+        return Err(ApiError::bad_request(
+            format!(
+                "`{}` is an image, but model `{}` does not take images",
+                urls[0].0, view.name
+            ),
+            Some(&urls[0].0),
+        ));
+    };
+    if urls.len() > mm.max_images_per_request as usize {
+        return Err(ApiError::bad_request(
+            format!(
+                "{} images exceed model `{}`'s limit of {} per request",
+                urls.len(),
+                view.name,
+                mm.max_images_per_request
+            ),
+            Some("messages"),
+        ));
+    }
+    media::load(urls, media::policy(&state.config.media)).await
 }
 
 pub async fn completion(
@@ -171,6 +217,7 @@ pub async fn completion(
         view,
         limits: tenant.limits.clone(),
         cache_salt,
+        images: Vec::new(),
     })
 }
 

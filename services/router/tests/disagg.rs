@@ -120,6 +120,7 @@ fn request(rid: &str, prompt: &[u32], params: &Value) -> GenerateRequest {
         sampling_params: Some(tandem_router::wire::sampling_params(
             &serde_json::from_value(params.clone()).expect("sampling params"),
         )),
+        media: Default::default(),
     }
 }
 

@@ -56,6 +56,7 @@ async fn direct_generate(addr: &str, id: &str, prompt: Vec<u32>) {
                 max_tokens: Some(1),
                 ..SamplingParams::greedy()
             })),
+            media: Default::default(),
         })
         .await
         .expect("generate")

@@ -162,11 +162,13 @@ pub static FLAGS: &[FlagSpec] = &[
          unfinished before it is revoked.")
         .env("DYN_TRTLLM_KV_LEASE_TTL_SECS").default("30"),
     FlagSpec::new("allowed-local-media-path", Path, DisaggregationAndMultimodal,
-        "Local directory the model may read media files from.")
-        .env("DYN_TRTLLM_ALLOWED_LOCAL_MEDIA_PATH").default(""),
+        "Local directory that file: image URLs may be read from (the router reads them); \
+         unset refuses file: URLs.")
+        .env("DYN_TRTLLM_ALLOWED_LOCAL_MEDIA_PATH").default("").scope(Scope::All),
     FlagSpec::new("max-file-size-mb", INT1, DisaggregationAndMultimodal,
-        "Maximum size in MB of downloaded images or embedding files.")
-        .env("DYN_TRTLLM_MAX_FILE_SIZE_MB").default("50"),
+        "Maximum size in MB of one image (a file, or a data: URL once decoded) or embedding \
+         file; larger ones get 413.")
+        .env("DYN_TRTLLM_MAX_FILE_SIZE_MB").default("50").scope(Scope::All),
     FlagSpec::new("frontend-decoding", Bool, DisaggregationAndMultimodal,
         "Decode images in the router and ship them to the worker over the KV transport.")
         .env("DYN_TRTLLM_FRONTEND_DECODING").default("false"),

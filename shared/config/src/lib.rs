@@ -26,7 +26,7 @@ pub use engine_options::EngineOptions;
 pub use error::ConfigError;
 pub use parse::{
     parse_router, parse_worker, router_command, worker_command, AdminListener, AdmissionConfig,
-    ApiKeys, HttpServerConfig, RouterConfig, RoutingConfig, SecurityConfig, TlsFiles,
+    ApiKeys, HttpServerConfig, MediaLimits, RouterConfig, RoutingConfig, SecurityConfig, TlsFiles,
 };
 pub use resolve::process_env;
 pub use runtime::RuntimeConfig;

@@ -205,6 +205,13 @@ fn worker_from_resolved(
     })
 }
 
+/// The router's limits on image inputs (`--allowed-local-media-path`, `--max-file-size-mb`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MediaLimits {
+    pub allowed_local_media_path: Option<std::path::PathBuf>,
+    pub max_file_size_mb: u32,
+}
+
 /// The router's configuration.
 #[derive(Clone, Debug, Serialize)]
 pub struct RouterConfig {
@@ -212,6 +219,8 @@ pub struct RouterConfig {
     pub http_port: u16,
     pub http_body_limit_mb: u32,
     pub request_timeout_secs: u32,
+    /// Image inputs: where `file:` URLs may be read from and how large an image may be.
+    pub media: MediaLimits,
     pub sse_idle_timeout_secs: u32,
     pub http: HttpServerConfig,
     pub admission: AdmissionConfig,
@@ -363,6 +372,13 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
         http_host: g.string("http-host")?,
         http_port,
         http_body_limit_mb: g.u32("http-body-limit-mb")?,
+        media: MediaLimits {
+            allowed_local_media_path: g
+                .opt_string("allowed-local-media-path")?
+                .filter(|p| !p.is_empty())
+                .map(Into::into),
+            max_file_size_mb: g.u32("max-file-size-mb")?,
+        },
         request_timeout_secs: g.u32("request-timeout-secs")?,
         sse_idle_timeout_secs: g.u32("sse-idle-timeout-secs")?,
         http: HttpServerConfig {

@@ -32,6 +32,18 @@ pub struct ModelCard {
     /// event claiming this worker that the key does not verify.
     #[serde(default)]
     pub kv_event_key: String,
+    /// Set when the model takes images: how the router builds their prompts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multimodal: Option<MultimodalCard>,
+}
+
+/// What a router needs to build an image prompt for a multimodal (LLaVA) model: each image
+/// the chat template places as one `image_token_id` becomes `tokens_per_image` of them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MultimodalCard {
+    pub image_token_id: u32,
+    pub tokens_per_image: u32,
+    pub max_images_per_request: u32,
 }
 
 /// What a worker does in (dis)aggregated serving: its `--disaggregation-mode`.

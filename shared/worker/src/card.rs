@@ -59,6 +59,7 @@ pub fn model_card(
         eos_token_ids: engine_cfg.eos_token_ids.clone(),
         // Set by the caller, which holds the signing key.
         kv_event_key: String::new(),
+        multimodal: crate::media::multimodal_card(&built.model),
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tandem_engine::engine::{EngineHandle, RequestStream};
 
 use crate::decode::DecodeSide;
+use crate::media::MediaEncoder;
 use crate::prefill::PrefillSide;
 use crate::status::engine_status;
 use crate::wire::{EngineIntoWire, EngineTryFromWire, IntoWire};
@@ -43,6 +44,8 @@ pub struct WorkerService {
     decode: Option<Arc<DecodeSide>>,
     /// Set on prefill workers.
     prefill: Option<Arc<PrefillSide>>,
+    /// Set when the model takes images (its vision tower runs here).
+    media: Option<Arc<MediaEncoder>>,
 }
 
 impl WorkerService {
@@ -53,7 +56,13 @@ impl WorkerService {
             accepting: Arc::new(true.into()),
             decode: None,
             prefill: None,
+            media: None,
         }
+    }
+
+    pub fn with_media(mut self, media: Option<Arc<MediaEncoder>>) -> Self {
+        self.media = media;
+        self
     }
 
     pub fn with_decode(mut self, decode: Option<Arc<DecodeSide>>) -> Self {
@@ -210,11 +219,19 @@ impl Worker for WorkerService {
         request: GrpcRequest<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         self.check_accepting()?;
-        let req = Request::try_from_wire(request.into_inner())?;
+        let mut wire = request.into_inner();
+        let media = std::mem::take(&mut wire.media);
+        let mut req = Request::try_from_wire(wire)?;
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
         }
         req.params.validate().map_err(Status::invalid_argument)?;
+        if !media.is_empty() {
+            let encoder = self.media.as_ref().ok_or_else(|| {
+                Status::invalid_argument("media: this worker's model does not take images")
+            })?;
+            req.media = encoder.embed(&req.prompt, media).await?;
+        }
         let stream = self.engine.submit(req).await.map_err(engine_status)?;
         let (tx, rx) = mpsc::channel(64);
         let engine = self.engine.clone();

@@ -11,6 +11,7 @@ pub mod failpoints;
 pub mod grpc;
 pub mod known_prefills;
 pub mod leases;
+pub mod media;
 pub mod nats;
 pub mod prefill;
 pub mod serve;

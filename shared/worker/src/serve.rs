@@ -103,7 +103,8 @@ pub async fn run_with_transfer(
         },
     )
     .with_decode(sides.decode.clone())
-    .with_prefill(sides.prefill.clone());
+    .with_prefill(sides.prefill.clone())
+    .with_media(crate::media::MediaEncoder::for_model(&built.model)?.map(Arc::new));
     let accepting = service.accepting_flag();
     let health_flag = accepting.clone();
     let health_engine = built.engine.clone();

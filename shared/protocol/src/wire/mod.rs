@@ -14,6 +14,7 @@
 //! hand-off state, the transfer region) with the same traits.
 
 pub mod kv_events;
+pub mod media;
 pub mod text;
 
 /// Converts a value into the message that carries it.
@@ -50,6 +51,9 @@ pub enum WireError {
     /// A number that does not fit the type it stands for on this host.
     #[error("field `{field}`: {value} is out of range")]
     OutOfRange { field: String, value: u64 },
+    /// A field set where this call cannot take it.
+    #[error("field `{field}`: {reason}")]
+    Unsupported { field: String, reason: &'static str },
 }
 
 impl WireError {
@@ -78,6 +82,10 @@ impl WireError {
                 field: prefix(field),
                 value,
             },
+            WireError::Unsupported { field, reason } => WireError::Unsupported {
+                field: prefix(field),
+                reason,
+            },
         }
     }
 
@@ -86,7 +94,8 @@ impl WireError {
         match self {
             WireError::MissingField(field)
             | WireError::InvalidEnum { field, .. }
-            | WireError::OutOfRange { field, .. } => field,
+            | WireError::OutOfRange { field, .. }
+            | WireError::Unsupported { field, .. } => field,
         }
     }
 }

@@ -1,9 +1,11 @@
 //! Requests, their outputs, and the state of a prefilled request handed to a decode worker.
 
 use tandem_engine::kv::hash::CacheSalt;
-use tandem_engine::request::{FinishReason, Request, RequestOutput, SequenceState, Usage};
+use tandem_engine::request::{
+    FinishReason, MediaSpan, Request, RequestOutput, SequenceState, Usage,
+};
 use tandem_engine::sampler::{Rng, SamplerState, StopMatcher};
-use tandem_protocol::wire::{required, to_usize};
+use tandem_protocol::wire::{required, to_usize, TryFromWire};
 use tandem_protocol::worker as pb;
 use tandem_protocol::WireError;
 
@@ -16,7 +18,18 @@ impl EngineTryFromWire<pb::GenerateRequest> for Request {
             prompt: r.prompt,
             params: sub(r.sampling_params, "sampling_params")?,
             cache_salt: r.cache_salt.map(CacheSalt),
-            media: Default::default(),
+            // Images become embeddings only where a vision tower runs (see `media.rs`),
+            // which takes them out of the message before this conversion.
+            media: match r.media.is_empty() {
+                true => Vec::new(),
+                false => {
+                    return Err(WireError::Unsupported {
+                        field: "media".into(),
+                        reason: "images are served only by Generate on a worker whose model \
+                                 takes images (not by disaggregated prefill yet)",
+                    })
+                }
+            },
         })
     }
 }
@@ -100,6 +113,7 @@ impl EngineIntoWire for SequenceState {
             sampler: Some(self.sampler.into_wire()),
             stop: Some(self.stop.into_wire()),
             cache_salt: self.cache_salt.map(|s| s.0),
+            media: self.media.into_iter().map(IntoWire::into_wire).collect(),
         }
     }
 }
@@ -118,7 +132,14 @@ impl EngineTryFromWire<pb::SequenceState> for SequenceState {
             sampler: engine_sub(s.sampler, "sampler")?,
             stop: StopMatcher::from_wire(required(s.stop, "stop")?),
             cache_salt: s.cache_salt.map(CacheSalt),
-            media: Default::default(),
+            media: s
+                .media
+                .into_iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    MediaSpan::try_from_wire(m).map_err(|e| e.within(&format!("media[{i}]")))
+                })
+                .collect::<Result<_, _>>()?,
         })
     }
 }
@@ -204,6 +225,7 @@ mod tests {
             prompt: request.prompt.clone(),
             sampling_params: Some(request.params.clone().into_wire()),
             cache_salt: Some(0xfeed),
+            media: Default::default(),
         };
         assert_eq!(Request::try_from_wire(wire.clone()), Ok(request));
         let bare = pb::GenerateRequest {

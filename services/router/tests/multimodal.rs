@@ -1,0 +1,208 @@
+//! Image inputs end to end: the router and a real worker serving the tiny random LLaVA
+//! (`tandem model tiny-vl`) over loopback. Image tokens are counted in the usage, the prefix
+//! cache keys on the image's content, and every bad input is a 4xx naming the content part.
+
+mod common;
+
+use base64::Engine as _;
+use common::Topology;
+use serde_json::{json, Value};
+
+const MODEL: &str = "tandem-tiny-vl";
+
+fn image(name: &str) -> Vec<u8> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../scripts/goldens/llava_images")
+        .join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn data_url(media_type: &str, bytes: &[u8]) -> String {
+    format!(
+        "data:{media_type};base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+fn png(name: &str) -> String {
+    data_url("image/png", &image(name))
+}
+
+/// A chat request of one user message: `urls` as image parts, then a question.
+fn chat(urls: &[String]) -> Value {
+    let mut content: Vec<Value> = urls
+        .iter()
+        .map(|u| json!({"type": "image_url", "image_url": {"url": u}}))
+        .collect();
+    // Long enough to fill several KV blocks behind the image.
+    let question = "What is in this picture? Describe it in detail. ".repeat(12);
+    content.push(json!({"type": "text", "text": question}));
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": true,
+    })
+}
+
+async fn tiny_vl(router_args: &[&str]) -> Topology {
+    let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
+    let dir = dir.to_str().expect("utf-8 path").to_owned();
+    Topology::start_healthy(
+        1,
+        &["--model-path", &dir, "--served-model-name", MODEL],
+        router_args,
+    )
+    .await
+}
+
+fn first_logprob(body: &Value) -> f64 {
+    body["choices"][0]["logprobs"]["content"][0]["logprob"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no logprob in {body}"))
+}
+
+fn usage(body: &Value) -> (u64, u64) {
+    let u = &body["usage"];
+    (
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_prompts_count_their_tokens_and_key_the_cache_by_content() {
+    let t = tiny_vl(&[]).await;
+    let (a, b) = (png("a_gradient.png"), png("b_stripes.png"));
+
+    let (status, first, _) = t.post("/v1/chat/completions", chat(&[a.clone()])).await;
+    assert_eq!(status, 200, "{first}");
+    let (prompt_tokens, cached) = usage(&first);
+    assert_eq!(cached, 0);
+
+    let (status, two, _) = t
+        .post("/v1/chat/completions", chat(&[a.clone(), b.clone()]))
+        .await;
+    assert_eq!(status, 200, "{two}");
+    // The second image adds its 16 image tokens and the template's newline.
+    assert_eq!(
+        usage(&two).0,
+        prompt_tokens + 17,
+        "image tokens are counted"
+    );
+
+    let (_, again, _) = t.post("/v1/chat/completions", chat(&[a.clone()])).await;
+    assert_eq!(first_logprob(&again), first_logprob(&first));
+    assert!(
+        usage(&again).1 >= 16,
+        "the same image is a prefix cache hit: {again}"
+    );
+
+    let (status, other, _) = t.post("/v1/chat/completions", chat(&[b])).await;
+    assert_eq!(status, 200, "{other}");
+    assert_ne!(
+        first_logprob(&other),
+        first_logprob(&first),
+        "another image changes the first token's logprob"
+    );
+    assert!(
+        usage(&other).1 < 16,
+        "another image behind the same text misses from the image on: {other}"
+    );
+
+    // Without --allowed-local-media-path, file: URLs are refused.
+    let file = format!("file://{}", std::env::temp_dir().join("x.png").display());
+    let (status, body, _) = t.post("/v1/chat/completions", chat(&[file])).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "messages[0].content[0]");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_images_are_refused_naming_the_part() {
+    let folder = common::temp_dir("media");
+    let inside = folder.join("a.png");
+    std::fs::write(&inside, image("a_gradient.png")).unwrap();
+    let outside = common::temp_dir("elsewhere").join("b.png");
+    std::fs::write(&outside, image("b_stripes.png")).unwrap();
+    let escape = folder.join("escape.png");
+    std::os::unix::fs::symlink(&outside, &escape).unwrap();
+    let folder_arg = folder.to_str().unwrap().to_owned();
+    let t = tiny_vl(&[
+        "--allowed-local-media-path",
+        &folder_arg,
+        "--max-file-size-mb",
+        "1",
+    ])
+    .await;
+
+    let (status, ok, _) = t
+        .post(
+            "/v1/chat/completions",
+            chat(&[format!("file://{}", inside.display())]),
+        )
+        .await;
+    assert_eq!(
+        status, 200,
+        "a file inside the allowed folder is read: {ok}"
+    );
+
+    let gif = data_url("image/png", b"GIF89a\x01\x00\x01\x00\x00\x00\x00;");
+    let big = data_url("image/png", &vec![0u8; 1024 * 1024 + 1]);
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("data:image/png;base64,@@@".into(), 400, "base64"),
+        (gif, 400, "GIF"),
+        (
+            data_url("image/png", &image("a_gradient.png")[..100]),
+            400,
+            "decode",
+        ),
+        ("data:text/plain;base64,aGk=".into(), 400, "media type"),
+        (format!("file://{}", outside.display()), 400, "outside"),
+        (format!("file://{}", escape.display()), 400, "outside"),
+        (format!("file://{}/../x.png", folder.display()), 400, ""),
+        ("https://example.invalid/cat.png".into(), 400, "http(s)"),
+        (big, 413, "exceeds"),
+    ];
+    for (url, want, says) in cases {
+        let (status, body, _) = t.post("/v1/chat/completions", chat(&[url])).await;
+        assert_eq!(status, want, "{body}");
+        assert_eq!(body["error"]["param"], "messages[0].content[0]", "{body}");
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(says), "{says:?} not in {msg:?}");
+    }
+
+    let many: Vec<String> = (0..17).map(|_| png("a_gradient.png")).collect();
+    let (status, body, _) = t.post("/v1/chat/completions", chat(&many)).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("limit"));
+
+    let mut audio = chat(&[]);
+    audio["messages"][0]["content"][0] = json!({"type": "input_audio", "input_audio": {}});
+    let (status, body, _) = t.post("/v1/chat/completions", audio).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "messages[0].content[0]");
+
+    // The worker still serves after all of that.
+    let (status, body, _) = t
+        .post("/v1/chat/completions", chat(&[png("b_stripes.png")]))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let _ = std::fs::remove_dir_all(&folder);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_model_refuses_images() {
+    let t = Topology::start_healthy(1, &[], &[]).await;
+    let mut body = chat(&[png("a_gradient.png")]);
+    body["model"] = json!("tandem-tiny");
+    let (status, resp, _) = t.post("/v1/chat/completions", body).await;
+    assert_eq!(status, 400, "{resp}");
+    assert_eq!(resp["error"]["param"], "messages[0].content[0]");
+    assert!(resp["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("does not take images"));
+}
