@@ -142,7 +142,7 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
         (
             json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
             400,
-            "image_url",
+            "does not take images",
         ),
         (
             json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100}),

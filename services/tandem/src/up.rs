@@ -22,9 +22,13 @@ pub struct UpArgs {
     /// KV transport between prefill and decode workers (disagg topology): ucx or tcp.
     #[arg(long, default_value = "ucx", value_parser = ["ucx", "tcp"])]
     pub kv_transport: String,
-    /// Model folder; the built-in tiny model when unset.
+    /// Model folder; the built-in model (`--builtin-model`) when unset.
     #[arg(long, alias = "model")]
     pub model_path: Option<PathBuf>,
+    /// The built-in model served without --model-path: `tiny` (text, `tandem-tiny`) or
+    /// `tiny-vl` (a random LLaVA that takes images, `tandem-tiny-vl`).
+    #[arg(long, default_value = "tiny", value_parser = ["tiny", "tiny-vl"], conflicts_with = "model_path")]
+    pub builtin_model: String,
     /// Number of workers (decode workers in the disagg topology).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub workers: u32,
@@ -50,6 +54,26 @@ pub struct UpArgs {
     /// Extra flags for the router (repeat, e.g. --router-arg=--enforce-disagg).
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     pub router_args: Vec<String>,
+}
+
+/// The model folder to hand the workers (none: their built-in tiny model) and the name it
+/// is served under. The built-in models are built once here, not racing in every worker.
+async fn served_model(args: &UpArgs) -> anyhow::Result<(Option<PathBuf>, String)> {
+    if let Some(p) = &args.model_path {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        return Ok((Some(p.clone()), name));
+    }
+    if args.builtin_model == "tiny-vl" {
+        let dir = tokio::task::spawn_blocking(tandem_tiny_model::ensure_tiny_vl_model).await??;
+        println!("tandem: built-in tiny LLaVA model at {}", dir.display());
+        return Ok((Some(dir), "tandem-tiny-vl".into()));
+    }
+    let dir = tokio::task::spawn_blocking(tandem_tiny_model::ensure_tiny_model).await??;
+    println!("tandem: built-in tiny model at {}", dir.display());
+    Ok((None, "tandem-tiny".into()))
 }
 
 fn sibling(name: &str) -> anyhow::Result<PathBuf> {
@@ -203,11 +227,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    if args.model_path.is_none() {
-        // Build the tiny model once here, not racing in every worker.
-        let dir = tokio::task::spawn_blocking(tandem_tiny_model::ensure_tiny_model).await??;
-        println!("tandem: built-in tiny model at {}", dir.display());
-    }
+    let (model_path, model) = served_model(&args).await?;
     let root = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
     std::fs::create_dir_all(&root)?;
     let mut topo = Topology {
@@ -249,9 +269,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 wargs.push("--kv-transport".into());
                 wargs.push(args.kv_transport.clone());
             }
-            if let Some(p) = &args.model_path {
+            if let Some(p) = &model_path {
                 wargs.push("--model-path".into());
                 wargs.push(p.display().to_string());
+                wargs.push("--served-model-name".into());
+                wargs.push(model.clone());
             }
             wargs.extend(security.iter().cloned());
             wargs.extend(args.worker_args.iter().cloned());
@@ -311,13 +333,6 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             return Err(e);
         }
     };
-    let model = match &args.model_path {
-        None => "tandem-tiny".to_string(),
-        Some(p) => p
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-    };
     println!();
     let shape = if disagg {
         format!(
@@ -331,6 +346,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     println!(
         "  curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'"
     );
+    if model == "tandem-tiny-vl" {
+        println!(
+            "  or with an image (base64 of a PNG, JPEG or WebP file):\n  curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"max_tokens\": 16, \"messages\": [{{\"role\": \"user\", \"content\": [{{\"type\": \"image_url\", \"image_url\": {{\"url\": \"data:image/png;base64,'\"$(base64 -w0 cat.png)\"'\"}}}}, {{\"type\": \"text\", \"text\": \"What is this?\"}}]}}]}}'"
+        );
+    }
     println!("Press Ctrl-C to stop.");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
