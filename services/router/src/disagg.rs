@@ -74,9 +74,6 @@ pub struct DecisionInput {
     pub beam_search: bool,
     /// Prefill workers with the decode worker's KV layout.
     pub compatible_prefill: usize,
-    /// The prompt holds images: their vision tower runs where the prompt is prefilled, and a
-    /// remote prefill does not take images yet.
-    pub images: bool,
 }
 
 /// Why the prompt is prefilled on the decode worker.
@@ -96,8 +93,6 @@ pub enum LocalReason {
     DecodeCacheHit,
     /// Every compatible prefill worker is busy.
     PrefillBusy,
-    /// The prompt holds images, which only the decode worker's own prefill takes yet.
-    Images,
 }
 
 impl LocalReason {
@@ -110,7 +105,6 @@ impl LocalReason {
             LocalReason::ShortPrompt => "short_prompt",
             LocalReason::DecodeCacheHit => "decode_cache_hit",
             LocalReason::PrefillBusy => "prefill_busy",
-            LocalReason::Images => "images",
         }
     }
 }
@@ -145,8 +139,6 @@ pub enum Refusal {
     MultipleChoices,
     /// `use_beam_search` (400).
     BeamSearch,
-    /// Images (400).
-    Images,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,12 +163,6 @@ pub fn decide(policy: &DisaggPolicy, input: &DecisionInput) -> Decision {
         }
     };
     if forced != RemoteReason::UncachedPrompt {
-        if input.images {
-            return Decision::Refuse {
-                what: Refusal::Images,
-                cause: forced,
-            };
-        }
         if input.beam_search {
             return Decision::Refuse {
                 what: Refusal::BeamSearch,
@@ -199,9 +185,6 @@ pub fn decide(policy: &DisaggPolicy, input: &DecisionInput) -> Decision {
     }
     if input.compatible_prefill == 0 {
         return Decision::Local(LocalReason::NoPrefillWorker);
-    }
-    if input.images {
-        return Decision::Local(LocalReason::Images);
     }
     if input.beam_search {
         return Decision::Local(LocalReason::BeamSearch);
@@ -238,14 +221,6 @@ pub fn refusal_error(what: Refusal, cause: RemoteReason, decode: &WorkerEntry) -
                 cause_text(cause)
             ),
             Some("use_beam_search"),
-        ),
-        Refusal::Images => ApiError::bad_request(
-            format!(
-                "image inputs are not supported with disaggregated prefill/decode yet ({}); \
-                 they run on aggregated or `pd` workers without --enforce-disagg",
-                cause_text(cause)
-            ),
-            Some("messages"),
         ),
         Refusal::MultipleChoices => ApiError::bad_request(
             format!(
@@ -344,7 +319,6 @@ pub struct RoutedRequest<'a> {
     pub hashes: &'a [LocalBlockHash],
     pub prompt_len: usize,
     pub params: &'a SamplingParams,
-    pub images: bool,
 }
 
 /// Decides where the prompt of a request routed to `req.decode` is prefilled. An empty list
@@ -377,7 +351,6 @@ impl RoutedRequest<'_> {
             n: self.params.n,
             beam_search: self.params.use_beam_search,
             compatible_prefill,
-            images: self.images,
         }
     }
 

@@ -279,7 +279,6 @@ impl Request<'_> {
                 hashes,
                 prompt_len: self.prompt.len(),
                 params: &self.params,
-                images: !self.images.is_empty(),
             },
         )
     }

@@ -78,7 +78,9 @@ async fn image_prompts_count_their_tokens_and_key_the_cache_by_content() {
     let t = tiny_vl(&[]).await;
     let (a, b) = (png("a_gradient.png"), png("b_stripes.png"));
 
-    let (status, first, _) = t.post("/v1/chat/completions", chat(&[a.clone()])).await;
+    let (status, first, _) = t
+        .post("/v1/chat/completions", chat(std::slice::from_ref(&a)))
+        .await;
     assert_eq!(status, 200, "{first}");
     let (prompt_tokens, cached) = usage(&first);
     assert_eq!(cached, 0);
@@ -94,7 +96,9 @@ async fn image_prompts_count_their_tokens_and_key_the_cache_by_content() {
         "image tokens are counted"
     );
 
-    let (_, again, _) = t.post("/v1/chat/completions", chat(&[a.clone()])).await;
+    let (_, again, _) = t
+        .post("/v1/chat/completions", chat(std::slice::from_ref(&a)))
+        .await;
     assert_eq!(first_logprob(&again), first_logprob(&first));
     assert!(
         usage(&again).1 >= 16,
@@ -205,4 +209,77 @@ async fn a_text_model_refuses_images() {
         .as_str()
         .unwrap()
         .contains("does not take images"));
+}
+
+/// The greedy tokens and first logprob of an image chat request on `t`.
+async fn greedy(t: &Topology, urls: &[String]) -> (Vec<Value>, f64, u64) {
+    let mut body = chat(urls);
+    body["max_tokens"] = json!(8);
+    let (status, resp, _) = t.post("/v1/chat/completions", body).await;
+    assert_eq!(status, 200, "{resp}");
+    let tokens = resp["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c["token"].clone())
+        .collect();
+    (tokens, first_logprob(&resp), usage(&resp).0)
+}
+
+/// EP/D: the prefill worker encodes the images and pushes the prompt's KV to a `pd` decode
+/// worker (`--enforce-disagg`); the output equals the aggregated worker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encode_in_prefill_equals_aggregated() {
+    let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
+    let dir = dir.to_str().unwrap().to_owned();
+    let model = ["--model-path", dir.as_str(), "--served-model-name", MODEL];
+    let agg = tiny_vl(&[]).await;
+    let urls = [png("a_gradient.png"), png("b_stripes.png")];
+    let want_one = greedy(&agg, &urls[..1]).await;
+    let want_two = greedy(&agg, &urls).await;
+
+    let disc = common::temp_dir("epd");
+    let common_args: Vec<&str> = model
+        .iter()
+        .copied()
+        .chain(["--kv-transport", "tcp"])
+        .collect();
+    let _prefill = common::start_role(&disc, "tandem-prefill", "prefill", &common_args, &[]);
+    let decode = common::start_role(&disc, "tandem-decode", "pd", &common_args, &[]);
+    let router = common::start_router(&disc, 1, &["--enforce-disagg", "--expose-worker-id"]);
+    let t = Topology {
+        base: format!("http://{}", common::field(router.ready_line(), "http=")),
+        workers: vec![decode],
+        router: Some(router),
+        discovery: disc,
+    };
+    t.wait_healthy().await;
+    // The router sees the prefill worker before it sends it work.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (status, body, headers) = t.post("/v1/chat/completions", chat(&urls[..1])).await;
+        if status == 200 && headers.contains_key("x-tandem-prefill-worker-id") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never prefilled remotely: {status} {body} {headers:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    for (name, urls, want) in [
+        ("one image", &urls[..1], want_one),
+        ("two images", &urls[..], want_two),
+    ] {
+        let got = greedy(&t, urls).await;
+        assert_eq!(got.0, want.0, "{name}: greedy tokens");
+        assert_eq!(got.2, want.2, "{name}: prompt tokens");
+        assert!(
+            (got.1 - want.1).abs() < 1e-4,
+            "{name}: first logprob {} vs {}",
+            got.1,
+            want.1
+        );
+    }
 }

@@ -17,9 +17,10 @@ use tandem_pki::ChannelSecurity;
 use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
 use tandem_engine::kv::block_manager::HashContext;
 use tandem_engine::kv::hash::CacheSalt;
+use tandem_engine::request::MediaSpan;
 use tandem_engine::sampler::SamplingParams;
 use tandem_kv_transfer::RemoteRegion;
-use tandem_protocol::wire::required;
+use tandem_protocol::wire::{required, TryFromWire};
 use tandem_protocol::worker::worker_client::WorkerClient;
 use tandem_protocol::worker::{
     FenceLeaseRequest, GenerateDisaggRequest, GenerateOutput, GenerateRequest, KvLease,
@@ -141,6 +142,7 @@ impl DecodeSide {
         if req.prefill_workers.is_empty() {
             return Err(Status::invalid_argument("prefill_workers is empty"));
         }
+        hashing_of(&request)?;
         // Only registered prefill workers of this namespace get dialled (and handed the KV
         // region's descriptor and secret).
         let Some(known) = self.known_prefills.get() else {
@@ -245,14 +247,10 @@ impl DecodeSide {
             .leases
             .next()
             .map_err(|e| Attempt::Refused(Status::internal(e.to_string())))?;
+        let hashing = hashing_of(request).map_err(Attempt::Refused)?;
         let reservation = match self
             .engine
-            .reserve(
-                lease_id,
-                request.prompt.clone(),
-                params.clone(),
-                HashContext::salted(request.cache_salt.map(CacheSalt)),
-            )
+            .reserve(lease_id, request.prompt.clone(), params.clone(), hashing)
             .await
         {
             Ok(r) => r,
@@ -428,6 +426,23 @@ impl DecodeSide {
             );
         });
     }
+}
+
+/// What the request's blocks are hashed under: its cache salt and its images' spans (the
+/// prefill worker encodes the images; the blocks it writes carry their hashes).
+fn hashing_of(request: &GenerateRequest) -> Result<HashContext, Status> {
+    let spans = request
+        .media
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let span = required(m.span, "span").map_err(|e| e.within(&format!("media[{i}]")))?;
+            MediaSpan::try_from_wire(span).map_err(|e| e.within(&format!("media[{i}]")))
+        })
+        .collect::<Result<Vec<_>, WireError>>()
+        .map_err(|e| Status::from(e.within("request")))?;
+    HashContext::new(request.cache_salt.map(CacheSalt), spans)
+        .map_err(|e| Status::invalid_argument(format!("request.media: {e}")))
 }
 
 fn describe(status: &Status) -> String {

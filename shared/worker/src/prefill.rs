@@ -29,6 +29,7 @@ use tandem_protocol::WireError;
 use tokio::sync::{oneshot, watch, Notify};
 use tonic::Status;
 
+use crate::media::MediaEncoder;
 use crate::transport::{KvWriter, SimulatedLink};
 use crate::wire::{engine_sub, EngineIntoWire};
 
@@ -71,6 +72,9 @@ pub struct PrefillSide {
     connections: tokio::sync::Mutex<HashMap<PeerAddress, Arc<AnyConnection>>>,
     writes: Mutex<(HashMap<LeaseKey, ActiveWrite>, Fenced)>,
     pub bytes_sent: AtomicU64,
+    /// The model's vision tower, when it takes images: this worker encodes a prompt's
+    /// images itself before prefilling it (EP/D).
+    media: std::sync::OnceLock<Arc<MediaEncoder>>,
 }
 
 /// Sets the flag when dropped unless disarmed: a cancelled gRPC call stops its write task.
@@ -106,7 +110,13 @@ impl PrefillSide {
             connections: tokio::sync::Mutex::new(HashMap::new()),
             writes: Mutex::new((HashMap::new(), Fenced::default())),
             bytes_sent: AtomicU64::new(0),
+            media: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Lets this prefill worker take images (its model's vision tower).
+    pub fn set_media(&self, media: Arc<MediaEncoder>) {
+        let _ = self.media.set(media);
     }
 
     fn writes(&self) -> std::sync::MutexGuard<'_, (HashMap<LeaseKey, ActiveWrite>, Fenced)> {
@@ -118,8 +128,22 @@ impl PrefillSide {
         self.writes().0.len()
     }
 
-    pub async fn prefill(self: &Arc<Self>, req: PrefillRequest) -> Result<PrefillReply, Status> {
-        let (request, lease, region) = self.check(req)?;
+    pub async fn prefill(
+        self: &Arc<Self>,
+        mut req: PrefillRequest,
+    ) -> Result<PrefillReply, Status> {
+        let images = req
+            .request
+            .as_mut()
+            .map(|r| std::mem::take(&mut r.media))
+            .unwrap_or_default();
+        let (mut request, lease, region) = self.check(req)?;
+        if !images.is_empty() {
+            let media = self.media.get().ok_or_else(|| {
+                Status::invalid_argument("request.media: this worker's model does not take images")
+            })?;
+            request.media = media.embed(&request.prompt, images).await?;
+        }
         let key = (lease.owner_instance_id, lease.lease_id);
         let cancel = Arc::new(Cancel::default());
         let done_tx = self.register_write(key, &lease, &cancel)?;

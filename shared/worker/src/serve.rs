@@ -71,6 +71,25 @@ pub async fn run_with(
 }
 
 /// Like [`run_with`], with the KV blocks of disaggregated serving moved as `kv` says.
+/// The gRPC service over the engine, its disaggregation sides and, for a model that takes
+/// images, its vision tower (shared with the prefill side, which encodes in EP/D).
+fn worker_service(built: &BuiltEngine, sides: &DisaggSides) -> anyhow::Result<WorkerService> {
+    let media = crate::media::MediaEncoder::for_model(&built.model)?.map(Arc::new);
+    if let (Some(prefill), Some(m)) = (&sides.prefill, &media) {
+        prefill.set_media(m.clone());
+    }
+    Ok(WorkerService::new(
+        built.engine.clone(),
+        ModelFilesSource {
+            folder: built.model.path.clone(),
+            tokenizer_hash: built.model.tokenizer_hash.clone(),
+        },
+    )
+    .with_decode(sides.decode.clone())
+    .with_prefill(sides.prefill.clone())
+    .with_media(media))
+}
+
 pub async fn run_with_transfer(
     cfg: WorkerConfig,
     build: EngineBuilder,
@@ -95,16 +114,7 @@ pub async fn run_with_transfer(
         ));
     }
     let (listener, grpc_addr) = bind_grpc(&cfg).await?;
-    let service = WorkerService::new(
-        built.engine.clone(),
-        ModelFilesSource {
-            folder: built.model.path.clone(),
-            tokenizer_hash: built.model.tokenizer_hash.clone(),
-        },
-    )
-    .with_decode(sides.decode.clone())
-    .with_prefill(sides.prefill.clone())
-    .with_media(crate::media::MediaEncoder::for_model(&built.model)?.map(Arc::new));
+    let service = worker_service(&built, &sides)?;
     let accepting = service.accepting_flag();
     let health_flag = accepting.clone();
     let health_engine = built.engine.clone();

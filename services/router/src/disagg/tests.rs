@@ -33,7 +33,6 @@ fn input_with(
             n,
             beam_search: false,
             compatible_prefill: prefill,
-            images: Default::default(),
         },
     )
 }
@@ -48,7 +47,6 @@ fn beam(policy: &DisaggPolicy, role: WorkerRole, prefill: usize) -> Decision {
             n: 2,
             beam_search: true,
             compatible_prefill: prefill,
-            images: Default::default(),
         },
     )
 }
@@ -77,39 +75,6 @@ fn beam_search_runs_aggregated_or_is_refused_when_disagg_is_forced() {
             }
         );
     }
-}
-
-#[test]
-fn image_prompts_prefill_on_the_decode_worker_or_are_refused_when_disagg_is_forced() {
-    let images = |policy: &DisaggPolicy, role| {
-        decide(
-            policy,
-            &DecisionInput {
-                decode_role: role,
-                prompt_len: 4096,
-                cached_tokens: 0,
-                n: 1,
-                beam_search: false,
-                compatible_prefill: 2,
-                images: true,
-            },
-        )
-    };
-    assert_eq!(images(&POLICY, WorkerRole::Pd), Local(LocalReason::Images));
-    assert_eq!(
-        images(&ENFORCED, WorkerRole::Pd),
-        Refuse {
-            what: Refusal::Images,
-            cause: RemoteReason::Enforced
-        }
-    );
-    assert_eq!(
-        images(&POLICY, WorkerRole::Decode),
-        Refuse {
-            what: Refusal::Images,
-            cause: RemoteReason::DecodeOnly
-        }
-    );
 }
 
 use Decision::*;
@@ -365,7 +330,6 @@ fn routed<'a>(
         hashes,
         prompt_len,
         params,
-        images: Default::default(),
     }
 }
 

@@ -146,3 +146,50 @@ async fn a_backend_without_media_support_refuses_embeddings() {
         "{err:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continued_sequence_never_recomputes_images_it_has_no_embeddings_for() {
+    let (h, _) = engine();
+    let mut r = request("moved", vec![]);
+    r.params.max_tokens = Some(4);
+    let layout = h.layout().clone();
+    // A sequence prefilled elsewhere: only its first block's KV came along, its image spans
+    // did, its embeddings did not.
+    let state = SequenceState {
+        request_id: "moved".into(),
+        index: 0,
+        params: r.params.clone(),
+        tokens: [r.prompt.clone(), vec![5]].concat(),
+        prompt_len: r.prompt.len(),
+        max_tokens: 4,
+        num_computed: BLOCK,
+        cached_prompt_tokens: 0,
+        sampler: crate::sampler::SamplerState::new(1, 0),
+        stop: crate::sampler::StopMatcher::new(&[] as &[String]),
+        cache_salt: None,
+        media: vec![MediaSpan {
+            start: 6,
+            len: 12,
+            hash: 1,
+        }],
+    };
+    let snapshot = RequestSnapshot {
+        kv: vec![0u8; layout.block_bytes()],
+        layout,
+        state,
+    };
+    let outs = tokio::time::timeout(
+        super::test_backend::T,
+        h.import(snapshot).await.unwrap().collect(),
+    )
+    .await
+    .unwrap();
+    let last = outs.last().expect("an output");
+    assert_eq!(last.finish_reason, Some(FinishReason::Abort));
+    assert!(
+        last.error
+            .as_deref()
+            .is_some_and(|e| e.contains("embeddings")),
+        "{last:?}"
+    );
+}

@@ -9,7 +9,7 @@ use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::sampler::{SampleContext, SamplePlan};
 use crate::scheduler::{ScheduledSeq, Scheduler};
-use crate::sequence::SeqId;
+use crate::sequence::{SeqId, Sequence};
 
 /// What a step's backend call returned: logits rows to sample here, or tokens it sampled.
 enum StepResult {
@@ -34,6 +34,7 @@ impl Core {
         // `live_pieces` then leaves out.)
         self.flush_prefills(&sch.seqs);
         let pieces = self.live_pieces(&sch.seqs);
+        let pieces = self.drop_pieces_without_media(pieces);
         let prompt_tokens = self.prompt_tokens_in(&pieces);
         let result = match self.forward(&pieces) {
             Ok(r) => r,
@@ -56,6 +57,34 @@ impl Core {
             .filter(|p| self.sched.get(p.id).is_some())
             .copied()
             .collect()
+    }
+
+    /// Pieces that would compute image positions without the image's embeddings (a
+    /// sequence continued from another engine, which encoded its images, and whose blocks
+    /// were evicted here) cannot run right: their requests fail, saying why.
+    fn drop_pieces_without_media(&mut self, pieces: Vec<ScheduledSeq>) -> Vec<ScheduledSeq> {
+        let (ok, missing): (Vec<_>, Vec<_>) = pieces.into_iter().partition(|p| {
+            self.sched
+                .get(p.id)
+                .is_none_or(|s| media_present(s, p.start, p.len))
+        });
+        if missing.is_empty() {
+            return ok;
+        }
+        for p in missing {
+            if let Some(rid) = self.requests.request_of(p.id).map(str::to_owned) {
+                self.fail(
+                    &rid,
+                    Some(
+                        "the prompt's image positions must be recomputed, but this engine does \
+                         not hold the images' embeddings (they were encoded where the prompt \
+                         was prefilled)"
+                            .into(),
+                    ),
+                );
+            }
+        }
+        self.live_pieces(&ok)
     }
 
     /// Tokens at prompt positions among the pieces.
@@ -233,6 +262,17 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Whether every image span that positions `start..start + len` of `s` touch has its
+/// embeddings.
+fn media_present(s: &Sequence, start: usize, len: usize) -> bool {
+    s.table
+        .hashing()
+        .media()
+        .iter()
+        .filter(|m| m.start < start + len && start < m.start + m.len)
+        .all(|m| s.media.iter().any(|e| e.span == *m))
 }
 
 /// The backend rows of the pieces, in order.
