@@ -1,8 +1,14 @@
-//! `tandem-encode`: the encode worker. A thin main over the shared crates.
+//! `tandem-encode`: the encode worker — runs a multimodal model's vision tower for prefill
+//! and aggregated workers and writes image embeddings into their memory (E/P/D). A thin
+//! main over the shared worker crate.
 
-fn main() {
-    tandem_config::entry::refuse_role(
-        tandem_config::Role::Encode,
-        "encode workers are not implemented yet: multimodal (encode) serving is not built",
-    );
+use tandem_config::{entry, Role};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tandem_config::entry::init_logging();
+    let Some(cfg) = entry::worker_config_or_exit(Role::Encode) else {
+        return Ok(());
+    };
+    tandem_worker::encode::serve::run(cfg).await
 }

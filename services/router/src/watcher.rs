@@ -69,8 +69,8 @@ pub async fn add_worker(state: &AppState, card_json: Value) {
             return;
         }
     };
-    // Encode workers are not used yet (multimodal is a later stage). Prefill workers are
-    // kept apart from the workers that serve `Generate` (see `models`).
+    // Encode workers serve prefill and aggregated workers, never the router (E/P/D). Prefill
+    // workers are kept apart from the workers that serve `Generate` (see `models`).
     if card.role == WorkerRole::Encode {
         return;
     }

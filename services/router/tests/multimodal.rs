@@ -51,7 +51,13 @@ async fn tiny_vl(router_args: &[&str]) -> Topology {
     let dir = dir.to_str().expect("utf-8 path").to_owned();
     Topology::start_healthy(
         1,
-        &["--model-path", &dir, "--served-model-name", MODEL],
+        &[
+            "--model-path",
+            &dir,
+            "--served-model-name",
+            MODEL,
+            "--enable-multimodal",
+        ],
         router_args,
     )
     .await
@@ -212,7 +218,7 @@ async fn a_text_model_refuses_images() {
 }
 
 /// The greedy tokens and first logprob of an image chat request on `t`.
-async fn greedy(t: &Topology, urls: &[String]) -> (Vec<Value>, f64, u64) {
+async fn greedy(t: &Topology, urls: &[String]) -> Greedy {
     let mut body = chat(urls);
     body["max_tokens"] = json!(8);
     let (status, resp, _) = t.post("/v1/chat/completions", body).await;
@@ -227,52 +233,14 @@ async fn greedy(t: &Topology, urls: &[String]) -> (Vec<Value>, f64, u64) {
     (tokens, first_logprob(&resp), usage(&resp).0)
 }
 
-/// EP/D: the prefill worker encodes the images and pushes the prompt's KV to a `pd` decode
-/// worker (`--enforce-disagg`); the output equals the aggregated worker's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn encode_in_prefill_equals_aggregated() {
-    let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
-    let dir = dir.to_str().unwrap().to_owned();
-    let model = ["--model-path", dir.as_str(), "--served-model-name", MODEL];
-    let agg = tiny_vl(&[]).await;
-    let urls = [png("a_gradient.png"), png("b_stripes.png")];
-    let want_one = greedy(&agg, &urls[..1]).await;
-    let want_two = greedy(&agg, &urls).await;
+/// What [`greedy`] returns.
+type Greedy = (Vec<Value>, f64, u64);
 
-    let disc = common::temp_dir("epd");
-    let common_args: Vec<&str> = model
-        .iter()
-        .copied()
-        .chain(["--kv-transport", "tcp"])
-        .collect();
-    let _prefill = common::start_role(&disc, "tandem-prefill", "prefill", &common_args, &[]);
-    let decode = common::start_role(&disc, "tandem-decode", "pd", &common_args, &[]);
-    let router = common::start_router(&disc, 1, &["--enforce-disagg", "--expose-worker-id"]);
-    let t = Topology {
-        base: format!("http://{}", common::field(router.ready_line(), "http=")),
-        workers: vec![decode],
-        router: Some(router),
-        discovery: disc,
-    };
-    t.wait_healthy().await;
-    // The router sees the prefill worker before it sends it work.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let (status, body, headers) = t.post("/v1/chat/completions", chat(&urls[..1])).await;
-        if status == 200 && headers.contains_key("x-tandem-prefill-worker-id") {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never prefilled remotely: {status} {body} {headers:?}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    for (name, urls, want) in [
-        ("one image", &urls[..1], want_one),
-        ("two images", &urls[..], want_two),
-    ] {
-        let got = greedy(&t, urls).await;
+/// Each case's greedy output on `t` is the expected one (tokens, prompt tokens, and the
+/// first logprob within 1e-4).
+async fn assert_same_greedy(t: &Topology, cases: &[(&str, &[String], &Greedy)]) {
+    for (name, urls, want) in cases {
+        let got = greedy(t, urls).await;
         assert_eq!(got.0, want.0, "{name}: greedy tokens");
         assert_eq!(got.2, want.2, "{name}: prompt tokens");
         assert!(
@@ -282,4 +250,260 @@ async fn encode_in_prefill_equals_aggregated() {
             want.1
         );
     }
+}
+
+/// Every role's flags for the tiny LLaVA in `dir`, images enabled, TCP transfers.
+fn multimodal_args(dir: &str) -> [&str; 7] {
+    [
+        "--model-path",
+        dir,
+        "--served-model-name",
+        MODEL,
+        "--kv-transport",
+        "tcp",
+        "--enable-multimodal",
+    ]
+}
+
+/// A router over `worker` (and the other workers registered in `disc`), healthy.
+async fn routed(disc: std::path::PathBuf, worker: common::Proc, router_args: &[&str]) -> Topology {
+    let router = common::start_router(&disc, 1, router_args);
+    let t = Topology {
+        base: format!("http://{}", common::field(router.ready_line(), "http=")),
+        workers: vec![worker],
+        router: Some(router),
+        discovery: disc,
+    };
+    t.wait_healthy().await;
+    t
+}
+
+/// A prefill worker, a `pd` decode worker and a router that always disaggregates, once the
+/// router prefills remotely.
+async fn disaggregated(disc: std::path::PathBuf, worker_args: &[&str]) -> (common::Proc, Topology) {
+    let prefill = common::start_role(&disc, "tandem-prefill", "prefill", worker_args, &[]);
+    let decode = common::start_role(&disc, "tandem-decode", "pd", worker_args, &[]);
+    let t = routed(disc, decode, &["--enforce-disagg", "--expose-worker-id"]).await;
+    wait_remote_prefill(&t).await;
+    (prefill, t)
+}
+
+/// Waits (bounded) until the router has seen the prefill worker: a text request is
+/// prefilled remotely.
+async fn wait_remote_prefill(t: &Topology) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (status, body, headers) = t.post("/v1/chat/completions", chat(&[])).await;
+        if status == 200 && headers.contains_key("x-tandem-prefill-worker-id") {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never prefilled remotely: {status} {body} {headers:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// EP/D: the prefill worker encodes the images and pushes the prompt's KV to a `pd` decode
+/// worker (`--enforce-disagg`); the output equals the aggregated worker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encode_in_prefill_equals_aggregated() {
+    let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
+    let dir = dir.to_str().unwrap().to_owned();
+    let agg = tiny_vl(&[]).await;
+    let urls = [png("a_gradient.png"), png("b_stripes.png")];
+    let want_one = greedy(&agg, &urls[..1]).await;
+    let want_two = greedy(&agg, &urls).await;
+
+    let disc = common::temp_dir("epd");
+    let (_prefill, t) = disaggregated(disc, &multimodal_args(&dir)).await;
+    assert_same_greedy(
+        &t,
+        &[
+            ("one image", &urls[..1], &want_one),
+            ("two images", &urls[..], &want_two),
+        ],
+    )
+    .await;
+}
+
+/// A counter or gauge of a worker's `/metrics` (summed over its label sets that contain
+/// `labels`); 0 when absent.
+async fn metric(worker: &common::Proc, name: &str, labels: &str) -> f64 {
+    let addr = common::field(worker.ready_line(), "http=");
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .expect("worker /metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter(|l| l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// E/P/D: an encode worker runs the vision tower and writes the embeddings into the prefill
+/// worker's memory over the transfer layer; the output equals the aggregated worker's, the
+/// same image twice is an embedding-cache hit, the bytes moved are in both sides' metrics, and
+/// no embedding region is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn separate_encode_workers_equal_aggregated() {
+    let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
+    let dir = dir.to_str().unwrap().to_owned();
+    let agg = tiny_vl(&[]).await;
+    let urls = [png("a_gradient.png"), png("b_stripes.png")];
+    let want_one = greedy(&agg, &urls[..1]).await;
+    let want_two = greedy(&agg, &urls).await;
+
+    let disc = common::temp_dir("e-p-d");
+    let base = multimodal_args(&dir);
+    let encoder_args: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--multimodal-embedding-cache-capacity-gb", "0.1"])
+        .collect();
+    let client_args: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--encode-endpoint", "dyn://dynamo.encode.generate"])
+        .collect();
+    let encoder = common::start_role(&disc, "tandem-encode", "encode", &encoder_args, &[]);
+    let (prefill, t) = disaggregated(disc, &client_args).await;
+    assert_same_greedy(
+        &t,
+        &[
+            ("one image", &urls[..1], &want_one),
+            ("two images", &urls[..], &want_two),
+            ("one image again", &urls[..1], &want_one),
+        ],
+    )
+    .await;
+    // Four images went to the encode worker; the first (a) and second (b) were encoded, the
+    // other two were a again: cache hits.
+    let hits = metric(&encoder, "tandem_encode_images_total", "cache=\"hit\"").await;
+    let misses = metric(&encoder, "tandem_encode_images_total", "cache=\"miss\"").await;
+    assert_eq!((hits, misses), (2.0, 2.0), "embedding cache hits, misses");
+    // 16 image tokens x hidden 64 x 4 bytes per image, four images, both sides.
+    let per_image = 16.0 * 64.0 * 4.0;
+    let written = metric(&encoder, "tandem_encode_bytes_written_total", "").await;
+    let received = metric(&prefill, "tandem_worker_embedding_bytes_received_total", "").await
+        + metric(
+            &t.workers[0],
+            "tandem_worker_embedding_bytes_received_total",
+            "",
+        )
+        .await;
+    assert_eq!(
+        written,
+        4.0 * per_image,
+        "bytes written by the encode worker"
+    );
+    assert_eq!(
+        received, written,
+        "bytes received by the prefill and decode workers"
+    );
+    for w in [&prefill, &t.workers[0]] {
+        let live = metric(w, "tandem_worker_embedding_regions", "state=\"live\"").await;
+        let q = metric(
+            w,
+            "tandem_worker_embedding_regions",
+            "state=\"quarantined\"",
+        )
+        .await;
+        assert_eq!((live, q), (0.0, 0.0), "embedding regions left");
+    }
+}
+
+/// Waits (bounded) until a worker's embedding regions are `(live, quarantined)`.
+async fn wait_regions(worker: &common::Proc, want: (f64, f64)) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let live = metric(worker, "tandem_worker_embedding_regions", "state=\"live\"").await;
+        let q = metric(
+            worker,
+            "tandem_worker_embedding_regions",
+            "state=\"quarantined\"",
+        )
+        .await;
+        if (live, q) == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "embedding regions (live, quarantined) still {:?}, want {want:?}",
+            (live, q)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits (bounded) until `path` exists.
+async fn wait_file(path: &std::path::Path) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !path.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// An aggregated worker with `--encode-endpoint` gives up on an encode call whose write is
+/// held (the failpoint stands for a put in flight): the request fails, and the region stays
+/// quarantined until the encode worker's write has ended (then it is freed), or until the
+/// encode worker is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_given_up_encode_call_frees_its_region_only_once_the_writer_stopped() {
+    let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
+    let dir = dir.to_str().unwrap().to_owned();
+    let disc = common::temp_dir("encode-fence");
+    let holds = common::temp_dir("encode-hold");
+    let base = multimodal_args(&dir);
+    let hold_env = [("TANDEM_FAILPOINT_ENCODE_HOLD_DIR", holds.to_str().unwrap())];
+    let mut encoder = common::start_role(&disc, "tandem-encode", "encode", &base, &hold_env);
+    let worker_args: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--encode-endpoint", "dyn://dynamo.encode.generate"])
+        .chain(["--kv-lease-ttl-secs", "1"])
+        .collect();
+    let worker = common::start_role(&disc, "tandem-decode", "agg", &worker_args, &[]);
+    let t = routed(disc, worker, &[]).await;
+    let (status, body, _) = t
+        .post("/v1/chat/completions", chat(&[png("a_gradient.png")]))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    wait_regions(&t.workers[0], (0.0, 0.0)).await;
+
+    // Held, then released: the write lands in the quarantined region, which is then freed.
+    let (hold, reached) = (holds.join("hold"), holds.join("reached"));
+    std::fs::write(&hold, b"").unwrap();
+    let (status, body, _) = t
+        .post("/v1/chat/completions", chat(&[png("b_stripes.png")]))
+        .await;
+    assert!(
+        status >= 500,
+        "a timed-out encode call fails the request: {status} {body}"
+    );
+    wait_file(&reached).await;
+    wait_regions(&t.workers[0], (0.0, 1.0)).await;
+    std::fs::remove_file(&hold).unwrap();
+    wait_regions(&t.workers[0], (0.0, 0.0)).await;
+
+    // Held, then the encode worker dies: nothing can write any more, the region is freed.
+    std::fs::remove_file(&reached).unwrap();
+    std::fs::write(&hold, b"").unwrap();
+    let jpeg = data_url("image/jpeg", &image("c_checker.jpg"));
+    let (status, body, _) = t.post("/v1/chat/completions", chat(&[jpeg])).await;
+    assert!(status >= 500, "{status} {body}");
+    wait_file(&reached).await;
+    wait_regions(&t.workers[0], (0.0, 1.0)).await;
+    encoder.child.kill().unwrap();
+    encoder.child.wait().unwrap();
+    wait_regions(&t.workers[0], (0.0, 0.0)).await;
 }

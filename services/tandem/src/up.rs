@@ -12,23 +12,30 @@ use tokio::process::{Child, Command};
 
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
-    /// Topology to start: agg (router + aggregated workers) or disagg (router + prefill
-    /// workers + decode workers in `pd` mode, KV pushed from prefill to decode).
-    #[arg(long, default_value = "disagg", value_parser = ["agg", "disagg"])]
+    /// Topology to start: agg (router + aggregated workers), disagg (router + prefill
+    /// workers + decode workers in `pd` mode, KV pushed from prefill to decode) or epd (disagg
+    /// plus encode workers that turn images into embeddings and write them into the prefill
+    /// workers' memory; serves the built-in `tiny-vl` model by default).
+    #[arg(long, default_value = "disagg", value_parser = ["agg", "disagg", "epd"])]
     pub topology: String,
+    /// Encode workers (epd topology).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub encode_workers: u32,
     /// Prefill workers (disagg topology).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub prefill_workers: u32,
-    /// KV transport between prefill and decode workers (disagg topology): ucx or tcp.
+    /// KV transport between prefill and decode workers, and from encode workers to prefill
+    /// workers (disagg, epd topologies): ucx or tcp.
     #[arg(long, default_value = "ucx", value_parser = ["ucx", "tcp"])]
     pub kv_transport: String,
     /// Model folder; the built-in model (`--builtin-model`) when unset.
     #[arg(long, alias = "model")]
     pub model_path: Option<PathBuf>,
-    /// The built-in model served without --model-path: `tiny` (text, `tandem-tiny`) or
-    /// `tiny-vl` (a random LLaVA that takes images, `tandem-tiny-vl`).
-    #[arg(long, default_value = "tiny", value_parser = ["tiny", "tiny-vl"], conflicts_with = "model_path")]
-    pub builtin_model: String,
+    /// The built-in model served without --model-path: `tiny` (text, `tandem-tiny`; the
+    /// default of agg and disagg) or `tiny-vl` (a random LLaVA that takes images,
+    /// `tandem-tiny-vl`; the default of epd).
+    #[arg(long, value_parser = ["tiny", "tiny-vl"], conflicts_with = "model_path")]
+    pub builtin_model: Option<String>,
     /// Number of workers (decode workers in the disagg topology).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub workers: u32,
@@ -66,7 +73,7 @@ async fn served_model(args: &UpArgs) -> anyhow::Result<(Option<PathBuf>, String)
             .unwrap_or_default();
         return Ok((Some(p.clone()), name));
     }
-    if args.builtin_model == "tiny-vl" {
+    if builtin_model(args) == "tiny-vl" {
         let dir = tokio::task::spawn_blocking(tandem_tiny_model::ensure_tiny_vl_model).await??;
         println!("tandem: built-in tiny LLaVA model at {}", dir.display());
         return Ok((Some(dir), "tandem-tiny-vl".into()));
@@ -75,6 +82,24 @@ async fn served_model(args: &UpArgs) -> anyhow::Result<(Option<PathBuf>, String)
     println!("tandem: built-in tiny model at {}", dir.display());
     Ok((None, "tandem-tiny".into()))
 }
+
+/// The built-in model asked for, else the topology's default.
+fn builtin_model(args: &UpArgs) -> &str {
+    match (&args.builtin_model, args.topology.as_str()) {
+        (Some(m), _) => m,
+        (None, "epd") => "tiny-vl",
+        (None, _) => "tiny",
+    }
+}
+
+/// Whether the workers serve images (`--enable-multimodal`): the epd topology, or the
+/// built-in LLaVA.
+fn multimodal(args: &UpArgs) -> bool {
+    args.topology == "epd" || (args.model_path.is_none() && builtin_model(args) == "tiny-vl")
+}
+
+/// The endpoint encode workers register under (the default namespace's `encode` component).
+const ENCODE_ENDPOINT: &str = "dyn://dynamo.encode.generate";
 
 fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot locate the tandem binary")?;
@@ -218,12 +243,33 @@ fn spawn(bin: &Path, args: &[String], discovery_root: &Path) -> anyhow::Result<C
         .with_context(|| format!("cannot start {}", bin.display()))
 }
 
+/// A worker's multimodal flags: every role takes images; in the epd topology encode workers
+/// keep an embedding cache and the others have them encode every image.
+fn multimodal_args(mode: &str, epd: bool) -> Vec<String> {
+    let mut a = vec!["--enable-multimodal".to_string()];
+    match (mode, epd) {
+        ("encode", _) => a.extend([
+            "--multimodal-embedding-cache-capacity-gb".into(),
+            "1".into(),
+        ]),
+        (_, true) => a.extend(["--encode-endpoint".into(), ENCODE_ENDPOINT.into()]),
+        (_, false) => {}
+    }
+    a
+}
+
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
-    let disagg = args.topology == "disagg";
+    let epd = args.topology == "epd";
+    let disagg = args.topology == "disagg" || epd;
     let router_bin = sibling("tandem-router")?;
     let worker_bin = sibling("tandem-decode")?;
     let prefill_bin = if disagg {
         Some(sibling("tandem-prefill")?)
+    } else {
+        None
+    };
+    let encode_bin = if epd {
+        Some(sibling("tandem-encode")?)
     } else {
         None
     };
@@ -241,6 +287,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         // Prefill workers first: a `pd` decode worker serving before them would prefill
         // everything itself.
         let mut plan: Vec<(String, &Path, &str)> = Vec::new();
+        // Encode workers before the prefill workers that call them.
+        if let Some(e) = &encode_bin {
+            for i in 0..args.encode_workers {
+                plan.push((format!("encode worker {i}"), e.as_path(), "encode"));
+            }
+        }
         if let Some(p) = &prefill_bin {
             for i in 0..args.prefill_workers {
                 plan.push((format!("prefill worker {i}"), p.as_path(), "prefill"));
@@ -268,6 +320,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             if disagg {
                 wargs.push("--kv-transport".into());
                 wargs.push(args.kv_transport.clone());
+            }
+            if multimodal(&args) {
+                wargs.extend(multimodal_args(mode, epd));
             }
             if let Some(p) = &model_path {
                 wargs.push("--model-path".into());
@@ -334,7 +389,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         }
     };
     println!();
-    let shape = if disagg {
+    let shape = if epd {
+        format!(
+            "{} encode + {} prefill + {} decode worker(s), embeddings and KV over {}",
+            args.encode_workers, args.prefill_workers, args.workers, args.kv_transport
+        )
+    } else if disagg {
         format!(
             "{} prefill + {} decode worker(s), KV over {}",
             args.prefill_workers, args.workers, args.kv_transport

@@ -124,9 +124,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
         "conversation-affinity-dp-rank-source",
         "attention-DP conversation affinity",
     ),
-    ("enable-multimodal", "multimodal serving"),
-    ("modality", "modalities other than text"),
-    ("encode-endpoint", "encode workers (multimodal)"),
     ("allowed-local-media-path", "media inputs (multimodal)"),
     ("max-file-size-mb", "media inputs (multimodal)"),
     (
@@ -145,10 +142,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
         "endpoint-types",
         "registering a subset of API endpoint types",
     ),
-    (
-        "multimodal-embedding-cache-capacity-gb",
-        "the multimodal embedding cache",
-    ),
     ("output-modalities", "output modalities other than text"),
     ("media-output-fs-url", "media outputs"),
     ("media-output-http-url", "media outputs"),
@@ -164,6 +157,12 @@ pub fn reject_unimplemented(cfg: &WorkerConfig, resolved: &Resolved) -> Result<(
         .filter(|s| matches!(s.group, Group::Diffusion | Group::DiffusionRequestDefaults))
     {
         check_default(resolved, spec.name, "diffusion models")?;
+    }
+    if matches!(
+        cfg.disaggregation.modality.as_str(),
+        "video_diffusion" | "image_diffusion"
+    ) {
+        return Err(not_impl("--modality", "diffusion modalities"));
     }
     let connector_ok = cfg.runtime.connector.iter().all(|c| c == "none");
     if !connector_ok {

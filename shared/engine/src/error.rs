@@ -16,6 +16,9 @@ pub enum EngineError {
     /// The model path does not exist or is not a folder.
     #[error("model path {0} does not exist or is not a folder")]
     ModelPathMissing(PathBuf),
+    /// A vision tower was asked of a model folder without one.
+    #[error("model {0} is not multimodal: its config.json names no vision tower (a LLaVA model has one)")]
+    NotMultimodal(PathBuf),
     /// A file that a model folder needs is absent.
     #[error("model folder {folder} lacks {file}")]
     MissingFile { folder: PathBuf, file: String },
@@ -132,6 +135,7 @@ impl EngineError {
             E::Stopped | E::QueueFull { .. } => ErrorClass::Unavailable,
             E::Io { .. }
             | E::ModelPathMissing(_)
+            | E::NotMultimodal(_)
             | E::MissingFile { .. }
             | E::BadFile { .. }
             | E::Tensor { .. }

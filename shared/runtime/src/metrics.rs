@@ -9,6 +9,8 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
+/// The recorder handle a status server renders `/metrics` from.
+pub use metrics_exporter_prometheus::PrometheusHandle as StatusMetrics;
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};

@@ -59,7 +59,12 @@ pub fn model_card(
         eos_token_ids: engine_cfg.eos_token_ids.clone(),
         // Set by the caller, which holds the signing key.
         kv_event_key: String::new(),
-        multimodal: crate::media::multimodal_card(&built.model),
+        // Image inputs only where they are enabled (else the router refuses them).
+        multimodal: if cfg.disaggregation.enable_multimodal {
+            crate::media::multimodal_card(&built.model)
+        } else {
+            None
+        },
     }
 }
 

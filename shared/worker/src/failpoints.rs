@@ -6,12 +6,13 @@
 //!   out these event ids, as a lossy network would; replays and dumps still include them.
 //! - `TANDEM_FAILPOINT_PREFILL_HOLD_DIR` and `TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK`: see
 //!   [`prefill_hold`].
+//! - `TANDEM_FAILPOINT_ENCODE_HOLD_DIR`: see [`encode_hold`].
 
 #[cfg(feature = "failpoints")]
-pub use enabled::{prefill_hold, skipped_kv_event};
+pub use enabled::{encode_hold, prefill_hold, skipped_kv_event};
 
 #[cfg(not(feature = "failpoints"))]
-pub use disabled::{prefill_hold, skipped_kv_event};
+pub use disabled::{encode_hold, prefill_hold, skipped_kv_event};
 
 #[cfg(not(feature = "failpoints"))]
 mod disabled {
@@ -22,6 +23,9 @@ mod disabled {
 
     /// Holds a prefill write: never in this build.
     pub async fn prefill_hold(_request_id: &str, _batch_last_block: usize) {}
+
+    /// Holds an encode worker's write: never in this build.
+    pub async fn encode_hold() {}
 }
 
 #[cfg(feature = "failpoints")]
@@ -79,5 +83,32 @@ mod enabled {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         tracing::warn!(request_id, "failpoint: prefill write released");
+    }
+
+    /// `TANDEM_FAILPOINT_ENCODE_HOLD_DIR=/dir`: while `/dir/hold` exists, an encode worker
+    /// about to write a call's embeddings creates `/dir/reached` and waits until `/dir/hold`
+    /// is gone, then writes. Like [`prefill_hold`] it stands for a put already in flight: it
+    /// does not look at fences while held.
+    pub async fn encode_hold() {
+        let Ok(dir) = std::env::var("TANDEM_FAILPOINT_ENCODE_HOLD_DIR") else {
+            return;
+        };
+        let dir = std::path::PathBuf::from(dir);
+        let hold = dir.join("hold");
+        if !hold.exists() {
+            return;
+        }
+        if let Err(e) = std::fs::write(dir.join("reached"), b"") {
+            tracing::warn!(
+                "failpoint: cannot create the reached marker in {}: {e}",
+                dir.display()
+            );
+        }
+        tracing::warn!("failpoint: encode write held");
+        // A test-only hold: polling a file keeps the harness free of any IPC.
+        while hold.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        tracing::warn!("failpoint: encode write released");
     }
 }

@@ -6,10 +6,12 @@
 
 pub mod card;
 pub mod decode;
+pub mod encode;
 pub mod engine_setup;
 pub mod failpoints;
 pub mod grpc;
 pub mod known_prefills;
+pub mod lease_writes;
 pub mod leases;
 pub mod media;
 pub mod nats;

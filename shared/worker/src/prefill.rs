@@ -3,18 +3,18 @@
 //! batch by batch as the engine completes them (so transfer overlaps the next chunk's
 //! compute), then returns the first token and the request's sampling state.
 //!
-//! Each write runs in its own task, so a cancelled call never drops a put halfway: the task
-//! stops at the next batch boundary. `FenceLease` answers only once the lease's task has
-//! ended (or marks a lease it has not seen as fenced), which is what lets the decode worker
-//! reuse the blocks of a revoked lease safely.
+//! Each write runs in its own task ([`LeaseWrites`]), so a cancelled call never drops a put
+//! halfway: the task stops at the next batch boundary. `FenceLease` answers only once the
+//! lease's task has ended (or marks a lease it has not seen as fenced), which is what lets
+//! the decode worker reuse the blocks of a revoked lease safely.
 //!
 //! Where the blocks go is the [`KvWriter`]: the KV transport, or (simulated engines of
 //! `tandem-mocker`) a [`SimulatedLink`] that moves no bytes but takes their time; everything
 //! else here is the same code for both.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{EngineHandle, PrefillEvent, PrefillStream};
@@ -26,43 +26,12 @@ use tandem_protocol::worker::{
     FenceLeaseReply, FenceLeaseRequest, KvLease, PrefillReply, PrefillRequest,
 };
 use tandem_protocol::WireError;
-use tokio::sync::{oneshot, watch, Notify};
 use tonic::Status;
 
+use crate::lease_writes::{Cancel, LeaseWrites};
 use crate::media::MediaEncoder;
 use crate::transport::{KvWriter, SimulatedLink};
 use crate::wire::{engine_sub, EngineIntoWire};
-
-/// Fenced leases remembered (so a Prefill arriving after its fence is refused).
-const FENCED_MEMORY: usize = 65_536;
-
-type LeaseKey = (u64, u64);
-
-struct ActiveWrite {
-    epoch: u64,
-    cancel: Arc<Cancel>,
-    /// Becomes true when the write task has ended.
-    done: watch::Receiver<bool>,
-}
-
-#[derive(Default)]
-struct Fenced {
-    order: VecDeque<LeaseKey>,
-    set: HashSet<LeaseKey>,
-}
-
-impl Fenced {
-    fn insert(&mut self, k: LeaseKey) {
-        if self.set.insert(k) {
-            self.order.push_back(k);
-            if self.order.len() > FENCED_MEMORY {
-                if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
-                }
-            }
-        }
-    }
-}
 
 pub struct PrefillSide {
     engine: EngineHandle,
@@ -70,22 +39,11 @@ pub struct PrefillSide {
     layout_id: String,
     block_bytes: usize,
     connections: tokio::sync::Mutex<HashMap<PeerAddress, Arc<AnyConnection>>>,
-    writes: Mutex<(HashMap<LeaseKey, ActiveWrite>, Fenced)>,
+    writes: Arc<LeaseWrites>,
     pub bytes_sent: AtomicU64,
     /// The model's vision tower, when it takes images: this worker encodes a prompt's
     /// images itself before prefilling it (EP/D).
     media: std::sync::OnceLock<Arc<MediaEncoder>>,
-}
-
-/// Sets the flag when dropped unless disarmed: a cancelled gRPC call stops its write task.
-struct CancelOnDrop(Option<Arc<Cancel>>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.take() {
-            c.set();
-        }
-    }
 }
 
 /// Where one lease's blocks go: a transport connection, or the simulated link.
@@ -108,7 +66,7 @@ impl PrefillSide {
             layout_id,
             block_bytes,
             connections: tokio::sync::Mutex::new(HashMap::new()),
-            writes: Mutex::new((HashMap::new(), Fenced::default())),
+            writes: Arc::default(),
             bytes_sent: AtomicU64::new(0),
             media: std::sync::OnceLock::new(),
         }
@@ -119,13 +77,9 @@ impl PrefillSide {
         let _ = self.media.set(media);
     }
 
-    fn writes(&self) -> std::sync::MutexGuard<'_, (HashMap<LeaseKey, ActiveWrite>, Fenced)> {
-        self.writes.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Leases being written now.
     pub fn active(&self) -> usize {
-        self.writes().0.len()
+        self.writes.active()
     }
 
     pub async fn prefill(
@@ -145,23 +99,13 @@ impl PrefillSide {
             request.media = media.embed(&request.prompt, images).await?;
         }
         let key = (lease.owner_instance_id, lease.lease_id);
-        let cancel = Arc::new(Cancel::default());
-        let done_tx = self.register_write(key, &lease, &cancel)?;
-        let (result_tx, result_rx) = oneshot::channel();
+        let epoch = lease.epoch;
         let me = self.clone();
-        let task_cancel = cancel.clone();
-        tokio::spawn(async move {
-            let r = me.write(request, lease, region, &task_cancel).await;
-            me.writes().0.remove(&key);
-            let _ = done_tx.send(true);
-            let _ = result_tx.send(r);
-        });
-        let mut guard = CancelOnDrop(Some(cancel));
-        let r = result_rx
+        self.writes
+            .run(key, epoch, "prefill", move |cancel| async move {
+                me.write(request, lease, region, &cancel).await
+            })
             .await
-            .unwrap_or_else(|_| Err(Status::aborted("the prefill task ended without a result")));
-        guard.0 = None;
-        r
     }
 
     /// The request, lease and destination region of a `Prefill` call, checked: a malformed
@@ -185,39 +129,6 @@ impl PrefillSide {
             .validate()
             .map_err(Status::invalid_argument)?;
         Ok((request, lease, region))
-    }
-
-    /// Records the lease as being written (refused if it was fenced or is written already);
-    /// the returned sender marks the write ended.
-    fn register_write(
-        &self,
-        key: LeaseKey,
-        lease: &KvLease,
-        cancel: &Arc<Cancel>,
-    ) -> Result<watch::Sender<bool>, Status> {
-        let (done_tx, done_rx) = watch::channel(false);
-        let mut w = self.writes();
-        if w.1.set.contains(&key) {
-            return Err(Status::aborted(format!(
-                "lease {} was revoked before its prefill started",
-                lease.lease_id
-            )));
-        }
-        if w.0.contains_key(&key) {
-            return Err(Status::already_exists(format!(
-                "lease {} is already being written",
-                lease.lease_id
-            )));
-        }
-        w.0.insert(
-            key,
-            ActiveWrite {
-                epoch: lease.epoch,
-                cancel: cancel.clone(),
-                done: done_rx,
-            },
-        );
-        Ok(done_tx)
     }
 
     async fn connection(&self, peer: &PeerAddress) -> Result<Arc<AnyConnection>, Status> {
@@ -341,23 +252,9 @@ impl PrefillSide {
     /// Stops writing for a lease and returns once no write for it can happen any more.
     pub async fn fence(&self, req: FenceLeaseRequest) -> FenceLeaseReply {
         let key = (req.owner_instance_id, req.lease_id);
-        let active = {
-            let mut w = self.writes();
-            w.1.insert(key);
-            match w.0.get(&key) {
-                Some(a) if a.epoch == req.epoch => {
-                    a.cancel.set();
-                    Some(a.done.clone())
-                }
-                _ => None,
-            }
-        };
-        let was_active = active.is_some();
-        if let Some(mut done) = active {
-            // Ends when the write task sends `true` or is dropped (both: it has stopped).
-            let _ = done.wait_for(|d| *d).await;
+        FenceLeaseReply {
+            was_active: self.writes.fence(key, req.epoch).await,
         }
-        FenceLeaseReply { was_active }
     }
 }
 
@@ -464,32 +361,5 @@ impl LeaseWrite {
             bytes_transferred: self.sent_bytes,
             blocks_transferred: self.sent_blocks as u32,
         })
-    }
-}
-
-/// A revocation flag that can also be awaited.
-#[derive(Default)]
-struct Cancel {
-    flag: AtomicBool,
-    notify: Notify,
-}
-
-impl Cancel {
-    fn set(&self) {
-        self.flag.store(true, Ordering::SeqCst);
-        self.notify.notify_waiters();
-    }
-
-    fn is_set(&self) -> bool {
-        self.flag.load(Ordering::SeqCst)
-    }
-
-    async fn wait(&self) {
-        // Registered before the check, so a `set` in between still wakes it.
-        let notified = self.notify.notified();
-        if self.is_set() {
-            return;
-        }
-        notified.await;
     }
 }

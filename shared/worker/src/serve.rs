@@ -17,7 +17,9 @@ use tandem_runtime::net::advertised_addr;
 
 use crate::card::model_card;
 use crate::decode::DecodeSide;
+use crate::encode::client::{RemoteEncoder, RemoteEncoderConfig};
 use crate::grpc::{ModelFilesSource, WorkerService};
+use crate::media::MediaEncoder;
 use crate::prefill::PrefillSide;
 use crate::transport::KvWriter;
 use crate::BuiltEngine;
@@ -70,15 +72,18 @@ pub async fn run_with(
     run_with_transfer(cfg, build, shutdown, KvTransfer::Transport).await
 }
 
-/// Like [`run_with`], with the KV blocks of disaggregated serving moved as `kv` says.
 /// The gRPC service over the engine, its disaggregation sides and, for a model that takes
-/// images, its vision tower (shared with the prefill side, which encodes in EP/D).
-fn worker_service(built: &BuiltEngine, sides: &DisaggSides) -> anyhow::Result<WorkerService> {
-    let media = crate::media::MediaEncoder::for_model(&built.model)?.map(Arc::new);
+/// images, where its embeddings come from (shared with the prefill side, which encodes in
+/// EP/D or asks encode workers in E/P/D).
+fn worker_service(
+    built: &BuiltEngine,
+    sides: &DisaggSides,
+    media: Option<Arc<MediaEncoder>>,
+) -> WorkerService {
     if let (Some(prefill), Some(m)) = (&sides.prefill, &media) {
         prefill.set_media(m.clone());
     }
-    Ok(WorkerService::new(
+    WorkerService::new(
         built.engine.clone(),
         ModelFilesSource {
             folder: built.model.path.clone(),
@@ -87,9 +92,64 @@ fn worker_service(built: &BuiltEngine, sides: &DisaggSides) -> anyhow::Result<Wo
     )
     .with_decode(sides.decode.clone())
     .with_prefill(sides.prefill.clone())
-    .with_media(media))
+    .with_media(media)
 }
 
+/// What a worker needs to reach encode workers.
+struct MediaSetup<'a> {
+    instance_id: u64,
+    transport: Option<&'a Arc<AnyTransport>>,
+    security: &'a ChannelSecurity,
+}
+
+/// Where this worker's image embeddings come from: none for a text model or without
+/// `--enable-multimodal`; the encode workers of `--encode-endpoint`; else its own tower.
+async fn media_encoder(
+    cfg: &WorkerConfig,
+    built: &BuiltEngine,
+    with: MediaSetup<'_>,
+) -> anyhow::Result<Option<Arc<MediaEncoder>>> {
+    let enabled = cfg.disaggregation.enable_multimodal;
+    let Some(vision) = built.model.config.vision.clone() else {
+        anyhow::ensure!(
+            !enabled,
+            "--enable-multimodal: model {} is not multimodal (its config.json names no vision \
+             tower)",
+            built.model.path.display()
+        );
+        return Ok(None);
+    };
+    if !enabled {
+        tracing::warn!(
+            "the model takes images but --enable-multimodal is off: image inputs are refused"
+        );
+        return Ok(None);
+    }
+    let Some(endpoint) = cfg.disaggregation.encode_endpoint.clone() else {
+        return Ok(MediaEncoder::for_model(&built.model)?.map(Arc::new));
+    };
+    let transport = with
+        .transport
+        .context("--encode-endpoint needs the transfer layer, which did not open")?
+        .clone();
+    let store = discovery::connect(&discovery_options(&cfg.runtime, with.security)).await?;
+    let row_bytes = vision.tokens_per_image() * vision.text_hidden_size * 4;
+    let client = RemoteEncoder::new(RemoteEncoderConfig {
+        endpoint,
+        store,
+        security: with.security.clone(),
+        transport,
+        instance_id: with.instance_id,
+        model_id: built.model.model_id.clone(),
+        row_bytes,
+        timeout: Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.max(1).into()),
+    });
+    let m = MediaEncoder::remote(vision, Arc::new(client));
+    tracing::info!(encode_endpoint = %m.source(), "images are encoded by encode workers");
+    Ok(Some(Arc::new(m)))
+}
+
+/// Like [`run_with`], with the KV blocks of disaggregated serving moved as `kv` says.
 pub async fn run_with_transfer(
     cfg: WorkerConfig,
     build: EngineBuilder,
@@ -114,24 +174,19 @@ pub async fn run_with_transfer(
         ));
     }
     let (listener, grpc_addr) = bind_grpc(&cfg).await?;
-    let service = worker_service(&built, &sides)?;
+    let media = MediaSetup {
+        instance_id,
+        transport: sides.transport.as_ref(),
+        security: &security,
+    };
+    let service = worker_service(&built, &sides, media_encoder(&cfg, &built, media).await?);
     let accepting = service.accepting_flag();
     let health_flag = accepting.clone();
     let health_engine = built.engine.clone();
-    let status_bind = format!("{}:{}", cfg.network.system_host, cfg.network.system_port);
     // Healthy while accepting work and while the engine thread runs: a dead engine fails
     // `/health` at once.
-    let status_bound = tandem_runtime::metrics::serve_status_until(
-        &status_bind,
-        metrics_handle,
-        Arc::new(move || health_flag.load(Ordering::SeqCst) && health_engine.is_running()),
-        shutdown.clone(),
-    )
-    .await
-    .with_context(|| {
-        format!("cannot bind the status server on {status_bind} (--system-host/--system-port)")
-    })?;
-    let http_addr = advertised_addr(status_bound, cfg.network.rpc_advertise_host.as_deref())?;
+    let health = Arc::new(move || health_flag.load(Ordering::SeqCst) && health_engine.is_running());
+    let http_addr = serve_status(&cfg, metrics_handle, health, &shutdown).await?;
     let mut card = model_card(&cfg, &built, instance_id, grpc_addr, http_addr);
     card.kv_event_key = signer.public_key_hex();
     let registration = register(&cfg, &card, &security).await?;
@@ -141,7 +196,12 @@ pub async fn run_with_transfer(
     };
     start_publishing(&cfg, &built, instance_id, &shutdown, publishing).await?;
     announce_ready(&cfg, &card);
-    let (server_shutdown, server) = spawn_server(service, listener, &security)?;
+    let routes = tonic::service::Routes::new(
+        WorkerServer::new(service)
+            .max_decoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES),
+    );
+    let (server_shutdown, server) = spawn_server(routes, listener, &security)?;
 
     tokio::select! {
         _ = shutdown.cancelled() => {}
@@ -203,11 +263,14 @@ async fn start_engine(
     kv: &KvTransfer,
 ) -> anyhow::Result<(BuiltEngine, Option<Arc<AnyTransport>>)> {
     let mode = cfg.disaggregation.disaggregation_mode;
+    // Encode workers write image embeddings through it too (`--encode-endpoint`).
+    let encode_client = cfg.disaggregation.encode_endpoint.is_some();
     let transport = match (mode, kv) {
         (
             DisaggregationMode::Pd | DisaggregationMode::Decode | DisaggregationMode::Prefill,
             KvTransfer::Transport,
         ) => Some(crate::transport::open(cfg).await?),
+        _ if encode_client => Some(crate::transport::open(cfg).await?),
         _ => None,
     };
     let build_cfg = cfg.clone();
@@ -295,7 +358,9 @@ impl DisaggSides {
 }
 
 /// Binds the gRPC listener; returns it and the address to advertise.
-async fn bind_grpc(cfg: &WorkerConfig) -> anyhow::Result<(tokio::net::TcpListener, String)> {
+pub(crate) async fn bind_grpc(
+    cfg: &WorkerConfig,
+) -> anyhow::Result<(tokio::net::TcpListener, String)> {
     let rpc_bind = format!("{}:{}", cfg.network.rpc_host, cfg.network.rpc_port);
     let listener = tokio::net::TcpListener::bind(&rpc_bind)
         .await
@@ -307,8 +372,33 @@ async fn bind_grpc(cfg: &WorkerConfig) -> anyhow::Result<(tokio::net::TcpListene
     Ok((listener, grpc_addr))
 }
 
+/// Starts the status server (`/health` as `health` says, `/metrics`) on `--system-host` /
+/// `--system-port`; returns its advertised address.
+pub(crate) async fn serve_status(
+    cfg: &WorkerConfig,
+    metrics: tandem_runtime::metrics::StatusMetrics,
+    health: tandem_runtime::metrics::HealthFn,
+    shutdown: &tandem_runtime::shutdown::ShutdownToken,
+) -> anyhow::Result<String> {
+    let status_bind = format!("{}:{}", cfg.network.system_host, cfg.network.system_port);
+    let status_bound = tandem_runtime::metrics::serve_status_until(
+        &status_bind,
+        metrics,
+        health,
+        shutdown.clone(),
+    )
+    .await
+    .with_context(|| {
+        format!("cannot bind the status server on {status_bind} (--system-host/--system-port)")
+    })?;
+    Ok(advertised_addr(
+        status_bound,
+        cfg.network.rpc_advertise_host.as_deref(),
+    )?)
+}
+
 /// Publishes the worker and its model card in discovery.
-async fn register(
+pub(crate) async fn register(
     cfg: &WorkerConfig,
     card: &ModelCard,
     security: &ChannelSecurity,
@@ -358,7 +448,7 @@ async fn start_publishing(
 }
 
 /// One line on stdout that launchers and tests wait for instead of sleeping.
-fn announce_ready(cfg: &WorkerConfig, card: &ModelCard) {
+pub(crate) fn announce_ready(cfg: &WorkerConfig, card: &ModelCard) {
     println!(
         "TANDEM_WORKER_READY instance_id={} grpc={} http={} model={}",
         card.instance_id, card.grpc_addr, card.http_addr, card.served_model_name
@@ -372,9 +462,9 @@ fn announce_ready(cfg: &WorkerConfig, card: &ModelCard) {
     );
 }
 
-/// Serves the gRPC service on `listener` until the returned trigger fires.
-fn spawn_server(
-    service: WorkerService,
+/// Serves the gRPC services `routes` on `listener` until the returned trigger fires.
+pub(crate) fn spawn_server(
+    routes: tonic::service::Routes,
     listener: tokio::net::TcpListener,
     security: &ChannelSecurity,
 ) -> anyhow::Result<(
@@ -391,11 +481,7 @@ fn spawn_server(
     let server = tokio::spawn(
         builder
             .tcp_nodelay(true)
-            .add_service(
-                WorkerServer::new(service)
-                    .max_decoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES)
-                    .max_encoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES),
-            )
+            .add_routes(routes)
             .serve_with_incoming_shutdown(
                 // Accepted streams need TCP_NODELAY themselves (the builder's setting only
                 // applies to listeners tonic binds): without it each streamed token after the

@@ -70,6 +70,29 @@ impl std::fmt::Debug for LoadedModel {
     }
 }
 
+/// Identity of a model: sha256 of config.json and the weights' identity.
+fn model_identity(config: &ModelConfig, mapped: &Weights) -> String {
+    let mut h = Sha256::new();
+    h.update(&config.raw);
+    h.update(mapped.identity().as_bytes());
+    weights::hex(&h.finalize())
+}
+
+/// The vision tower and projector of a multimodal model folder, loaded alone (what an encode
+/// worker runs), with the model's identity ([`LoadedModel::model_id`]).
+pub fn load_vision(path: &Path) -> Result<(VisionEncoder, String), EngineError> {
+    if !path.is_dir() {
+        return Err(EngineError::ModelPathMissing(path.to_path_buf()));
+    }
+    let config = ModelConfig::load(path)?;
+    let Some(vc) = config.vision.clone() else {
+        return Err(EngineError::NotMultimodal(path.to_path_buf()));
+    };
+    let mapped = Weights::load(path)?;
+    let encoder = VisionEncoder::new(vc.clone(), VisionWeights::load(&vc, &mapped)?);
+    Ok((encoder, model_identity(&config, &mapped)))
+}
+
 impl LoadedModel {
     /// Loads a Hugging Face model folder, or a GGUF file (`*.gguf`, see [`gguf`]). Errors name
     /// the file (and the tensor) at fault.
@@ -103,10 +126,7 @@ impl LoadedModel {
             ))),
             _ => None,
         };
-        let mut h = Sha256::new();
-        h.update(&config.raw);
-        h.update(mapped.identity().as_bytes());
-        let model_id = weights::hex(&h.finalize());
+        let model_id = model_identity(&config, &mapped);
         let tokenizer_hash = tokenizer_hash(&tokenizer, chat_template.as_ref());
         tracing::info!(model_id = %model_id, "model loaded");
         Ok(LoadedModel {
