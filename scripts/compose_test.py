@@ -3,11 +3,17 @@
 client, `--scale decode=2` with both replicas used, `docker kill` of one decode replica under
 load (requests started once the router noticed succeed), `down -v` leaving nothing behind.
 
+With `--topology epd`, compose/epd.yml: up, image requests through the `openai` client (the
+image tokens counted, the same image twice an embedding-cache hit on the encode worker, the
+embedding bytes written by the encode workers equal to those the prefill and decode workers
+received), `--scale encode=2` with both replicas encoding, `down -v` leaving nothing behind.
+
 Needs the images (scripts/images) and `docker compose` v2. Prints `== step` lines, timings,
 and PASS; exits non-zero naming the failed check.
-    python3 scripts/compose_test.py [--keep]
+    python3 scripts/compose_test.py [--topology disagg|epd] [--keep]
 """
 
+import base64
 import json
 import os
 import secrets
@@ -21,10 +27,17 @@ import urllib.request
 import openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILE = os.path.join(ROOT, "compose", "disagg.yml")
+TOPOLOGY = sys.argv[sys.argv.index("--topology") + 1] if "--topology" in sys.argv else "disagg"
+if TOPOLOGY not in ("disagg", "epd"):
+    sys.exit(f"--topology {TOPOLOGY}: expected disagg or epd")
+FILE = os.path.join(ROOT, "compose", f"{TOPOLOGY}.yml")
 PROJECT = "tandem-ci-" + secrets.token_hex(3)
 KEY = "sk-compose-" + secrets.token_hex(12)
-MODEL = "tandem-tiny"
+MODEL = "tandem-tiny-vl" if TOPOLOGY == "epd" else "tandem-tiny"
+IMAGES = os.path.join(ROOT, "scripts", "goldens", "llava_images")
+# The tiny LLaVA: 16 image tokens of 64 f32 values.
+IMAGE_TOKENS = 16
+IMAGE_BYTES = IMAGE_TOKENS * 64 * 4
 # Requests routed to a killed replica fail until the router notices it; after this long,
 # every request must succeed.
 NOTICE_WITHIN_S = 15.0
@@ -189,6 +202,87 @@ def step_kill(c):
     return failed
 
 
+def service_metrics(service):
+    """Each replica of `service`: its /metrics as {"name{labels}": value}."""
+    ids = docker_lines("ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                       "--filter", f"label=com.docker.compose.service={service}")
+    out = []
+    for cid in ids:
+        r = subprocess.run(["docker", "exec", cid, "sh", "-c",
+                            "curl -fsS http://$(hostname -i | cut -d' ' -f1):9090/metrics"],
+                           text=True, stdout=subprocess.PIPE, check=True)
+        values = {}
+        for line in r.stdout.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                values[key] = float(value)
+        out.append(values)
+    return out
+
+
+def total(replicas, prefix):
+    return sum(v for m in replicas for k, v in m.items() if k.startswith(prefix))
+
+
+def image_chat(c, name):
+    """A chat completion of one image and a question; returns (content, prompt tokens)."""
+    with open(os.path.join(IMAGES, name), "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = c.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[{
+        "role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is in this picture? " * 20}]}])
+    return body.choices[0].message.content, body.usage.prompt_tokens
+
+
+def step_images(c):
+    print("== image requests: encode workers write the embeddings", flush=True)
+    first, tokens = image_chat(c, "a_gradient.png")
+    again, tokens_again = image_chat(c, "a_gradient.png")
+    _, text_tokens = chat_tokens(c)
+    if not first or first != again:
+        fail(f"the same image prompt gave {first!r} then {again!r}")
+    if tokens != tokens_again or tokens < IMAGE_TOKENS:
+        fail(f"prompt tokens {tokens} / {tokens_again} do not count the {IMAGE_TOKENS} image tokens")
+    enc = service_metrics("encode")
+    hits = total(enc, 'tandem_encode_images_total{cache="hit"}')
+    misses = total(enc, 'tandem_encode_images_total{cache="miss"}')
+    if (hits, misses) != (1, 1):
+        fail(f"encode cache hits/misses {hits}/{misses}, want 1/1")
+    written = total(enc, "tandem_encode_bytes_written_total")
+    received = total(service_metrics("prefill") + service_metrics("decode"),
+                     "tandem_worker_embedding_bytes_received_total")
+    if written != 2 * IMAGE_BYTES or received != written:
+        fail(f"embedding bytes written {written}, received {received}, want {2 * IMAGE_BYTES}")
+    print(f"   ok ({tokens} prompt tokens, cache 1 hit / 1 miss, {int(written)} bytes moved; "
+          f"text prompt {text_tokens} tokens)", flush=True)
+
+
+def chat_tokens(c):
+    body = c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                     messages=[{"role": "user", "content": "Hello there"}])
+    return body.choices[0].message.content, body.usage.prompt_tokens
+
+
+def step_scale_encode(c):
+    print("== scale encode to 2: both replicas encode", flush=True)
+    compose("up", "-d", "--wait", "--wait-timeout", "180", "--scale", "encode=2")
+    names = ["b_stripes.png", "a_gradient.png"]
+    deadline = time.monotonic() + 60
+    i = 0
+    while True:
+        per = [m.get('tandem_encode_images_total{cache="miss"}', 0)
+               + m.get('tandem_encode_images_total{cache="hit"}', 0)
+               for m in service_metrics("encode")]
+        if len(per) == 2 and all(per):
+            break
+        if time.monotonic() > deadline:
+            fail(f"after {i} image requests the encode replicas served {per}")
+        image_chat(c, names[i % 2])
+        i += 1
+    print(f"   encode replicas served {per} images", flush=True)
+
+
 def step_down():
     print("== down -v leaves nothing", flush=True)
     compose("down", "-v", "--timeout", "60")
@@ -204,11 +298,16 @@ def main():
     keep = "--keep" in sys.argv
     up = step_up()
     ok = False
+    failed = []
     try:
         c = client()
-        step_requests(c)
-        step_scale(c)
-        failed = step_kill(c)
+        if TOPOLOGY == "epd":
+            step_images(c)
+            step_scale_encode(c)
+        else:
+            step_requests(c)
+            step_scale(c)
+            failed = step_kill(c)
         ok = True
     finally:
         if not ok and not keep:
@@ -216,7 +315,7 @@ def main():
         if not keep:
             step_down()
     print(json.dumps({"up_to_healthy_s": round(up, 1), "failed_after_kill": len(failed)}))
-    print("PASS compose/disagg.yml", flush=True)
+    print(f"PASS compose/{TOPOLOGY}.yml", flush=True)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,11 @@ def invariants(obj, env_names):
         env = {e["name"]: e for e in c.get("env", [])}
         if env.get("TANDEM_INTERNAL_TLS_DIR", {}).get("value") != TLS_DIR:
             yield f"container {c['name']}: TANDEM_INTERNAL_TLS_DIR is not {TLS_DIR}"
-        if (c.get("command") or [""])[0] in WORKER_COMMANDS:
+        command = (c.get("command") or [""])[0]
+        if command in WORKER_COMMANDS:
             gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
-            if not gpus or int(gpus) < 1:
+            # The encode worker runs its vision tower on the CPU (no CUDA tower yet).
+            if command != "tandem-encode" and (not gpus or int(gpus) < 1):
                 yield f"worker container {c['name']} does not request nvidia.com/gpu"
             if env.get("DYN_TCP_RPC_ADVERTISE_HOST", {}).get("valueFrom", {}).get(
                     "fieldRef", {}).get("fieldPath") != "status.podIP":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# slurm/disagg.sbatch on a real Slurm 22.05 cluster: a slurmctld and two slurmd nodes as Docker
+# slurm/disagg.sbatch (then slurm/epd.sbatch) on a real Slurm 22.05 cluster: a slurmctld and two slurmd nodes as Docker
 # containers on one Docker network (each with its own hostname and address), built from a
 # debootstrap image (scripts/lib.sh debian_base_image: nothing is pulled). The nodes share one
 # job folder (the "shared filesystem") and mount the binaries (BIN_DIR, default target/debug)
@@ -156,25 +156,30 @@ grep -q 'TANDEM_BIN_DIR' "$work/shared/slurm-$bad.out" \
     || die "job $bad's output does not name TANDEM_BIN_DIR: $(cat "$work/shared/slurm-$bad.out")"
 echo "job $bad: $state: $(cat "$work/shared/slurm-$bad.out")"
 
+# Waits (bounded) until job $1 wrote its router.url; sets jobdir, url and key.
+wait_router() {
+    local job=$1 n=0
+    jobdir=$work/shared/tandem-$job
+    echo "job $job"
+    until [ -s "$jobdir/router.url" ]; do
+        n=$((n + 1))
+        [ "$n" -le 360 ] || die "no $jobdir/router.url after 180 s"
+        [ -n "$(docker exec "$ctl" squeue -h -j "$job" 2>/dev/null)" ] \
+            || die "job $job ended before its router was ready: $(cat "$work/shared/slurm-$job.out")"
+        sleep 0.5
+    done
+    url=$(cat "$jobdir/router.url")
+    key=$(head -1 "$jobdir/api-key")
+    echo "router $url (ready +$(( $(date +%s) - t0 ))s)"
+    cat "$work/shared/slurm-$job.out"
+    docker exec "$ctl" squeue -s -j "$job"
+}
+
 step "sbatch -N 2 slurm/disagg.sbatch (PREFILL_WORKERS=1 DECODE_WORKERS=1, CPU, KV over tcp)"
 job=$(docker exec -w /shared -e TANDEM_BIN_DIR=/opt/tandem/bin -e PREFILL_WORKERS=1 \
     -e DECODE_WORKERS=1 -e TANDEM_CACHE_DIR=/shared/cache -e ROUTER_EXTRA_ARGS="--enforce-disagg --expose-worker-id" \
     "$ctl" sbatch --parsable -N 2 /opt/tandem/slurm/disagg.sbatch)
-jobdir=$work/shared/tandem-$job
-echo "job $job"
-n=0
-until [ -s "$jobdir/router.url" ]; do
-    n=$((n + 1))
-    [ "$n" -le 360 ] || die "no $jobdir/router.url after 180 s"
-    [ -n "$(docker exec "$ctl" squeue -h -j "$job" 2>/dev/null)" ] \
-        || die "job $job ended before its router was ready: $(cat "$work/shared/slurm-$job.out")"
-    sleep 0.5
-done
-url=$(cat "$jobdir/router.url")
-key=$(head -1 "$jobdir/api-key")
-echo "router $url (ready +$(( $(date +%s) - t0 ))s)"
-cat "$work/shared/slurm-$job.out"
-docker exec "$ctl" squeue -s -j "$job"
+wait_router "$job"
 
 step "chat completions from the host through $url"
 code=$(curl -s -o /dev/null -w '%{http_code}' "$url/v1/models")
@@ -231,4 +236,23 @@ for f in "$jobdir"/logs/*.log; do
 done
 echo "job $job: $(docker exec "$ctl" scontrol show job "$job" | grep -o 'JobState=[A-Z]*')"
 
-echo "PASS: slurm/disagg.sbatch on a 2-node Slurm cluster ($(( $(date +%s) - t0 )) s)"
+step "sbatch -N 2 slurm/epd.sbatch (ENCODE_WORKERS=1 PREFILL_WORKERS=1 DECODE_WORKERS=1, the tiny LLaVA)"
+job=$(docker exec -w /shared -e TANDEM_BIN_DIR=/opt/tandem/bin -e TANDEM_CACHE_DIR=/shared/cache \
+    -e ROUTER_EXTRA_ARGS="--enforce-disagg --expose-worker-id" \
+    "$ctl" sbatch --parsable -N 2 /opt/tandem/slurm/epd.sbatch)
+wait_router "$job"
+img=$(base64 -w0 scripts/goldens/llava_images/a_gradient.png)
+model=$(curl -sf "$url/v1/models" -H "Authorization: Bearer $key" \
+    | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+code=$(curl -s -o "$work/resp-img.json" -w '%{http_code}' --max-time 60 \
+    "$url/v1/chat/completions" -H "Authorization: Bearer $key" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$model\", \"max_tokens\": 8, \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\", \"image_url\": {\"url\": \"data:image/png;base64,$img\"}}, {\"type\": \"text\", \"text\": \"What is in this picture? $(seq -s ' ' 1 40)\"}]}]}")
+[ "$code" = 200 ] || die "image request: HTTP $code $(head -c 300 "$work/resp-img.json")"
+tokens=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["usage"]["prompt_tokens"])' "$work/resp-img.json")
+[ "$tokens" -gt 16 ] || die "image request: $tokens prompt tokens do not count the 16 image tokens"
+grep -q '^TANDEM_WORKER_READY' "$jobdir/logs/encode-0.log" || die "no encode worker ran"
+echo "image request: 200, $tokens prompt tokens (16 image tokens), encode worker: $(grep -o 'grpc=[^ ]*' "$jobdir/logs/encode-0.log")"
+docker exec "$ctl" scancel "$job"
+wait_job_gone 180 "$job" || die "job $job still in the queue 90 s after scancel"
+
+echo "PASS: slurm/disagg.sbatch and slurm/epd.sbatch on a 2-node Slurm cluster ($(( $(date +%s) - t0 )) s)"

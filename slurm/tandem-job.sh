@@ -1,5 +1,6 @@
-# Shared body of slurm/agg.sbatch and slurm/disagg.sbatch: sourced by them after they set MODE
-# (agg | disagg). Runs in the batch step, on the job's first node. See slurm/README.md.
+# Shared body of slurm/agg.sbatch, slurm/disagg.sbatch and slurm/epd.sbatch: sourced by them
+# after they set MODE (agg | disagg | epd). Runs in the batch step, on the job's first node. See
+# slurm/README.md.
 set -euo pipefail
 
 fail() { echo "tandem-slurm: error: $*" >&2; exit 1; }
@@ -8,8 +9,10 @@ log() { echo "tandem-slurm: $(date -u +%H:%M:%S) $*"; }
 [ -n "${SLURM_JOB_ID:-}" ] || fail "SLURM_JOB_ID is not set: submit this script with sbatch"
 [ -n "${TANDEM_BIN_DIR:-}" ] || fail "TANDEM_BIN_DIR is not set (the folder holding tandem, tandem-router, tandem-prefill and tandem-decode on every node)"
 [ -d "$TANDEM_BIN_DIR" ] || fail "TANDEM_BIN_DIR=$TANDEM_BIN_DIR is not a folder on $(hostname)"
+case "$MODE" in agg | disagg | epd) ;; *) fail "MODE=$MODE is not agg, disagg or epd" ;; esac
 bins=(tandem tandem-router tandem-decode)
-[ "$MODE" = disagg ] && bins+=(tandem-prefill)
+[ "$MODE" = agg ] || bins+=(tandem-prefill)
+[ "$MODE" = epd ] && bins+=(tandem-encode)
 for b in "${bins[@]}"; do
     [ -x "$TANDEM_BIN_DIR/$b" ] || fail "TANDEM_BIN_DIR=$TANDEM_BIN_DIR has no executable $b"
 done
@@ -26,19 +29,27 @@ ETCD_BIN=${ETCD_BIN:-etcd}
 NATS_SERVER_BIN=${NATS_SERVER_BIN:-nats-server}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-600}
 JOB_DIR=${JOB_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/tandem-$SLURM_JOB_ID}
-if [ "$MODE" = disagg ]; then
-    PREFILL_WORKERS=${PREFILL_WORKERS:-1}
-    DECODE_WORKERS=${DECODE_WORKERS:-1}
-else
+ENCODE_WORKERS=0
+if [ "$MODE" = agg ]; then
     PREFILL_WORKERS=0
     DECODE_WORKERS=${DECODE_WORKERS:-${WORKERS:-1}}
+else
+    PREFILL_WORKERS=${PREFILL_WORKERS:-1}
+    DECODE_WORKERS=${DECODE_WORKERS:-1}
+fi
+if [ "$MODE" = epd ]; then
+    ENCODE_WORKERS=${ENCODE_WORKERS:-1}
+    EMBEDDING_CACHE_GB=${EMBEDDING_CACHE_GB:-1}
+    [[ $EMBEDDING_CACHE_GB =~ ^[0-9]+(\.[0-9]+)?$ ]] \
+        || fail "EMBEDDING_CACHE_GB=$EMBEDDING_CACHE_GB is not a non-negative number"
 fi
 for v in ROUTER_PORT ETCD_PORT ETCD_PEER_PORT NATS_PORT NATS_HTTP_PORT GPUS_PER_WORKER \
-    CPUS_PER_WORKER PREFILL_WORKERS DECODE_WORKERS STARTUP_TIMEOUT; do
+    CPUS_PER_WORKER ENCODE_WORKERS PREFILL_WORKERS DECODE_WORKERS STARTUP_TIMEOUT; do
     [[ ${!v} =~ ^[0-9]+$ ]] || fail "$v=${!v} is not a non-negative integer"
 done
 [ "$DECODE_WORKERS" -ge 1 ] || fail "DECODE_WORKERS must be at least 1"
 [ "$MODE" = agg ] || [ "$PREFILL_WORKERS" -ge 1 ] || fail "PREFILL_WORKERS must be at least 1"
+[ "$MODE" != epd ] || [ "$ENCODE_WORKERS" -ge 1 ] || fail "ENCODE_WORKERS must be at least 1"
 case "$KV_TRANSPORT" in tcp | ucx) ;; *) fail "KV_TRANSPORT=$KV_TRANSPORT is not tcp or ucx" ;; esac
 command -v "$ETCD_BIN" >/dev/null || fail "ETCD_BIN=$ETCD_BIN: no etcd on $(hostname)"
 command -v "$NATS_SERVER_BIN" >/dev/null || fail "NATS_SERVER_BIN=$NATS_SERVER_BIN: no nats-server on $(hostname)"
@@ -67,7 +78,10 @@ log "job $SLURM_JOB_ID ($MODE) on ${NODES[*]}; first node $FIRST ($FIRST_ADDR); 
 "$TANDEM_BIN_DIR/tandem" certs --out "$PKI" --host "$FIRST" --host "$FIRST_ADDR" >/dev/null
 if [ -z "${MODEL_PATH:-}" ]; then
     MODEL_PATH=$JOB_DIR/model
-    [ -e "$MODEL_PATH/config.json" ] || "$TANDEM_BIN_DIR/tandem" model tiny "$MODEL_PATH" >/dev/null
+    # The built-in tiny model; E/P/D needs a multimodal one: the tiny random LLaVA.
+    tiny=tiny
+    [ "$MODE" = epd ] && tiny=tiny-vl
+    [ -e "$MODEL_PATH/config.json" ] || "$TANDEM_BIN_DIR/tandem" model "$tiny" "$MODEL_PATH" >/dev/null
 fi
 [ -e "$MODEL_PATH" ] || fail "MODEL_PATH=$MODEL_PATH does not exist"
 # The router's API key: TANDEM_API_KEYS (comma-separated) when set, else a random one.
@@ -159,7 +173,7 @@ export DYN_EVENT_PLANE=nats
 export NATS_SERVER=tls://$FIRST_ADDR:$NATS_PORT
 
 
-# Workers: prefill ones first, then decode ones; worker i runs on node i mod N.
+# Workers: encode ones first, then prefill, then decode ones; worker i runs on node i mod N.
 worker_opts=(--nodes=1 --ntasks=1)
 if [ "$GPUS_PER_WORKER" -gt 0 ]; then
     worker_opts+=(--exact --gpus-per-task="$GPUS_PER_WORKER" --cpus-per-task="$CPUS_PER_WORKER")
@@ -168,6 +182,15 @@ else
 fi
 common=(--model-path "$MODEL_PATH" --publish-kv-events)
 i=0
+for ((e = 0; e < ENCODE_WORKERS; e++, i++)); do
+    node=${NODES[i % ${#NODES[@]}]}
+    start_step "encode-$e" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
+        "$TANDEM_BIN_DIR/tandem-encode" "${common[@]}" --kv-transport "$KV_TRANSPORT" \
+        --multimodal-embedding-cache-capacity-gb "$EMBEDDING_CACHE_GB"
+    log "encode-$e on $node"
+done
+# In E/P/D every other worker takes images and has the encode workers encode them.
+[ "$MODE" = epd ] && common+=(--enable-multimodal --encode-endpoint "dyn://${DYN_NAMESPACE:-dynamo}.encode.generate")
 for ((p = 0; p < PREFILL_WORKERS; p++, i++)); do
     node=${NODES[i % ${#NODES[@]}]}
     start_step "prefill-$p" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
@@ -176,7 +199,7 @@ for ((p = 0; p < PREFILL_WORKERS; p++, i++)); do
 done
 for ((d = 0; d < DECODE_WORKERS; d++, i++)); do
     node=${NODES[i % ${#NODES[@]}]}
-    if [ "$MODE" = disagg ]; then
+    if [ "$MODE" != agg ]; then
         extra=(--disaggregation-mode pd --kv-transport "$KV_TRANSPORT")
     else
         extra=(--disaggregation-mode agg)
@@ -189,6 +212,9 @@ done
 # The router starts once every worker has registered (its TANDEM_WORKER_READY line).
 worker_ready() {
     local k
+    for ((k = 0; k < ENCODE_WORKERS; k++)); do
+        grep -q '^TANDEM_WORKER_READY' "$JOB_DIR/logs/encode-$k.log" 2>/dev/null || return 1
+    done
     for ((k = 0; k < PREFILL_WORKERS; k++)); do
         grep -q '^TANDEM_WORKER_READY' "$JOB_DIR/logs/prefill-$k.log" 2>/dev/null || return 1
     done
@@ -197,7 +223,7 @@ worker_ready() {
     done
 }
 wait_for workers worker_ready
-log "all $((PREFILL_WORKERS + DECODE_WORKERS)) workers ready"
+log "all $((ENCODE_WORKERS + PREFILL_WORKERS + DECODE_WORKERS)) workers ready"
 
 router_args=(--http-host 0.0.0.0 --http-port "$ROUTER_PORT" --api-key-file "$JOB_DIR/api-key"
     --router-min-initial-workers "$DECODE_WORKERS")
