@@ -41,6 +41,8 @@ pub struct AppState {
     pub keys: Arc<ApiKeys>,
     /// How the router's gRPC channels to workers (and etcd, NATS) are secured.
     pub channels: Arc<ChannelSecurity>,
+    /// Fetches http(s) image URLs.
+    pub fetcher: Arc<crate::media_fetch::Fetcher>,
 }
 
 impl AppState {
@@ -59,7 +61,9 @@ impl AppState {
             a.queue_max_requests as usize,
         ));
         let keys = Arc::new(ApiKeys::new(cfg.security.api_keys.keys()));
+        let fetcher = Arc::new(crate::media::fetcher(&cfg.media)?);
         Ok(AppState {
+            fetcher,
             limits: Arc::new(CallerLimits::new(a, keys.len())),
             keys,
             config: Arc::new(cfg),

@@ -16,6 +16,7 @@ pub mod generate;
 pub mod handlers;
 pub mod limits;
 pub mod media;
+pub mod media_fetch;
 pub mod metrics;
 pub mod models;
 pub mod openai;

@@ -1,10 +1,12 @@
-//! Image inputs of chat requests: the `image_url` content parts are read (`data:` URLs, and
-//! `file:` URLs inside `--allowed-local-media-path`), decoded and hashed off the async threads,
+//! Image inputs of chat requests: the `image_url` content parts are read (`data:` URLs,
+//! `file:` URLs inside `--allowed-local-media-path`, and http(s) URLs through
+//! [`crate::media_fetch`]), decoded and hashed off the async threads,
 //! and, once the prompt is tokenized, each image's one placeholder token from the chat
 //! template becomes the model's number of image tokens, whose span and content hash go to
 //! the worker and into the block hashes the router routes on.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::http::StatusCode;
 use serde_json::Value;
@@ -16,6 +18,7 @@ use tandem_media::{
 use tandem_protocol::MultimodalCard;
 
 use crate::error::ApiError;
+use crate::media_fetch::{FetchError, Fetcher};
 
 /// One image of a request: its encoded bytes (sent on to the worker) and content hash.
 #[derive(Clone, Debug)]
@@ -87,15 +90,46 @@ fn media_error(param: &str, e: &MediaError) -> ApiError {
     ApiError::new(status, kind, format!("`{param}.image_url`: {e}")).with_param(Some(param))
 }
 
-/// Reads, decodes and hashes every image, on the blocking pool (never on the async
-/// threads). `http(s)` URLs are refused: fetching them is not built yet.
+/// The fetcher of http(s) image URLs under `limits`.
+pub fn fetcher(limits: &MediaLimits) -> anyhow::Result<Fetcher> {
+    Ok(Fetcher::new(
+        limits.allow_internal,
+        Duration::from_secs(limits.fetch_timeout_secs.max(1).into()),
+        u64::from(limits.max_file_size_mb) * 1024 * 1024,
+    )?)
+}
+
+/// Reads every image: http(s) URLs fetched on the async runtime (all at once), then every
+/// image read (`file:`), decoded and hashed on the blocking pool (never on the async
+/// threads).
 pub async fn load(
     urls: Vec<(String, String)>,
     policy: MediaPolicy,
+    fetcher: &Fetcher,
 ) -> Result<Vec<ImageInput>, ApiError> {
+    let sources = urls
+        .into_iter()
+        .map(|(param, url)| {
+            let source = ImageSource::parse(&url, &policy).map_err(|e| media_error(&param, &e))?;
+            Ok((param, source))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let fetched =
+        futures_util::future::try_join_all(sources.into_iter().map(|(param, source)| async move {
+            let source = match source {
+                ImageSource::Http(url) => match fetcher.fetch(&url).await {
+                    Ok(bytes) => Fetched::Bytes(bytes),
+                    Err(e) => return Err(fetch_error(&param, &e)),
+                },
+                other => Fetched::Source(other),
+            };
+            Ok((param, source))
+        }))
+        .await?;
     let handle = tokio::task::spawn_blocking(move || {
-        urls.into_iter()
-            .map(|(param, url)| load_one(param, &url, &policy))
+        fetched
+            .into_iter()
+            .map(|(param, source)| load_one(param, source, &policy))
             .collect::<Result<Vec<_>, _>>()
     });
     handle
@@ -103,19 +137,34 @@ pub async fn load(
         .map_err(|e| ApiError::internal(format!("reading the images failed: {e}")))?
 }
 
-fn load_one(param: String, url: &str, policy: &MediaPolicy) -> Result<ImageInput, ApiError> {
+/// An image's bytes as fetched, or its source to read.
+enum Fetched {
+    Bytes(Vec<u8>),
+    Source(ImageSource),
+}
+
+fn fetch_error(param: &str, e: &FetchError) -> ApiError {
+    let status = match e {
+        FetchError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    let kind = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
+        _ => "invalid_request_error",
+    };
+    ApiError::new(status, kind, format!("`{param}.image_url`: {e}")).with_param(Some(param))
+}
+
+fn load_one(param: String, source: Fetched, policy: &MediaPolicy) -> Result<ImageInput, ApiError> {
     let fail = |e: MediaError| media_error(&param, &e);
-    let data = match ImageSource::parse(url, policy).map_err(fail)? {
-        ImageSource::Data { bytes, .. } => bytes,
-        ImageSource::File(path) => load_local_file(&path, policy).map_err(fail)?,
-        ImageSource::Http(_) => {
-            return Err(ApiError::bad_request(
-                format!(
-                    "`{param}.image_url`: http(s) image URLs are not fetched yet; send the image \
-                     as a data: URL, or as a file: URL under --allowed-local-media-path"
-                ),
-                Some(&param),
-            ))
+    let data = match source {
+        Fetched::Bytes(bytes) => bytes,
+        Fetched::Source(ImageSource::Data { bytes, .. }) => bytes,
+        Fetched::Source(ImageSource::File(path)) => load_local_file(&path, policy).map_err(fail)?,
+        Fetched::Source(ImageSource::Http(_)) => {
+            return Err(ApiError::internal(format!(
+                "`{param}.image_url`: an http(s) image was not fetched"
+            )))
         }
     };
     let image = decode_image(&data, policy).map_err(fail)?;

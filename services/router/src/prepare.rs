@@ -181,7 +181,7 @@ async fn chat_images(
             Some("messages"),
         ));
     }
-    media::load(urls, media::policy(&state.config.media)).await
+    media::load(urls, media::policy(&state.config.media), &state.fetcher).await
 }
 
 pub async fn completion(

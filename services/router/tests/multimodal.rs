@@ -173,7 +173,15 @@ async fn bad_images_are_refused_naming_the_part() {
         (format!("file://{}", outside.display()), 400, "outside"),
         (format!("file://{}", escape.display()), 400, "outside"),
         (format!("file://{}/../x.png", folder.display()), 400, ""),
-        ("https://example.invalid/cat.png".into(), 400, "http(s)"),
+        (
+            "https://example.invalid/cat.png".into(),
+            400,
+            "cannot fetch",
+        ),
+        // Internal addresses are refused before any connection (no --media-allow-internal).
+        ("http://127.0.0.1:9/cat.png".into(), 400, "internal address"),
+        ("http://localhost:9/cat.png".into(), 400, "internal address"),
+        ("http://[::1]:9/cat.png".into(), 400, "internal address"),
         (big, 413, "exceeds"),
     ];
     for (url, want, says) in cases {
@@ -506,4 +514,78 @@ async fn a_given_up_encode_call_frees_its_region_only_once_the_writer_stopped() 
     encoder.child.kill().unwrap();
     encoder.child.wait().unwrap();
     wait_regions(&t.workers[0], (0.0, 0.0)).await;
+}
+
+/// A one-connection-at-a-time HTTP/1.1 server on loopback for image URLs: `/a.png` (the
+/// gradient), `/redirect` (302 to it), `/loop` (302 to itself), `/missing` (404), `/slow`
+/// (answers after 5 s), `/big` (2 MiB). Returns its address.
+async fn image_server() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let png = image("a_gradient.png");
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let png = png.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = sock.read(&mut buf).await.unwrap_or(0);
+                let req = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let path = req.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                let (head, body): (String, Vec<u8>) = match path.as_str() {
+                    "/a.png" => ("200 OK\r\nContent-Type: image/png".into(), png),
+                    "/redirect" => ("302 Found\r\nLocation: /a.png".into(), vec![]),
+                    "/loop" => ("302 Found\r\nLocation: /loop".into(), vec![]),
+                    "/slow" => {
+                        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                        ("200 OK".into(), png)
+                    }
+                    "/big" => ("200 OK".into(), vec![0u8; 2 * 1024 * 1024]),
+                    _ => ("404 Not Found".into(), vec![]),
+                };
+                let head = format!(
+                    "HTTP/1.1 {head}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = sock.write_all(head.as_bytes()).await;
+                let _ = sock.write_all(&body).await;
+            });
+        }
+    });
+    addr
+}
+
+/// http(s) image URLs are fetched (here from loopback, allowed with --media-allow-internal),
+/// redirects followed a few times, and a missing image, a slow server, an image over the
+/// size cap and a redirect loop are each a 4xx naming the part.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_image_urls_are_fetched_within_bounds() {
+    let server = image_server().await;
+    let t = tiny_vl(&[
+        "--media-allow-internal",
+        "--media-fetch-timeout-secs",
+        "1",
+        "--max-file-size-mb",
+        "1",
+    ])
+    .await;
+    let want = greedy(&t, &[png("a_gradient.png")]).await;
+    for path in ["/a.png", "/redirect"] {
+        let got = greedy(&t, &[format!("http://{server}{path}")]).await;
+        assert_eq!(got.0, want.0, "{path}: greedy tokens");
+        assert!((got.1 - want.1).abs() < 1e-4, "{path}: first logprob");
+    }
+    for (path, status, says) in [
+        ("/missing", 400, "HTTP 404"),
+        ("/slow", 400, "longer than"),
+        ("/big", 413, "limit"),
+        ("/loop", 400, "redirects"),
+    ] {
+        let url = format!("http://{server}{path}");
+        let (got, body, _) = t.post("/v1/chat/completions", chat(&[url])).await;
+        assert_eq!(got, status, "{path}: {body}");
+        assert_eq!(body["error"]["param"], "messages[0].content[0]", "{body}");
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(says), "{path}: {says:?} not in {msg:?}");
+    }
 }

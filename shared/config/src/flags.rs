@@ -169,6 +169,13 @@ pub static FLAGS: &[FlagSpec] = &[
         "Maximum size in MB of one image (a file, or a data: URL once decoded) or embedding \
          file; larger ones get 413.")
         .env("DYN_TRTLLM_MAX_FILE_SIZE_MB").default("50").scope(Scope::All),
+    FlagSpec::new("media-allow-internal", Bool, DisaggregationAndMultimodal,
+        "Let http(s) image URLs reach loopback, private, link-local and other internal \
+         addresses (refused by default, also after a redirect: a guard against SSRF).")
+        .env("DYN_MM_ALLOW_INTERNAL").default("false").scope(Scope::Router),
+    FlagSpec::new("media-fetch-timeout-secs", INT1, DisaggregationAndMultimodal,
+        "Seconds an http(s) image URL may take to fetch (connect, redirects and body).")
+        .env("DYN_MEDIA_FETCH_TIMEOUT_SECS").default("10").scope(Scope::Router),
     FlagSpec::new("frontend-decoding", Bool, DisaggregationAndMultimodal,
         "Decode images in the router and ship them to the worker over the KV transport.")
         .env("DYN_TRTLLM_FRONTEND_DECODING").default("false"),

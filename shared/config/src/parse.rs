@@ -210,6 +210,10 @@ fn worker_from_resolved(
 pub struct MediaLimits {
     pub allowed_local_media_path: Option<std::path::PathBuf>,
     pub max_file_size_mb: u32,
+    /// http(s) image URLs may reach internal addresses (`--media-allow-internal`).
+    pub allow_internal: bool,
+    /// Bound on fetching one http(s) image URL.
+    pub fetch_timeout_secs: u32,
 }
 
 /// The router's configuration.
@@ -378,6 +382,8 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
                 .filter(|p| !p.is_empty())
                 .map(Into::into),
             max_file_size_mb: g.u32("max-file-size-mb")?,
+            allow_internal: g.bool("media-allow-internal")?,
+            fetch_timeout_secs: g.u32("media-fetch-timeout-secs")?,
         },
         request_timeout_secs: g.u32("request-timeout-secs")?,
         sse_idle_timeout_secs: g.u32("sse-idle-timeout-secs")?,

@@ -111,6 +111,8 @@ fn every_env_var_follows_dynamo_naming() {
                 "DYN_TCP_RPC_PORT",
                 "DYN_TCP_RPC_ADVERTISE_HOST",
                 "DYN_ROUTER_USE_KV_EVENTS",
+                // Dynamo's media-fetch SSRF guard.
+                "DYN_MM_ALLOW_INTERNAL",
                 // Several keys in one variable (Tandem's; Dynamo has no API keys).
                 "TANDEM_API_KEYS",
                 // Internal channel security (Tandem's own).
