@@ -1,4 +1,5 @@
-//! One streaming `/v1/completions` request and the timing of its SSE chunks.
+//! One streaming `/v1/completions` request (or, with images, `/v1/chat/completions`) and the
+//! timing of its SSE chunks.
 
 use std::time::Instant;
 
@@ -17,12 +18,36 @@ pub enum PromptMode {
     Text,
 }
 
+/// The images of `--images`, handed out in turn.
+pub struct Images {
+    urls: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Images {
+    pub fn new(urls: Vec<String>) -> Self {
+        Images {
+            urls,
+            next: Default::default(),
+        }
+    }
+
+    /// The next image (round robin); `None` for an empty set.
+    fn next(&self) -> Option<&str> {
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.urls.get(i % self.urls.len().max(1)).map(String::as_str)
+    }
+}
+
 #[derive(Clone)]
 pub struct Client {
     pub http: reqwest::Client,
     pub url: String,
     pub model: String,
     pub mode: PromptMode,
+    /// Images as `data:` URLs (`--images`): each request is a chat completion of the next
+    /// one (in turn) and the prompt as text; `url` is the chat endpoint.
+    pub images: Option<std::sync::Arc<Images>>,
     /// Run start: records are in seconds from it.
     pub t0: Instant,
 }
@@ -62,6 +87,7 @@ fn parse_event(data: &str) -> Result<Event, ()> {
         // Usage may ride with the last text chunk too; text wins the timing.
         let has_text = v
             .pointer("/choices/0/text")
+            .or_else(|| v.pointer("/choices/0/delta/content"))
             .and_then(Value::as_str)
             .is_some_and(|t| !t.is_empty());
         if !has_text {
@@ -70,7 +96,10 @@ fn parse_event(data: &str) -> Result<Event, ()> {
     }
     // Only visible text counts as a token arrival (as in aiperf): a server sends empty text
     // for a token that ends inside a multi-byte character.
-    match v.pointer("/choices/0/text").and_then(Value::as_str) {
+    let text = v
+        .pointer("/choices/0/text")
+        .or_else(|| v.pointer("/choices/0/delta/content"));
+    match text.and_then(Value::as_str) {
         Some(t) if !t.is_empty() => Ok(Event::Text),
         _ => Ok(Event::Other),
     }
@@ -90,6 +119,22 @@ impl Client {
         let seed = spec.prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
             (h ^ *t as u64).wrapping_mul(0x0100_0000_01b3)
         }) >> 1;
+        if let Some(image) = self.images.as_ref().and_then(|i| i.next()) {
+            let words: Vec<String> = spec.prompt.iter().map(|t| format!("w{t}")).collect();
+            return json!({
+                "model": self.model,
+                "seed": seed,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": image}},
+                    {"type": "text", "text": words.join(" ")},
+                ]}],
+                "max_tokens": spec.max_tokens,
+                "min_tokens": spec.max_tokens,
+                "ignore_eos": true,
+                "stream": true,
+                "stream_options": {"include_usage": true},
+            });
+        }
         json!({
             "model": self.model,
             "seed": seed,
@@ -217,6 +262,15 @@ mod tests {
         assert!(matches!(
             parse_event(r#"{"choices":[],"usage":{"completion_tokens":7}}"#),
             Ok(Event::Usage(7))
+        ));
+        // Chat completions (`--images`): the text is the delta's content.
+        assert!(matches!(
+            parse_event(r#"{"choices":[{"delta":{"content":"hi"}}]}"#),
+            Ok(Event::Text)
+        ));
+        assert!(matches!(
+            parse_event(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#),
+            Ok(Event::Other)
         ));
         assert!(matches!(
             parse_event(r#"{"choices":[{"text":""}]}"#),

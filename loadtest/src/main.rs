@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use serde::Serialize;
-use tandem_loadtest::client::{Client, PromptMode};
+use tandem_loadtest::client::{Client, Images, PromptMode};
 use tandem_loadtest::rng::Rng;
 use tandem_loadtest::runner::{self, Arrivals};
 use tandem_loadtest::stats::{summarize, Sla, Summary};
@@ -39,6 +39,11 @@ struct Args {
     #[arg(long, value_enum, default_value_t = PromptMode::Tokens)]
     #[serde(skip)]
     prompt_mode: PromptMode,
+    /// Send chat completions with one image each, from the PNG, JPEG and WebP files of this
+    /// folder (in turn, in name order), the prompt as text after it (a multimodal model's
+    /// `/v1/chat/completions`; ISL then counts the text only).
+    #[arg(long)]
+    images: Option<std::path::PathBuf>,
     #[arg(long, value_enum, default_value_t = Kind::Synthetic)]
     workload: Kind,
     /// Requests to send (sessions for multi-turn: requests = sessions × turns).
@@ -199,6 +204,35 @@ async fn first_model(http: &reqwest::Client, base: &str, wait: f64) -> anyhow::R
     }
 }
 
+/// The `data:` URLs of the PNG, JPEG and WebP files of `dir`, in name order.
+fn load_images(dir: &std::path::Path) -> anyhow::Result<Vec<String>> {
+    use base64::Engine as _;
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("--images {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    files.sort();
+    let mut urls = Vec::new();
+    for f in files {
+        let ext = f.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let media = match ext.to_ascii_lowercase().as_str() {
+            "png" => "image/png",
+            "jpg" | "jpeg" => "image/jpeg",
+            "webp" => "image/webp",
+            _ => continue,
+        };
+        let bytes = std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+        urls.push(format!("data:{media};base64,{b64}"));
+    }
+    anyhow::ensure!(
+        !urls.is_empty(),
+        "--images {}: no PNG, JPEG or WebP file in it",
+        dir.display()
+    );
+    Ok(urls)
+}
+
 async fn one_run(
     a: &Args,
     http: &reqwest::Client,
@@ -207,11 +241,21 @@ async fn one_run(
     out: &std::path::Path,
 ) -> anyhow::Result<Summary> {
     let jobs = build_jobs(a)?;
+    let images = match &a.images {
+        Some(dir) => Some(std::sync::Arc::new(Images::new(load_images(dir)?))),
+        None => None,
+    };
+    let endpoint = if images.is_some() {
+        "chat/completions"
+    } else {
+        "completions"
+    };
     let client = Client {
         http: http.clone(),
-        url: format!("{}/v1/completions", a.url.trim_end_matches('/')),
+        url: format!("{}/v1/{endpoint}", a.url.trim_end_matches('/')),
         model: model.to_string(),
         mode: a.prompt_mode,
+        images,
         t0: Instant::now(),
     };
     let duration = a.duration.map(Duration::from_secs_f64);

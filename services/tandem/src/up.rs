@@ -337,8 +337,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             topo.children.push((name.clone(), child));
             let line = wait_ready(out, "TANDEM_WORKER_READY", &name, timeout).await?;
             println!(
-                "tandem: {name} ready at {}",
-                field(&line, "grpc=").unwrap_or("?")
+                "tandem: {name} ready at {} (/health, /metrics: http://{})",
+                field(&line, "grpc=").unwrap_or("?"),
+                field(&line, "http=").unwrap_or("?")
             );
         }
         let rargs = vec![
