@@ -259,6 +259,12 @@ impl Backend for CudaBackend {
         self.model.config.vocab_size
     }
 
+    /// Media rows are f32 rows of the hidden size, copied over their tokens' embeddings
+    /// (the residual stream is f32 in every precision) in eager steps.
+    fn media_embedding_width(&self) -> Option<usize> {
+        Some(self.model.config.hidden_size)
+    }
+
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
         let (counts, rows) = self.step(batch, Readout::Logits, None)?;
         let flat = match rows {

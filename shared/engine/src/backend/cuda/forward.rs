@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 
 use super::gemm::{GemvInput, GemvWeights, ResidualRows};
 use super::ops::{HeadNorms, Norm};
-use super::step::{dims, DeviceLayer, DeviceModel, Readout, Workspace};
+use super::step::{dims, DeviceLayer, DeviceModel, MediaRows, Readout, Workspace};
 use super::{AttentionInputs, CudaDevice, DeviceElem, KvTarget};
 use crate::error::EngineError;
 
@@ -88,13 +88,16 @@ impl StepPlan {
 
 impl DeviceModel {
     /// The kernels of a prepared step of `t` tokens and `r` logits rows (argmax or sampling
-    /// too, by `readout`). No copy or allocation happens here.
+    /// too, by `readout`). No copy or allocation happens here, but for `media` rows (image
+    /// embeddings over their tokens' embeddings), which only eager steps have: a step with
+    /// them is never captured into a graph.
     pub(super) fn launch<A: DeviceElem>(
         &mut self,
         ws: &mut Workspace<A>,
         t: usize,
         r: usize,
         readout: Readout,
+        media: &[MediaRows],
     ) -> Result<(), EngineError> {
         if t == 0 {
             return Ok(());
@@ -102,6 +105,7 @@ impl DeviceModel {
         let plan = StepPlan::new(self, ws, t);
         let ids = self.inputs.maps.id_list();
         (self.dev).embedding_dev(&mut ws.x, &self.embed, ids, plan.hidden)?;
+        self.splice_media(ws, media, t, plan.hidden)?;
         // Whether `proj` (the last GEMM into the residual stream) still holds split halves.
         let mut proj_unfolded = false;
         for l in 0..self.layers.len() {
@@ -114,6 +118,32 @@ impl DeviceModel {
         }
         self.final_norm_and_lm_head(ws, &plan, r, proj_unfolded)?;
         self.readout(ws, r, readout)
+    }
+
+    /// Copies media rows over their tokens' embeddings in `ws.x` (f32 rows of `hidden`).
+    fn splice_media<A: DeviceElem>(
+        &self,
+        ws: &mut Workspace<A>,
+        media: &[MediaRows],
+        t: usize,
+        hidden: usize,
+    ) -> Result<(), EngineError> {
+        for run in media {
+            let n = run.rows.len() / hidden;
+            if run.rows.len() % hidden != 0 || run.first + n > t {
+                return Err(EngineError::InvalidInput(format!(
+                    "media rows {}..{} do not fit the step's {t} tokens",
+                    run.first,
+                    run.first + n
+                )));
+            }
+            let range = run.first * hidden..(run.first + n) * hidden;
+            self.dev
+                .stream()
+                .memcpy_htod(&run.rows, &mut ws.x.slice_mut(range))
+                .map_err(|e| EngineError::Backend(format!("CUDA media rows copy: {e:?}")))?;
+        }
+        Ok(())
     }
 
     /// Layer `l`'s input norm (the previous layer's MLP output joining the residual stream

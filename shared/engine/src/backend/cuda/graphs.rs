@@ -131,8 +131,9 @@ pub(super) fn run_step<A: DeviceElem>(
         graphs.graphs.clear();
         graphs.generation = generation;
     }
-    if !graphable || graphs.refused.contains(&key) {
-        model.launch(ws, p.t, p.r, readout)?;
+    // A step with media rows copies them in: never captured.
+    if !graphable || !p.media.is_empty() || graphs.refused.contains(&key) {
+        model.launch(ws, p.t, p.r, readout, &p.media)?;
         return Ok((p.counts, model.read_back(ws, p.r, readout)?));
     }
     if let Some(g) = graphs.graphs.get(&key) {
@@ -141,7 +142,7 @@ pub(super) fn run_step<A: DeviceElem>(
         return Ok((p.counts, model.read_back(ws, p.r, readout)?));
     }
     // Eager first (warm-up; on the second occurrence also the reference for the capture).
-    model.launch(ws, p.t, p.r, readout)?;
+    model.launch(ws, p.t, p.r, readout, &[])?;
     let eager = model.read_back(ws, p.r, readout)?;
     if !graphs.seen.insert(key) {
         match capture(model, ws, p.t, p.r, readout, graphs.pdl) {
@@ -220,7 +221,7 @@ fn capture<A: DeviceElem>(
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(|e| EngineError::Backend(format!("CUDA graph capture: {e:?}")))?;
-    let launched = model.launch(ws, t, r, readout);
+    let launched = model.launch(ws, t, r, readout, &[]);
     // Always end the capture, also after a failed launch, so the stream is usable again.
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: the stream is capturing (begun above, on this thread); `graph` receives the result.

@@ -78,11 +78,44 @@ impl StepInputs {
     }
 }
 
-/// What [`DeviceModel::prepare`] found: tokens, logits rows, rows per sequence.
+/// What [`DeviceModel::prepare`] found: tokens, logits rows, rows per sequence, and the
+/// media embedding rows that replace token embeddings.
 pub(super) struct Prepared {
     pub(super) t: usize,
     pub(super) r: usize,
     pub(super) counts: Vec<usize>,
+    pub(super) media: Vec<MediaRows>,
+}
+
+/// Media embedding rows of a step: `rows` (whole rows of the hidden size) replace the token
+/// embeddings of the step's tokens from `first` on.
+pub(super) struct MediaRows {
+    pub(super) first: usize,
+    pub(super) rows: Vec<f32>,
+}
+
+/// The media rows of `batch`'s tokens, in contiguous runs.
+fn media_rows(batch: &[SeqInput<'_>], hidden: usize) -> Vec<MediaRows> {
+    let mut out: Vec<MediaRows> = Vec::new();
+    let mut at = 0;
+    for seq in batch {
+        for i in 0..seq.tokens.len() {
+            let pos = seq.start_pos + i;
+            if let Some(row) = seq.media.iter().find_map(|m| m.row(pos, hidden)) {
+                match out.last_mut() {
+                    Some(run) if run.first + run.rows.len() / hidden == at + i => {
+                        run.rows.extend_from_slice(row)
+                    }
+                    _ => out.push(MediaRows {
+                        first: at + i,
+                        rows: row.to_vec(),
+                    }),
+                }
+            }
+        }
+        at += seq.tokens.len();
+    }
+    out
 }
 
 impl DeviceModel {
@@ -122,8 +155,14 @@ impl DeviceModel {
             first += n;
         }
         let r = rows.len();
+        let media = media_rows(batch, self.config.hidden_size);
         if t == 0 {
-            return Ok(Prepared { t, r, counts });
+            return Ok(Prepared {
+                t,
+                r,
+                counts,
+                media,
+            });
         }
         ws.ensure(&self.dev, &self.config, t, r)?;
         let window = self.config.sliding_window.unwrap_or(usize::MAX);
@@ -152,7 +191,12 @@ impl DeviceModel {
             }
             self.inputs.sampling.fill(&self.dev, &row_plans)?;
         }
-        Ok(Prepared { t, r, counts })
+        Ok(Prepared {
+            t,
+            r,
+            counts,
+            media,
+        })
     }
 
     /// Buffer generation of everything a launch reads or writes: a graph captured at one
