@@ -35,7 +35,9 @@ impl Images {
     /// The next image (round robin); `None` for an empty set.
     fn next(&self) -> Option<&str> {
         let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.urls.get(i % self.urls.len().max(1)).map(String::as_str)
+        self.urls
+            .get(i % self.urls.len().max(1))
+            .map(String::as_str)
     }
 }
 
