@@ -57,7 +57,7 @@ fn loads_the_tiny_model_with_everything() {
     assert_eq!(l.block_bytes(), 2 * 2 * 32 * 2 * 16 * 2);
     assert_eq!(be.vocab_size(), 151_936);
     // The same folder gives the same identity; a router can skip the weights.
-    let m2 = LoadedModel::load(&dir, &LoadOptions { weights: false }).expect("load");
+    let m2 = LoadedModel::load(&dir, &LoadOptions::no_weights()).expect("load");
     assert_eq!(m2.model_id, m.model_id);
     assert_eq!(m2.tokenizer_hash, m.tokenizer_hash);
     let e = CpuBackend::new(&m2, KvDtype::F32, 32, 4)

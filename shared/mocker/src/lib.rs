@@ -86,7 +86,7 @@ pub fn build_sim_engine(
 ) -> anyhow::Result<BuiltEngine> {
     tandem_worker::build_engine_with(
         cfg,
-        &LoadOptions { weights: false },
+        &LoadOptions::no_weights(),
         // The simulated backend models time only; its layout follows the CPU defaults.
         tandem_worker::Device::Cpu,
         move |model, layout, num_blocks| {

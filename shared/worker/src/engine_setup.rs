@@ -121,7 +121,7 @@ pub fn build_engine_on(
     let mut region = None;
     let mut built = build_engine_with(
         cfg,
-        &LoadOptions::default(),
+        &load_options(cfg),
         device,
         |model, layout, num_blocks| {
             let Some(t) = transport else {
@@ -139,6 +139,16 @@ pub fn build_engine_on(
     Ok(built)
 }
 
+/// What a worker loads: the vision tower only where this worker encodes images itself
+/// (`--enable-multimodal` without `--encode-endpoint`).
+fn load_options(cfg: &WorkerConfig) -> LoadOptions {
+    let d = &cfg.disaggregation;
+    LoadOptions {
+        weights: true,
+        vision: d.enable_multimodal && d.encode_endpoint.is_none(),
+    }
+}
+
 /// The engine on the CUDA backend (bf16 weights and GEMMs), its KV pool in GPU memory sized
 /// by `kv_cache_config.max_tokens` or else `free_gpu_memory_fraction` of the memory left free
 /// by the weights and the activation workspace.
@@ -152,7 +162,7 @@ fn build_cuda_engine(
     let mut region = None;
     let mut built = build_engine_with(
         cfg,
-        &LoadOptions::default(),
+        &load_options(cfg),
         Device::Cuda,
         |model, layout, num_blocks| {
             // With a transport the pool is mirrored in registered host memory that remote

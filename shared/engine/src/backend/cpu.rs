@@ -179,7 +179,7 @@ impl CpuBackend {
     fn check_model(model: &LoadedModel) -> Result<(), EngineError> {
         if !model.weights_loaded {
             return Err(EngineError::InvalidInput(format!(
-                "{} was loaded without its weights (LoadOptions {{ weights: false }})",
+                "{} was loaded without its weights (LoadOptions::no_weights)",
                 model.path.display()
             )));
         }

@@ -32,11 +32,27 @@ pub struct LoadOptions {
     /// Convert the weights for compute. Off for processes that only tokenize (a router):
     /// the checkpoint is then only mapped to compute the model identity.
     pub weights: bool,
+    /// Load a multimodal model's vision tower and projector too (with `weights`). Off where
+    /// images are encoded elsewhere (an encode worker) or not taken at all.
+    pub vision: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { weights: true }
+        LoadOptions {
+            weights: true,
+            vision: true,
+        }
+    }
+}
+
+impl LoadOptions {
+    /// Tokenizing only (a router): the checkpoint is mapped, not converted.
+    pub fn no_weights() -> Self {
+        LoadOptions {
+            weights: false,
+            vision: false,
+        }
     }
 }
 
@@ -45,7 +61,7 @@ pub struct LoadedModel {
     pub path: PathBuf,
     pub config: ModelConfig,
     /// f32 compute weights, shared by every backend made from this model.
-    /// Empty (no layers) when loaded with `LoadOptions { weights: false }`.
+    /// Empty (no layers) when loaded with [`LoadOptions::no_weights`].
     pub weights: Arc<DecoderWeights>,
     /// The vision tower and projector of a multimodal model, when loaded with weights.
     pub vision: Option<Arc<VisionEncoder>>,
@@ -119,7 +135,7 @@ impl LoadedModel {
                 lm_head: None,
             }
         };
-        let vision = match (&config.vision, opts.weights) {
+        let vision = match (&config.vision, opts.weights && opts.vision) {
             (Some(vc), true) => Some(Arc::new(VisionEncoder::new(
                 vc.clone(),
                 VisionWeights::load(vc, &mapped)?,
