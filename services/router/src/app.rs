@@ -124,11 +124,28 @@ pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
     Ok(kv)
 }
 
+/// The largest body a route takes: `--http-body-limit-mb`; for chat completions at least one
+/// image at `--max-file-size-mb` as a base64 `data:` URL (4/3 of it) and 1 MiB of text, so an
+/// image the media limits accept always fits (more images need a larger body limit).
+pub fn body_limit(cfg: &RouterConfig, chat: bool) -> usize {
+    const MIB: usize = 1024 * 1024;
+    let configured = cfg.http_body_limit_mb as usize * MIB;
+    if !chat {
+        return configured;
+    }
+    let image = (cfg.media.max_file_size_mb as usize * MIB).div_ceil(3) * 4;
+    configured.max(image + MIB)
+}
+
 /// The body of a JSON request: `content-type` must say JSON (415), the body must fit
-/// `--http-body-limit-mb` (413) and arrive within `--http-body-read-timeout-secs` (408).
-async fn json_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+/// [`body_limit`] (413) and arrive within `--http-body-read-timeout-secs` (408).
+async fn json_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
     check_json_content_type(headers)?;
-    let limit = state.config.http_body_limit_mb as usize * 1024 * 1024;
     let secs = state.config.http.body_read_timeout_secs;
     let read = Limited::new(body, limit).collect();
     match tokio::time::timeout(Duration::from_secs(secs.into()), read).await {
@@ -136,7 +153,10 @@ async fn json_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
         Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            "request body too large (see --http-body-limit-mb)",
+            format!(
+                "request body too large: over {limit} bytes (--http-body-limit-mb; chat \
+                 completions take at least one --max-file-size-mb image)"
+            ),
         )),
         Ok(Err(e)) => Err(ApiError::bad_request(
             format!("cannot read the request body: {e}"),
@@ -188,7 +208,8 @@ async fn chat(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match json_body(&state, &headers, body).await {
+    let limit = body_limit(&state.config, true);
+    match json_body(&state, &headers, body, limit).await {
         Ok(b) => handlers::chat_completions(state, caller_of(caller), headers, b).await,
         Err(e) => handlers::refused_early(e, &headers, "chat_completions"),
     }
@@ -200,7 +221,8 @@ async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match json_body(&state, &headers, body).await {
+    let limit = body_limit(&state.config, false);
+    match json_body(&state, &headers, body, limit).await {
         Ok(b) => handlers::completions(state, caller_of(caller), headers, b).await,
         Err(e) => handlers::refused_early(e, &headers, "completions"),
     }
@@ -370,4 +392,29 @@ async fn bind(
     println!("{ready}");
     tracing::info!(%addr, tls = tls.is_some(), "router listening");
     Ok(Listeners { public, tls, admin })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(args: &[&str]) -> RouterConfig {
+        let mut all = vec!["tandem-router".to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        tandem_config::parse_router(&all, &|_| None).expect("config")
+    }
+
+    #[test]
+    fn chat_bodies_fit_one_image_at_the_size_cap() {
+        const MIB: usize = 1024 * 1024;
+        // Defaults: 32 MiB bodies, 50 MiB images: a chat body takes 4/3 x 50 MiB + 1 MiB.
+        let c = config(&[]);
+        assert_eq!(body_limit(&c, false), 32 * MIB);
+        assert_eq!(body_limit(&c, true), (50 * MIB).div_ceil(3) * 4 + MIB);
+        // A larger configured limit wins; small images leave it alone.
+        let c = config(&["--http-body-limit-mb", "200", "--max-file-size-mb", "1"]);
+        assert_eq!(body_limit(&c, true), 200 * MIB);
+        let c = config(&["--max-file-size-mb", "1"]);
+        assert_eq!(body_limit(&c, true), 32 * MIB);
+    }
 }

@@ -93,8 +93,13 @@ async fn chat_and_completions_stream_and_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
-    let t =
-        Topology::start_healthy(1, &["--max-seq-len", "64"], &["--http-body-limit-mb", "1"]).await;
+    // Chat bodies take 1 MiB or one 1 MiB image as base64 plus 1 MiB of text: 2.33 MiB.
+    let t = Topology::start_healthy(
+        1,
+        &["--max-seq-len", "64"],
+        &["--http-body-limit-mb", "1", "--max-file-size-mb", "1"],
+    )
+    .await;
     let client = reqwest::Client::new();
     let url = format!("{}/v1/chat/completions", t.base);
     let raw = |body: &'static str| {
@@ -169,7 +174,7 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
         );
         assert!(resp["error"]["message"].is_string(), "{resp}");
     }
-    let big = "x".repeat(2 * 1024 * 1024);
+    let big = "x".repeat(3 * 1024 * 1024);
     let r = client
         .post(&url)
         .header("content-type", "application/json")
