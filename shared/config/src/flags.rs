@@ -258,7 +258,8 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("http-port", INT0, Router, "Port of the OpenAI HTTP API; 0 picks a free one.")
         .env("DYN_HTTP_PORT").default("8000").scope(Scope::Router),
     FlagSpec::new("http-body-limit-mb", INT1, Router,
-        "Largest accepted request body in MiB; larger bodies get 413.")
+        "Largest accepted request body in MiB; larger bodies get 413. Chat completions take at \
+         least one --max-file-size-mb image as a base64 data: URL plus 1 MiB of text.")
         .env("DYN_HTTP_BODY_LIMIT_MB").default("32").scope(Scope::Router),
     FlagSpec::new("request-timeout-secs", INT1, Router,
         "Deadline of one request, from arrival to its last token.")
