@@ -18,6 +18,10 @@ Cases (prompts rendered with the folder's chat template, `add_generation_prompt=
 - `two_images`: images 0 and 1 and a question;
 - `one_image_b`: image 2 (when there is one) and the first question.
 
+With `--lm-bf16`, only the CPU f32 set, the language model's matrices first rounded to bf16
+(what Tandem's bf16 CUDA precisions compute with; norms, tower and projector stay f32): the
+baseline of `cuda_llava_check OUT_DIR bf16x2`.
+
 For each case, into OUT_DIR (CPU, f32) and OUT_DIR/cuda (CUDA, bfloat16, outputs cast to f32),
 all `.bin` files f32 little endian, row-major:
 - `{case}.pixel_values.bin`   [n_images, 3, 56, 56], what the processor made;
@@ -212,9 +216,11 @@ def run_case(model, processor, name, text, images, device, dtype, out_dir):
     return entry
 
 
-def run_all(model_dir, processor, cases, device, dtype, attn, out_dir, common):
+def run_all(model_dir, processor, cases, device, dtype, attn, out_dir, common, prepare=None):
     os.makedirs(out_dir, exist_ok=True)
     model = load_model(model_dir, device, dtype, attn)
+    if prepare is not None:
+        prepare(model)
     manifest = dict(common)
     manifest.update(
         {
@@ -239,10 +245,22 @@ def run_all(model_dir, processor, cases, device, dtype, attn, out_dir, common):
         )
 
 
+def round_language_model_to_bf16(model):
+    """Rounds the language model's matrices (embeddings, projections, lm_head) to bf16 and
+    back: the weights Tandem's bf16 CUDA precisions compute with. Norms, the vision tower and
+    the projector keep f32 (Tandem keeps them in f32)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "vision_tower" not in name and "multi_modal_projector" not in name:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+
+
 def main():
-    if len(sys.argv) != 4:
-        sys.exit("usage: llava.py MODEL_DIR IMAGES_DIR OUT_DIR")
-    model_dir, images_dir, out_dir = sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != "--lm-bf16"]
+    lm_bf16 = "--lm-bf16" in sys.argv[1:]
+    if len(args) != 3:
+        sys.exit("usage: llava.py MODEL_DIR IMAGES_DIR OUT_DIR [--lm-bf16]")
+    model_dir, images_dir, out_dir = args
     torch.manual_seed(0)
     paths = sorted(
         p
@@ -273,6 +291,13 @@ def main():
     }
     cases = build_cases(processor, images)
 
+    if lm_bf16:
+        # The baseline of Tandem's default CUDA precision: f32 arithmetic on the weights it
+        # computes with (as the text models' CUDA check); no CUDA set.
+        common["language_model_weights"] = "rounded to bf16"
+        run_all(model_dir, processor, cases, "cpu", torch.float32, "eager", out_dir, common,
+                round_language_model_to_bf16)
+        return
     run_all(model_dir, processor, cases, "cpu", torch.float32, "eager", out_dir, common)
     if torch.cuda.is_available():
         run_all(
