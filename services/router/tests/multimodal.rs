@@ -313,16 +313,23 @@ async fn wait_remote_prefill(t: &Topology) {
     }
 }
 
-/// EP/D: the prefill worker encodes the images and pushes the prompt's KV to a `pd` decode
-/// worker (`--enforce-disagg`); the output equals the aggregated worker's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn encode_in_prefill_equals_aggregated() {
+/// The tiny LLaVA's folder, two images, and an aggregated worker's greedy output for the
+/// first image and for both: what the disaggregated topologies must reproduce.
+async fn aggregated_reference() -> (String, [String; 2], Greedy, Greedy) {
     let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
     let dir = dir.to_str().unwrap().to_owned();
     let agg = tiny_vl(&[]).await;
     let urls = [png("a_gradient.png"), png("b_stripes.png")];
     let want_one = greedy(&agg, &urls[..1]).await;
     let want_two = greedy(&agg, &urls).await;
+    (dir, urls, want_one, want_two)
+}
+
+/// EP/D: the prefill worker encodes the images and pushes the prompt's KV to a `pd` decode
+/// worker (`--enforce-disagg`); the output equals the aggregated worker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encode_in_prefill_equals_aggregated() {
+    let (dir, urls, want_one, want_two) = aggregated_reference().await;
 
     let disc = common::temp_dir("epd");
     let (_prefill, t) = disaggregated(disc, &multimodal_args(&dir)).await;
@@ -359,12 +366,7 @@ async fn metric(worker: &common::Proc, name: &str, labels: &str) -> f64 {
 /// no embedding region is left behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn separate_encode_workers_equal_aggregated() {
-    let dir = tandem_tiny_model::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
-    let dir = dir.to_str().unwrap().to_owned();
-    let agg = tiny_vl(&[]).await;
-    let urls = [png("a_gradient.png"), png("b_stripes.png")];
-    let want_one = greedy(&agg, &urls[..1]).await;
-    let want_two = greedy(&agg, &urls).await;
+    let (dir, urls, want_one, want_two) = aggregated_reference().await;
 
     let disc = common::temp_dir("e-p-d");
     let base = multimodal_args(&dir);

@@ -43,8 +43,8 @@ pub struct LeaseTable {
     leases: Mutex<HashMap<u64, LeaseInfo>>,
 }
 
-/// A random non-zero `u64` from the OS RNG.
-fn random_u64() -> Result<u64, LeaseRngError> {
+/// A random non-zero `u64` from the OS RNG (lease ids and epochs).
+pub(crate) fn random_u64() -> Result<u64, LeaseRngError> {
     loop {
         let mut b = [0u8; 8];
         getrandom::fill(&mut b).map_err(|e| LeaseRngError(e.to_string()))?;

@@ -12,14 +12,13 @@
 //! `tandem-mocker`) a [`SimulatedLink`] that moves no bytes but takes their time; everything
 //! else here is the same code for both.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{EngineHandle, PrefillEvent, PrefillStream};
 use tandem_engine::request::{FinishReason, Request, RequestOutput, SequenceState};
-use tandem_kv_transfer::{AnyConnection, AnyTransport, Bytes, KvConnection, KvTransport, Put};
+use tandem_kv_transfer::{AnyConnection, AnyTransport, Bytes, KvConnection, Put};
 use tandem_kv_transfer::{PeerAddress, RemoteRegion};
 use tandem_protocol::wire::required;
 use tandem_protocol::worker::{
@@ -30,7 +29,7 @@ use tonic::Status;
 
 use crate::lease_writes::{Cancel, LeaseWrites};
 use crate::media::MediaEncoder;
-use crate::transport::{KvWriter, SimulatedLink};
+use crate::transport::{Connections, KvWriter, SimulatedLink};
 use crate::wire::{engine_sub, EngineIntoWire};
 
 pub struct PrefillSide {
@@ -38,7 +37,7 @@ pub struct PrefillSide {
     writer: KvWriter,
     layout_id: String,
     block_bytes: usize,
-    connections: tokio::sync::Mutex<HashMap<PeerAddress, Arc<AnyConnection>>>,
+    connections: Connections,
     writes: Arc<LeaseWrites>,
     pub bytes_sent: AtomicU64,
     /// The model's vision tower, when it takes images: this worker encodes a prompt's
@@ -65,7 +64,7 @@ impl PrefillSide {
             writer,
             layout_id,
             block_bytes,
-            connections: tokio::sync::Mutex::new(HashMap::new()),
+            connections: Connections::default(),
             writes: Arc::default(),
             bytes_sent: AtomicU64::new(0),
             media: std::sync::OnceLock::new(),
@@ -138,21 +137,11 @@ impl PrefillSide {
                 return Err(Status::internal("a simulated writer has no connections"))
             }
         };
-        let mut m = self.connections.lock().await;
-        if let Some(c) = m.get(peer) {
-            return Ok(c.clone());
-        }
-        let c = Arc::new(transport.connect(peer).await.map_err(|e| {
+        self.connections.get(transport, peer).await.map_err(|e| {
             Status::aborted(format!(
                 "cannot connect to the decode worker's KV transport: {e}"
             ))
-        })?);
-        m.insert(peer.clone(), c.clone());
-        Ok(c)
-    }
-
-    async fn forget_connection(&self, peer: &PeerAddress) {
-        self.connections.lock().await.remove(peer);
+        })
     }
 
     /// Where a lease's blocks go: a connection to the region's peer, or the simulated link.
@@ -229,7 +218,7 @@ impl PrefillSide {
                     .collect();
                 crate::failpoints::prefill_hold(&w.request_id, last_block).await;
                 if let Err(e) = conn.write(&w.region, puts).await {
-                    self.forget_connection(&w.region.peer).await;
+                    self.connections.forget(&w.region.peer).await;
                     return Err(write_failed(e));
                 }
                 data.len() as u64

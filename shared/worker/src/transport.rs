@@ -8,7 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use tandem_config::engine_options::TransceiverBackend;
 use tandem_config::WorkerConfig;
-use tandem_kv_transfer::{AnyTransport, Backend, KvTransport, Registration, TransportConfig};
+use tandem_kv_transfer::{AnyConnection, AnyTransport, Backend, KvTransport, PeerAddress};
+use tandem_kv_transfer::{Registration, TransportConfig};
 
 /// The transport of this worker.
 pub fn backend(cfg: &WorkerConfig) -> anyhow::Result<Backend> {
@@ -95,6 +96,35 @@ pub async fn allocate_pool(t: &AnyTransport, len: usize) -> anyhow::Result<Regis
         len,
         registration,
     })
+}
+
+/// A writer's open connections, one per receiving peer, made on first use and dropped after a
+/// failed write (prefill workers writing KV, encode workers writing embeddings).
+#[derive(Default)]
+pub struct Connections {
+    open: tokio::sync::Mutex<std::collections::HashMap<PeerAddress, Arc<AnyConnection>>>,
+}
+
+impl Connections {
+    /// The connection to `peer` through `transport`, connecting on first use.
+    pub async fn get(
+        &self,
+        transport: &AnyTransport,
+        peer: &PeerAddress,
+    ) -> Result<Arc<AnyConnection>, tandem_kv_transfer::TransferError> {
+        let mut m = self.open.lock().await;
+        if let Some(c) = m.get(peer) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(transport.connect(peer).await?);
+        m.insert(peer.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// Drops the connection to `peer` (the next write reconnects).
+    pub async fn forget(&self, peer: &PeerAddress) {
+        self.open.lock().await.remove(peer);
+    }
 }
 
 /// How a prefill worker's KV writes reach decode workers.

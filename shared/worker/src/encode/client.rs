@@ -19,7 +19,7 @@ use tandem_runtime::discovery::Discovery;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
-use crate::leases::listener_gone;
+use crate::leases::{listener_gone, random_u64};
 use crate::wire::EngineIntoWire;
 
 /// Gauge of embedding regions by state (`live`: a call in flight; `quarantined`: waiting for
@@ -173,7 +173,9 @@ impl RemoteEncoder {
         let mut client = self.client(&addr)?;
         let n = inputs.len();
         let mut region = self.lease_region(n * self.cfg.row_bytes).await?;
-        let (lease_id, epoch) = (random_id()?, random_id()?);
+        let rng = |e: crate::leases::LeaseRngError| Status::internal(e.to_string());
+        let lease_id = random_u64().map_err(rng)?;
+        let epoch = random_u64().map_err(rng)?;
         let descriptor = region
             .registration
             .as_ref()
@@ -303,18 +305,5 @@ fn encode_failed(addr: &str, status: Status) -> Status {
         Code::InvalidArgument => Status::invalid_argument(message),
         Code::FailedPrecondition => Status::failed_precondition(message),
         _ => Status::unavailable(message),
-    }
-}
-
-/// A random non-zero id (leases, epochs) from the OS RNG.
-fn random_id() -> Result<u64, Status> {
-    loop {
-        let mut b = [0u8; 8];
-        getrandom::fill(&mut b)
-            .map_err(|e| Status::internal(format!("the OS random number generator failed: {e}")))?;
-        let v = u64::from_le_bytes(b);
-        if v != 0 {
-            return Ok(v);
-        }
     }
 }

@@ -13,14 +13,11 @@ pub mod cache;
 pub mod client;
 pub mod serve;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tandem_engine::model::VisionEncoder;
-use tandem_kv_transfer::{
-    AnyConnection, AnyTransport, Bytes, KvConnection, KvTransport, PeerAddress, Put, RemoteRegion,
-};
+use tandem_kv_transfer::{AnyTransport, Bytes, KvConnection, Put, RemoteRegion};
 use tandem_protocol::worker::encoder_server::Encoder;
 use tandem_protocol::worker::{
     EncodeReply, EncodeRequest, FenceLeaseReply, FenceLeaseRequest, HealthReply, HealthRequest,
@@ -31,6 +28,7 @@ use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::lease_writes::{Cancel, LeaseWrites};
 use crate::media::{ImagePrep, MAX_IMAGES_PER_REQUEST};
+use crate::transport::Connections;
 use crate::wire::engine_sub;
 use batcher::Batcher;
 use cache::EmbeddingCache;
@@ -57,7 +55,7 @@ pub struct EncodeService {
     cache: EmbeddingCache,
     batcher: Batcher,
     transport: Arc<AnyTransport>,
-    connections: tokio::sync::Mutex<HashMap<PeerAddress, Arc<AnyConnection>>>,
+    connections: Connections,
     writes: Arc<LeaseWrites>,
     accepting: Arc<AtomicBool>,
 }
@@ -80,7 +78,7 @@ impl EncodeService {
             cache: parts.cache,
             batcher,
             transport,
-            connections: tokio::sync::Mutex::new(HashMap::new()),
+            connections: Connections::default(),
             writes: Arc::default(),
             accepting: Arc::new(AtomicBool::new(true)),
         })
@@ -188,10 +186,15 @@ impl EncodeService {
             })
             .collect();
         let bytes: u64 = puts.iter().map(|p| p.local.len() as u64).sum();
-        let conn = self.connection(&job.region.peer).await?;
+        let conn = (self.connections)
+            .get(&self.transport, &job.region.peer)
+            .await
+            .map_err(|e| {
+                Status::aborted(format!("cannot connect to the caller's transport: {e}"))
+            })?;
         crate::failpoints::encode_hold().await;
         if let Err(e) = conn.write(&job.region, puts).await {
-            self.connections.lock().await.remove(&job.region.peer);
+            self.connections.forget(&job.region.peer).await;
             return Err(Status::aborted(format!(
                 "writing embeddings to the caller failed: {e}"
             )));
@@ -251,18 +254,6 @@ impl EncodeService {
             .map(|(i, r)| r.ok_or_else(|| Status::internal(format!("image {i} was not encoded"))))
             .collect::<Result<Vec<_>, _>>()?;
         Ok((rows, hits))
-    }
-
-    async fn connection(&self, peer: &PeerAddress) -> Result<Arc<AnyConnection>, Status> {
-        let mut m = self.connections.lock().await;
-        if let Some(c) = m.get(peer) {
-            return Ok(c.clone());
-        }
-        let c = Arc::new(self.transport.connect(peer).await.map_err(|e| {
-            Status::aborted(format!("cannot connect to the caller's transport: {e}"))
-        })?);
-        m.insert(peer.clone(), c.clone());
-        Ok(c)
     }
 }
 
