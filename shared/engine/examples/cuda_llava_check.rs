@@ -33,11 +33,17 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "common/stats.rs"]
+mod stats;
+
+#[cfg(feature = "cuda")]
 mod check {
     use std::path::{Path, PathBuf};
     use std::sync::Arc;
 
     use serde_json::{json, Value};
+
+    use crate::stats::{cosine, std_of};
     use tandem_engine::backend::cuda::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
     use tandem_engine::backend::{Backend, LogitsMode, SeqInput};
     use tandem_engine::engine::{Engine, EngineConfig, Request};
@@ -87,19 +93,6 @@ mod check {
                     .collect()
             })
             .unwrap_or_default()
-    }
-
-    fn std_of(v: &[f32]) -> f64 {
-        let n = v.len() as f64;
-        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
-        (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt()
-    }
-
-    fn cosine(a: &[f32], b: &[f32]) -> f64 {
-        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-        let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-        let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-        dot / (na * nb)
     }
 
     fn argmax(row: &[f32]) -> u32 {

@@ -301,3 +301,44 @@ async fn greedy_tokens_match_transformers_generate() {
         );
     }
 }
+
+/// The tiny LLaVA's tensors re-saved under `rename`d names into a folder of its own.
+fn relabelled(name: &str, rename: impl Fn(&str) -> String) -> PathBuf {
+    let src = tandem_engine::tiny::ensure_tiny_vl_model().expect("build the tiny LLaVA model");
+    let dir = std::env::temp_dir().join(format!("llava-layout-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let renamed: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, view)| (rename(&n), view))
+        .collect();
+    safetensors::serialize_to_file(renamed, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+#[test]
+fn towers_of_every_checkpoint_layout_encode_alike() {
+    let m = manifest();
+    let pixels = read_f32(&m.cases[0].pixel_values);
+    let src = tandem_engine::tiny::ensure_tiny_vl_model().unwrap();
+    let (hub, _) = tandem_engine::model::load_vision(&src).unwrap();
+    let want = hub.encode(&pixels).unwrap();
+    // transformers 5 saves the CLIP transformer itself under `vision_tower.`; 4.52–4.57 put
+    // every part under `model.`.
+    let v5 = relabelled("v5", |n| {
+        n.replace("vision_tower.vision_model.", "vision_tower.")
+    });
+    let v452 = relabelled("v452", |n| match n.strip_prefix("language_model.") {
+        Some(rest) => format!("model.language_model.{rest}"),
+        None => format!("model.{n}"),
+    });
+    for dir in [v5, v452] {
+        let (tower, _) = tandem_engine::model::load_vision(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        assert_eq!(tower.encode(&pixels).unwrap(), want, "{}", dir.display());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

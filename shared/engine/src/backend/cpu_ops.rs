@@ -51,6 +51,16 @@ impl Matrix {
         }
     }
 
+    /// The elements of an f32 matrix; an error for a bf16 one.
+    pub fn f32_values(&self) -> Result<&[f32], crate::error::EngineError> {
+        match self {
+            Matrix::F32(v) => Ok(v),
+            Matrix::Bf16(_) => Err(crate::error::EngineError::Backend(
+                "an f32 matrix was expected, this one is bf16".into(),
+            )),
+        }
+    }
+
     /// All elements as f32 (norm weights and the like).
     pub fn into_f32(self) -> Vec<f32> {
         match self {

@@ -283,11 +283,11 @@ fn layers_used(feature_layer: Option<&serde_json::Value>, layers: usize) -> Resu
     Ok(index as usize)
 }
 
-struct Linear {
-    w: Matrix,
-    b: Option<Vec<f32>>,
-    out: usize,
-    inp: usize,
+pub(crate) struct Linear {
+    pub(crate) w: Matrix,
+    pub(crate) b: Option<Vec<f32>>,
+    pub(crate) out: usize,
+    pub(crate) inp: usize,
 }
 
 impl Linear {
@@ -306,6 +306,30 @@ impl Linear {
         Ok(Linear { w, b, out, inp })
     }
 
+    /// The layers' rows one after another (their outputs side by side): q, k and v as one
+    /// projection. Every part has the same input width and a bias, or none has.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn stacked(parts: &[&Linear]) -> Result<Linear, EngineError> {
+        let inp = parts.first().map_or(0, |p| p.inp);
+        let mut w = Vec::new();
+        let mut b = Vec::new();
+        for p in parts {
+            if p.inp != inp || p.b.is_none() {
+                return Err(EngineError::Backend(
+                    "stacked projections need one input width and biases".into(),
+                ));
+            }
+            w.extend_from_slice(p.w.f32_values()?);
+            b.extend(p.b.iter().flatten().copied());
+        }
+        Ok(Linear {
+            w: Matrix::F32(w),
+            out: b.len(),
+            b: Some(b),
+            inp,
+        })
+    }
+
     /// `x` is `[rows, inp]`; returns `[rows, out]`.
     fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
         let mut y = vec![0.0f32; rows * self.out];
@@ -318,9 +342,9 @@ impl Linear {
     }
 }
 
-struct LayerNorm {
-    w: Vec<f32>,
-    b: Vec<f32>,
+pub(crate) struct LayerNorm {
+    pub(crate) w: Vec<f32>,
+    pub(crate) b: Vec<f32>,
     eps: f32,
 }
 
@@ -348,30 +372,30 @@ impl LayerNorm {
     }
 }
 
-struct EncoderLayer {
-    norm1: LayerNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    norm2: LayerNorm,
-    fc1: Linear,
-    fc2: Linear,
+pub(crate) struct EncoderLayer {
+    pub(crate) norm1: LayerNorm,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) norm2: LayerNorm,
+    pub(crate) fc1: Linear,
+    pub(crate) fc2: Linear,
 }
 
 /// The weights of the vision tower and the projector.
 pub struct VisionWeights {
-    patch: Matrix,
-    class: Vec<f32>,
-    positions: Vec<f32>,
-    pre_norm: LayerNorm,
-    layers: Vec<EncoderLayer>,
-    proj1: Linear,
-    proj2: Linear,
+    pub(crate) patch: Matrix,
+    pub(crate) class: Vec<f32>,
+    pub(crate) positions: Vec<f32>,
+    pub(crate) pre_norm: LayerNorm,
+    pub(crate) layers: Vec<EncoderLayer>,
+    pub(crate) proj1: Linear,
+    pub(crate) proj2: Linear,
 }
 
-/// Tensor lookup under the prefixes of either checkpoint layout: the Hub's
-/// (`vision_tower.…`, `multi_modal_projector.…`) or transformers ≥ 4.52's (`model.…`).
+/// Tensor lookup under the prefixes of the checkpoint layouts: the Hub's and transformers 5's
+/// (`vision_tower.…`, `multi_modal_projector.…`) or transformers 4.52–4.57's (`model.…`).
 struct Names<'w> {
     weights: &'w Weights,
     prefix: &'static str,
@@ -401,7 +425,13 @@ impl VisionWeights {
         };
         let w = Names { weights, prefix };
         let (h, p, c) = (cfg.hidden_size, cfg.patch_size, cfg.num_channels);
-        let v = "vision_tower.vision_model.";
+        // The Hub's towers nest a CLIPVisionModel (`vision_tower.vision_model.…`); transformers
+        // 5 saves the transformer itself (`vision_tower.…`).
+        let v = if weights.contains(&w.name("vision_tower.embeddings.class_embedding")) {
+            "vision_tower."
+        } else {
+            "vision_tower.vision_model."
+        };
         let eps = cfg.layer_norm_eps;
         let mut layers = Vec::with_capacity(cfg.layers_used);
         // Layers past the selected hidden state are never run: not loaded.
@@ -442,30 +472,103 @@ impl VisionWeights {
     }
 }
 
-/// The vision tower and projector of a model, ready to encode images.
+/// The vision tower and projector of a model, ready to encode images: on the CPU, or (with
+/// the `cuda` feature) on a GPU ([`VisionEncoder::on_cuda`]).
 pub struct VisionEncoder {
     pub config: VisionConfig,
-    weights: VisionWeights,
+    compute: Compute,
+}
+
+// One per loaded encoder: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Compute {
+    Cpu(VisionWeights),
+    /// Behind a mutex: one stream runs one batch at a time.
+    #[cfg(feature = "cuda")]
+    Cuda(std::sync::Mutex<crate::backend::cuda::vision::CudaVision>),
 }
 
 impl VisionEncoder {
     pub fn new(config: VisionConfig, weights: VisionWeights) -> Self {
-        VisionEncoder { config, weights }
+        VisionEncoder {
+            config,
+            compute: Compute::Cpu(weights),
+        }
+    }
+
+    /// This encoder's weights uploaded to GPU `ordinal`, computing in `precision`; an error
+    /// (never a panic) without a usable GPU.
+    #[cfg(feature = "cuda")]
+    pub fn on_cuda(
+        &self,
+        ordinal: usize,
+        precision: crate::backend::cuda::vision::VisionPrecision,
+    ) -> Result<VisionEncoder, EngineError> {
+        let Compute::Cpu(weights) = &self.compute else {
+            return Err(EngineError::Backend(
+                "the vision tower is already on the GPU".into(),
+            ));
+        };
+        let cuda = crate::backend::cuda::vision::CudaVision::new(
+            &self.config,
+            weights,
+            ordinal,
+            precision,
+        )?;
+        Ok(VisionEncoder {
+            config: self.config.clone(),
+            compute: Compute::Cuda(std::sync::Mutex::new(cuda)),
+        })
+    }
+
+    /// One GPU run of [`Self::encode`] with every launch timed (benchmarks); an error on the
+    /// CPU.
+    #[cfg(feature = "cuda")]
+    pub fn profile_encode(
+        &self,
+        pixels: &[f32],
+    ) -> Result<Vec<crate::backend::cuda::LaunchTime>, EngineError> {
+        match &self.compute {
+            Compute::Cuda(c) => lock(c)?.profile_run(pixels),
+            Compute::Cpu(_) => Err(EngineError::Backend("profiling needs the GPU tower".into())),
+        }
+    }
+
+    /// Where the tower runs: `cpu` or `cuda` (logs, metrics).
+    pub fn device(&self) -> &'static str {
+        match self.compute {
+            Compute::Cpu(_) => "cpu",
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(_) => "cuda",
+        }
     }
 
     /// Encodes `n` images (`pixels`: `n` preprocessed `[3, image_size, image_size]` tensors,
     /// one after the other) into `[n, tokens_per_image, text_hidden_size]` rows.
     pub fn encode(&self, pixels: &[f32]) -> Result<Vec<f32>, EngineError> {
-        let hidden = self.vision_features(pixels)?;
-        let rows = hidden.len() / self.config.hidden_size;
-        let mut x = self.weights.proj1.apply(&hidden, rows);
-        self.config.projector_act.apply(&mut x);
-        Ok(self.weights.proj2.apply(&x, rows))
+        match &self.compute {
+            Compute::Cpu(w) => {
+                let hidden = self.vision_features(pixels)?;
+                let rows = hidden.len() / self.config.hidden_size;
+                let mut x = w.proj1.apply(&hidden, rows);
+                self.config.projector_act.apply(&mut x);
+                Ok(w.proj2.apply(&x, rows))
+            }
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => lock(c)?.run(pixels, true),
+        }
     }
 
     /// The selected vision hidden states (before the projector), `[n, tokens, vision
     /// hidden]`, class token dropped under the `default` strategy.
+    // Without the `cuda` feature the CPU is the only arm.
+    #[allow(clippy::infallible_destructuring_match)]
     pub fn vision_features(&self, pixels: &[f32]) -> Result<Vec<f32>, EngineError> {
+        let w = match &self.compute {
+            Compute::Cpu(w) => w,
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => return lock(c)?.run(pixels, false),
+        };
         let per = self.config.pixels_per_image();
         if pixels.is_empty() || !pixels.len().is_multiple_of(per) {
             return Err(EngineError::InvalidInput(format!(
@@ -475,19 +578,19 @@ impl VisionEncoder {
         }
         let per_image: Vec<Vec<f32>> = pixels
             .par_chunks_exact(per)
-            .map(|img| self.tower(img))
+            .map(|img| self.tower(w, img))
             .collect();
         Ok(per_image.concat())
     }
 
     /// One image through the tower: embeddings, pre-norm, the used layers, selection.
-    fn tower(&self, image: &[f32]) -> Vec<f32> {
+    fn tower(&self, w: &VisionWeights, image: &[f32]) -> Vec<f32> {
         let cfg = &self.config;
         let h = cfg.hidden_size;
         let t = cfg.num_positions();
-        let mut x = self.embeddings(image);
-        x = self.weights.pre_norm.apply(&x);
-        for layer in &self.weights.layers {
+        let mut x = self.embeddings(w, image);
+        x = w.pre_norm.apply(&x);
+        for layer in &w.layers {
             self.layer(layer, &mut x, t);
         }
         match cfg.select {
@@ -498,7 +601,7 @@ impl VisionEncoder {
 
     /// Patch embeddings (the stride-`patch` convolution as a GEMM over unfolded patches),
     /// the class token first, plus the learned positions: `[positions, hidden]`.
-    fn embeddings(&self, image: &[f32]) -> Vec<f32> {
+    fn embeddings(&self, w: &VisionWeights, image: &[f32]) -> Vec<f32> {
         let cfg = &self.config;
         let (h, p, s, g) = (cfg.hidden_size, cfg.patch_size, cfg.image_size, cfg.grid());
         let k = cfg.num_channels * p * p;
@@ -515,18 +618,9 @@ impl VisionEncoder {
             }
         }
         let mut x = vec![0.0f32; (g * g + 1) * h];
-        x[..h].copy_from_slice(&self.weights.class);
-        matmul_t(
-            &patches,
-            g * g,
-            k,
-            self.weights.patch.as_ref(),
-            h,
-            &mut x[h..],
-        );
-        x.iter_mut()
-            .zip(&self.weights.positions)
-            .for_each(|(v, p)| *v += p);
+        x[..h].copy_from_slice(&w.class);
+        matmul_t(&patches, g * g, k, w.patch.as_ref(), h, &mut x[h..]);
+        x.iter_mut().zip(&w.positions).for_each(|(v, p)| *v += p);
         x
     }
 
@@ -581,6 +675,16 @@ impl VisionEncoder {
             });
         out
     }
+}
+
+/// The GPU tower, its mutex poisoned only by a panic inside a run (an error then, not a
+/// second panic).
+#[cfg(feature = "cuda")]
+fn lock(
+    c: &std::sync::Mutex<crate::backend::cuda::vision::CudaVision>,
+) -> Result<std::sync::MutexGuard<'_, crate::backend::cuda::vision::CudaVision>, EngineError> {
+    c.lock()
+        .map_err(|_| EngineError::Backend("the GPU vision tower failed in an earlier run".into()))
 }
 
 #[cfg(test)]

@@ -44,6 +44,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
+    ("vision.cu", include_str!("kernels/vision.cu")),
 ];
 
 /// Every `extern "C"` kernel of the program; each is loaded at start-up, so a missing one is
@@ -96,6 +97,11 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_norm_silu_xf32_m2",
     "gemv_norm_early_xf32_m1",
     "gemv_norm_silu_early_xf32_m1",
+    "vision_patches_f32",
+    "vision_embed_f32",
+    "layer_norm_f32",
+    "bias_act_f32",
+    "softmax_rows_f32",
 ];
 
 /// The files of the half-KV attention program ([`half_kv_ptx`]).

@@ -17,6 +17,8 @@
 //! - [`TokenMaps`]: a step's ids, logits rows and token maps in one buffer (`token_maps.rs`).
 //! - [`CudaBackend`]: the `Backend` trait on these in f32, bf16, split-bf16 and f16 modes,
 //!   decode steps replayed as CUDA graphs (`graphs.rs`), weights uploaded by `weights.rs`.
+//! - [`vision::CudaVision`]: a LLaVA model's CLIP tower and projector (the encode worker's and
+//!   the worker's own image encoding), in f32 or TF32 GEMMs.
 //!
 //! What is not done yet: README.md beside this file.
 
@@ -37,6 +39,7 @@ pub mod sampling;
 mod step;
 pub mod switches;
 mod token_maps;
+pub mod vision;
 mod weights;
 mod workspace;
 
