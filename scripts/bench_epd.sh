@@ -11,6 +11,7 @@
 #   PROFILE      cargo profile of the binaries (default release)
 #   REQUESTS     requests per run (default 64), CONCURRENCY (default 1), ISL (default 128),
 #                OSL (default 8), IMAGES distinct images (default = REQUESTS)
+#   UP_ARGS      more flags for every `tandem up` (e.g. "--worker-arg=--device --worker-arg=cuda")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=${PROFILE:-release}
@@ -73,6 +74,8 @@ PY
 up() { # up TOPOLOGY (disagg and epd prefill every prompt on the prefill worker)
     local extra=()
     [ "$1" = agg ] || extra=(--router-arg=--enforce-disagg)
+    # shellcheck disable=SC2206 # UP_ARGS is a list of flags, split on purpose
+    extra+=(${UP_ARGS:-})
     "$bin/tandem" up --topology "$1" --builtin-model tiny-vl --kv-transport tcp \
         --http-port "$port" --insecure-internal "${extra[@]}" > "$work/up-$1.log" 2>&1 &
     up_pid=$!

@@ -14,7 +14,7 @@ use tandem_engine::backend::Backend;
 use tandem_engine::backend::KvPoolMemory;
 use tandem_engine::engine::{CapacitySchedulerPolicy, Engine, EngineConfig, EngineHandle};
 use tandem_engine::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
-use tandem_engine::model::{LoadOptions, LoadedModel};
+use tandem_engine::model::{LoadOptions, LoadedModel, VisionEncoder};
 use tandem_kv_transfer::{AnyRegistration, AnyTransport, RemoteRegion};
 
 /// A started engine and the model it runs.
@@ -137,6 +137,33 @@ pub fn build_engine_on(
     )?;
     built.kv_region = region;
     Ok(built)
+}
+
+/// `encoder` where `device` computes: as it is on the CPU, its weights uploaded to GPU 0 on
+/// CUDA (TF32 GEMMs, f32 activations).
+pub fn place_vision(
+    encoder: Arc<VisionEncoder>,
+    device: Device,
+) -> anyhow::Result<Arc<VisionEncoder>> {
+    match device {
+        Device::Cpu => Ok(encoder),
+        Device::Cuda => vision_on_cuda(&encoder).map(Arc::new),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn vision_on_cuda(encoder: &VisionEncoder) -> anyhow::Result<VisionEncoder> {
+    use tandem_engine::backend::cuda::vision::VisionPrecision;
+    encoder
+        .on_cuda(0, VisionPrecision::Tf32)
+        .context("uploading the vision tower to the GPU")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn vision_on_cuda(_encoder: &VisionEncoder) -> anyhow::Result<VisionEncoder> {
+    Err(cuda_device()
+        .err()
+        .unwrap_or_else(|| anyhow::anyhow!("this binary has no CUDA backend")))
 }
 
 /// What a worker loads: the vision tower only where this worker encodes images itself

@@ -14,6 +14,7 @@ use tandem_protocol::worker as pb;
 use tonic::Status;
 
 use crate::encode::client::RemoteEncoder;
+use crate::engine_setup::{place_vision, Device};
 
 /// The most images one request may carry.
 pub const MAX_IMAGES_PER_REQUEST: usize = 16;
@@ -103,10 +104,12 @@ pub fn multimodal_card(model: &LoadedModel) -> Option<tandem_protocol::Multimoda
 
 impl MediaEncoder {
     /// The encoder of a multimodal model loaded with weights; `None` for a text model.
-    pub fn for_model(model: &LoadedModel) -> anyhow::Result<Option<Self>> {
+    /// The tower runs on `device` (uploaded to the GPU on CUDA).
+    pub fn for_model(model: &LoadedModel, device: Device) -> anyhow::Result<Option<Self>> {
         let Some(encoder) = model.vision.clone() else {
             return Ok(None);
         };
+        let encoder = place_vision(encoder, device)?;
         let prep = ImagePrep::for_folder(&model.path, &encoder.config)?;
         Ok(Some(MediaEncoder {
             config: encoder.config.clone(),

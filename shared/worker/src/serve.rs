@@ -126,7 +126,8 @@ async fn media_encoder(
         return Ok(None);
     }
     let Some(endpoint) = cfg.disaggregation.encode_endpoint.clone() else {
-        return Ok(MediaEncoder::for_model(&built.model)?.map(Arc::new));
+        let device = crate::engine_setup::choose_device(&cfg.model.device)?;
+        return Ok(MediaEncoder::for_model(&built.model, device)?.map(Arc::new));
     };
     let transport = with
         .transport

@@ -78,21 +78,26 @@ pub async fn run_with(
 async fn load(cfg: &WorkerConfig) -> anyhow::Result<EncodeParts> {
     let folder = crate::engine_setup::model_folder(cfg)?;
     let f = folder.clone();
-    let (encoder, model_id) =
-        tokio::task::spawn_blocking(move || tandem_engine::model::load_vision(&f))
-            .await
-            .context("model loading task failed")??;
+    let device = crate::engine_setup::choose_device(&cfg.model.device)?;
+    let (encoder, model_id) = tokio::task::spawn_blocking(move || {
+        let (encoder, model_id) = tandem_engine::model::load_vision(&f)?;
+        let encoder = crate::engine_setup::place_vision(Arc::new(encoder), device)?;
+        anyhow::Ok((encoder, model_id))
+    })
+    .await
+    .context("model loading task failed")??;
     let prep = ImagePrep::for_folder(&folder, &encoder.config)?;
     let gb = cfg.runtime.multimodal_embedding_cache_capacity_gb;
     let capacity = (gb * 1e9) as usize;
     tracing::info!(
         model_id = %model_id,
+        device = encoder.device(),
         tokens_per_image = encoder.config.tokens_per_image(),
         cache_bytes = capacity,
         "vision tower loaded"
     );
     Ok(EncodeParts {
-        encoder: Arc::new(encoder),
+        encoder,
         prep,
         model_id,
         cache: EmbeddingCache::new(capacity),
