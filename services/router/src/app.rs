@@ -124,9 +124,9 @@ pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
     Ok(kv)
 }
 
-/// The largest body a route takes: `--http-body-limit-mb`; for chat completions at least one
-/// image at `--max-file-size-mb` as a base64 `data:` URL (4/3 of it) and 1 MiB of text, so an
-/// image the media limits accept always fits (more images need a larger body limit).
+/// The largest body a route takes: `--http-body-limit-mb`; for chat completions at least
+/// `--max-images-per-request` images at `--max-file-size-mb` as base64 `data:` URLs (4/3 of
+/// each) and 1 MiB of text, so a request the media limits accept always fits.
 pub fn body_limit(cfg: &RouterConfig, chat: bool) -> usize {
     const MIB: usize = 1024 * 1024;
     let configured = cfg.http_body_limit_mb as usize * MIB;
@@ -134,7 +134,8 @@ pub fn body_limit(cfg: &RouterConfig, chat: bool) -> usize {
         return configured;
     }
     let image = (cfg.media.max_file_size_mb as usize * MIB).div_ceil(3) * 4;
-    configured.max(image + MIB)
+    let images = cfg.media.max_images_per_request as usize;
+    configured.max(images.saturating_mul(image).saturating_add(MIB))
 }
 
 /// The body of a JSON request: `content-type` must say JSON (415), the body must fit
@@ -155,7 +156,7 @@ async fn json_body(
             "invalid_request_error",
             format!(
                 "request body too large: over {limit} bytes (--http-body-limit-mb; chat \
-                 completions take at least one --max-file-size-mb image)"
+                 completions take --max-images-per-request images of --max-file-size-mb)"
             ),
         )),
         Ok(Err(e)) => Err(ApiError::bad_request(
@@ -405,11 +406,13 @@ mod tests {
     }
 
     #[test]
-    fn chat_bodies_fit_one_image_at_the_size_cap() {
+    fn chat_bodies_fit_every_image_at_the_size_cap() {
         const MIB: usize = 1024 * 1024;
-        // Defaults: 32 MiB bodies, 50 MiB images: a chat body takes 4/3 x 50 MiB + 1 MiB.
+        // Defaults: 32 MiB bodies, 4 images of 50 MiB: 4 x 4/3 x 50 MiB + 1 MiB.
         let c = config(&[]);
         assert_eq!(body_limit(&c, false), 32 * MIB);
+        assert_eq!(body_limit(&c, true), 4 * (50 * MIB).div_ceil(3) * 4 + MIB);
+        let c = config(&["--max-images-per-request", "1"]);
         assert_eq!(body_limit(&c, true), (50 * MIB).div_ceil(3) * 4 + MIB);
         // A larger configured limit wins; small images leave it alone.
         let c = config(&["--http-body-limit-mb", "200", "--max-file-size-mb", "1"]);

@@ -170,13 +170,17 @@ async fn chat_images(
             Some(&urls[0].0),
         ));
     };
-    if urls.len() > mm.max_images_per_request as usize {
+    let router_limit = state.config.media.max_images_per_request;
+    let limit = mm.max_images_per_request.min(router_limit) as usize;
+    if urls.len() > limit {
+        let whose = match mm.max_images_per_request <= router_limit {
+            true => format!("model `{}`'s limit", view.name),
+            false => "the limit of --max-images-per-request".to_string(),
+        };
         return Err(ApiError::bad_request(
             format!(
-                "{} images exceed model `{}`'s limit of {} per request",
-                urls.len(),
-                view.name,
-                mm.max_images_per_request
+                "{} images exceed {whose} of {limit} per request",
+                urls.len()
             ),
             Some("messages"),
         ));

@@ -169,6 +169,10 @@ pub static FLAGS: &[FlagSpec] = &[
         "Maximum size in MB of one image (a file, or a data: URL once decoded) or embedding \
          file; larger ones get 413.")
         .env("DYN_TRTLLM_MAX_FILE_SIZE_MB").default("50").scope(Scope::All),
+    FlagSpec::new("max-images-per-request", INT1, DisaggregationAndMultimodal,
+        "Most images one chat request may carry (also capped by the model's own limit); with \
+         --max-file-size-mb it sets the chat completions body limit.")
+        .env("DYN_MAX_IMAGES_PER_REQUEST").default("4").scope(Scope::Router),
     FlagSpec::new("media-allow-internal", Bool, DisaggregationAndMultimodal,
         "Let http(s) image URLs reach loopback, private, link-local and other internal \
          addresses (refused by default, also after a redirect: a guard against SSRF).")
@@ -259,7 +263,8 @@ pub static FLAGS: &[FlagSpec] = &[
         .env("DYN_HTTP_PORT").default("8000").scope(Scope::Router),
     FlagSpec::new("http-body-limit-mb", INT1, Router,
         "Largest accepted request body in MiB; larger bodies get 413. Chat completions take at \
-         least one --max-file-size-mb image as a base64 data: URL plus 1 MiB of text.")
+         least --max-images-per-request images of --max-file-size-mb as base64 data: URLs plus \
+         1 MiB of text.")
         .env("DYN_HTTP_BODY_LIMIT_MB").default("32").scope(Scope::Router),
     FlagSpec::new("request-timeout-secs", INT1, Router,
         "Deadline of one request, from arrival to its last token.")

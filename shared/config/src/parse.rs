@@ -210,6 +210,8 @@ fn worker_from_resolved(
 pub struct MediaLimits {
     pub allowed_local_media_path: Option<std::path::PathBuf>,
     pub max_file_size_mb: u32,
+    /// Most images per chat request (`--max-images-per-request`).
+    pub max_images_per_request: u32,
     /// http(s) image URLs may reach internal addresses (`--media-allow-internal`).
     pub allow_internal: bool,
     /// Bound on fetching one http(s) image URL.
@@ -382,6 +384,7 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
                 .filter(|p| !p.is_empty())
                 .map(Into::into),
             max_file_size_mb: g.u32("max-file-size-mb")?,
+            max_images_per_request: g.u32("max-images-per-request")?,
             allow_internal: g.bool("media-allow-internal")?,
             fetch_timeout_secs: g.u32("media-fetch-timeout-secs")?,
         },
