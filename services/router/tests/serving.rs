@@ -208,47 +208,57 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
 async fn sigterm_drains_in_flight_requests_then_the_model_is_unavailable() {
     let mut t = Topology::start_healthy(1, &[], &[]).await;
     let base = t.base.clone();
+    // A streamed request: its first chunk proves the worker runs it (no polling race with a
+    // request that may finish between two polls); 1,000 tokens keep it running past SIGTERM.
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
     let req = tokio::spawn(async move {
-        reqwest::Client::new()
+        let mut resp = reqwest::Client::new()
             .post(format!("{base}/v1/completions"))
-            .json(&json!({"model": "tandem-tiny", "prompt": "drain me", "max_tokens": 200, "ignore_eos": true}))
+            .json(
+                &json!({"model": "tandem-tiny", "prompt": "drain me", "max_tokens": 1000,
+                "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}),
+            )
             .send()
             .await
-            .unwrap()
-            .json::<Value>()
-            .await
-            .unwrap()
-    });
-    // Wait until the worker runs it (its metrics gauge says so), then SIGTERM the worker.
-    let metrics_addr = common::field(t.workers[0].ready_line(), "http=");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let m = reqwest::get(format!("http://{metrics_addr}/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
             .unwrap();
-        if m.lines()
-            .any(|l| l.starts_with("dynamo_component_running_requests") && !l.ends_with(" 0"))
-        {
-            break;
+        let mut text = String::new();
+        let mut started = Some(started_tx);
+        while let Some(chunk) = resp.chunk().await.unwrap() {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            if let Some(tx) = started.take() {
+                let _ = tx.send(());
+            }
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "request never started: {m}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+        text
+    });
+    tokio::time::timeout(std::time::Duration::from_secs(20), started_rx)
+        .await
+        .expect("the request never started streaming")
+        .expect("the request task ended before its first chunk");
     let pid = t.workers[0].child.id();
     assert!(std::process::Command::new("kill")
         .args(["-TERM", &pid.to_string()])
         .status()
         .unwrap()
         .success());
-    let body = req.await.unwrap();
-    assert_eq!(body["usage"]["completion_tokens"], 200, "{body}");
-    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    let stream = req.await.unwrap();
+    let events: Vec<Value> = stream
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(stream.trim_end().ends_with("data: [DONE]"), "{stream}");
+    let usage = events
+        .iter()
+        .find(|e| !e["usage"].is_null())
+        .expect("usage");
+    assert_eq!(usage["usage"]["completion_tokens"], 1000, "{usage}");
+    let finish = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["finish_reason"].as_str())
+        .next_back();
+    assert_eq!(finish, Some("length"));
     let status = t.workers[0].child.wait().unwrap();
     assert!(status.success(), "worker exit: {status}");
     let (status, body, _) = t
