@@ -1,9 +1,11 @@
 //! The planner's decision maths, without I/O: load predictors ([`predict`]), time models
-//! interpolated from profiling data ([`perf`]), and the sizing of each role from a predicted
-//! demand ([`sizing`]), as Dynamo's SLA planner does it (`dynamo-notes.md` §6.2). What reads
+//! interpolated from profiling data ([`perf`]), the sizing of each role from a predicted
+//! demand ([`sizing`]), as Dynamo's SLA planner does it (`dynamo-notes.md` §6.2), and the
+//! reactive one-step-per-interval scaling on the engines' load ([`load`], §6.3). What reads
 //! the metrics, runs the interval loop and scales the deployments (the actuators) builds on
 //! these; it is not written yet.
 
+pub mod load;
 pub mod perf;
 pub mod predict;
 pub mod sizing;

@@ -1,0 +1,213 @@
+//! Reactive (load) scaling: each short interval, one step up or down per role from the
+//! engines' own load reports, with hysteresis and a guard against acting while the previous
+//! decision is still being applied (Dynamo's easy modes, `dynamo-notes.md` §6.3).
+//!
+//! - Prefill: the queued prefill tokens over the context length, per engine.
+//! - Decode and aggregated: KV utilisation, (scheduled + queued KV tokens) over capacity.
+//! - Up when ANY engine is above the target's upper threshold, down when ALL are below its
+//!   lower one, otherwise hold; no reports at all (a metrics gap) holds and says so.
+
+/// One engine's load over the last interval.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineLoad {
+    /// Prompt tokens waiting to be prefilled.
+    pub queued_prefill_tokens: f64,
+    /// The model's context length.
+    pub context_length: f64,
+    /// KV tokens of running and queued sequences.
+    pub kv_tokens: f64,
+    /// KV tokens the engine's pool holds.
+    pub kv_capacity: f64,
+}
+
+/// What the thresholds favour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// Full engines before adding one (fewer GPUs).
+    Throughput,
+    /// Headroom before queues form (lower latency).
+    Latency,
+}
+
+/// The role a decision is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Prefill,
+    Decode,
+    Aggregated,
+}
+
+/// A decision of one interval, with why.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Step {
+    Up {
+        load: f64,
+    },
+    Down {
+        load: f64,
+    },
+    Hold {
+        load: f64,
+    },
+    /// No engine reported: replicas stay as they are.
+    NoReports,
+}
+
+/// `(up, down)`: scale up when a load is at or above `up` (prefill) / above `up` (KV), down
+/// when every load is below `down` (or at zero for the latency prefill rule).
+fn thresholds(role: Role, target: Target) -> (f64, f64) {
+    match (role, target) {
+        (Role::Prefill, Target::Throughput) => (1.0, 0.1),
+        (Role::Prefill, Target::Latency) => (0.1, 0.0),
+        (_, Target::Throughput) => (1.0, 0.6),
+        (_, Target::Latency) => (0.4, 0.1),
+    }
+}
+
+/// The load an engine shows for `role`.
+fn load_of(role: Role, e: &EngineLoad) -> f64 {
+    match role {
+        Role::Prefill => e.queued_prefill_tokens / e.context_length.max(1.0),
+        Role::Decode | Role::Aggregated => e.kv_tokens / e.kv_capacity.max(1.0),
+    }
+}
+
+/// This interval's step for `role` from its engines' loads.
+pub fn decide(role: Role, target: Target, engines: &[EngineLoad]) -> Step {
+    let loads: Vec<f64> = engines.iter().map(|e| load_of(role, e)).collect();
+    let Some(max) = loads.iter().copied().reduce(f64::max) else {
+        return Step::NoReports;
+    };
+    let (up, down) = thresholds(role, target);
+    let above = match role {
+        Role::Prefill => max >= up,
+        _ => max > up,
+    };
+    let all_below = match (role, target) {
+        (Role::Prefill, Target::Latency) => max <= down,
+        _ => max < down,
+    };
+    if above {
+        Step::Up { load: max }
+    } else if all_below {
+        Step::Down { load: max }
+    } else {
+        Step::Hold { load: max }
+    }
+}
+
+/// One role's replicas under reactive scaling: ±1 a step, within bounds, and no new
+/// decision until the last one shows in the actual replicas.
+#[derive(Debug)]
+pub struct Stepper {
+    min: u32,
+    max: u32,
+    /// The last decision not yet seen applied.
+    pending: Option<u32>,
+}
+
+/// What a [`Stepper`] did with a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Scale to this many replicas.
+    Scale(u32),
+    /// Nothing to do (hold, or already at a bound).
+    Stay,
+    /// The previous decision (to this many) is still being applied.
+    Waiting(u32),
+}
+
+impl Stepper {
+    pub fn new(min: u32, max: u32) -> Self {
+        Stepper {
+            min,
+            max: max.max(min),
+            pending: None,
+        }
+    }
+
+    /// The outcome of `step` when `actual` replicas are running now.
+    pub fn next(&mut self, step: Step, actual: u32) -> Outcome {
+        if let Some(p) = self.pending {
+            if p != actual {
+                return Outcome::Waiting(p);
+            }
+            self.pending = None;
+        }
+        let want = match step {
+            Step::Up { .. } => actual.saturating_add(1),
+            Step::Down { .. } => actual.saturating_sub(1),
+            Step::Hold { .. } | Step::NoReports => actual,
+        }
+        .clamp(self.min, self.max);
+        if want == actual {
+            return Outcome::Stay;
+        }
+        self.pending = Some(want);
+        Outcome::Scale(want)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(queued: f64, kv: f64) -> EngineLoad {
+        EngineLoad {
+            queued_prefill_tokens: queued,
+            context_length: 4096.0,
+            kv_tokens: kv,
+            kv_capacity: 10_000.0,
+        }
+    }
+
+    #[test]
+    fn up_on_any_engine_down_on_all() {
+        use Role::*;
+        use Target::*;
+        // KV 11,000 / 10,000 on one engine is over 1.0: up.
+        let busy = [engine(0.0, 11_000.0), engine(0.0, 1_000.0)];
+        assert_eq!(decide(Decode, Throughput, &busy), Step::Up { load: 1.1 });
+        // 0.5 and 0.1: none over 1.0 and all below 0.6: down.
+        let quiet = [engine(0.0, 5_000.0), engine(0.0, 1_000.0)];
+        assert_eq!(decide(Decode, Throughput, &quiet), Step::Down { load: 0.5 });
+        // In latency mode 0.5 is over 0.4: up.
+        assert_eq!(decide(Aggregated, Latency, &quiet), Step::Up { load: 0.5 });
+        // 0.7: between 0.6 and 1.0, hold.
+        assert_eq!(
+            decide(Decode, Throughput, &[engine(0.0, 7_000.0)]),
+            Step::Hold { load: 0.7 }
+        );
+        // Prefill: 4,096 queued tokens is one context: up at ≥ 1.0.
+        assert_eq!(
+            decide(Prefill, Throughput, &[engine(4096.0, 0.0)]),
+            Step::Up { load: 1.0 }
+        );
+        // Latency prefill scales down only on empty queues.
+        assert_eq!(
+            decide(Prefill, Latency, &[engine(0.0, 0.0), engine(0.0, 0.0)]),
+            Step::Down { load: 0.0 }
+        );
+        assert_eq!(
+            decide(Prefill, Latency, &[engine(1.0, 0.0)]),
+            Step::Hold { load: 1.0 / 4096.0 }
+        );
+        assert_eq!(decide(Prefill, Throughput, &[]), Step::NoReports);
+    }
+
+    #[test]
+    fn one_step_at_a_time_within_bounds_after_the_last_one_landed() {
+        let up = Step::Up { load: 2.0 };
+        let down = Step::Down { load: 0.0 };
+        let mut s = Stepper::new(1, 3);
+        assert_eq!(s.next(up, 1), Outcome::Scale(2));
+        // Still 1 running: the decision to 2 is being applied, nothing new.
+        assert_eq!(s.next(up, 1), Outcome::Waiting(2));
+        assert_eq!(s.next(up, 2), Outcome::Scale(3));
+        assert_eq!(s.next(up, 3), Outcome::Stay, "at the maximum");
+        assert_eq!(s.next(Step::NoReports, 3), Outcome::Stay);
+        assert_eq!(s.next(down, 3), Outcome::Scale(2));
+        assert_eq!(s.next(down, 2), Outcome::Scale(1));
+        assert_eq!(s.next(down, 1), Outcome::Stay, "at the minimum");
+    }
+}
