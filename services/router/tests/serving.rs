@@ -97,7 +97,14 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
     let t = Topology::start_healthy(
         1,
         &["--max-seq-len", "64"],
-        &["--http-body-limit-mb", "1", "--max-file-size-mb", "1"],
+        &[
+            "--http-body-limit-mb",
+            "1",
+            "--max-file-size-mb",
+            "1",
+            "--max-images-per-request",
+            "1",
+        ],
     )
     .await;
     let client = reqwest::Client::new();
