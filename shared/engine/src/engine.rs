@@ -157,6 +157,15 @@ pub struct EngineStats {
     pub reservations: usize,
     /// Blocks held by live reservations (counted in `blocks.referenced` too).
     pub reserved_blocks: usize,
+    /// Tokens per KV block.
+    #[serde(default)]
+    pub block_size: usize,
+    /// Prompt tokens not prefilled yet (waiting sequences and running ones mid-prefill).
+    #[serde(default)]
+    pub queued_prefill_tokens: usize,
+    /// Tokens of waiting sequences, whose KV blocks are not held yet.
+    #[serde(default)]
+    pub queued_kv_tokens: usize,
 }
 
 pub struct Engine;

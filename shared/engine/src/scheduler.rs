@@ -58,6 +58,13 @@ pub struct SchedulerConfig {
     pub policy: CapacitySchedulerPolicy,
 }
 
+/// See [`Scheduler::queued_load`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueuedLoad {
+    pub prefill_tokens: usize,
+    pub kv_tokens: usize,
+}
+
 /// One sequence's share of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScheduledSeq {
@@ -126,6 +133,20 @@ impl Scheduler {
     }
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
+    }
+    /// Work ahead of the engine, for load reports: prompt tokens whose KV is not computed
+    /// yet (waiting sequences and running ones still in prefill), and the tokens of waiting
+    /// sequences, whose KV blocks are not held yet.
+    pub fn queued_load(&self) -> QueuedLoad {
+        let mut load = QueuedLoad::default();
+        for s in self.waiting.iter().filter_map(|id| self.seqs.get(id)) {
+            load.prefill_tokens += s.uncomputed();
+            load.kv_tokens += s.tokens.len();
+        }
+        for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            load.prefill_tokens += s.prompt_len.saturating_sub(s.num_computed);
+        }
+        load
     }
     pub fn get(&self, id: SeqId) -> Option<&Sequence> {
         self.seqs.get(&id)

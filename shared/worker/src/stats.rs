@@ -12,11 +12,29 @@ pub const KV_USAGE_PERCENT: &str = "dynamo_component_gpu_cache_usage_percent";
 pub const RUNNING_REQUESTS: &str = "dynamo_component_running_requests";
 pub const WAITING_REQUESTS: &str = "dynamo_component_waiting_requests";
 pub const PREEMPTIONS: &str = "dynamo_component_preemptions_total";
+// The load report the planner scales on (Dynamo's forward-pass metrics, as gauges).
+/// Prompt tokens not prefilled yet.
+pub const QUEUED_PREFILL_TOKENS: &str = "dynamo_component_queued_prefill_tokens";
+/// KV tokens held by scheduled sequences (referenced blocks × block size).
+pub const SCHEDULED_KV_TOKENS: &str = "dynamo_component_scheduled_kv_tokens";
+/// KV tokens waiting sequences will need.
+pub const QUEUED_KV_TOKENS: &str = "dynamo_component_queued_kv_tokens";
+/// KV tokens the pool holds (blocks × block size).
+pub const KV_CAPACITY_TOKENS: &str = "dynamo_component_kv_capacity_tokens";
+/// Longest sequence the engine takes (`max_seq_len`).
+pub const CONTEXT_LENGTH: &str = "dynamo_component_context_length";
+/// Sequences one step may hold (`max_batch_size`).
+pub const MAX_NUM_SEQS: &str = "dynamo_component_max_num_seqs";
+/// New tokens one step may compute (`max_num_tokens`).
+pub const MAX_NUM_BATCHED_TOKENS: &str = "dynamo_component_max_num_batched_tokens";
 
 /// Refreshes the gauges every 500 ms until shutdown.
 pub fn spawn_gauges(engine: EngineHandle, instance_id: u64, shutdown: ShutdownToken) {
     tokio::spawn(async move {
         let id = instance_id.to_string();
+        let config = engine.config();
+        let context_length = config.max_seq_len as f64;
+        let limits = (config.max_batch_size as f64, config.max_num_tokens as f64);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         loop {
             tokio::select! {
@@ -37,6 +55,14 @@ pub fn spawn_gauges(engine: EngineHandle, instance_id: u64, shutdown: ShutdownTo
             metrics::gauge!(RUNNING_REQUESTS, &label).set(s.running as f64);
             metrics::gauge!(WAITING_REQUESTS, &label).set(s.waiting as f64);
             metrics::gauge!(PREEMPTIONS, &label).set(s.preemptions as f64);
+            let bs = s.block_size as f64;
+            metrics::gauge!(QUEUED_PREFILL_TOKENS, &label).set(s.queued_prefill_tokens as f64);
+            metrics::gauge!(SCHEDULED_KV_TOKENS, &label).set(s.blocks.referenced as f64 * bs);
+            metrics::gauge!(QUEUED_KV_TOKENS, &label).set(s.queued_kv_tokens as f64);
+            metrics::gauge!(KV_CAPACITY_TOKENS, &label).set(s.blocks.total as f64 * bs);
+            metrics::gauge!(CONTEXT_LENGTH, &label).set(context_length);
+            metrics::gauge!(MAX_NUM_SEQS, &label).set(limits.0);
+            metrics::gauge!(MAX_NUM_BATCHED_TOKENS, &label).set(limits.1);
         }
     });
 }

@@ -338,6 +338,7 @@ impl Core {
     }
 
     fn stats(&self) -> EngineStats {
+        let queued = self.sched.queued_load();
         EngineStats {
             running: self.sched.num_running(),
             waiting: self.sched.num_waiting(),
@@ -349,6 +350,9 @@ impl Core {
             prompt_tokens_computed: self.counters.prompt_tokens_computed,
             reservations: self.leases.len(),
             reserved_blocks: self.leases.reserved_blocks(),
+            block_size: self.sched.blocks().block_size(),
+            queued_prefill_tokens: queued.prefill_tokens,
+            queued_kv_tokens: queued.kv_tokens,
         }
     }
 

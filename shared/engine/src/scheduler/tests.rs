@@ -112,6 +112,25 @@ fn token_budget_and_chunking() {
 }
 
 #[test]
+fn queued_load_counts_prompts_not_yet_prefilled() {
+    // Budget 16: seq 1 (10 tokens) runs whole, seq 2 (10) gets 6, seq 3 (10) waits.
+    let mut s = sched(64, 4, 8, 16, true, CapacitySchedulerPolicy::MaxUtilization);
+    for id in 1..=3 {
+        s.add(seq(id, toks(100 * id as u32, 10), 2));
+    }
+    let before = s.queued_load();
+    assert_eq!(before.prefill_tokens, 30);
+    assert_eq!(before.kv_tokens, 30, "all three wait without blocks");
+    step(&mut s);
+    let after = s.queued_load();
+    // Seq 2 has 4 prompt tokens left, seq 3 all 10; only seq 3 still waits for blocks.
+    assert_eq!(after.prefill_tokens, 14);
+    assert_eq!(after.kv_tokens, 10);
+    run_all(&mut s, 50);
+    assert_eq!(s.queued_load(), QueuedLoad::default());
+}
+
+#[test]
 fn without_chunking_a_prompt_waits_for_a_whole_budget() {
     let mut s = sched(64, 4, 8, 16, false, CapacitySchedulerPolicy::MaxUtilization);
     s.add(seq(1, toks(0, 10), 5));
