@@ -30,10 +30,7 @@ fn help_lists_every_seed_page_field() {
     let out = decode(&["--help"], &[]);
     assert!(out.status.success());
     let help = stdout(&out);
-    for spec in tandem_config::flags::FLAGS
-        .iter()
-        .filter(|f| f.scope != tandem_config::spec::Scope::Router)
-    {
+    for spec in tandem_config::flags::flags_for(tandem_config::spec::Scope::Worker) {
         assert!(
             help.contains(&format!("--{}", spec.name)),
             "--{} missing",

@@ -16,7 +16,8 @@ an error naming the variable. `--print-config` prints the resolved configuration
 options as JSON and exits; `--dump-config-to FILE` writes the same JSON at start-up.
 
 Worker binaries (`tandem-prefill`, `tandem-decode`, `tandem-encode`) accept every flag below
-except the Router group; `tandem-router` accepts the Router and the shared Runtime flags.
+except the Router and Planner groups; `tandem-router` accepts the Router and the shared Runtime
+flags, `tandem-planner` the Planner and the shared Runtime flags.
 `tandem-prefill` and `tandem-encode` fix their `--disaggregation-mode`; `tandem-decode` defaults
 to `decode` and also accepts `agg` and `pd`. The legacy `prefill_and_decode` is accepted as `agg`
 with a deprecation warning.
@@ -84,6 +85,7 @@ pub fn config_markdown() -> String {
             let scope = match f.scope {
                 Scope::All => " (all processes)",
                 Scope::Router => " (router)",
+                Scope::Planner => " (planner)",
                 Scope::Worker => "",
             };
             let _ = writeln!(

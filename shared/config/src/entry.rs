@@ -97,3 +97,30 @@ pub fn router_config_or_exit() -> Option<RouterConfig> {
     }
     Some(cfg)
 }
+
+/// Parses the planner's config from the process, or exits; `None` after `--print-config`.
+pub fn planner_config_or_exit() -> Option<crate::PlannerConfig> {
+    let args: Vec<String> = std::env::args().collect();
+    let cfg = crate::parse_planner(&args, &crate::process_env)
+        .unwrap_or_else(|e| exit_with(e, "tandem-planner"));
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
+    let json = serde_json::to_string_pretty(&cfg).unwrap_or_default();
+    if cfg.print_config {
+        print_stdout(&json);
+        return None;
+    }
+    if let Some(path) = &cfg.runtime.dump_config_to {
+        if let Err(source) = std::fs::write(path, &json) {
+            exit_with(
+                ConfigError::Io {
+                    path: path.clone(),
+                    source,
+                },
+                "tandem-planner",
+            );
+        }
+    }
+    Some(cfg)
+}

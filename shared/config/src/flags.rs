@@ -508,6 +508,88 @@ pub static FLAGS: &[FlagSpec] = &[
         "Worker-side limit of concurrent requests (running and waiting) before rejection \
          (gRPC RESOURCE_EXHAUSTED); unlimited when unset.")
         .env("DYN_ENGINE_REQUEST_LIMIT"),
+    // ---- Planner
+    FlagSpec::new("planner-mode", Choice(&["disagg", "agg", "prefill", "decode"]), Planner,
+        "Roles the planner scales: disagg (prefill and decode workers), agg (aggregated \
+         workers), or prefill / decode alone.")
+        .env("DYN_PLANNER_MODE").default("disagg").scope(Scope::Planner),
+    FlagSpec::new("actuator", Choice(&["virtual", "local", "docker", "slurm", "kubernetes"]), Planner,
+        "What applies the decisions: virtual (decisions only, for simulation), local (starts \
+         and stops worker processes on this machine from --local-workers-spec), docker, slurm \
+         or kubernetes (not implemented yet: refused at start).")
+        .env("DYN_ACTUATOR").default("virtual").scope(Scope::Planner),
+    FlagSpec::new("local-workers-spec", Path, Planner,
+        "JSON file for --actuator local: per role (prefill, decode, agg) the worker command \
+         to start, `{\"decode\": {\"program\": \"...\", \"args\": [...], \"env\": {...}}}`; \
+         `tandem up --planner` writes one.")
+        .env("DYN_LOCAL_WORKERS_SPEC").scope(Scope::Planner),
+    FlagSpec::new("optimization-target", Choice(&["throughput", "latency"]), Planner,
+        "Thresholds of load scaling: throughput (fill engines before adding one: prefill \
+         queue >= 1 context up, < 0.1 down; KV load > 1.0 up, < 0.6 down) or latency \
+         (headroom: queue >= 0.1 up, empty down; KV load > 0.4 up, < 0.1 down).")
+        .env("DYN_OPTIMIZATION_TARGET").default("throughput").scope(Scope::Planner),
+    FlagSpec::new("enable-load-scaling", Bool, Planner,
+        "Reactive scaling, one replica per --load-adjustment-interval, on the workers' queued \
+         prefill tokens and KV load.")
+        .env("DYN_ENABLE_LOAD_SCALING").default("true").scope(Scope::Planner),
+    FlagSpec::new("enable-throughput-scaling", Bool, Planner,
+        "Predictive (SLA) scaling every --throughput-adjustment-interval: predicts request \
+         rate, ISL and OSL and sizes each role from --planner-profile-data to meet --ttft and \
+         --itl. With load scaling on as well, its result is a lower bound.")
+        .env("DYN_ENABLE_THROUGHPUT_SCALING").default("false").scope(Scope::Planner),
+    FlagSpec::new("planner-profile-data", Path, Planner,
+        "Profile JSON of the time models of throughput scaling: the file `tandem-mocker \
+         --planner-profile-data` runs from (prefill ms by tokens, decode ms by KV usage) plus \
+         kv_capacity_tokens, max_num_batched_tokens, max_num_seqs and optionally measured \
+         decode_grid step times (docs/architecture.md, Planner).")
+        .env("DYN_PLANNER_PROFILE_DATA").scope(Scope::Planner),
+    FlagSpec::new("ttft", Float, Planner,
+        "Time-to-first-token target of throughput scaling, milliseconds.")
+        .env("DYN_TTFT").default("500").scope(Scope::Planner),
+    FlagSpec::new("itl", Float, Planner,
+        "Inter-token latency target of throughput scaling, milliseconds.")
+        .env("DYN_ITL").default("50").scope(Scope::Planner),
+    FlagSpec::new("load-predictor", Str, Planner,
+        "Predictor of the next interval's rate, ISL and OSL: constant, moving-average:N, or \
+         kalman (local linear trend).")
+        .env("DYN_LOAD_PREDICTOR").default("kalman").scope(Scope::Planner),
+    FlagSpec::new("throughput-adjustment-interval", INT1, Planner,
+        "Seconds between throughput (SLA) scaling decisions.")
+        .env("DYN_THROUGHPUT_ADJUSTMENT_INTERVAL").default("180").scope(Scope::Planner),
+    FlagSpec::new("load-adjustment-interval", INT1, Planner,
+        "Seconds between load scaling decisions (and metric reads).")
+        .env("DYN_LOAD_ADJUSTMENT_INTERVAL").default("5").scope(Scope::Planner),
+    FlagSpec::new("min-endpoint", INT0, Planner,
+        "Fewest replicas of each scaled role.")
+        .env("DYN_MIN_ENDPOINT").default("1").scope(Scope::Planner),
+    FlagSpec::new("max-endpoint", INT1, Planner,
+        "Most replicas of each scaled role.")
+        .env("DYN_MAX_ENDPOINT").default("8").scope(Scope::Planner),
+    FlagSpec::new("max-gpu-budget", INT1, Planner,
+        "GPUs all scaled roles may use together.")
+        .env("DYN_MAX_GPU_BUDGET").default("8").scope(Scope::Planner),
+    FlagSpec::new("prefill-engine-num-gpu", INT1, Planner,
+        "GPUs of one prefill (or aggregated) worker.")
+        .env("DYN_PREFILL_ENGINE_NUM_GPU").default("1").scope(Scope::Planner),
+    FlagSpec::new("decode-engine-num-gpu", INT1, Planner,
+        "GPUs of one decode worker.")
+        .env("DYN_DECODE_ENGINE_NUM_GPU").default("1").scope(Scope::Planner),
+    FlagSpec::new("router-metrics-url", Str, Planner,
+        "The router's Prometheus page, read every interval (request rate, ISL, OSL, TTFT, ITL, \
+         KV hit rate).")
+        .env("DYN_ROUTER_METRICS_URL").default("http://127.0.0.1:8000/metrics").scope(Scope::Planner),
+    FlagSpec::new("decisions-out", Path, Planner,
+        "Append one JSON object per decision (time, role, current, desired, reason) to this file.")
+        .env("DYN_DECISIONS_OUT").scope(Scope::Planner),
+    FlagSpec::new("dry-run", Bool, Planner,
+        "Decide and report, but change nothing.")
+        .env("DYN_DRY_RUN").default("false").scope(Scope::Planner),
+    FlagSpec::new("planner-metrics-host", Str, Planner,
+        "Address the planner's /metrics and /health server binds to.")
+        .env("DYN_PLANNER_METRICS_HOST").default("127.0.0.1").scope(Scope::Planner),
+    FlagSpec::new("planner-metrics-port", INT0, Planner,
+        "Port of the planner's /metrics and /health server; 0 picks a free one.")
+        .env("DYN_PLANNER_METRICS_PORT").default("0").scope(Scope::Planner),
     // ---- Runtime: internal channel security
     FlagSpec::new("internal-tls-dir", Path, Runtime,
         "Folder of the deployment's mutual-TLS material (ca.crt, node.crt, node.key; \
@@ -534,5 +616,6 @@ pub fn flags_for(scope: Scope) -> impl Iterator<Item = &'static FlagSpec> {
         Scope::All => f.scope == Scope::All,
         Scope::Worker => f.scope == Scope::All || f.scope == Scope::Worker,
         Scope::Router => f.scope == Scope::All || f.scope == Scope::Router,
+        Scope::Planner => f.scope == Scope::All || f.scope == Scope::Planner,
     })
 }

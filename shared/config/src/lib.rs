@@ -14,6 +14,7 @@ pub mod merge;
 pub mod options_build;
 pub mod parse;
 pub mod paths;
+pub mod planner;
 pub mod pyliteral;
 pub mod resolve;
 pub mod runtime;
@@ -28,6 +29,7 @@ pub use parse::{
     parse_router, parse_worker, router_command, worker_command, AdminListener, AdmissionConfig,
     ApiKeys, HttpServerConfig, MediaLimits, RouterConfig, RoutingConfig, SecurityConfig, TlsFiles,
 };
+pub use planner::{parse_planner, planner_command, PlannerConfig};
 pub use resolve::process_env;
 pub use runtime::RuntimeConfig;
 pub use worker::{DisaggregationMode, Role, WorkerConfig};

@@ -5,12 +5,14 @@
 /// Which processes accept a flag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scope {
-    /// Every Tandem process (router and workers).
+    /// Every Tandem process (router, workers and planner).
     All,
     /// Engine workers only (prefill, decode, encode).
     Worker,
     /// The HTTP router only.
     Router,
+    /// The planner only.
+    Planner,
 }
 
 /// `--help` section, in the order of the seed page.
@@ -26,11 +28,12 @@ pub enum Group {
     Diffusion,
     DiffusionRequestDefaults,
     Router,
+    Planner,
     Runtime,
 }
 
 impl Group {
-    pub const ALL: [Group; 11] = [
+    pub const ALL: [Group; 12] = [
         Group::ModelLoading,
         Group::Parallelism,
         Group::BatchAndSequenceLimits,
@@ -41,6 +44,7 @@ impl Group {
         Group::Diffusion,
         Group::DiffusionRequestDefaults,
         Group::Router,
+        Group::Planner,
         Group::Runtime,
     ];
 
@@ -56,6 +60,7 @@ impl Group {
             Group::Diffusion => "Diffusion (experimental)",
             Group::DiffusionRequestDefaults => "Diffusion request defaults (experimental)",
             Group::Router => "Router",
+            Group::Planner => "Planner",
             Group::Runtime => "Runtime",
         }
     }

@@ -6,7 +6,7 @@ use tandem_config::flags::FLAGS;
 use tandem_config::resolve::resolve;
 use tandem_config::spec::{FlagSpec, Kind, Scope};
 use tandem_config::values::{parse_value, Source, Value};
-use tandem_config::{router_command, worker_command, Role};
+use tandem_config::{planner_command, router_command, worker_command, Role};
 
 fn run(
     scope: Scope,
@@ -16,18 +16,23 @@ fn run(
     let mut argv = vec!["bin".to_string()];
     argv.extend(args.iter().map(|s| s.to_string()));
     let lookup = |k: &str| env.get(k).cloned();
-    let cmd = match scope {
-        Scope::Router => router_command(),
-        _ => worker_command(Role::Decode),
-    };
+    let cmd = command(scope);
     resolve(cmd, scope, &argv, &lookup).unwrap_or_else(|e| panic!("{args:?} {env:?}: {e}"))
 }
 
+fn command(scope: Scope) -> clap::Command {
+    match scope {
+        Scope::Router => router_command(),
+        Scope::Planner => planner_command(),
+        _ => worker_command(Role::Decode),
+    }
+}
+
 fn scope_of(spec: &FlagSpec) -> Scope {
-    if spec.scope == Scope::Router {
-        Scope::Router
-    } else {
-        Scope::Worker
+    match spec.scope {
+        Scope::Router => Scope::Router,
+        Scope::Planner => Scope::Planner,
+        _ => Scope::Worker,
     }
 }
 
@@ -207,11 +212,7 @@ fn bad_env_values_name_the_variable() {
         };
         let env = HashMap::from([(var.to_string(), bad.to_string())]);
         let lookup = |k: &str| env.get(k).cloned();
-        let cmd = if spec.scope == Scope::Router {
-            router_command()
-        } else {
-            worker_command(Role::Decode)
-        };
+        let cmd = command(scope_of(spec));
         let err = resolve(cmd, scope_of(spec), &["bin".to_string()], &lookup)
             .unwrap_err()
             .to_string();
@@ -222,7 +223,10 @@ fn bad_env_values_name_the_variable() {
 #[test]
 fn help_lists_every_worker_flag_under_its_group() {
     let help = worker_command(Role::Decode).render_long_help().to_string();
-    for spec in FLAGS.iter().filter(|s| s.scope != Scope::Router) {
+    for spec in FLAGS
+        .iter()
+        .filter(|s| s.scope == Scope::All || s.scope == Scope::Worker)
+    {
         assert!(
             help.contains(&format!("--{}", spec.name)),
             "--{} missing from --help",
