@@ -90,8 +90,7 @@ pub async fn start(
     };
     let block_size = req.validate()?;
     let hashes = req.hash_blocks(block_size);
-    let route = req.route(&hashes).await?;
-    let call = req.dispatch(&route, &hashes).await?;
+    let (route, call) = req.route_and_dispatch(&hashes).await?;
     let routed = Routed {
         worker_id: route.selection.worker_id,
         cached_tokens: route.selection.cached_tokens,
@@ -133,6 +132,16 @@ struct Request<'a> {
     limits: Arc<RateLimits>,
     cache_salt: Option<CacheSalt>,
     images: Vec<PlacedImage>,
+}
+
+/// Workers one request is offered to before a refusal is the client's answer.
+const MAX_DISPATCH_ATTEMPTS: usize = 3;
+
+/// Why the dispatch stage failed.
+enum CallError {
+    /// The worker refused before doing any work: another may take the request.
+    Refused(ApiError),
+    Failed(ApiError),
 }
 
 /// The route stage's answer: the decode worker and the decode index's selection.
@@ -178,10 +187,44 @@ impl Request<'_> {
         hashes
     }
 
-    /// Stage 3: the decode worker, chosen on the decode index, which records the request
-    /// under its id. While every worker is saturated or busy the request waits in the
-    /// router's queue; each attempt after the first sees the model's workers afresh.
-    async fn route(&mut self, hashes: &[LocalBlockHash]) -> Result<Route, ApiError> {
+    /// Stages 3 and 4 together: a worker that refuses the call before doing any work (it is
+    /// draining, its engine stopped, or it cannot be reached: it may have just left) gets the
+    /// request no more; it is routed again among the others, up to
+    /// [`MAX_DISPATCH_ATTEMPTS`] workers in all.
+    async fn route_and_dispatch(
+        &mut self,
+        hashes: &[LocalBlockHash],
+    ) -> Result<(Route, Call), ApiError> {
+        let mut refused: Vec<u64> = Vec::new();
+        loop {
+            let route = self.route(hashes, &refused).await?;
+            match self.dispatch(&route, hashes).await {
+                Ok(call) => return Ok((route, call)),
+                Err(CallError::Refused(e)) if refused.len() + 1 < MAX_DISPATCH_ATTEMPTS => {
+                    let worker = route.selection.worker_id;
+                    tracing::warn!(
+                        worker,
+                        request = self.id,
+                        "{}; routing to another worker",
+                        e.message
+                    );
+                    metrics::counter!(m::REDISPATCHED_TOTAL).increment(1);
+                    refused.push(worker);
+                }
+                Err(CallError::Refused(e) | CallError::Failed(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// Stage 3: the decode worker, chosen on the decode index (never one of `refused`),
+    /// which records the request under its id. While every worker is saturated or busy the
+    /// request waits in the router's queue; each attempt after the first sees the model's
+    /// workers afresh.
+    async fn route(
+        &mut self,
+        hashes: &[LocalBlockHash],
+        refused: &[u64],
+    ) -> Result<Route, ApiError> {
         let ticket = Ticket {
             model: self.view.name.clone(),
             priority: self.priority,
@@ -197,7 +240,7 @@ impl Request<'_> {
                     no_decode_worker(&self.view.name, !self.view.prefill.is_empty())
                 })?,
             };
-            Ok(match self.try_route(&view, hashes)? {
+            Ok(match self.try_route(&view, hashes, refused)? {
                 Some((worker, selection)) => Attempt::Admitted((view, worker, selection)),
                 None => Attempt::Saturated,
             })
@@ -217,8 +260,21 @@ impl Request<'_> {
         &self,
         view: &ModelView,
         hashes: &[LocalBlockHash],
+        refused: &[u64],
     ) -> Result<Option<(WorkerEntry, Selection)>, ApiError> {
-        let candidates: Vec<WorkerInfo> = view.workers.iter().map(disagg::worker_info).collect();
+        let candidates: Vec<WorkerInfo> = view
+            .workers
+            .iter()
+            .filter(|w| !refused.contains(&w.card.instance_id))
+            .map(disagg::worker_info)
+            .collect();
+        if candidates.is_empty() && !refused.is_empty() {
+            return Err(ApiError::unavailable(format!(
+                "every worker of {} refused the request (draining or unreachable)",
+                view.name
+            ))
+            .with_retry_after(1));
+        }
         if candidates.is_empty() {
             return Err(no_decode_worker(&view.name, !view.prefill.is_empty()));
         }
@@ -255,10 +311,11 @@ impl Request<'_> {
 
     /// Stage 4: plans where the prompt is prefilled, then calls the worker. A failure frees
     /// the request in the KV indexes.
-    async fn dispatch(&self, route: &Route, hashes: &[LocalBlockHash]) -> Result<Call, ApiError> {
+    async fn dispatch(&self, route: &Route, hashes: &[LocalBlockHash]) -> Result<Call, CallError> {
         let prefill = self
             .plan_prefill(route, hashes)
-            .inspect_err(|_| self.free())?;
+            .inspect_err(|_| self.free())
+            .map_err(CallError::Failed)?;
         self.call(&route.worker, prefill).await
     }
 
@@ -289,7 +346,7 @@ impl Request<'_> {
         &self,
         worker: &WorkerEntry,
         prefill: Vec<PrefillTarget>,
-    ) -> Result<Call, ApiError> {
+    ) -> Result<Call, CallError> {
         let prefill_worker_id = prefill.first().map(|t| t.instance_id);
         let mut client = worker.client.clone();
         let deadline =
@@ -320,13 +377,21 @@ impl Request<'_> {
             Ok(Ok(s)) => s.into_inner(),
             Ok(Err(status)) => {
                 self.free();
-                return Err(from_status(&status));
+                let error = from_status(&status);
+                // Unavailable before the stream began: the worker did no work (draining,
+                // stopped, or unreachable); Cancelled: its server shut down under the call
+                // (a drained worker exiting), and nothing reached the client. Another worker
+                // may take the request.
+                return Err(match status.code() {
+                    tonic::Code::Unavailable | tonic::Code::Cancelled => CallError::Refused(error),
+                    _ => CallError::Failed(error),
+                });
             }
             Err(_) => {
                 self.free();
-                return Err(ApiError::timeout(
+                return Err(CallError::Failed(ApiError::timeout(
                     "the worker did not answer before the request deadline",
-                ));
+                )));
             }
         };
         Ok(Call {

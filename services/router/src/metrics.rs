@@ -22,3 +22,6 @@ pub const RATE_LIMITED: &str = "tandem_router_rate_limited_total";
 /// Requests refused for a missing or wrong API key, `listener="public|admin"`,
 /// `reason="missing|invalid"` (see `auth`).
 pub const UNAUTHORIZED: &str = "tandem_router_unauthorized_total";
+/// Requests a worker refused before starting them (draining, stopped, unreachable) and the
+/// router sent to another worker.
+pub const REDISPATCHED_TOTAL: &str = "tandem_router_redispatched_total";
