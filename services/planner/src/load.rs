@@ -30,11 +30,41 @@ pub enum Target {
 }
 
 /// The role a decision is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Role {
     Prefill,
     Decode,
     Aggregated,
+}
+
+impl Role {
+    /// The name in flags, files and metric labels: `prefill`, `decode`, `agg`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Aggregated => "agg",
+        }
+    }
+
+    /// The role of a discovered worker (`pd` decode workers count as decode; encode workers
+    /// are not scaled).
+    pub fn of_worker(role: &str) -> Option<Role> {
+        match role {
+            "prefill" => Some(Role::Prefill),
+            "decode" | "pd" => Some(Role::Decode),
+            "agg" => Some(Role::Aggregated),
+            _ => None,
+        }
+    }
+
+    /// What the load of this role measures, for reasons.
+    pub fn load_name(self) -> &'static str {
+        match self {
+            Role::Prefill => "queued prefill (contexts)",
+            Role::Decode | Role::Aggregated => "KV load",
+        }
+    }
 }
 
 /// A decision of one interval, with why.
@@ -55,7 +85,7 @@ pub enum Step {
 
 /// `(up, down)`: scale up when a load is at or above `up` (prefill) / above `up` (KV), down
 /// when every load is below `down` (or at zero for the latency prefill rule).
-fn thresholds(role: Role, target: Target) -> (f64, f64) {
+pub fn thresholds(role: Role, target: Target) -> (f64, f64) {
     match (role, target) {
         (Role::Prefill, Target::Throughput) => (1.0, 0.1),
         (Role::Prefill, Target::Latency) => (0.1, 0.0),
@@ -65,7 +95,7 @@ fn thresholds(role: Role, target: Target) -> (f64, f64) {
 }
 
 /// The load an engine shows for `role`.
-fn load_of(role: Role, e: &EngineLoad) -> f64 {
+pub fn load_of(role: Role, e: &EngineLoad) -> f64 {
     match role {
         Role::Prefill => e.queued_prefill_tokens / e.context_length.max(1.0),
         Role::Decode | Role::Aggregated => e.kv_tokens / e.kv_capacity.max(1.0),
@@ -118,6 +148,11 @@ pub enum Outcome {
 }
 
 impl Stepper {
+    /// Gives up waiting for the last decision (its actuator failed to apply it).
+    pub fn forget_pending(&mut self) {
+        self.pending = None;
+    }
+
     pub fn new(min: u32, max: u32) -> Self {
         Stepper {
             min,
@@ -128,18 +163,27 @@ impl Stepper {
 
     /// The outcome of `step` when `actual` replicas are running now.
     pub fn next(&mut self, step: Step, actual: u32) -> Outcome {
+        self.to(Self::want(step, actual), actual)
+    }
+
+    /// The replicas `step` asks for from `actual` (before bounds).
+    pub fn want(step: Step, actual: u32) -> u32 {
+        match step {
+            Step::Up { .. } => actual.saturating_add(1),
+            Step::Down { .. } => actual.saturating_sub(1),
+            Step::Hold { .. } | Step::NoReports => actual,
+        }
+    }
+
+    /// The outcome of asking for `want` replicas when `actual` are running now.
+    pub fn to(&mut self, want: u32, actual: u32) -> Outcome {
         if let Some(p) = self.pending {
             if p != actual {
                 return Outcome::Waiting(p);
             }
             self.pending = None;
         }
-        let want = match step {
-            Step::Up { .. } => actual.saturating_add(1),
-            Step::Down { .. } => actual.saturating_sub(1),
-            Step::Hold { .. } | Step::NoReports => actual,
-        }
-        .clamp(self.min, self.max);
+        let want = want.clamp(self.min, self.max);
         if want == actual {
             return Outcome::Stay;
         }
