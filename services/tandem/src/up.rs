@@ -61,6 +61,18 @@ pub struct UpArgs {
     /// Extra flags for the router (repeat, e.g. --router-arg=--enforce-disagg).
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     pub router_args: Vec<String>,
+    /// Let `tandem-planner` (local actuator) start, add and drain the prefill and decode
+    /// workers (agg: the workers) on the load, from one of each up to --planner-max-replicas;
+    /// --workers and --prefill-workers are then ignored.
+    #[arg(long)]
+    pub planner: bool,
+    /// Most replicas of each role the planner may run.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub planner_max_replicas: u32,
+    /// Extra flags for the planner (repeat, e.g. --planner-arg=--optimization-target
+    /// --planner-arg=latency).
+    #[arg(long = "planner-arg", allow_hyphen_values = true)]
+    pub planner_args: Vec<String>,
 }
 
 /// The model folder to hand the workers (none: their built-in tiny model) and the name it
@@ -258,6 +270,96 @@ fn multimodal_args(mode: &str, epd: bool) -> Vec<String> {
     a
 }
 
+/// The model the workers serve: a folder (none: their built-in tiny model) and its name.
+struct Served<'a> {
+    path: Option<&'a Path>,
+    name: &'a str,
+}
+
+/// The flags of a worker in `mode` of this topology.
+fn worker_args(args: &UpArgs, mode: &str, served: &Served<'_>, security: &[String]) -> Vec<String> {
+    let mut wargs: Vec<String> = [
+        "--disaggregation-mode",
+        mode,
+        "--publish-kv-events",
+        "--rpc-host",
+        "127.0.0.1",
+        "--system-host",
+        "127.0.0.1",
+    ]
+    .map(String::from)
+    .to_vec();
+    if args.topology != "agg" {
+        wargs.push("--kv-transport".into());
+        wargs.push(args.kv_transport.clone());
+    }
+    if multimodal(args) {
+        wargs.extend(multimodal_args(mode, args.topology == "epd"));
+    }
+    if let Some(p) = served.path {
+        wargs.push("--model-path".into());
+        wargs.push(p.display().to_string());
+        wargs.push("--served-model-name".into());
+        wargs.push(served.name.to_string());
+    }
+    wargs.extend(security.iter().cloned());
+    wargs.extend(args.worker_args.iter().cloned());
+    wargs
+}
+
+/// The worker commands the planner runs: decode (or aggregated) and, disaggregated, prefill.
+struct PlannedWorkers<'a> {
+    decode: (&'a Path, Vec<String>),
+    prefill: Option<(&'a Path, Vec<String>)>,
+}
+
+/// Writes the planner's `--local-workers-spec` into the topology's folder and starts it.
+fn start_planner(
+    args: &UpArgs,
+    root: &Path,
+    workers: &PlannedWorkers<'_>,
+    security: &[String],
+) -> anyhow::Result<Child> {
+    let command = |(program, wargs): &(&Path, Vec<String>)| {
+        serde_json::json!({
+            "program": program,
+            "args": wargs,
+            "env": {"DYN_FILE_KV": root, "DYN_DISCOVERY_BACKEND": "file"},
+        })
+    };
+    let disagg = workers.prefill.is_some();
+    let spec = if disagg {
+        serde_json::json!({
+            "decode": command(&workers.decode),
+            "prefill": workers.prefill.as_ref().map(command),
+        })
+    } else {
+        serde_json::json!({ "agg": command(&workers.decode) })
+    };
+    let spec_path = root.join("planner-workers.json");
+    std::fs::write(&spec_path, spec.to_string())
+        .with_context(|| format!("writing {}", spec_path.display()))?;
+    let mut pargs: Vec<String> = vec![
+        "--planner-mode".into(),
+        if disagg { "disagg" } else { "agg" }.into(),
+        "--actuator".into(),
+        "local".into(),
+        "--local-workers-spec".into(),
+        spec_path.display().to_string(),
+        "--max-endpoint".into(),
+        args.planner_max_replicas.to_string(),
+        "--max-gpu-budget".into(),
+        (2 * args.planner_max_replicas).to_string(),
+    ];
+    if args.http_port != 0 {
+        pargs.push("--router-metrics-url".into());
+        pargs.push(format!("http://127.0.0.1:{}/metrics", args.http_port));
+    }
+    pargs.extend(security.iter().cloned());
+    pargs.extend(args.planner_args.iter().cloned());
+    spawn(&sibling("tandem-planner")?, &pargs, root)
+}
+
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let epd = args.topology == "epd";
     let disagg = args.topology == "disagg" || epd;
@@ -307,31 +409,17 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             };
             plan.push((name, worker_bin.as_path(), mode));
         }
+        let served = Served {
+            path: model_path.as_deref(),
+            name: &model,
+        };
+        let worker_args = |mode: &str| worker_args(&args, mode, &served, &security);
+        if args.planner {
+            // Only the encode workers are started here; the planner starts the rest.
+            plan.retain(|(_, _, mode)| *mode == "encode");
+        }
         for (name, bin, mode) in plan {
-            let mut wargs = vec![
-                "--disaggregation-mode".to_string(),
-                mode.to_string(),
-                "--publish-kv-events".to_string(),
-                "--rpc-host".to_string(),
-                "127.0.0.1".to_string(),
-                "--system-host".to_string(),
-                "127.0.0.1".to_string(),
-            ];
-            if disagg {
-                wargs.push("--kv-transport".into());
-                wargs.push(args.kv_transport.clone());
-            }
-            if multimodal(&args) {
-                wargs.extend(multimodal_args(mode, epd));
-            }
-            if let Some(p) = &model_path {
-                wargs.push("--model-path".into());
-                wargs.push(p.display().to_string());
-                wargs.push("--served-model-name".into());
-                wargs.push(model.clone());
-            }
-            wargs.extend(security.iter().cloned());
-            wargs.extend(args.worker_args.iter().cloned());
+            let wargs = worker_args(mode);
             let mut child = spawn(bin, &wargs, &root)?;
             let out = child.stdout.take().context("worker stdout")?;
             topo.children.push((name.clone(), child));
@@ -342,13 +430,28 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 field(&line, "http=").unwrap_or("?")
             );
         }
+        if args.planner {
+            let workers = PlannedWorkers {
+                decode: (worker_bin.as_path(), worker_args(mode)),
+                prefill: prefill_bin.as_deref().map(|p| (p, worker_args("prefill"))),
+            };
+            let mut planner = start_planner(&args, &root, &workers, &security)?;
+            let out = planner.stdout.take().context("planner stdout")?;
+            topo.children.push(("planner".into(), planner));
+            let line = wait_ready(out, "TANDEM_PLANNER_READY", "planner", timeout).await?;
+            println!(
+                "tandem: planner ready (/metrics: http://{})",
+                field(&line, "http=").unwrap_or("?")
+            );
+        }
+        let initial = if args.planner { 1 } else { args.workers };
         let rargs = vec![
             "--http-host".to_string(),
             args.http_host.clone(),
             "--http-port".to_string(),
             args.http_port.to_string(),
             "--router-min-initial-workers".to_string(),
-            args.workers.to_string(),
+            initial.to_string(),
         ];
         let rargs: Vec<String> = rargs
             .into_iter()
@@ -390,7 +493,20 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         }
     };
     println!();
-    let shape = if epd {
+    let shape = if args.planner {
+        let roles = match (epd, disagg) {
+            (true, _) => format!(
+                "{} encode + prefill and decode workers",
+                args.encode_workers
+            ),
+            (false, true) => "prefill and decode workers".to_string(),
+            (false, false) => "workers".to_string(),
+        };
+        format!(
+            "{roles} scaled by the planner, 1 to {} per role",
+            args.planner_max_replicas
+        )
+    } else if epd {
         format!(
             "{} encode + {} prefill + {} decode worker(s), embeddings and KV over {}",
             args.encode_workers, args.prefill_workers, args.workers, args.kv_transport

@@ -17,9 +17,21 @@ fn tandem_up_disagg_is_the_default_and_serves_through_a_prefill_worker() {
     up_serves_and_stops_cleanly(&["--router-arg=--enforce-disagg"], 3);
 }
 
+#[test]
+fn tandem_up_with_the_planner_serves_on_the_workers_it_starts() {
+    // The planner starts one prefill and one decode worker; at SIGTERM it drains them and
+    // exits, so the children tandem up reports are the planner and the router.
+    up_serves_and_stops_cleanly(&["--planner", "--router-arg=--enforce-disagg"], 2);
+}
+
 fn up_serves_and_stops_cleanly(args: &[&str], children: usize) {
     let exe = env!("CARGO_BIN_EXE_tandem");
-    for sibling in ["tandem-router", "tandem-decode", "tandem-prefill"] {
+    for sibling in [
+        "tandem-router",
+        "tandem-decode",
+        "tandem-prefill",
+        "tandem-planner",
+    ] {
         let p = std::path::Path::new(exe).with_file_name(sibling);
         assert!(
             p.is_file(),
