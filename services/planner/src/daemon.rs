@@ -124,6 +124,7 @@ fn settings(cfg: &PlannerConfig) -> anyhow::Result<Settings> {
             OptimizationTarget::Latency => Target::Latency,
         },
         load_scaling: cfg.enable_load_scaling,
+        down_after: cfg.scale_down_intervals,
         throughput,
         min: b.min_endpoint,
         max: b.max_endpoint,

@@ -5,7 +5,9 @@
 //! - Prefill: the queued prefill tokens over the context length, per engine.
 //! - Decode and aggregated: KV utilisation, (scheduled + queued KV tokens) over capacity.
 //! - Up when ANY engine is above the target's upper threshold, down when ALL are below its
-//!   lower one, otherwise hold; no reports at all (a metrics gap) holds and says so.
+//!   lower one and would stay so with the load of one engine spread over the others
+//!   (hysteresis: a step down never triggers the next step up), otherwise hold; no reports
+//!   at all (a metrics gap) holds and says so.
 
 /// One engine's load over the last interval.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -113,10 +115,21 @@ pub fn decide(role: Role, target: Target, engines: &[EngineLoad]) -> Step {
         Role::Prefill => max >= up,
         _ => max > up,
     };
-    let all_below = match (role, target) {
-        (Role::Prefill, Target::Latency) => max <= down,
-        _ => max < down,
+    let below = |load: f64| match (role, target) {
+        (Role::Prefill, Target::Latency) => load <= down,
+        _ => load < down,
     };
+    // Hysteresis: one engine fewer must still be under the lower threshold with the whole
+    // load on the rest, or the step down would undo itself (Dynamo's rule alone flaps: two
+    // engines at 0.5 of a 0.6 threshold go down to one at 1.0, which goes up again).
+    let spread = loads.iter().sum::<f64>() / (loads.len() as f64 - 1.0);
+    // A lone engine (a minimum of zero) steps down only when idle.
+    let after = match loads.len() {
+        1 if max > 0.0 => f64::INFINITY,
+        1 => 0.0,
+        _ => spread,
+    };
+    let all_below = below(max) && below(after);
     if above {
         Step::Up { load: max }
     } else if all_below {
@@ -212,11 +225,23 @@ mod tests {
         // KV 11,000 / 10,000 on one engine is over 1.0: up.
         let busy = [engine(0.0, 11_000.0), engine(0.0, 1_000.0)];
         assert_eq!(decide(Decode, Throughput, &busy), Step::Up { load: 1.1 });
-        // 0.5 and 0.1: none over 1.0 and all below 0.6: down.
-        let quiet = [engine(0.0, 5_000.0), engine(0.0, 1_000.0)];
-        assert_eq!(decide(Decode, Throughput, &quiet), Step::Down { load: 0.5 });
+        // 0.3 and 0.2: none over 1.0, all below 0.6, and 0.5 on one engine still is: down.
+        let quiet = [engine(0.0, 3_000.0), engine(0.0, 2_000.0)];
+        assert_eq!(decide(Decode, Throughput, &quiet), Step::Down { load: 0.3 });
+        // 0.5 and 0.1 are below 0.6, but 0.6 on one engine is not: hold (no flapping).
+        let half = [engine(0.0, 5_000.0), engine(0.0, 1_000.0)];
+        assert_eq!(decide(Decode, Throughput, &half), Step::Hold { load: 0.5 });
         // In latency mode 0.5 is over 0.4: up.
-        assert_eq!(decide(Aggregated, Latency, &quiet), Step::Up { load: 0.5 });
+        assert_eq!(decide(Aggregated, Latency, &half), Step::Up { load: 0.5 });
+        // One engine goes down (to a minimum of zero) only when idle.
+        assert_eq!(
+            decide(Decode, Throughput, &[engine(0.0, 1_000.0)]),
+            Step::Hold { load: 0.1 }
+        );
+        assert_eq!(
+            decide(Decode, Throughput, &[engine(0.0, 0.0)]),
+            Step::Down { load: 0.0 }
+        );
         // 0.7: between 0.6 and 1.0, hold.
         assert_eq!(
             decide(Decode, Throughput, &[engine(0.0, 7_000.0)]),

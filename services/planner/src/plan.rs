@@ -26,6 +26,9 @@ pub struct Settings {
     pub roles: Vec<Role>,
     pub target: Target,
     pub load_scaling: bool,
+    /// Consecutive intervals a role must qualify for a step down before it is taken (the
+    /// load gauges are instantaneous: one quiet sample is no trend).
+    pub down_after: u32,
     pub throughput: Option<ThroughputSettings>,
     pub min: u32,
     pub max: u32,
@@ -65,6 +68,8 @@ struct RoleState {
     stepper: Stepper,
     /// Throughput scaling's replicas, with its reason.
     floor: Option<(u32, String)>,
+    /// Consecutive intervals that qualified for a step down.
+    quiet: u32,
 }
 
 pub struct Planner {
@@ -89,6 +94,7 @@ impl Planner {
                 let state = RoleState {
                     stepper: Stepper::new(settings.min, settings.max),
                     floor: None,
+                    quiet: 0,
                 };
                 (*r, state)
             })
@@ -272,7 +278,7 @@ impl Planner {
     }
 
     /// What load and throughput scaling ask of one role.
-    fn wanted(&self, role: Role, view: &RoleView) -> Wanted {
+    fn wanted(&mut self, role: Role, view: &RoleView) -> Wanted {
         let actual = view.replicas;
         let floor = self.roles.get(&role).and_then(|s| s.floor.clone());
         let mut want = if self.settings.load_scaling {
@@ -297,7 +303,7 @@ impl Planner {
         want
     }
 
-    fn load_verdict(&self, role: Role, view: &RoleView) -> Wanted {
+    fn load_verdict(&mut self, role: Role, view: &RoleView) -> Wanted {
         let actual = view.replicas;
         let (up, down) = thresholds(role, self.settings.target);
         let what = role.load_name();
@@ -306,11 +312,36 @@ impl Planner {
             // Scaling down needs every engine's report.
             step = Step::NoReports;
         }
+        let need = self.settings.down_after;
+        let under = if down == 0.0 {
+            "at 0".to_string()
+        } else {
+            format!("below {down}")
+        };
+        if let Some(state) = self.roles.get_mut(&role) {
+            state.quiet = match step {
+                Step::Down { .. } => state.quiet + 1,
+                _ => 0,
+            };
+            if let Step::Down { load } = step {
+                if state.quiet < need {
+                    return Wanted {
+                        replicas: actual,
+                        reason: format!(
+                            "load: {what} {under} on every engine ({load:.2}) for {} of {need} \
+                             intervals",
+                            state.quiet
+                        ),
+                    };
+                }
+                state.quiet = 0;
+            }
+        }
         let reason = match step {
             Step::Up { load } => format!("load: {what} {load:.2} over {up} on an engine"),
-            Step::Down { load } => {
-                format!("load: {what} below {down} on every engine (highest {load:.2})")
-            }
+            Step::Down { load } => format!(
+                "load: {what} {under} on every engine for {need} intervals (highest {load:.2})"
+            ),
             Step::Hold { load } => format!("load: {what} {load:.2} within [{down}, {up}]"),
             Step::NoReports => format!(
                 "metrics gap: {} of {actual} engines reported; holding",
@@ -338,6 +369,7 @@ mod tests {
             roles: roles.to_vec(),
             target: Target::Latency,
             load_scaling: load,
+            down_after: 1,
             throughput: tp,
             min: 1,
             max: 4,
@@ -405,6 +437,25 @@ mod tests {
         let d = p.decide(&views);
         assert_eq!(d.len(), 1);
         assert_eq!((d[0].role, d[0].desired), (Role::Aggregated, 1));
+    }
+
+    #[test]
+    fn a_step_down_waits_for_consecutive_quiet_intervals() {
+        let mut s = settings(&[Role::Decode], true, None);
+        s.down_after = 3;
+        let mut p = Planner::new(s);
+        let quiet = BTreeMap::from([(Role::Decode, view(2, &[0.0, 0.0]))]);
+        let busy = BTreeMap::from([(Role::Decode, view(2, &[0.3, 0.0]))]);
+        assert!(p.decide(&quiet).is_empty());
+        assert!(p.decide(&quiet).is_empty());
+        // A busier interval starts the count again.
+        assert!(p.decide(&busy).is_empty());
+        assert!(p.decide(&quiet).is_empty());
+        assert!(p.decide(&quiet).is_empty());
+        let d = p.decide(&quiet);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].desired, 1);
+        assert!(d[0].reason.contains("for 3 intervals"), "{}", d[0].reason);
     }
 
     #[test]

@@ -166,7 +166,12 @@ async fn local_actuator_follows_a_ramp_and_scales_down_without_failing_a_request
             .arg("--local-workers-spec")
             .arg(&spec)
             .args(["--optimization-target", "latency"])
-            .args(["--load-adjustment-interval", "1"])
+            .args([
+                "--load-adjustment-interval",
+                "1",
+                "--scale-down-intervals",
+                "2",
+            ])
             .args(["--min-endpoint", "1", "--max-endpoint", "3"])
             .args(["--max-gpu-budget", "3"])
             .arg("--router-metrics-url")

@@ -532,6 +532,10 @@ pub static FLAGS: &[FlagSpec] = &[
         "Reactive scaling, one replica per --load-adjustment-interval, on the workers' queued \
          prefill tokens and KV load.")
         .env("DYN_ENABLE_LOAD_SCALING").default("true").scope(Scope::Planner),
+    FlagSpec::new("scale-down-intervals", INT1, Planner,
+        "Load scaling steps a role down only after this many consecutive intervals qualified \
+         (its engines' load gauges are instantaneous); steps up at once.")
+        .env("DYN_SCALE_DOWN_INTERVALS").default("5").scope(Scope::Planner),
     FlagSpec::new("enable-throughput-scaling", Bool, Planner,
         "Predictive (SLA) scaling every --throughput-adjustment-interval: predicts request \
          rate, ISL and OSL and sizes each role from --planner-profile-data to meet --ttft and \
