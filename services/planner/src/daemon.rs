@@ -130,6 +130,8 @@ fn settings(cfg: &PlannerConfig) -> anyhow::Result<Settings> {
         max: b.max_endpoint,
         gpu_budget: b.max_gpu_budget,
         gpus,
+        // A worker gets ten minutes to load and register before its decision is given up.
+        patience: (600 / cfg.load_interval_secs).max(3),
     })
 }
 
@@ -284,6 +286,8 @@ async fn apply(
     metrics::counter!(names::DECISIONS, "role" => role, "direction" => direction).increment(1);
     log.write(d, !cfg.dry_run);
     if cfg.dry_run {
+        // Nothing will show in discovery: the next interval decides afresh.
+        planner.forget_pending(d.role);
         return;
     }
     if let Err(e) = actuator.scale(d.role, d.desired).await {

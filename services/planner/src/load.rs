@@ -140,13 +140,35 @@ pub fn decide(role: Role, target: Target, engines: &[EngineLoad]) -> Step {
 }
 
 /// One role's replicas under reactive scaling: ±1 a step, within bounds, and no new
-/// decision until the last one shows in the actual replicas.
+/// decision until the last one shows in the actual replicas (or has waited too long: a
+/// worker that died while starting never shows).
 #[derive(Debug)]
 pub struct Stepper {
     min: u32,
     max: u32,
     /// The last decision not yet seen applied.
-    pending: Option<u32>,
+    pending: Option<Pending>,
+    /// Intervals a decision may take to show before it is given up.
+    patience: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    from: u32,
+    to: u32,
+    waited: u32,
+}
+
+impl Pending {
+    /// Landed: the replicas reached the target from the side they left (a count that moved
+    /// past it, say a crash during a scale-down, counts too).
+    fn landed(&self, actual: u32) -> bool {
+        if self.to >= self.from {
+            actual >= self.to
+        } else {
+            actual <= self.to
+        }
+    }
 }
 
 /// What a [`Stepper`] did with a step.
@@ -161,16 +183,24 @@ pub enum Outcome {
 }
 
 impl Stepper {
-    /// Gives up waiting for the last decision (its actuator failed to apply it).
+    /// Gives up waiting for the last decision (its actuator failed to apply it, or it was
+    /// not applied: a dry run).
     pub fn forget_pending(&mut self) {
         self.pending = None;
     }
 
-    pub fn new(min: u32, max: u32) -> Self {
+    /// The replicas the last decision not yet applied asked for.
+    pub fn pending(&self) -> Option<u32> {
+        self.pending.map(|p| p.to)
+    }
+
+    /// Bounds `[min, max]`; a decision not showing after `patience` intervals is given up.
+    pub fn new(min: u32, max: u32, patience: u32) -> Self {
         Stepper {
             min,
             max: max.max(min),
             pending: None,
+            patience: patience.max(1),
         }
     }
 
@@ -190,9 +220,17 @@ impl Stepper {
 
     /// The outcome of asking for `want` replicas when `actual` are running now.
     pub fn to(&mut self, want: u32, actual: u32) -> Outcome {
-        if let Some(p) = self.pending {
-            if p != actual {
-                return Outcome::Waiting(p);
+        if let Some(p) = self.pending.as_mut() {
+            if !p.landed(actual) {
+                p.waited += 1;
+                if p.waited <= self.patience {
+                    return Outcome::Waiting(p.to);
+                }
+                tracing::warn!(
+                    "{actual} replicas, not the {} decided {} intervals ago; deciding afresh",
+                    p.to,
+                    p.waited
+                );
             }
             self.pending = None;
         }
@@ -200,7 +238,11 @@ impl Stepper {
         if want == actual {
             return Outcome::Stay;
         }
-        self.pending = Some(want);
+        self.pending = Some(Pending {
+            from: actual,
+            to: want,
+            waited: 0,
+        });
         Outcome::Scale(want)
     }
 }
@@ -268,7 +310,7 @@ mod tests {
     fn one_step_at_a_time_within_bounds_after_the_last_one_landed() {
         let up = Step::Up { load: 2.0 };
         let down = Step::Down { load: 0.0 };
-        let mut s = Stepper::new(1, 3);
+        let mut s = Stepper::new(1, 3, 2);
         assert_eq!(s.next(up, 1), Outcome::Scale(2));
         // Still 1 running: the decision to 2 is being applied, nothing new.
         assert_eq!(s.next(up, 1), Outcome::Waiting(2));
@@ -278,5 +320,15 @@ mod tests {
         assert_eq!(s.next(down, 3), Outcome::Scale(2));
         assert_eq!(s.next(down, 2), Outcome::Scale(1));
         assert_eq!(s.next(down, 1), Outcome::Stay, "at the minimum");
+        // A scale-up whose worker never shows is given up after 2 intervals.
+        assert_eq!(s.next(up, 1), Outcome::Scale(2));
+        assert_eq!(s.next(up, 1), Outcome::Waiting(2));
+        assert_eq!(s.next(up, 1), Outcome::Waiting(2));
+        assert_eq!(s.next(up, 1), Outcome::Scale(2), "decided afresh");
+        // A scale-down overtaken by a crash (3 -> 2 decided, 1 left) has landed.
+        assert_eq!(s.next(up, 2), Outcome::Scale(3));
+        assert_eq!(s.next(down, 3), Outcome::Scale(2));
+        assert_eq!(s.next(Step::NoReports, 1), Outcome::Stay);
+        assert_eq!(s.pending(), None);
     }
 }

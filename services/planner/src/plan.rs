@@ -35,6 +35,8 @@ pub struct Settings {
     pub gpu_budget: u32,
     /// GPUs of one replica, per role.
     pub gpus: BTreeMap<Role, u32>,
+    /// Intervals a decision may take to show in discovery before it is given up.
+    pub patience: u32,
 }
 
 /// A change of one role's replicas, with why.
@@ -92,7 +94,7 @@ impl Planner {
             .iter()
             .map(|r| {
                 let state = RoleState {
-                    stepper: Stepper::new(settings.min, settings.max),
+                    stepper: Stepper::new(settings.min, settings.max, settings.patience),
                     floor: None,
                     quiet: 0,
                 };
@@ -235,32 +237,41 @@ impl Planner {
     /// replicas registered).
     pub fn decide(&mut self, views: &BTreeMap<Role, RoleView>) -> Vec<Decision> {
         let empty = RoleView::default();
+        // GPUs held or about to be: a scale-up still starting counts at its target.
+        let held = |p: &Planner, r: Role| {
+            let actual = views.get(&r).unwrap_or(&empty).replicas;
+            let pending = p.roles.get(&r).and_then(|s| s.stepper.pending());
+            actual.max(pending.unwrap_or(0))
+        };
         let mut used: u32 = self
             .settings
             .roles
             .iter()
-            .map(|r| views.get(r).unwrap_or(&empty).replicas * self.gpus(*r))
+            .map(|r| held(self, *r) * self.gpus(*r))
             .sum();
+        let (min, max) = (self.settings.min, self.settings.max);
         let mut out = Vec::new();
         for role in self.settings.roles.clone() {
             let view = views.get(&role).unwrap_or(&empty);
             let actual = view.replicas;
+            let before = held(self, role);
             let mut want = self.wanted(role, view);
-            let extra = want.replicas.saturating_sub(actual) * self.gpus(role);
+            want.replicas = want.replicas.clamp(min, max.max(min));
+            let extra = want.replicas.saturating_sub(before) * self.gpus(role);
             if extra > 0 && used + extra > self.settings.gpu_budget {
                 let room = (self.settings.gpu_budget.saturating_sub(used)) / self.gpus(role);
                 want.reason = format!(
                     "{}; capped by the GPU budget of {} ({used} in use)",
                     want.reason, self.settings.gpu_budget
                 );
-                want.replicas = actual + room;
+                want.replicas = (before + room).max(min);
             }
             let Some(state) = self.roles.get_mut(&role) else {
                 continue;
             };
             match state.stepper.to(want.replicas, actual) {
                 Outcome::Scale(n) => {
-                    used = used + n * self.gpus(role) - actual.min(n) * self.gpus(role);
+                    used = used + n * self.gpus(role) - before.min(n) * self.gpus(role);
                     out.push(Decision {
                         role,
                         current: actual,
@@ -375,6 +386,7 @@ mod tests {
             max: 4,
             gpu_budget: 5,
             gpus: roles.iter().map(|r| (*r, 1)).collect(),
+            patience: 10,
         }
     }
 

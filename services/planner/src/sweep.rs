@@ -95,6 +95,18 @@ impl SweepPlan {
         if self.isl.is_empty() || self.contexts.is_empty() || self.batches.len() < 2 {
             return bad("give at least one ISL, one context and two batch sizes".into());
         }
+        for (name, list) in [
+            ("--isl", &self.isl),
+            ("--contexts", &self.contexts),
+            ("--batches", &self.batches),
+        ] {
+            let mut sorted = list.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            if sorted.len() != list.len() || sorted.first() == Some(&0) {
+                return bad(format!("{name} repeats a value or has a 0: {list:?}"));
+            }
+        }
         if self.decode_tokens < 2 || self.repeats == 0 {
             return bad("--decode-tokens must be at least 2 and --repeats at least 1".into());
         }
@@ -386,6 +398,13 @@ mod tests {
         let mut p = plan();
         p.batches = vec![4];
         assert!(p.check(&limits()).is_err(), "one batch size is no curve");
+        let mut p = plan();
+        p.batches = vec![8, 8];
+        assert!(p
+            .check(&limits())
+            .unwrap_err()
+            .to_string()
+            .contains("repeats"));
     }
 
     #[test]

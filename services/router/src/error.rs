@@ -133,7 +133,8 @@ impl IntoResponse for ApiError {
 pub fn from_status(status: &tonic::Status) -> ApiError {
     match status.code() {
         tonic::Code::InvalidArgument => ApiError::bad_request(status.message().to_string(), None),
-        tonic::Code::Unavailable | tonic::Code::ResourceExhausted => {
+        // Cancelled: the worker's server shut down under the call (a drained worker exiting).
+        tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::Cancelled => {
             ApiError::unavailable(format!("worker unavailable: {}", status.message()))
                 .with_retry_after(1)
         }

@@ -232,7 +232,9 @@ impl Request<'_> {
             deadline: self.received
                 + Duration::from_secs(self.state.config.request_timeout_secs.into()),
         };
-        let mut view = Some(self.view.clone());
+        // After a refusal the snapshot may be stale (the refusing worker left, another
+        // joined): start from the registry's current workers.
+        let mut view = refused.is_empty().then(|| self.view.clone());
         let attempt = || {
             let view = match view.take() {
                 Some(v) => v,

@@ -185,6 +185,15 @@ fn check(cfg: &PlannerConfig, resolved: &Resolved) -> Result<(), ConfigError> {
             format!("below the {least} GPUs that --min-endpoint of every scaled role needs"),
         ));
     }
+    if b.min_endpoint == 0 && !cfg.enable_throughput_scaling {
+        return Err(invalid(
+            "min-endpoint",
+            "0".into(),
+            "a role at zero replicas reports no load, so load scaling alone could never bring \
+             it back: use at least 1, or --enable-throughput-scaling"
+                .into(),
+        ));
+    }
     if !cfg.enable_load_scaling && !cfg.enable_throughput_scaling {
         return Err(ConfigError::Invalid(
             "--no-enable-load-scaling and no --enable-throughput-scaling: the planner would \
@@ -229,6 +238,7 @@ mod tests {
         assert!(err(&["--actuator", "kubernetes"]).contains("not implemented yet"));
         assert!(err(&["--ttft", "0"]).contains("--ttft"));
         assert!(err(&["--no-enable-load-scaling"]).contains("never scale"));
+        assert!(err(&["--min-endpoint", "0"]).contains("zero replicas"));
         // Agg needs only the prefill-engine GPUs: 3 × 1 fits in 3.
         assert!(parse(&[
             "--planner-mode",
