@@ -12,7 +12,10 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context;
 use tandem_config::planner::{ActuatorKind, OptimizationTarget, PlannerConfig, PlannerMode};
 use tandem_pki::ChannelSecurity;
-use tandem_planner::actuate::{Actuator, LocalActuator, LocalSpec, VirtualActuator};
+use tandem_planner::actuate::{
+    Actuator, ComposeServices, DockerActuator, LocalActuator, LocalSpec, SlurmActuator,
+    VirtualActuator,
+};
 use tandem_planner::load::{load_of, Role, Target};
 use tandem_planner::observe::{traffic, Observer, RoleView, RouterTotals};
 use tandem_planner::plan::{Decision, Planner, Settings, ThroughputSettings};
@@ -40,7 +43,7 @@ mod names {
 pub async fn run(cfg: PlannerConfig) -> anyhow::Result<()> {
     let settings = settings(&cfg)?;
     let roles = settings.roles.clone();
-    let mut actuator = actuator(&cfg, &roles)?;
+    let mut actuator = actuator(&cfg, &roles).await?;
     let observer = observer(&cfg).await?;
     let mut throughput = throughput_start(&cfg, &observer).await?;
     let mut log = DecisionLog::open(cfg.decisions_out.as_deref())?;
@@ -135,17 +138,29 @@ fn settings(cfg: &PlannerConfig) -> anyhow::Result<Settings> {
     })
 }
 
-fn actuator(cfg: &PlannerConfig, roles: &[Role]) -> anyhow::Result<Box<dyn Actuator>> {
+/// The actuator, checked usable now (spec, programs, engine socket, allocation).
+async fn actuator(cfg: &PlannerConfig, roles: &[Role]) -> anyhow::Result<Box<dyn Actuator>> {
+    let spec = || -> anyhow::Result<LocalSpec> {
+        let path = cfg
+            .local_workers_spec
+            .as_deref()
+            .context("this actuator needs --local-workers-spec")?;
+        let spec = LocalSpec::load(path)?;
+        spec.check(roles)?;
+        Ok(spec)
+    };
     Ok(match cfg.actuator {
         ActuatorKind::Virtual => Box::new(VirtualActuator::default()),
         ActuatorKind::Local => {
-            let path = cfg
-                .local_workers_spec
-                .as_deref()
-                .context("--actuator local needs --local-workers-spec")?;
-            let spec = LocalSpec::load(path)?;
-            spec.check(roles)?;
+            let spec = spec()?;
+            spec.check_local(roles)?;
             Box::new(LocalActuator::new(spec))
+        }
+        ActuatorKind::Slurm => Box::new(SlurmActuator::connect(spec()?).await?),
+        ActuatorKind::Docker => {
+            let services = ComposeServices::parse(&cfg.compose_services)?;
+            let project = cfg.compose_project.clone();
+            Box::new(DockerActuator::connect(&cfg.docker_host, project, services, roles).await?)
         }
     })
 }

@@ -515,14 +515,28 @@ pub static FLAGS: &[FlagSpec] = &[
         .env("DYN_PLANNER_MODE").default("disagg").scope(Scope::Planner),
     FlagSpec::new("actuator", Choice(&["virtual", "local", "docker", "slurm", "kubernetes"]), Planner,
         "What applies the decisions: virtual (decisions only, for simulation), local (starts \
-         and stops worker processes on this machine from --local-workers-spec), docker, slurm \
-         or kubernetes (not implemented yet: refused at start).")
+         and stops worker processes on this machine from --local-workers-spec), docker (the \
+         replicas of the Compose services in --compose-services, through the Docker Engine \
+         API), slurm (worker job steps in the allocation the planner runs in, from \
+         --local-workers-spec) or kubernetes (not implemented yet: refused at start).")
         .env("DYN_ACTUATOR").default("virtual").scope(Scope::Planner),
     FlagSpec::new("local-workers-spec", Path, Planner,
-        "JSON file for --actuator local: per role (prefill, decode, agg) the worker command \
-         to start, `{\"decode\": {\"program\": \"...\", \"args\": [...], \"env\": {...}}}`; \
-         `tandem up --planner` writes one.")
+        "JSON file for --actuator local and slurm: per role (prefill, decode, agg) the worker \
+         command to start, `{\"decode\": {\"program\": \"...\", \"args\": [...], \"env\": \
+         {...}, \"srun_args\": [...]}}` (srun_args: slurm only); `tandem up --planner` and \
+         the Slurm scripts write one.")
         .env("DYN_LOCAL_WORKERS_SPEC").scope(Scope::Planner),
+    FlagSpec::new("docker-host", Str, Planner,
+        "--actuator docker: the Docker engine's socket (unix:// only).")
+        .env("DOCKER_HOST").default("unix:///var/run/docker.sock").scope(Scope::Planner),
+    FlagSpec::new("compose-project", Str, Planner,
+        "--actuator docker: the Compose project whose services are scaled; by default the \
+         project of the container the planner runs in.")
+        .env("DYN_COMPOSE_PROJECT").scope(Scope::Planner),
+    FlagSpec::new("compose-services", Str, Planner,
+        "--actuator docker: the Compose service of each role, as role=service pairs.")
+        .env("DYN_COMPOSE_SERVICES").default("prefill=prefill,decode=decode,agg=worker")
+        .scope(Scope::Planner),
     FlagSpec::new("optimization-target", Choice(&["throughput", "latency"]), Planner,
         "Thresholds of load scaling: throughput (fill engines before adding one: prefill \
          queue >= 1 context up, < 0.1 down; KV load > 1.0 up, < 0.6 down) or latency \

@@ -26,6 +26,8 @@ pub enum PlannerMode {
 pub enum ActuatorKind {
     Virtual,
     Local,
+    Docker,
+    Slurm,
 }
 
 /// Which thresholds load scaling uses.
@@ -52,6 +54,10 @@ pub struct PlannerConfig {
     pub mode: PlannerMode,
     pub actuator: ActuatorKind,
     pub local_workers_spec: Option<PathBuf>,
+    pub docker_host: String,
+    pub compose_project: Option<String>,
+    /// As given; `tandem-planner` parses it (role=service pairs).
+    pub compose_services: String,
     pub optimization_target: OptimizationTarget,
     pub enable_load_scaling: bool,
     pub scale_down_intervals: u32,
@@ -98,6 +104,9 @@ pub fn parse_planner(args: &[String], env: EnvLookup<'_>) -> Result<PlannerConfi
         },
         actuator: actuator(&resolved)?,
         local_workers_spec: g.opt_string("local-workers-spec")?.map(PathBuf::from),
+        docker_host: g.string("docker-host")?,
+        compose_project: g.opt_string("compose-project")?,
+        compose_services: g.string("compose-services")?,
         optimization_target: match g.string("optimization-target")?.as_str() {
             "latency" => OptimizationTarget::Latency,
             _ => OptimizationTarget::Throughput,
@@ -135,9 +144,11 @@ fn actuator(resolved: &Resolved) -> Result<ActuatorKind, ConfigError> {
     match Get(resolved).string("actuator")?.as_str() {
         "local" => Ok(ActuatorKind::Local),
         "virtual" => Ok(ActuatorKind::Virtual),
+        "docker" => Ok(ActuatorKind::Docker),
+        "slurm" => Ok(ActuatorKind::Slurm),
         other => Err(ConfigError::NotImplemented {
             flag: format!("--actuator {other}"),
-            what: "only the local and virtual actuators are built so far".into(),
+            what: "the virtual, local, docker and slurm actuators are built so far".into(),
         }),
     }
 }
@@ -206,10 +217,16 @@ fn check(cfg: &PlannerConfig, resolved: &Resolved) -> Result<(), ConfigError> {
             "--enable-throughput-scaling needs --planner-profile-data (the time models)".into(),
         ));
     }
-    if cfg.actuator == ActuatorKind::Local && cfg.local_workers_spec.is_none() {
-        return Err(ConfigError::Invalid(
-            "--actuator local needs --local-workers-spec (the worker command of each role)".into(),
-        ));
+    let needs_spec = matches!(cfg.actuator, ActuatorKind::Local | ActuatorKind::Slurm);
+    if needs_spec && cfg.local_workers_spec.is_none() {
+        return Err(ConfigError::Invalid(format!(
+            "--actuator {} needs --local-workers-spec (the worker command of each role)",
+            if cfg.actuator == ActuatorKind::Local {
+                "local"
+            } else {
+                "slurm"
+            }
+        )));
     }
     Ok(())
 }
@@ -235,6 +252,7 @@ mod tests {
         assert!(err(&["--min-endpoint", "3", "--max-gpu-budget", "5"]).contains("6 GPUs"));
         assert!(err(&["--enable-throughput-scaling"]).contains("--planner-profile-data"));
         assert!(err(&["--actuator", "local"]).contains("--local-workers-spec"));
+        assert!(err(&["--actuator", "slurm"]).contains("--local-workers-spec"));
         assert!(err(&["--actuator", "kubernetes"]).contains("not implemented yet"));
         assert!(err(&["--ttft", "0"]).contains("--ttft"));
         assert!(err(&["--no-enable-load-scaling"]).contains("never scale"));

@@ -125,6 +125,8 @@ fn every_env_var_follows_dynamo_naming() {
                 "TANDEM_INSECURE_INTERNAL",
                 // Per-key cache isolation (Tandem's own).
                 "TANDEM_CACHE_SALT_PER_API_KEY",
+                // The Docker CLI's own variable (the planner's docker actuator).
+                "DOCKER_HOST",
             ]
             .contains(&var);
         assert!(ok, "--{} uses env var {var}", spec.name);

@@ -1,12 +1,8 @@
-//! What applies the planner's decisions, behind one trait: [`VirtualActuator`] (records them,
-//! for simulation and dry runs of a whole deployment) and [`LocalActuator`] (worker processes
-//! on this machine). Scaling down always drains: the worker gets SIGTERM, deregisters, and
-//! finishes its in-flight requests before it exits.
+//! Worker processes the planner starts and drains: [`LocalActuator`] runs them on this
+//! machine; the Slurm actuator runs the same commands as job steps, through a [`Launcher`].
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -15,70 +11,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
+use super::{ActuateError, Actuator, BoxFuture};
 use crate::load::Role;
-
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ActuateError {
-    #[error("cannot read the local workers spec {path}: {source}")]
-    SpecIo {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("the local workers spec {path} is not valid: {source}")]
-    SpecJson {
-        path: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("the local workers spec has no command for the {0} role")]
-    NoCommand(&'static str),
-    #[error("worker program {0} does not exist or is not a file")]
-    NoProgram(PathBuf),
-    #[error("starting a {role} worker ({program}): {source}")]
-    Spawn {
-        role: &'static str,
-        program: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// Applies replica counts.
-pub trait Actuator: Send {
-    /// Brings `role` to `replicas`; returns once the change is under way (new workers
-    /// starting, surplus ones draining), not when it has landed: the planner sees that in
-    /// discovery.
-    fn scale(&mut self, role: Role, replicas: u32) -> BoxFuture<'_, Result<(), ActuateError>>;
-
-    /// The replicas this actuator believes `role` has, when it is the only source of truth
-    /// (the virtual actuator); `None` to use what discovery shows.
-    fn replicas(&self, role: Role) -> Option<u32>;
-
-    /// Stops what this actuator started (draining), at the planner's exit.
-    fn shutdown(&mut self) -> BoxFuture<'_, ()>;
-}
-
-/// Decisions only: the replicas it was told, nothing started.
-#[derive(Debug, Default)]
-pub struct VirtualActuator {
-    replicas: BTreeMap<Role, u32>,
-}
-
-impl Actuator for VirtualActuator {
-    fn scale(&mut self, role: Role, replicas: u32) -> BoxFuture<'_, Result<(), ActuateError>> {
-        self.replicas.insert(role, replicas);
-        Box::pin(async { Ok(()) })
-    }
-    fn replicas(&self, role: Role) -> Option<u32> {
-        Some(self.replicas.get(&role).copied().unwrap_or(0))
-    }
-    fn shutdown(&mut self) -> BoxFuture<'_, ()> {
-        Box::pin(async {})
-    }
-}
 
 /// How to start one role's worker.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -89,13 +23,17 @@ pub struct WorkerCommand {
     pub args: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// `--actuator slurm` only: options of the `srun` that runs the worker as a job step
+    /// (say `--gpus-per-task=1`, `--output=...`).
+    #[serde(default)]
+    pub srun_args: Vec<String>,
 }
 
 fn default_drain_secs() -> u64 {
     40
 }
 
-/// The `--local-workers-spec` file.
+/// The `--local-workers-spec` file (the `local` and `slurm` actuators).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LocalSpec {
@@ -136,19 +74,83 @@ impl LocalSpec {
         }
         Ok(())
     }
+
+    /// [`LocalSpec::check`], and no `srun_args` (they would be silently ignored).
+    pub fn check_local(&self, roles: &[Role]) -> Result<(), ActuateError> {
+        self.check(roles)?;
+        for r in roles {
+            if !self.command(*r)?.srun_args.is_empty() {
+                return Err(ActuateError::SrunArgsLocal(r.name()));
+            }
+        }
+        Ok(())
+    }
 }
 
-/// Worker processes on this machine.
-pub struct LocalActuator {
+/// How a worker's process is started and asked to drain.
+pub trait Launcher: Send + 'static {
+    /// The command that runs `cmd` as a `role` worker, and the worker's name in logs (its job
+    /// step's name under Slurm).
+    fn command(&mut self, role: Role, cmd: &WorkerCommand) -> (Command, String);
+
+    /// Asks `worker` to drain: SIGTERM to the worker (not to a launcher between).
+    fn terminate(&self, worker: &Worker) -> BoxFuture<'static, ()>;
+
+    /// `worker` exited or is draining: whatever it held is free.
+    fn ended(&mut self, _worker: &Worker) {}
+}
+
+/// Runs the worker directly, as a child of the planner.
+#[derive(Debug, Default)]
+pub struct Direct;
+
+impl Launcher for Direct {
+    fn command(&mut self, role: Role, cmd: &WorkerCommand) -> (Command, String) {
+        let mut command = Command::new(&cmd.program);
+        command.args(&cmd.args);
+        (command, role.name().to_string())
+    }
+
+    fn terminate(&self, worker: &Worker) -> BoxFuture<'static, ()> {
+        if let Some(pid) = worker.child.id() {
+            // SAFETY: kill(2) on a child this process started and has not reaped.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGTERM);
+            }
+        }
+        Box::pin(async {})
+    }
+}
+
+/// A started worker.
+pub struct Worker {
+    pub child: Child,
+    /// The launcher's name for it (the job step's name under Slurm).
+    pub name: String,
+}
+
+/// Worker processes started through a [`Launcher`].
+pub struct ProcessActuator<L: Launcher> {
     spec: LocalSpec,
-    running: BTreeMap<Role, Vec<Child>>,
+    launcher: L,
+    running: BTreeMap<Role, Vec<Worker>>,
     draining: JoinSet<()>,
 }
 
+/// Worker processes on this machine.
+pub type LocalActuator = ProcessActuator<Direct>;
+
 impl LocalActuator {
     pub fn new(spec: LocalSpec) -> LocalActuator {
-        LocalActuator {
+        ProcessActuator::with_launcher(spec, Direct)
+    }
+}
+
+impl<L: Launcher> ProcessActuator<L> {
+    pub fn with_launcher(spec: LocalSpec, launcher: L) -> ProcessActuator<L> {
+        ProcessActuator {
             spec,
+            launcher,
             running: BTreeMap::new(),
             draining: JoinSet::new(),
         }
@@ -156,10 +158,16 @@ impl LocalActuator {
 
     /// Forgets workers that exited by themselves (they are restarted by the next decision).
     fn reap(&mut self) {
-        for (role, children) in self.running.iter_mut() {
-            children.retain_mut(|c| match c.try_wait() {
+        let launcher = &mut self.launcher;
+        for (role, workers) in self.running.iter_mut() {
+            workers.retain_mut(|w| match w.child.try_wait() {
                 Ok(Some(status)) => {
-                    tracing::warn!("a {} worker exited by itself ({status})", role.name());
+                    tracing::warn!(
+                        "{} worker {} exited by itself ({status})",
+                        role.name(),
+                        w.name
+                    );
+                    launcher.ended(w);
                     false
                 }
                 _ => true,
@@ -169,10 +177,10 @@ impl LocalActuator {
     }
 
     fn start(&mut self, role: Role) -> Result<(), ActuateError> {
-        let cmd = self.spec.command(role)?;
-        let mut command = Command::new(&cmd.program);
-        // SAFETY: prctl(2) only, between fork and exec: a worker whose planner dies (even by
-        // SIGKILL) gets SIGTERM and drains instead of running on unmanaged.
+        let cmd = self.spec.command(role)?.clone();
+        let (mut command, name) = self.launcher.command(role, &cmd);
+        // SAFETY: prctl(2) only, between fork and exec: a worker (or its srun) whose planner
+        // dies, even by SIGKILL, gets SIGTERM and drains instead of running on unmanaged.
         #[cfg(target_os = "linux")]
         unsafe {
             command.pre_exec(|| {
@@ -181,7 +189,6 @@ impl LocalActuator {
             });
         }
         let mut child = command
-            .args(&cmd.args)
             .envs(&cmd.env)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -195,7 +202,8 @@ impl LocalActuator {
             })?;
         // Relay the worker's stdout (its READY line included) to the planner's log.
         if let Some(out) = child.stdout.take() {
-            let tag = format!("{} worker {}", role.name(), child.id().unwrap_or(0));
+            let tag = format!("{} worker {name}", role.name());
+            let tag = format!("{tag} (pid {})", child.id().unwrap_or(0));
             tokio::spawn(async move {
                 let mut lines = BufReader::new(out).lines();
                 while let Ok(Some(l)) = lines.next_line().await {
@@ -204,45 +212,50 @@ impl LocalActuator {
             });
         }
         tracing::info!(
-            "started a {} worker (pid {})",
+            "started {} worker {name} (pid {})",
             role.name(),
             child.id().unwrap_or(0)
         );
-        self.running.entry(role).or_default().push(child);
+        self.running
+            .entry(role)
+            .or_default()
+            .push(Worker { child, name });
         Ok(())
     }
 
     /// SIGTERM, then wait for the drain to end (SIGKILL past the drain timeout).
-    fn drain(&mut self, role: Role, mut child: Child) {
-        let pid = child.id();
-        if let Some(pid) = pid {
-            // SAFETY: kill(2) on a child this process started and has not reaped.
-            unsafe {
-                libc::kill(pid as i32, libc::SIGTERM);
-            }
-        }
+    fn drain(&mut self, role: Role, mut worker: Worker) {
+        let terminate = self.launcher.terminate(&worker);
+        self.launcher.ended(&worker);
         let limit = Duration::from_secs(self.spec.drain_timeout_secs);
-        let name = role.name();
+        let role = role.name();
         self.draining.spawn(async move {
-            match tokio::time::timeout(limit, child.wait()).await {
-                Ok(Ok(status)) => tracing::info!("{name} worker {pid:?} drained ({status})"),
+            terminate.await;
+            let name = &worker.name;
+            match tokio::time::timeout(limit, worker.child.wait()).await {
+                Ok(Ok(status)) => tracing::info!("{role} worker {name} drained ({status})"),
                 _ => {
                     tracing::warn!(
-                        "{name} worker {pid:?} still running {}s after SIGTERM; killing it",
+                        "{role} worker {name} still running {}s after SIGTERM; killing it",
                         limit.as_secs()
                     );
-                    let _ = child.kill().await;
+                    let _ = worker.child.kill().await;
                 }
             }
         });
     }
+
+    /// How many workers of `role` run now (the Slurm launcher spreads them by node).
+    pub fn running(&self, role: Role) -> usize {
+        self.running.get(&role).map_or(0, Vec::len)
+    }
 }
 
-impl Actuator for LocalActuator {
+impl<L: Launcher> Actuator for ProcessActuator<L> {
     fn scale(&mut self, role: Role, replicas: u32) -> BoxFuture<'_, Result<(), ActuateError>> {
         Box::pin(async move {
             self.reap();
-            let have = self.running.get(&role).map_or(0, Vec::len);
+            let have = self.running(role);
             let want = replicas as usize;
             for _ in have..want {
                 self.start(role)?;
@@ -252,10 +265,10 @@ impl Actuator for LocalActuator {
                 let surplus = self
                     .running
                     .get_mut(&role)
-                    .map(|c| c.split_off(want))
+                    .map(|w| w.split_off(want))
                     .unwrap_or_default();
-                for child in surplus.into_iter().rev() {
-                    self.drain(role, child);
+                for worker in surplus.into_iter().rev() {
+                    self.drain(role, worker);
                 }
             }
             Ok(())
@@ -268,12 +281,12 @@ impl Actuator for LocalActuator {
 
     fn shutdown(&mut self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let all: Vec<(Role, Child)> = std::mem::take(&mut self.running)
+            let all: Vec<(Role, Worker)> = std::mem::take(&mut self.running)
                 .into_iter()
-                .flat_map(|(r, cs)| cs.into_iter().map(move |c| (r, c)))
+                .flat_map(|(r, ws)| ws.into_iter().map(move |w| (r, w)))
                 .collect();
-            for (role, child) in all {
-                self.drain(role, child);
+            for (role, worker) in all {
+                self.drain(role, worker);
             }
             while self.draining.join_next().await.is_some() {}
         })
@@ -291,7 +304,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(spec.drain_timeout_secs, 40);
-        assert!(spec.check(&[Role::Decode]).is_ok());
+        assert!(spec.check_local(&[Role::Decode]).is_ok());
         assert!(matches!(
             spec.check(&[Role::Prefill]),
             Err(ActuateError::NoCommand("prefill"))
@@ -303,6 +316,15 @@ mod tests {
             Err(ActuateError::NoProgram(_))
         ));
         assert!(serde_json::from_str::<LocalSpec>(r#"{"decoder": {}}"#).is_err());
+        let srun: LocalSpec = serde_json::from_str(
+            r#"{"decode": {"program": "/bin/true", "srun_args": ["--gpus-per-task=1"]}}"#,
+        )
+        .unwrap();
+        assert!(srun.check(&[Role::Decode]).is_ok());
+        assert!(matches!(
+            srun.check_local(&[Role::Decode]),
+            Err(ActuateError::SrunArgsLocal("decode"))
+        ));
     }
 
     #[tokio::test]
@@ -314,6 +336,7 @@ mod tests {
                 program: "/bin/sleep".into(),
                 args: vec!["30".into()],
                 env: BTreeMap::new(),
+                srun_args: vec![],
             }),
             agg: None,
             drain_timeout_secs: 10,
