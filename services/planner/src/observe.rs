@@ -34,12 +34,11 @@ pub enum ObserveError {
 
 /// Router metric names read (Dynamo's frontend names).
 mod names {
-    pub const REQUESTS: &str = "dynamo_frontend_requests_total";
-    pub const ISL: &str = "dynamo_frontend_input_sequence_tokens";
-    pub const OSL: &str = "dynamo_frontend_output_sequence_tokens";
-    pub const TTFT: &str = "dynamo_frontend_time_to_first_token_seconds";
-    pub const ITL: &str = "dynamo_frontend_inter_token_latency_seconds";
-    pub const HIT: &str = "dynamo_frontend_kv_hit_rate";
+    pub use tandem_runtime::metrics::names::frontend::{
+        INPUT_SEQUENCE_TOKENS as ISL, INTER_TOKEN_LATENCY_SECONDS as ITL, KV_HIT_RATE as HIT,
+        OUTPUT_SEQUENCE_TOKENS as OSL, REQUESTS_TOTAL as REQUESTS,
+        TIME_TO_FIRST_TOKEN_SECONDS as TTFT,
+    };
 }
 
 /// A histogram's cumulative sum and count.
@@ -123,13 +122,7 @@ pub fn traffic(prev: &RouterTotals, now: &RouterTotals, secs: f64) -> Option<Tra
 }
 
 /// Worker gauge names (the load report, `tandem-worker`'s stats).
-mod gauges {
-    pub const QUEUED_PREFILL_TOKENS: &str = "dynamo_component_queued_prefill_tokens";
-    pub const SCHEDULED_KV_TOKENS: &str = "dynamo_component_scheduled_kv_tokens";
-    pub const QUEUED_KV_TOKENS: &str = "dynamo_component_queued_kv_tokens";
-    pub const KV_CAPACITY_TOKENS: &str = "dynamo_component_kv_capacity_tokens";
-    pub const CONTEXT_LENGTH: &str = "dynamo_component_context_length";
-}
+use tandem_runtime::metrics::names::component as gauges;
 
 /// The load report of worker `worker_id` on its status page (a process may serve several
 /// simulated workers, told apart by the `worker_id` label); `None` if it has none yet.

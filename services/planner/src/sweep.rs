@@ -16,6 +16,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use tandem_runtime::metrics::names::component;
 
 use crate::profile::{DecodeGrid, ProfileData};
 use crate::prom::Page;
@@ -79,10 +80,10 @@ impl WorkerLimits {
             })
         };
         Ok(WorkerLimits {
-            kv_capacity_tokens: get("dynamo_component_kv_capacity_tokens")?,
-            context_length: get("dynamo_component_context_length")?,
-            max_num_seqs: get("dynamo_component_max_num_seqs")? as usize,
-            max_num_batched_tokens: get("dynamo_component_max_num_batched_tokens")? as usize,
+            kv_capacity_tokens: get(component::KV_CAPACITY_TOKENS)?,
+            context_length: get(component::CONTEXT_LENGTH)?,
+            max_num_seqs: get(component::MAX_NUM_SEQS)? as usize,
+            max_num_batched_tokens: get(component::MAX_NUM_BATCHED_TOKENS)? as usize,
         })
     }
 }

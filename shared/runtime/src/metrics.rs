@@ -344,6 +344,22 @@ pub mod names {
         pub const TOTAL_BLOCKS: &str = "dynamo_component_total_blocks";
         pub const GPU_CACHE_USAGE_PERCENT: &str = "dynamo_component_gpu_cache_usage_percent";
         pub const MODEL_LOAD_TIME_SECONDS: &str = "dynamo_component_model_load_time_seconds";
+        // The load report the planner scales on (Dynamo's forward-pass metrics, as gauges
+        // labelled `worker_id`).
+        /// Prompt tokens not prefilled yet.
+        pub const QUEUED_PREFILL_TOKENS: &str = "dynamo_component_queued_prefill_tokens";
+        /// KV tokens held by scheduled sequences (referenced blocks × block size).
+        pub const SCHEDULED_KV_TOKENS: &str = "dynamo_component_scheduled_kv_tokens";
+        /// KV tokens waiting sequences will need.
+        pub const QUEUED_KV_TOKENS: &str = "dynamo_component_queued_kv_tokens";
+        /// KV tokens the pool holds (blocks × block size).
+        pub const KV_CAPACITY_TOKENS: &str = "dynamo_component_kv_capacity_tokens";
+        /// Longest sequence the engine takes (`max_seq_len`).
+        pub const CONTEXT_LENGTH: &str = "dynamo_component_context_length";
+        /// Sequences one step may hold (`max_batch_size`).
+        pub const MAX_NUM_SEQS: &str = "dynamo_component_max_num_seqs";
+        /// New tokens one step may compute (`max_num_tokens`).
+        pub const MAX_NUM_BATCHED_TOKENS: &str = "dynamo_component_max_num_batched_tokens";
     }
 
     /// TensorRT-LLM passthrough names, kept for the engine's equivalents (labels

@@ -12,21 +12,11 @@ pub const KV_USAGE_PERCENT: &str = "dynamo_component_gpu_cache_usage_percent";
 pub const RUNNING_REQUESTS: &str = "dynamo_component_running_requests";
 pub const WAITING_REQUESTS: &str = "dynamo_component_waiting_requests";
 pub const PREEMPTIONS: &str = "dynamo_component_preemptions_total";
-// The load report the planner scales on (Dynamo's forward-pass metrics, as gauges).
-/// Prompt tokens not prefilled yet.
-pub const QUEUED_PREFILL_TOKENS: &str = "dynamo_component_queued_prefill_tokens";
-/// KV tokens held by scheduled sequences (referenced blocks × block size).
-pub const SCHEDULED_KV_TOKENS: &str = "dynamo_component_scheduled_kv_tokens";
-/// KV tokens waiting sequences will need.
-pub const QUEUED_KV_TOKENS: &str = "dynamo_component_queued_kv_tokens";
-/// KV tokens the pool holds (blocks × block size).
-pub const KV_CAPACITY_TOKENS: &str = "dynamo_component_kv_capacity_tokens";
-/// Longest sequence the engine takes (`max_seq_len`).
-pub const CONTEXT_LENGTH: &str = "dynamo_component_context_length";
-/// Sequences one step may hold (`max_batch_size`).
-pub const MAX_NUM_SEQS: &str = "dynamo_component_max_num_seqs";
-/// New tokens one step may compute (`max_num_tokens`).
-pub const MAX_NUM_BATCHED_TOKENS: &str = "dynamo_component_max_num_batched_tokens";
+// The load report the planner scales on: its names live with the other component names.
+pub use tandem_runtime::metrics::names::component::{
+    CONTEXT_LENGTH, KV_CAPACITY_TOKENS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, QUEUED_KV_TOKENS,
+    QUEUED_PREFILL_TOKENS, SCHEDULED_KV_TOKENS,
+};
 
 /// Refreshes the gauges every 500 ms until shutdown.
 pub fn spawn_gauges(engine: EngineHandle, instance_id: u64, shutdown: ShutdownToken) {
