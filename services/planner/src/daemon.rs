@@ -13,7 +13,7 @@ use anyhow::Context;
 use tandem_config::planner::{ActuatorKind, OptimizationTarget, PlannerConfig, PlannerMode};
 use tandem_pki::ChannelSecurity;
 use tandem_planner::actuate::{
-    Actuator, ComposeServices, DockerActuator, LocalActuator, LocalSpec, SlurmActuator,
+    Actuator, Applied, DockerActuator, LocalActuator, LocalSpec, RoleNames, SlurmActuator,
     VirtualActuator,
 };
 use tandem_planner::load::{load_of, Role, Target};
@@ -158,11 +158,30 @@ async fn actuator(cfg: &PlannerConfig, roles: &[Role]) -> anyhow::Result<Box<dyn
         }
         ActuatorKind::Slurm => Box::new(SlurmActuator::connect(spec()?).await?),
         ActuatorKind::Docker => {
-            let services = ComposeServices::parse(&cfg.compose_services)?;
+            let services = RoleNames::parse("--compose-services", &cfg.compose_services)?;
             let project = cfg.compose_project.clone();
             Box::new(DockerActuator::connect(&cfg.docker_host, project, services, roles).await?)
         }
+        ActuatorKind::Kubernetes => kubernetes(cfg, roles).await?,
     })
+}
+
+#[cfg(feature = "kubernetes")]
+async fn kubernetes(cfg: &PlannerConfig, roles: &[Role]) -> anyhow::Result<Box<dyn Actuator>> {
+    use tandem_planner::actuate::KubernetesActuator;
+    let deployments = RoleNames::parse("--kubernetes-deployments", &cfg.kubernetes_deployments)?;
+    let namespace = cfg.kubernetes_namespace.clone();
+    Ok(Box::new(
+        KubernetesActuator::connect(namespace, deployments, roles).await?,
+    ))
+}
+
+#[cfg(not(feature = "kubernetes"))]
+async fn kubernetes(_cfg: &PlannerConfig, _roles: &[Role]) -> anyhow::Result<Box<dyn Actuator>> {
+    anyhow::bail!(
+        "--actuator kubernetes: this tandem-planner was built without the `kubernetes` feature \
+         (cargo build --release -p tandem-planner --features kubernetes; scripts/images does)"
+    )
 }
 
 /// Discovery (checked reachable now) and the scraper.
@@ -305,9 +324,20 @@ async fn apply(
         planner.forget_pending(d.role);
         return;
     }
-    if let Err(e) = actuator.scale(d.role, d.desired).await {
-        tracing::error!("{role}: scaling to {} failed: {e}", d.desired);
-        planner.forget_pending(d.role);
+    match actuator.scale(d.role, d.desired).await {
+        Ok(Applied::Changed) => {}
+        Ok(Applied::Unchanged) => {
+            tracing::info!(
+                "{role}: the actuator already runs {} (some not in discovery yet: draining or \
+                 starting); deciding afresh next interval",
+                d.desired
+            );
+            planner.forget_pending(d.role);
+        }
+        Err(e) => {
+            tracing::error!("{role}: scaling to {} failed: {e}", d.desired);
+            planner.forget_pending(d.role);
+        }
     }
 }
 

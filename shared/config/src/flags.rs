@@ -518,13 +518,14 @@ pub static FLAGS: &[FlagSpec] = &[
          and stops worker processes on this machine from --local-workers-spec), docker (the \
          replicas of the Compose services in --compose-services, through the Docker Engine \
          API), slurm (worker job steps in the allocation the planner runs in, from \
-         --local-workers-spec) or kubernetes (not implemented yet: refused at start).")
+         --local-workers-spec) or kubernetes (the scale of the Deployments in \
+         --kubernetes-deployments; a tandem-planner built with the `kubernetes` feature).")
         .env("DYN_ACTUATOR").default("virtual").scope(Scope::Planner),
     FlagSpec::new("local-workers-spec", Path, Planner,
         "JSON file for --actuator local and slurm: per role (prefill, decode, agg) the worker \
          command to start, `{\"decode\": {\"program\": \"...\", \"args\": [...], \"env\": \
-         {...}, \"srun_args\": [...]}}` (srun_args: slurm only); `tandem up --planner` and \
-         the Slurm scripts write one.")
+         {...}, \"srun_args\": [...]}}` (srun_args: slurm only; `{step}` in them is the job \
+         step's name); `tandem up --planner` and the Slurm scripts write one.")
         .env("DYN_LOCAL_WORKERS_SPEC").scope(Scope::Planner),
     FlagSpec::new("docker-host", Str, Planner,
         "--actuator docker: the Docker engine's socket (unix:// only).")
@@ -536,6 +537,15 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("compose-services", Str, Planner,
         "--actuator docker: the Compose service of each role, as role=service pairs.")
         .env("DYN_COMPOSE_SERVICES").default("prefill=prefill,decode=decode,agg=worker")
+        .scope(Scope::Planner),
+    FlagSpec::new("kubernetes-namespace", Str, Planner,
+        "--actuator kubernetes: the namespace of the Deployments; by default the planner's \
+         own (its ServiceAccount's, or the kubeconfig context's).")
+        .env("DYN_KUBERNETES_NAMESPACE").scope(Scope::Planner),
+    FlagSpec::new("kubernetes-deployments", Str, Planner,
+        "--actuator kubernetes: the Deployment of each role, as role=name pairs (k8s/: the \
+         agg overlay runs its aggregated workers as `decode`).")
+        .env("DYN_KUBERNETES_DEPLOYMENTS").default("prefill=prefill,decode=decode,agg=decode")
         .scope(Scope::Planner),
     FlagSpec::new("optimization-target", Choice(&["throughput", "latency"]), Planner,
         "Thresholds of load scaling: throughput (fill engines before adding one: prefill \

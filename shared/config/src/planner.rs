@@ -28,6 +28,7 @@ pub enum ActuatorKind {
     Local,
     Docker,
     Slurm,
+    Kubernetes,
 }
 
 /// Which thresholds load scaling uses.
@@ -58,6 +59,9 @@ pub struct PlannerConfig {
     pub compose_project: Option<String>,
     /// As given; `tandem-planner` parses it (role=service pairs).
     pub compose_services: String,
+    pub kubernetes_namespace: Option<String>,
+    /// As given; `tandem-planner` parses it (role=Deployment pairs).
+    pub kubernetes_deployments: String,
     pub optimization_target: OptimizationTarget,
     pub enable_load_scaling: bool,
     pub scale_down_intervals: u32,
@@ -107,6 +111,8 @@ pub fn parse_planner(args: &[String], env: EnvLookup<'_>) -> Result<PlannerConfi
         docker_host: g.string("docker-host")?,
         compose_project: g.opt_string("compose-project")?,
         compose_services: g.string("compose-services")?,
+        kubernetes_namespace: g.opt_string("kubernetes-namespace")?,
+        kubernetes_deployments: g.string("kubernetes-deployments")?,
         optimization_target: match g.string("optimization-target")?.as_str() {
             "latency" => OptimizationTarget::Latency,
             _ => OptimizationTarget::Throughput,
@@ -141,16 +147,13 @@ pub fn parse_planner(args: &[String], env: EnvLookup<'_>) -> Result<PlannerConfi
 }
 
 fn actuator(resolved: &Resolved) -> Result<ActuatorKind, ConfigError> {
-    match Get(resolved).string("actuator")?.as_str() {
-        "local" => Ok(ActuatorKind::Local),
-        "virtual" => Ok(ActuatorKind::Virtual),
-        "docker" => Ok(ActuatorKind::Docker),
-        "slurm" => Ok(ActuatorKind::Slurm),
-        other => Err(ConfigError::NotImplemented {
-            flag: format!("--actuator {other}"),
-            what: "the virtual, local, docker and slurm actuators are built so far".into(),
-        }),
-    }
+    Ok(match Get(resolved).string("actuator")?.as_str() {
+        "local" => ActuatorKind::Local,
+        "docker" => ActuatorKind::Docker,
+        "slurm" => ActuatorKind::Slurm,
+        "kubernetes" => ActuatorKind::Kubernetes,
+        _ => ActuatorKind::Virtual,
+    })
 }
 
 fn positive(resolved: &Resolved, name: &str) -> Result<f64, ConfigError> {
@@ -253,7 +256,6 @@ mod tests {
         assert!(err(&["--enable-throughput-scaling"]).contains("--planner-profile-data"));
         assert!(err(&["--actuator", "local"]).contains("--local-workers-spec"));
         assert!(err(&["--actuator", "slurm"]).contains("--local-workers-spec"));
-        assert!(err(&["--actuator", "kubernetes"]).contains("not implemented yet"));
         assert!(err(&["--ttft", "0"]).contains("--ttft"));
         assert!(err(&["--no-enable-load-scaling"]).contains("never scale"));
         assert!(err(&["--min-endpoint", "0"]).contains("zero replicas"));

@@ -11,7 +11,7 @@
 //! drains, SIGKILL only past the timeout. Stopped replicas are kept for the next scale-up
 //! (their restart policy does not revive a container stopped through the API).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use bollard::models::{
@@ -24,7 +24,7 @@ use bollard::query_parameters::{
 use bollard::{ClientVersion, Docker};
 use tokio::task::JoinSet;
 
-use super::{ActuateError, Actuator, BoxFuture};
+use super::{ActuateError, Actuator, Applied, BoxFuture, RoleNames};
 use crate::load::Role;
 
 const PROJECT_LABEL: &str = "com.docker.compose.project";
@@ -51,8 +51,6 @@ pub enum DockerError {
     },
     #[error("no --compose-project given, and this process is not in a Compose container ({0})")]
     NoProject(String),
-    #[error("--compose-services {0:?}: expected role=service pairs (roles prefill, decode, agg)")]
-    BadServices(String),
     #[error("no container of service {service} in Compose project {project}: start the topology (docker compose up) before the planner")]
     NoService { project: String, service: String },
     #[error("Docker engine: {what}: {source}")]
@@ -68,39 +66,6 @@ pub enum DockerError {
 fn api(what: impl Into<String>) -> impl FnOnce(bollard::errors::Error) -> DockerError {
     let what = what.into();
     move |source| DockerError::Api { what, source }
-}
-
-/// Which Compose service runs each role (`--compose-services`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ComposeServices(BTreeMap<Role, String>);
-
-impl ComposeServices {
-    /// `prefill=prefill,decode=decode,agg=worker`.
-    pub fn parse(text: &str) -> Result<ComposeServices, DockerError> {
-        let bad = || DockerError::BadServices(text.to_string());
-        let mut map = BTreeMap::new();
-        for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (role, service) = pair.split_once('=').ok_or_else(bad)?;
-            let role = match role.trim() {
-                "prefill" => Role::Prefill,
-                "decode" => Role::Decode,
-                "agg" => Role::Aggregated,
-                _ => return Err(bad()),
-            };
-            let service = service.trim();
-            if service.is_empty() {
-                return Err(bad());
-            }
-            map.insert(role, service.to_string());
-        }
-        Ok(ComposeServices(map))
-    }
-
-    fn of(&self, role: Role) -> Result<&str, DockerError> {
-        self.0.get(&role).map(String::as_str).ok_or_else(|| {
-            DockerError::BadServices(format!("no service for the {} role", role.name()))
-        })
-    }
 }
 
 /// One replica of a service, as listed.
@@ -171,7 +136,7 @@ fn plan_change(replicas: &[Replica], stopping: &BTreeSet<String>, want: usize) -
 pub struct DockerActuator {
     docker: Docker,
     project: String,
-    services: ComposeServices,
+    services: RoleNames,
     /// Containers being stopped (draining) now.
     stopping: BTreeSet<String>,
     stops: JoinSet<String>,
@@ -183,7 +148,7 @@ impl DockerActuator {
     pub async fn connect(
         host: &str,
         project: Option<String>,
-        services: ComposeServices,
+        services: RoleNames,
         roles: &[Role],
     ) -> Result<DockerActuator, ActuateError> {
         let socket = host
@@ -325,11 +290,14 @@ impl DockerActuator {
             .unwrap_or(DEFAULT_STOP_SECS)
     }
 
-    async fn scale_service(&mut self, role: Role, replicas: u32) -> Result<(), DockerError> {
+    async fn scale_service(&mut self, role: Role, replicas: u32) -> Result<Applied, ActuateError> {
         self.reap();
         let service = self.services.of(role)?.to_string();
         let listed = self.replicas_of(&service).await?;
         let change = plan_change(&listed, &self.stopping, replicas as usize);
+        if change == Change::default() {
+            return Ok(Applied::Unchanged);
+        }
         for id in &change.start {
             self.start(id).await?;
             tracing::info!("docker actuator: started {service} replica {id:.12}");
@@ -354,7 +322,7 @@ impl DockerActuator {
             );
             self.stop(id, t);
         }
-        Ok(())
+        Ok(Applied::Changed)
     }
 }
 
@@ -417,8 +385,8 @@ fn replica_body(
 }
 
 impl Actuator for DockerActuator {
-    fn scale(&mut self, role: Role, replicas: u32) -> BoxFuture<'_, Result<(), ActuateError>> {
-        Box::pin(async move { Ok(self.scale_service(role, replicas).await?) })
+    fn scale(&mut self, role: Role, replicas: u32) -> BoxFuture<'_, Result<Applied, ActuateError>> {
+        Box::pin(self.scale_service(role, replicas))
     }
 
     fn replicas(&self, _role: Role) -> Option<u32> {
@@ -449,21 +417,6 @@ mod tests {
             number,
             running,
         }
-    }
-
-    #[test]
-    fn services_parse_and_name_what_is_wrong() {
-        let s = ComposeServices::parse("prefill=p, decode=d,agg=worker").unwrap();
-        assert_eq!(s.of(Role::Decode).unwrap(), "d");
-        assert_eq!(s.of(Role::Aggregated).unwrap(), "worker");
-        assert!(ComposeServices::parse("encode=e").is_err());
-        assert!(ComposeServices::parse("decode").is_err());
-        assert!(ComposeServices::parse("decode=").is_err());
-        let only = ComposeServices::parse("decode=d").unwrap();
-        assert!(matches!(
-            only.of(Role::Prefill),
-            Err(DockerError::BadServices(_))
-        ));
     }
 
     #[test]

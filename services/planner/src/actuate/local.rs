@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
-use super::{ActuateError, Actuator, BoxFuture};
+use super::{ActuateError, Actuator, Applied, BoxFuture};
 use crate::load::Role;
 
 /// How to start one role's worker.
@@ -24,7 +24,7 @@ pub struct WorkerCommand {
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     /// `--actuator slurm` only: options of the `srun` that runs the worker as a job step
-    /// (say `--gpus-per-task=1`, `--output=...`).
+    /// (say `--gpus-per-task=1`, `--output=logs/{step}.log`: `{step}` is the step's name).
     #[serde(default)]
     pub srun_args: Vec<String>,
 }
@@ -252,11 +252,14 @@ impl<L: Launcher> ProcessActuator<L> {
 }
 
 impl<L: Launcher> Actuator for ProcessActuator<L> {
-    fn scale(&mut self, role: Role, replicas: u32) -> BoxFuture<'_, Result<(), ActuateError>> {
+    fn scale(&mut self, role: Role, replicas: u32) -> BoxFuture<'_, Result<Applied, ActuateError>> {
         Box::pin(async move {
             self.reap();
             let have = self.running(role);
             let want = replicas as usize;
+            if want == have {
+                return Ok(Applied::Unchanged);
+            }
             for _ in have..want {
                 self.start(role)?;
             }
@@ -271,7 +274,7 @@ impl<L: Launcher> Actuator for ProcessActuator<L> {
                     self.drain(role, worker);
                 }
             }
-            Ok(())
+            Ok(Applied::Changed)
         })
     }
 
@@ -342,8 +345,11 @@ mod tests {
             drain_timeout_secs: 10,
         };
         let mut a = LocalActuator::new(spec);
-        a.scale(Role::Decode, 2).await.unwrap();
+        assert_eq!(a.scale(Role::Decode, 2).await.unwrap(), Applied::Changed);
         assert_eq!(a.running[&Role::Decode].len(), 2);
+        // Already there (one of them may be draining after an outside SIGTERM): nothing to do,
+        // and the planner is told so.
+        assert_eq!(a.scale(Role::Decode, 2).await.unwrap(), Applied::Unchanged);
         a.scale(Role::Decode, 1).await.unwrap();
         assert_eq!(a.running[&Role::Decode].len(), 1);
         let drained = tokio::time::timeout(Duration::from_secs(10), a.draining.join_next())

@@ -1,7 +1,8 @@
 //! The `slurm` actuator: inside an allocation (`SLURM_JOB_ID`), each worker is a job step
 //! started with `srun` on the allocation's node that runs the fewest of the planner's workers,
 //! and drained with `scancel --signal=TERM <job>.<step>`. The commands are those of
-//! `--local-workers-spec`, with each role's `srun_args` (GPUs, CPUs, output file).
+//! `--local-workers-spec`, with each role's `srun_args` (GPUs, CPUs, output file). A step whose
+//! srun is gone is replaced at the next decision like any worker that exited.
 
 use std::collections::BTreeMap;
 use std::process::Output;
@@ -31,6 +32,10 @@ pub enum SlurmError {
     #[error("the allocation's node list {0:?} names no node")]
     NoNodes(String),
 }
+
+/// In a role's `srun_args`, stands for the step's name (say `--output=logs/{step}.log`; srun's
+/// own `%x` is the job's name, not the step's).
+const STEP_PLACEHOLDER: &str = "{step}";
 
 /// Runs `program args` and returns its stdout, or what went wrong.
 async fn run(program: &str, args: &[&str]) -> Result<String, SlurmError> {
@@ -113,6 +118,25 @@ fn step_id<'a>(squeue: &'a str, name: &str) -> Option<&'a str> {
     })
 }
 
+/// The id of job `job`'s step named `name`, asking squeue a few times: a step just started
+/// takes a moment to be listed.
+async fn find_step(job: &str, name: &str) -> Option<String> {
+    for attempt in 0..10 {
+        if attempt > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+        match run("squeue", &["-h", "-s", "-j", job, "-o", "%i %j"]).await {
+            Ok(listed) => {
+                if let Some(id) = step_id(&listed, name) {
+                    return Some(id.to_string());
+                }
+            }
+            Err(e) => tracing::warn!("slurm actuator: {e}"),
+        }
+    }
+    None
+}
+
 impl Launcher for Srun {
     fn command(&mut self, role: Role, cmd: &WorkerCommand) -> (Command, String) {
         self.seq += 1;
@@ -125,7 +149,11 @@ impl Launcher for Srun {
             .arg(format!("--nodelist={node}"))
             .arg(format!("--job-name={name}"))
             .arg("--kill-on-bad-exit=1")
-            .args(&cmd.srun_args)
+            .args(
+                cmd.srun_args
+                    .iter()
+                    .map(|a| a.replace(STEP_PLACEHOLDER, &name)),
+            )
             .arg(&cmd.program)
             .args(&cmd.args);
         tracing::info!("slurm actuator: step {name} on {node}");
@@ -138,23 +166,24 @@ impl Launcher for Srun {
         let step = worker.name.clone();
         let srun = worker.child.id();
         Box::pin(async move {
-            let listed = run("squeue", &["-h", "-s", "-j", &job, "-o", "%i %j"]).await;
-            let id = listed.as_deref().ok().and_then(|l| step_id(l, &step));
-            let signalled = match id {
-                Some(id) => run("scancel", &["--signal=TERM", id])
-                    .await
-                    .map_err(|e| tracing::warn!("slurm actuator: {e}"))
-                    .is_ok(),
-                None => false,
-            };
-            if !signalled {
-                // The step is not listed (yet, or any more): srun forwards SIGTERM to it.
+            let Some(id) = find_step(&job, &step).await else {
+                // Never started (or already gone): stopping its srun ends whatever is left.
+                tracing::warn!("slurm actuator: step {step} is not in squeue; stopping its srun");
                 if let Some(pid) = srun {
                     // SAFETY: kill(2) on the srun this process started and has not reaped.
                     unsafe {
                         libc::kill(pid as i32, libc::SIGTERM);
                     }
                 }
+                return;
+            };
+            // Not SIGTERM to srun: srun takes that as "terminate the step" (SIGKILL after
+            // KillWait). scancel --signal delivers SIGTERM alone, and the worker drains. Slurm
+            // 22.05's scancel exits non-zero ("Invalid job id") after signalling a step, so its
+            // status says nothing; a signal that was not delivered ends at the drain timeout.
+            match run("scancel", &["--signal=TERM", &id]).await {
+                Ok(_) => tracing::info!("slurm actuator: SIGTERM to step {id} ({step})"),
+                Err(e) => tracing::info!("slurm actuator: SIGTERM to step {id} ({step}): {e}"),
             }
         })
     }
@@ -188,7 +217,7 @@ mod tests {
             program: "/opt/tandem/bin/tandem-decode".into(),
             args: vec!["--model-path".into(), "/m".into()],
             env: BTreeMap::new(),
-            srun_args: vec!["--overlap".into()],
+            srun_args: vec!["--overlap".into(), "--output=/logs/{step}.log".into()],
         }
     }
 
@@ -221,6 +250,7 @@ mod tests {
                 "--job-name=decode-planner-1",
                 "--kill-on-bad-exit=1",
                 "--overlap",
+                "--output=/logs/decode-planner-1.log",
                 "/opt/tandem/bin/tandem-decode",
                 "--model-path",
                 "/m"
