@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """compose/disagg.yml for real: up (health checks), requests through the official `openai`
 client, `--scale decode=2` with both replicas used, `docker kill` of one decode replica under
-load (requests started once the router noticed succeed), `down -v` leaving nothing behind.
+load (requests started once the router noticed succeed), the planner (profile `planner`,
+docker actuator) scaling prefill and decode up to its minimum of 2 (replicas it creates
+serve) and, once its minimum is lowered to 1, back down under load (the stopped replicas
+drained: exit code 0, no request failed), `down -v` leaving nothing behind.
 
 With `--topology epd`, compose/epd.yml: up, image requests through the `openai` client (the
 image tokens counted, the same image twice an embedding-cache hit on the encode worker, the
@@ -137,8 +140,12 @@ def step_requests(c):
 def step_scale(c):
     print("== scale decode to 2: both replicas serve", flush=True)
     compose("up", "-d", "--wait", "--wait-timeout", "180", "--scale", "decode=2")
-    # Concurrent requests: while one replica is busy, the router sends the next to the other
-    # (one at a time, ties go to the replica with the emptier cache: always the new one).
+    both_decode_replicas_serve(c, "Request")
+
+
+def both_decode_replicas_serve(c, tag):
+    """Concurrent requests until two decode workers answered: while one replica is busy, the
+    router sends the next to the other (ties go to the emptier cache: the new one)."""
     seen = set()
     deadline = time.monotonic() + 60
     i = 0
@@ -147,7 +154,7 @@ def step_scale(c):
             fail(f"after {i} requests only decode workers {seen} served")
         batch = []
         threads = [threading.Thread(
-            target=lambda n=n: batch.append(chat(c, f"Request {i + n}: say something.", 24)[1]))
+            target=lambda n=n: batch.append(chat(c, f"{tag} {i + n}: say something.", 24)[1]))
             for n in range(6)]
         for t in threads:
             t.start()
@@ -200,6 +207,75 @@ def step_kill(c):
     if late:
         fail(f"requests started {late} s after the kill still failed (> {NOTICE_WITHIN_S} s)")
     return failed
+
+
+def running(service):
+    return docker_lines("ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                        "--filter", f"label=com.docker.compose.service={service}")
+
+
+def wait_for(what, pred, timeout):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def planner(min_endpoint, *args):
+    ENV.update(PLANNER_MIN_ENDPOINT=str(min_endpoint), PLANNER_INTERVAL="2",
+               PLANNER_SCALE_DOWN_INTERVALS="2",
+               DOCKER_GID=str(os.stat("/var/run/docker.sock").st_gid))
+    compose("--profile", "planner", *args)
+
+
+def step_planner(c):
+    print("== planner (docker actuator): minimum 2 scales prefill and decode up", flush=True)
+    compose("up", "-d", "--wait", "--wait-timeout", "180", "--scale", "decode=1")
+    t = time.monotonic()
+    # --wait: the planner is healthy once every role has its minimum registered.
+    planner(2, "up", "-d", "--wait", "--wait-timeout", "180")
+    for service in ("prefill", "decode"):
+        if len(running(service)) != 2:
+            fail(f"{service}: {len(running(service))} replicas running, expected 2")
+    print(f"   2 prefill + 2 decode replicas registered after {time.monotonic() - t:.1f} s",
+          flush=True)
+    both_decode_replicas_serve(c, "Planner")
+
+    print("== planner minimum 1: idle replicas drained away under load", flush=True)
+    before = {s: set(running(s)) for s in ("prefill", "decode")}
+    results = []
+    stop = threading.Event()
+
+    def load():
+        j = 0
+        while not stop.is_set():
+            try:
+                chat(c, f"Steady {j}: go on.", max_tokens=4)
+                results.append(True)
+            except Exception as e:  # noqa: BLE001 - any failure counts
+                results.append(False)
+                print(f"   request failed: {e}", flush=True)
+            j += 1
+
+    th = threading.Thread(target=load)
+    th.start()
+    t = time.monotonic()
+    planner(1, "up", "-d", "--no-deps", "--wait", "--wait-timeout", "120", "planner")
+    wait_for("the planner to drain prefill and decode to 1 replica each",
+             lambda: all(len(running(s)) == 1 for s in ("prefill", "decode")), 120)
+    took = time.monotonic() - t
+    stop.set()
+    th.join(60)
+    for s in ("prefill", "decode"):
+        for cid in before[s] - set(running(s)):
+            code = docker_lines("inspect", "-f", "{{.State.ExitCode}}", cid)[0]
+            if code != "0":
+                fail(f"{s} replica {cid[:12]} exited {code}: not drained (SIGKILL is 137)")
+    if not results or not all(results):
+        fail(f"{results.count(False)} of {len(results)} requests failed during the scale-down")
+    print(f"   down to 1 + 1 after {took:.1f} s; {len(results)} requests meanwhile, none failed;"
+          " the stopped replicas exited 0 (drained)", flush=True)
 
 
 def service_metrics(service):
@@ -285,7 +361,7 @@ def step_scale_encode(c):
 
 def step_down():
     print("== down -v leaves nothing", flush=True)
-    compose("down", "-v", "--timeout", "60")
+    compose("--profile", "planner", "down", "-v", "--timeout", "60")
     label = f"label=com.docker.compose.project={PROJECT}"
     left = (docker_lines("ps", "-aq", "--filter", label)
             + docker_lines("network", "ls", "-q", "--filter", label)
@@ -308,6 +384,7 @@ def main():
             step_requests(c)
             step_scale(c)
             failed = step_kill(c)
+            step_planner(c)
         ok = True
     finally:
         if not ok and not keep:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# slurm/disagg.sbatch (then slurm/epd.sbatch) on a real Slurm 22.05 cluster: a slurmctld and two slurmd nodes as Docker
+# slurm/disagg.sbatch (then slurm/epd.sbatch, then disagg.sbatch with PLANNER=1) on a real Slurm 22.05 cluster: a slurmctld and two slurmd nodes as Docker
 # containers on one Docker network (each with its own hostname and address), built from a
 # debootstrap image (scripts/lib.sh debian_base_image: nothing is pulled). The nodes share one
 # job folder (the "shared filesystem") and mount the binaries (BIN_DIR, default target/debug)
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 source scripts/lib.sh
 [ "$(id -u)" = 0 ] || { echo "SKIPPED: scripts/slurm_test.sh needs root (debootstrap, docker)"; exit 0; }
 BIN_DIR=$(realpath "${BIN_DIR:-target/${PROFILE:-debug}}")
-for b in tandem tandem-router tandem-decode tandem-prefill; do
+for b in tandem tandem-router tandem-decode tandem-prefill tandem-planner; do
     [ -x "$BIN_DIR/$b" ] || die "missing $BIN_DIR/$b (cargo build -p tandem -p tandem-router -p tandem-decode -p tandem-prefill)"
 done
 command -v docker >/dev/null || die "needs docker"
@@ -255,4 +255,59 @@ echo "image request: 200, $tokens prompt tokens (16 image tokens), encode worker
 docker exec "$ctl" scancel "$job"
 wait_job_gone 180 "$job" || die "job $job still in the queue 90 s after scancel"
 
-echo "PASS: slurm/disagg.sbatch and slurm/epd.sbatch on a 2-node Slurm cluster ($(( $(date +%s) - t0 )) s)"
+step "sbatch -N 2 slurm/disagg.sbatch with PLANNER=1, minimum 2: the planner's worker steps"
+job=$(docker exec -w /shared -e TANDEM_BIN_DIR=/opt/tandem/bin -e TANDEM_CACHE_DIR=/shared/cache \
+    -e PLANNER=1 -e PLANNER_MIN_ENDPOINT=2 -e PLANNER_MAX_ENDPOINT=2 -e PLANNER_INTERVAL=2 \
+    -e ROUTER_EXTRA_ARGS="--enforce-disagg --expose-worker-id" \
+    "$ctl" sbatch --parsable -N 2 /opt/tandem/slurm/disagg.sbatch)
+wait_router "$job"
+steps_of() { docker exec "$ctl" squeue -h -s -j "$job" -o '%i %j %N' | grep -E " $1-planner-[0-9]+ " || true; }
+for role in prefill decode; do
+    [ "$(steps_of $role | wc -l)" = 2 ] || die "expected 2 $role steps started by the planner: $(steps_of $role)"
+    [ "$(steps_of $role | awk '{print $3}' | sort -u | wc -l)" = 2 ] \
+        || die "the planner's 2 $role steps are not on both nodes: $(steps_of $role)"
+done
+steps_of '(prefill|decode)'
+model=$(curl -sf "$url/v1/models" -H "Authorization: Bearer $key" \
+    | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+for i in 1 2 3; do
+    code=$(curl -s -o "$work/resp-p$i.json" -w '%{http_code}' --max-time 60 "$url/v1/chat/completions" \
+        -H "Authorization: Bearer $key" -H 'Content-Type: application/json' \
+        -d "{\"model\": \"$model\", \"max_tokens\": 8, \"messages\": [{\"role\": \"user\", \"content\": \"planner $i: $(seq -s ' ' 1 40)\"}]}")
+    [ "$code" = 200 ] || die "request $i through the planner's workers: HTTP $code $(head -c 300 "$work/resp-p$i.json")"
+done
+echo "3 requests served by the planner's workers"
+
+step "a decode step drained from outside (scancel --signal=TERM): the planner starts another"
+before=$(steps_of decode | awk '{print $2}' | xargs)
+gone=$(steps_of decode | head -1)
+# Slurm 22.05's scancel signals the step, then exits non-zero ("Invalid job id"): the
+# replacement below is what counts.
+docker exec "$ctl" scancel --signal=TERM "${gone%% *}" || true
+# A decode step whose name is new, registered (READY in its log), beside the one left.
+replacement() {
+    local s
+    s=$(steps_of decode | awk '{print $2}' | grep -vxF -f <(tr ' ' '\n' <<<"$before") | head -1)
+    [ -n "$s" ] && [ "$(steps_of decode | wc -l)" = 2 ] \
+        && grep -q '^TANDEM_WORKER_READY' "$jobdir/logs/$s.log" 2>/dev/null && echo "$s"
+}
+n=0
+until new=$(replacement); do
+    n=$((n + 1)); [ "$n" -le 240 ] || die "no replacement for step $gone after 120 s: $(steps_of decode)"
+    sleep 0.5
+done
+gone_name=$(awk '{print $2}' <<<"$gone")
+grep "decode worker $gone_name" "$jobdir/logs/planner.log" | grep -q 'exited by itself' \
+    || die "the planner did not see step $gone end: $(tail -5 "$jobdir/logs/planner.log")"
+echo "step ${gone%% *} drained; the planner started $new (+$(( $(date +%s) - t0 ))s)"
+grep -q '"desired":2' "$jobdir/planner-decisions.jsonl" || die "no decision recorded in planner-decisions.jsonl"
+
+step "SIGTERM to the batch step only: the planner drains its 4 worker steps, the job ends"
+# (A whole-job scancel signals every step itself; this path leaves the draining to the planner.)
+docker exec "$ctl" scancel --batch --signal=TERM "$job"
+wait_job_gone 180 "$job" || die "job $job still in the queue 90 s after SIGTERM to its batch step"
+drained=$(grep -c 'drained (exit status' "$jobdir/logs/planner.log" || true)
+sed 's/\x1b\[[0-9;]*m//g' "$jobdir/logs/planner.log" | grep -E 'drained|SIGTERM to step' | cut -c1-160
+[ "$drained" = 4 ] || die "the planner drained $drained of its 4 worker steps at scancel"
+
+echo "PASS: slurm/disagg.sbatch, slurm/epd.sbatch and the planner's slurm actuator on a 2-node Slurm cluster ($(( $(date +%s) - t0 )) s)"

@@ -13,6 +13,10 @@ case "$MODE" in agg | disagg | epd) ;; *) fail "MODE=$MODE is not agg, disagg or
 bins=(tandem tandem-router tandem-decode)
 [ "$MODE" = agg ] || bins+=(tandem-prefill)
 [ "$MODE" = epd ] && bins+=(tandem-encode)
+PLANNER=${PLANNER:-0}
+case "$PLANNER" in 0 | 1) ;; *) fail "PLANNER=$PLANNER is not 0 or 1" ;; esac
+[ "$PLANNER" = 0 ] || [ "$MODE" != epd ] || fail "PLANNER=1 scales agg and disagg jobs; epd is not supported yet"
+[ "$PLANNER" = 0 ] || bins+=(tandem-planner)
 for b in "${bins[@]}"; do
     [ -x "$TANDEM_BIN_DIR/$b" ] || fail "TANDEM_BIN_DIR=$TANDEM_BIN_DIR has no executable $b"
 done
@@ -44,8 +48,12 @@ if [ "$MODE" = epd ]; then
 else
     ENCODE_WORKERS=0
 fi
+PLANNER_MIN_ENDPOINT=${PLANNER_MIN_ENDPOINT:-1}
+PLANNER_MAX_ENDPOINT=${PLANNER_MAX_ENDPOINT:-$((${SLURM_JOB_NUM_NODES:-1} * 2))}
+PLANNER_INTERVAL=${PLANNER_INTERVAL:-10}
 for v in ROUTER_PORT ETCD_PORT ETCD_PEER_PORT NATS_PORT NATS_HTTP_PORT GPUS_PER_WORKER \
-    CPUS_PER_WORKER ENCODE_WORKERS PREFILL_WORKERS DECODE_WORKERS STARTUP_TIMEOUT; do
+    CPUS_PER_WORKER ENCODE_WORKERS PREFILL_WORKERS DECODE_WORKERS STARTUP_TIMEOUT \
+    PLANNER_MIN_ENDPOINT PLANNER_MAX_ENDPOINT PLANNER_INTERVAL; do
     [[ ${!v} =~ ^[0-9]+$ ]] || fail "$v=${!v} is not a non-negative integer"
 done
 [ "$DECODE_WORKERS" -ge 1 ] || fail "DECODE_WORKERS must be at least 1"
@@ -182,33 +190,69 @@ else
     worker_opts+=(--overlap)
 fi
 common=(--model-path "$MODEL_PATH" --publish-kv-events)
-i=0
-for ((e = 0; e < ENCODE_WORKERS; e++, i++)); do
-    node=${NODES[i % ${#NODES[@]}]}
-    start_step "encode-$e" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
-        "$TANDEM_BIN_DIR/tandem-encode" "${common[@]}" --kv-transport "$KV_TRANSPORT" \
-        --multimodal-embedding-cache-capacity-gb "$EMBEDDING_CACHE_GB"
-    log "encode-$e on $node"
-done
-# In E/P/D every other worker takes images and has the encode workers encode them.
-[ "$MODE" = epd ] && common+=(--enable-multimodal --encode-endpoint "dyn://${DYN_NAMESPACE:-dynamo}.encode.generate")
-for ((p = 0; p < PREFILL_WORKERS; p++, i++)); do
-    node=${NODES[i % ${#NODES[@]}]}
-    start_step "prefill-$p" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
-        "$TANDEM_BIN_DIR/tandem-prefill" "${common[@]}" --kv-transport "$KV_TRANSPORT"
-    log "prefill-$p on $node"
-done
-for ((d = 0; d < DECODE_WORKERS; d++, i++)); do
-    node=${NODES[i % ${#NODES[@]}]}
-    if [ "$MODE" != agg ]; then
-        extra=(--disaggregation-mode pd --kv-transport "$KV_TRANSPORT")
+
+# PLANNER=1: the planner, in the batch step, starts and drains the workers as job steps
+# (--actuator slurm) from a spec of each role's command; each step logs to logs/<step>.log.
+json_list() { # values... -> ["v1", "v2"]
+    local out="" v
+    for v in "$@"; do v=${v//\\/\\\\}; out+="${out:+, }\"${v//\"/\\\"}\""; done
+    echo "[$out]"
+}
+role_spec() { # program args...
+    printf '{"program": "%s", "args": %s, "srun_args": %s}' "$JOB_DIR/worker.sh" "$(json_list "$@")" \
+        "$(json_list "${worker_opts[@]}" "--output=$JOB_DIR/logs/{step}.log")"
+}
+start_planner() {
+    local spec=$JOB_DIR/planner-workers.json mode=$MODE gpus=$(( GPUS_PER_WORKER > 0 ? GPUS_PER_WORKER : 1 ))
+    if [ "$MODE" = agg ]; then
+        printf '{"agg": %s}\n' "$(role_spec "$TANDEM_BIN_DIR/tandem-decode" "${common[@]}" \
+            --disaggregation-mode agg)" >"$spec"
     else
-        extra=(--disaggregation-mode agg)
+        printf '{"prefill": %s,\n "decode": %s}\n' \
+            "$(role_spec "$TANDEM_BIN_DIR/tandem-prefill" "${common[@]}" --kv-transport "$KV_TRANSPORT")" \
+            "$(role_spec "$TANDEM_BIN_DIR/tandem-decode" "${common[@]}" --disaggregation-mode pd \
+                --kv-transport "$KV_TRANSPORT")" >"$spec"
     fi
-    start_step "decode-$d" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
-        "$TANDEM_BIN_DIR/tandem-decode" "${common[@]}" "${extra[@]}"
-    log "decode-$d on $node"
-done
+    "$TANDEM_BIN_DIR/tandem-planner" --planner-mode "$mode" --actuator slurm \
+        --local-workers-spec "$spec" --min-endpoint "$PLANNER_MIN_ENDPOINT" \
+        --max-endpoint "$PLANNER_MAX_ENDPOINT" --max-gpu-budget "$((PLANNER_MAX_ENDPOINT * 2 * gpus))" \
+        --prefill-engine-num-gpu "$gpus" --decode-engine-num-gpu "$gpus" \
+        --load-adjustment-interval "$PLANNER_INTERVAL" --decisions-out "$JOB_DIR/planner-decisions.jsonl" \
+        ${PLANNER_ARGS:-} >"$JOB_DIR/logs/planner.log" 2>&1 &
+    steps+=("$! planner")
+    log "planner: $PLANNER_MIN_ENDPOINT..$PLANNER_MAX_ENDPOINT workers per role (spec $spec)"
+}
+if [ "$PLANNER" = 1 ]; then
+    start_planner
+else
+    i=0
+    for ((e = 0; e < ENCODE_WORKERS; e++, i++)); do
+        node=${NODES[i % ${#NODES[@]}]}
+        start_step "encode-$e" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
+            "$TANDEM_BIN_DIR/tandem-encode" "${common[@]}" --kv-transport "$KV_TRANSPORT" \
+            --multimodal-embedding-cache-capacity-gb "$EMBEDDING_CACHE_GB"
+        log "encode-$e on $node"
+    done
+    # In E/P/D every other worker takes images and has the encode workers encode them.
+    [ "$MODE" = epd ] && common+=(--enable-multimodal --encode-endpoint "dyn://${DYN_NAMESPACE:-dynamo}.encode.generate")
+    for ((p = 0; p < PREFILL_WORKERS; p++, i++)); do
+        node=${NODES[i % ${#NODES[@]}]}
+        start_step "prefill-$p" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
+            "$TANDEM_BIN_DIR/tandem-prefill" "${common[@]}" --kv-transport "$KV_TRANSPORT"
+        log "prefill-$p on $node"
+    done
+    for ((d = 0; d < DECODE_WORKERS; d++, i++)); do
+        node=${NODES[i % ${#NODES[@]}]}
+        if [ "$MODE" != agg ]; then
+            extra=(--disaggregation-mode pd --kv-transport "$KV_TRANSPORT")
+        else
+            extra=(--disaggregation-mode agg)
+        fi
+        start_step "decode-$d" "${worker_opts[@]}" --nodelist="$node" -- "$JOB_DIR/worker.sh" \
+            "$TANDEM_BIN_DIR/tandem-decode" "${common[@]}" "${extra[@]}"
+        log "decode-$d on $node"
+    done
+fi
 
 # The router starts once every worker has registered (its TANDEM_WORKER_READY line).
 worker_ready() {
@@ -223,11 +267,19 @@ worker_ready() {
         grep -q '^TANDEM_WORKER_READY' "$JOB_DIR/logs/decode-$k.log" 2>/dev/null || return 1
     done
 }
-wait_for workers worker_ready
-log "all $((ENCODE_WORKERS + PREFILL_WORKERS + DECODE_WORKERS)) workers ready"
+if [ "$PLANNER" = 1 ]; then
+    # Ready once every role has its minimum of workers registered.
+    wait_for planner grep -q '^TANDEM_PLANNER_READY' "$JOB_DIR/logs/planner.log"
+    log "planner ready: $PLANNER_MIN_ENDPOINT worker(s) per role registered"
+    initial_workers=$PLANNER_MIN_ENDPOINT
+else
+    wait_for workers worker_ready
+    log "all $((ENCODE_WORKERS + PREFILL_WORKERS + DECODE_WORKERS)) workers ready"
+    initial_workers=$DECODE_WORKERS
+fi
 
 router_args=(--http-host 0.0.0.0 --http-port "$ROUTER_PORT" --api-key-file "$JOB_DIR/api-key"
-    --router-min-initial-workers "$DECODE_WORKERS")
+    --router-min-initial-workers "$initial_workers")
 start_step router "${infra_opts[@]}" -- "$TANDEM_BIN_DIR/tandem-router" "${router_args[@]}" \
     ${ROUTER_EXTRA_ARGS:-}
 wait_for router curl -sf "http://127.0.0.1:$ROUTER_PORT/health"
