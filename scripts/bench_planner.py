@@ -10,8 +10,12 @@ The load (tandem-loadtest, Poisson arrivals, no shared prefixes):
   phase A, prefill-heavy: ISL 1024, OSL 16, the rate ramping from R to 4R over 60 s, then 30 s
   at 4R; phase B, decode-heavy: ISL 128, OSL 256 at 4R for 60 s.
 
+With --sla-profile FILE the planner scales on estimated TTFT and ITL against the SLA
+(--load-signal sla) from that profile, which `tandem-planner profile` first measures on one
+simulated worker (the same mocker settings) when FILE does not exist.
+
 Usage: scripts/bench_planner.py [--bin target/debug] [--out bench-planner] [--rate 1.5]
-       [--splits 1x1,2x1,1x2,2x2] [--skip-planner]
+       [--splits 1x1,2x1,1x2,2x2] [--skip-planner] [--sla-profile FILE]
 Binaries: tandem-router, tandem-mocker, tandem-planner, tandem-loadtest (cargo build
 --workspace --bins). Writes OUT/results.json, OUT/replicas.svg and each run's loadtest output.
 """
@@ -148,6 +152,27 @@ def run_load(bins, base, out, rate):
     return reports
 
 
+def profile_mocker(bins, workdir, path):
+    """`tandem-planner profile` of one simulated aggregated worker, written to `path`."""
+    topo = Topology(bins, workdir)
+    try:
+        worker = topo.spawn(topo.mocker("agg"), "TANDEM_WORKER_READY")
+        line = topo.spawn([str(bins / "tandem-router"), "--http-host", "127.0.0.1",
+                           "--http-port", "0", "--insecure-internal",
+                           "--router-min-initial-workers", "1"], "TANDEM_ROUTER_READY")
+        base = "http://" + field(line, "http=")
+        wait_health(base)
+        subprocess.run(
+            [str(bins / "tandem-planner"), "profile", "--url", base,
+             "--worker-metrics-url", f"http://{field(worker, 'http=')}/metrics",
+             "--out", str(path), "--isl", "128,512,1024,2048,4096",
+             "--contexts", "256,1024,2048", "--batches", "1,4,16,32",
+             "--decode-tokens", "32", "--repeats", "1"],
+            check=True)
+    finally:
+        topo.stop()
+
+
 def one_run(bins, workdir, out, rate, split=None, planner_args=()):
     """A static split `(p, d)` or, with None, the planner. Returns the run's figures."""
     topo = Topology(bins, workdir)
@@ -273,12 +298,21 @@ def main():
     ap.add_argument("--skip-planner", action="store_true")
     ap.add_argument("--planner-arg", action="append", default=[],
                     help="extra tandem-planner flag (repeat), e.g. --planner-arg=--scale-down-intervals=1")
+    ap.add_argument("--sla-profile", help="scale on estimated TTFT/ITL from this profile "
+                    "(measured first when missing)")
     a = ap.parse_args()
     bins, out = Path(a.bin).resolve(), Path(a.out).resolve()
     for b in ["tandem-router", "tandem-mocker", "tandem-planner", "tandem-loadtest"]:
         if not (bins / b).is_file():
             sys.exit(f"{bins / b} missing: cargo build --workspace --bins")
     out.mkdir(parents=True, exist_ok=True)
+    if a.sla_profile:
+        profile = Path(a.sla_profile).resolve()
+        if not profile.is_file():
+            print(f"== profile of one simulated worker -> {profile}", flush=True)
+            profile_mocker(bins, out, profile)
+        a.planner_arg += ["--load-signal", "sla", "--planner-profile-data", str(profile),
+                          "--ttft", str(SLA_TTFT_MS), "--itl", str(SLA_ITL_MS)]
     configs = [] if a.skip_planner else [None]
     configs += [tuple(int(n) for n in s.split("x")) for s in a.splits.split(",") if s]
     results = []

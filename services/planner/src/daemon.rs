@@ -10,13 +10,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
-use tandem_config::planner::{ActuatorKind, OptimizationTarget, PlannerConfig, PlannerMode};
+use tandem_config::planner::{
+    ActuatorKind, LoadSignal, OptimizationTarget, PlannerConfig, PlannerMode,
+};
 use tandem_pki::ChannelSecurity;
 use tandem_planner::actuate::{
     Actuator, Applied, DockerActuator, LocalActuator, LocalSpec, RoleNames, SlurmActuator,
     VirtualActuator,
 };
-use tandem_planner::load::{load_of, Role, Target};
+use tandem_planner::load::{Role, Signal, SlaEstimate, Target};
 use tandem_planner::observe::{traffic, Observer, RoleView, RouterTotals};
 use tandem_planner::plan::{Decision, Planner, Settings, ThroughputSettings};
 use tandem_planner::predict::PredictorKind;
@@ -73,7 +75,8 @@ pub async fn run(cfg: PlannerConfig) -> anyhow::Result<()> {
         if let Some(t) = throughput.as_mut() {
             t.step(&observer, &mut planner).await;
         }
-        let Some(views) = read_views(&observer, actuator.as_ref(), &roles).await else {
+        let signal = planner.signal();
+        let Some(views) = read_views(&observer, actuator.as_ref(), &roles, signal).await else {
             continue;
         };
         for d in planner.decide(&views) {
@@ -99,20 +102,36 @@ fn settings(cfg: &PlannerConfig) -> anyhow::Result<Settings> {
         PlannerMode::Decode => vec![Role::Decode],
     };
     let predictor: PredictorKind = cfg.load_predictor.parse().context("--load-predictor")?;
-    let throughput = match (&cfg.profile_data, cfg.enable_throughput_scaling) {
-        (Some(path), true) => {
+    let models = cfg
+        .profile_data
+        .as_deref()
+        .map(|path| {
             let data = ProfileData::load(path)?;
-            let models = data
-                .models()
-                .with_context(|| format!("the profile {}", path.display()))?;
-            Some(ThroughputSettings {
-                models,
-                ttft_ms: cfg.ttft_ms,
-                itl_ms: cfg.itl_ms,
-                predictor,
-            })
-        }
+            data.models()
+                .with_context(|| format!("the profile {}", path.display()))
+        })
+        .transpose()?;
+    let throughput = match (&models, cfg.enable_throughput_scaling) {
+        (Some(models), true) => Some(ThroughputSettings {
+            models: models.clone(),
+            ttft_ms: cfg.ttft_ms,
+            itl_ms: cfg.itl_ms,
+            predictor,
+        }),
         _ => None,
+    };
+    let signal = match (cfg.load_signal, models) {
+        (LoadSignal::Sla, Some(m)) => Signal::Sla(SlaEstimate {
+            prefill: m.prefill,
+            decode: m.decode,
+            ttft_ms: cfg.ttft_ms,
+            itl_ms: cfg.itl_ms,
+        }),
+        (LoadSignal::Sla, None) => anyhow::bail!("--load-signal sla needs --planner-profile-data"),
+        (LoadSignal::Thresholds, _) => Signal::Thresholds(match cfg.optimization_target {
+            OptimizationTarget::Throughput => Target::Throughput,
+            OptimizationTarget::Latency => Target::Latency,
+        }),
     };
     let b = &cfg.bounds;
     let gpus = BTreeMap::from([
@@ -122,10 +141,7 @@ fn settings(cfg: &PlannerConfig) -> anyhow::Result<Settings> {
     ]);
     Ok(Settings {
         roles,
-        target: match cfg.optimization_target {
-            OptimizationTarget::Throughput => Target::Throughput,
-            OptimizationTarget::Latency => Target::Latency,
-        },
+        signal,
         load_scaling: cfg.enable_load_scaling,
         down_after: cfg.scale_down_intervals,
         throughput,
@@ -270,6 +286,7 @@ async fn read_views(
     observer: &Observer,
     actuator: &dyn Actuator,
     roles: &[Role],
+    signal: &Signal,
 ) -> Option<BTreeMap<Role, RoleView>> {
     let mut views = match observer.roles().await {
         Ok(v) => v,
@@ -290,7 +307,7 @@ async fn read_views(
         let highest = view
             .loads
             .iter()
-            .map(|l| load_of(*role, l))
+            .map(|l| signal.load(*role, l))
             .fold(0.0, f64::max);
         metrics::gauge!(names::LOAD, &label).set(highest);
     }

@@ -2,12 +2,18 @@
 //! engines' own load reports, with hysteresis and a guard against acting while the previous
 //! decision is still being applied (Dynamo's easy modes, `dynamo-notes.md` §6.3).
 //!
-//! - Prefill: the queued prefill tokens over the context length, per engine.
-//! - Decode and aggregated: KV utilisation, (scheduled + queued KV tokens) over capacity.
+//! - Thresholds (Dynamo's): prefill by its queued prefill tokens over the context length,
+//!   decode and aggregated by KV utilisation, (scheduled + queued KV tokens) over capacity.
+//! - SLA: each engine's estimated TTFT (its queue prefilled by the profile's prefill model)
+//!   over `--ttft`, and estimated ITL (a step of its batch at its mean context, by the decode
+//!   model) over `--itl`; aggregated engines by the larger of the two. Up over 1.0, down
+//!   under 0.6.
 //! - Up when ANY engine is above the target's upper threshold, down when ALL are below its
 //!   lower one and would stay so with the load of one engine spread over the others
 //!   (hysteresis: a step down never triggers the next step up), otherwise hold; no reports
 //!   at all (a metrics gap) holds and says so.
+
+use crate::perf::{DecodeModel, PrefillModel};
 
 /// One engine's load over the last interval.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -20,6 +26,93 @@ pub struct EngineLoad {
     pub kv_tokens: f64,
     /// KV tokens the engine's pool holds.
     pub kv_capacity: f64,
+    /// Sequences running and waiting.
+    pub sequences: f64,
+}
+
+impl EngineLoad {
+    /// The load of `engines` carried by `n` of them (what one engine fewer would see).
+    fn spread(engines: &[EngineLoad], n: usize) -> EngineLoad {
+        let n = n.max(1) as f64;
+        let sum = |f: fn(&EngineLoad) -> f64| engines.iter().map(f).sum::<f64>() / n;
+        EngineLoad {
+            queued_prefill_tokens: sum(|e| e.queued_prefill_tokens),
+            context_length: engines.first().map_or(1.0, |e| e.context_length),
+            kv_tokens: sum(|e| e.kv_tokens),
+            kv_capacity: engines.first().map_or(1.0, |e| e.kv_capacity),
+            sequences: sum(|e| e.sequences),
+        }
+    }
+}
+
+/// Latency estimates from the profile's time models, against the SLA.
+#[derive(Clone, Debug)]
+pub struct SlaEstimate {
+    pub prefill: PrefillModel,
+    pub decode: DecodeModel,
+    pub ttft_ms: f64,
+    pub itl_ms: f64,
+}
+
+impl SlaEstimate {
+    /// What a request arriving now waits for its first token beyond its own prefill: the
+    /// engine's queue, prefilled in chunks.
+    pub fn ttft_ms(&self, e: &EngineLoad) -> f64 {
+        self.prefill.time_ms(e.queued_prefill_tokens)
+    }
+
+    /// One decode step of every sequence the engine holds, at their mean context.
+    pub fn itl_ms(&self, e: &EngineLoad) -> f64 {
+        if e.sequences < 1.0 {
+            return 0.0;
+        }
+        self.decode.step_ms(e.sequences, e.kv_tokens / e.sequences)
+    }
+}
+
+/// What load scaling measures an engine by.
+#[derive(Clone, Debug)]
+pub enum Signal {
+    /// The queue and KV thresholds of a target (Dynamo's).
+    Thresholds(Target),
+    /// Estimated TTFT and ITL over the SLA.
+    Sla(SlaEstimate),
+}
+
+/// Up over this estimate / SLA ratio; down when one engine fewer stays under [`SLA_DOWN`].
+const SLA_UP: f64 = 1.0;
+const SLA_DOWN: f64 = 0.6;
+
+impl Signal {
+    /// The load an engine shows for `role`.
+    pub fn load(&self, role: Role, e: &EngineLoad) -> f64 {
+        match self {
+            Signal::Thresholds(_) => load_of(role, e),
+            Signal::Sla(s) => match role {
+                Role::Prefill => s.ttft_ms(e) / s.ttft_ms,
+                Role::Decode => s.itl_ms(e) / s.itl_ms,
+                Role::Aggregated => (s.ttft_ms(e) / s.ttft_ms).max(s.itl_ms(e) / s.itl_ms),
+            },
+        }
+    }
+
+    /// `(up, down)` of `role`'s load.
+    pub fn thresholds(&self, role: Role) -> (f64, f64) {
+        match self {
+            Signal::Thresholds(target) => thresholds(role, *target),
+            Signal::Sla(_) => (SLA_UP, SLA_DOWN),
+        }
+    }
+
+    /// What the load of `role` measures, for reasons.
+    pub fn load_name(&self, role: Role) -> &'static str {
+        match (self, role) {
+            (Signal::Thresholds(_), _) => role.load_name(),
+            (Signal::Sla(_), Role::Prefill) => "estimated TTFT / SLA",
+            (Signal::Sla(_), Role::Decode) => "estimated ITL / SLA",
+            (Signal::Sla(_), Role::Aggregated) => "estimated TTFT or ITL / SLA",
+        }
+    }
 }
 
 /// What the thresholds favour.
@@ -105,29 +198,28 @@ pub fn load_of(role: Role, e: &EngineLoad) -> f64 {
 }
 
 /// This interval's step for `role` from its engines' loads.
-pub fn decide(role: Role, target: Target, engines: &[EngineLoad]) -> Step {
-    let loads: Vec<f64> = engines.iter().map(|e| load_of(role, e)).collect();
+pub fn decide(role: Role, signal: &Signal, engines: &[EngineLoad]) -> Step {
+    let loads: Vec<f64> = engines.iter().map(|e| signal.load(role, e)).collect();
     let Some(max) = loads.iter().copied().reduce(f64::max) else {
         return Step::NoReports;
     };
-    let (up, down) = thresholds(role, target);
-    let above = match role {
-        Role::Prefill => max >= up,
+    let (up, down) = signal.thresholds(role);
+    let above = match (role, signal) {
+        (Role::Prefill, Signal::Thresholds(_)) => max >= up,
         _ => max > up,
     };
-    let below = |load: f64| match (role, target) {
-        (Role::Prefill, Target::Latency) => load <= down,
+    let below = |load: f64| match (role, signal) {
+        (Role::Prefill, Signal::Thresholds(Target::Latency)) => load <= down,
         _ => load < down,
     };
     // Hysteresis: one engine fewer must still be under the lower threshold with the whole
     // load on the rest, or the step down would undo itself (Dynamo's rule alone flaps: two
     // engines at 0.5 of a 0.6 threshold go down to one at 1.0, which goes up again).
-    let spread = loads.iter().sum::<f64>() / (loads.len() as f64 - 1.0);
     // A lone engine (a minimum of zero) steps down only when idle.
     let after = match loads.len() {
         1 if max > 0.0 => f64::INFINITY,
         1 => 0.0,
-        _ => spread,
+        n => signal.load(role, &EngineLoad::spread(engines, n - 1)),
     };
     let all_below = below(max) && below(after);
     if above {
@@ -257,7 +349,72 @@ mod tests {
             context_length: 4096.0,
             kv_tokens: kv,
             kv_capacity: 10_000.0,
+            sequences: 0.0,
         }
+    }
+
+    fn decide(role: Role, target: Target, engines: &[EngineLoad]) -> Step {
+        super::decide(role, &Signal::Thresholds(target), engines)
+    }
+
+    /// Prefill: 0.1 ms a token up to a 1,000-token chunk. Decode: a step is 10 ms plus 1 ms
+    /// per sequence at 1,000 tokens of context, and 2 ms per sequence at 3,000.
+    fn sla() -> Signal {
+        Signal::Sla(SlaEstimate {
+            prefill: PrefillModel::new(vec![(0.0, 0.0), (1000.0, 100.0)], 1000).unwrap(),
+            decode: DecodeModel::new(
+                &[1000.0, 3000.0],
+                &[0.0, 100.0],
+                &[vec![10.0, 110.0], vec![10.0, 210.0]],
+            )
+            .unwrap(),
+            ttft_ms: 200.0,
+            itl_ms: 50.0,
+        })
+    }
+
+    #[test]
+    fn sla_estimates_by_hand() {
+        use Role::*;
+        let s = sla();
+        // 3,000 queued tokens: three 100 ms chunks, 300 ms over a 200 ms TTFT: 1.5, up.
+        assert_eq!(
+            super::decide(Prefill, &s, &[engine(3000.0, 0.0)]),
+            Step::Up { load: 1.5 }
+        );
+        // 500 and 400 queued: 50 and 40 ms (0.25, 0.2); on one engine 900 tokens, 90 ms
+        // (0.45 < 0.6): down.
+        let light = [engine(500.0, 0.0), engine(400.0, 0.0)];
+        assert_eq!(
+            super::decide(Prefill, &s, &light),
+            Step::Down { load: 0.25 }
+        );
+        // 1,000 and 400: 0.5 and 0.2, but 140 ms (0.7) on one engine: hold.
+        let mid = [engine(1000.0, 0.0), engine(400.0, 0.0)];
+        assert_eq!(super::decide(Prefill, &s, &mid), Step::Hold { load: 0.5 });
+        // Decode: 20 sequences of 2,000 tokens: 10 + 1.5 × 20 = 40 ms, 0.8 of a 50 ms ITL.
+        let d = |seqs: f64, ctx: f64| EngineLoad {
+            sequences: seqs,
+            ..engine(0.0, seqs * ctx)
+        };
+        assert_eq!(
+            super::decide(Decode, &s, &[d(20.0, 2000.0)]),
+            Step::Hold { load: 0.8 }
+        );
+        // 30 sequences at 2,000: 55 ms, 1.1: up.
+        let load = s.load(Decode, &d(30.0, 2000.0));
+        assert!((load - 1.1).abs() < 1e-9, "{load}");
+        // 5 + 5 sequences at 1,000: 15 ms each (0.3); one engine with 10 at 1,000: 20 ms
+        // (0.4): down. Idle engines estimate 0.
+        let two = [d(5.0, 1000.0), d(5.0, 1000.0)];
+        assert_eq!(super::decide(Decode, &s, &two), Step::Down { load: 0.3 });
+        assert_eq!(s.load(Decode, &d(0.0, 0.0)), 0.0);
+        // Aggregated: the larger of the two ratios.
+        let agg = EngineLoad {
+            queued_prefill_tokens: 3000.0,
+            ..d(5.0, 1000.0)
+        };
+        assert_eq!(s.load(Aggregated, &agg), 1.5);
     }
 
     #[test]

@@ -134,6 +134,7 @@ pub fn engine_load(page: &Page, worker_id: u64) -> Option<EngineLoad> {
         context_length: get(gauges::CONTEXT_LENGTH)?,
         kv_tokens: get(gauges::SCHEDULED_KV_TOKENS)? + get(gauges::QUEUED_KV_TOKENS)?,
         kv_capacity: get(gauges::KV_CAPACITY_TOKENS)?,
+        sequences: get(gauges::RUNNING_REQUESTS)? + get(gauges::WAITING_REQUESTS)?,
     })
 }
 
@@ -297,11 +298,14 @@ mod tests {
              dynamo_component_scheduled_kv_tokens{worker_id=\"5\"} 300\n\
              dynamo_component_queued_kv_tokens{worker_id=\"5\"} 100\n\
              dynamo_component_kv_capacity_tokens{worker_id=\"5\"} 1000\n\
-             dynamo_component_context_length{worker_id=\"5\"} 4096\n",
+             dynamo_component_context_length{worker_id=\"5\"} 4096\n\
+             dynamo_component_running_requests{worker_id=\"5\"} 3\n\
+             dynamo_component_waiting_requests{worker_id=\"5\"} 1\n",
         )
         .unwrap();
         let l = engine_load(&page, 5).unwrap();
         assert_eq!(l.queued_prefill_tokens, 100.0);
+        assert_eq!(l.sequences, 4.0);
         assert_eq!(l.kv_tokens, 400.0);
         assert_eq!(l.kv_capacity, 1000.0);
         assert_eq!(

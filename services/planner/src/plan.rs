@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::load::{decide, thresholds, Outcome, Role, Step, Stepper, Target};
+use crate::load::{decide, Outcome, Role, Signal, Step, Stepper};
 use crate::observe::{RoleView, Traffic};
 use crate::predict::{Predictor, PredictorKind};
 use crate::profile::TimeModels;
@@ -24,7 +24,8 @@ pub struct ThroughputSettings {
 pub struct Settings {
     /// The roles scaled, in the order they are decided.
     pub roles: Vec<Role>,
-    pub target: Target,
+    /// What load scaling measures engines by.
+    pub signal: Signal,
     pub load_scaling: bool,
     /// Consecutive intervals a role must qualify for a step down before it is taken (the
     /// load gauges are instantaneous: one quiet sample is no trend).
@@ -121,6 +122,11 @@ impl Planner {
 
     pub fn forecast(&self) -> Forecast {
         self.forecast
+    }
+
+    /// What load scaling measures engines by.
+    pub fn signal(&self) -> &Signal {
+        &self.settings.signal
     }
 
     /// The actuator could not apply the last decision for `role`: decide afresh next time.
@@ -316,9 +322,9 @@ impl Planner {
 
     fn load_verdict(&mut self, role: Role, view: &RoleView) -> Wanted {
         let actual = view.replicas;
-        let (up, down) = thresholds(role, self.settings.target);
-        let what = role.load_name();
-        let mut step = decide(role, self.settings.target, &view.loads);
+        let (up, down) = self.settings.signal.thresholds(role);
+        let what = self.settings.signal.load_name(role);
+        let mut step = decide(role, &self.settings.signal, &view.loads);
         if matches!(step, Step::Down { .. }) && view.missing > 0 {
             // Scaling down needs every engine's report.
             step = Step::NoReports;
@@ -372,13 +378,13 @@ impl Planner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::load::EngineLoad;
+    use crate::load::{EngineLoad, Target};
     use crate::profile::ProfileData;
 
     fn settings(roles: &[Role], load: bool, tp: Option<ThroughputSettings>) -> Settings {
         Settings {
             roles: roles.to_vec(),
-            target: Target::Latency,
+            signal: Signal::Thresholds(Target::Latency),
             load_scaling: load,
             down_after: 1,
             throughput: tp,
@@ -400,6 +406,7 @@ mod tests {
                     context_length: 4096.0,
                     kv_tokens: k * 1000.0,
                     kv_capacity: 1000.0,
+                    sequences: 1.0,
                 })
                 .collect(),
             missing: 0,

@@ -556,6 +556,12 @@ pub static FLAGS: &[FlagSpec] = &[
         "Reactive scaling, one replica per --load-adjustment-interval, on the workers' queued \
          prefill tokens and KV load.")
         .env("DYN_ENABLE_LOAD_SCALING").default("true").scope(Scope::Planner),
+    FlagSpec::new("load-signal", Choice(&["thresholds", "sla"]), Planner,
+        "What load scaling measures engines by: thresholds (queued prefill tokens and KV load \
+         against --optimization-target's thresholds) or sla (each engine's estimated TTFT, its \
+         queue prefilled, and ITL, a step of its batch, from --planner-profile-data, over \
+         --ttft and --itl: up over 1.0, down under 0.6).")
+        .env("DYN_LOAD_SIGNAL").default("thresholds").scope(Scope::Planner),
     FlagSpec::new("scale-down-intervals", INT1, Planner,
         "Load scaling steps a role down only after this many consecutive intervals qualified \
          (its engines' load gauges are instantaneous); steps up at once.")

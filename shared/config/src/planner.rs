@@ -39,6 +39,14 @@ pub enum OptimizationTarget {
     Latency,
 }
 
+/// What load scaling measures engines by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadSignal {
+    Thresholds,
+    Sla,
+}
+
 /// Bounds of every scaled role and of the deployment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct PlannerBounds {
@@ -64,6 +72,7 @@ pub struct PlannerConfig {
     pub kubernetes_deployments: String,
     pub optimization_target: OptimizationTarget,
     pub enable_load_scaling: bool,
+    pub load_signal: LoadSignal,
     pub scale_down_intervals: u32,
     pub enable_throughput_scaling: bool,
     pub profile_data: Option<PathBuf>,
@@ -118,6 +127,10 @@ pub fn parse_planner(args: &[String], env: EnvLookup<'_>) -> Result<PlannerConfi
             _ => OptimizationTarget::Throughput,
         },
         enable_load_scaling: g.bool("enable-load-scaling")?,
+        load_signal: match g.string("load-signal")?.as_str() {
+            "sla" => LoadSignal::Sla,
+            _ => LoadSignal::Thresholds,
+        },
         scale_down_intervals: g.u32("scale-down-intervals")?,
         enable_throughput_scaling: g.bool("enable-throughput-scaling")?,
         profile_data: g.opt_string("planner-profile-data")?.map(PathBuf::from),
@@ -215,6 +228,12 @@ fn check(cfg: &PlannerConfig, resolved: &Resolved) -> Result<(), ConfigError> {
                 .into(),
         ));
     }
+    if cfg.load_signal == LoadSignal::Sla && cfg.profile_data.is_none() {
+        return Err(ConfigError::Invalid(
+            "--load-signal sla needs --planner-profile-data (the time models of the estimates)"
+                .into(),
+        ));
+    }
     if cfg.enable_throughput_scaling && cfg.profile_data.is_none() {
         return Err(ConfigError::Invalid(
             "--enable-throughput-scaling needs --planner-profile-data (the time models)".into(),
@@ -254,6 +273,7 @@ mod tests {
         assert!(err(&["--min-endpoint", "3", "--max-endpoint", "2"]).contains("--min-endpoint"));
         assert!(err(&["--min-endpoint", "3", "--max-gpu-budget", "5"]).contains("6 GPUs"));
         assert!(err(&["--enable-throughput-scaling"]).contains("--planner-profile-data"));
+        assert!(err(&["--load-signal", "sla"]).contains("--planner-profile-data"));
         assert!(err(&["--actuator", "local"]).contains("--local-workers-spec"));
         assert!(err(&["--actuator", "slurm"]).contains("--local-workers-spec"));
         assert!(err(&["--ttft", "0"]).contains("--ttft"));

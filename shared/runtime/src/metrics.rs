@@ -344,6 +344,9 @@ pub mod names {
         pub const TOTAL_BLOCKS: &str = "dynamo_component_total_blocks";
         pub const GPU_CACHE_USAGE_PERCENT: &str = "dynamo_component_gpu_cache_usage_percent";
         pub const MODEL_LOAD_TIME_SECONDS: &str = "dynamo_component_model_load_time_seconds";
+        /// Sequences in the engine's running batch and waiting for it (label `worker_id`).
+        pub const RUNNING_REQUESTS: &str = "dynamo_component_running_requests";
+        pub const WAITING_REQUESTS: &str = "dynamo_component_waiting_requests";
         // The load report the planner scales on (Dynamo's forward-pass metrics, as gauges
         // labelled `worker_id`).
         /// Prompt tokens not prefilled yet.

@@ -9,13 +9,11 @@ pub const KV_TOTAL_BLOCKS: &str = "dynamo_component_kv_cache_total_blocks";
 pub const KV_REFERENCED_BLOCKS: &str = "dynamo_component_kv_cache_active_blocks";
 pub const KV_CACHED_BLOCKS: &str = "dynamo_component_kv_cache_cached_blocks";
 pub const KV_USAGE_PERCENT: &str = "dynamo_component_gpu_cache_usage_percent";
-pub const RUNNING_REQUESTS: &str = "dynamo_component_running_requests";
-pub const WAITING_REQUESTS: &str = "dynamo_component_waiting_requests";
 pub const PREEMPTIONS: &str = "dynamo_component_preemptions_total";
 // The load report the planner scales on: its names live with the other component names.
 pub use tandem_runtime::metrics::names::component::{
     CONTEXT_LENGTH, KV_CAPACITY_TOKENS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, QUEUED_KV_TOKENS,
-    QUEUED_PREFILL_TOKENS, SCHEDULED_KV_TOKENS,
+    QUEUED_PREFILL_TOKENS, RUNNING_REQUESTS, SCHEDULED_KV_TOKENS, WAITING_REQUESTS,
 };
 
 /// Refreshes the gauges every 500 ms until shutdown.
