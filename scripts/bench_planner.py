@@ -14,8 +14,13 @@ With --sla-profile FILE the planner scales on estimated TTFT and ITL against the
 (--load-signal sla) from that profile, which `tandem-planner profile` first measures on one
 simulated worker (the same mocker settings) when FILE does not exist.
 
+With --actuator docker the same load runs against compose/sim.yml (the workers simulated in
+containers, the planner as its `planner` service with the docker actuator, static splits with
+`--scale`), on the images of scripts/images; replicas are the running worker containers.
+
 Usage: scripts/bench_planner.py [--bin target/debug] [--out bench-planner] [--rate 1.5]
        [--splits 1x1,2x1,1x2,2x2] [--skip-planner] [--sla-profile FILE]
+       [--actuator local|docker]
 Binaries: tandem-router, tandem-mocker, tandem-planner, tandem-loadtest (cargo build
 --workspace --bins). Writes OUT/results.json, OUT/replicas.svg and each run's loadtest output.
 """
@@ -25,6 +30,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -219,6 +225,76 @@ def one_run(bins, workdir, out, rate, split=None, planner_args=()):
     return figures(reports, samples, split)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def one_run_docker(bins, out, rate, split=None):
+    """compose/sim.yml: a static split `(p, d)` with --scale, or the planner's service."""
+    out.mkdir(parents=True, exist_ok=True)
+    project = f"tandem-bench-{os.getpid()}"
+    port = free_port()
+    flags = dict(zip(PLANNER[::2], PLANNER[1::2]))
+    env = dict(
+        os.environ, TANDEM_PORT=str(port), ENFORCE_DISAGG="true", RUST_LOG="warn",
+        MOCKER_ARGS=" ".join(a for a in MOCKER if a not in (
+            "--rpc-host", "--system-host", "127.0.0.1", "--insecure-internal")),
+        DOCKER_GID=str(os.stat("/var/run/docker.sock").st_gid),
+        PLANNER_MIN_ENDPOINT=flags["--min-endpoint"], PLANNER_MAX_ENDPOINT=flags["--max-endpoint"],
+        PLANNER_MAX_GPU_BUDGET=flags["--max-gpu-budget"],
+        PLANNER_INTERVAL=flags["--load-adjustment-interval"],
+        PLANNER_OPTIMIZATION_TARGET=flags["--optimization-target"])
+
+    def compose(*args):
+        subprocess.run(["docker", "compose", "--progress", "quiet", "-p", project, "-f",
+                        str(ROOT / "compose" / "sim.yml"), *args], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+
+    def running(service):
+        r = subprocess.run(
+            ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}",
+             "--filter", f"label=com.docker.compose.service={service}"],
+            text=True, stdout=subprocess.PIPE, check=True)
+        return len(r.stdout.split())
+
+    samples = []
+    try:
+        if split:
+            compose("up", "-d", "--wait", "--scale", f"prefill={split[0]}",
+                    "--scale", f"decode={split[1]}")
+        else:
+            compose("--profile", "planner", "up", "-d", "--wait")
+        base = f"http://127.0.0.1:{port}"
+        wait_health(base)
+        stop = threading.Event()
+        t0 = time.time()
+
+        def sample():
+            while not stop.is_set():
+                samples.append((time.time() - t0,
+                                {"prefill": running("prefill"), "decode": running("decode")}))
+                stop.wait(1.0)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        reports = run_load(bins, base, out, rate)
+        stop.set()
+        sampler.join()
+        if not split:
+            r = subprocess.run(["docker", "compose", "-p", project, "-f",
+                                str(ROOT / "compose" / "sim.yml"), "logs", "planner"],
+                               env=env, text=True, stdout=subprocess.PIPE)
+            (out / "planner.log").write_text(r.stdout)
+    finally:
+        compose("--profile", "planner", "down", "-v", "--timeout", "60")
+    return figures(reports, samples, split)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def figures(reports, samples, split):
     requests = sum(r["requests"] for r in reports)
     met = sum(r["sla_met"] for r in reports)
@@ -298,6 +374,7 @@ def main():
     ap.add_argument("--skip-planner", action="store_true")
     ap.add_argument("--planner-arg", action="append", default=[],
                     help="extra tandem-planner flag (repeat), e.g. --planner-arg=--scale-down-intervals=1")
+    ap.add_argument("--actuator", choices=["local", "docker"], default="local")
     ap.add_argument("--sla-profile", help="scale on estimated TTFT/ITL from this profile "
                     "(measured first when missing)")
     a = ap.parse_args()
@@ -319,7 +396,12 @@ def main():
     for split in configs:
         name = f"static-{split[0]}p{split[1]}d" if split else "planner"
         print(f"== {name}", flush=True)
-        r = one_run(bins, out, out / name, a.rate, split, a.planner_arg)
+        if a.actuator == "docker":
+            if a.planner_arg:
+                sys.exit("--planner-arg and --sla-profile apply to the local actuator only")
+            r = one_run_docker(bins, out / name, a.rate, split)
+        else:
+            r = one_run(bins, out, out / name, a.rate, split, a.planner_arg)
         print(f"   {r['requests']} requests, {r['failed']} failed, attainment "
               f"{r['attainment']:.3f}, {r['gpu_seconds']:.0f} GPU-s, goodput/GPU-s "
               f"{r['goodput_per_gpu_s']:.4f}", flush=True)

@@ -11,9 +11,12 @@ image tokens counted, the same image twice an embedding-cache hit on the encode 
 embedding bytes written by the encode workers equal to those the prefill and decode workers
 received), `--scale encode=2` with both replicas encoding, `down -v` leaving nothing behind.
 
+With `--topology sim`, compose/sim.yml (simulated workers): up, the requests of disagg.yml,
+`down -v` leaving nothing behind.
+
 Needs the images (scripts/images) and `docker compose` v2. Prints `== step` lines, timings,
 and PASS; exits non-zero naming the failed check.
-    python3 scripts/compose_test.py [--topology disagg|epd] [--keep]
+    python3 scripts/compose_test.py [--topology disagg|epd|sim] [--keep]
 """
 
 import base64
@@ -31,8 +34,8 @@ import openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGY = sys.argv[sys.argv.index("--topology") + 1] if "--topology" in sys.argv else "disagg"
-if TOPOLOGY not in ("disagg", "epd"):
-    sys.exit(f"--topology {TOPOLOGY}: expected disagg or epd")
+if TOPOLOGY not in ("disagg", "epd", "sim"):
+    sys.exit(f"--topology {TOPOLOGY}: expected disagg, epd or sim")
 FILE = os.path.join(ROOT, "compose", f"{TOPOLOGY}.yml")
 PROJECT = "tandem-ci-" + secrets.token_hex(3)
 KEY = "sk-compose-" + secrets.token_hex(12)
@@ -380,6 +383,8 @@ def main():
         if TOPOLOGY == "epd":
             step_images(c)
             step_scale_encode(c)
+        elif TOPOLOGY == "sim":
+            step_requests(c)
         else:
             step_requests(c)
             step_scale(c)
