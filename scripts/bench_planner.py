@@ -171,8 +171,8 @@ def profile_mocker(bins, workdir, path):
         subprocess.run(
             [str(bins / "tandem-planner"), "profile", "--url", base,
              "--worker-metrics-url", f"http://{field(worker, 'http=')}/metrics",
-             "--out", str(path), "--isl", "128,512,1024,2048,4096",
-             "--contexts", "256,1024,2048", "--batches", "1,4,16,32",
+             "--out", str(path), "--isl", "128,512,1024,2048,3072",
+             "--contexts", "256,1024,1792", "--batches", "1,4,16,32",
              "--decode-tokens", "32", "--repeats", "1"],
             check=True)
     finally:
@@ -198,14 +198,17 @@ def one_run(bins, workdir, out, rate, split=None, planner_args=()):
                            "args": ["--disaggregation-mode", "pd"] + MOCKER},
             }
             (topo.dir / "spec.json").write_text(json.dumps(spec))
-            topo.spawn([str(bins / "tandem-planner"), *PLANNER, *planner_args,
-                        "--local-workers-spec", str(topo.dir / "spec.json"),
-                        "--decisions-out", str(out / "decisions.jsonl")],
-                       "TANDEM_PLANNER_READY")
+        # Throughput scaling reads the router's counters from its start: the router first.
         line = topo.spawn([str(bins / "tandem-router"), "--http-host", "127.0.0.1",
                            "--http-port", "0", "--enforce-disagg", "--insecure-internal",
-                           "--router-min-initial-workers", "1"], "TANDEM_ROUTER_READY")
+                           "--router-min-initial-workers", "0"], "TANDEM_ROUTER_READY")
         base = "http://" + field(line, "http=")
+        if not split:
+            topo.spawn([str(bins / "tandem-planner"), *PLANNER, *planner_args,
+                        "--local-workers-spec", str(topo.dir / "spec.json"),
+                        "--router-metrics-url", base + "/metrics",
+                        "--decisions-out", str(out / "decisions.jsonl")],
+                       "TANDEM_PLANNER_READY")
         wait_health(base)
         stop = threading.Event()
         t0 = time.time()
