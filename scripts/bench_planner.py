@@ -179,6 +179,26 @@ def profile_mocker(bins, workdir, path):
         topo.stop()
 
 
+def load_while_sampling(bins, base, out, rate, samples, count):
+    """Both phases of the load; meanwhile `count()` (replicas by role) every second into
+    `samples` as (seconds, counts)."""
+    stop = threading.Event()
+    t0 = time.time()
+
+    def sample():
+        while not stop.is_set():
+            samples.append((time.time() - t0, count()))
+            stop.wait(1.0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        return run_load(bins, base, out, rate)
+    finally:
+        stop.set()
+        sampler.join()
+
+
 def one_run(bins, workdir, out, rate, split=None, planner_args=()):
     """A static split `(p, d)` or, with None, the planner. Returns the run's figures."""
     topo = Topology(bins, workdir)
@@ -210,19 +230,8 @@ def one_run(bins, workdir, out, rate, split=None, planner_args=()):
                         "--decisions-out", str(out / "decisions.jsonl")],
                        "TANDEM_PLANNER_READY")
         wait_health(base)
-        stop = threading.Event()
-        t0 = time.time()
-
-        def sample():
-            while not stop.is_set():
-                samples.append((time.time() - t0, replicas_by_role(topo.dir / "disc")))
-                stop.wait(1.0)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        reports = run_load(bins, base, out, rate)
-        stop.set()
-        sampler.join()
+        reports = load_while_sampling(bins, base, out, rate, samples,
+                                      lambda: replicas_by_role(topo.dir / "disc"))
     finally:
         topo.stop()
     return figures(reports, samples, split)
@@ -268,20 +277,9 @@ def one_run_docker(bins, out, rate, split=None):
             compose("--profile", "planner", "up", "-d", "--wait")
         base = f"http://127.0.0.1:{port}"
         wait_health(base)
-        stop = threading.Event()
-        t0 = time.time()
-
-        def sample():
-            while not stop.is_set():
-                samples.append((time.time() - t0,
-                                {"prefill": running("prefill"), "decode": running("decode")}))
-                stop.wait(1.0)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        reports = run_load(bins, base, out, rate)
-        stop.set()
-        sampler.join()
+        reports = load_while_sampling(
+            bins, base, out, rate, samples,
+            lambda: {"prefill": running("prefill"), "decode": running("decode")})
         if not split:
             r = subprocess.run(["docker", "compose", "-p", project, "-f",
                                 str(ROOT / "compose" / "sim.yml"), "logs", "planner"],
