@@ -19,7 +19,7 @@ use tandem_planner::actuate::{
     VirtualActuator,
 };
 use tandem_planner::load::{Role, Signal, SlaEstimate, Target};
-use tandem_planner::observe::{traffic, Observer, RoleView, RouterTotals};
+use tandem_planner::observe::{traffic, Backlog, Observer, RoleView, RouterTotals};
 use tandem_planner::plan::{Decision, Planner, Settings, ThroughputSettings};
 use tandem_planner::predict::PredictorKind;
 use tandem_planner::profile::ProfileData;
@@ -40,6 +40,7 @@ mod names {
     pub const ESTIMATED_ITL: &str = "dynamo_planner_estimated_itl_ms";
     pub const OBSERVED_TTFT: &str = "dynamo_planner_observed_ttft_ms";
     pub const OBSERVED_ITL: &str = "dynamo_planner_observed_itl_ms";
+    pub const ROUTER_BACKLOG: &str = "dynamo_planner_router_backlog_tokens";
 }
 
 pub async fn run(cfg: PlannerConfig) -> anyhow::Result<()> {
@@ -59,6 +60,7 @@ pub async fn run(cfg: PlannerConfig) -> anyhow::Result<()> {
     let addr = tandem_runtime::metrics::serve_status(&bind, metrics, health).await?;
     let shutdown = tandem_runtime::shutdown::on_signals();
     let mut planner = Planner::new(settings);
+    let mut router_queue = RouterQueue::default();
     tracing::info!(
         "planner scaling {:?} with the {:?} actuator{}; /metrics on http://{addr}",
         roles.iter().map(|r| r.name()).collect::<Vec<_>>(),
@@ -76,9 +78,10 @@ pub async fn run(cfg: PlannerConfig) -> anyhow::Result<()> {
             t.step(&observer, &mut planner).await;
         }
         let signal = planner.signal();
-        let Some(views) = read_views(&observer, actuator.as_ref(), &roles, signal).await else {
+        let Some(mut views) = read_views(&observer, actuator.as_ref(), &roles, signal).await else {
             continue;
         };
+        router_queue.attach(&observer, &mut views).await;
         for d in planner.decide(&views) {
             apply(&d, &cfg, actuator.as_mut(), &mut log, &mut planner).await;
         }
@@ -277,6 +280,43 @@ impl ThroughputClock {
         }
         self.totals = now;
         self.since = Instant::now();
+    }
+}
+
+/// The router's queue, read every load interval: its prompt tokens are prefill work not yet
+/// in any engine's queue.
+#[derive(Default)]
+struct RouterQueue {
+    backlog: Backlog,
+    /// The last read failed (warned once until it recovers).
+    failing: bool,
+}
+
+impl RouterQueue {
+    /// Gives the backlog to the role that prefills (prefill, else aggregated); none when the
+    /// router cannot be read.
+    async fn attach(&mut self, observer: &Observer, views: &mut BTreeMap<Role, RoleView>) {
+        let totals = match observer.router().await {
+            Ok(t) => t,
+            Err(e) => {
+                if !self.failing {
+                    tracing::warn!("the router's queue is not counted: {e}");
+                }
+                self.failing = true;
+                return;
+            }
+        };
+        if std::mem::take(&mut self.failing) {
+            tracing::info!("the router's metrics are readable again");
+        }
+        let tokens = self.backlog.tokens(totals);
+        let prefills = [Role::Prefill, Role::Aggregated]
+            .into_iter()
+            .find(|r| views.contains_key(r));
+        if let Some(view) = prefills.and_then(|r| views.get_mut(&r)) {
+            view.backlog_tokens = tokens;
+        }
+        metrics::gauge!(names::ROUTER_BACKLOG).set(tokens);
     }
 }
 

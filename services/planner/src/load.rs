@@ -45,6 +45,19 @@ impl EngineLoad {
     }
 }
 
+/// `engines` with `tokens` more prompt tokens queued, shared evenly: the router's backlog,
+/// which any of them may be given.
+pub fn with_backlog(engines: &[EngineLoad], tokens: f64) -> Vec<EngineLoad> {
+    let share = tokens.max(0.0) / engines.len().max(1) as f64;
+    engines
+        .iter()
+        .map(|e| EngineLoad {
+            queued_prefill_tokens: e.queued_prefill_tokens + share,
+            ..*e
+        })
+        .collect()
+}
+
 /// Latency estimates from the profile's time models, against the SLA.
 #[derive(Clone, Debug)]
 pub struct SlaEstimate {

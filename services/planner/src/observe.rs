@@ -37,7 +37,7 @@ mod names {
     pub use tandem_runtime::metrics::names::frontend::{
         INPUT_SEQUENCE_TOKENS as ISL, INTER_TOKEN_LATENCY_SECONDS as ITL, KV_HIT_RATE as HIT,
         OUTPUT_SEQUENCE_TOKENS as OSL, REQUESTS_TOTAL as REQUESTS,
-        TIME_TO_FIRST_TOKEN_SECONDS as TTFT,
+        ROUTER_QUEUE_PENDING_REQUESTS as QUEUED, TIME_TO_FIRST_TOKEN_SECONDS as TTFT,
     };
 }
 
@@ -73,12 +73,15 @@ pub struct RouterTotals {
     pub ttft: SumCount,
     pub itl: SumCount,
     pub hit: SumCount,
+    /// Requests waiting in the router's queue now (a gauge).
+    pub queued: f64,
 }
 
 impl RouterTotals {
     pub fn from_page(page: &Page) -> RouterTotals {
         RouterTotals {
             requests: page.sum(names::REQUESTS).unwrap_or(0.0),
+            queued: page.sum(names::QUEUED).unwrap_or(0.0),
             isl: SumCount::read(page, names::ISL),
             osl: SumCount::read(page, names::OSL),
             ttft: SumCount::read(page, names::TTFT),
@@ -121,6 +124,24 @@ pub fn traffic(prev: &RouterTotals, now: &RouterTotals, secs: f64) -> Option<Tra
     })
 }
 
+/// The prompt tokens waiting in the router's queue, estimated from one scrape to the next:
+/// the queued requests times the mean ISL of the requests that finished in between (the
+/// router's lifetime mean when none did).
+#[derive(Debug, Default)]
+pub struct Backlog {
+    last: Option<RouterTotals>,
+}
+
+impl Backlog {
+    /// The backlog at the scrape `now`.
+    pub fn tokens(&mut self, now: RouterTotals) -> f64 {
+        let lifetime = SumCount::default().mean_since(&now.isl);
+        let recent = self.last.and_then(|prev| prev.isl.mean_since(&now.isl));
+        self.last = Some(now);
+        now.queued * recent.or(lifetime).unwrap_or(0.0)
+    }
+}
+
 /// Worker gauge names (the load report, `tandem-worker`'s stats).
 use tandem_runtime::metrics::names::component as gauges;
 
@@ -156,6 +177,8 @@ pub struct RoleView {
     pub loads: Vec<EngineLoad>,
     /// Registered workers whose load could not be read.
     pub missing: u32,
+    /// Prompt tokens waiting in the router's queue for this role's engines to prefill.
+    pub backlog_tokens: f64,
 }
 
 /// Reads the metrics sources.
@@ -288,6 +311,25 @@ mod tests {
         assert_eq!(t.osl, None, "no output histogram in either scrape");
         // A restarted router: counters went back.
         assert_eq!(traffic(&b, &a, 30.0), None);
+    }
+
+    #[test]
+    fn the_backlog_is_queued_requests_times_the_recent_isl() {
+        let mut b = Backlog::default();
+        // Lifetime: 100 requests of 500 tokens; 4 queued.
+        let mut t = totals(100.0, (50_000.0, 100.0), (0.0, 0.0));
+        t.queued = 4.0;
+        assert_eq!(b.tokens(t), 2000.0);
+        // Since then 10 requests of 2,000 tokens finished; 3 queued.
+        let mut t2 = totals(110.0, (70_000.0, 110.0), (0.0, 0.0));
+        t2.queued = 3.0;
+        assert_eq!(b.tokens(t2), 6000.0);
+        // None finished since: the lifetime mean (70,000 / 110).
+        let mut t3 = t2;
+        t3.queued = 11.0;
+        assert!((b.tokens(t3) - 7000.0).abs() < 1e-9);
+        // A router that has served nothing has no backlog to size.
+        assert_eq!(Backlog::default().tokens(RouterTotals::default()), 0.0);
     }
 
     #[test]

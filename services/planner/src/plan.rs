@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::load::{decide, Outcome, Role, Signal, Step, Stepper};
+use crate::load::{decide, with_backlog, Outcome, Role, Signal, Step, Stepper};
 use crate::observe::{RoleView, Traffic};
-use crate::predict::{Predictor, PredictorKind};
+use crate::predict::{Predictor, PredictorKind, WithinObserved};
 use crate::profile::TimeModels;
 use crate::sizing::{self, Demand};
 
@@ -102,11 +102,14 @@ impl Planner {
                 (*r, state)
             })
             .collect();
+        // The request rate may trend past anything seen (a ramp); lengths and the hit rate
+        // are forecast within what was observed.
+        let bounded = |k: PredictorKind| Box::new(WithinObserved::new(k.build()));
         let series = settings.throughput.as_ref().map(|t| Series {
             rate: t.predictor.build(),
-            isl: t.predictor.build(),
-            osl: t.predictor.build(),
-            hit: t.predictor.build(),
+            isl: bounded(t.predictor),
+            osl: bounded(t.predictor),
+            hit: bounded(t.predictor),
         });
         Planner {
             settings,
@@ -256,12 +259,20 @@ impl Planner {
             .map(|r| held(self, *r) * self.gpus(*r))
             .sum();
         let (min, max) = (self.settings.min, self.settings.max);
+        let decode_over = self.over(Role::Decode, views.get(&Role::Decode));
         let mut out = Vec::new();
         for role in self.settings.roles.clone() {
             let view = views.get(&role).unwrap_or(&empty);
             let actual = view.replicas;
             let before = held(self, role);
-            let mut want = self.wanted(role, view);
+            // The router queues while decode workers are full too: then the backlog waits
+            // for decode, which scales on its own load, not for prefill.
+            let backlog = if role == Role::Decode || decode_over {
+                0.0
+            } else {
+                view.backlog_tokens
+            };
+            let mut want = self.wanted(role, view, backlog);
             want.replicas = want.replicas.clamp(min, max.max(min));
             let extra = want.replicas.saturating_sub(before) * self.gpus(role);
             if extra > 0 && used + extra > self.settings.gpu_budget {
@@ -294,12 +305,20 @@ impl Planner {
         out
     }
 
-    /// What load and throughput scaling ask of one role.
-    fn wanted(&mut self, role: Role, view: &RoleView) -> Wanted {
+    /// Whether an engine of `role` is over its upper load threshold.
+    fn over(&self, role: Role, view: Option<&RoleView>) -> bool {
+        let signal = &self.settings.signal;
+        let (up, _) = signal.thresholds(role);
+        view.is_some_and(|v| v.loads.iter().any(|l| signal.load(role, l) > up))
+    }
+
+    /// What load and throughput scaling ask of one role, `backlog` prompt tokens waiting in
+    /// the router for its engines.
+    fn wanted(&mut self, role: Role, view: &RoleView, backlog: f64) -> Wanted {
         let actual = view.replicas;
         let floor = self.roles.get(&role).and_then(|s| s.floor.clone());
         let mut want = if self.settings.load_scaling {
-            self.load_verdict(role, view)
+            self.load_verdict(role, view, backlog)
         } else {
             Wanted {
                 replicas: actual,
@@ -320,11 +339,12 @@ impl Planner {
         want
     }
 
-    fn load_verdict(&mut self, role: Role, view: &RoleView) -> Wanted {
+    fn load_verdict(&mut self, role: Role, view: &RoleView, backlog: f64) -> Wanted {
         let actual = view.replicas;
         let (up, down) = self.settings.signal.thresholds(role);
         let what = self.settings.signal.load_name(role);
-        let mut step = decide(role, &self.settings.signal, &view.loads);
+        let loads = with_backlog(&view.loads, backlog);
+        let mut step = decide(role, &self.settings.signal, &loads);
         if matches!(step, Step::Down { .. }) && view.missing > 0 {
             // Scaling down needs every engine's report.
             step = Step::NoReports;
@@ -354,8 +374,13 @@ impl Planner {
                 state.quiet = 0;
             }
         }
+        let queued = if backlog > 0.0 {
+            format!(" ({backlog:.0} prompt tokens queued in the router)")
+        } else {
+            String::new()
+        };
         let reason = match step {
-            Step::Up { load } => format!("load: {what} {load:.2} over {up} on an engine"),
+            Step::Up { load } => format!("load: {what} {load:.2} over {up} on an engine{queued}"),
             Step::Down { load } => format!(
                 "load: {what} {under} on every engine for {need} intervals (highest {load:.2})"
             ),
@@ -410,6 +435,7 @@ mod tests {
                 })
                 .collect(),
             missing: 0,
+            backlog_tokens: 0.0,
         }
     }
 
@@ -456,6 +482,47 @@ mod tests {
         let d = p.decide(&views);
         assert_eq!(d.len(), 1);
         assert_eq!((d[0].role, d[0].desired), (Role::Aggregated, 1));
+    }
+
+    #[test]
+    fn the_routers_backlog_is_prefill_work_unless_decode_is_full() {
+        let mut p = Planner::new(settings(&[Role::Prefill, Role::Decode], true, None));
+        let prefill = |backlog: f64| {
+            let mut v = view(1, &[0.0]);
+            v.backlog_tokens = backlog;
+            v
+        };
+        // Latency target: prefill goes up at 0.1 of a context (409.6 tokens) queued; its
+        // engine's queue is empty, but 2,048 tokens wait in the router.
+        let views = BTreeMap::from([
+            (Role::Prefill, prefill(2048.0)),
+            (Role::Decode, view(1, &[0.2])),
+        ]);
+        let d = p.decide(&views);
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!((d[0].role, d[0].desired), (Role::Prefill, 2));
+        assert!(
+            d[0].reason
+                .contains("2048 prompt tokens queued in the router"),
+            "{}",
+            d[0].reason
+        );
+        // With decode over its threshold the queue waits for decode: decode goes up, prefill
+        // holds.
+        let mut p = Planner::new(settings(&[Role::Prefill, Role::Decode], true, None));
+        let views = BTreeMap::from([
+            (Role::Prefill, prefill(2048.0)),
+            (Role::Decode, view(1, &[0.9])),
+        ]);
+        let d = p.decide(&views);
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!((d[0].role, d[0].desired), (Role::Decode, 2));
+        // A backlog blocks a prefill step down: two idle engines with 400 tokens queued in
+        // the router each see 200 (0.05 of a context: over 0, under 0.1, hold).
+        let mut p = Planner::new(settings(&[Role::Prefill], true, None));
+        let mut two = view(2, &[0.0, 0.0]);
+        two.backlog_tokens = 400.0;
+        assert!(p.decide(&BTreeMap::from([(Role::Prefill, two)])).is_empty());
     }
 
     #[test]

@@ -152,6 +152,34 @@ impl Predictor for Kalman {
     }
 }
 
+/// A predictor whose forecasts stay within the range of the values it has seen: for series
+/// with natural bounds (ISL, OSL, the KV hit rate) a trend extrapolated past anything observed
+/// is noise, not a forecast (a Kalman filter that saw the ISL fall from 1,024 to 128 in a few
+/// intervals predicts 0 next).
+pub struct WithinObserved {
+    inner: Box<dyn Predictor>,
+    /// `(smallest, largest)` value seen.
+    range: Option<(f64, f64)>,
+}
+
+impl WithinObserved {
+    pub fn new(inner: Box<dyn Predictor>) -> Self {
+        WithinObserved { inner, range: None }
+    }
+}
+
+impl Predictor for WithinObserved {
+    fn observe(&mut self, value: f64) {
+        let (lo, hi) = self.range.unwrap_or((value, value));
+        self.range = Some((lo.min(value), hi.max(value)));
+        self.inner.observe(value);
+    }
+    fn predict(&self) -> Option<f64> {
+        let (lo, hi) = self.range?;
+        self.inner.predict().map(|v| v.clamp(lo, hi))
+    }
+}
+
 /// Which predictor a series uses (a flag's value: `constant`, `moving-average:N`, `kalman`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PredictorKind {
@@ -245,6 +273,30 @@ mod tests {
         let mut flat = Kalman::new(KalmanParams::default());
         feed(&mut flat, &[50.0; 20]);
         assert!((flat.predict().unwrap() - 50.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_bounded_series_stays_within_what_was_seen() {
+        // The ISL of the planner benchmark: 1,024 for a while, then 128.
+        let series = [1024.0, 1024.0, 1024.0, 1024.0, 1024.0, 128.0, 128.0, 128.0];
+        let mut raw = Kalman::new(KalmanParams::default());
+        feed(&mut raw, &series);
+        let extrapolated = raw.predict().unwrap();
+        assert!(
+            extrapolated < 128.0,
+            "the raw filter overshoots: {extrapolated}"
+        );
+        let mut k = WithinObserved::new(PredictorKind::Kalman(KalmanParams::default()).build());
+        assert_eq!(k.predict(), None);
+        feed(&mut k, &series);
+        assert_eq!(k.predict(), Some(128.0));
+        // A rise is capped at the largest value seen.
+        let mut up = WithinObserved::new(Box::new(Kalman::new(KalmanParams::default())));
+        feed(
+            &mut up,
+            &[10.0, 10.0, 10.0, 10.0, 10.0, 200.0, 200.0, 200.0],
+        );
+        assert_eq!(up.predict(), Some(200.0));
     }
 
     #[test]
