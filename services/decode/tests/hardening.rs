@@ -106,6 +106,7 @@ fn greedy(max_tokens: Option<usize>) -> SamplingParams {
 
 fn request(id: &str, params: SamplingParams) -> GenerateRequest {
     GenerateRequest {
+        replayed_tokens: 0,
         request_id: id.into(),
         cache_salt: None,
         prompt: vec![1, 2, 3, 4, 5, 6, 7, 8],

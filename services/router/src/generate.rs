@@ -361,6 +361,7 @@ impl Request<'_> {
             sampling_params: Some(crate::wire::sampling_params(&self.params)),
             cache_salt: self.cache_salt.map(|s| s.0),
             media: self.images.iter().map(media_input).collect(),
+            replayed_tokens: 0,
         };
         // Both calls stream the same `GenerateOutput`s.
         let call = async {

@@ -114,6 +114,7 @@ fn json_close(a: &Value, b: &Value) -> bool {
 
 fn request(rid: &str, prompt: &[u32], params: &Value) -> GenerateRequest {
     GenerateRequest {
+        replayed_tokens: 0,
         request_id: rid.into(),
         cache_salt: None,
         prompt: prompt.to_vec(),

@@ -49,6 +49,7 @@ async fn direct_generate(addr: &str, id: &str, prompt: Vec<u32>) {
     let mut s = client(addr)
         .await
         .generate(GenerateRequest {
+            replayed_tokens: 0,
             request_id: id.into(),
             cache_salt: None,
             prompt,

@@ -27,6 +27,11 @@ pub struct Request {
     /// hashes.
     #[serde(default)]
     pub media: Vec<MediaEmbedding>,
+    /// Request migration: the last this many prompt tokens are output an earlier engine
+    /// generated (see [`crate::sampler::SamplerState::replayed`]); `params.max_tokens` counts
+    /// only what is still to come.
+    #[serde(default)]
+    pub replayed: usize,
 }
 
 /// An image's embeddings (a vision encoder's projected features): `span.len` rows of the

@@ -79,6 +79,7 @@ fn engine(
 
 fn request(id: &str, c: &Case) -> Request {
     Request {
+        replayed: 0,
         request_id: id.into(),
         cache_salt: None,
         prompt: c.prompt_ids.clone(),

@@ -101,6 +101,7 @@ fn start(
 
 fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
     Request {
+        replayed: 0,
         request_id: id.into(),
         cache_salt: None,
         prompt,

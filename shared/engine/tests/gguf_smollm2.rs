@@ -92,6 +92,7 @@ async fn smollm2_gguf_knows_the_capital_of_france() {
     let run = |id: &str, prompt: Vec<u32>, n: u32| {
         let h = h.clone();
         let r = Request {
+            replayed: 0,
             request_id: id.into(),
             cache_salt: None,
             prompt,

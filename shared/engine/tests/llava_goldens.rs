@@ -275,6 +275,7 @@ async fn greedy_tokens_match_transformers_generate() {
     for case in &m.cases {
         let features = vision.encode(&read_f32(&case.pixel_values)).unwrap();
         let req = Request {
+            replayed: 0,
             request_id: case.case.clone(),
             prompt: case.input_ids.clone(),
             params: SamplingParams {

@@ -244,6 +244,7 @@ fn request(idx: usize, suffix: &str, prompt: Vec<u32>, max_tokens: usize) -> Req
     params.ignore_eos = true;
     params.seed = Some(idx as u64);
     Request {
+        replayed: 0,
         request_id: format!("r{idx}{suffix}"),
         cache_salt: None,
         prompt,

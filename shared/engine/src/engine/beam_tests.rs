@@ -112,6 +112,7 @@ async fn run(
 ) -> Vec<RequestOutput> {
     let s = h
         .submit(Request {
+            replayed: 0,
             request_id: id.into(),
             cache_salt: None,
             prompt,
@@ -185,6 +186,7 @@ async fn beams_survive_preemption() {
             ..beam_params(4, 4, 1.0, 24)
         };
         let fut = h.submit(Request {
+            replayed: 0,
             request_id: format!("r{i}"),
             cache_salt: None,
             prompt: p.clone(),
@@ -231,6 +233,7 @@ async fn aborting_a_beam_search_frees_every_beam() {
     )
     .unwrap();
     let fut = h.submit(Request {
+        replayed: 0,
         request_id: "a".into(),
         cache_salt: None,
         prompt: prompt(5, 6),
@@ -281,6 +284,7 @@ async fn beam_requests_are_validated() {
     .unwrap();
     let submit = |p: SamplingParams| {
         h.submit(Request {
+            replayed: 0,
             request_id: "v".into(),
             cache_salt: None,
             prompt: prompt(1, 4),
@@ -307,6 +311,7 @@ async fn beam_requests_are_validated() {
     let r = h
         .prefill(
             Request {
+                replayed: 0,
                 request_id: "p".into(),
                 cache_salt: None,
                 prompt: prompt(1, 4),

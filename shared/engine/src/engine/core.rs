@@ -169,6 +169,27 @@ pub(super) fn state_of(seq: &Sequence) -> SequenceState {
     }
 }
 
+/// Where the output tokens a migrated request replays start in its prompt (its length when
+/// none), checked: a replay continues one choice, and leaves at least one prompt token that
+/// is not output.
+fn check_replay(req: &Request) -> Result<usize, EngineError> {
+    let r = req.replayed;
+    if r == 0 {
+        return Ok(req.prompt.len());
+    }
+    let bad = |m: String| Err(EngineError::InvalidRequest(m));
+    if r >= req.prompt.len() {
+        return bad(format!(
+            "replayed_tokens {r} must be fewer than the prompt's {} tokens",
+            req.prompt.len()
+        ));
+    }
+    if req.params.n != 1 || req.params.use_beam_search {
+        return bad("replayed_tokens continues one choice: n = 1 and no beam search".into());
+    }
+    Ok(req.prompt.len() - r)
+}
+
 /// Parameters as a sequence keeps them: `stop_token_ids` sorted and without repeats, so
 /// each generated token is looked up by binary search (their count is capped, see
 /// `tandem_text::limits`).
@@ -380,6 +401,7 @@ impl Core {
     pub(super) fn submit(&mut self, req: Request, key: u64, out: Sink) -> Result<(), EngineError> {
         self.check_request_limit()?;
         let max_tokens = self.validate(&req.request_id, &req.prompt, &req.params)?;
+        let output_from = check_replay(&req)?;
         let hashing = self.media_context(&req.prompt, req.cache_salt, &req.media)?;
         let media: Arc<[_]> = Arc::from(req.media);
         let seed = req.params.seed.unwrap_or_else(Rng::random_seed);
@@ -397,7 +419,12 @@ impl Core {
                 max_tokens,
                 arrival: self.requests.new_arrival(),
                 params: params.clone(),
-                sampler: SamplerState::new(seed, index as u64),
+                sampler: SamplerState::replayed(
+                    seed,
+                    index as u64,
+                    &params,
+                    &req.prompt[output_from..],
+                ),
                 hashing: hashing.clone(),
                 media: media.clone(),
             });

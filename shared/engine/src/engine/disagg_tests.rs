@@ -161,6 +161,7 @@ fn staged_decode_engine(t: &Tiny, max_num_tokens: usize) -> Decode {
 
 fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
     Request {
+        replayed: 0,
         request_id: id.into(),
         cache_salt: None,
         prompt,

@@ -73,6 +73,7 @@ fn append_token(
     tokenizer: Option<&Tokenizer>,
 ) -> (RequestOutput, Option<FinishReason>) {
     crate::failpoints::panic_request(&seq.request_id);
+    crate::failpoints::stall_request(&seq.request_id, seq.num_generated());
     let tok = sampled.token;
     seq.tokens.push(tok);
     let mut o = output(&seq.request_id, seq.index);
@@ -120,7 +121,9 @@ fn detokenize(
         tracing::warn!("detokenizing token {tok}: {e}");
         String::new()
     });
-    let f = if seq.num_generated() < seq.params.min_tokens {
+    // The sampler counts every output token, a migrated request's replayed ones included.
+    let min_tokens = seq.params.min_tokens;
+    let f = if min_tokens > 0 && seq.sampler.num_generated() < min_tokens {
         seq.stop.pass(&delta)
     } else {
         seq.stop.feed(&delta)

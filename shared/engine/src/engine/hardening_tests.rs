@@ -10,6 +10,7 @@ use crate::sampler::SamplingParams;
 
 fn req(id: &str, params: SamplingParams) -> Request {
     Request {
+        replayed: 0,
         request_id: id.into(),
         cache_salt: None,
         prompt: vec![1, 2, 3, 4, 5],

@@ -51,6 +51,7 @@ fn request(id: &str, media: Vec<MediaEmbedding>) -> Request {
     let mut prompt: Vec<u32> = (0..24).map(|i| 100 + i * 13).collect();
     prompt[6..18].fill(7);
     Request {
+        replayed: 0,
         request_id: id.into(),
         prompt,
         params: SamplingParams {

@@ -36,6 +36,7 @@ fn req(id: &str, prompt: Vec<u32>, params: SamplingParams) -> Request {
         prompt,
         params,
         media: Default::default(),
+        replayed: 0,
     }
 }
 
@@ -415,6 +416,57 @@ async fn export_import_continues_greedy_exactly() {
 #[tokio::test]
 async fn export_import_continues_seeded_sampling_with_penalties() {
     continue_elsewhere(sampled(24, 1234), 7).await;
+}
+
+/// A request replayed from its output so far (request migration: the prompt followed by the
+/// first `cut` tokens, `replayed` = `cut`, `max_tokens` less `cut`) on a fresh engine goes on
+/// exactly as the uninterrupted run: the RNG position, the penalty counts and min_tokens
+/// carry over.
+async fn replay_elsewhere(params: SamplingParams, cut: usize) {
+    let p = prompt(3, 9);
+    let full = tokens(
+        &run(
+            &start(4, 64, config(64)),
+            req("r", p.clone(), params.clone()),
+        )
+        .await,
+    );
+    let mut replayed = req("r", [&p[..], &full[..cut]].concat(), params.clone());
+    replayed.replayed = cut;
+    replayed.params.max_tokens = params.max_tokens.map(|n| n - cut);
+    let rest = tokens(&run(&start(4, 64, config(64)), replayed).await);
+    assert_eq!(rest, full[cut..], "full run {full:?}");
+}
+
+#[tokio::test]
+async fn a_replayed_request_continues_greedy_and_seeded_sampling_exactly() {
+    replay_elsewhere(greedy(20), 6).await;
+    replay_elsewhere(sampled(20, 99), 7).await;
+    // min_tokens counts the replayed output: EOS stays masked up to 12 tokens in all.
+    let eos_allowed = SamplingParams {
+        ignore_eos: false,
+        min_tokens: 12,
+        ..sampled(20, 7)
+    };
+    replay_elsewhere(eos_allowed, 5).await;
+}
+
+#[tokio::test]
+async fn a_replay_must_leave_a_prompt_and_continue_one_choice() {
+    let e = start(4, 64, config(64));
+    let mut all = req("all", prompt(1, 4), greedy(4));
+    all.replayed = 4;
+    let err = e
+        .submit(all)
+        .await
+        .err()
+        .expect("the whole prompt replayed");
+    assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+    let mut two = req("two", prompt(1, 4), SamplingParams { n: 2, ..greedy(4) });
+    two.replayed = 1;
+    let err = e.submit(two).await.err().expect("n = 2 replayed");
+    assert!(err.to_string().contains("n = 1"), "{err}");
+    assert_eq!(wait_idle(&e).await.blocks.referenced, 0);
 }
 
 #[tokio::test]

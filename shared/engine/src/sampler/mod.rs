@@ -46,6 +46,20 @@ impl SamplerState {
         }
     }
 
+    /// The state after `output` was sampled under `params` from `seed` (a request migrated
+    /// by replay: its output so far comes back as the end of the prompt). Each non-greedy
+    /// draw took one `f64` from the RNG; greedy draws took none.
+    pub fn replayed(seed: u64, index: u64, params: &SamplingParams, output: &[u32]) -> Self {
+        let mut state = Self::new(seed, index);
+        for &token in output {
+            if !params.is_greedy() {
+                state.rng.next_f64();
+            }
+            state.record(token);
+        }
+        state
+    }
+
     pub fn record(&mut self, token: u32) {
         *self.output_counts.entry(token).or_insert(0) += 1;
     }

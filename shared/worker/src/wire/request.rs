@@ -18,6 +18,7 @@ impl EngineTryFromWire<pb::GenerateRequest> for Request {
             prompt: r.prompt,
             params: sub(r.sampling_params, "sampling_params")?,
             cache_salt: r.cache_salt.map(CacheSalt),
+            replayed: to_usize(r.replayed_tokens.into(), "replayed_tokens")?,
             // Images become embeddings only where a vision tower runs (see `media.rs`),
             // which takes them out of the message before this conversion.
             media: match r.media.is_empty() {
@@ -214,6 +215,7 @@ mod tests {
     #[test]
     fn a_generate_request_needs_its_sampling_params() {
         let request = Request {
+            replayed: 0,
             request_id: "r".into(),
             prompt: vec![1, 2],
             params: SamplingParams::greedy(),
@@ -221,6 +223,7 @@ mod tests {
             media: Default::default(),
         };
         let wire = pb::GenerateRequest {
+            replayed_tokens: 0,
             request_id: request.request_id.clone(),
             prompt: request.prompt.clone(),
             sampling_params: Some(request.params.clone().into_wire()),
