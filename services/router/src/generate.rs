@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_kv_router::protocols::{CacheSalt, LocalBlockHash};
-use tandem_kv_router::{KvRouter, RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
+use tandem_kv_router::{RouteError, SelectError, SelectOptions, Selection, WorkerInfo};
 use tandem_protocol::wire::IntoWire;
 use tandem_protocol::worker::{GenerateDisaggRequest, GenerateRequest};
 use tandem_protocol::worker::{GenerateOutput, PrefillTarget};
@@ -31,7 +31,7 @@ use crate::limits::RateLimits;
 use crate::media::PlacedImage;
 use crate::metrics as m;
 use crate::models::{ModelAssets, ModelView, WorkerEntry};
-use crate::queue::{AdmissionQueue, Attempt, Ticket};
+use crate::queue::{Attempt, Ticket};
 
 #[derive(Debug, Clone)]
 pub struct ChoiceDelta {
@@ -77,9 +77,9 @@ pub async fn start(
     request: Incoming,
 ) -> Result<(mpsc::Receiver<GenEvent>, Routed), ApiError> {
     let mut req = Request {
-        state,
+        state: state.clone(),
         view: view.clone(),
-        id: &request.id,
+        id: request.id,
         prompt: request.prompt,
         params: request.params,
         priority: request.priority,
@@ -87,10 +87,11 @@ pub async fn start(
         limits: request.limits,
         cache_salt: request.cache_salt,
         images: request.images,
+        replayed: 0,
     };
     let block_size = req.validate()?;
     let hashes = req.hash_blocks(block_size);
-    let (route, call) = req.route_and_dispatch(&hashes).await?;
+    let (route, call) = req.route_and_dispatch(&hashes, Vec::new()).await?;
     let routed = Routed {
         worker_id: route.selection.worker_id,
         cached_tokens: route.selection.cached_tokens,
@@ -118,12 +119,13 @@ pub struct Incoming {
     pub images: Vec<PlacedImage>,
 }
 
-/// One request as the stages see it.
-struct Request<'a> {
-    state: &'a AppState,
+/// One request as the stages see it (and, for migration, the stream stage too).
+struct Request {
+    state: AppState,
     /// The model's workers: the handler's snapshot, renewed when the request leaves the queue.
     view: ModelView,
-    id: &'a str,
+    id: String,
+    /// The prompt, followed after a migration by the output so far (`replayed` tokens).
     prompt: Vec<u32>,
     params: SamplingParams,
     priority: i32,
@@ -132,6 +134,8 @@ struct Request<'a> {
     limits: Arc<RateLimits>,
     cache_salt: Option<CacheSalt>,
     images: Vec<PlacedImage>,
+    /// Output tokens at the end of `prompt` that an earlier worker generated (migration).
+    replayed: usize,
 }
 
 /// Workers one request is offered to before a refusal is the client's answer.
@@ -161,7 +165,7 @@ struct Call {
     deadline: Instant,
 }
 
-impl Request<'_> {
+impl Request {
     /// Stage 1: a decode worker serves the model and the prompt plus `max_tokens` fits its
     /// context. Returns the KV block size the prompt is hashed with.
     fn validate(&self) -> Result<u32, ApiError> {
@@ -190,21 +194,24 @@ impl Request<'_> {
     /// Stages 3 and 4 together: a worker that refuses the call before doing any work (it is
     /// draining, its engine stopped, or it cannot be reached: it may have just left) gets the
     /// request no more; it is routed again among the others, up to
-    /// [`MAX_DISPATCH_ATTEMPTS`] workers in all.
+    /// [`MAX_DISPATCH_ATTEMPTS`] workers in all (`refused` are excluded from the start).
     async fn route_and_dispatch(
         &mut self,
         hashes: &[LocalBlockHash],
+        mut refused: Vec<u64>,
     ) -> Result<(Route, Call), ApiError> {
-        let mut refused: Vec<u64> = Vec::new();
+        let first_refused = refused.len();
         loop {
             let route = self.route(hashes, &refused).await?;
             match self.dispatch(&route, hashes).await {
                 Ok(call) => return Ok((route, call)),
-                Err(CallError::Refused(e)) if refused.len() + 1 < MAX_DISPATCH_ATTEMPTS => {
+                Err(CallError::Refused(e))
+                    if refused.len() - first_refused + 1 < MAX_DISPATCH_ATTEMPTS =>
+                {
                     let worker = route.selection.worker_id;
                     tracing::warn!(
                         worker,
-                        request = self.id,
+                        request = %self.id,
                         "{}; routing to another worker",
                         e.message
                     );
@@ -285,7 +292,7 @@ impl Request<'_> {
         }
         let t_sched = Instant::now();
         let routed = self.state.kv.route(
-            self.id,
+            &self.id,
             hashes,
             self.prompt.len(),
             &candidates,
@@ -305,7 +312,7 @@ impl Request<'_> {
         match worker {
             Some(w) => Ok(Some((w, selection))),
             None => {
-                self.state.kv.free(self.id);
+                self.state.kv.free(&self.id);
                 Err(ApiError::unavailable("the chosen worker left"))
             }
         }
@@ -329,10 +336,10 @@ impl Request<'_> {
         hashes: &[LocalBlockHash],
     ) -> Result<Vec<PrefillTarget>, ApiError> {
         disagg::plan(
-            self.state,
+            &self.state,
             &self.view,
             &RoutedRequest {
-                request_id: self.id,
+                request_id: &self.id,
                 decode: &route.worker,
                 selection: route.selection,
                 hashes,
@@ -356,12 +363,12 @@ impl Request<'_> {
         metrics::histogram!(m::OVERHEAD_TOTAL_MS)
             .record(self.received.elapsed().as_secs_f64() * 1e3);
         let request = GenerateRequest {
-            request_id: self.id.to_string(),
+            request_id: self.id.clone(),
             prompt: self.prompt.clone(),
             sampling_params: Some(crate::wire::sampling_params(&self.params)),
             cache_salt: self.cache_salt.map(|s| s.0),
             media: self.images.iter().map(media_input).collect(),
-            replayed_tokens: 0,
+            replayed_tokens: u32::try_from(self.replayed).unwrap_or(u32::MAX),
         };
         // Both calls stream the same `GenerateOutput`s.
         let call = async {
@@ -406,33 +413,43 @@ impl Request<'_> {
 
     /// Forgets the request in both KV indexes.
     fn free(&self) {
-        self.state.kv.free(self.id);
-        self.state.prefill_kv.free(self.id);
+        self.state.kv.free(&self.id);
+        self.state.prefill_kv.free(&self.id);
         self.state.queue.wake();
     }
 
     /// Stage 5: spawns the task that turns `call`'s outputs into [`GenEvent`]s on the returned
-    /// channel.
-    fn stream(&self, route: &Route, call: Call) -> mpsc::Receiver<GenEvent> {
+    /// channel; the task owns the request from here, to migrate it if its worker fails.
+    fn stream(self, route: &Route, call: Call) -> mpsc::Receiver<GenEvent> {
         let (tx, rx) = mpsc::channel(64);
+        let cfg = &self.state.config;
+        let migrates = cfg.migration.limit > 0;
+        let progress = Progress::new(&self.params, self.prompt.len(), migrates);
+        let migration = Migration {
+            left: cfg.migration.limit,
+            max_seq_len: cfg.migration.max_seq_len.map(|n| n as usize),
+            prompt_len: self.prompt.len(),
+            max_tokens: self.params.max_tokens,
+        };
         let task = StreamTask {
             tx,
-            rid: self.id.to_string(),
-            worker_label: route.selection.worker_id.to_string(),
-            kv: self.state.kv.clone(),
-            prefill_kv: call
-                .prefill_worker_id
-                .map(|_| self.state.prefill_kv.clone()),
-            queue: self.state.queue.clone(),
-            limits: self.limits.clone(),
-            assets: self.view.assets.clone(),
-            received: self.received,
+            worker_id: route.selection.worker_id,
             deadline: call.deadline,
-            idle: Duration::from_secs(self.state.config.sse_idle_timeout_secs.into()),
+            idle: Duration::from_secs(cfg.sse_idle_timeout_secs.into()),
+            migration,
+            req: self,
         };
-        let progress = Progress::new(&self.params, self.prompt.len());
         tokio::spawn(task.run(call.stream, progress));
         rx
+    }
+
+    /// The request again after its output so far, `output`, to continue elsewhere: the
+    /// client's prompt followed by `output`, and `max_tokens` less what was generated.
+    fn replay(&mut self, m: &Migration, output: &[u32]) {
+        self.prompt.truncate(m.prompt_len);
+        self.prompt.extend_from_slice(output);
+        self.params.max_tokens = m.max_tokens.map(|n| n - output.len());
+        self.replayed = output.len();
     }
 }
 
@@ -475,39 +492,52 @@ enum Ended {
     /// The client went away (or stopped reading past the idle timeout).
     ClientGone,
     Failed(ApiError),
+    /// The worker's stream broke (its process died, its connection dropped, its server shut
+    /// down under the call): the request may migrate to another worker.
+    Broken(ApiError),
+}
+
+/// Request migration's budget and what replaying needs (`--migration-limit`).
+struct Migration {
+    /// Migrations left; 0: off.
+    left: u32,
+    /// Longest prompt plus output that migrates.
+    max_seq_len: Option<usize>,
+    /// The client's prompt length and `max_tokens`.
+    prompt_len: usize,
+    max_tokens: Option<usize>,
 }
 
 /// What the stream stage's task owns, besides the stream and its [`Progress`].
 struct StreamTask {
     tx: mpsc::Sender<GenEvent>,
-    rid: String,
-    /// The decode worker's id, for the logs.
-    worker_label: String,
-    kv: Arc<KvRouter>,
-    /// The prefill index, when the request was recorded there too (disaggregated).
-    prefill_kv: Option<Arc<KvRouter>>,
-    /// Woken when this request's load leaves the indexes.
-    queue: Arc<AdmissionQueue>,
-    /// Charged with the output tokens.
-    limits: Arc<RateLimits>,
-    assets: Arc<ModelAssets>,
-    received: Instant,
+    /// The request, routed again if it migrates.
+    req: Request,
+    /// The worker streaming now (the decode worker when disaggregated).
+    worker_id: u64,
     deadline: Instant,
     /// `--sse-idle-timeout-secs`: how long a full channel may wait for its reader.
     idle: Duration,
+    migration: Migration,
 }
 
 impl StreamTask {
-    /// Forwards the outputs until every choice has finished, then frees the request in the KV
-    /// indexes and tells the client how it ended. Returning drops `stream`, which cancels the
-    /// call when it has not ended: the worker aborts the request and frees its blocks.
-    async fn run(self, mut stream: Streaming<GenerateOutput>, mut progress: Progress) {
-        let ended = self.forward(&mut stream, &mut progress).await;
-        self.kv.free(&self.rid);
-        if let Some(p) = &self.prefill_kv {
-            p.free(&self.rid);
-        }
-        self.queue.wake();
+    /// Forwards the outputs until every choice has finished, migrating the request when its
+    /// worker's stream breaks (within the budget), then frees the request in the KV indexes
+    /// and tells the client how it ended. Dropping a stream that has not ended cancels its
+    /// call: the worker aborts the request and frees its blocks.
+    async fn run(mut self, mut stream: Streaming<GenerateOutput>, mut progress: Progress) {
+        let ended = loop {
+            match self.forward(&mut stream, &mut progress).await {
+                Ended::Broken(cause) => match self.migrate(&mut progress, cause).await {
+                    Ok(next) => stream = next,
+                    Err(e) => break Ended::Failed(e),
+                },
+                ended => break ended,
+            }
+        };
+        drop(stream);
+        self.req.free();
         self.report(ended, progress.usage).await;
     }
 
@@ -525,7 +555,7 @@ impl StreamTask {
                 return Ended::Failed(ApiError::internal(format!("worker error: {}", out.error)));
             }
             self.record_tokens(&mut progress.timing, out.token_ids.len());
-            let delta = progress.delta(&out, &self.assets);
+            let delta = progress.delta(&out, &self.req.view.assets);
             if let Err(ended) = self.send(delta).await {
                 return ended;
             }
@@ -533,6 +563,49 @@ impl StreamTask {
                 return Ended::Finished;
             }
         }
+    }
+
+    /// Sends the request, its output so far replayed, to another worker than the one whose
+    /// stream broke, and returns the new stream; `cause` when it may not migrate (budget
+    /// spent, off, too long, several choices) or no other worker takes it.
+    async fn migrate(
+        &mut self,
+        progress: &mut Progress,
+        cause: ApiError,
+    ) -> Result<Streaming<GenerateOutput>, ApiError> {
+        let Some(output) = progress.output.as_ref() else {
+            return Err(cause);
+        };
+        let budget = &self.migration;
+        let total = budget.prompt_len + output.len();
+        let done = budget.max_tokens.is_some_and(|n| output.len() >= n);
+        if budget.left == 0 || done {
+            return Err(cause);
+        }
+        let model = self.req.view.name.clone();
+        if budget.max_seq_len.is_some_and(|max| total > max) {
+            metrics::counter!(m::MIGRATION_MAX_SEQ_LEN_EXCEEDED, "model" => model).increment(1);
+            return Err(cause);
+        }
+        self.migration.left -= 1;
+        let broken = self.worker_id;
+        tracing::warn!(
+            request_id = %self.req.id,
+            worker = broken,
+            generated = output.len(),
+            "{}; migrating the request to another worker",
+            cause.message
+        );
+        metrics::counter!(m::MIGRATIONS, "model" => model, "migration_type" => "ongoing_request")
+            .increment(1);
+        self.req.free();
+        self.req.replay(&self.migration, output);
+        let block_size = self.req.validate()?;
+        let hashes = self.req.hash_blocks(block_size);
+        let (route, call) = self.req.route_and_dispatch(&hashes, vec![broken]).await?;
+        self.worker_id = route.selection.worker_id;
+        progress.begin_attempt();
+        Ok(call.stream)
     }
 
     /// The worker's next output, or how the stream ended without one.
@@ -546,29 +619,34 @@ impl StreamTask {
         };
         match item {
             Err(_) => Err(Ended::Failed(ApiError::timeout("request deadline passed"))),
-            Ok(None) => Err(Ended::Failed(ApiError::internal(
+            Ok(None) => Err(Ended::Broken(ApiError::internal(
                 "the worker ended the stream early",
             ))),
+            Ok(Some(Err(status))) if broken_stream(status.code()) => {
+                Err(Ended::Broken(from_status(&status)))
+            }
             Ok(Some(Err(status))) => Err(Ended::Failed(from_status(&status))),
             Ok(Some(Ok(out))) => Ok(out),
         }
     }
 
-    /// On the first tokens, marks the prefill done in the KV indexes and records the TTFT;
-    /// after, the inter-token latency.
+    /// On the first tokens of each attempt, marks the prefill done in the KV indexes (and,
+    /// on the request's first, records the TTFT); after, the inter-token latency.
     fn record_tokens(&self, timing: &mut TokenTiming, tokens: usize) {
         let now = Instant::now();
         if tokens == 0 {
             return;
         }
-        self.limits.charge_tokens(tokens);
+        self.req.limits.charge_tokens(tokens);
+        let state = &self.req.state;
+        if timing.prefill_pending {
+            state.kv.mark_prefill_completed(&self.req.id);
+            state.prefill_kv.mark_prefill_completed(&self.req.id);
+            state.queue.wake();
+            timing.prefill_pending = false;
+        }
         if timing.first_token {
-            self.kv.mark_prefill_completed(&self.rid);
-            if let Some(p) = &self.prefill_kv {
-                p.mark_prefill_completed(&self.rid);
-            }
-            self.queue.wake();
-            metrics::histogram!(m::TTFT).record(self.received.elapsed().as_secs_f64());
+            metrics::histogram!(m::TTFT).record(self.req.received.elapsed().as_secs_f64());
             timing.first_token = false;
         } else {
             let per = now.duration_since(timing.last_token_at).as_secs_f64() / tokens as f64;
@@ -588,6 +666,7 @@ impl StreamTask {
     }
 
     async fn report(&self, ended: Ended, usage: UsageTotals) {
+        let (rid, worker) = (&self.req.id, self.worker_id);
         match ended {
             Ended::Finished => {
                 metrics::histogram!(m::OUTPUT_SEQUENCE_TOKENS)
@@ -595,20 +674,32 @@ impl StreamTask {
                 let _ = self.tx.send(GenEvent::Done(usage)).await;
             }
             Ended::ClientGone => {
-                tracing::info!(request_id = %self.rid, worker = %self.worker_label, "client disconnected; request cancelled");
+                tracing::info!(request_id = %rid, worker, "client disconnected; request cancelled");
                 metrics::counter!(m::CANCELLATIONS).increment(1);
             }
-            Ended::Failed(e) => {
-                tracing::warn!(request_id = %self.rid, worker = %self.worker_label, "request failed: {}", e.message);
+            Ended::Failed(e) | Ended::Broken(e) => {
+                tracing::warn!(request_id = %rid, worker, "request failed: {}", e.message);
                 let _ = self.tx.send(GenEvent::Error(e)).await;
             }
         }
     }
 }
 
+/// Whether a stream that ended with `code` broke under the request (the worker's process
+/// died or its connection dropped: Unknown and Unavailable are what a reset connection
+/// reads as; Cancelled and Aborted, a server shut down under the call) rather than refusing
+/// it: a broken request may migrate.
+fn broken_stream(code: tonic::Code) -> bool {
+    use tonic::Code::*;
+    matches!(code, Unknown | Unavailable | Cancelled | Aborted)
+}
+
 /// When tokens came, for the TTFT and the inter-token latency.
 struct TokenTiming {
+    /// No token yet (the TTFT is still to be recorded).
     first_token: bool,
+    /// No token yet from the worker streaming now (its prefill is still tracked as load).
+    prefill_pending: bool,
     last_token_at: Instant,
 }
 
@@ -620,10 +711,15 @@ struct Progress {
     n: usize,
     finished: usize,
     timing: TokenTiming,
+    /// The output token ids so far, kept for a migration when the request has one choice
+    /// (`None`: migration off, or several choices or beam search, which do not migrate).
+    output: Option<Vec<u32>>,
 }
 
 impl Progress {
-    fn new(params: &SamplingParams, prompt_tokens: usize) -> Self {
+    /// With `migrates`, the output is kept for a replay (one choice only).
+    fn new(params: &SamplingParams, prompt_tokens: usize, migrates: bool) -> Self {
+        let single = params.n == 1 && !params.use_beam_search;
         Progress {
             choices: Choices {
                 skip_special: params.skip_special_tokens,
@@ -638,9 +734,19 @@ impl Progress {
             finished: 0,
             timing: TokenTiming {
                 first_token: true,
+                prefill_pending: true,
                 last_token_at: Instant::now(),
             },
+            output: (migrates && single).then(Vec::new),
         }
+    }
+
+    /// A migrated request starts on its next worker: what was generated so far counts as
+    /// output (the worker's usage counts only its own tokens), and its prefill is new load.
+    fn begin_attempt(&mut self) {
+        let generated = self.output.as_ref().map_or(0, Vec::len);
+        self.usage.completion_tokens = generated;
+        self.timing.prefill_pending = true;
     }
 
     /// Applies one output: its choice's new text, its logprobs, finish and usage.
@@ -648,6 +754,9 @@ impl Progress {
         let index = out.index as usize;
         let finish = crate::wire::finish_reason(out);
         let finishing = finish.is_some();
+        if let Some(output) = self.output.as_mut() {
+            output.extend_from_slice(&out.token_ids);
+        }
         let text = self
             .choices
             .get(index)

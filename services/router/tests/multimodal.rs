@@ -351,17 +351,7 @@ async fn encode_in_prefill_equals_aggregated() {
 /// `labels`); 0 when absent.
 async fn metric(worker: &common::Proc, name: &str, labels: &str) -> f64 {
     let addr = common::field(worker.ready_line(), "http=");
-    let text = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .expect("worker /metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(labels))
-        .filter(|l| l[name.len()..].starts_with([' ', '{']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    common::metric_sum(&format!("http://{addr}/metrics"), name, labels).await
 }
 
 /// E/P/D: an encode worker runs the vision tower and writes the embeddings into the prefill

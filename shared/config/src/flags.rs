@@ -379,10 +379,11 @@ pub static FLAGS: &[FlagSpec] = &[
          at least this fraction of the prompt (1 disables the rule).")
         .env("DYN_DISAGG_DECODE_HIT_RATIO").default("0.8").scope(Scope::Router),
     FlagSpec::new("migration-limit", INT0, Router,
-        "Times a request may move to another worker when its worker fails.")
+        "Times a request may move to another worker when its worker's stream breaks (the \
+         prompt and the output so far are replayed there; the client sees one stream); 0: off.")
         .env("DYN_MIGRATION_LIMIT").default("0").scope(Scope::Router),
     FlagSpec::new("migration-max-seq-len", INT1, Router,
-        "Longest request that may migrate.")
+        "Longest request (prompt plus output, in tokens) that may migrate.")
         .env("DYN_MIGRATION_MAX_SEQ_LEN").scope(Scope::Router),
     FlagSpec::new("router-min-initial-workers", INT0, Router,
         "Wait for this many workers before serving.")

@@ -27,7 +27,8 @@ pub use engine_options::EngineOptions;
 pub use error::ConfigError;
 pub use parse::{
     parse_router, parse_worker, router_command, worker_command, AdminListener, AdmissionConfig,
-    ApiKeys, HttpServerConfig, MediaLimits, RouterConfig, RoutingConfig, SecurityConfig, TlsFiles,
+    ApiKeys, HttpServerConfig, MediaLimits, MigrationConfig, RouterConfig, RoutingConfig,
+    SecurityConfig, TlsFiles,
 };
 pub use planner::{parse_planner, planner_command, PlannerConfig};
 pub use resolve::process_env;

@@ -218,6 +218,17 @@ pub struct MediaLimits {
     pub fetch_timeout_secs: u32,
 }
 
+/// Request migration (Dynamo's semantics): a request whose worker's stream breaks is sent
+/// again, with the output so far, to another worker, up to `limit` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MigrationConfig {
+    /// `--migration-limit`: 0 turns migration off.
+    pub limit: u32,
+    /// `--migration-max-seq-len`: a request whose prompt plus output is longer does not
+    /// migrate (`None`: any length).
+    pub max_seq_len: Option<u32>,
+}
+
 /// The router's configuration.
 #[derive(Clone, Debug, Serialize)]
 pub struct RouterConfig {
@@ -228,6 +239,8 @@ pub struct RouterConfig {
     /// Image inputs: where `file:` URLs may be read from and how large an image may be.
     pub media: MediaLimits,
     pub sse_idle_timeout_secs: u32,
+    /// Request migration when a worker's stream breaks.
+    pub migration: MigrationConfig,
     pub http: HttpServerConfig,
     pub admission: AdmissionConfig,
     pub routing: RoutingConfig,
@@ -390,6 +403,10 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
         },
         request_timeout_secs: g.u32("request-timeout-secs")?,
         sse_idle_timeout_secs: g.u32("sse-idle-timeout-secs")?,
+        migration: MigrationConfig {
+            limit: g.u32("migration-limit")?,
+            max_seq_len: g.opt_u32("migration-max-seq-len")?,
+        },
         http: HttpServerConfig {
             header_read_timeout_secs: g.u32("http-header-read-timeout-secs")?,
             body_read_timeout_secs: g.u32("http-body-read-timeout-secs")?,

@@ -265,8 +265,6 @@ pub const ROUTER_NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
     ("router-event-threads", "multi-threaded event application"),
     ("use-remote-indexer", "remote KV indexers"),
     ("serve-indexer", "remote KV indexers"),
-    ("migration-limit", "request migration"),
-    ("migration-max-seq-len", "request migration"),
 ];
 
 pub fn reject_unimplemented_router(resolved: &Resolved) -> Result<(), ConfigError> {

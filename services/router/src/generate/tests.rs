@@ -88,7 +88,7 @@ fn progress_sums_usage_and_counts_finished_choices() {
         n: 2,
         ..Default::default()
     };
-    let mut p = Progress::new(&params, 7);
+    let mut p = Progress::new(&params, 7, false);
     let mut out = output(0, vec![0], "");
     out.usage = Some(Usage {
         prompt_tokens: 7,
@@ -130,7 +130,7 @@ fn a_choice_holds_back_its_stop_string_and_says_nothing_after_it() {
         stop: vec!["b".into()],
         ..Default::default()
     };
-    let mut p = Progress::new(&params, 3);
+    let mut p = Progress::new(&params, 3, false);
     let d = p.delta(&output(0, vec![0, 1, 0], ""), &a);
     assert!(d.text.starts_with('a'), "{:?}", d.text);
     assert!(!d.text.contains('b'), "{:?}", d.text);
@@ -142,4 +142,57 @@ fn a_choice_holds_back_its_stop_string_and_says_nothing_after_it() {
     // Each choice has its own detokenizer and stop matcher.
     let d = p.delta(&output(1, vec![0], "length"), &a);
     assert_eq!(d.text, "a");
+}
+
+#[test]
+fn a_migrating_request_keeps_its_output_and_counts_it_once() {
+    let a = assets();
+    let one = SamplingParams::default();
+    assert!(
+        Progress::new(&one, 3, false).output.is_none(),
+        "migration off"
+    );
+    let two = SamplingParams {
+        n: 2,
+        ..Default::default()
+    };
+    assert!(
+        Progress::new(&two, 3, true).output.is_none(),
+        "n = 2 does not migrate"
+    );
+    let mut p = Progress::new(&one, 3, true);
+    p.delta(&output(0, vec![0, 1], ""), &a);
+    p.timing.prefill_pending = false;
+    // The stream broke after two tokens; the next worker reports only its own one.
+    p.begin_attempt();
+    assert!(
+        p.timing.prefill_pending,
+        "the new worker's prefill is load again"
+    );
+    let mut last = output(0, vec![0], "length");
+    last.usage = Some(Usage {
+        prompt_tokens: 5,
+        completion_tokens: 1,
+        cached_tokens: 0,
+    });
+    let d = p.delta(&last, &a);
+    assert_eq!(p.output.as_deref(), Some(&[0, 1, 0][..]));
+    assert_eq!((p.usage.prompt_tokens, p.usage.completion_tokens), (3, 3));
+    assert_eq!(d.finish_reason.as_deref(), Some("length"));
+}
+
+#[test]
+fn broken_streams_are_the_transport_failures() {
+    use tonic::Code::*;
+    for code in [Unknown, Unavailable, Cancelled, Aborted] {
+        assert!(broken_stream(code), "{code:?}");
+    }
+    for code in [
+        InvalidArgument,
+        ResourceExhausted,
+        DeadlineExceeded,
+        Internal,
+    ] {
+        assert!(!broken_stream(code), "{code:?}");
+    }
 }

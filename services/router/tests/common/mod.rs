@@ -249,3 +249,19 @@ pub async fn wait_stats(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A counter or gauge on the `/metrics` page at `url`, summed over its label sets that
+/// contain `labels`; 0 when absent.
+pub async fn metric_sum(url: &str, name: &str, labels: &str) -> f64 {
+    let text = reqwest::get(url)
+        .await
+        .expect("/metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter(|l| l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
