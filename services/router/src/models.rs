@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 use tandem_pki::ChannelSecurity;
 
 use tandem_protocol::worker::worker_client::WorkerClient;
@@ -83,12 +84,23 @@ impl ModelView {
     }
 }
 
+/// HTTP/2 pings on every router → worker connection, idle or not: a worker that stops
+/// answering (a frozen process, a partitioned host) breaks its calls within interval +
+/// timeout, so their requests fail or migrate instead of waiting for the request deadline.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on fetching a worker's tokenizer files.
+const FETCH_ASSETS_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A lazily connecting client of the worker at `addr`, secured as `security` says.
 pub fn connect_lazy(security: &ChannelSecurity, addr: &str) -> anyhow::Result<Client> {
     let channel = security
         .endpoint(addr)?
         .tcp_nodelay(true)
-        .connect_timeout(std::time::Duration::from_secs(3))
+        .connect_timeout(Duration::from_secs(3))
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
         .connect_lazy();
     Ok(WorkerClient::new(channel)
         .max_decoding_message_size(tandem_protocol::MAX_GRPC_MESSAGE_BYTES)
@@ -101,8 +113,10 @@ fn cache_root() -> PathBuf {
 
 /// Fetches the tokenizer files from a worker and loads them, checking the hash.
 pub async fn fetch_assets(client: &mut Client, card: &ModelCard) -> anyhow::Result<ModelAssets> {
+    let mut request = tonic::Request::new(ModelFilesRequest {});
+    request.set_timeout(FETCH_ASSETS_TIMEOUT);
     let files = client
-        .get_model_files(ModelFilesRequest {})
+        .get_model_files(request)
         .await
         .map_err(|s| anyhow::anyhow!("GetModelFiles from {}: {}", card.grpc_addr, s.message()))?
         .into_inner();

@@ -326,3 +326,46 @@ async fn a_killed_decode_workers_stream_migrates_through_a_prefill_worker() {
     assert_eq!(worker_stats(&survivor).await.prompt_tokens_computed, 0);
     drop(prefill);
 }
+
+/// A frozen worker (SIGSTOP: its connections stay open, nothing answers): the router's
+/// HTTP/2 keep-alive breaks the stream within interval + timeout (10 s) and the request
+/// migrates; the frozen worker is then resumed and exits with the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_workers_stream_migrates_after_the_keepalive_timeout() {
+    let discovery = temp_dir("migration-frozen");
+    let mut workers = stalling_workers(&discovery, 2, "agg", &[]);
+    let router = start_router(
+        &discovery,
+        2,
+        &["--expose-worker-id", "--migration-limit", "1"],
+    );
+    let base = format!("http://{}", field(router.ready_line(), "http="));
+    wait_healthy(&base).await;
+    let reference = reference(&base).await;
+    let (worker, mut stream) = start_stream(&base, "stall-frozen").await;
+    let mut got = Streamed::default();
+    read_until(&mut stream, &mut got, |s| s.tokens.len() >= STALL_AFTER).await;
+    let frozen = &workers
+        .iter()
+        .find(|(id, _)| *id == worker)
+        .expect("ours")
+        .1;
+    let signal = |sig: &str| {
+        let pid = frozen.child.id().to_string();
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status();
+        assert!(ok.expect("kill").success(), "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let t = Instant::now();
+    read_until(&mut stream, &mut got, |_| false).await;
+    eprintln!(
+        "frozen worker: migrated and finished {:?} after SIGSTOP",
+        t.elapsed()
+    );
+    signal("-CONT");
+    check_migrated(&reference, &got);
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    workers.clear();
+}
