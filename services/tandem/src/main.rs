@@ -1,6 +1,7 @@
 //! `tandem`: the local launcher and utility command (`tandem up`, `tandem model tiny`,
 //! `tandem model tiny-vl`).
 
+mod supervise;
 mod up;
 
 use std::path::PathBuf;

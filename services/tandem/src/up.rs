@@ -1,14 +1,14 @@
 //! `tandem up`: a whole local topology as child processes (router + workers) with file-backed
-//! discovery in a private folder, started in order, health-checked, and shut down together on
-//! Ctrl-C / SIGTERM.
+//! discovery in a private folder, started in order, health-checked, kept serving (a worker that
+//! dies is restarted, see `supervise`), and shut down together on Ctrl-C / SIGTERM or when the
+//! router exits.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
-use tokio::process::{Child, Command};
+
+use crate::supervise::{Launch, OnExit, Topology};
 
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
@@ -126,36 +126,6 @@ fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Reads a child's stdout until the line starting with `marker`, echoing everything, then keeps
-/// echoing in the background.
-async fn wait_ready<R: AsyncRead + Unpin + Send + 'static>(
-    out: R,
-    marker: &str,
-    what: &str,
-    timeout: Duration,
-) -> anyhow::Result<String> {
-    let mut lines = BufReader::new(out).lines();
-    let deadline = Instant::now() + timeout;
-    loop {
-        let line = tokio::time::timeout_at(deadline.into(), lines.next_line())
-            .await
-            .with_context(|| format!("{what} did not become ready within {}s", timeout.as_secs()))?
-            .with_context(|| format!("reading {what}'s output"))?;
-        match line {
-            Some(l) if l.starts_with(marker) => {
-                tokio::spawn(async move {
-                    while let Ok(Some(l)) = lines.next_line().await {
-                        println!("{l}");
-                    }
-                });
-                return Ok(l);
-            }
-            Some(l) => println!("{l}"),
-            None => bail!("{what} exited before becoming ready (see its log above)"),
-        }
-    }
-}
-
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace().find_map(|kv| kv.strip_prefix(key))
 }
@@ -173,45 +143,6 @@ async fn http_status(addr: &str, path: &str) -> Option<u16> {
     let n = s.read(&mut buf).await.ok()?;
     let head = String::from_utf8_lossy(&buf[..n]);
     head.split_whitespace().nth(1)?.parse().ok()
-}
-
-fn terminate(child: &Child) {
-    if let Some(pid) = child.id() {
-        // SIGTERM lets workers deregister and drain.
-        unsafe {
-            libc::kill(pid as i32, libc::SIGTERM);
-        }
-    }
-}
-
-struct Topology {
-    children: Vec<(String, Child)>,
-    _discovery_root: TempDir,
-}
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl Topology {
-    async fn shutdown(mut self) {
-        for (_, c) in &self.children {
-            terminate(c);
-        }
-        for (name, c) in &mut self.children {
-            match tokio::time::timeout(Duration::from_secs(40), c.wait()).await {
-                Ok(Ok(status)) => println!("tandem: {name} exited ({status})"),
-                _ => {
-                    println!("tandem: {name} did not stop in time; killing it");
-                    let _ = c.kill().await;
-                }
-            }
-        }
-    }
 }
 
 /// The internal channels' security flag every child gets: the TLS folder (made on first use),
@@ -238,21 +169,6 @@ fn internal_security(args: &UpArgs) -> anyhow::Result<Vec<String>> {
         tandem_pki::Generated::Existing => {}
     }
     Ok(vec!["--internal-tls-dir".into(), dir.display().to_string()])
-}
-
-fn spawn(bin: &Path, args: &[String], discovery_root: &Path) -> anyhow::Result<Child> {
-    Command::new(bin)
-        .args(args)
-        // The flags carry the security choice; an inherited variable must not contradict it.
-        .env_remove("TANDEM_INTERNAL_TLS_DIR")
-        .env_remove("TANDEM_INSECURE_INTERNAL")
-        .env("DYN_FILE_KV", discovery_root)
-        .env("DYN_DISCOVERY_BACKEND", "file")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("cannot start {}", bin.display()))
 }
 
 /// A worker's multimodal flags: every role takes images; in the epd topology encode workers
@@ -313,13 +229,13 @@ struct PlannedWorkers<'a> {
     prefill: Option<(&'a Path, Vec<String>)>,
 }
 
-/// Writes the planner's `--local-workers-spec` into the topology's folder and starts it.
+/// Writes the planner's `--local-workers-spec` into the topology's folder; how to start it.
 fn start_planner(
     args: &UpArgs,
     root: &Path,
     workers: &PlannedWorkers<'_>,
     security: &[String],
-) -> anyhow::Result<Child> {
+) -> anyhow::Result<Launch> {
     let command = |(program, wargs): &(&Path, Vec<String>)| {
         serde_json::json!({
             "program": program,
@@ -357,7 +273,11 @@ fn start_planner(
     }
     pargs.extend(security.iter().cloned());
     pargs.extend(args.planner_args.iter().cloned());
-    spawn(&sibling("tandem-planner")?, &pargs, root)
+    Ok(Launch {
+        bin: sibling("tandem-planner")?,
+        args: pargs,
+        marker: "TANDEM_PLANNER_READY",
+    })
 }
 
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
@@ -378,11 +298,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let (model_path, model) = served_model(&args).await?;
     let root = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
     std::fs::create_dir_all(&root)?;
-    let mut topo = Topology {
-        children: Vec::new(),
-        _discovery_root: TempDir(root.clone()),
-    };
     let timeout = Duration::from_secs(args.ready_timeout_secs);
+    let mut topo = Topology::new(root.clone(), timeout);
     let security = internal_security(&args)?;
 
     let result = async {
@@ -419,11 +336,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             plan.retain(|(_, _, mode)| *mode == "encode");
         }
         for (name, bin, mode) in plan {
-            let wargs = worker_args(mode);
-            let mut child = spawn(bin, &wargs, &root)?;
-            let out = child.stdout.take().context("worker stdout")?;
-            topo.children.push((name.clone(), child));
-            let line = wait_ready(out, "TANDEM_WORKER_READY", &name, timeout).await?;
+            let launch = Launch {
+                bin: bin.to_path_buf(),
+                args: worker_args(mode),
+                marker: "TANDEM_WORKER_READY",
+            };
+            let line = topo.start(&name, launch, OnExit::Restart).await?;
             println!(
                 "tandem: {name} ready at {} (/health, /metrics: http://{})",
                 field(&line, "grpc=").unwrap_or("?"),
@@ -435,10 +353,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 decode: (worker_bin.as_path(), worker_args(mode)),
                 prefill: prefill_bin.as_deref().map(|p| (p, worker_args("prefill"))),
             };
-            let mut planner = start_planner(&args, &root, &workers, &security)?;
-            let out = planner.stdout.take().context("planner stdout")?;
-            topo.children.push(("planner".into(), planner));
-            let line = wait_ready(out, "TANDEM_PLANNER_READY", "planner", timeout).await?;
+            let launch = start_planner(&args, &root, &workers, &security)?;
+            let line = topo.start("planner", launch, OnExit::Restart).await?;
             println!(
                 "tandem: planner ready (/metrics: http://{})",
                 field(&line, "http=").unwrap_or("?")
@@ -458,10 +374,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .chain(security.iter().cloned())
             .chain(args.router_args.iter().cloned())
             .collect();
-        let mut router = spawn(&router_bin, &rargs, &root)?;
-        let out = router.stdout.take().context("router stdout")?;
-        topo.children.push(("router".into(), router));
-        let line = wait_ready(out, "TANDEM_ROUTER_READY", "router", timeout).await?;
+        let launch = Launch {
+            bin: router_bin.clone(),
+            args: rargs,
+            marker: "TANDEM_ROUTER_READY",
+        };
+        let line = topo.start("router", launch, OnExit::Stop).await?;
         // The router reports the port it bound (which matters with --http-port 0).
         let bound = field(&line, "http=").context("router READY line without an address")?;
         let port = bound.rsplit(':').next().unwrap_or_default();
@@ -531,22 +449,14 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     println!("Press Ctrl-C to stop.");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let exited = async {
-        loop {
-            for (name, c) in topo.children.iter_mut() {
-                if let Ok(Some(status)) = c.try_wait() {
-                    return format!("{name} exited unexpectedly ({status})");
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    };
     let reason = tokio::select! {
-        _ = tokio::signal::ctrl_c() => "Ctrl-C".to_string(),
-        _ = term.recv() => "SIGTERM".to_string(),
-        why = exited => why,
+        _ = tokio::signal::ctrl_c() => Ok("Ctrl-C".to_string()),
+        _ = term.recv() => Ok("SIGTERM".to_string()),
+        why = topo.supervise() => Err(why),
     };
-    println!("tandem: {reason}; stopping the topology");
+    let why = reason.as_ref().unwrap_or_else(|why| why);
+    println!("tandem: {why}; stopping the topology");
     topo.shutdown().await;
-    Ok(())
+    // The router's exit is a failure of the topology: say so in the exit status.
+    reason.map(|_| ()).map_err(anyhow::Error::msg)
 }
