@@ -256,7 +256,7 @@ pub fn compatible_prefill<'a>(
     }
     prefill
         .iter()
-        .filter(|p| &p.card.kv_layout_id == layout)
+        .filter(|p| &p.card.kv_layout_id == layout && p.healthy())
         .collect()
 }
 

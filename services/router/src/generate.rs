@@ -274,9 +274,16 @@ impl Request {
         let candidates: Vec<WorkerInfo> = view
             .workers
             .iter()
-            .filter(|w| !refused.contains(&w.card.instance_id))
+            .filter(|w| !refused.contains(&w.card.instance_id) && w.healthy())
             .map(disagg::worker_info)
             .collect();
+        if candidates.is_empty() && view.workers.iter().any(|w| !w.healthy()) {
+            return Err(ApiError::unavailable(format!(
+                "every worker of {} is failing its health probe or refused the request",
+                view.name
+            ))
+            .with_retry_after(1));
+        }
         if candidates.is_empty() && !refused.is_empty() {
             return Err(ApiError::unavailable(format!(
                 "every worker of {} refused the request (draining or unreachable)",

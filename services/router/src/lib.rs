@@ -14,6 +14,7 @@ pub mod events;
 pub mod events_nats;
 pub mod generate;
 pub mod handlers;
+pub mod health;
 pub mod limits;
 pub mod media;
 pub mod media_fetch;

@@ -20,12 +20,22 @@ use tandem_protocol::{ModelCard, WorkerRole};
 use tandem_text::{tokenizer_hash, ChatTemplate, Tokenizer};
 use tonic::transport::Channel;
 
+use crate::health::WorkerHealth;
+
 pub type Client = WorkerClient<Channel>;
 
 #[derive(Clone)]
 pub struct WorkerEntry {
     pub card: ModelCard,
     pub client: Client,
+    /// Its health probes' verdict (see `health`): an unhealthy worker is not routed to.
+    pub health: Arc<WorkerHealth>,
+}
+
+impl WorkerEntry {
+    pub fn healthy(&self) -> bool {
+        self.health.healthy()
+    }
 }
 
 /// What tokenizing for a model needs.
@@ -225,7 +235,14 @@ impl Registry {
         }
     }
 
-    pub fn add(&self, card: ModelCard, client: Client, assets: Arc<ModelAssets>) {
+    /// Adds a worker; returns its health, which its probe keeps.
+    pub fn add(
+        &self,
+        card: ModelCard,
+        client: Client,
+        assets: Arc<ModelAssets>,
+    ) -> Arc<WorkerHealth> {
+        let health = Arc::new(WorkerHealth::default());
         let id = card.instance_id;
         let name = card.served_model_name.clone();
         let prefill = is_prefill(&card);
@@ -241,7 +258,14 @@ impl Registry {
         } else {
             &mut model.workers
         };
-        set.insert(id, WorkerEntry { card, client });
+        set.insert(
+            id,
+            WorkerEntry {
+                card,
+                client,
+                health: health.clone(),
+            },
+        );
         self.owners
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -252,6 +276,7 @@ impl Registry {
                     prefill,
                 },
             );
+        health
     }
 
     /// Removes a worker.

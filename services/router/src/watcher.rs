@@ -107,7 +107,14 @@ pub async fn add_worker(state: &AppState, card_json: Value) {
         state.kv.clone()
     };
     tracing::info!(worker = id, addr = %card.grpc_addr, model = %card.served_model_name, role = %card.role, "worker added");
-    state.registry.add(card, client.clone(), assets);
+    let health = state.registry.add(card, client.clone(), assets);
+    crate::health::spawn_probe(
+        state.registry.clone(),
+        state.queue.clone(),
+        id,
+        client.clone(),
+        health,
+    );
     // Requests waiting in the queue may fit on the new worker.
     state.queue.wake();
     if state.config.routing.use_kv_events && state.config.runtime.event_plane == EventPlane::Direct

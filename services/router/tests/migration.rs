@@ -329,7 +329,7 @@ async fn a_killed_decode_workers_stream_migrates_through_a_prefill_worker() {
 
 /// A frozen worker (SIGSTOP: its connections stay open, nothing answers): the router's
 /// HTTP/2 keep-alive breaks the stream within interval + timeout (10 s) and the request
-/// migrates; the frozen worker is then resumed and exits with the test.
+/// migrates; its failed health probe keeps new requests off it until it is resumed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_workers_stream_migrates_after_the_keepalive_timeout() {
     let discovery = temp_dir("migration-frozen");
@@ -364,8 +364,38 @@ async fn a_frozen_workers_stream_migrates_after_the_keepalive_timeout() {
         "frozen worker: migrated and finished {:?} after SIGSTOP",
         t.elapsed()
     );
-    signal("-CONT");
     check_migrated(&reference, &got);
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    // Its health probe failed meanwhile: new requests go to the other worker only.
+    let healthy = |want: f64| {
+        let (base, label) = (base.clone(), format!("worker_id=\"{worker}\""));
+        move || {
+            let (base, label) = (base.clone(), label.clone());
+            async move {
+                let v = metric_sum(
+                    &format!("{base}/metrics"),
+                    "tandem_router_worker_healthy",
+                    &label,
+                )
+                .await;
+                (v == want).then_some(())
+            }
+        }
+    };
+    tandem_test_support::wait_until(BOUND, healthy(0.0))
+        .await
+        .expect("the frozen worker never failed its probe");
+    for i in 0..3 {
+        let (served_by, mut s) = start_stream(&base, &format!("after-{i}")).await;
+        assert_ne!(served_by, worker, "routed to the frozen worker");
+        let mut done = Streamed::default();
+        read_until(&mut s, &mut done, |_| false).await;
+        assert_eq!(done.tokens.len(), MAX_TOKENS, "{done:?}");
+    }
+    // Resumed, it passes its probe again.
+    signal("-CONT");
+    tandem_test_support::wait_until(BOUND, healthy(1.0))
+        .await
+        .expect("the resumed worker never passed its probe");
     workers.clear();
 }

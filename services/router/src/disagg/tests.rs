@@ -248,6 +248,7 @@ fn entry(role: WorkerRole, layout: &str, id: u64) -> WorkerEntry {
         },
         client: crate::models::connect_lazy(&tandem_pki::ChannelSecurity::Plaintext, "127.0.0.1:1")
             .expect("client"),
+        health: Default::default(),
     }
 }
 
