@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 use tandem_pki::ChannelSecurity;
+use tandem_runtime::task::restart_forever;
 
 use std::time::Duration;
 
@@ -118,6 +119,11 @@ pub fn kv_router_config(cfg: &RouterConfig) -> anyhow::Result<KvRouterConfig> {
         router_prune_target_ratio: r.router_prune_target_ratio,
         router_queue_threshold: cfg.admission.queue_threshold,
         router_event_threads: 1,
+        // A request lives up to its deadline: its load must not be forgotten before (the
+        // stream stage frees it at the end; expiry only catches what was lost).
+        active_request_expiry_secs: KvRouterConfig::default()
+            .active_request_expiry_secs
+            .max(u64::from(cfg.request_timeout_secs) + 60),
         ..KvRouterConfig::default()
     };
     kv.validate()?;
@@ -292,11 +298,9 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
     {
         let st = state.clone();
         let dumps = state.dumps.clone();
-        tokio::spawn(async move {
-            if let Err(e) = crate::events_nats::run(st, dumps).await {
-                tracing::error!("KV events over NATS stopped: {e:#}");
-            }
-        });
+        tokio::spawn(restart_forever("the NATS KV-event follower", move || {
+            crate::events_nats::run(st.clone(), dumps.clone())
+        }));
     }
     let discovery = tandem_runtime::discovery::connect(
         &tandem_runtime::discovery::DiscoveryOptions::from_config(&state.config.runtime)
@@ -305,11 +309,9 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
     .await?;
     tokio::spawn({
         let state = state.clone();
-        async move {
-            if let Err(e) = crate::watcher::run(state, discovery).await {
-                tracing::error!("discovery watcher stopped: {e:#}");
-            }
-        }
+        restart_forever("the discovery watcher", move || {
+            crate::watcher::run(state.clone(), discovery.clone())
+        })
     });
     tokio::spawn({
         // Requests whose stream was lost without a Free are expired here.
@@ -419,5 +421,18 @@ mod tests {
         assert_eq!(body_limit(&c, true), 200 * MIB);
         let c = config(&["--max-file-size-mb", "1"]);
         assert_eq!(body_limit(&c, true), 32 * MIB);
+    }
+
+    #[test]
+    fn load_tracking_outlives_the_request_deadline() {
+        let expiry = |args: &[&str]| {
+            kv_router_config(&config(args))
+                .expect("kv config")
+                .active_request_expiry_secs
+        };
+        // The default deadline is 600 s: a request's load is kept at least 660 s.
+        assert_eq!(expiry(&[]), 660);
+        assert_eq!(expiry(&["--request-timeout-secs", "30"]), 300);
+        assert_eq!(expiry(&["--request-timeout-secs", "3600"]), 3660);
     }
 }

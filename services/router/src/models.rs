@@ -326,6 +326,16 @@ impl Registry {
         self.with_entry(id, |w| w.card.kv_event_key.clone())
     }
 
+    /// Every registered worker's id.
+    pub fn ids(&self) -> Vec<u64> {
+        self.owners
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect()
+    }
+
     pub fn contains(&self, id: u64) -> bool {
         self.owners
             .read()

@@ -132,9 +132,23 @@ pub fn remove_worker(state: &AppState, id: u64) {
     }
 }
 
-/// Runs until the watch ends.
+/// Runs until the watch ends (the caller starts it again). Each start first drops the
+/// registered workers that are no longer in discovery (they left while no watch ran); the
+/// watch then adds the ones that are new.
 pub async fn run(state: AppState, discovery: Arc<dyn Discovery>) -> anyhow::Result<()> {
-    let mut watch = discovery.watch(&state.config.runtime.namespace).await?;
+    let namespace = &state.config.runtime.namespace;
+    let live: std::collections::HashSet<u64> = discovery
+        .list(namespace, None)
+        .await?
+        .iter()
+        .map(|e| e.instance.instance_id)
+        .collect();
+    for id in state.registry.ids() {
+        if !live.contains(&id) {
+            remove_worker(&state, id);
+        }
+    }
+    let mut watch = discovery.watch(namespace).await?;
     while let Some(event) = watch.recv().await {
         match event {
             DiscoveryEvent::Added { instance, card } => {

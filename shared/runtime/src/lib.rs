@@ -49,6 +49,7 @@ pub mod events;
 pub mod metrics;
 pub mod net;
 pub mod shutdown;
+pub mod task;
 
 pub use discovery::{
     Discovery, DiscoveryBackend, DiscoveryError, DiscoveryEvent, DiscoveryWatch, Entry, Instance,
