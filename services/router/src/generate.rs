@@ -437,6 +437,7 @@ impl Request {
             max_seq_len: cfg.migration.max_seq_len.map(|n| n as usize),
             prompt_len: self.prompt.len(),
             max_tokens: self.params.max_tokens,
+            min_tokens: self.params.min_tokens,
         };
         let task = StreamTask {
             tx,
@@ -451,11 +452,13 @@ impl Request {
     }
 
     /// The request again after its output so far, `output`, to continue elsewhere: the
-    /// client's prompt followed by `output`, and `max_tokens` less what was generated.
+    /// client's prompt followed by `output`, and `max_tokens` and `min_tokens` less what was
+    /// generated (both count the tokens still to come).
     fn replay(&mut self, m: &Migration, output: &[u32]) {
         self.prompt.truncate(m.prompt_len);
         self.prompt.extend_from_slice(output);
         self.params.max_tokens = m.max_tokens.map(|n| n - output.len());
+        self.params.min_tokens = m.min_tokens.saturating_sub(output.len());
         self.replayed = output.len();
     }
 }
@@ -510,9 +513,10 @@ struct Migration {
     left: u32,
     /// Longest prompt plus output that migrates.
     max_seq_len: Option<usize>,
-    /// The client's prompt length and `max_tokens`.
+    /// The client's prompt length, `max_tokens` and `min_tokens`.
     prompt_len: usize,
     max_tokens: Option<usize>,
+    min_tokens: usize,
 }
 
 /// What the stream stage's task owns, besides the stream and its [`Progress`].

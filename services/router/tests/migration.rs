@@ -86,6 +86,8 @@ fn body() -> Value {
         "model": "tandem-tiny",
         "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
         "max_tokens": MAX_TOKENS,
+        // As tandem-loadtest sends it: the replay's min_tokens counts what is still to come.
+        "min_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": true,
         "logprobs": true,

@@ -121,9 +121,7 @@ fn detokenize(
         tracing::warn!("detokenizing token {tok}: {e}");
         String::new()
     });
-    // The sampler counts every output token, a migrated request's replayed ones included.
-    let min_tokens = seq.params.min_tokens;
-    let f = if min_tokens > 0 && seq.sampler.num_generated() < min_tokens {
+    let f = if seq.num_generated() < seq.params.min_tokens {
         seq.stop.pass(&delta)
     } else {
         seq.stop.feed(&delta)

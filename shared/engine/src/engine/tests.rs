@@ -419,9 +419,9 @@ async fn export_import_continues_seeded_sampling_with_penalties() {
 }
 
 /// A request replayed from its output so far (request migration: the prompt followed by the
-/// first `cut` tokens, `replayed` = `cut`, `max_tokens` less `cut`) on a fresh engine goes on
-/// exactly as the uninterrupted run: the RNG position, the penalty counts and min_tokens
-/// carry over.
+/// first `cut` tokens, `replayed` = `cut`, `max_tokens` and `min_tokens` less `cut`) on a
+/// fresh engine goes on exactly as the uninterrupted run: the RNG position, the penalty
+/// counts and min_tokens carry over.
 async fn replay_elsewhere(params: SamplingParams, cut: usize) {
     let p = prompt(3, 9);
     let full = tokens(
@@ -434,6 +434,7 @@ async fn replay_elsewhere(params: SamplingParams, cut: usize) {
     let mut replayed = req("r", [&p[..], &full[..cut]].concat(), params.clone());
     replayed.replayed = cut;
     replayed.params.max_tokens = params.max_tokens.map(|n| n - cut);
+    replayed.params.min_tokens = params.min_tokens.saturating_sub(cut);
     let rest = tokens(&run(&start(4, 64, config(64)), replayed).await);
     assert_eq!(rest, full[cut..], "full run {full:?}");
 }

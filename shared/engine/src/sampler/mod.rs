@@ -36,6 +36,11 @@ pub struct SamplerState {
     pub rng: Rng,
     /// How often each token occurs in the output (for frequency / presence penalties).
     pub output_counts: BTreeMap<u32, u32>,
+    /// Output tokens of those that an earlier engine generated (a migrated request's
+    /// replay): penalised like the rest, not counted toward `min_tokens`, which (like
+    /// `max_tokens`) then counts the tokens still to come.
+    #[serde(default)]
+    pub replayed: usize,
 }
 
 impl SamplerState {
@@ -43,12 +48,14 @@ impl SamplerState {
         Self {
             rng: Rng::for_stream(seed, index),
             output_counts: BTreeMap::new(),
+            replayed: 0,
         }
     }
 
     /// The state after `output` was sampled under `params` from `seed` (a request migrated
     /// by replay: its output so far comes back as the end of the prompt). Each non-greedy
-    /// draw took one `f64` from the RNG; greedy draws took none.
+    /// draw took one `f64` from the RNG; greedy draws took none. The output counts for the
+    /// penalties; `min_tokens` counts from here.
     pub fn replayed(seed: u64, index: u64, params: &SamplingParams, output: &[u32]) -> Self {
         let mut state = Self::new(seed, index);
         for &token in output {
@@ -57,6 +64,7 @@ impl SamplerState {
             }
             state.record(token);
         }
+        state.replayed = output.len();
         state
     }
 
@@ -64,8 +72,10 @@ impl SamplerState {
         *self.output_counts.entry(token).or_insert(0) += 1;
     }
 
+    /// Tokens sampled since the request (or its replay) started.
     pub fn num_generated(&self) -> usize {
-        self.output_counts.values().map(|&c| c as usize).sum()
+        let all: usize = self.output_counts.values().map(|&c| c as usize).sum();
+        all - self.replayed.min(all)
     }
 }
 

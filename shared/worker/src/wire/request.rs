@@ -84,6 +84,7 @@ impl EngineIntoWire for SamplerState {
         pb::SamplerState {
             rng: Some(pb::RngState { s0, s1, s2, s3 }),
             output_counts: self.output_counts.into_iter().collect(),
+            replayed: self.replayed as u64,
         }
     }
 }
@@ -94,6 +95,7 @@ impl EngineTryFromWire<pb::SamplerState> for SamplerState {
         Ok(SamplerState {
             rng: Rng::from_state([rng.s0, rng.s1, rng.s2, rng.s3]),
             output_counts: s.output_counts.into_iter().collect(),
+            replayed: to_usize(s.replayed, "sampler.replayed")?,
         })
     }
 }
