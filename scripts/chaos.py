@@ -1,0 +1,412 @@
+#!/usr/bin/env python3
+"""The chaos matrix: faults injected into a running deployment under a steady load.
+
+Each run starts a fresh deployment on this machine (mutual TLS on every channel, from
+`tandem certs`): etcd, NATS, two routers, and two prefill + two decode workers (`pd`, KV over
+TCP; disaggregated topology) or two aggregated workers (agg topology), discovery in etcd and
+KV events on NATS. A tandem-loadtest runs against each router (Poisson arrivals, per-request
+timeout 60 s: a request still open by then counts as hung). A few seconds in, one fault hits;
+when the load ends the run waits (bounded) for every surviving worker to go back to its
+baseline: nothing running or waiting, no KV held by sequences.
+
+Faults: kill -9 and SIGTERM of a decode (or aggregated) worker and of a prefill worker, a
+decode worker frozen for 8 s (SIGSTOP, then SIGCONT: a host that stops answering, as a network
+partition looks to its peers; the kernel keeps its sockets open), etcd and NATS restarted
+(killed, down 3 s, started again on the same data), and kill -9 of router 2 (its own clients
+fail; router 1's must not).
+
+Per run: requests completed / failed (with the loadtest's error classes) / hung, per router;
+time to recover (from the fault to the first request started after it that succeeded); and
+whether the workers went back to baseline.
+
+Usage: scripts/chaos.py [--bin target/debug] [--subset ci|full] [--out chaos-out]
+       [--write-doc docs/reliability.md]
+`ci`: disaggregated, migration on, kill -9 decode, SIGTERM prefill, freeze decode, etcd
+restart, kill -9 router (about 5 minutes). `full`: every fault x {agg, disagg} x migration
+{on, off}. Binaries: tandem, tandem-router, tandem-decode, tandem-prefill, tandem-loadtest
+(cargo build --workspace --bins). Needs etcd and nats-server.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+RATE = 3.0  # requests per second, per router
+DURATION = 24  # seconds of load
+FAULT_AT = 6  # seconds into the load
+FREEZE_SECS = 8
+DOWN_SECS = 3  # etcd / NATS outage
+TIMEOUT = 60  # per request: past it, a request is hung
+BASELINE_WAIT = 40  # seconds for the workers to settle after the load
+
+FAULTS = ["decode-kill9", "decode-sigterm", "prefill-kill9", "prefill-sigterm",
+          "decode-freeze", "etcd-restart", "nats-restart", "router-kill9"]
+CI = [("disagg", True, f) for f in
+      ["decode-kill9", "prefill-sigterm", "decode-freeze", "etcd-restart", "router-kill9"]]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def field(line, key):
+    m = re.search(rf"{key}(\S+)", line or "")
+    if not m:
+        raise RuntimeError(f"no {key} in {line!r}")
+    return m.group(1)
+
+
+def http_ok(url, timeout=2):
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_for(what, check, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+class Proc:
+    """A process of the deployment: how to start it, its log, its ready line."""
+
+    def __init__(self, dep, name, args, ready=None):
+        self.dep, self.name, self.args, self.ready = dep, name, args, ready
+        self.p = None
+        self.line = None
+
+    def start(self):
+        log = open(self.dep.dir / f"{self.name}.log", "a")
+        self.p = subprocess.Popen(self.args, env=self.dep.env, stdout=subprocess.PIPE,
+                                  stderr=log, text=True)
+        if self.ready:
+            deadline = time.time() + 120
+            for line in self.p.stdout:
+                if line.startswith(self.ready):
+                    self.line = line
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"{self.name}: no {self.ready} line")
+            else:
+                raise RuntimeError(f"{self.name} exited before {self.ready}: see {log.name}")
+        threading.Thread(target=lambda: [None for _ in self.p.stdout], daemon=True).start()
+
+    def signal(self, sig):
+        if self.p and self.p.poll() is None:
+            self.p.send_signal(sig)
+
+    def stop(self, timeout=40):
+        if not self.p or self.p.poll() is not None:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+class Deployment:
+    """etcd, NATS, two routers and the workers of one topology, under mutual TLS."""
+
+    def __init__(self, bins, workdir, topology, migration):
+        self.bins = bins
+        self.dir = Path(tempfile.mkdtemp(prefix="tandem-chaos-", dir=workdir))
+        self.env = dict(os.environ, RUST_LOG="warn")
+        self.procs = {}
+        pki = self.dir / "pki"
+        subprocess.run([str(bins / "tandem"), "certs", "--out", str(pki), "--host", "127.0.0.1"],
+                       check=True,
+                       stdout=subprocess.DEVNULL)
+        model = self.dir / "model"
+        subprocess.run([str(bins / "tandem"), "model", "tiny", str(model)], check=True,
+                       stdout=subprocess.DEVNULL)
+        etcd_port, etcd_peer, etcd_metrics = free_port(), free_port(), free_port()
+        self.etcd_health = f"http://127.0.0.1:{etcd_metrics}/health"
+        self.add("etcd", [
+            "etcd", "--name", "chaos", "--data-dir", str(self.dir / "etcd"),
+            "--listen-client-urls", f"https://127.0.0.1:{etcd_port}",
+            "--advertise-client-urls", f"https://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-cluster", f"chaos=http://127.0.0.1:{etcd_peer}",
+            "--listen-metrics-urls", f"http://127.0.0.1:{etcd_metrics}",
+            "--cert-file", str(pki / "node.crt"), "--key-file", str(pki / "node.key"),
+            "--trusted-ca-file", str(pki / "ca.crt"), "--client-cert-auth",
+            "--log-level", "warn"])
+        nats_port = free_port()
+        self.nats_port = nats_port
+        self.add("nats", [
+            "nats-server", "-a", "127.0.0.1", "-p", str(nats_port), "--tlsverify",
+            "--tlscert", str(pki / "node.crt"), "--tlskey", str(pki / "node.key"),
+            "--tlscacert", str(pki / "ca.crt")])
+        common = ["--internal-tls-dir", str(pki), "--discovery-backend", "etcd",
+                  "--etcd-endpoints", f"https://127.0.0.1:{etcd_port}",
+                  "--event-plane", "nats", "--nats-server", f"tls://127.0.0.1:{nats_port}"]
+        worker = common + ["--model-path", str(model), "--publish-kv-events",
+                           "--rpc-host", "127.0.0.1", "--system-host", "127.0.0.1",
+                           "--kv-transport", "tcp"]
+        decode_mode = "pd" if topology == "disagg" else "agg"
+        workers = []
+        if topology == "disagg":
+            for i in range(2):
+                workers.append(self.add(f"prefill-{i}", [
+                    str(bins / "tandem-prefill"), "--disaggregation-mode", "prefill"] + worker,
+                    "TANDEM_WORKER_READY"))
+        for i in range(2):
+            workers.append(self.add(f"decode-{i}", [
+                str(bins / "tandem-decode"), "--disaggregation-mode", decode_mode] + worker,
+                "TANDEM_WORKER_READY"))
+        self.workers = workers
+        router = common + ["--http-host", "127.0.0.1", "--http-port", "0",
+                           "--router-min-initial-workers", "2",
+                           "--migration-limit", "3" if migration else "0"]
+        if topology == "disagg":
+            router.append("--enforce-disagg")
+        for i in range(2):
+            self.add(f"router-{i}", [str(bins / "tandem-router")] + router, "TANDEM_ROUTER_READY")
+
+    def add(self, name, args, ready=None):
+        proc = Proc(self, name, args, ready)
+        self.procs[name] = proc
+        return proc
+
+    def start(self):
+        self.procs["etcd"].start()
+        wait_for("etcd", lambda: http_ok(self.etcd_health))
+        self.start_nats()
+        for name, proc in self.procs.items():
+            if name not in ("etcd", "nats"):
+                proc.start()
+        for i in range(2):
+            wait_for(f"router {i} healthy", lambda: http_ok(self.router_url(i) + "/health"))
+
+    def start_nats(self):
+        self.procs["nats"].start()
+
+        def greets():
+            try:
+                with socket.create_connection(("127.0.0.1", self.nats_port), timeout=1) as s:
+                    return s.recv(5) == b"INFO "
+            except OSError:
+                return False
+        wait_for("nats", greets)
+
+    def router_url(self, i):
+        return "http://" + field(self.procs[f"router-{i}"].line, "http=")
+
+    def worker_metrics(self, proc):
+        return "http://" + field(proc.line, "http=") + "/metrics"
+
+    def stop(self, logs):
+        """Stops everything; the logs are kept in `logs`."""
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in self.dir.glob("*.log"):
+            shutil.copy(log, logs / log.name)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def gauge_sum(url, names):
+    """The sum of the named gauges on a /metrics page; None when unreadable."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    total = 0.0
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in names:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+BUSY = {"dynamo_component_running_requests", "dynamo_component_waiting_requests",
+        "dynamo_component_scheduled_kv_tokens", "dynamo_component_queued_kv_tokens"}
+
+
+def inject(dep, fault):
+    """Applies `fault`; returns a function that undoes what can be undone (or None)."""
+    p = dep.procs
+    if fault == "decode-kill9":
+        p["decode-0"].signal(signal.SIGKILL)
+    elif fault == "decode-sigterm":
+        p["decode-0"].signal(signal.SIGTERM)
+    elif fault == "prefill-kill9":
+        p["prefill-0"].signal(signal.SIGKILL)
+    elif fault == "prefill-sigterm":
+        p["prefill-0"].signal(signal.SIGTERM)
+    elif fault == "decode-freeze":
+        p["decode-0"].signal(signal.SIGSTOP)
+        time.sleep(FREEZE_SECS)
+        p["decode-0"].signal(signal.SIGCONT)
+    elif fault == "etcd-restart":
+        p["etcd"].p.kill()
+        p["etcd"].p.wait()
+        time.sleep(DOWN_SECS)
+        p["etcd"].start()
+    elif fault == "nats-restart":
+        p["nats"].p.kill()
+        p["nats"].p.wait()
+        time.sleep(DOWN_SECS)
+        dep.start_nats()
+    elif fault == "router-kill9":
+        p["router-1"].signal(signal.SIGKILL)
+    else:
+        raise ValueError(fault)
+
+
+def applies(topology, fault):
+    return topology == "disagg" or not fault.startswith("prefill")
+
+
+def one_run(bins, workdir, out, topology, migration, fault):
+    dep = Deployment(bins, workdir, topology, migration)
+    try:
+        dep.start()
+        loads = []
+        t0 = time.time()
+        for i in range(2):
+            d = out / f"router-{i}"
+            loads.append((d, subprocess.Popen(
+                [str(bins / "tandem-loadtest"), "--url", dep.router_url(i),
+                 "--rate", str(RATE), "--duration", str(DURATION),
+                 "--num-requests", str(int(RATE * DURATION * 3)), "--isl", "256", "--osl", "48",
+                 "--timeout", str(TIMEOUT), "--seed", str(i + 1), "--quiet", "--out", str(d)],
+                stdout=subprocess.DEVNULL)))
+        time.sleep(FAULT_AT)
+        fault_at = time.time() - t0
+        inject(dep, fault)
+        for _, lt in loads:
+            lt.wait(timeout=DURATION + TIMEOUT + 60)
+        survivors = [w for w in dep.workers if w.p.poll() is None]
+        settled = None
+        deadline = time.time() + BASELINE_WAIT
+        while time.time() < deadline:
+            busy = [gauge_sum(dep.worker_metrics(w), BUSY) for w in survivors]
+            if all(b == 0.0 for b in busy):
+                settled = round(time.time() - t0 - DURATION, 1)
+                break
+            time.sleep(0.5)
+        return summarize(loads, fault_at, settled)
+    finally:
+        dep.stop(out / "logs")
+
+
+def summarize(loads, fault_at, settled):
+    per_router = []
+    recover = None
+    for d, _ in loads:
+        report = json.loads((d / "report.json").read_text())["summary"]
+        errors = report.get("errors", {})
+        hung = errors.get("timeout", 0)
+        per_router.append({"ok": report["succeeded"], "failed": report["failed"] - hung,
+                           "hung": hung, "errors": errors})
+        rows = (d / "requests.csv").read_text().splitlines()[1:]
+        for row in rows:
+            cols = row.split(",")
+            start, error = float(cols[0]), cols[-1]
+            if start >= fault_at and not error:
+                recover = start - fault_at if recover is None else min(recover,
+                                                                       start - fault_at)
+    return {"routers": per_router, "recover_s": None if recover is None else round(recover, 2),
+            "settled_s": settled}
+
+
+def verdict(fault, migration, r):
+    """Whether the run meets the issue's rule for its fault and migration setting."""
+    hung = sum(x["hung"] for x in r["routers"])
+    if hung or r["settled_s"] is None:
+        return False
+    if fault == "router-kill9":
+        return r["routers"][0]["failed"] == 0
+    return not migration or all(x["failed"] == 0 for x in r["routers"])
+
+
+def table(results):
+    lines = ["| topology | migration | fault | router 1: ok / failed / hung | "
+             "router 2: ok / failed / hung | recovered after | back to baseline | rule met |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (topology, migration, fault), r in results:
+        cells = [f"{x['ok']} / {x['failed']} / {x['hung']}" for x in r["routers"]]
+        rec = "—" if r["recover_s"] is None else f"{r['recover_s']} s"
+        base = "no" if r["settled_s"] is None else f"yes ({max(r['settled_s'], 0)} s)"
+        ok = "yes" if verdict(fault, migration, r) else "**no**"
+        lines.append(f"| {topology} | {'on' if migration else 'off'} | {fault} | {cells[0]} | "
+                     f"{cells[1]} | {rec} | {base} | {ok} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default="target/debug")
+    ap.add_argument("--subset", choices=["ci", "full"], default="ci")
+    ap.add_argument("--out", default="chaos-out")
+    ap.add_argument("--write-doc")
+    ap.add_argument("--only", help="comma-separated faults to run (of the subset)")
+    a = ap.parse_args()
+    bins = Path(a.bin).resolve()
+    for b in ["tandem", "tandem-router", "tandem-decode", "tandem-prefill", "tandem-loadtest"]:
+        if not (bins / b).is_file():
+            sys.exit(f"missing {bins / b}: cargo build --workspace --bins")
+    for b in ["etcd", "nats-server"]:
+        if not shutil.which(b):
+            sys.exit(f"needs {b} on PATH (Debian etcd-server, nats-server)")
+    runs = CI if a.subset == "ci" else [
+        (t, m, f) for t in ["disagg", "agg"] for m in [True, False] for f in FAULTS
+        if applies(t, f)]
+    if a.only:
+        runs = [r for r in runs if r[2] in a.only.split(",")]
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
+    results = []
+    failed = []
+    for topology, migration, fault in runs:
+        key = (topology, migration, fault)
+        name = f"{topology}-{'mig' if migration else 'nomig'}-{fault}"
+        print(f"== {name}", flush=True)
+        r = one_run(bins, workdir, out / name, topology, migration, fault)
+        print(f"   {json.dumps(r)}", flush=True)
+        results.append((key, r))
+        if not verdict(fault, migration, r):
+            failed.append(name)
+    shutil.rmtree(workdir, ignore_errors=True)
+    md = table(results)
+    (out / "table.md").write_text(md + "\n")
+    print(md)
+    if a.write_doc:
+        doc = Path(a.write_doc)
+        text = doc.read_text()
+        begin, end = "<!-- chaos table -->", "<!-- end chaos table -->"
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
+        doc.write_text(f"{head}{begin}\n{md}\n{end}{tail}")
+    if failed:
+        sys.exit(f"chaos: the rule is not met in {failed}")
+
+
+if __name__ == "__main__":
+    main()
