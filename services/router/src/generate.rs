@@ -398,9 +398,16 @@ impl Request {
                 // Unavailable before the stream began: the worker did no work (draining,
                 // stopped, or unreachable); Cancelled: its server shut down under the call
                 // (a drained worker exiting), and nothing reached the client. Another worker
-                // may take the request.
+                // may take the request. With migration on, so may one whose connection broke
+                // as the call began (its process died): Dynamo's new-request migration.
                 return Err(match status.code() {
                     tonic::Code::Unavailable | tonic::Code::Cancelled => CallError::Refused(error),
+                    code if broken_stream(code) && self.state.config.migration.limit > 0 => {
+                        let model = self.view.name.clone();
+                        metrics::counter!(m::MIGRATIONS, "model" => model, "migration_type" => "new_request")
+                            .increment(1);
+                        CallError::Refused(error)
+                    }
                     _ => CallError::Failed(error),
                 });
             }
