@@ -10,12 +10,16 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, watch, Notify};
 use tonic::Status;
 
-/// Fenced leases remembered (so a write arriving after its fence is refused).
-const FENCED_MEMORY: usize = 65_536;
+/// How long a fenced lease is remembered (so a write arriving after its fence is refused):
+/// far longer than any lease lives or a call to write for it can be delayed. Entries are
+/// forgotten by age only, never to make room: a count bound would forget the fences of
+/// leases still live under a storm of revocations.
+const FENCED_RETENTION: Duration = Duration::from_secs(600);
 
 /// (owner instance id, lease id).
 pub type LeaseKey = (u64, u64);
@@ -29,19 +33,23 @@ struct ActiveWrite {
 
 #[derive(Default)]
 struct Fenced {
-    order: VecDeque<LeaseKey>,
+    /// When each was fenced, oldest first.
+    order: VecDeque<(Instant, LeaseKey)>,
     set: HashSet<LeaseKey>,
 }
 
 impl Fenced {
-    fn insert(&mut self, k: LeaseKey) {
-        if self.set.insert(k) {
-            self.order.push_back(k);
-            if self.order.len() > FENCED_MEMORY {
-                if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
-                }
+    /// Remembers `k` as fenced at `now`, forgetting fences older than the retention.
+    fn insert(&mut self, k: LeaseKey, now: Instant) {
+        while let Some(&(at, old)) = self.order.front() {
+            if now.saturating_duration_since(at) < FENCED_RETENTION {
+                break;
             }
+            self.order.pop_front();
+            self.set.remove(&old);
+        }
+        if self.set.insert(k) {
+            self.order.push_back((now, k));
         }
     }
 }
@@ -137,7 +145,7 @@ impl LeaseWrites {
     pub async fn fence(&self, key: LeaseKey, epoch: u64) -> bool {
         let active = {
             let mut w = self.lock();
-            w.1.insert(key);
+            w.1.insert(key, Instant::now());
             match w.0.get(&key) {
                 Some(a) if a.epoch == epoch => {
                     a.cancel.set();
@@ -196,6 +204,22 @@ impl Cancel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fences_are_forgotten_by_age_never_to_make_room() {
+        let mut f = Fenced::default();
+        let t0 = Instant::now();
+        // A storm: 100,000 fences within a minute are all remembered.
+        for i in 0..100_000u64 {
+            f.insert((1, i), t0 + Duration::from_micros(i * 600));
+        }
+        assert_eq!(f.set.len(), 100_000);
+        assert!(f.set.contains(&(1, 0)), "the first of the storm");
+        // Past the retention, the old ones go with the next fence.
+        f.insert((2, 0), t0 + FENCED_RETENTION + Duration::from_secs(61));
+        assert_eq!(f.set.len(), 1);
+        assert!(f.set.contains(&(2, 0)));
+    }
 
     #[tokio::test]
     async fn a_fence_waits_for_the_write_and_refuses_later_ones() {

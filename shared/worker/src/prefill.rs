@@ -178,6 +178,7 @@ impl PrefillSide {
             sent_blocks: 0,
             sent_bytes: 0,
             started: Instant::now(),
+            deadline,
         };
         loop {
             match next_event(&mut stream, &w.lease, deadline, cancel).await? {
@@ -205,6 +206,14 @@ impl PrefillSide {
         let bb = self.block_bytes;
         let n = data.len() / bb;
         w.check_blocks(at, n, data.len(), bb)?;
+        // The writer stops by its own clock: past the lease's end its owner may already
+        // have given the blocks to another request.
+        if Instant::now() >= w.deadline {
+            return Err(Status::aborted(format!(
+                "lease {} expired (ttl {} ms) before blocks {at}.. were written; not writing",
+                w.lease.lease_id, w.lease.ttl_ms
+            )));
+        }
         let offsets = &w.lease.block_offsets[at - w.first_block()..at + n - w.first_block()];
         let last_block = at + n - 1;
         let written = match &w.link {
@@ -283,6 +292,8 @@ struct LeaseWrite {
     sent_blocks: usize,
     sent_bytes: u64,
     started: Instant,
+    /// The lease's end by this worker's clock: no put starts after it.
+    deadline: Instant,
 }
 
 impl LeaseWrite {
