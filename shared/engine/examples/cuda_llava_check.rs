@@ -275,6 +275,7 @@ mod check {
             .build()
             .map_err(|e| e.to_string())?;
         let req = Request {
+            replayed: 0,
             request_id: "llava".into(),
             prompt: ids.to_vec(),
             params: SamplingParams {
