@@ -522,12 +522,17 @@ fn reached(dir: &Path, rid: &str) -> PathBuf {
 async fn faults_free_every_block_and_never_touch_live_ones() {
     let disc = temp_dir("disagg-faults");
     let holds = temp_dir("disagg-holds");
+    let silent = holds.join("silent");
     let hold_env = [
         (
             "TANDEM_FAILPOINT_PREFILL_HOLD_DIR",
             holds.to_str().expect("utf-8 path"),
         ),
         ("TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK", "2"),
+        (
+            "TANDEM_FAILPOINT_PREFILL_SILENT_FILE",
+            silent.to_str().expect("utf-8 path"),
+        ),
     ];
     let common = ["--max-num-tokens", "64", "--kv-transport", "tcp"];
     let reference = start_role(
@@ -554,6 +559,17 @@ async fn faults_free_every_block_and_never_touch_live_ones() {
     let d_args = [&common[..], &["--kv-lease-ttl-secs", "3"]].concat();
     let d0 = start_role(&disc, "tandem-decode", "pd", &d_args, &[]);
     let mut d1 = Some(start_role(&disc, "tandem-decode", "pd", &common, &[]));
+    let d2_args = [
+        &common[..],
+        &[
+            "--kv-lease-ttl-secs",
+            "2",
+            "--kv-lease-reclaim-margin-secs",
+            "1",
+        ],
+    ]
+    .concat();
+    let d2 = start_role(&disc, "tandem-decode", "pd", &d2_args, &[]);
     let (r, d0a) = (addr(&reference), addr(&d0));
     let p0a = addr(p0.as_ref().expect("p0"));
     let prompt = tokens(11, 150);
@@ -639,6 +655,32 @@ async fn faults_free_every_block_and_never_touch_live_ones() {
         s.referenced_blocks == 0 && s.running + s.waiting == 0
     })
     .await;
+
+    // 3b. A silent writer: the prefill worker accepts the lease, then neither writes nor
+    // answers FenceLease (nor is gone). The decode worker reclaims the lease once its TTL
+    // (2 s) and the reclaim margin (1 s) are over; the writer, when it speaks again, refuses
+    // by its own clock to write for the ended lease.
+    let d2a = addr(&d2);
+    std::fs::write(&silent, b"").expect("silent marker");
+    let err = disagg(&d2a, "silent-writer", &prompt, &params, &[p0p])
+        .await
+        .expect_err("must time out");
+    assert!(err.message().contains("lease TTL"), "{err:?}");
+    wait_stats(&d2a, "silent writer's lease reclaimed", |s| {
+        s.leases_quarantined == 0 && s.leases_live == 0 && s.referenced_blocks == 0
+    })
+    .await;
+    std::fs::remove_file(&silent).expect("silent marker");
+    wait_stats(&p0a, "the silent writer stopped by its own clock", |s| {
+        s.referenced_blocks == 0 && s.running + s.waiting == 0
+    })
+    .await;
+    assert_eq!(
+        disagg(&d2a, "after-silence", &prompt, &params, &[p0p])
+            .await
+            .expect("after the silence"),
+        want
+    );
 
     // 4. kill -9 of the prefill worker mid-transfer: the decode worker retries on the other
     // prefill worker and answers correctly; the dead writer's lease is released (its

@@ -161,6 +161,12 @@ pub static FLAGS: &[FlagSpec] = &[
         "Decode worker: seconds a reservation of KV blocks for a remote prefill may stay \
          unfinished before it is revoked.")
         .env("DYN_TRTLLM_KV_LEASE_TTL_SECS").default("30"),
+    FlagSpec::new("kv-lease-reclaim-margin-secs", INT0, DisaggregationAndMultimodal,
+        "Decode worker: a revoked reservation whose prefill worker neither answers FenceLease \
+         nor is gone is reclaimed this many seconds after its TTL ended (the prefill worker \
+         stops writing at the TTL by its own clock; the margin covers the lease's transit and a \
+         write in flight).")
+        .env("DYN_TRTLLM_KV_LEASE_RECLAIM_MARGIN_SECS").default("30"),
     FlagSpec::new("allowed-local-media-path", Path, DisaggregationAndMultimodal,
         "Local directory that file: image URLs may be read from (the router reads them); \
          unset refuses file: URLs.")

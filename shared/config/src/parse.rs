@@ -161,6 +161,7 @@ fn worker_from_resolved(
             max_file_size_mb: g.u32("max-file-size-mb")?,
             frontend_decoding: g.bool("frontend-decoding")?,
             kv_lease_ttl_secs: g.u32("kv-lease-ttl-secs")?,
+            kv_lease_reclaim_margin_secs: g.u32("kv-lease-reclaim-margin-secs")?,
         },
         guided_decoding_backend: g.opt_string("guided-decoding-backend")?,
         diffusion: Diffusion {

@@ -134,6 +134,8 @@ pub struct Disaggregation {
     pub frontend_decoding: bool,
     /// Seconds a decode worker's reservation for a remote prefill may stay unfinished.
     pub kv_lease_ttl_secs: u32,
+    /// Seconds past a revoked lease's TTL after which its blocks are reclaimed without a fence.
+    pub kv_lease_reclaim_margin_secs: u32,
 }
 
 #[derive(Clone, Debug, Serialize)]

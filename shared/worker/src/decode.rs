@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tandem_pki::ChannelSecurity;
 
 use tandem_engine::engine::{EngineHandle, RequestStream, SequenceState};
@@ -40,6 +40,14 @@ pub const MAX_PREFILL_ATTEMPTS: usize = 3;
 
 type Out = mpsc::Sender<Result<GenerateOutput, Status>>;
 
+/// How long a lease lasts, and how long past its end a revoked lease's blocks stay
+/// quarantined when its writer can be neither fenced nor seen gone.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseTimes {
+    pub ttl: Duration,
+    pub reclaim_margin: Duration,
+}
+
 pub struct DecodeSide {
     engine: EngineHandle,
     instance_id: u64,
@@ -48,6 +56,7 @@ pub struct DecodeSide {
     block_bytes: u64,
     block_size: usize,
     ttl: Duration,
+    reclaim_margin: Duration,
     /// How channels to prefill workers are secured.
     security: ChannelSecurity,
     pub leases: Arc<LeaseTable>,
@@ -75,7 +84,7 @@ impl DecodeSide {
         instance_id: u64,
         layout_id: String,
         region: RemoteRegion,
-        ttl: Duration,
+        times: LeaseTimes,
         security: ChannelSecurity,
     ) -> Self {
         let layout = engine.layout().clone();
@@ -86,7 +95,8 @@ impl DecodeSide {
             region,
             block_bytes: layout.block_bytes() as u64,
             block_size: layout.block_size,
-            ttl,
+            ttl: times.ttl,
+            reclaim_margin: times.reclaim_margin,
             security,
             leases: Arc::new(LeaseTable::new()),
             clients: Mutex::new(HashMap::new()),
@@ -374,46 +384,32 @@ impl DecodeSide {
     }
 
     /// Revokes a lease whose writer may still be writing: quarantine its blocks, then fence
-    /// the writer in the background and release only once it has provably stopped.
+    /// the writer in the background and release only once it has provably stopped — it
+    /// answered `FenceLease`, its listener is gone, or the lease ended more than the reclaim
+    /// margin ago (the writer stops at the lease's end by its own clock).
     fn revoke(&self, lease_id: u64, epoch: u64, writer: &str) {
-        if self.leases.quarantine(lease_id).is_none() {
+        let Some(info) = self.leases.quarantine(lease_id) else {
             return;
-        }
+        };
         tracing::info!(
             lease_id,
             epoch,
             writer,
             "lease revoked; blocks quarantined until the writer is fenced"
         );
-        let client = self.client(writer).ok();
+        let fence = Fence {
+            client: self.client(writer).ok(),
+            owner: self.instance_id,
+            lease_id,
+            epoch,
+            writer: writer.to_owned(),
+            rpc_timeout: self.ttl.max(Duration::from_secs(5)),
+            reclaim_at: info.granted + self.ttl + self.reclaim_margin,
+        };
         let engine = self.engine.clone();
         let leases = self.leases.clone();
-        let owner = self.instance_id;
-        let writer = writer.to_owned();
-        let rpc_timeout = self.ttl.max(Duration::from_secs(5));
         tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(50);
-            let proof = loop {
-                if let Some(mut c) = client.clone() {
-                    let fence = c.fence_lease(FenceLeaseRequest {
-                        owner_instance_id: owner,
-                        lease_id,
-                        epoch,
-                    });
-                    match tokio::time::timeout(rpc_timeout, fence).await {
-                        Ok(Ok(_)) => break FenceProof::Acknowledged,
-                        Ok(Err(s)) => tracing::debug!(lease_id, "FenceLease: {s}"),
-                        Err(_) => tracing::debug!(lease_id, "FenceLease timed out"),
-                    }
-                }
-                if listener_gone(&writer).await {
-                    break FenceProof::WriterGone;
-                }
-                tracing::warn!(lease_id, %writer, "cannot fence the writer yet; lease stays quarantined");
-                // Retry pacing for a production fault path (not a test synchronisation).
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-            };
+            let proof = fence.run().await;
             count_fence(proof);
             if let Err(e) = engine.release_reservation(lease_id).await {
                 tracing::warn!(lease_id, "releasing a fenced reservation: {e}");
@@ -425,6 +421,60 @@ impl DecodeSide {
                 "quarantined lease released"
             );
         });
+    }
+}
+
+/// Proving that a revoked lease's writer has stopped.
+struct Fence {
+    client: Option<WorkerClient<Channel>>,
+    owner: u64,
+    lease_id: u64,
+    epoch: u64,
+    writer: String,
+    rpc_timeout: Duration,
+    /// The lease's end plus the reclaim margin.
+    reclaim_at: Instant,
+}
+
+impl Fence {
+    async fn run(&self) -> FenceProof {
+        tokio::select! {
+            proof = self.ask() => proof,
+            _ = tokio::time::sleep_until(self.reclaim_at.into()) => {
+                tracing::warn!(
+                    lease_id = self.lease_id,
+                    writer = %self.writer,
+                    "the writer was neither fenced nor gone; reclaiming its lease past its end"
+                );
+                FenceProof::DeadlinePassed
+            }
+        }
+    }
+
+    /// Fences the writer, or sees it gone, retrying with backoff.
+    async fn ask(&self) -> FenceProof {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            if let Some(mut c) = self.client.clone() {
+                let fence = c.fence_lease(FenceLeaseRequest {
+                    owner_instance_id: self.owner,
+                    lease_id: self.lease_id,
+                    epoch: self.epoch,
+                });
+                match tokio::time::timeout(self.rpc_timeout, fence).await {
+                    Ok(Ok(_)) => return FenceProof::Acknowledged,
+                    Ok(Err(s)) => tracing::debug!(lease_id = self.lease_id, "FenceLease: {s}"),
+                    Err(_) => tracing::debug!(lease_id = self.lease_id, "FenceLease timed out"),
+                }
+            }
+            if listener_gone(&self.writer).await {
+                return FenceProof::WriterGone;
+            }
+            tracing::warn!(lease_id = self.lease_id, writer = %self.writer, "cannot fence the writer yet; lease stays quarantined");
+            // Retry pacing for a production fault path (not a test synchronisation).
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
     }
 }
 

@@ -7,12 +7,13 @@
 //! - `TANDEM_FAILPOINT_PREFILL_HOLD_DIR` and `TANDEM_FAILPOINT_PREFILL_HOLD_AT_BLOCK`: see
 //!   [`prefill_hold`].
 //! - `TANDEM_FAILPOINT_ENCODE_HOLD_DIR`: see [`encode_hold`].
+//! - `TANDEM_FAILPOINT_PREFILL_SILENT_FILE`: see [`prefill_silent`].
 
 #[cfg(feature = "failpoints")]
-pub use enabled::{encode_hold, prefill_hold, skipped_kv_event};
+pub use enabled::{encode_hold, prefill_hold, prefill_silent, skipped_kv_event};
 
 #[cfg(not(feature = "failpoints"))]
-pub use disabled::{encode_hold, prefill_hold, skipped_kv_event};
+pub use disabled::{encode_hold, prefill_hold, prefill_silent, skipped_kv_event};
 
 #[cfg(not(feature = "failpoints"))]
 mod disabled {
@@ -26,6 +27,9 @@ mod disabled {
 
     /// Holds an encode worker's write: never in this build.
     pub async fn encode_hold() {}
+
+    /// Stalls a prefill worker before it writes: never in this build.
+    pub async fn prefill_silent() {}
 }
 
 #[cfg(feature = "failpoints")]
@@ -110,5 +114,26 @@ mod enabled {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         tracing::warn!("failpoint: encode write released");
+    }
+
+    /// `TANDEM_FAILPOINT_PREFILL_SILENT_FILE=/path`: while `/path` exists, a prefill worker
+    /// that has accepted a lease stalls before each write (any request): a silent writer, as a
+    /// hung or partitioned host would be, still answering `Health` but neither writing nor
+    /// answering `FenceLease` for those leases. Once the file is gone it goes on, and by its
+    /// own clock refuses to write for a lease that has ended.
+    pub async fn prefill_silent() {
+        let Ok(path) = std::env::var("TANDEM_FAILPOINT_PREFILL_SILENT_FILE") else {
+            return;
+        };
+        let path = std::path::PathBuf::from(path);
+        if !path.exists() {
+            return;
+        }
+        tracing::warn!("failpoint: prefill writer silent");
+        // A test-only stall: polling a file keeps the harness free of any IPC.
+        while path.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        tracing::warn!("failpoint: prefill writer speaks again");
     }
 }

@@ -3,8 +3,9 @@
 //! A lease is *live* while its prefill may legitimately write. When it is revoked (the client
 //! went away, the deadline passed, the prefill worker failed) it becomes *quarantined*: a
 //! one-sided put already in flight cannot be recalled, so its blocks are not reused until the
-//! writer has provably stopped — it answered `FenceLease`, or nothing listens on its address
-//! any more (its process is gone). Only then are the blocks released to the engine.
+//! writer has provably stopped — it answered `FenceLease`, nothing listens on its address any
+//! more (its process is gone), or the lease ended more than the reclaim margin ago (writers
+//! stop at the lease's end by their own clock). Only then are the blocks released.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -30,6 +31,8 @@ pub struct LeaseInfo {
     pub writer: String,
     pub state: LeaseState,
     pub since: Instant,
+    /// When the lease was granted: its TTL counts from here.
+    pub granted: Instant,
 }
 
 /// The OS random number generator failed (lease ids cannot be drawn).
@@ -88,6 +91,7 @@ impl LeaseTable {
                 writer: writer.to_owned(),
                 state: LeaseState::Live,
                 since: Instant::now(),
+                granted: Instant::now(),
             },
         );
         self.publish();
@@ -139,6 +143,9 @@ pub enum FenceProof {
     Acknowledged,
     /// Nothing listens on the prefill worker's address: its process (and its puts) are gone.
     WriterGone,
+    /// The lease ended more than the reclaim margin ago: the writer, which stops at the
+    /// lease's end by its own clock, has stopped (a frozen or partitioned writer).
+    DeadlinePassed,
 }
 
 impl FenceProof {
@@ -146,6 +153,7 @@ impl FenceProof {
         match self {
             FenceProof::Acknowledged => "acknowledged",
             FenceProof::WriterGone => "writer_gone",
+            FenceProof::DeadlinePassed => "deadline_passed",
         }
     }
 }

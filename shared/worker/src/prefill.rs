@@ -206,6 +206,7 @@ impl PrefillSide {
         let bb = self.block_bytes;
         let n = data.len() / bb;
         w.check_blocks(at, n, data.len(), bb)?;
+        crate::failpoints::prefill_silent().await;
         // The writer stops by its own clock: past the lease's end its owner may already
         // have given the blocks to another request.
         if Instant::now() >= w.deadline {

@@ -317,7 +317,12 @@ impl DisaggSides {
                     instance_id,
                     layout_id.clone(),
                     region,
-                    Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.into()),
+                    crate::decode::LeaseTimes {
+                        ttl: Duration::from_secs(cfg.disaggregation.kv_lease_ttl_secs.into()),
+                        reclaim_margin: Duration::from_secs(
+                            cfg.disaggregation.kv_lease_reclaim_margin_secs.into(),
+                        ),
+                    },
                     security.clone(),
                 )))
             }
