@@ -13,6 +13,7 @@
 //!   `power-of-two`, `direct`), the KV cost function, temperature sampling and busy thresholds;
 //! - [`config`]: [`KvRouterConfig`], the values behind the router flags;
 //! - [`metrics`]: metric names and recording helpers (facade only, no exporter);
+//! - [`replica`]: the load events router replicas share (`--router-replica-sync`);
 //! - [`router`]: [`KvRouter`], the thread-safe handle combining them for the serving layer.
 //!
 //! It does not own transport (gRPC/NATS subscriptions, asking a worker for a replay or dump),
@@ -22,6 +23,7 @@ pub mod config;
 pub mod indexer;
 pub mod metrics;
 pub mod protocols;
+pub mod replica;
 pub mod router;
 pub mod scheduling;
 pub mod sequences;
@@ -29,6 +31,7 @@ pub mod sequences;
 pub use config::{ConfigError, KvRouterConfig, RouterMode};
 pub use indexer::{ApplyOutcome, GapReport, IndexerError, KvIndexer, ResyncOutcome};
 pub use protocols::{OverlapScores, RouterEvent, WorkerId};
+pub use replica::{LoadEvent, LoadSink};
 pub use router::{KvRouter, RouteError};
 pub use scheduling::{SelectError, SelectOptions, Selection, WorkerInfo, WorkerSelector};
 pub use sequences::{ActiveSequences, LoadSource, NewRequest, WorkerLoad};

@@ -5,7 +5,7 @@
 //! together with the others; selection and AddRequest happen under the sequences lock, so two
 //! concurrent requests never both see a worker as idle and pile onto it.
 
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use crate::config::KvRouterConfig;
@@ -16,6 +16,7 @@ use crate::protocols::{
     sequence_hashes, KvCacheEvent, KvStoredDump, LocalBlockHash, OverlapScores, RouterEvent,
     WorkerId,
 };
+use crate::replica::{LoadEvent, LoadSink};
 use crate::scheduling::{SelectError, SelectOptions, Selection, WorkerInfo, WorkerSelector};
 use crate::sequences::{ActiveSequences, LoadSource, NewRequest, SequenceError, WorkerLoad};
 
@@ -35,6 +36,8 @@ pub struct KvRouter {
     approx: Option<Mutex<ApproxIndexer>>,
     sequences: Mutex<ActiveSequences>,
     selector: Mutex<WorkerSelector>,
+    /// Where this router's load changes go for its peer replicas (`--router-replica-sync`).
+    sink: OnceLock<LoadSink>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -51,7 +54,19 @@ impl KvRouter {
             approx: (!config.use_kv_events).then(|| Mutex::new(ApproxIndexer::new(&config))),
             sequences: Mutex::new(ActiveSequences::new(&config)),
             selector: Mutex::new(WorkerSelector::new(config.clone(), seed)),
+            sink: OnceLock::new(),
             config,
+        }
+    }
+
+    /// Sends this router's load changes to `sink` from now on (once; false if already set).
+    pub fn set_load_sink(&self, sink: LoadSink) -> bool {
+        self.sink.set(sink).is_ok()
+    }
+
+    fn emit(&self, event: impl FnOnce() -> LoadEvent) {
+        if let Some(sink) = self.sink.get() {
+            sink(event());
         }
     }
 
@@ -129,6 +144,14 @@ impl KvRouter {
             overlap_blocks: sel.overlap_blocks,
             block_size,
         })?;
+        self.emit(|| LoadEvent::AddRequest {
+            request_id: request_id.to_string(),
+            worker_id: sel.worker_id,
+            seq_hashes,
+            isl_tokens,
+            overlap_blocks: sel.overlap_blocks,
+            block_size,
+        });
         metrics::record_worker_load(sel.worker_id, &seqs.load(sel.worker_id));
         drop(seqs);
         if let Some(a) = &self.approx {
@@ -155,6 +178,11 @@ impl KvRouter {
         let mut seqs = lock(&self.sequences);
         let worker = seqs.worker_of(request_id);
         let known = seqs.mark_prefill_completed(request_id);
+        if known {
+            self.emit(|| LoadEvent::MarkPrefillCompleted {
+                request_id: request_id.to_string(),
+            });
+        }
         if let Some(w) = worker {
             metrics::record_worker_load(w, &seqs.load(w));
         }
@@ -166,6 +194,11 @@ impl KvRouter {
         let mut seqs = lock(&self.sequences);
         let worker = seqs.worker_of(request_id);
         let known = seqs.free(request_id);
+        if known {
+            self.emit(|| LoadEvent::Free {
+                request_id: request_id.to_string(),
+            });
+        }
         if let Some(w) = worker {
             metrics::record_worker_load(w, &seqs.load(w));
         }
@@ -174,7 +207,80 @@ impl KvRouter {
 
     /// Frees requests older than `active_request_expiry_secs`; call periodically.
     pub fn expire_stale(&self) -> Vec<String> {
-        lock(&self.sequences).expire_stale(Instant::now())
+        let mut seqs = lock(&self.sequences);
+        let gone = seqs.expire_stale(Instant::now());
+        for id in &gone {
+            self.emit(|| LoadEvent::Free {
+                request_id: id.clone(),
+            });
+        }
+        gone
+    }
+
+    /// Announces every request this router has in flight (a [`LoadEvent::Live`]), ordered
+    /// with its other load events; call every few seconds when replicas sync.
+    pub fn announce_live(&self) {
+        let seqs = lock(&self.sequences);
+        self.emit(|| LoadEvent::Live {
+            request_ids: seqs.local_request_ids(),
+        });
+    }
+
+    /// Applies a load change of the peer replica `peer`.
+    pub fn apply_peer(&self, peer: u64, event: LoadEvent) {
+        let mut seqs = lock(&self.sequences);
+        let worker = match &event {
+            LoadEvent::AddRequest {
+                request_id,
+                worker_id,
+                seq_hashes,
+                isl_tokens,
+                overlap_blocks,
+                block_size,
+            } => {
+                let req = NewRequest {
+                    request_id,
+                    worker_id: *worker_id,
+                    seq_hashes,
+                    isl_tokens: *isl_tokens,
+                    overlap_blocks: *overlap_blocks,
+                    block_size: *block_size,
+                };
+                seqs.add_peer_request(peer, req, Instant::now());
+                Some(*worker_id)
+            }
+            LoadEvent::MarkPrefillCompleted { request_id } => {
+                let w = seqs.worker_of_peer(peer, request_id);
+                seqs.mark_peer_prefill_completed(peer, request_id);
+                w
+            }
+            LoadEvent::Free { request_id } => {
+                let w = seqs.worker_of_peer(peer, request_id);
+                seqs.free_peer(peer, request_id);
+                w
+            }
+            LoadEvent::Live { request_ids } => {
+                let live = request_ids.iter().map(String::as_str).collect();
+                let dropped = seqs.retain_peer(peer, &live);
+                if dropped > 0 {
+                    tracing::info!(peer, dropped, "a peer router's lost request ends healed");
+                }
+                None
+            }
+        };
+        if let Some(w) = worker {
+            metrics::record_worker_load(w, &seqs.load(w));
+        }
+    }
+
+    /// A peer replica left or fell silent: its requests' load goes. Returns how many.
+    pub fn remove_peer(&self, peer: u64) -> usize {
+        let mut seqs = lock(&self.sequences);
+        let n = seqs.remove_peer(peer);
+        for (w, load) in seqs.loads() {
+            metrics::record_worker_load(w, &load);
+        }
+        n
     }
 
     pub fn worker_load(&self, worker: WorkerId) -> WorkerLoad {
@@ -320,6 +426,58 @@ mod tests {
         r.mark_prefill_completed("a");
         assert!(!r.should_queue(&ws));
         assert!(!r.should_queue(&[]));
+    }
+
+    #[test]
+    fn a_replica_sees_its_peers_load_and_queues_on_it() {
+        let cfg = KvRouterConfig {
+            router_mode: RouterMode::RoundRobin,
+            router_queue_threshold: Some(0.01),
+            ..Default::default()
+        };
+        let a = KvRouter::new(cfg.clone(), Some(1));
+        let b = KvRouter::new(cfg, Some(1));
+        let sent = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let to = sent.clone();
+        assert!(a.set_load_sink(Box::new(move |ev| lock(&to).push(ev))));
+        assert!(!a.set_load_sink(Box::new(|_| {})), "the sink is set once");
+        let ws = workers();
+        let locals: Vec<LocalBlockHash> = (1..=16).map(LocalBlockHash).collect();
+        a.route("a", &locals, 64, &ws, &SelectOptions::default())
+            .unwrap();
+        a.route("b", &locals, 64, &ws, &SelectOptions::default())
+            .unwrap();
+        let deliver = |b: &KvRouter| {
+            for ev in lock(&sent).drain(..) {
+                b.apply_peer(7, ev);
+            }
+        };
+        deliver(&b);
+        // Both workers are saturated by the peer's two requests: b queues too.
+        assert!(b.should_queue(&ws));
+        assert_eq!(b.worker_load(1).active_requests, 1);
+        a.mark_prefill_completed("a");
+        deliver(&b);
+        assert!(!b.should_queue(&ws));
+        // A lost Free heals with the next list of what the peer has in flight.
+        a.free("a");
+        lock(&sent).clear();
+        a.announce_live();
+        assert_eq!(
+            lock(&sent).last(),
+            Some(&LoadEvent::Live {
+                request_ids: vec!["b".into()]
+            })
+        );
+        deliver(&b);
+        assert_eq!(
+            b.worker_load(1).active_requests + b.worker_load(2).active_requests,
+            1
+        );
+        // The peer leaves: its load goes with it; b's own requests never travel back.
+        assert_eq!(b.remove_peer(7), 1);
+        assert_eq!(b.worker_load(1), WorkerLoad::default());
+        assert_eq!(b.worker_load(2), WorkerLoad::default());
     }
 
     #[test]

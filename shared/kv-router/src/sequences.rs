@@ -9,6 +9,12 @@
 //!
 //! With `router_assume_kv_reuse`, requests sharing a prefix on one worker share its blocks
 //! (counted once, by sequence hash); without it every request's blocks are its own.
+//!
+//! Router replicas (`--router-replica-sync`) also count each other's requests: a peer's
+//! requests are kept apart by the peer's id ([`ActiveSequences::add_peer_request`] and its
+//! siblings), so a peer that leaves takes exactly its own load with it
+//! ([`ActiveSequences::remove_peer`]), and a peer's list of what it still has in flight drops
+//! requests whose end was lost ([`ActiveSequences::retain_peer`]).
 
 use std::time::{Duration, Instant};
 
@@ -83,7 +89,10 @@ struct Entry {
 /// Active requests of every worker.
 pub struct ActiveSequences {
     workers: FxHashMap<WorkerId, WorkerSeqs>,
+    /// This router's own requests.
     requests: FxHashMap<String, Entry>,
+    /// Peer router replicas' requests, by the peer's id.
+    peers: FxHashMap<u64, FxHashMap<String, Entry>>,
     track_blocks: bool,
     track_prefill: bool,
     assume_reuse: bool,
@@ -95,6 +104,7 @@ impl ActiveSequences {
         Self {
             workers: FxHashMap::default(),
             requests: FxHashMap::default(),
+            peers: FxHashMap::default(),
             track_blocks: config.router_track_active_blocks,
             track_prefill: config.router_track_prefill_tokens,
             assume_reuse: config.router_assume_kv_reuse,
@@ -115,6 +125,31 @@ impl ActiveSequences {
         if self.requests.contains_key(req.request_id) {
             return Err(SequenceError::DuplicateRequest(req.request_id.to_string()));
         }
+        let entry = self.enter(&req, now);
+        self.requests.insert(req.request_id.to_string(), entry);
+        Ok(())
+    }
+
+    /// Counts the load of a request a peer router replica routed. Returns false (and changes
+    /// nothing) when the peer already has a request of that id.
+    pub fn add_peer_request(&mut self, peer: u64, req: NewRequest<'_>, now: Instant) -> bool {
+        if self
+            .peers
+            .get(&peer)
+            .is_some_and(|m| m.contains_key(req.request_id))
+        {
+            return false;
+        }
+        let entry = self.enter(&req, now);
+        self.peers
+            .entry(peer)
+            .or_default()
+            .insert(req.request_id.to_string(), entry);
+        true
+    }
+
+    /// Adds a request's load to its worker and returns the entry that undoes it.
+    fn enter(&mut self, req: &NewRequest<'_>, now: Instant) -> Entry {
         let cached = (req.overlap_blocks as usize)
             .saturating_mul(req.block_size as usize)
             .min(req.isl_tokens);
@@ -140,17 +175,13 @@ impl ActiveSequences {
         w.private_blocks += private_blocks;
         w.prefill_tokens += prefill_tokens;
         w.requests += 1;
-        self.requests.insert(
-            req.request_id.to_string(),
-            Entry {
-                worker: req.worker_id,
-                shared,
-                private_blocks,
-                prefill_tokens,
-                started: now,
-            },
-        );
-        Ok(())
+        Entry {
+            worker: req.worker_id,
+            shared,
+            private_blocks,
+            prefill_tokens,
+            started: now,
+        }
     }
 
     /// The request's prompt is computed (first token seen): its prefill load ends. Returns
@@ -159,10 +190,7 @@ impl ActiveSequences {
         let Some(e) = self.requests.get_mut(request_id) else {
             return false;
         };
-        if let Some(w) = self.workers.get_mut(&e.worker) {
-            w.prefill_tokens = w.prefill_tokens.saturating_sub(e.prefill_tokens);
-        }
-        e.prefill_tokens = 0;
+        complete_prefill(&mut self.workers, e);
         true
     }
 
@@ -176,37 +204,125 @@ impl ActiveSequences {
         true
     }
 
-    /// Frees requests added more than the expiry ago; returns their ids.
-    pub fn expire_stale(&mut self, now: Instant) -> Vec<String> {
-        let expiry = self.expiry;
-        let stale: Vec<String> = self
-            .requests
-            .iter()
-            .filter(|(_, e)| now.saturating_duration_since(e.started) > expiry)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in &stale {
-            self.free(id);
-        }
-        if !stale.is_empty() {
-            tracing::warn!(count = stale.len(), "expired stale active requests");
-        }
-        stale
+    /// A peer's request reached its first token. False when unknown.
+    pub fn mark_peer_prefill_completed(&mut self, peer: u64, request_id: &str) -> bool {
+        let Some(e) = self
+            .peers
+            .get_mut(&peer)
+            .and_then(|m| m.get_mut(request_id))
+        else {
+            return false;
+        };
+        complete_prefill(&mut self.workers, e);
+        true
     }
 
-    /// Drops a worker that left, with its requests; returns their ids.
-    pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<String> {
-        let ids: Vec<String> = self
-            .requests
-            .iter()
-            .filter(|(_, e)| e.worker == worker)
-            .map(|(id, _)| id.clone())
+    /// A peer's request ended. False when unknown.
+    pub fn free_peer(&mut self, peer: u64, request_id: &str) -> bool {
+        let Some(m) = self.peers.get_mut(&peer) else {
+            return false;
+        };
+        let Some(e) = m.remove(request_id) else {
+            return false;
+        };
+        if m.is_empty() {
+            self.peers.remove(&peer);
+        }
+        self.release(e);
+        true
+    }
+
+    /// Keeps only the peer's requests in `live` (the peer's own list of what it has in
+    /// flight); returns how many were dropped (their end never reached this router).
+    pub fn retain_peer(&mut self, peer: u64, live: &rustc_hash::FxHashSet<&str>) -> usize {
+        let Some(m) = self.peers.get_mut(&peer) else {
+            return 0;
+        };
+        let gone: Vec<String> = m
+            .keys()
+            .filter(|id| !live.contains(id.as_str()))
+            .cloned()
             .collect();
+        for id in &gone {
+            self.free_peer(peer, id);
+        }
+        gone.len()
+    }
+
+    /// A peer left (or fell silent): all its requests' load goes. Returns how many.
+    pub fn remove_peer(&mut self, peer: u64) -> usize {
+        let Some(m) = self.peers.remove(&peer) else {
+            return 0;
+        };
+        let n = m.len();
+        for e in m.into_values() {
+            self.release(e);
+        }
+        n
+    }
+
+    /// The peers with requests counted here (a peer with none is not listed).
+    pub fn peer_ids(&self) -> Vec<u64> {
+        self.peers.keys().copied().collect()
+    }
+
+    /// This router's own requests in flight.
+    pub fn local_request_ids(&self) -> Vec<String> {
+        self.requests.keys().cloned().collect()
+    }
+
+    /// Frees requests added more than the expiry ago; returns this router's own (peers'
+    /// stale requests go too, uncounted: their router reports its own).
+    pub fn expire_stale(&mut self, now: Instant) -> Vec<String> {
+        let expiry = self.expiry;
+        let stale = |m: &FxHashMap<String, Entry>| -> Vec<String> {
+            m.iter()
+                .filter(|(_, e)| now.saturating_duration_since(e.started) > expiry)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        let own = stale(&self.requests);
+        for id in &own {
+            self.free(id);
+        }
+        let peers: Vec<(u64, Vec<String>)> =
+            self.peers.iter().map(|(&p, m)| (p, stale(m))).collect();
+        for (peer, ids) in peers {
+            for id in ids {
+                self.free_peer(peer, &id);
+            }
+        }
+        if !own.is_empty() {
+            tracing::warn!(count = own.len(), "expired stale active requests");
+        }
+        own
+    }
+
+    /// Drops a worker that left, with its requests (peers' too); returns this router's own.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<String> {
+        let on_worker = |m: &FxHashMap<String, Entry>| -> Vec<String> {
+            m.iter()
+                .filter(|(_, e)| e.worker == worker)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        let ids = on_worker(&self.requests);
         for id in &ids {
             self.requests.remove(id);
         }
+        for m in self.peers.values_mut() {
+            for id in on_worker(m) {
+                m.remove(&id);
+            }
+        }
+        self.peers.retain(|_, m| !m.is_empty());
         self.workers.remove(&worker);
         ids
+    }
+
+    /// Worker of a peer's active request.
+    pub fn worker_of_peer(&self, peer: u64, request_id: &str) -> Option<WorkerId> {
+        self.peers.get(&peer)?.get(request_id).map(|e| e.worker)
     }
 
     /// Worker of an active request.
@@ -241,6 +357,14 @@ impl ActiveSequences {
         w.prefill_tokens = w.prefill_tokens.saturating_sub(e.prefill_tokens);
         w.requests = w.requests.saturating_sub(1);
     }
+}
+
+/// Ends a request's prefill load on its worker.
+fn complete_prefill(workers: &mut FxHashMap<WorkerId, WorkerSeqs>, e: &mut Entry) {
+    if let Some(w) = workers.get_mut(&e.worker) {
+        w.prefill_tokens = w.prefill_tokens.saturating_sub(e.prefill_tokens);
+    }
+    e.prefill_tokens = 0;
 }
 
 impl LoadSource for ActiveSequences {
@@ -383,5 +507,61 @@ mod tests {
         assert_eq!(s.active_request_count(), 0);
         assert_eq!(s.worker_of("new"), None);
         assert_eq!(s.load(1), WorkerLoad::default());
+    }
+
+    #[test]
+    fn peers_requests_count_and_leave_with_their_peer() {
+        let mut s = ActiveSequences::new(&KvRouterConfig::default());
+        let now = Instant::now();
+        s.add_request(req("mine", 1, &eh(&[11]), 4, 0)).unwrap();
+        // The same request id from two peers is two requests; a repeat from one is ignored.
+        assert!(s.add_peer_request(7, req("x", 1, &eh(&[12]), 4, 0), now));
+        assert!(s.add_peer_request(8, req("x", 2, &eh(&[13]), 8, 0), now));
+        assert!(!s.add_peer_request(7, req("x", 1, &eh(&[12]), 4, 0), now));
+        assert!(s.add_peer_request(7, req("y", 1, &eh(&[14]), 4, 0), now));
+        assert_eq!(s.load(1).active_requests, 3);
+        assert_eq!(s.load(1).active_prefill_tokens, 12);
+        assert_eq!(s.load(2).active_requests, 1);
+        // A peer's request never touches this router's own, nor another peer's.
+        assert!(!s.free("x"));
+        assert!(s.mark_peer_prefill_completed(7, "x"));
+        assert_eq!(s.load(1).active_prefill_tokens, 8);
+        assert!(!s.mark_peer_prefill_completed(9, "x"));
+        // The peer's list of what it has in flight drops the ones whose end was lost.
+        let live: rustc_hash::FxHashSet<&str> = ["y"].into_iter().collect();
+        assert_eq!(s.retain_peer(7, &live), 1);
+        assert_eq!(s.load(1).active_requests, 2);
+        assert!(s.free_peer(8, "x"));
+        assert!(!s.free_peer(8, "x"));
+        assert_eq!(s.load(2), WorkerLoad::default());
+        // A peer that leaves takes its load; this router's stays.
+        assert_eq!(s.remove_peer(7), 1);
+        assert_eq!(s.remove_peer(7), 0);
+        assert_eq!(s.local_request_ids(), vec!["mine".to_string()]);
+        assert!(s.free("mine"));
+        assert_eq!(s.load(1), WorkerLoad::default());
+        assert!(s.peer_ids().is_empty());
+    }
+
+    #[test]
+    fn peers_requests_expire_and_leave_with_their_worker() {
+        let cfg = KvRouterConfig {
+            active_request_expiry_secs: 60,
+            ..Default::default()
+        };
+        let mut s = ActiveSequences::new(&cfg);
+        let t0 = Instant::now();
+        assert!(s.add_peer_request(7, req("old", 1, &eh(&[1]), 4, 0), t0));
+        assert!(s.add_peer_request(
+            7,
+            req("w2", 2, &eh(&[2]), 4, 0),
+            t0 + Duration::from_secs(30)
+        ));
+        // Expiry frees a peer's stale request but reports only this router's own.
+        assert!(s.expire_stale(t0 + Duration::from_secs(61)).is_empty());
+        assert_eq!(s.load(1), WorkerLoad::default());
+        assert!(s.remove_worker(2).is_empty());
+        assert_eq!(s.load(2), WorkerLoad::default());
+        assert!(!s.free_peer(7, "w2"));
     }
 }
