@@ -44,6 +44,8 @@ pub struct AppState {
     pub channels: Arc<ChannelSecurity>,
     /// Fetches http(s) image URLs.
     pub fetcher: Arc<crate::media_fetch::Fetcher>,
+    /// This router among its replicas (`--router-replica-sync`).
+    pub replicas: Option<Arc<crate::replicas::Replicas>>,
 }
 
 impl AppState {
@@ -63,7 +65,14 @@ impl AppState {
         ));
         let keys = Arc::new(ApiKeys::new(cfg.security.api_keys.keys()));
         let fetcher = Arc::new(crate::media::fetcher(&cfg.media)?);
+        let replicas = cfg
+            .routing
+            .replica_sync
+            .then(crate::replicas::Replicas::new)
+            .transpose()?
+            .map(Arc::new);
         Ok(AppState {
+            replicas,
             fetcher,
             limits: Arc::new(CallerLimits::new(a, keys.len())),
             keys,
@@ -307,6 +316,10 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
             .with_security(&state.channels),
     )
     .await?;
+    let replica_registration = match &state.replicas {
+        Some(r) => Some(crate::replicas::start(&state, r.clone(), &discovery).await?),
+        None => None,
+    };
     tokio::spawn({
         let state = state.clone();
         restart_forever("the discovery watcher", move || {
@@ -341,6 +354,12 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
             let admin =
                 crate::server::serve(admin, admin_app(state), &http, None, shutdown.clone());
             tokio::join!(public, admin);
+        }
+    }
+    if let Some(r) = replica_registration {
+        // Peers drop this router's load now rather than when its lease runs out.
+        if let Err(e) = r.deregister().await {
+            tracing::warn!("leaving the router replicas: {e}");
         }
     }
     Ok(())

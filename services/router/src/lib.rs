@@ -24,6 +24,7 @@ pub mod openai;
 pub mod params;
 pub mod prepare;
 pub mod queue;
+pub mod replicas;
 pub mod respond;
 pub mod server;
 pub mod tenancy;

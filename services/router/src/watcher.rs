@@ -11,6 +11,7 @@ use tandem_runtime::discovery::{Discovery, DiscoveryEvent};
 
 use crate::app::AppState;
 use crate::models::{connect_lazy, fetch_assets};
+use crate::replicas::COMPONENT;
 
 /// Why a worker found in discovery is not routed to.
 #[derive(Debug, thiserror::Error)]
@@ -148,15 +149,33 @@ pub async fn run(state: AppState, discovery: Arc<dyn Discovery>) -> anyhow::Resu
             remove_worker(&state, id);
         }
     }
+    if let Some(r) = &state.replicas {
+        r.retain(&state, &live);
+    }
     let mut watch = discovery.watch(namespace).await?;
     while let Some(event) = watch.recv().await {
         match event {
+            // Router replicas register too (`--router-replica-sync`): they are peers, not
+            // workers.
+            DiscoveryEvent::Added { instance, card } if instance.component == COMPONENT => {
+                if let Some(r) = &state.replicas {
+                    r.peer_added(&instance, &card);
+                }
+            }
             DiscoveryEvent::Added { instance, card } => {
                 if !state.registry.contains(instance.instance_id) {
                     add_worker(&state, card).await;
                 }
             }
-            DiscoveryEvent::Removed { instance_id } => remove_worker(&state, instance_id),
+            DiscoveryEvent::Removed { instance_id } => {
+                let peer = state
+                    .replicas
+                    .as_ref()
+                    .is_some_and(|r| r.peer_removed(&state, instance_id));
+                if !peer {
+                    remove_worker(&state, instance_id);
+                }
+            }
         }
     }
     anyhow::bail!("the discovery watch ended")

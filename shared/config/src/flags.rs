@@ -339,7 +339,8 @@ pub static FLAGS: &[FlagSpec] = &[
         "Also count the blocks that outputs will grow into.")
         .env("DYN_ROUTER_TRACK_OUTPUT_BLOCKS").default("false").scope(Scope::Router),
     FlagSpec::new("router-replica-sync", Bool, Router,
-        "Share in-flight request state between router replicas.")
+        "Share the load of in-flight requests with the namespace's other router replicas, over \
+         NATS (needs --event-plane nats), so a load balancer can front several routers.")
         .env("DYN_ROUTER_REPLICA_SYNC").default("false").scope(Scope::Router),
     FlagSpec::new("router-durable-kv-events", Bool, Router,
         "Deprecated JetStream-backed KV events.")

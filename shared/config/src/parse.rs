@@ -365,6 +365,8 @@ pub struct RoutingConfig {
     pub disagg_prefill_threshold_tokens: u32,
     /// Prefill locally when the decode worker holds at least this fraction of the prompt.
     pub disagg_decode_hit_ratio: f64,
+    /// `--router-replica-sync`: share in-flight load with the other routers over NATS.
+    pub replica_sync: bool,
 }
 
 pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig, ConfigError> {
@@ -431,6 +433,7 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
             router_min_initial_workers: g.u32("router-min-initial-workers")?,
             router_ttl_secs: non_negative("router-ttl-secs")?,
             router_max_tree_size: g.u32("router-max-tree-size")?,
+            replica_sync: replica_sync(&resolved)?,
             enforce_disagg: g.bool("enforce-disagg")?,
             disagg_prefill_threshold_tokens: g.u32("disagg-prefill-threshold-tokens")?,
             disagg_decode_hit_ratio: {
@@ -460,6 +463,21 @@ pub fn parse_router(args: &[String], env: EnvLookup<'_>) -> Result<RouterConfig,
         print_config: g.bool("print-config")?,
         warnings: resolved.warnings.clone(),
     })
+}
+
+/// `--router-replica-sync`, which travels on the NATS event plane.
+fn replica_sync(resolved: &Resolved) -> Result<bool, ConfigError> {
+    let g = Get(resolved);
+    let on = g.bool("router-replica-sync")?;
+    if on && g.string("event-plane")? != "nats" {
+        return Err(ConfigError::InvalidValue {
+            origin: resolved.origin("router-replica-sync"),
+            value: "true".into(),
+            reason: "router replicas share their load over NATS: it needs --event-plane nats"
+                .into(),
+        });
+    }
+    Ok(on)
 }
 
 /// The public port's API keys, admin listener, worker-id header and TLS files.

@@ -257,7 +257,6 @@ pub(crate) fn check_default(
 /// Router flags whose non-default value asks for something not implemented yet.
 pub const ROUTER_NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
     ("router-track-output-blocks", "output-block tracking"),
-    ("router-replica-sync", "router replica sync"),
     ("router-durable-kv-events", "JetStream KV events"),
     ("router-snapshot-threshold", "JetStream KV events"),
     ("router-reset-states", "JetStream KV events"),
