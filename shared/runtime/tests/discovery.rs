@@ -501,3 +501,31 @@ async fn etcd_outage_watch_and_registration_recover() {
         "{ids:?}"
     );
 }
+
+#[tokio::test]
+async fn etcd_registration_comes_back_after_its_lease_is_lost() {
+    let server = EtcdServer::start().expect("etcd for tests");
+    let ttl = Duration::from_secs(3);
+    let d = etcd_backend(&server, ttl).await;
+    let ns = unique_ns("lost");
+    let i = instance(&ns, "backend", "agg");
+    let mut w = d.watch(&ns).await.unwrap();
+    let _reg = d.register(i.clone(), json!({"m": 1})).await.unwrap();
+    assert_eq!(added_id(&next(&mut w).await), i.instance_id);
+    // What a process cut off from etcd past its TTL finds when it is back: its lease is gone
+    // (revoked here, as etcd expires it). It registers again under a new lease.
+    let mut client = d.client();
+    let resp = client.get(i.instance_key(), None).await.unwrap();
+    let lease = resp.kvs().first().expect("registered").lease();
+    client.lease_revoke(lease).await.unwrap();
+    assert_eq!(
+        next(&mut w).await,
+        DiscoveryEvent::Removed {
+            instance_id: i.instance_id
+        }
+    );
+    assert_eq!(added_id(&next(&mut w).await), i.instance_id);
+    let listed = d.list(&ns, None).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].card, json!({"m": 1}));
+}

@@ -224,18 +224,13 @@ async fn keep_registered(
         match keep_alive(&mut client, &opts, current).await {
             KeepAliveEnd::LeaseLost => {
                 tracing::warn!(key = %rec.instance_key, "etcd lease expired; registering again");
-                loop {
-                    match put_with_new_lease(&mut client, &opts, &rec).await {
-                        Ok(new) => {
-                            lease.store(new, Ordering::SeqCst);
-                            break;
-                        }
-                        Err(err) => {
-                            tracing::warn!(%err, "etcd re-registration failed; retrying");
-                            tokio::time::sleep(opts.retry_delay).await;
-                        }
-                    }
-                }
+                register_again(&mut client, &opts, &rec, &lease).await;
+            }
+            // A failed keep-alive on a lease etcd no longer has (it expired while this process
+            // was cut off) would fail for ever: register again instead.
+            KeepAliveEnd::Failed(_) if lease_expired(&mut client, &opts, current).await => {
+                tracing::warn!(key = %rec.instance_key, "etcd lease expired; registering again");
+                register_again(&mut client, &opts, &rec, &lease).await;
             }
             KeepAliveEnd::Failed(err) => {
                 tracing::warn!(%err, key = %rec.instance_key, "etcd keep-alive interrupted; retrying");
@@ -243,6 +238,31 @@ async fn keep_registered(
             }
         }
     }
+}
+
+/// Writes the record again under a new lease, retrying until etcd takes it.
+async fn register_again(client: &mut Client, opts: &EtcdOptions, rec: &Record, lease: &AtomicI64) {
+    loop {
+        match put_with_new_lease(client, opts, rec).await {
+            Ok(new) => {
+                lease.store(new, Ordering::SeqCst);
+                return;
+            }
+            Err(err) => {
+                tracing::warn!(%err, "etcd re-registration failed; retrying");
+                tokio::time::sleep(opts.retry_delay).await;
+            }
+        }
+    }
+}
+
+/// Whether etcd answers that `lease` no longer exists (its TimeToLive reports TTL -1 for an
+/// unknown lease). False when etcd cannot be asked.
+async fn lease_expired(client: &mut Client, opts: &EtcdOptions, lease: i64) -> bool {
+    matches!(
+        bounded(opts, client.lease_time_to_live(lease, None)).await,
+        Ok(resp) if resp.ttl() <= 0
+    )
 }
 
 struct EtcdRegistration {
@@ -255,13 +275,10 @@ struct EtcdRegistration {
 
 async fn revoke(mut client: Client, opts: Arc<EtcdOptions>, lease: i64) -> Result<()> {
     match bounded(&opts, client.lease_revoke(lease)).await {
+        Ok(_) => Ok(()),
         // Already expired: the keys are gone, which is what was asked for.
-        Err(DiscoveryError::Etcd(etcd_client::Error::GRpcStatus(s)))
-            if s.message().contains("lease not found") =>
-        {
-            Ok(())
-        }
-        other => other.map(|_| ()),
+        Err(_) if lease_expired(&mut client, &opts, lease).await => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
