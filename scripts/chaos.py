@@ -2,29 +2,37 @@
 """The chaos matrix: faults injected into a running deployment under a steady load.
 
 Each run starts a fresh deployment on this machine (mutual TLS on every channel, from
-`tandem certs`): etcd, NATS, two routers, and two prefill + two decode workers (`pd`, KV over
-TCP; disaggregated topology) or two aggregated workers (agg topology), discovery in etcd and
-KV events on NATS. A tandem-loadtest runs against each router (Poisson arrivals, per-request
+`tandem certs`): etcd, NATS, two routers sharing their load (`--router-replica-sync`), and two
+prefill + two decode workers (`pd`, KV over TCP; disaggregated topology) or two aggregated
+workers (agg topology), discovery in etcd and KV events on NATS. A tandem-loadtest runs against each router (Poisson arrivals, per-request
 timeout 60 s: a request still open by then counts as hung). A few seconds in, one fault hits;
 when the load ends the run waits (bounded) for every surviving worker to go back to its
-baseline: nothing running or waiting, no KV held by sequences.
+baseline: nothing running or waiting, no KV held by sequences, no lease live or quarantined.
 
 Faults: kill -9 and SIGTERM of a decode (or aggregated) worker and of a prefill worker, a
 decode worker frozen for 8 s (SIGSTOP, then SIGCONT: a host that stops answering, as a network
-partition looks to its peers; the kernel keeps its sockets open), etcd and NATS restarted
+partition looks to its peers; the kernel keeps its sockets open), a silent prefill worker for
+10 s (it accepts leases, then neither writes nor answers FenceLease: the failpoint
+TANDEM_FAILPOINT_PREFILL_SILENT_FILE; decode workers run with a 5 s lease TTL and a 2 s
+reclaim margin), decode worker 0 cut off by the network for 15 s (it runs in a network
+namespace of its own, joined to the others by a veth pair whose link goes down, then up: its
+peers see silence, then its connections and its etcd lease lapse; root is needed), etcd and
+NATS restarted
 (killed, down 3 s, started again on the same data), and kill -9 of router 2 (its own clients
 fail; router 1's must not).
 
 Per run: requests completed / failed (with the loadtest's error classes) / hung, per router;
-time to recover (from the fault to the first request started after it that succeeded); and
-whether the workers went back to baseline.
+time to recover (from the fault to the first request started after it that succeeded);
+whether the workers went back to baseline; and whether every surviving decode worker serves
+requests again afterwards (a partitioned or frozen one must come back).
 
 Usage: scripts/chaos.py [--bin target/debug] [--subset ci|full] [--out chaos-out]
        [--write-doc docs/reliability.md]
-`ci`: disaggregated, migration on, kill -9 decode, SIGTERM prefill, freeze decode, etcd
-restart, kill -9 router (about 5 minutes). `full`: every fault x {agg, disagg} x migration
+`ci`: disaggregated, migration on, kill -9 decode, SIGTERM prefill, freeze decode, silent
+prefill, decode partition, etcd restart, kill -9 router (about 8 minutes). `full`: every fault x {agg, disagg} x migration
 {on, off}. Binaries: tandem, tandem-router, tandem-decode, tandem-prefill, tandem-loadtest
-(cargo build --workspace --bins). Needs etcd and nats-server.
+(cargo build --workspace --bins, the prefill worker with its `failpoints` feature). Needs etcd
+and nats-server.
 """
 
 import argparse
@@ -46,14 +54,22 @@ RATE = 3.0  # requests per second, per router
 DURATION = 24  # seconds of load
 FAULT_AT = 6  # seconds into the load
 FREEZE_SECS = 8
+SILENT_SECS = 10
+PARTITION_SECS = 15  # past the router's keep-alive (10 s) and etcd's lease TTL (10 s)
+NETNS = "tandem-chaos"
+HOST_IP, NS_IP = "10.78.0.1", "10.78.0.2"  # the veth's two ends
+LEASE_TTL = 5  # decode workers' --kv-lease-ttl-secs
+RECLAIM_MARGIN = 2  # decode workers' --kv-lease-reclaim-margin-secs
 DOWN_SECS = 3  # etcd / NATS outage
 TIMEOUT = 60  # per request: past it, a request is hung
 BASELINE_WAIT = 40  # seconds for the workers to settle after the load
 
 FAULTS = ["decode-kill9", "decode-sigterm", "prefill-kill9", "prefill-sigterm",
-          "decode-freeze", "etcd-restart", "nats-restart", "router-kill9"]
+          "decode-freeze", "prefill-silent", "decode-partition", "etcd-restart", "nats-restart",
+          "router-kill9"]
 CI = [("disagg", True, f) for f in
-      ["decode-kill9", "prefill-sigterm", "decode-freeze", "etcd-restart", "router-kill9"]]
+      ["decode-kill9", "prefill-sigterm", "decode-freeze", "prefill-silent", "decode-partition",
+       "etcd-restart", "router-kill9"]]
 
 
 def free_port():
@@ -89,14 +105,15 @@ def wait_for(what, check, timeout=120):
 class Proc:
     """A process of the deployment: how to start it, its log, its ready line."""
 
-    def __init__(self, dep, name, args, ready=None):
+    def __init__(self, dep, name, args, ready=None, env=None):
         self.dep, self.name, self.args, self.ready = dep, name, args, ready
+        self.env = dict(dep.env, **(env or {}))
         self.p = None
         self.line = None
 
     def start(self):
         log = open(self.dep.dir / f"{self.name}.log", "a")
-        self.p = subprocess.Popen(self.args, env=self.dep.env, stdout=subprocess.PIPE,
+        self.p = subprocess.Popen(self.args, env=self.env, stdout=subprocess.PIPE,
                                   stderr=log, text=True)
         if self.ready:
             deadline = time.time() + 120
@@ -129,13 +146,22 @@ class Proc:
 class Deployment:
     """etcd, NATS, two routers and the workers of one topology, under mutual TLS."""
 
-    def __init__(self, bins, workdir, topology, migration):
+    def __init__(self, bins, workdir, topology, migration, netns=False):
         self.bins = bins
+        # With `netns`, decode-0 runs in a namespace of its own and everything else listens on
+        # the host end of its veth.
+        self.netns = netns
+        host = HOST_IP if netns else "127.0.0.1"
+        if netns:
+            make_netns()
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-chaos-", dir=workdir))
         self.env = dict(os.environ, RUST_LOG="warn")
+        # Only prefill-0 goes silent, while this file exists (failpoints build).
+        self.silent = self.dir / "silent-prefill-0"
         self.procs = {}
         pki = self.dir / "pki"
-        subprocess.run([str(bins / "tandem"), "certs", "--out", str(pki), "--host", "127.0.0.1"],
+        subprocess.run([str(bins / "tandem"), "certs", "--out", str(pki), "--host", "127.0.0.1",
+                        "--host", HOST_IP, "--host", NS_IP],
                        check=True,
                        stdout=subprocess.DEVNULL)
         model = self.dir / "model"
@@ -145,8 +171,8 @@ class Deployment:
         self.etcd_health = f"http://127.0.0.1:{etcd_metrics}/health"
         self.add("etcd", [
             "etcd", "--name", "chaos", "--data-dir", str(self.dir / "etcd"),
-            "--listen-client-urls", f"https://127.0.0.1:{etcd_port}",
-            "--advertise-client-urls", f"https://127.0.0.1:{etcd_port}",
+            "--listen-client-urls", f"https://{host}:{etcd_port}",
+            "--advertise-client-urls", f"https://{host}:{etcd_port}",
             "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-cluster", f"chaos=http://127.0.0.1:{etcd_peer}",
@@ -155,39 +181,47 @@ class Deployment:
             "--trusted-ca-file", str(pki / "ca.crt"), "--client-cert-auth",
             "--log-level", "warn"])
         nats_port = free_port()
-        self.nats_port = nats_port
+        self.nats_port, self.nats_host = nats_port, host
         self.add("nats", [
-            "nats-server", "-a", "127.0.0.1", "-p", str(nats_port), "--tlsverify",
+            "nats-server", "-a", host, "-p", str(nats_port), "--tlsverify",
             "--tlscert", str(pki / "node.crt"), "--tlskey", str(pki / "node.key"),
             "--tlscacert", str(pki / "ca.crt")])
         common = ["--internal-tls-dir", str(pki), "--discovery-backend", "etcd",
-                  "--etcd-endpoints", f"https://127.0.0.1:{etcd_port}",
-                  "--event-plane", "nats", "--nats-server", f"tls://127.0.0.1:{nats_port}"]
+                  "--etcd-endpoints", f"https://{host}:{etcd_port}",
+                  "--event-plane", "nats", "--nats-server", f"tls://{host}:{nats_port}"]
         worker = common + ["--model-path", str(model), "--publish-kv-events",
-                           "--rpc-host", "127.0.0.1", "--system-host", "127.0.0.1",
                            "--kv-transport", "tcp"]
+
+        def at(ip):
+            return ["--rpc-advertise-host", ip, "--system-host", ip]
         decode_mode = "pd" if topology == "disagg" else "agg"
         workers = []
         if topology == "disagg":
             for i in range(2):
+                env = {"TANDEM_FAILPOINT_PREFILL_SILENT_FILE": str(self.silent)} if i == 0 else {}
                 workers.append(self.add(f"prefill-{i}", [
-                    str(bins / "tandem-prefill"), "--disaggregation-mode", "prefill"] + worker,
-                    "TANDEM_WORKER_READY"))
+                    str(bins / "tandem-prefill"), "--disaggregation-mode", "prefill"] + worker
+                    + at(host), "TANDEM_WORKER_READY", env))
+        leases = ["--kv-lease-ttl-secs", str(LEASE_TTL),
+                  "--kv-lease-reclaim-margin-secs", str(RECLAIM_MARGIN)]
         for i in range(2):
-            workers.append(self.add(f"decode-{i}", [
-                str(bins / "tandem-decode"), "--disaggregation-mode", decode_mode] + worker,
-                "TANDEM_WORKER_READY"))
+            inside = netns and i == 0
+            prefix = ["ip", "netns", "exec", NETNS] if inside else []
+            workers.append(self.add(f"decode-{i}", prefix + [
+                str(bins / "tandem-decode"), "--disaggregation-mode", decode_mode] + worker
+                + leases + at(NS_IP if inside else host), "TANDEM_WORKER_READY"))
         self.workers = workers
         router = common + ["--http-host", "127.0.0.1", "--http-port", "0",
-                           "--router-min-initial-workers", "2",
+                           "--router-min-initial-workers", "2", "--router-replica-sync",
+                           "--expose-worker-id",
                            "--migration-limit", "3" if migration else "0"]
         if topology == "disagg":
             router.append("--enforce-disagg")
         for i in range(2):
             self.add(f"router-{i}", [str(bins / "tandem-router")] + router, "TANDEM_ROUTER_READY")
 
-    def add(self, name, args, ready=None):
-        proc = Proc(self, name, args, ready)
+    def add(self, name, args, ready=None, env=None):
+        proc = Proc(self, name, args, ready, env)
         self.procs[name] = proc
         return proc
 
@@ -206,7 +240,7 @@ class Deployment:
 
         def greets():
             try:
-                with socket.create_connection(("127.0.0.1", self.nats_port), timeout=1) as s:
+                with socket.create_connection((self.nats_host, self.nats_port), timeout=1) as s:
                     return s.recv(5) == b"INFO "
             except OSError:
                 return False
@@ -226,6 +260,25 @@ class Deployment:
         for log in self.dir.glob("*.log"):
             shutil.copy(log, logs / log.name)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.netns:
+            subprocess.run(["ip", "netns", "del", NETNS], check=False)
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True)
+
+
+def make_netns():
+    """A namespace for decode-0, joined to this one by a veth pair (HOST_IP here, NS_IP there)."""
+    subprocess.run(["ip", "netns", "del", NETNS], check=False, stderr=subprocess.DEVNULL)
+    ip("netns", "add", NETNS)
+    ip("link", "add", "tchaos-h", "type", "veth", "peer", "name", "tchaos-n")
+    ip("link", "set", "tchaos-n", "netns", NETNS)
+    ip("addr", "add", f"{HOST_IP}/24", "dev", "tchaos-h")
+    ip("-n", NETNS, "addr", "add", f"{NS_IP}/24", "dev", "tchaos-n")
+    ip("-n", NETNS, "link", "set", "lo", "up")
+    ip("-n", NETNS, "link", "set", "tchaos-n", "up")
+    ip("link", "set", "tchaos-h", "up")
 
 
 def gauge_sum(url, names):
@@ -244,7 +297,8 @@ def gauge_sum(url, names):
 
 
 BUSY = {"dynamo_component_running_requests", "dynamo_component_waiting_requests",
-        "dynamo_component_scheduled_kv_tokens", "dynamo_component_queued_kv_tokens"}
+        "dynamo_component_scheduled_kv_tokens", "dynamo_component_queued_kv_tokens",
+        "tandem_kv_leases"}
 
 
 def inject(dep, fault):
@@ -262,6 +316,14 @@ def inject(dep, fault):
         p["decode-0"].signal(signal.SIGSTOP)
         time.sleep(FREEZE_SECS)
         p["decode-0"].signal(signal.SIGCONT)
+    elif fault == "prefill-silent":
+        dep.silent.write_text("")
+        time.sleep(SILENT_SECS)
+        dep.silent.unlink()
+    elif fault == "decode-partition":
+        ip("link", "set", "tchaos-h", "down")
+        time.sleep(PARTITION_SECS)
+        ip("link", "set", "tchaos-h", "up")
     elif fault == "etcd-restart":
         p["etcd"].p.kill()
         p["etcd"].p.wait()
@@ -278,12 +340,37 @@ def inject(dep, fault):
         raise ValueError(fault)
 
 
+def serving_workers(dep, timeout=30):
+    """Whether every surviving decode (or aggregated) worker serves requests through router 1
+    again within `timeout` (a partitioned worker must come back); sends small requests."""
+    want = {field(w.line, "instance_id=") for w in dep.workers
+            if w.p.poll() is None and w.name.startswith("decode")}
+    base = dep.router_url(0)
+    with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    seen = set()
+    deadline = time.time() + timeout
+    n = 0
+    while time.time() < deadline and not want <= seen:
+        n += 1
+        body = json.dumps({"model": model, "prompt": f"probe {n} " * (8 + n % 7),
+                           "max_tokens": 2}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                seen.add(r.headers.get("x-tandem-worker-id", ""))
+        except OSError:
+            time.sleep(0.2)
+    return want <= seen
+
+
 def applies(topology, fault):
     return topology == "disagg" or not fault.startswith("prefill")
 
 
 def one_run(bins, workdir, out, topology, migration, fault):
-    dep = Deployment(bins, workdir, topology, migration)
+    dep = Deployment(bins, workdir, topology, migration, netns=fault == "decode-partition")
     try:
         dep.start()
         loads = []
@@ -310,7 +397,9 @@ def one_run(bins, workdir, out, topology, migration, fault):
                 settled = round(time.time() - t0 - DURATION, 1)
                 break
             time.sleep(0.5)
-        return summarize(loads, fault_at, settled)
+        result = summarize(loads, fault_at, settled)
+        result["rejoined"] = serving_workers(dep)
+        return result
     finally:
         dep.stop(out / "logs")
 
@@ -338,7 +427,7 @@ def summarize(loads, fault_at, settled):
 def verdict(fault, migration, r):
     """Whether the run meets the issue's rule for its fault and migration setting."""
     hung = sum(x["hung"] for x in r["routers"])
-    if hung or r["settled_s"] is None:
+    if hung or r["settled_s"] is None or not r["rejoined"]:
         return False
     if fault == "router-kill9":
         return r["routers"][0]["failed"] == 0
@@ -347,15 +436,17 @@ def verdict(fault, migration, r):
 
 def table(results):
     lines = ["| topology | migration | fault | router 1: ok / failed / hung | "
-             "router 2: ok / failed / hung | recovered after | back to baseline | rule met |",
-             "|---|---|---|---|---|---|---|---|"]
+             "router 2: ok / failed / hung | recovered after | back to baseline | "
+             "all serve again | rule met |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (topology, migration, fault), r in results:
         cells = [f"{x['ok']} / {x['failed']} / {x['hung']}" for x in r["routers"]]
         rec = "—" if r["recover_s"] is None else f"{r['recover_s']} s"
         base = "no" if r["settled_s"] is None else f"yes ({max(r['settled_s'], 0)} s)"
         ok = "yes" if verdict(fault, migration, r) else "**no**"
+        back = "yes" if r["rejoined"] else "**no**"
         lines.append(f"| {topology} | {'on' if migration else 'off'} | {fault} | {cells[0]} | "
-                     f"{cells[1]} | {rec} | {base} | {ok} |")
+                     f"{cells[1]} | {rec} | {base} | {back} | {ok} |")
     return "\n".join(lines)
 
 
@@ -379,6 +470,9 @@ def main():
         if applies(t, f)]
     if a.only:
         runs = [r for r in runs if r[2] in a.only.split(",")]
+    if os.geteuid() != 0:
+        print("SKIPPED: decode-partition needs root (ip netns)")
+        runs = [r for r in runs if r[2] != "decode-partition"]
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
