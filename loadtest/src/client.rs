@@ -6,7 +6,7 @@ use std::time::Instant;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
-use crate::stats::Record;
+use crate::stats::{Output, Record};
 use crate::workload::Spec;
 
 /// How prompts go on the wire.
@@ -50,8 +50,63 @@ pub struct Client {
     /// Images as `data:` URLs (`--images`): each request is a chat completion of the next
     /// one (in turn) and the prompt as text; `url` is the chat endpoint.
     pub images: Option<std::sync::Arc<Images>>,
+    pub sampling: Sampling,
     /// Run start: records are in seconds from it.
     pub t0: Instant,
+}
+
+/// What each request asks of the sampler.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sampling {
+    /// Sent when set; else the server's default.
+    pub temperature: Option<f64>,
+    /// Top-2 logprobs, recorded in [`Record::output`].
+    pub logprobs: bool,
+}
+
+/// Appends the tokens and top-2 margins of one SSE payload (either endpoint's format).
+fn take_logprobs(v: &Value, out: &mut Output) {
+    let Some(lp) = v.pointer("/choices/0/logprobs") else {
+        return;
+    };
+    let margin = |mut top: Vec<f64>| {
+        top.sort_by(|a, b| b.total_cmp(a));
+        match top.as_slice() {
+            [a, b, ..] => a - b,
+            _ => 0.0,
+        }
+    };
+    if let Some(content) = lp.get("content").and_then(Value::as_array) {
+        for t in content {
+            let top = t["top_logprobs"].as_array().map_or(Vec::new(), |a| {
+                a.iter().filter_map(|x| x["logprob"].as_f64()).collect()
+            });
+            out.tokens
+                .push(t["token"].as_str().unwrap_or_default().to_owned());
+            out.margins.push(margin(top));
+        }
+        return;
+    }
+    let tokens = lp.get("tokens").and_then(Value::as_array);
+    let tops = lp.get("top_logprobs").and_then(Value::as_array);
+    for (i, t) in tokens.into_iter().flatten().enumerate() {
+        let top = tops
+            .and_then(|a| a.get(i))
+            .and_then(Value::as_object)
+            .map_or(Vec::new(), |m| {
+                m.values().filter_map(Value::as_f64).collect()
+            });
+        out.tokens.push(t.as_str().unwrap_or_default().to_owned());
+        out.margins.push(margin(top));
+    }
+}
+
+/// The seed sent with a request, derived from its prompt: a seeded server (the mocker draws
+/// tokens from it) answers the same workload with the same tokens on every run.
+fn seed_of(spec: &Spec) -> u64 {
+    spec.prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
+        (h ^ *t as u64).wrapping_mul(0x0100_0000_01b3)
+    }) >> 1
 }
 
 /// Error classes in the report.
@@ -109,18 +164,22 @@ fn parse_event(data: &str) -> Result<Event, ()> {
 
 impl Client {
     fn body(&self, spec: &Spec) -> Value {
-        let prompt = match self.mode {
-            PromptMode::Tokens => json!(spec.prompt),
-            PromptMode::Text => {
-                let words: Vec<String> = spec.prompt.iter().map(|t| format!("w{t}")).collect();
-                json!(words.join(" "))
+        let mut body = self.base_body(spec, seed_of(spec));
+        if let Some(t) = self.sampling.temperature {
+            body["temperature"] = json!(t);
+        }
+        if self.sampling.logprobs {
+            if self.images.is_some() {
+                body["logprobs"] = json!(true);
+                body["top_logprobs"] = json!(2);
+            } else {
+                body["logprobs"] = json!(2);
             }
-        };
-        // A seed derived from the prompt: a seeded server (the mocker draws tokens from it)
-        // answers the same workload with the same tokens on every run.
-        let seed = spec.prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
-            (h ^ *t as u64).wrapping_mul(0x0100_0000_01b3)
-        }) >> 1;
+        }
+        body
+    }
+
+    fn base_body(&self, spec: &Spec, seed: u64) -> Value {
         if let Some(image) = self.images.as_ref().and_then(|i| i.next()) {
             let words: Vec<String> = spec.prompt.iter().map(|t| format!("w{t}")).collect();
             return json!({
@@ -137,6 +196,13 @@ impl Client {
                 "stream_options": {"include_usage": true},
             });
         }
+        let prompt = match self.mode {
+            PromptMode::Tokens => json!(spec.prompt),
+            PromptMode::Text => {
+                let words: Vec<String> = spec.prompt.iter().map(|t| format!("w{t}")).collect();
+                json!(words.join(" "))
+            }
+        };
         json!({
             "model": self.model,
             "seed": seed,
@@ -191,6 +257,10 @@ impl Client {
         let mut buf: Vec<u8> = Vec::new();
         let mut text_chunks = 0usize;
         let mut usage = None;
+        let mut output = self.sampling.logprobs.then(|| Output {
+            seed: seed_of(spec),
+            ..Output::default()
+        });
         let mut done = false;
         while let Some(chunk) = stream.next().await {
             let bytes = match chunk {
@@ -207,6 +277,11 @@ impl Client {
                     let Some(data) = line.strip_prefix("data:") else {
                         continue;
                     };
+                    if let Some(out) = output.as_mut() {
+                        if let Ok(v) = serde_json::from_str::<Value>(data.trim()) {
+                            take_logprobs(&v, out);
+                        }
+                    }
                     match parse_event(data.trim()) {
                         Ok(Event::Text) => {
                             text_chunks += 1;
@@ -229,6 +304,7 @@ impl Client {
             return fail(rec, "stream_truncated", end);
         }
         rec.output_tokens = usage.unwrap_or(text_chunks);
+        rec.output = output;
         if rec.chunk_times.is_empty() {
             let end = rec.end;
             return fail(rec, "no_output", end);
@@ -253,6 +329,31 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outputs_take_tokens_and_margins_from_either_endpoint() {
+        let mut out = Output::default();
+        let completion = json!({"choices": [{"text": "ab", "logprobs": {
+            "tokens": ["a", "b"],
+            "token_logprobs": [-0.1, -0.5],
+            "top_logprobs": [{"a": -0.1, "x": -2.1}, {"b": -0.5}],
+        }}]});
+        take_logprobs(&completion, &mut out);
+        let chat = json!({"choices": [{"delta": {"content": "c"}, "logprobs": {"content": [
+            {"token": "c", "logprob": -0.3,
+             "top_logprobs": [{"token": "d", "logprob": -0.9}, {"token": "c", "logprob": -0.3}]},
+        ]}}]});
+        take_logprobs(&chat, &mut out);
+        take_logprobs(
+            &json!({"choices": [{"text": "", "logprobs": null}]}),
+            &mut out,
+        );
+        assert_eq!(out.tokens, ["a", "b", "c"]);
+        let want = [2.0, 0.0, 0.6];
+        for (got, want) in out.margins.iter().zip(want) {
+            assert!((got - want).abs() < 1e-9, "{:?}", out.margins);
+        }
+    }
 
     #[test]
     fn events_are_classified() {

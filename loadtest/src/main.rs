@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use serde::Serialize;
-use tandem_loadtest::client::{Client, Images, PromptMode};
+use tandem_loadtest::client::{Client, Images, PromptMode, Sampling};
 use tandem_loadtest::rng::Rng;
 use tandem_loadtest::runner::{self, Arrivals};
 use tandem_loadtest::stats::{summarize, Sla, Summary};
@@ -102,6 +102,13 @@ struct Args {
     /// Per-request timeout (s).
     #[arg(long, default_value_t = 600.0)]
     timeout: f64,
+    /// Sampling temperature sent with every request (default: the server's).
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Ask for the top-2 logprobs of every token and write each successful request's output
+    /// tokens with their top-2 margins to <out>/outputs.jsonl (to compare runs).
+    #[arg(long)]
+    save_outputs: bool,
     /// Run once per value (closed-loop concurrency), plotting throughput against latency.
     #[arg(long, value_delimiter = ',')]
     sweep_concurrency: Vec<usize>,
@@ -256,6 +263,10 @@ async fn one_run(
         model: model.to_string(),
         mode: a.prompt_mode,
         images,
+        sampling: Sampling {
+            temperature: a.temperature,
+            logprobs: a.save_outputs,
+        },
         t0: Instant::now(),
     };
     let duration = a.duration.map(Duration::from_secs_f64);
@@ -271,6 +282,9 @@ async fn one_run(
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     report::write_json(&out.join("report.json"), a, &summary)?;
     report::write_csv(&out.join("requests.csv"), &records)?;
+    if a.save_outputs {
+        report::write_outputs(&out.join("outputs.jsonl"), &records)?;
+    }
     plot::latency_cdf(&out.join("latency_cdf.svg"), &records)?;
     report::print_summary(&summary);
     Ok(summary)
@@ -286,6 +300,10 @@ async fn main() -> anyhow::Result<()> {
             a.rate_to.is_none_or(|r| r > 0.0 && r.is_finite()),
         ),
         ("--timeout", a.timeout > 0.0 && a.timeout.is_finite()),
+        (
+            "--temperature",
+            a.temperature.is_none_or(|t| t >= 0.0 && t.is_finite()),
+        ),
         (
             "--duration",
             a.duration.is_none_or(|d| d > 0.0 && d.is_finite()),

@@ -48,6 +48,21 @@ pub fn write_csv(path: &Path, records: &[Record]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `outputs.jsonl`: one line per successful request with a recorded output.
+pub fn write_outputs(path: &Path, records: &[Record]) -> anyhow::Result<()> {
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for out in records
+        .iter()
+        .filter(|r| r.ok())
+        .filter_map(|r| r.output.as_ref())
+    {
+        serde_json::to_writer(&mut f, out)?;
+        writeln!(f)?;
+    }
+    f.flush()?;
+    Ok(())
+}
+
 /// Human-readable lines for the terminal.
 pub fn print_summary(s: &Summary) {
     println!(

@@ -16,6 +16,19 @@ pub struct Record {
     pub error: Option<String>,
     /// The start of the server's error message, when it sent one.
     pub detail: Option<String>,
+    /// The output with its logprobs (`--save-outputs`).
+    #[serde(skip)]
+    pub output: Option<Output>,
+}
+
+/// A request's output tokens, as `--save-outputs` records them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Output {
+    /// The seed sent with the request (a hash of its prompt): names the request across runs.
+    pub seed: u64,
+    pub tokens: Vec<String>,
+    /// Each token's top-1 minus top-2 logprob (0 when the server sent fewer than two).
+    pub margins: Vec<f64>,
 }
 
 impl Record {
@@ -181,6 +194,7 @@ mod tests {
             output_tokens: n,
             error: None,
             detail: None,
+            output: None,
         }
     }
 
