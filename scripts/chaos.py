@@ -21,8 +21,14 @@ NATS restarted
 (killed, down 3 s, started again on the same data), and kill -9 of router 2 (its own clients
 fail; router 1's must not).
 
+The load is greedy (temperature 0) and records every output with its top-2 logprob margins;
+the first run of each topology has no fault ("none") and is the reference the others'
+outputs are compared with: a request's tokens must equal the reference's up to its first
+position whose top-2 margin is below 1e-3 (migration replays through other batches).
+
 Per run: requests completed / failed (with the loadtest's error classes) / hung, per router;
-time to recover (from the fault to the first request started after it that succeeded);
+streams migrated (both routers' dynamo_frontend_model_migration_total); time to recover
+(from the fault to the first request started after it that succeeded);
 whether the workers went back to baseline; and whether every surviving decode worker serves
 requests again afterwards (a partitioned or frozen one must come back).
 
@@ -64,11 +70,11 @@ DOWN_SECS = 3  # etcd / NATS outage
 TIMEOUT = 60  # per request: past it, a request is hung
 BASELINE_WAIT = 40  # seconds for the workers to settle after the load
 
-FAULTS = ["decode-kill9", "decode-sigterm", "prefill-kill9", "prefill-sigterm",
+FAULTS = ["none", "decode-kill9", "decode-sigterm", "prefill-kill9", "prefill-sigterm",
           "decode-freeze", "prefill-silent", "decode-partition", "etcd-restart", "nats-restart",
           "router-kill9"]
 CI = [("disagg", True, f) for f in
-      ["decode-kill9", "prefill-sigterm", "decode-freeze", "prefill-silent", "decode-partition",
+      ["none", "decode-kill9", "prefill-sigterm", "decode-freeze", "prefill-silent", "decode-partition",
        "etcd-restart", "router-kill9"]]
 
 
@@ -302,9 +308,11 @@ BUSY = {"dynamo_component_running_requests", "dynamo_component_waiting_requests"
 
 
 def inject(dep, fault):
-    """Applies `fault`; returns a function that undoes what can be undone (or None)."""
+    """Applies `fault` (and undoes what a fault of a while undoes: a freeze, a partition)."""
     p = dep.procs
-    if fault == "decode-kill9":
+    if fault == "none":
+        pass
+    elif fault == "decode-kill9":
         p["decode-0"].signal(signal.SIGKILL)
     elif fault == "decode-sigterm":
         p["decode-0"].signal(signal.SIGTERM)
@@ -381,7 +389,8 @@ def one_run(bins, workdir, out, topology, migration, fault):
                 [str(bins / "tandem-loadtest"), "--url", dep.router_url(i),
                  "--rate", str(RATE), "--duration", str(DURATION),
                  "--num-requests", str(int(RATE * DURATION * 3)), "--isl", "256", "--osl", "48",
-                 "--timeout", str(TIMEOUT), "--seed", str(i + 1), "--quiet", "--out", str(d)],
+                 "--timeout", str(TIMEOUT), "--seed", str(i + 1), "--temperature", "0",
+                 "--save-outputs", "--quiet", "--out", str(d)],
                 stdout=subprocess.DEVNULL)))
         time.sleep(FAULT_AT)
         fault_at = time.time() - t0
@@ -398,10 +407,40 @@ def one_run(bins, workdir, out, topology, migration, fault):
                 break
             time.sleep(0.5)
         result = summarize(loads, fault_at, settled)
+        result["migrated"] = int(sum(
+            gauge_sum(dep.router_url(i) + "/metrics", {"dynamo_frontend_model_migration_total"})
+            or 0 for i in range(2) if dep.procs[f"router-{i}"].p.poll() is None))
         result["rejoined"] = serving_workers(dep)
-        return result
+        return result, outputs(loads)
     finally:
         dep.stop(out / "logs")
+
+
+def outputs(loads):
+    """Every successful request's greedy output: {seed: (tokens, top-2 margins)}."""
+    got = {}
+    for d, _ in loads:
+        path = d / "outputs.jsonl"
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                o = json.loads(line)
+                got[o["seed"]] = (o["tokens"], o["margins"])
+    return got
+
+
+def compare(reference, got):
+    """The issue's rule per request: tokens equal to the fault-free run's up to its first
+    position whose top-2 margin is below 1e-3. Returns (requests compared, equal, tokens)."""
+    compared = equal = tokens = 0
+    for seed, (toks, _) in got.items():
+        if seed not in reference:
+            continue
+        ref, margins = reference[seed]
+        n = next((i for i, m in enumerate(margins) if m < 1e-3), len(ref))
+        compared += 1
+        tokens += n
+        equal += toks[:n] == ref[:n] and len(toks) == len(ref)
+    return {"compared": compared, "equal": equal, "tokens": tokens}
 
 
 def summarize(loads, fault_at, settled):
@@ -429,6 +468,8 @@ def verdict(fault, migration, r):
     hung = sum(x["hung"] for x in r["routers"])
     if hung or r["settled_s"] is None or not r["rejoined"]:
         return False
+    if "outputs" in r and r["outputs"]["equal"] != r["outputs"]["compared"]:
+        return False
     if fault == "router-kill9":
         return r["routers"][0]["failed"] == 0
     return not migration or all(x["failed"] == 0 for x in r["routers"])
@@ -436,17 +477,20 @@ def verdict(fault, migration, r):
 
 def table(results):
     lines = ["| topology | migration | fault | router 1: ok / failed / hung | "
-             "router 2: ok / failed / hung | recovered after | back to baseline | "
-             "all serve again | rule met |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "router 2: ok / failed / hung | migrated | recovered after | back to baseline | "
+             "all serve again | outputs = fault-free run | rule met |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (topology, migration, fault), r in results:
         cells = [f"{x['ok']} / {x['failed']} / {x['hung']}" for x in r["routers"]]
         rec = "—" if r["recover_s"] is None else f"{r['recover_s']} s"
         base = "no" if r["settled_s"] is None else f"yes ({max(r['settled_s'], 0)} s)"
         ok = "yes" if verdict(fault, migration, r) else "**no**"
         back = "yes" if r["rejoined"] else "**no**"
+        o = r.get("outputs")
+        same = "(reference)" if o is None else (
+            f"{o['equal']} / {o['compared']} ({o['tokens']} tokens)")
         lines.append(f"| {topology} | {'on' if migration else 'off'} | {fault} | {cells[0]} | "
-                     f"{cells[1]} | {rec} | {base} | {back} | {ok} |")
+                     f"{cells[1]} | {r['migrated']} | {rec} | {base} | {back} | {same} | {ok} |")
     return "\n".join(lines)
 
 
@@ -478,11 +522,16 @@ def main():
     workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     results = []
     failed = []
+    reference = {}  # topology -> the fault-free run's outputs
     for topology, migration, fault in runs:
         key = (topology, migration, fault)
         name = f"{topology}-{'mig' if migration else 'nomig'}-{fault}"
         print(f"== {name}", flush=True)
-        r = one_run(bins, workdir, out / name, topology, migration, fault)
+        r, got = one_run(bins, workdir, out / name, topology, migration, fault)
+        if fault == "none" and topology not in reference:
+            reference[topology] = got
+        elif topology in reference:
+            r["outputs"] = compare(reference[topology], got)
         print(f"   {json.dumps(r)}", flush=True)
         results.append((key, r))
         if not verdict(fault, migration, r):
