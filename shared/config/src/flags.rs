@@ -440,6 +440,10 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("rpc-port", INT0, Runtime,
         "Port of the worker's gRPC service; 0 picks a free one.")
         .env("DYN_TCP_RPC_PORT").default("0"),
+    FlagSpec::new("kv-transfer-port", INT0, Runtime,
+        "Port of the TCP KV transfer listener (on --rpc-host); 0 picks a free one. Fixed, it \
+         can be opened in a firewall or a network policy.")
+        .env("DYN_KV_TRANSFER_PORT").default("0"),
     FlagSpec::new("rpc-advertise-host", Str, Runtime,
         "Host other processes use to reach the gRPC service (behind NAT, in pods); \
          the bind host, or 127.0.0.1 for a wildcard bind, when unset.")

@@ -194,6 +194,7 @@ fn worker_from_resolved(
                 .opt_string("rpc-host")?
                 .unwrap_or_else(|| default_bind_host(advertise.as_deref())),
             rpc_port: g.port("rpc-port")?,
+            kv_transfer_port: g.port("kv-transfer-port")?,
             rpc_advertise_host: advertise.clone(),
             system_host: g
                 .opt_string("system-host")?

@@ -199,6 +199,8 @@ pub fn default_bind_host(advertise: Option<&str>) -> String {
 pub struct Network {
     pub rpc_host: String,
     pub rpc_port: u16,
+    /// `--kv-transfer-port`: the TCP KV transfer listener's port (0: any free one).
+    pub kv_transfer_port: u16,
     pub rpc_advertise_host: Option<String>,
     pub system_host: String,
     pub system_port: u16,

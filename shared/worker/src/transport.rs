@@ -31,6 +31,7 @@ pub async fn open(cfg: &WorkerConfig) -> anyhow::Result<Arc<AnyTransport>> {
     // the advertised interface), and its descriptors name the advertised host, so a prefill
     // worker on another host dials this one rather than itself.
     tc.tcp_listen = bind_addr(&cfg.network.rpc_host).await?;
+    tc.tcp_listen.set_port(cfg.network.kv_transfer_port);
     tc.tcp_advertise_host = cfg
         .network
         .rpc_advertise_host
@@ -52,7 +53,7 @@ pub async fn open(cfg: &WorkerConfig) -> anyhow::Result<Arc<AnyTransport>> {
     Ok(Arc::new(t))
 }
 
-/// The address (port 0) the transfer listener binds for `--rpc-host` `host`: an IP, or a name
+/// The address (port 0, set by the caller) the transfer listener binds for `--rpc-host` `host`: an IP, or a name
 /// resolved like the gRPC listener's (never a silent wildcard).
 async fn bind_addr(host: &str) -> anyhow::Result<std::net::SocketAddr> {
     let host = host.trim();
