@@ -6,10 +6,12 @@
 //! - [`servers`]: real `etcd` and `nats-server` on free loopback ports;
 //! - [`host`]: temp folders, free ports, installed binaries;
 //! - [`fetch`]: real models fetched once into the cache for tests;
-//! - [`tls`]: the internal mutual-TLS folder the test's processes share.
+//! - [`tls`]: the internal mutual-TLS folder the test's processes share;
+//! - [`faultproxy`]: a TCP proxy injecting latency, loss and partitions (`tandem-faultproxy`).
 //!
 //! Every wait is bounded and polls readiness; nothing sleeps a fixed time.
 
+pub mod faultproxy;
 pub mod fetch;
 pub mod host;
 pub mod proc;
