@@ -17,7 +17,9 @@ TANDEM_FAILPOINT_PREFILL_SILENT_FILE; decode workers run with a 5 s lease TTL an
 reclaim margin), decode worker 0 cut off by the network for 15 s (it runs in a network
 namespace of its own, joined to the others by a veth pair whose link goes down, then up: its
 peers see silence, then its connections and its etcd lease lapse; root is needed), etcd and
-NATS restarted
+NATS restarted, decode worker 0 behind a fault proxy (tandem-faultproxy: every connection to
+it, gRPC and KV transfer) that adds 50 ms each way and holds 5% of the chunks another 200 ms
+(TCP loss as the application sees it) for 10 s, and
 (killed, down 3 s, started again on the same data), and kill -9 of router 2 (its own clients
 fail; router 1's must not).
 
@@ -35,8 +37,10 @@ requests again afterwards (a partitioned or frozen one must come back).
 Usage: scripts/chaos.py [--bin target/debug] [--subset ci|full] [--out chaos-out]
        [--write-doc docs/reliability.md]
 `ci`: disaggregated, migration on, kill -9 decode, SIGTERM prefill, freeze decode, silent
-prefill, decode partition, etcd restart, kill -9 router (about 8 minutes). `full`: every fault x {agg, disagg} x migration
-{on, off}. Binaries: tandem, tandem-router, tandem-decode, tandem-prefill, tandem-loadtest
+prefill, decode partition, decode slow network, etcd restart, kill -9 router (about 9
+minutes). `full`: every fault x {agg, disagg} x migration
+{on, off}. Binaries: tandem, tandem-router, tandem-decode, tandem-prefill, tandem-loadtest,
+tandem-faultproxy
 (cargo build --workspace --bins, the prefill worker with its `failpoints` feature). Needs etcd
 and nats-server.
 """
@@ -62,6 +66,9 @@ FAULT_AT = 6  # seconds into the load
 FREEZE_SECS = 8
 SILENT_SECS = 10
 PARTITION_SECS = 15  # past the router's keep-alive (10 s) and etcd's lease TTL (10 s)
+SLOW_NET = "latency_ms=50 loss=0.05 rto_ms=200"  # decode-slow-net, for FAULT_SECS
+FAULT_SECS = 10
+PROXIED_IP = "127.0.0.3"  # decode-0's advertised address in the decode-slow-net runs
 NETNS = "tandem-chaos"
 HOST_IP, NS_IP = "10.78.0.1", "10.78.0.2"  # the veth's two ends
 LEASE_TTL = 5  # decode workers' --kv-lease-ttl-secs
@@ -71,11 +78,11 @@ TIMEOUT = 60  # per request: past it, a request is hung
 BASELINE_WAIT = 40  # seconds for the workers to settle after the load
 
 FAULTS = ["none", "decode-kill9", "decode-sigterm", "prefill-kill9", "prefill-sigterm",
-          "decode-freeze", "prefill-silent", "decode-partition", "etcd-restart", "nats-restart",
-          "router-kill9"]
+          "decode-freeze", "prefill-silent", "decode-partition", "decode-slow-net", "etcd-restart",
+          "nats-restart", "router-kill9"]
 CI = [("disagg", True, f) for f in
       ["none", "decode-kill9", "prefill-sigterm", "decode-freeze", "prefill-silent", "decode-partition",
-       "etcd-restart", "router-kill9"]]
+       "decode-slow-net", "etcd-restart", "router-kill9"]]
 
 
 def free_port():
@@ -152,7 +159,7 @@ class Proc:
 class Deployment:
     """etcd, NATS, two routers and the workers of one topology, under mutual TLS."""
 
-    def __init__(self, bins, workdir, topology, migration, netns=False):
+    def __init__(self, bins, workdir, topology, migration, netns=False, proxy=False):
         self.bins = bins
         # With `netns`, decode-0 runs in a namespace of its own and everything else listens on
         # the host end of its veth.
@@ -164,10 +171,12 @@ class Deployment:
         self.env = dict(os.environ, RUST_LOG="warn")
         # Only prefill-0 goes silent, while this file exists (failpoints build).
         self.silent = self.dir / "silent-prefill-0"
+        # With `proxy`, decode-0 is reached through tandem-faultproxy, whose fault is this file.
+        self.fault_file = self.dir / "proxy-fault"
         self.procs = {}
         pki = self.dir / "pki"
         subprocess.run([str(bins / "tandem"), "certs", "--out", str(pki), "--host", "127.0.0.1",
-                        "--host", HOST_IP, "--host", NS_IP],
+                        "--host", HOST_IP, "--host", NS_IP, "--host", PROXIED_IP],
                        check=True,
                        stdout=subprocess.DEVNULL)
         model = self.dir / "model"
@@ -210,12 +219,24 @@ class Deployment:
                     + at(host), "TANDEM_WORKER_READY", env))
         leases = ["--kv-lease-ttl-secs", str(LEASE_TTL),
                   "--kv-lease-reclaim-margin-secs", str(RECLAIM_MARGIN)]
+        if proxy:
+            # gRPC, KV transfer and the status server (its advertised address too).
+            rpc, kv, status = free_port(), free_port(), free_port()
+            self.add("faultproxy", [
+                str(bins / "tandem-faultproxy"), "--fault-file", str(self.fault_file)] + [
+                a for port in (rpc, kv, status)
+                for a in ("--forward", f"{PROXIED_IP}:{port}=127.0.0.1:{port}")],
+                "TANDEM_FAULTPROXY_READY")
+            proxied = ["--rpc-host", "127.0.0.1", "--rpc-port", str(rpc),
+                       "--kv-transfer-port", str(kv), "--rpc-advertise-host", PROXIED_IP,
+                       "--system-host", "127.0.0.1", "--system-port", str(status)]
         for i in range(2):
             inside = netns and i == 0
             prefix = ["ip", "netns", "exec", NETNS] if inside else []
+            where = proxied if proxy and i == 0 else at(NS_IP if inside else host)
             workers.append(self.add(f"decode-{i}", prefix + [
                 str(bins / "tandem-decode"), "--disaggregation-mode", decode_mode] + worker
-                + leases + at(NS_IP if inside else host), "TANDEM_WORKER_READY"))
+                + leases + where, "TANDEM_WORKER_READY"))
         self.workers = workers
         router = common + ["--http-host", "127.0.0.1", "--http-port", "0",
                            "--router-min-initial-workers", "2", "--router-replica-sync",
@@ -302,6 +323,17 @@ def gauge_sum(url, names):
     return total
 
 
+def busy_lines(url):
+    """The non-zero BUSY gauges of a /metrics page (what kept a worker from its baseline)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return [f"unreadable: {e}"]
+    return [line for line in text.splitlines()
+            if line.split("{")[0].split(" ")[0] in BUSY and float(line.rsplit(" ", 1)[1]) != 0]
+
+
 BUSY = {"dynamo_component_running_requests", "dynamo_component_waiting_requests",
         "dynamo_component_scheduled_kv_tokens", "dynamo_component_queued_kv_tokens",
         "tandem_kv_leases"}
@@ -332,6 +364,10 @@ def inject(dep, fault):
         ip("link", "set", "tchaos-h", "down")
         time.sleep(PARTITION_SECS)
         ip("link", "set", "tchaos-h", "up")
+    elif fault == "decode-slow-net":
+        dep.fault_file.write_text(SLOW_NET)
+        time.sleep(FAULT_SECS)
+        dep.fault_file.unlink()
     elif fault == "etcd-restart":
         p["etcd"].p.kill()
         p["etcd"].p.wait()
@@ -378,7 +414,8 @@ def applies(topology, fault):
 
 
 def one_run(bins, workdir, out, topology, migration, fault):
-    dep = Deployment(bins, workdir, topology, migration, netns=fault == "decode-partition")
+    dep = Deployment(bins, workdir, topology, migration, netns=fault == "decode-partition",
+                     proxy=fault == "decode-slow-net")
     try:
         dep.start()
         loads = []
@@ -407,6 +444,8 @@ def one_run(bins, workdir, out, topology, migration, fault):
                 break
             time.sleep(0.5)
         result = summarize(loads, fault_at, settled)
+        if settled is None:
+            result["unsettled"] = {w.name: busy_lines(dep.worker_metrics(w)) for w in survivors}
         result["migrated"] = int(sum(
             gauge_sum(dep.router_url(i) + "/metrics", {"dynamo_frontend_model_migration_total"})
             or 0 for i in range(2) if dep.procs[f"router-{i}"].p.poll() is None))
@@ -503,7 +542,8 @@ def main():
     ap.add_argument("--only", help="comma-separated faults to run (of the subset)")
     a = ap.parse_args()
     bins = Path(a.bin).resolve()
-    for b in ["tandem", "tandem-router", "tandem-decode", "tandem-prefill", "tandem-loadtest"]:
+    for b in ["tandem", "tandem-router", "tandem-decode", "tandem-prefill", "tandem-loadtest",
+              "tandem-faultproxy"]:
         if not (bins / b).is_file():
             sys.exit(f"missing {bins / b}: cargo build --workspace --bins")
     for b in ["etcd", "nats-server"]:
