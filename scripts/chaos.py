@@ -20,8 +20,8 @@ peers see silence, then its connections and its etcd lease lapse; root is needed
 NATS restarted, decode worker 0 behind a fault proxy (tandem-faultproxy: every connection to
 it, gRPC and KV transfer) that adds 50 ms each way and holds 5% of the chunks another 200 ms
 (TCP loss as the application sees it) for 10 s, and
-(killed, down 3 s, started again on the same data), and kill -9 of router 2 (its own clients
-fail; router 1's must not).
+(killed, down 3 s, started again on the same data), and kill -9 and SIGTERM of router 2 (its
+own clients fail; router 1's must not).
 
 The load is greedy (temperature 0) and records every output with its top-2 logprob margins;
 the first run of each topology has no fault ("none") and is the reference the others'
@@ -79,7 +79,7 @@ BASELINE_WAIT = 40  # seconds for the workers to settle after the load
 
 FAULTS = ["none", "decode-kill9", "decode-sigterm", "prefill-kill9", "prefill-sigterm",
           "decode-freeze", "prefill-silent", "decode-partition", "decode-slow-net", "etcd-restart",
-          "nats-restart", "router-kill9"]
+          "nats-restart", "router-kill9", "router-sigterm"]
 CI = [("disagg", True, f) for f in
       ["none", "decode-kill9", "prefill-sigterm", "decode-freeze", "prefill-silent", "decode-partition",
        "decode-slow-net", "etcd-restart", "router-kill9"]]
@@ -380,6 +380,8 @@ def inject(dep, fault):
         dep.start_nats()
     elif fault == "router-kill9":
         p["router-1"].signal(signal.SIGKILL)
+    elif fault == "router-sigterm":
+        p["router-1"].signal(signal.SIGTERM)
     else:
         raise ValueError(fault)
 
@@ -509,7 +511,7 @@ def verdict(fault, migration, r):
         return False
     if "outputs" in r and r["outputs"]["equal"] != r["outputs"]["compared"]:
         return False
-    if fault == "router-kill9":
+    if fault.startswith("router-"):
         return r["routers"][0]["failed"] == 0
     return not migration or all(x["failed"] == 0 for x in r["routers"])
 
