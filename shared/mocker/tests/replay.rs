@@ -9,8 +9,13 @@ use tandem_mocker::args::MockerArgs;
 use tandem_mocker::replay::{replay, ReplayOptions, ReplayReport, ReplayRouter};
 
 fn run(router: ReplayRouter, prefill_workers: usize) -> ReplayReport {
+    run_with(router, prefill_workers, &[])
+}
+
+fn run_with(router: ReplayRouter, prefill_workers: usize, extra: &[&str]) -> ReplayReport {
     let args: Vec<String> = ["tandem-mocker", "--num-workers", "4", "--block-size", "16"]
         .iter()
+        .chain(extra)
         .map(|s| s.to_string())
         .collect();
     let (mine, rest) = tandem_mocker::args::split(&args);
@@ -65,4 +70,36 @@ fn disaggregated_replay_completes_every_request_reproducibly() {
     // Every request went through one of 2 prefill and one of 2 decode workers.
     assert_eq!(a.per_worker[..2].iter().sum::<usize>(), a.requests);
     assert_eq!(a.per_worker[2..].iter().sum::<usize>(), a.requests);
+}
+
+/// The mocker only simulates time: a model folder with `config.json` and the tokenizer files
+/// but no weights serves it (as Dynamo's mocker does), with the same results.
+#[test]
+fn a_model_folder_without_weights_is_enough() {
+    let tiny = tandem_tiny_model::ensure_tiny_model().expect("tiny model");
+    let dir = tandem_test_support::TempDir::new("mocker-no-weights").expect("temp dir");
+    let mut copied = 0;
+    for entry in std::fs::read_dir(&tiny).expect("tiny model folder") {
+        let path = entry.expect("entry").path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if path.is_file() && !name.ends_with(".safetensors") && !name.ends_with(".index.json") {
+            std::fs::copy(&path, dir.path().join(name)).expect("copy");
+            copied += 1;
+        }
+    }
+    assert!(copied >= 2, "config and tokenizer files copied");
+    assert!(!dir.path().join("model.safetensors").exists());
+    let folder = dir.path().to_str().expect("utf-8 path");
+    let without = run_with(ReplayRouter::Kv, 0, &["--model-path", folder]);
+    assert_eq!(without.completed, without.requests);
+    let with = run_with(
+        ReplayRouter::Kv,
+        0,
+        &["--model-path", tiny.to_str().expect("utf-8")],
+    );
+    let json = |r: &ReplayReport| serde_json::to_string(r).expect("json");
+    assert_eq!(json(&without), json(&with));
 }

@@ -86,6 +86,24 @@ impl std::fmt::Debug for LoadedModel {
     }
 }
 
+/// The folder's checkpoint, mapped. Without weights (a tokenizer's or a simulator's load) a
+/// folder may hold none: `config.json` and the tokenizer files are then all it needs.
+fn map_weights(path: &Path, opts: &LoadOptions) -> Result<Option<Weights>, EngineError> {
+    match Weights::load(path) {
+        Ok(w) => Ok(Some(w)),
+        Err(EngineError::MissingFile { .. }) if !opts.weights => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Identity of a folder without weights: sha256 of config.json, marked as such.
+fn config_identity(config: &ModelConfig) -> String {
+    let mut h = Sha256::new();
+    h.update(&config.raw);
+    h.update(b"no weights");
+    weights::hex(&h.finalize())
+}
+
 /// Identity of a model: sha256 of config.json and the weights' identity.
 fn model_identity(config: &ModelConfig, mapped: &Weights) -> String {
     let mut h = Sha256::new();
@@ -121,12 +139,12 @@ impl LoadedModel {
         }
         tracing::info!(path = %path.display(), "loading model");
         let config = ModelConfig::load(path)?;
-        let mapped = Weights::load(path)?;
+        let mapped = map_weights(path, opts)?;
         let tokenizer = Tokenizer::load(path)?;
         let chat_template = ChatTemplate::load(path)?;
         let generation_config = GenerationConfig::load(path)?;
-        let weights = if opts.weights {
-            DecoderWeights::load(&config, &mapped)?
+        let weights = if let (true, Some(mapped)) = (opts.weights, &mapped) {
+            DecoderWeights::load(&config, mapped)?
         } else {
             DecoderWeights {
                 embed: crate::backend::cpu_ops::Matrix::F32(vec![]),
@@ -135,14 +153,17 @@ impl LoadedModel {
                 lm_head: None,
             }
         };
-        let vision = match (&config.vision, opts.weights && opts.vision) {
-            (Some(vc), true) => Some(Arc::new(VisionEncoder::new(
+        let vision = match (&config.vision, &mapped, opts.weights && opts.vision) {
+            (Some(vc), Some(mapped), true) => Some(Arc::new(VisionEncoder::new(
                 vc.clone(),
-                VisionWeights::load(vc, &mapped)?,
+                VisionWeights::load(vc, mapped)?,
             ))),
             _ => None,
         };
-        let model_id = model_identity(&config, &mapped);
+        let model_id = match &mapped {
+            Some(mapped) => model_identity(&config, mapped),
+            None => config_identity(&config),
+        };
         let tokenizer_hash = tokenizer_hash(&tokenizer, chat_template.as_ref());
         tracing::info!(model_id = %model_id, "model loaded");
         Ok(LoadedModel {
