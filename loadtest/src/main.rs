@@ -21,7 +21,7 @@ enum Kind {
     Trace,
 }
 
-#[derive(Parser, Debug, Serialize)]
+#[derive(Parser, Debug, Clone, Serialize)]
 #[command(
     name = "tandem-loadtest",
     about = "Load generator for OpenAI-compatible endpoints"
@@ -46,9 +46,10 @@ struct Args {
     images: Option<std::path::PathBuf>,
     #[arg(long, value_enum, default_value_t = Kind::Synthetic)]
     workload: Kind,
-    /// Requests to send (sessions for multi-turn: requests = sessions × turns).
-    #[arg(long, default_value_t = 100)]
-    num_requests: usize,
+    /// Requests to send (sessions for multi-turn: requests = sessions × turns). Default: 100,
+    /// or with --duration and --rate as many as the rate can send in that time.
+    #[arg(long)]
+    num_requests: Option<usize>,
     /// Stop sending after this many seconds.
     #[arg(long)]
     duration: Option<f64>,
@@ -126,7 +127,40 @@ struct Args {
     quiet: bool,
 }
 
-fn build_jobs(a: &Args) -> anyhow::Result<Vec<Job>> {
+/// Jobs a closed-loop run bound by its duration only prepares at a time.
+const FEED_BATCH: usize = 1_000;
+
+/// How many requests a run prepares: `--num-requests`, else enough for an open-loop run to
+/// last its `--duration` (a quarter more than the highest rate sends, so Poisson's spread does
+/// not end it early), else a first batch for a duration-bound closed loop (fed more as it
+/// goes, see [`job_feed`]), else 100.
+fn request_count(a: &Args, arrivals: Arrivals) -> usize {
+    const DEFAULT: usize = 100;
+    match (a.num_requests, a.duration, arrivals) {
+        (Some(n), _, _) => n,
+        (None, Some(d), Arrivals::Poisson { from, to, .. }) => {
+            (from.max(to) * d * 1.25).ceil() as usize + 16
+        }
+        (None, Some(_), Arrivals::Trace) => usize::MAX,
+        (None, Some(_), Arrivals::Closed(_)) => FEED_BATCH,
+        _ => DEFAULT,
+    }
+}
+
+/// More of the same workload (the generator's stream goes on) for a closed-loop run that only
+/// its `--duration` bounds; `None` for every other run.
+fn job_feed(a: &Args, arrivals: Arrivals, mut rng: Rng) -> Option<runner::JobFeed> {
+    let fed = a.num_requests.is_none()
+        && a.duration.is_some()
+        && matches!(arrivals, Arrivals::Closed(_))
+        && a.workload != Kind::Trace;
+    let a = a.clone();
+    fed.then(|| -> runner::JobFeed {
+        Box::new(move || build_jobs(&a, FEED_BATCH, &mut rng).unwrap_or_default())
+    })
+}
+
+fn build_jobs(a: &Args, n: usize, rng: &mut Rng) -> anyhow::Result<Vec<Job>> {
     anyhow::ensure!(
         a.vocab_hi > a.vocab_lo,
         "--vocab-hi must be above --vocab-lo"
@@ -137,21 +171,14 @@ fn build_jobs(a: &Args) -> anyhow::Result<Vec<Job>> {
     };
     let isl: LenDist = a.isl.parse().context("--isl")?;
     let osl: LenDist = a.osl.parse().context("--osl")?;
-    let mut rng = Rng::new(a.seed);
     Ok(match a.workload {
-        Kind::Synthetic => workload::synthetic(a.num_requests, isl, osl, v, &mut rng),
-        Kind::SharedPrefix => workload::shared_prefix(
-            a.num_requests,
-            a.groups,
-            a.prefix_len,
-            a.prefix_ratio,
-            osl,
-            v,
-            &mut rng,
-        )?,
+        Kind::Synthetic => workload::synthetic(n, isl, osl, v, rng),
+        Kind::SharedPrefix => {
+            workload::shared_prefix(n, a.groups, a.prefix_len, a.prefix_ratio, osl, v, rng)?
+        }
         Kind::MultiTurn => {
-            let sessions = a.num_requests.div_ceil(a.turns.max(1));
-            workload::multi_turn(sessions, a.turns, isl, osl, v, &mut rng)
+            let sessions = n.div_ceil(a.turns.max(1));
+            workload::multi_turn(sessions, a.turns, isl, osl, v, rng)
         }
         Kind::Trace => {
             let path = a
@@ -160,10 +187,23 @@ fn build_jobs(a: &Args) -> anyhow::Result<Vec<Job>> {
                 .context("--workload trace needs --trace FILE")?;
             let mut jobs =
                 workload::mooncake(path, a.trace_block_size, a.trace_speedup, v, a.seed)?;
-            jobs.truncate(a.num_requests);
+            jobs.truncate(n);
             jobs
         }
     })
+}
+
+/// Which limit ended a run that sent `sent` requests of the `prepared` ones (the first batch
+/// of a fed run); `by_deadline`: its `--duration` ran out first.
+fn ended_by(a: &Args, by_deadline: bool, sent: usize, prepared: usize) -> String {
+    match (by_deadline, a.duration) {
+        (true, Some(d)) => format!("--duration {d} s ({sent} requests sent)"),
+        (false, Some(d)) => format!(
+            "all {prepared} requests sent before --duration {d} s ran out (raise \
+             --num-requests, or leave it out, to fill it)"
+        ),
+        (_, None) => format!("all {prepared} requests sent (--num-requests)"),
+    }
 }
 
 /// `Authorization: Bearer KEY` from `--api-key`, else `$OPENAI_API_KEY`; none without either.
@@ -247,7 +287,11 @@ async fn one_run(
     arrivals: Arrivals,
     out: &std::path::Path,
 ) -> anyhow::Result<Summary> {
-    let jobs = build_jobs(a)?;
+    let mut rng = Rng::new(a.seed);
+    let jobs = build_jobs(a, request_count(a, arrivals), &mut rng)?;
+    let prepared = jobs.iter().map(|j| j.turns.len()).sum::<usize>();
+    let feed = job_feed(a, arrivals, rng);
+    let fed = feed.is_some();
     let images = match &a.images {
         Some(dir) => Some(std::sync::Arc::new(Images::new(load_images(dir)?))),
         None => None,
@@ -270,7 +314,8 @@ async fn one_run(
         t0: Instant::now(),
     };
     let duration = a.duration.map(Duration::from_secs_f64);
-    let (records, secs) = runner::run(client, jobs, arrivals, duration, a.seed, a.quiet).await;
+    let end = runner::run(client, jobs, feed, arrivals, duration, a.seed, a.quiet).await;
+    let (records, secs) = (end.records, end.secs);
     let sla = match (a.sla_ttft_ms, a.sla_itl_ms) {
         (None, None) => None,
         (t, i) => Some(Sla {
@@ -278,7 +323,8 @@ async fn one_run(
             itl_ms: i.unwrap_or(f64::INFINITY),
         }),
     };
-    let summary = summarize(&records, secs, sla);
+    let mut summary = summarize(&records, secs, sla);
+    summary.ended_by = ended_by(a, end.by_deadline || fed, records.len(), prepared);
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     report::write_json(&out.join("report.json"), a, &summary)?;
     report::write_csv(&out.join("requests.csv"), &records)?;
@@ -360,12 +406,64 @@ async fn main() -> anyhow::Result<()> {
     if sweep.is_empty() {
         one_run(&a, &http, &model, arrivals(a.rate, a.concurrency), &a.out).await?;
     } else {
-        let points: Vec<Summary> = sweep.iter().map(|p| p.1.clone()).collect();
         std::fs::write(
             a.out.join("sweep.json"),
             serde_json::to_string_pretty(&sweep)?,
         )?;
-        plot::sweep(&a.out.join("sweep.svg"), &points)?;
+        plot::sweep(&a.out.join("sweep.svg"), &sweep)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        Args::parse_from(["tandem-loadtest"].iter().chain(extra))
+    }
+
+    #[test]
+    fn a_duration_bound_open_loop_prepares_enough_requests_and_says_what_ended_it() {
+        let poisson = |r: f64| Arrivals::Poisson {
+            from: r,
+            to: r,
+            over: 0.0,
+        };
+        // 10 req/s for 60 s: 750 + 16 prepared, not the default 100.
+        let a = args(&["--rate", "10", "--duration", "60"]);
+        assert_eq!(request_count(&a, poisson(10.0)), 766);
+        assert_eq!(
+            ended_by(&a, true, 601, 766),
+            "--duration 60 s (601 requests sent)"
+        );
+        // An explicit count wins, and a run that sent it all before the duration says so.
+        let a = args(&["--rate", "10", "--duration", "60", "--num-requests", "50"]);
+        assert_eq!(request_count(&a, poisson(10.0)), 50);
+        assert!(
+            ended_by(&a, false, 50, 50).starts_with("all 50 requests sent before --duration 60 s")
+        );
+        let a = args(&[]);
+        assert_eq!(request_count(&a, Arrivals::Closed(1)), 100);
+        assert!(job_feed(&a, Arrivals::Closed(1), Rng::new(1)).is_none());
+        assert_eq!(
+            ended_by(&a, false, 100, 100),
+            "all 100 requests sent (--num-requests)"
+        );
+    }
+
+    #[test]
+    fn a_duration_bound_closed_loop_is_fed_the_same_workload() {
+        let a = args(&["--duration", "5", "--concurrency", "2"]);
+        assert_eq!(request_count(&a, Arrivals::Closed(2)), FEED_BATCH);
+        let mut rng = Rng::new(a.seed);
+        let first = build_jobs(&a, FEED_BATCH, &mut rng).unwrap();
+        let mut feed = job_feed(&a, Arrivals::Closed(2), rng).expect("fed");
+        let more = feed();
+        assert_eq!(more.len(), FEED_BATCH);
+        assert_ne!(
+            more[0], first[0],
+            "the stream goes on rather than repeating"
+        );
+    }
 }

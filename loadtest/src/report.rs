@@ -63,6 +63,26 @@ pub fn write_outputs(path: &Path, records: &[Record]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Goodput and its SLA, or why there is none.
+pub fn goodput_line(s: &Summary) -> String {
+    let bound = |v: f64, name: &str| v.is_finite().then(|| format!("{name} <= {v} ms"));
+    match s.sla {
+        None => "goodput not measured: no SLA (--sla-ttft-ms, --sla-itl-ms)".to_string(),
+        Some(sla) => {
+            let bounds: Vec<String> = [bound(sla.ttft_ms, "TTFT"), bound(sla.itl_ms, "ITL")]
+                .into_iter()
+                .flatten()
+                .collect();
+            format!(
+                "goodput {:.2} req/s ({} met the SLA: {})",
+                s.goodput,
+                s.sla_met,
+                bounds.join(", ")
+            )
+        }
+    }
+}
+
 /// Human-readable lines for the terminal.
 pub fn print_summary(s: &Summary) {
     println!(
@@ -76,13 +96,47 @@ pub fn print_summary(s: &Summary) {
         );
     }
     println!(
-        "throughput {:.2} req/s, {:.1} output tok/s, {:.1} input tok/s; goodput {:.2} req/s ({} met the SLA)",
-        s.request_throughput, s.output_token_throughput, s.input_token_throughput, s.goodput, s.sla_met
+        "throughput {:.2} req/s, {:.1} output tok/s, {:.1} input tok/s; {}",
+        s.request_throughput,
+        s.output_token_throughput,
+        s.input_token_throughput,
+        goodput_line(s)
     );
+    if !s.ended_by.is_empty() {
+        println!("ended by: {}", s.ended_by);
+    }
     if !s.errors.is_empty() {
         println!("errors {:?}", s.errors);
         for d in &s.error_samples {
             println!("  e.g. {d}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stats::Sla;
+
+    #[test]
+    fn goodput_says_when_no_sla_was_given_and_which_one_was() {
+        let none = Summary::default();
+        assert_eq!(
+            goodput_line(&none),
+            "goodput not measured: no SLA (--sla-ttft-ms, --sla-itl-ms)"
+        );
+        let ttft_only = Summary {
+            goodput: 2.5,
+            sla_met: 5,
+            sla: Some(Sla {
+                ttft_ms: 200.0,
+                itl_ms: f64::INFINITY,
+            }),
+            ..Summary::default()
+        };
+        assert_eq!(
+            goodput_line(&ttft_only),
+            "goodput 2.50 req/s (5 met the SLA: TTFT <= 200 ms)"
+        );
     }
 }

@@ -52,16 +52,28 @@ fn bar(total: usize, quiet: bool) -> ProgressBar {
     pb
 }
 
-/// Runs `jobs`; returns every request's record (unsent requests after the deadline are left
-/// out) and the wall duration.
+/// More jobs for a closed-loop run bound by its duration only: called whenever the jobs run
+/// out before the deadline.
+pub type JobFeed = Box<dyn FnMut() -> Vec<Job> + Send>;
+
+/// How a run went: every request's record (requests not sent by the deadline are left out),
+/// the wall duration, and whether the deadline (rather than the job list) ended it.
+pub struct RunEnd {
+    pub records: Vec<Record>,
+    pub secs: f64,
+    pub by_deadline: bool,
+}
+
+/// Runs `jobs` (and, closed loop, the `feed`'s until the deadline).
 pub async fn run(
     client: Client,
     jobs: Vec<Job>,
+    feed: Option<JobFeed>,
     arrivals: Arrivals,
     duration: Option<Duration>,
     seed: u64,
     quiet: bool,
-) -> (Vec<Record>, f64) {
+) -> RunEnd {
     let total: usize = jobs.iter().map(|j| j.turns.len()).sum();
     let pb = bar(total, quiet);
     let records = Arc::new(Mutex::new(Vec::with_capacity(total)));
@@ -97,13 +109,19 @@ pub async fn run(
 
     match arrivals {
         Arrivals::Closed(n) => {
-            let queue = Arc::new(Mutex::new(jobs.into_iter()));
+            let queue = Arc::new(Mutex::new((jobs.into_iter(), feed)));
             let mut tasks = tokio::task::JoinSet::new();
             for _ in 0..n.max(1) {
                 let (queue, session) = (queue.clone(), session.clone());
                 tasks.spawn(async move {
                     loop {
-                        let next = queue.lock().ok().and_then(|mut q| q.next());
+                        let next = queue.lock().ok().and_then(|mut q| {
+                            let (jobs, feed) = &mut *q;
+                            jobs.next().or_else(|| {
+                                *jobs = feed.as_mut().map(|f| f()).unwrap_or_default().into_iter();
+                                jobs.next()
+                            })
+                        });
                         match next {
                             Some(job) if !past_deadline() => session(job).await,
                             _ => break,
@@ -133,9 +151,12 @@ pub async fn run(
         }
     }
     pb.finish_and_clear();
-    let dur = client.t0.elapsed().as_secs_f64();
-    let recs = records.lock().map(|r| r.clone()).unwrap_or_default();
-    (recs, dur)
+    let secs = client.t0.elapsed().as_secs_f64();
+    RunEnd {
+        records: records.lock().map(|r| r.clone()).unwrap_or_default(),
+        secs,
+        by_deadline: past_deadline(),
+    }
 }
 
 #[cfg(test)]

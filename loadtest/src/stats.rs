@@ -110,7 +110,7 @@ impl Dist {
 }
 
 /// A service-level objective; a request meets it when both bounds hold.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Sla {
     pub ttft_ms: f64,
     pub itl_ms: f64,
@@ -132,6 +132,10 @@ pub struct Summary {
     /// Successful requests per second that met the SLA (0 without an SLA).
     pub goodput: f64,
     pub sla_met: usize,
+    /// The SLA goodput was measured against; `None`: no goodput was measured.
+    pub sla: Option<Sla>,
+    /// Which limit ended the run (its request count or its duration).
+    pub ended_by: String,
     /// Up to five distinct server error messages.
     pub error_samples: Vec<String>,
 }
@@ -174,6 +178,8 @@ pub fn summarize(records: &[Record], duration_s: f64, sla: Option<Sla>) -> Summa
         input_token_throughput: ok.iter().map(|r| r.input_tokens).sum::<usize>() as f64 / dur,
         goodput: sla_met as f64 / dur,
         sla_met,
+        sla,
+        ended_by: String::new(),
         error_samples,
     }
 }
