@@ -524,7 +524,7 @@ def table(results):
     for (topology, migration, fault), r in results:
         cells = [f"{x['ok']} / {x['failed']} / {x['hung']}" for x in r["routers"]]
         rec = "—" if r["recover_s"] is None else f"{r['recover_s']} s"
-        base = "no" if r["settled_s"] is None else f"yes ({max(r['settled_s'], 0)} s)"
+        base = "no" if r["settled_s"] is None else f"yes ({max(r['settled_s'], 0.0) + 0.0} s)"
         ok = "yes" if verdict(fault, migration, r) else "**no**"
         back = "yes" if r["rejoined"] else "**no**"
         o = r.get("outputs")
