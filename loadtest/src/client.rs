@@ -129,13 +129,18 @@ enum Event {
     Other,
 }
 
-fn parse_event(data: &str) -> Result<Event, ()> {
+/// Classifies one SSE payload; with `output`, also records its tokens and logprobs (one parse
+/// serves both).
+fn parse_event(data: &str, output: Option<&mut Output>) -> Result<Event, ()> {
     if data == "[DONE]" {
         return Ok(Event::Done);
     }
     let v: Value = serde_json::from_str(data).map_err(|_| ())?;
     if v.get("error").is_some() {
         return Err(());
+    }
+    if let Some(out) = output {
+        take_logprobs(&v, out);
     }
     if let Some(n) = v
         .pointer("/usage/completion_tokens")
@@ -277,12 +282,7 @@ impl Client {
                     let Some(data) = line.strip_prefix("data:") else {
                         continue;
                     };
-                    if let Some(out) = output.as_mut() {
-                        if let Ok(v) = serde_json::from_str::<Value>(data.trim()) {
-                            take_logprobs(&v, out);
-                        }
-                    }
-                    match parse_event(data.trim()) {
+                    match parse_event(data.trim(), output.as_mut()) {
                         Ok(Event::Text) => {
                             text_chunks += 1;
                             rec.chunk_times.push(now);
@@ -357,30 +357,30 @@ mod tests {
 
     #[test]
     fn events_are_classified() {
-        assert!(matches!(parse_event("[DONE]"), Ok(Event::Done)));
+        assert!(matches!(parse_event("[DONE]", None), Ok(Event::Done)));
         assert!(matches!(
-            parse_event(r#"{"choices":[{"text":"hi"}]}"#),
+            parse_event(r#"{"choices":[{"text":"hi"}]}"#, None),
             Ok(Event::Text)
         ));
         assert!(matches!(
-            parse_event(r#"{"choices":[],"usage":{"completion_tokens":7}}"#),
+            parse_event(r#"{"choices":[],"usage":{"completion_tokens":7}}"#, None),
             Ok(Event::Usage(7))
         ));
         // Chat completions (`--images`): the text is the delta's content.
         assert!(matches!(
-            parse_event(r#"{"choices":[{"delta":{"content":"hi"}}]}"#),
+            parse_event(r#"{"choices":[{"delta":{"content":"hi"}}]}"#, None),
             Ok(Event::Text)
         ));
         assert!(matches!(
-            parse_event(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#),
+            parse_event(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#, None),
             Ok(Event::Other)
         ));
         assert!(matches!(
-            parse_event(r#"{"choices":[{"text":""}]}"#),
+            parse_event(r#"{"choices":[{"text":""}]}"#, None),
             Ok(Event::Other)
         ));
-        assert!(parse_event("{not json").is_err());
-        assert!(parse_event(r#"{"error":{"message":"x"}}"#).is_err());
+        assert!(parse_event("{not json", None).is_err());
+        assert!(parse_event(r#"{"error":{"message":"x"}}"#, None).is_err());
     }
 
     #[test]

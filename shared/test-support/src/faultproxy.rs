@@ -106,8 +106,14 @@ impl FaultSwitch {
 pub async fn serve(listener: TcpListener, target: SocketAddr, switch: FaultSwitch) {
     let mut seed = 0x5EED_u64;
     loop {
-        let Ok((client, _)) = listener.accept().await else {
-            continue;
+        let client = match listener.accept().await {
+            Ok((client, _)) => client,
+            Err(e) => {
+                // Out of descriptors, say: pause instead of spinning on the error.
+                tracing::warn!("fault proxy: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         seed = tandem_rng::splitmix64(&mut seed);
         let switch = switch.clone();
