@@ -61,6 +61,9 @@ pub enum EngineError {
     /// Sampling parameters out of range or over a cap (from `tandem-text`).
     #[error("invalid request: {0}")]
     Params(#[from] tandem_text::ParamsError),
+
+    #[error("invalid request: {0}")]
+    Guide(#[from] crate::sampler::guide::GuideError),
     /// The engine already holds its limit of requests (`--engine-request-limit`).
     #[error(
         "the engine is at its limit of {limit} concurrent requests (--engine-request-limit); \
@@ -129,6 +132,8 @@ impl EngineError {
             E::InvalidRequest(_) | E::Params(_) | E::BadSnapshot(_) | E::LayoutMismatch { .. } => {
                 ErrorClass::Invalid
             }
+            E::Guide(g) if g.is_invalid_request() => ErrorClass::Invalid,
+            E::Guide(_) => ErrorClass::Internal,
             E::UnknownRequest(_) | E::UnknownLease(_) => ErrorClass::NotFound,
             E::DuplicateRequest(_) | E::DuplicateLease(_) => ErrorClass::AlreadyExists,
             E::OutOfBlocks { .. } | E::Overloaded { .. } => ErrorClass::Exhausted,

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::kv::block_manager::{BlockTable, HashContext};
 use crate::request::MediaEmbedding;
+use crate::sampler::guide::Guide;
 use crate::sampler::{SamplerState, SamplingParams, StopMatcher};
 use crate::tokenizer::incremental::IncrementalDecoder;
 
@@ -61,6 +62,8 @@ pub struct Sequence {
     pub stop: StopMatcher,
     /// Incremental detokenizer over the generated tokens (None when the engine has no tokenizer).
     pub decoder: Option<IncrementalDecoder>,
+    /// Where the output is in its structured-output grammar (requests with a constraint).
+    pub guide: Option<Box<Guide>>,
     pub num_preemptions: u32,
 }
 
@@ -117,6 +120,7 @@ impl Sequence {
             sampler,
             stop,
             decoder: None,
+            guide: None,
             num_preemptions: 0,
         }
     }

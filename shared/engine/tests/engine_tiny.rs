@@ -2,6 +2,9 @@
 //! - continuation: export a request after its prompt and some tokens, import it into a fresh
 //!   engine, continue — the tokens and text are those of an uninterrupted run, for greedy and
 //!   for seeded sampling with penalties and a stop string;
+//! - structured outputs: JSON under a schema (seeded sampling at temperature 1, 100 seeds),
+//!   regex, choice and Lark constraints, and logit bias; a constrained request continues
+//!   across an export and import exactly (the grammar replays its output);
 //! - many concurrent requests through a small block pool (forcing preemption) all complete,
 //!   each with its solo output, and every block returns to the pool.
 
@@ -19,6 +22,7 @@ use tandem_engine::kv::layout::{KvDtype, KvLayout};
 use tandem_engine::model::{LoadOptions, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::tokenizer::Tokenizer;
+use tandem_text::Constraint;
 
 const T: Duration = Duration::from_secs(300);
 const BLOCK: usize = 8;
@@ -302,4 +306,163 @@ async fn concurrent_requests_with_a_small_pool_all_complete() {
     assert_eq!((st.running, st.waiting, st.requests), (0, 0, 0));
     assert_eq!(st.blocks.referenced, baseline.referenced);
     assert_eq!(st.blocks.total, baseline.total);
+}
+
+/// The schema of the structured-output tests: every value is bounded, so a random model
+/// finishes an object well within its budget.
+const SCHEMA: &str = r#"{
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "ok": {"type": "boolean"},
+    "size": {"enum": ["small", "large"]},
+    "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3}
+  },
+  "required": ["name", "ok", "size", "tags"],
+  "additionalProperties": false
+}"#;
+
+/// Whether `text` is a JSON object valid under [`SCHEMA`].
+fn valid_under_schema(text: &str) -> Result<(), String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("{e}: {text:?}"))?;
+    let o = v.as_object().ok_or("not an object")?;
+    let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    let ok = keys == ["name", "ok", "size", "tags"]
+        && o["name"].as_str().is_some_and(|s| s.chars().count() <= 6)
+        && o["ok"].is_boolean()
+        && matches!(o["size"].as_str(), Some("small" | "large"))
+        && o["tags"]
+            .as_array()
+            .is_some_and(|t| t.len() <= 3 && t.iter().all(|x| x.as_u64().is_some_and(|n| n <= 99)));
+    ok.then_some(())
+        .ok_or_else(|| format!("not valid under the schema: {text}"))
+}
+
+fn constrained(c: Constraint, seed: u64) -> SamplingParams {
+    SamplingParams {
+        max_tokens: Some(200),
+        seed: Some(seed),
+        temperature: 1.0,
+        constraint: Some(c),
+        ..SamplingParams::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_follow_their_grammar() {
+    let t = tiny();
+    let prompt = t
+        .tokenizer
+        .encode("Describe a cat as JSON:", false)
+        .unwrap();
+    let h = engine(&t, 256, CapacitySchedulerPolicy::GuaranteedNoEvict);
+
+    // JSON under a schema: 100 of 100 seeds, compact, ending with EOS well within budget.
+    let schema = Constraint::JsonSchema(SCHEMA.into());
+    let mut streams = Vec::new();
+    for seed in 0..100u64 {
+        let r = req(
+            &format!("j{seed}"),
+            prompt.clone(),
+            constrained(schema.clone(), seed),
+        );
+        streams.push(h.submit(r).await.expect("submit"));
+    }
+    let mut outs = Vec::new();
+    for s in streams {
+        outs.push(tokio::time::timeout(T, s.collect()).await.expect("timeout"));
+    }
+    let mut texts = std::collections::HashSet::new();
+    for (seed, o) in outs.iter().enumerate() {
+        let last = o.last().unwrap();
+        assert_eq!(
+            last.finish_reason,
+            Some(FinishReason::Stop),
+            "seed {seed}: {last:?}"
+        );
+        let text = text(o);
+        valid_under_schema(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert!(
+            !text.contains("\": ") && !text.contains(", "),
+            "compact: {text}"
+        );
+        texts.insert(text);
+    }
+    assert!(
+        texts.len() > 50,
+        "seeds draw different objects: {}",
+        texts.len()
+    );
+
+    // Regex, choice and a Lark grammar.
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let lower = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase());
+    type Check = Box<dyn Fn(&str) -> bool>;
+    let cases: [(Constraint, Check); 3] = [
+        (
+            Constraint::Regex("[0-9]{3}-[a-z]{2}".into()),
+            Box::new(move |s| s.len() == 6 && digits(&s[..3]) && &s[3..4] == "-" && lower(&s[4..])),
+        ),
+        (
+            Constraint::Choice(vec!["yes".into(), "no".into(), "a.b".into()]),
+            Box::new(|s| ["yes", "no", "a.b"].contains(&s)),
+        ),
+        (
+            Constraint::Lark("start: \"(\" NUM (\",\" NUM)* \")\"\nNUM: /[1-9]/".into()),
+            Box::new(move |s| {
+                s.strip_prefix('(')
+                    .and_then(|r| r.strip_suffix(')'))
+                    .is_some_and(|inner| {
+                        inner
+                            .split(',')
+                            .all(|n| n.len() == 1 && digits(n) && n != "0")
+                    })
+            }),
+        ),
+    ];
+    for (i, (c, check)) in cases.into_iter().enumerate() {
+        for seed in 0..5 {
+            let r = req(
+                &format!("c{i}-{seed}"),
+                prompt.clone(),
+                constrained(c.clone(), seed),
+            );
+            let o = run(&h, r).await;
+            let text = text(&o);
+            assert!(check(&text), "{c:?} seed {seed}: {text:?}");
+            assert_eq!(o.last().unwrap().finish_reason, Some(FinishReason::Stop));
+        }
+    }
+
+    // A schema that does not compile is the request's error, before anything runs.
+    let bad = req(
+        "bad",
+        prompt.clone(),
+        constrained(Constraint::JsonSchema("{\"type\": 5}".into()), 1),
+    );
+    let e = h.submit(bad).await.err().expect("refused");
+    assert!(e.to_string().contains("json_schema"), "{e}");
+
+    // Logit bias: +100 on one token makes greedy decoding pick it every time.
+    let target = t.tokenizer.encode(" banana", false).unwrap()[0];
+    let biased = SamplingParams {
+        max_tokens: Some(5),
+        ignore_eos: true,
+        logit_bias: vec![(target, 100.0)],
+        ..SamplingParams::greedy()
+    };
+    let o = run(&h, req("bias", prompt.clone(), biased)).await;
+    assert_eq!(tokens(&o), vec![target; 5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constrained_request_continues_across_export_and_import() {
+    let t = tiny();
+    let prompt = t.tokenizer.encode("JSON:", false).unwrap();
+    let params = constrained(Constraint::JsonSchema(SCHEMA.into()), 7);
+    let (want, got) = both_ways(&t, &prompt, params, 4).await;
+    valid_under_schema(&text(&want)).unwrap();
+    assert_eq!(tokens(&got), tokens(&want));
+    assert_eq!(text(&got), text(&want));
 }

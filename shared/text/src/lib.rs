@@ -7,6 +7,7 @@
 #![deny(clippy::too_many_lines, clippy::too_many_arguments)]
 
 pub mod chat;
+pub mod constraint;
 pub mod error;
 pub mod incremental;
 pub mod limits;
@@ -16,6 +17,7 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use chat::{ChatRequest, ChatTemplate};
+pub use constraint::{Constraint, ConstraintError};
 pub use error::TextError;
 pub use incremental::IncrementalDecoder;
 pub use logprob::TokenLogprob;

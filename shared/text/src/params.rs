@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::limits;
+use crate::{Constraint, ConstraintError};
 
 /// How a request's tokens are chosen and when it stops.
 ///
@@ -30,6 +31,11 @@ use crate::limits;
 ///   longer beat the worst of them at its current length; `true` stops as soon as `width` are
 ///   finished. Beam search is deterministic: `temperature`, `top_k`, `top_p`, `min_p` and
 ///   `seed` are ignored; penalties, `min_tokens`, stop strings and `logprobs` are refused.
+/// - `logit_bias`: `(token id, bias)` pairs added to the raw logits before the penalties
+///   (OpenAI's, bias in [-100, 100]).
+/// - `constraint`: structured output; every step's logits are masked to the tokens that keep
+///   the output inside the grammar, and the choice ends (`stop`) when the grammar is complete.
+///   Not with beam search, `ignore_eos` or `min_tokens`.
 /// - `best_of` without beam search must equal `n` (sampling `best_of > n` is not
 ///   implemented and is refused).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,6 +64,8 @@ pub struct SamplingParams {
     /// Exponent of the generated length in a finished hypothesis' score (transformers').
     pub length_penalty: f32,
     pub early_stopping: bool,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -83,6 +91,8 @@ impl Default for SamplingParams {
             best_of: None,
             length_penalty: 1.0,
             early_stopping: false,
+            logit_bias: Vec::new(),
+            constraint: None,
         }
     }
 }
@@ -128,6 +138,7 @@ impl SamplingParams {
         if self.use_beam_search {
             self.validate_beam_search()?;
         }
+        self.validate_constraint()?;
         if let Some(m) = self.max_tokens {
             if m == 0 {
                 return Err(range("max_tokens", "at least 1".into()));
@@ -202,12 +213,38 @@ impl SamplingParams {
             limits::MAX_STOP_TOKEN_IDS,
         )?;
         let max = limits::MAX_STOP_STRING_BYTES;
+        too_many("logit_bias", self.logit_bias.len(), limits::MAX_LOGIT_BIAS)?;
+        let bound = limits::MAX_LOGIT_BIAS_VALUE;
+        if let Some((token, _)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !b.is_finite() || b.abs() > bound)
+        {
+            return Err(ParamsError::LogitBiasOutOfRange { token: *token });
+        }
         match self.stop.iter().position(|s| s.len() > max) {
             Some(index) => Err(ParamsError::StopStringTooLong {
                 index,
                 got: self.stop[index].len(),
                 max,
             }),
+            None => Ok(()),
+        }
+    }
+
+    /// The constraint's size, and what it cannot be combined with.
+    fn validate_constraint(&self) -> Result<(), ParamsError> {
+        let Some(c) = &self.constraint else {
+            return Ok(());
+        };
+        c.validate().map_err(ParamsError::Constraint)?;
+        let refused = [
+            ("use_beam_search", self.use_beam_search),
+            ("ignore_eos", self.ignore_eos),
+            ("min_tokens", self.min_tokens > 0),
+        ];
+        match refused.into_iter().find(|(_, set)| *set) {
+            Some((field, _)) => Err(ParamsError::NotWithConstraint { field }),
             None => Ok(()),
         }
     }
@@ -261,6 +298,12 @@ pub enum ParamsError {
     BestOfWithoutBeamSearch,
     #[error("min_tokens must not exceed max_tokens")]
     MinTokensOverMax,
+    #[error("logit_bias of token {token} must be in [-100, 100]")]
+    LogitBiasOutOfRange { token: u32 },
+    #[error("{0}")]
+    Constraint(ConstraintError),
+    #[error("{field} is not supported with a structured-output constraint")]
+    NotWithConstraint { field: &'static str },
 }
 
 impl ParamsError {
@@ -270,7 +313,10 @@ impl ParamsError {
             ParamsError::NotFinite { field }
             | ParamsError::OutOfRange { field, .. }
             | ParamsError::TooMany { field, .. }
-            | ParamsError::NotWithBeamSearch { field } => field,
+            | ParamsError::NotWithBeamSearch { field }
+            | ParamsError::NotWithConstraint { field } => field,
+            ParamsError::LogitBiasOutOfRange { .. } => "logit_bias",
+            ParamsError::Constraint(_) => "response_format",
             ParamsError::StopStringTooLong { .. } => "stop",
             ParamsError::BestOfBelowN { .. } | ParamsError::BestOfWithoutBeamSearch => "best_of",
             ParamsError::MinTokensOverMax => "min_tokens",
@@ -317,6 +363,51 @@ mod tests {
             ..SamplingParams::default()
         };
         p.validate().expect("at the caps");
+    }
+
+    #[test]
+    fn logit_bias_and_constraints_are_checked() {
+        let bias = |b: f32| SamplingParams {
+            logit_bias: vec![(3, 1.0), (7, b)],
+            ..SamplingParams::default()
+        };
+        bias(-100.0).validate().expect("in range");
+        for b in [100.5, f32::NAN, f32::NEG_INFINITY] {
+            assert_eq!(err(bias(b)), ParamsError::LogitBiasOutOfRange { token: 7 });
+        }
+        let too_many = SamplingParams {
+            logit_bias: vec![(1, 0.0); MAX_LOGIT_BIAS + 1],
+            ..SamplingParams::default()
+        };
+        assert_eq!(err(too_many).field(), "logit_bias");
+        let c = |p: SamplingParams| SamplingParams {
+            constraint: Some(Constraint::JsonObject),
+            ..p
+        };
+        c(SamplingParams::default()).validate().expect("plain");
+        for (p, field) in [
+            (
+                SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::default()
+                },
+                "ignore_eos",
+            ),
+            (
+                SamplingParams {
+                    min_tokens: 2,
+                    ..SamplingParams::default()
+                },
+                "min_tokens",
+            ),
+        ] {
+            assert_eq!(err(c(p)), ParamsError::NotWithConstraint { field });
+        }
+        let empty = SamplingParams {
+            constraint: Some(Constraint::Choice(vec![])),
+            ..SamplingParams::default()
+        };
+        assert_eq!(err(empty).field(), "response_format");
     }
 
     #[test]

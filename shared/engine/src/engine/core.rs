@@ -19,6 +19,7 @@ use crate::kv::block_manager::BlockManager;
 use crate::kv::block_manager::HashContext;
 use crate::kv::events::KvEventPublisher;
 use crate::request::{FinishReason, Request, RequestOutput, RequestSnapshot, SequenceState, Usage};
+use crate::sampler::guide::{Guide, Guides};
 use crate::sampler::{Rng, SamplerState, SamplingParams};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
 use crate::sequence::{NewSequence, SeqId, Sequence};
@@ -122,6 +123,8 @@ impl Counters {
 pub(crate) struct Core {
     pub(super) backend: Box<dyn Backend>,
     pub(super) tokenizer: Option<Arc<Tokenizer>>,
+    /// Compiles structured-output constraints (its token table is built on first use).
+    pub(super) guides: Guides,
     pub(super) cfg: EngineConfig,
     pub(super) sched: Scheduler,
     events: KvEventPublisher,
@@ -229,9 +232,15 @@ impl Core {
             },
             blocks,
         );
+        let guides = Guides::new(
+            tokenizer.clone(),
+            backend.vocab_size(),
+            cfg.eos_token_ids.clone(),
+        );
         Self {
             backend,
             tokenizer,
+            guides,
             cfg,
             sched,
             events,
@@ -398,10 +407,26 @@ impl Core {
             .map(|_| IncrementalDecoder::new(params.skip_special_tokens))
     }
 
+    /// The guide of a constrained sequence whose output so far is `output` (None without a
+    /// constraint).
+    pub(super) fn guide_for(
+        &self,
+        params: &SamplingParams,
+        output: &[u32],
+    ) -> Result<Option<Box<Guide>>, EngineError> {
+        let Some(c) = &params.constraint else {
+            return Ok(None);
+        };
+        let mut guide = self.guides.compile(c)?;
+        guide.replay(output)?;
+        Ok(Some(Box::new(guide)))
+    }
+
     pub(super) fn submit(&mut self, req: Request, key: u64, out: Sink) -> Result<(), EngineError> {
         self.check_request_limit()?;
         let max_tokens = self.validate(&req.request_id, &req.prompt, &req.params)?;
         let output_from = check_replay(&req)?;
+        let guide = self.guide_for(&req.params, &req.prompt[output_from..])?;
         let hashing = self.media_context(&req.prompt, req.cache_salt, &req.media)?;
         let media: Arc<[_]> = Arc::from(req.media);
         let seed = req.params.seed.unwrap_or_else(Rng::random_seed);
@@ -429,6 +454,7 @@ impl Core {
                 media: media.clone(),
             });
             seq.decoder = self.new_decoder(&params);
+            seq.guide = guide.as_ref().map(|g| Box::new(g.fork()));
             if params.use_beam_search {
                 seq.decoder = None;
                 self.submit_beams(&seq);

@@ -3,6 +3,7 @@
 
 use super::core::{output, Core};
 use crate::request::{FinishReason, RequestOutput, StopReason};
+use crate::sampler::guide::GuideError;
 use crate::sampler::{
     record_device_sample, sample, sample_without_logits, SampleContext, Sampled, SamplingParams,
     TokenLogprob,
@@ -12,23 +13,48 @@ use crate::tokenizer::Tokenizer;
 
 impl Core {
     pub(super) fn sample_and_emit(&mut self, id: SeqId, row: Option<&[f32]>) {
+        match self.draw(id, row) {
+            Some(Ok(sampled)) => self.emit_sampled(id, sampled),
+            Some(Err(e)) => {
+                if let Some(rid) = self.requests.request_of(id).map(str::to_owned) {
+                    self.fail(&rid, Some(e.to_string()));
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Draws sequence `id`'s next token from its row (None: the backend gave no logits),
+    /// inside its grammar when it has one. None when the sequence is gone.
+    fn draw(&mut self, id: SeqId, row: Option<&[f32]>) -> Option<Result<Sampled, GuideError>> {
         let vocab = self.backend.vocab_size();
         let eos = &self.cfg.eos_token_ids;
-        let Some(seq) = self.sched.get_mut(id) else {
-            return;
-        };
-        let params = seq.params.clone();
-        let sampled = match row {
-            Some(r) => {
-                let ctx = SampleContext {
-                    all_tokens: &seq.tokens,
-                    eos_token_ids: eos,
-                };
-                sample(r, &params, &mut seq.sampler, &ctx)
+        let seq = self.sched.get_mut(id)?;
+        let masked: Vec<f32>;
+        let row: &[f32] = match (seq.guide.as_mut(), row) {
+            (Some(guide), row) => {
+                // Without logits (a simulated backend), uniform over what the grammar allows.
+                let mut m = row.map_or_else(|| vec![0.0; vocab], <[f32]>::to_vec);
+                if let Err(e) = guide.mask_logits(&mut m) {
+                    return Some(Err(e));
+                }
+                masked = m;
+                &masked
             }
-            None => sample_without_logits(vocab, &mut seq.sampler),
+            (None, Some(r)) => r,
+            (None, None) => return Some(Ok(sample_without_logits(vocab, &mut seq.sampler))),
         };
-        self.emit_sampled(id, sampled);
+        let ctx = SampleContext {
+            all_tokens: &seq.tokens,
+            eos_token_ids: eos,
+        };
+        let sampled = sample(row, &seq.params, &mut seq.sampler, &ctx);
+        if let Some(guide) = seq.guide.as_mut() {
+            if let Err(e) = guide.advance(sampled.token) {
+                return Some(Err(e));
+            }
+        }
+        Some(Ok(sampled))
     }
 
     /// Emits a token the backend sampled on its device (with the plan taken before the step).

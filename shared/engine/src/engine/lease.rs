@@ -215,6 +215,7 @@ impl Core {
         lease.check_state(lease_id, &st)?;
         let pl = st.prompt_len;
         self.check_continuable(&st)?;
+        let guide = self.guide_for(&st.params, &st.tokens[st.prompt_len..])?;
         let lease = self.leases.take(lease_id)?;
         // The blocks the remote prefill wrote become visible to compute (a backend whose
         // transfer memory is not its pool copies them in; the CPU pool is that memory).
@@ -224,7 +225,7 @@ impl Core {
             return Err(e);
         }
         let state_cached = st.cached_prompt_tokens;
-        let (mut seq, request_id) = self.continued_sequence(st);
+        let (mut seq, request_id) = self.continued_sequence(st, guide);
         seq.table = lease.table;
         seq.cached_prompt_tokens = Some(state_cached.max(lease.cached_tokens));
         self.queue_continued(seq, pl, request_id, key, out);

@@ -11,6 +11,7 @@ use super::requests::{Entry, Sink};
 use crate::error::EngineError;
 use crate::kv::block_manager::HashContext;
 use crate::request::{FinishReason, RequestOutput, RequestSnapshot, SequenceState};
+use crate::sampler::guide::Guide;
 use crate::sequence::{NewSequence, Sequence};
 
 impl Core {
@@ -79,6 +80,7 @@ impl Core {
             return bad("num_computed must leave the last token to compute");
         }
         self.check_continuable(&st)?;
+        let guide = self.guide_for(&st.params, &st.tokens[st.prompt_len..])?;
         let bm = self.sched.blocks_mut();
         let nblocks = bm.blocks_for(st.num_computed);
         let want = nblocks * snap.layout.block_bytes();
@@ -89,7 +91,7 @@ impl Core {
             )));
         }
         let num_computed = st.num_computed;
-        let (mut seq, request_id) = self.continued_sequence(st);
+        let (mut seq, request_id) = self.continued_sequence(st, guide);
         let bm = self.sched.blocks_mut();
         bm.ensure_capacity(&mut seq.table, num_computed)
             .map_err(|e| EngineError::OutOfBlocks {
@@ -138,7 +140,11 @@ impl Core {
 
     /// A new sequence continuing `st` (its blocks are the caller's to attach); returns it with
     /// its request id.
-    pub(super) fn continued_sequence(&mut self, st: SequenceState) -> (Sequence, String) {
+    pub(super) fn continued_sequence(
+        &mut self,
+        st: SequenceState,
+        guide: Option<Box<Guide>>,
+    ) -> (Sequence, String) {
         let mut seq = Sequence::new(NewSequence {
             id: self.requests.new_seq_id(),
             request_id: Arc::from(st.request_id.as_str()),
@@ -155,6 +161,7 @@ impl Core {
         });
         seq.prompt_len = st.prompt_len;
         seq.stop = st.stop;
+        seq.guide = guide;
         (seq, st.request_id)
     }
 

@@ -7,9 +7,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use super::core::Core;
 use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
+use crate::sampler::guide::Guide;
 use crate::sampler::{SampleContext, SamplePlan};
 use crate::scheduler::{ScheduledSeq, Scheduler};
 use crate::sequence::{SeqId, Sequence};
+
+/// Sampling that only the host sampler does: logprobs, beam search, logit bias and grammar
+/// masks (a device sampler follows the plan, which carries none of them).
+fn needs_host_sampling(p: &crate::sampler::SamplingParams) -> bool {
+    p.logprobs.is_some() || p.use_beam_search || !p.logit_bias.is_empty() || p.constraint.is_some()
+}
 
 /// What a step's backend call returned: logits rows to sample here, or tokens it sampled.
 enum StepResult {
@@ -36,7 +43,7 @@ impl Core {
         let pieces = self.live_pieces(&sch.seqs);
         let pieces = self.drop_pieces_without_media(pieces);
         let prompt_tokens = self.prompt_tokens_in(&pieces);
-        let result = match self.forward(&pieces) {
+        let result = match self.forward_preparing_masks(&pieces) {
             Ok(r) => r,
             Err(e) => {
                 self.fail_step(&pieces, &e);
@@ -98,6 +105,50 @@ impl Core {
             .sum()
     }
 
+    /// The forward pass, with the grammar masks of the sequences it samples computed on
+    /// another thread meanwhile: sampling then finds them ready, and a grammar never stalls
+    /// the batch by more than what its mask costs beyond the forward pass.
+    fn forward_preparing_masks(
+        &mut self,
+        pieces: &[ScheduledSeq],
+    ) -> Result<StepResult, EngineError> {
+        let guides: Vec<(SeqId, Box<Guide>)> = pieces
+            .iter()
+            .filter(|p| p.sample)
+            .filter_map(|p| Some((p.id, self.sched.get_mut(p.id)?.guide.take()?)))
+            .collect();
+        if guides.is_empty() {
+            return self.forward(pieces);
+        }
+        let (result, guides) = std::thread::scope(|s| {
+            let prep = s.spawn(move || {
+                let mut guides = guides;
+                for (_, g) in &mut guides {
+                    g.prepare();
+                }
+                guides
+            });
+            let result = self.forward(pieces);
+            (result, prep.join())
+        });
+        match guides {
+            Ok(guides) => {
+                for (id, g) in guides {
+                    if let Some(seq) = self.sched.get_mut(id) {
+                        seq.guide = Some(g);
+                    }
+                }
+            }
+            // `prepare` catches llguidance's panics; this is a panic of the thread itself.
+            Err(_) => {
+                return Err(EngineError::InvalidInput(
+                    "a grammar mask thread panicked".into(),
+                ))
+            }
+        }
+        result
+    }
+
     /// The backend's forward pass over the pieces. Sampling happens on the backend's device
     /// when it can, and no sequence needs its logits row here (logprobs, beam search): the
     /// plans take each draw's uniform from the sequence's RNG now, exactly as the CPU sampler
@@ -127,7 +178,7 @@ impl Core {
                 && self
                     .sched
                     .get(p.id)
-                    .is_none_or(|s| s.params.logprobs.is_some() || s.params.use_beam_search)
+                    .is_none_or(|s| needs_host_sampling(&s.params))
         });
         if needs_row {
             return None;

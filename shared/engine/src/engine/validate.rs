@@ -104,6 +104,11 @@ impl Core {
                 "stop_token_ids: {t} is outside the vocabulary ({vocab})"
             ));
         }
+        if let Some((t, _)) = params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return bad(format!(
+                "logit_bias: {t} is outside the vocabulary ({vocab})"
+            ));
+        }
         if !params.stop.is_empty() && self.tokenizer.is_none() {
             return bad("stop strings need a tokenizer, and this engine has none".into());
         }

@@ -2,7 +2,9 @@
 //! draws and logprobs.
 //!
 //! Order of operations for one step (the vLLM order):
-//! 1. repetition, frequency and presence penalties on the raw logits;
+//! 0. `logit_bias` added to the raw logits (a structured-output grammar's mask, applied by the
+//!    engine before this, has already set what it forbids to -inf);
+//! 1. repetition, frequency and presence penalties;
 //! 2. until `min_tokens` are generated, EOS and stop token ids are masked to -inf;
 //! 3. greedy: argmax. Otherwise divide by the temperature, then keep the top-k, then the
 //!    smallest top-p nucleus, then drop tokens below `min_p * p_max`, and draw from what is
@@ -15,6 +17,7 @@
 //! Each draw consumes exactly one `f64` from the sequence's RNG, so the RNG position is simply
 //! the number of sampled tokens and can be exported with the rest of [`SamplerState`].
 
+pub mod guide;
 pub mod plan;
 pub mod rng;
 
@@ -144,6 +147,11 @@ pub fn sample(
 ) -> Sampled {
     let plan = SamplePlan::unmasked(params, state, ctx);
     let mut l = logits.to_vec();
+    for &(t, bias) in &params.logit_bias {
+        if let Some(x) = l.get_mut(t as usize) {
+            *x += bias;
+        }
+    }
     plan.penalize(&mut l);
     plan::mask_in_place(&mut l, plan::masked_ids(params, state, ctx));
     if !plan.greedy {

@@ -3,7 +3,7 @@
 use crate::wire::{required, to_usize};
 use crate::worker as pb;
 use crate::WireError;
-use tandem_text::{SamplingParams, StopMatcher, StopReason, TokenLogprob};
+use tandem_text::{Constraint, SamplingParams, StopMatcher, StopReason, TokenLogprob};
 
 use super::{FromWire, IntoWire, TryFromWire};
 
@@ -32,7 +32,42 @@ impl IntoWire for SamplingParams {
             best_of: self.best_of.map(count),
             length_penalty: self.length_penalty,
             early_stopping: self.early_stopping,
+            logit_bias: self
+                .logit_bias
+                .into_iter()
+                .map(|(token, bias)| pb::LogitBias { token, bias })
+                .collect(),
+            constraint: self.constraint.map(IntoWire::into_wire),
         }
+    }
+}
+
+impl IntoWire for Constraint {
+    type Wire = pb::Constraint;
+    fn into_wire(self) -> pb::Constraint {
+        use pb::constraint::{Choices, JsonObject, Kind};
+        pb::Constraint {
+            kind: Some(match self {
+                Constraint::JsonObject => Kind::JsonObject(JsonObject {}),
+                Constraint::JsonSchema(s) => Kind::JsonSchema(s),
+                Constraint::Regex(s) => Kind::Regex(s),
+                Constraint::Choice(choices) => Kind::Choice(Choices { choices }),
+                Constraint::Lark(s) => Kind::Lark(s),
+            }),
+        }
+    }
+}
+
+impl TryFromWire<pb::Constraint> for Constraint {
+    fn try_from_wire(c: pb::Constraint) -> Result<Self, WireError> {
+        use pb::constraint::Kind;
+        Ok(match required(c.kind, "kind")? {
+            Kind::JsonObject(_) => Constraint::JsonObject,
+            Kind::JsonSchema(s) => Constraint::JsonSchema(s),
+            Kind::Regex(s) => Constraint::Regex(s),
+            Kind::Choice(c) => Constraint::Choice(c.choices),
+            Kind::Lark(s) => Constraint::Lark(s),
+        })
     }
 }
 
@@ -63,6 +98,12 @@ impl TryFromWire<pb::SamplingParams> for SamplingParams {
             best_of: optional_usize(p.best_of, "best_of")?,
             length_penalty: p.length_penalty,
             early_stopping: p.early_stopping,
+            logit_bias: p.logit_bias.into_iter().map(|b| (b.token, b.bias)).collect(),
+            constraint: p
+                .constraint
+                .map(Constraint::try_from_wire)
+                .transpose()
+                .map_err(|e| e.within("constraint"))?,
         })
     }
 }
@@ -159,6 +200,8 @@ mod tests {
             best_of: Some(4),
             length_penalty: 0.8,
             early_stopping: true,
+            logit_bias: vec![(5, -2.5)],
+            constraint: Some(Constraint::Choice(vec!["yes".into(), "no".into()])),
         }
     }
 
@@ -168,6 +211,14 @@ mod tests {
             every_field_set(),
             SamplingParams::default(),
             SamplingParams::greedy(),
+            SamplingParams {
+                constraint: Some(Constraint::JsonSchema("{}".into())),
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                constraint: Some(Constraint::JsonObject),
+                ..SamplingParams::default()
+            },
         ] {
             let back = SamplingParams::try_from_wire(params.clone().into_wire());
             assert_eq!(back, Ok(params));
