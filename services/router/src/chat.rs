@@ -33,7 +33,14 @@ pub fn normalize_messages(messages: &Value) -> Result<Value, ApiError> {
             ));
         }
         let mut obj = obj.clone();
+        if role == "assistant" {
+            template_tool_calls(&mut obj);
+        }
         match obj.get("content") {
+            // An assistant turn that only called tools: templates read its content as text.
+            None | Some(Value::Null) if role == "assistant" => {
+                obj.insert("content".into(), Value::String(String::new()));
+            }
             None | Some(Value::Null) | Some(Value::String(_)) => {}
             Some(Value::Array(parts)) => {
                 let content = content_parts(&param, parts)?;
@@ -49,6 +56,25 @@ pub fn normalize_messages(messages: &Value) -> Result<Value, ApiError> {
         out.push(Value::Object(obj));
     }
     Ok(Value::Array(out))
+}
+
+/// An assistant turn's tool calls as chat templates expect them (vLLM's convention): each
+/// call's `function.arguments` JSON text parsed into its value, so templates that print
+/// `arguments | tojson` and those that print a string both render it once.
+fn template_tool_calls(msg: &mut serde_json::Map<String, Value>) {
+    let Some(Value::Array(calls)) = msg.get_mut("tool_calls") else {
+        return;
+    };
+    for call in calls {
+        if let Some(args) = call.pointer_mut("/function/arguments") {
+            if let Some(v) = args
+                .as_str()
+                .and_then(|s| serde_json::from_str::<Value>(s).ok())
+            {
+                *args = v;
+            }
+        }
+    }
 }
 
 /// A message's content parts for the template: text parts joined into one string when there
@@ -96,16 +122,6 @@ pub fn chat_prompt(
     let template = assets.template.as_ref().ok_or_else(|| {
         ApiError::bad_request("this model has no chat template; use /v1/completions", None)
     })?;
-    match &req.tool_choice {
-        None => {}
-        Some(Value::String(s)) if s == "auto" || s == "none" => {}
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "`tool_choice` other than \"auto\" or \"none\" is not supported yet",
-                Some("tool_choice"),
-            ))
-        }
-    }
     let messages = normalize_messages(&req.messages)?;
     if let Some(kw) = &req.chat_template_kwargs {
         if !kw.is_object() {

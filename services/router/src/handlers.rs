@@ -20,6 +20,7 @@ use crate::generate::{self, GenEvent, Routed, UsageTotals};
 use crate::metrics as m;
 use crate::prepare::{self, Prepared};
 use crate::respond::{self, Collected};
+use crate::shape::{ChoiceShaper, OutputShape, Shaped};
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// The worker that served a request; sent only with `--expose-worker-id` (instance ids help
@@ -141,20 +142,22 @@ async fn serve(
     if p.stream {
         count(&model, endpoint, true, "success");
         let include_usage = p.include_usage;
-        let mut seen = std::collections::HashSet::new();
+        let mut shapers = Shapers::new(p.shape, meta.kind);
         let events = ReceiverStream::new(rx).flat_map(move |ev| {
             let _keep = &inflight;
             let items: Vec<Result<Event, Infallible>> = match ev {
-                GenEvent::Delta(d) => {
-                    let first = seen.insert(d.index);
-                    vec![Ok(Event::default()
-                        .data(respond::chunk(&meta, &assets, &d, first).to_string()))]
+                GenEvent::Delta(mut d) => {
+                    let (shaped, first) = shapers.shape(&mut d);
+                    vec![Ok(Event::default().data(
+                        respond::chunk(&meta, &assets, &d, &shaped, first).to_string(),
+                    ))]
                 }
                 GenEvent::Done(u) => {
                     let mut v = Vec::new();
                     if include_usage {
+                        let r = shapers.reasoning_tokens(&assets);
                         v.push(Ok(
-                            Event::default().data(respond::usage_chunk(&meta, &u).to_string())
+                            Event::default().data(respond::usage_chunk(&meta, &u, r).to_string())
                         ));
                     }
                     v.push(Ok(Event::default().data("[DONE]")));
@@ -185,7 +188,11 @@ async fn serve(
     }
     drop(inflight);
     count(&model, endpoint, false, "success");
-    let body = collected.body(&meta, &assets, &usage, p.want_logprobs);
+    let want = respond::Want {
+        logprobs: p.want_logprobs,
+        shape: &p.shape,
+    };
+    let body = collected.body(&meta, &assets, &usage, want);
     with_headers(Json(body).into_response(), &rid, shown)
 }
 
@@ -259,4 +266,51 @@ fn index_json(kv: &tandem_kv_router::KvRouter) -> serde_json::Map<String, serde_
             })
             .collect::<serde_json::Map<String, serde_json::Value>>()
     })
+}
+
+/// The shapers of a streamed response's choices (chat only: completions stream text as is).
+struct Shapers {
+    shape: OutputShape,
+    kind: respond::Kind,
+    choices: std::collections::BTreeMap<usize, ChoiceShaper>,
+}
+
+impl Shapers {
+    fn new(shape: OutputShape, kind: respond::Kind) -> Self {
+        Self {
+            shape,
+            kind,
+            choices: Default::default(),
+        }
+    }
+
+    /// The delta shaped (its finish reason made final), and whether it is the choice's first.
+    fn shape(&mut self, d: &mut generate::ChoiceDelta) -> (Shaped, bool) {
+        if self.kind == respond::Kind::Completion {
+            return (Shaped::default(), false);
+        }
+        let first = !self.choices.contains_key(&d.index);
+        let shaper = self
+            .choices
+            .entry(d.index)
+            .or_insert_with(|| ChoiceShaper::new(&self.shape, d.index));
+        let mut shaped = shaper.push(&d.text);
+        if d.finish_reason.is_some() {
+            let rest = shaper.finish();
+            shaped.content.push_str(&rest.content);
+            shaped.reasoning.push_str(&rest.reasoning);
+            shaped.tool_calls.extend(rest.tool_calls);
+            d.finish_reason = respond::finish_reason(d.finish_reason.take(), shaper.called_tools());
+        }
+        (shaped, first)
+    }
+
+    fn reasoning_tokens(&self, assets: &crate::models::ModelAssets) -> Option<usize> {
+        let texts: Vec<&str> = self
+            .choices
+            .values()
+            .map(ChoiceShaper::reasoning_text)
+            .collect();
+        respond::reasoning_tokens(assets, &texts)
+    }
 }

@@ -27,6 +27,8 @@ pub mod queue;
 pub mod replicas;
 pub mod respond;
 pub mod server;
+pub mod shape;
+pub mod structured;
 pub mod tenancy;
 pub mod tls;
 pub mod watcher;

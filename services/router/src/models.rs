@@ -83,6 +83,18 @@ pub struct ModelView {
 }
 
 impl ModelView {
+    /// The tool-call format the model's workers name (`--dyn-tool-call-parser`).
+    pub fn tool_format(&self) -> Option<crate::shape::tools::ToolFormat> {
+        let name = self.workers.first()?.card.tool_call_parser.as_deref()?;
+        crate::shape::tools::ToolFormat::from_name(name)
+    }
+
+    /// The reasoning format the model's workers name (`--dyn-reasoning-parser`).
+    pub fn reasoning_format(&self) -> Option<crate::shape::reasoning::ReasoningFormat> {
+        let name = self.workers.first()?.card.reasoning_parser.as_deref()?;
+        crate::shape::reasoning::ReasoningFormat::from_name(name)
+    }
+
     /// How the model takes images, when its workers announce that it does (all of them:
     /// a model some of whose workers cannot take images is served as text-only).
     pub fn multimodal(&self) -> Option<&tandem_protocol::MultimodalCard> {
@@ -367,6 +379,8 @@ mod tests {
             eos_token_ids: vec![],
             kv_event_key: String::new(),
             multimodal: Default::default(),
+            tool_call_parser: None,
+            reasoning_parser: None,
         }
     }
 

@@ -53,6 +53,38 @@ pub struct CommonFields {
     pub use_beam_search: Option<bool>,
     pub length_penalty: Option<f32>,
     pub early_stopping: Option<bool>,
+    /// OpenAI's `logit_bias`: token id (as a string) to a bias in [-100, 100].
+    pub logit_bias: Option<LogitBias>,
+    #[serde(skip)]
+    pub guided: Guided,
+}
+
+pub type LogitBias = std::collections::BTreeMap<String, f32>;
+
+/// The structured-output fields: OpenAI's `response_format`, vLLM's `guided_*` and Dynamo's
+/// `nvext.guided_*` (at most one of them per request).
+#[derive(Debug, Clone, Default)]
+pub struct Guided {
+    pub response_format: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    pub nvext: Option<NvExt>,
+}
+
+/// Dynamo's `nvext` extension object: the guided-decoding fields and the direct-routing target.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvExt {
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    /// Only llguidance is built in; other names are refused.
+    pub guided_decoding_backend: Option<String>,
+    /// `--router-mode direct`: the worker (instance id) to send the request to.
+    pub backend_instance_id: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -99,6 +131,13 @@ pub struct ChatCompletionRequest {
     pub use_beam_search: Option<bool>,
     pub length_penalty: Option<f32>,
     pub early_stopping: Option<bool>,
+    pub logit_bias: Option<LogitBias>,
+    pub response_format: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    pub nvext: Option<NvExt>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -145,6 +184,13 @@ pub struct CompletionRequest {
     pub use_beam_search: Option<bool>,
     pub length_penalty: Option<f32>,
     pub early_stopping: Option<bool>,
+    pub logit_bias: Option<LogitBias>,
+    pub response_format: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    pub nvext: Option<NvExt>,
 }
 
 macro_rules! common_of {
@@ -169,6 +215,15 @@ macro_rules! common_of {
             best_of: $r.best_of,
             length_penalty: $r.length_penalty,
             early_stopping: $r.early_stopping,
+            logit_bias: $r.logit_bias.clone(),
+            guided: Guided {
+                response_format: $r.response_format.clone(),
+                guided_json: $r.guided_json.clone(),
+                guided_regex: $r.guided_regex.clone(),
+                guided_choice: $r.guided_choice.clone(),
+                guided_grammar: $r.guided_grammar.clone(),
+                nvext: $r.nvext.clone(),
+            },
         }
     };
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
-use tandem_text::SamplingParams;
+use tandem_text::{Constraint, SamplingParams};
 use tokio::sync::Semaphore;
 
 use crate::app::AppState;
@@ -18,6 +18,8 @@ use crate::models::{ModelAssets, ModelView};
 use crate::openai::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField};
 use crate::params;
 use crate::respond::{Kind, Meta};
+use crate::shape::OutputShape;
+use crate::structured;
 use crate::tenancy::Tenant;
 use tandem_kv_router::protocols::CacheSalt;
 
@@ -40,6 +42,8 @@ pub struct Prepared {
     pub cache_salt: Option<CacheSalt>,
     /// The images of a chat prompt, placed at their image tokens.
     pub images: Vec<PlacedImage>,
+    /// How the output is shaped into content, reasoning and tool calls.
+    pub shape: OutputShape,
 }
 
 /// A refused request, with what its metrics are labelled with.
@@ -109,7 +113,9 @@ pub async fn chat(
     let cache_salt = tenant.cache_salt(req.cache_salt.as_deref()).map_err(fail)?;
     stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
     let lp = params::chat_logprobs(req.logprobs, req.top_logprobs).map_err(fail)?;
-    let params = sampling_params(&view, req.common(), lp).map_err(fail)?;
+    let (tool_choice, forced) =
+        structured::tool_choice(req.tools.as_ref(), req.tool_choice.as_ref()).map_err(fail)?;
+    let params = sampling_params(&view, req.common(), lp, forced).map_err(fail)?;
     let text_bytes = content_bytes(&req.messages);
     check_prompt_bound(&view, text_bytes, params.max_tokens, "messages").map_err(fail)?;
     let priority = params::priority(req.priority).map_err(fail)?;
@@ -135,6 +141,12 @@ pub async fn chat(
     if let Some(user) = &req.user {
         tracing::info!(request_id = rid, user = %user, "chat request");
     }
+    let shape = OutputShape {
+        tool_choice,
+        tool_format: view.tool_format(),
+        reasoning: view.reasoning_format(),
+        call_id_prefix: rid.to_string(),
+    };
     Ok(Prepared {
         meta: meta(Kind::Chat, rid, &view.name),
         prompt,
@@ -147,6 +159,7 @@ pub async fn chat(
         limits: tenant.limits.clone(),
         cache_salt,
         images,
+        shape,
     })
 }
 
@@ -202,7 +215,7 @@ pub async fn completion(
     let cache_salt = tenant.cache_salt(req.cache_salt.as_deref()).map_err(fail)?;
     stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
     let lp = params::completion_logprobs(req.logprobs).map_err(fail)?;
-    let params = sampling_params(&view, req.common(), lp).map_err(fail)?;
+    let params = sampling_params(&view, req.common(), lp, None).map_err(fail)?;
     let priority = params::priority(req.priority).map_err(fail)?;
     let t = Instant::now();
     let prompt = completion_prompt(&view, req.prompt, params.max_tokens)
@@ -222,6 +235,7 @@ pub async fn completion(
         limits: tenant.limits.clone(),
         cache_salt,
         images: Vec::new(),
+        shape: OutputShape::plain(),
     })
 }
 
@@ -251,14 +265,31 @@ fn stream_options_need_stream(has_options: bool, stream: bool) -> Result<(), Api
     Ok(())
 }
 
-/// The sampling parameters, with the stop token ids checked against the model's vocabulary.
+/// The sampling parameters, with the stop token ids and logit bias checked against the
+/// model's vocabulary, and the structured-output constraint (from the request's fields, or
+/// `forced` by its tool choice).
 fn sampling_params(
     view: &ModelView,
     common: crate::openai::CommonFields,
     logprobs: Option<usize>,
+    forced: Option<Constraint>,
 ) -> Result<SamplingParams, ApiError> {
-    let p = params::sampling_params(common, logprobs)?;
     let vocab = view.assets.tokenizer.vocab_size();
+    let constraint = structured::constraint(&common.guided)?;
+    let bias = structured::logit_bias(common.logit_bias.as_ref(), vocab)?;
+    let mut p = params::sampling_params(common, logprobs)?;
+    p.logit_bias = bias;
+    p.constraint =
+        match (constraint, forced) {
+            (Some(_), Some(_)) => return Err(ApiError::bad_request(
+                "`tool_choice` \"required\" or a named function already constrains the output; \
+                 it cannot be combined with a structured-output field",
+                Some("tool_choice"),
+            )),
+            (c, f) => c.or(f),
+        };
+    p.validate()
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some(e.field())))?;
     if let Some(bad) = p.stop_token_ids.iter().find(|id| **id as usize >= vocab) {
         return Err(ApiError::bad_request(
             format!("`stop_token_ids` holds {bad}, outside the vocabulary (size {vocab})"),

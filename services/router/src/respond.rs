@@ -5,6 +5,7 @@ use tandem_text::TokenLogprob;
 
 use crate::generate::{ChoiceDelta, UsageTotals};
 use crate::models::ModelAssets;
+use crate::shape::{self, OutputShape, Shaped, ToolCallDelta};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -25,13 +26,70 @@ fn token_text(assets: &ModelAssets, id: u32) -> String {
     assets.tokenizer.decode(&[id], false).unwrap_or_default()
 }
 
-pub fn usage_json(u: &UsageTotals) -> Value {
-    json!({
+/// Usage; `reasoning_tokens` (the tokens of the choices' reasoning) when a reasoning parser
+/// split some out.
+pub fn usage_json(u: &UsageTotals, reasoning_tokens: Option<usize>) -> Value {
+    let mut v = json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    })
+    });
+    if let Some(r) = reasoning_tokens {
+        v["completion_tokens_details"] = json!({"reasoning_tokens": r});
+    }
+    v
+}
+
+/// Tokens of reasoning text (re-encoded: the output's own token boundaries are not kept).
+pub fn reasoning_tokens(assets: &ModelAssets, texts: &[&str]) -> Option<usize> {
+    let all: usize = texts
+        .iter()
+        .filter(|t| !t.is_empty())
+        .map(|t| assets.tokenizer.encode(t, false).map_or(0, |ids| ids.len()))
+        .sum();
+    texts.iter().any(|t| !t.is_empty()).then_some(all)
+}
+
+fn tool_calls_json(calls: &[ToolCallDelta]) -> Value {
+    calls
+        .iter()
+        .map(|c| {
+            let mut f = json!({"arguments": c.arguments});
+            if let Some(n) = &c.name {
+                f["name"] = json!(n);
+            }
+            let mut v = json!({"index": c.index, "function": f});
+            if let Some(id) = &c.id {
+                v["id"] = json!(id);
+                v["type"] = json!("function");
+            }
+            v
+        })
+        .collect()
+}
+
+/// A chat delta: content, and the reasoning and tool calls when there are any.
+fn chat_delta(s: &Shaped, first: bool) -> Value {
+    let mut delta = json!({"content": s.content});
+    if first {
+        delta["role"] = json!("assistant");
+    }
+    if !s.reasoning.is_empty() {
+        delta["reasoning_content"] = json!(s.reasoning);
+    }
+    if !s.tool_calls.is_empty() {
+        delta["tool_calls"] = tool_calls_json(&s.tool_calls);
+    }
+    delta
+}
+
+/// `stop` becomes `tool_calls` when the choice called tools.
+pub fn finish_reason(reason: Option<String>, called_tools: bool) -> Option<String> {
+    match reason.as_deref() {
+        Some("stop") if called_tools => Some("tool_calls".into()),
+        _ => reason,
+    }
 }
 
 /// Logprobs in the endpoint's format; `None` when none were asked for.
@@ -77,15 +135,19 @@ pub fn logprobs_json(kind: Kind, assets: &ModelAssets, lps: &[TokenLogprob]) -> 
     }
 }
 
-/// One streaming chunk for one choice delta.
-pub fn chunk(meta: &Meta, assets: &ModelAssets, d: &ChoiceDelta, first: bool) -> Value {
+/// One streaming chunk for one choice delta (`shaped`: a chat delta's content, reasoning and
+/// tool calls; `d.finish_reason` already final).
+pub fn chunk(
+    meta: &Meta,
+    assets: &ModelAssets,
+    d: &ChoiceDelta,
+    shaped: &Shaped,
+    first: bool,
+) -> Value {
     let lp = logprobs_json(meta.kind, assets, &d.logprobs);
     let choice = match meta.kind {
         Kind::Chat => {
-            let mut delta = json!({"content": d.text});
-            if first {
-                delta["role"] = json!("assistant");
-            }
+            let delta = chat_delta(shaped, first);
             json!({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
         }
         Kind::Completion => {
@@ -102,15 +164,46 @@ pub fn chunk(meta: &Meta, assets: &ModelAssets, d: &ChoiceDelta, first: bool) ->
 }
 
 /// The final usage-only chunk (`stream_options.include_usage`).
-pub fn usage_chunk(meta: &Meta, u: &UsageTotals) -> Value {
+pub fn usage_chunk(meta: &Meta, u: &UsageTotals, reasoning_tokens: Option<usize>) -> Value {
     json!({
         "id": meta.id,
         "object": match meta.kind { Kind::Chat => "chat.completion.chunk", Kind::Completion => "text_completion" },
         "created": meta.created,
         "model": meta.model,
         "choices": [],
-        "usage": usage_json(u),
+        "usage": usage_json(u, reasoning_tokens),
     })
+}
+
+/// What a non-streaming body includes beyond the text.
+#[derive(Clone, Copy)]
+pub struct Want<'a> {
+    pub logprobs: bool,
+    pub shape: &'a OutputShape,
+}
+
+/// A whole chat message: content (null when the choice only called tools), reasoning and
+/// tool calls.
+fn chat_message(s: &Shaped) -> Value {
+    let content = match s.content.is_empty() && !s.tool_calls.is_empty() {
+        true => Value::Null,
+        false => json!(s.content),
+    };
+    let mut m = json!({"role": "assistant", "content": content});
+    if !s.reasoning.is_empty() {
+        m["reasoning_content"] = json!(s.reasoning);
+    }
+    if !s.tool_calls.is_empty() {
+        let calls: Vec<Value> = shape::merged_calls(&s.tool_calls)
+            .iter()
+            .map(|c| {
+                json!({"id": c.id, "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}})
+            })
+            .collect();
+        m["tool_calls"] = json!(calls);
+    }
+    m
 }
 
 /// Accumulates deltas into a non-streaming body.
@@ -134,31 +227,38 @@ impl Collected {
         meta: &Meta,
         assets: &ModelAssets,
         usage: &UsageTotals,
-        want_logprobs: bool,
+        want: Want<'_>,
     ) -> Value {
+        let mut reasoning: Vec<String> = Vec::new();
         let choices: Vec<Value> = self
             .choices
             .into_iter()
             .map(|(index, (text, lps, finish))| {
-                let lp = if want_logprobs { logprobs_json(meta.kind, assets, &lps) } else { Value::Null };
+                let lp = if want.logprobs { logprobs_json(meta.kind, assets, &lps) } else { Value::Null };
                 match meta.kind {
-                    Kind::Chat => json!({
-                        "index": index,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": lp,
-                        "finish_reason": finish,
-                    }),
+                    Kind::Chat => {
+                        let (shaped, shaper) = shape::shape_whole(want.shape, index, &text);
+                        reasoning.push(shaped.reasoning.clone());
+                        json!({
+                            "index": index,
+                            "message": chat_message(&shaped),
+                            "logprobs": lp,
+                            "finish_reason": finish_reason(finish, shaper.called_tools()),
+                        })
+                    }
                     Kind::Completion => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish}),
                 }
             })
             .collect();
+        let texts: Vec<&str> = reasoning.iter().map(String::as_str).collect();
+        let reasoning_tokens = reasoning_tokens(assets, &texts);
         json!({
             "id": meta.id,
             "object": match meta.kind { Kind::Chat => "chat.completion", Kind::Completion => "text_completion" },
             "created": meta.created,
             "model": meta.model,
             "choices": choices,
-            "usage": usage_json(usage),
+            "usage": usage_json(usage, reasoning_tokens),
         })
     }
 }

@@ -142,9 +142,19 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
             "max_tokens",
         ),
         (
-            json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+            json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}),
             400,
             "response_format",
+        ),
+        (
+            json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": "x"}], "guided_regex": "a+", "guided_choice": ["a"]}),
+            400,
+            "cannot be combined",
+        ),
+        (
+            json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": "x"}], "nvext": {"guided_decoding_backend": "xgrammar"}}),
+            400,
+            "llguidance",
         ),
         (
             json!({"model": "tandem-tiny", "messages": [{"role": "wizard", "content": "x"}]}),

@@ -33,6 +33,17 @@ pub const TOOL_CALL_PARSERS: &[&str] = &[
     "default",
     "nemotron_nano",
 ];
+/// The tool-call formats the router parses (the others are refused as not implemented yet).
+pub const TOOL_CALL_PARSERS_BUILT: &[&str] = &[
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "qwen3_coder",
+    "deepseek_v3",
+    "deepseek_v3_1",
+];
+/// The reasoning formats the router splits (`<think>` ... `</think>`).
+pub const REASONING_PARSERS_BUILT: &[&str] = &["deepseek_r1", "qwen3", "basic"];
 pub const REASONING_PARSERS: &[&str] = &[
     "deepseek_r1",
     "basic",

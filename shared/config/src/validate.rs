@@ -131,8 +131,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
         "router-side media decoding (multimodal)",
     ),
     ("guided-decoding-backend", "guided decoding"),
-    ("dyn-tool-call-parser", "tool-call parsing"),
-    ("dyn-reasoning-parser", "reasoning parsing"),
     (
         "exclude-tools-when-tool-choice-none",
         "tool_choice handling",
@@ -163,6 +161,26 @@ pub fn reject_unimplemented(cfg: &WorkerConfig, resolved: &Resolved) -> Result<(
         "video_diffusion" | "image_diffusion"
     ) {
         return Err(not_impl("--modality", "diffusion modalities"));
+    }
+    let parsers = [
+        (
+            "--dyn-tool-call-parser",
+            &cfg.runtime.dyn_tool_call_parser,
+            crate::flags::TOOL_CALL_PARSERS_BUILT,
+            "tool-call",
+        ),
+        (
+            "--dyn-reasoning-parser",
+            &cfg.runtime.dyn_reasoning_parser,
+            crate::flags::REASONING_PARSERS_BUILT,
+            "reasoning",
+        ),
+    ];
+    for (flag, value, built, what) in parsers {
+        if let Some(p) = value.as_deref().filter(|p| !built.contains(p)) {
+            let what = format!("the {p} {what} format (built: {})", built.join(", "));
+            return Err(not_impl(flag, &what));
+        }
     }
     let connector_ok = cfg.runtime.connector.iter().all(|c| c == "none");
     if !connector_ok {

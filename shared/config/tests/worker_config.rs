@@ -399,6 +399,24 @@ fn every_not_implemented_flag_exits_with_a_message_naming_it() {
         );
     }
     assert!(err(&["--tensor-parallel-size", "2"]).contains("not implemented yet"));
+    // The tool-call and reasoning formats the router parses are accepted; the others named.
+    assert!(parse(&[
+        "--dyn-tool-call-parser",
+        "hermes",
+        "--dyn-reasoning-parser",
+        "qwen3"
+    ])
+    .is_ok());
+    for (flag, value) in [
+        ("--dyn-tool-call-parser", "pythonic"),
+        ("--dyn-reasoning-parser", "gpt_oss"),
+    ] {
+        let e = err(&[flag, value]);
+        assert!(
+            e.contains(flag) && e.contains(value) && e.contains("not implemented yet"),
+            "{e}"
+        );
+    }
     // Beam search is implemented: a wider beam is accepted.
     assert!(parse(&["--max-beam-width", "4"]).is_ok());
     assert!(parse(&["--override-engine-args", r#"{"max_beam_width": 4}"#]).is_ok());

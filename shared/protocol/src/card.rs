@@ -35,6 +35,12 @@ pub struct ModelCard {
     /// Set when the model takes images: how the router builds their prompts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multimodal: Option<MultimodalCard>,
+    /// `--dyn-tool-call-parser`: the format the router parses tool calls from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_parser: Option<String>,
+    /// `--dyn-reasoning-parser`: the format the router splits reasoning from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_parser: Option<String>,
 }
 
 /// What a router needs to build an image prompt for a multimodal (LLaVA) model: each image

@@ -65,6 +65,8 @@ pub fn model_card(
         } else {
             None
         },
+        tool_call_parser: cfg.runtime.dyn_tool_call_parser.clone(),
+        reasoning_parser: cfg.runtime.dyn_reasoning_parser.clone(),
     }
 }
 

@@ -245,6 +245,8 @@ fn entry(role: WorkerRole, layout: &str, id: u64) -> WorkerEntry {
             eos_token_ids: vec![],
             kv_event_key: String::new(),
             multimodal: Default::default(),
+            tool_call_parser: None,
+            reasoning_parser: None,
         },
         client: crate::models::connect_lazy(&tandem_pki::ChannelSecurity::Plaintext, "127.0.0.1:1")
             .expect("client"),

@@ -98,7 +98,11 @@ impl TryFromWire<pb::SamplingParams> for SamplingParams {
             best_of: optional_usize(p.best_of, "best_of")?,
             length_penalty: p.length_penalty,
             early_stopping: p.early_stopping,
-            logit_bias: p.logit_bias.into_iter().map(|b| (b.token, b.bias)).collect(),
+            logit_bias: p
+                .logit_bias
+                .into_iter()
+                .map(|b| (b.token, b.bias))
+                .collect(),
             constraint: p
                 .constraint
                 .map(Constraint::try_from_wire)

@@ -131,5 +131,7 @@ fn encode_card(
         eos_token_ids: Vec::new(),
         kv_event_key: String::new(),
         multimodal: Some(multimodal),
+        tool_call_parser: None,
+        reasoning_parser: None,
     }
 }
