@@ -121,17 +121,10 @@ async fn serve(
     let expose = state.config.security.expose_worker_id;
     metrics::histogram!(m::INPUT_SEQUENCE_TOKENS).record(p.prompt.len() as f64);
     let inflight = Inflight::new(&model, endpoint);
-    let incoming = generate::Incoming {
-        id: internal_id(&rid),
-        prompt: p.prompt,
-        params: p.params,
-        priority: p.priority,
-        received,
-        limits: p.limits,
-        cache_salt: p.cache_salt,
-        images: p.images,
-    };
-    let (rx, routed) = match generate::start(&state, &p.view, incoming).await {
+    let mut p = p;
+    let choices = p.params.n;
+    let incoming = incoming(&mut p, &rid, received);
+    let (rx, routed) = match start_all(&state, &p.view, incoming, choices).await {
         Ok(x) => x,
         Err(e) => return error_response(e, &rid, &model, endpoint, p.stream),
     };
@@ -286,10 +279,15 @@ impl Shapers {
 
     /// The delta shaped (its finish reason made final), and whether it is the choice's first.
     fn shape(&mut self, d: &mut generate::ChoiceDelta) -> (Shaped, bool) {
+        let first = !self.choices.contains_key(&d.index);
         if self.kind == respond::Kind::Completion {
+            if first {
+                self.choices
+                    .insert(d.index, ChoiceShaper::new(&OutputShape::plain(), d.index));
+                d.text.insert_str(0, self.shape.echo_of(d.index));
+            }
             return (Shaped::default(), false);
         }
-        let first = !self.choices.contains_key(&d.index);
         let shaper = self
             .choices
             .entry(d.index)
@@ -312,5 +310,94 @@ impl Shapers {
             .map(ChoiceShaper::reasoning_text)
             .collect();
         respond::reasoning_tokens(assets, &texts)
+    }
+}
+
+/// What goes to [`generate::start`]: the request, and each further prompt of a batch as its
+/// own request (internal ids `-1`, `-2`, ...).
+fn incoming(p: &mut Prepared, rid: &str, received: Instant) -> Vec<generate::Incoming> {
+    let id = internal_id(rid);
+    let mut prompts = vec![std::mem::take(&mut p.prompt)];
+    prompts.append(&mut p.more_prompts);
+    let mut images = Some(std::mem::take(&mut p.images));
+    prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| generate::Incoming {
+            id: match i {
+                0 => id.clone(),
+                i => format!("{id}-{i}"),
+            },
+            prompt,
+            params: p.params.clone(),
+            priority: p.priority,
+            received,
+            limits: p.limits.clone(),
+            cache_salt: p.cache_salt,
+            images: images.take().unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// Starts a request, or each prompt of a batched completion with their events merged into
+/// one stream: prompt `i`'s choice `j` becomes choice `i * choices + j`, and the usage is
+/// summed. Where the first prompt went is what the headers show. A failed start drops the
+/// prompts already started (their streams' ends cancel them).
+async fn start_all(
+    state: &AppState,
+    view: &crate::models::ModelView,
+    incoming: Vec<generate::Incoming>,
+    choices: usize,
+) -> Result<(tokio::sync::mpsc::Receiver<GenEvent>, Routed), crate::error::ApiError> {
+    let mut streams = tokio_stream::StreamMap::new();
+    let mut first = None;
+    for (i, inc) in incoming.into_iter().enumerate() {
+        let (rx, routed) = generate::start(state, view, inc).await?;
+        first.get_or_insert(routed);
+        streams.insert(i * choices, ReceiverStream::new(rx));
+    }
+    let routed = first.ok_or_else(|| crate::error::ApiError::internal("no prompt to start"))?;
+    if streams.len() == 1 {
+        if let Some(only) = streams.remove(&0) {
+            return Ok((only.into_inner(), routed));
+        }
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(merge_prompts(streams, tx));
+    Ok((rx, routed))
+}
+
+/// Forwards a batch's events: deltas renumbered, one `Done` with the summed usage after every
+/// prompt's, the first error alone.
+async fn merge_prompts(
+    mut streams: tokio_stream::StreamMap<usize, ReceiverStream<GenEvent>>,
+    tx: tokio::sync::mpsc::Sender<GenEvent>,
+) {
+    let prompts = streams.len();
+    let (mut done, mut usage) = (0, UsageTotals::default());
+    while let Some((offset, ev)) = streams.next().await {
+        let ev = match ev {
+            GenEvent::Delta(mut d) => {
+                d.index += offset;
+                GenEvent::Delta(d)
+            }
+            GenEvent::Done(u) => {
+                usage.prompt_tokens += u.prompt_tokens;
+                usage.completion_tokens += u.completion_tokens;
+                usage.cached_tokens += u.cached_tokens;
+                done += 1;
+                continue;
+            }
+            GenEvent::Error(e) => {
+                let _ = tx.send(GenEvent::Error(e)).await;
+                return;
+            }
+        };
+        if tx.send(ev).await.is_err() {
+            return;
+        }
+    }
+    if done == prompts {
+        let _ = tx.send(GenEvent::Done(usage)).await;
     }
 }

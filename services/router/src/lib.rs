@@ -8,6 +8,7 @@
 pub mod app;
 pub mod auth;
 pub mod chat;
+pub mod completion;
 pub mod disagg;
 pub mod error;
 pub mod events;

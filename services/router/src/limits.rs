@@ -15,6 +15,8 @@ use crate::metrics as m;
 pub const MAX_MESSAGES: usize = 4096;
 /// Most `tools` in a chat request.
 pub const MAX_TOOLS: usize = 256;
+/// Most prompts in a batched completion request.
+pub const MAX_BATCH_PROMPTS: usize = 64;
 /// Bodies above this many bytes are tokenized one at a time (see `handlers`), so a few huge
 /// prompts cannot take every tokenizer thread from small ones.
 pub const LARGE_PROMPT_BYTES: usize = 256 * 1024;

@@ -11,6 +11,7 @@ use tandem_text::{Constraint, SamplingParams};
 use tokio::sync::Semaphore;
 
 use crate::app::AppState;
+use crate::completion;
 use crate::error::ApiError;
 use crate::limits::{RateLimits, LARGE_PROMPT_BYTES, MAX_MESSAGES, MAX_TOOLS};
 use crate::media::{self, PlacedImage};
@@ -44,6 +45,9 @@ pub struct Prepared {
     pub images: Vec<PlacedImage>,
     /// How the output is shaped into content, reasoning and tool calls.
     pub shape: OutputShape,
+    /// A batched completion's other prompts (`prompt` is the first); choice `j` of prompt `i`
+    /// is answered as choice `i * n + j`.
+    pub more_prompts: Vec<Vec<u32>>,
 }
 
 /// A refused request, with what its metrics are labelled with.
@@ -146,6 +150,7 @@ pub async fn chat(
         tool_format: view.tool_format(),
         reasoning: view.reasoning_format(),
         call_id_prefix: rid.to_string(),
+        ..OutputShape::plain()
     };
     Ok(Prepared {
         meta: meta(Kind::Chat, rid, &view.name),
@@ -160,6 +165,7 @@ pub async fn chat(
         cache_salt,
         images,
         shape,
+        more_prompts: Vec::new(),
     })
 }
 
@@ -211,18 +217,46 @@ pub async fn completion(
     let view = served(state, &req.model)?;
     let stream = req.stream;
     let fail = labelled(&view.name, stream);
-    refuse_unsupported_completion_fields(&req).map_err(fail)?;
     let cache_salt = tenant.cache_salt(req.cache_salt.as_deref()).map_err(fail)?;
     stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
     let lp = params::completion_logprobs(req.logprobs).map_err(fail)?;
+    let echo = req.echo.unwrap_or(false);
+    if echo && req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(fail(ApiError::bad_request(
+            "`echo` with `suffix` is not supported: the prompt echoed would be the \
+             fill-in-the-middle prompt",
+            Some("echo"),
+        )));
+    }
+    if echo && lp.is_some() {
+        return Err(fail(ApiError::bad_request(
+            "`echo` with `logprobs` (the prompt's logprobs) is not supported yet",
+            Some("echo"),
+        )));
+    }
     let params = sampling_params(&view, req.common(), lp, None).map_err(fail)?;
     let priority = params::priority(req.priority).map_err(fail)?;
     let t = Instant::now();
-    let prompt = completion_prompt(&view, req.prompt, params.max_tokens)
-        .await
-        .map_err(fail)?;
+    let prompts = completion::prompts(&view, req.prompt, req.suffix.as_deref()).map_err(fail)?;
+    let mut tokenized = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let ids = completion_prompt(&view, prompt.clone(), params.max_tokens)
+            .await
+            .map_err(fail)?;
+        tenant.limits.admit(ids.len()).map_err(fail)?;
+        tokenized.push((prompt, ids));
+    }
     metrics::histogram!("dynamo_frontend_tokenize_seconds").record(t.elapsed().as_secs_f64());
-    tenant.limits.admit(prompt.len()).map_err(fail)?;
+    let mut shape = OutputShape::plain();
+    if echo {
+        shape.echo = tokenized
+            .iter()
+            .map(|(p, ids)| completion::echo_text(&view, p, ids))
+            .collect();
+        shape.choices_per_prompt = params.n;
+    }
+    let mut ids = tokenized.into_iter().map(|(_, ids)| ids);
+    let prompt = ids.next().unwrap_or_default();
     Ok(Prepared {
         meta: meta(Kind::Completion, rid, &view.name),
         prompt,
@@ -235,24 +269,9 @@ pub async fn completion(
         limits: tenant.limits.clone(),
         cache_salt,
         images: Vec::new(),
-        shape: OutputShape::plain(),
+        shape,
+        more_prompts: ids.collect(),
     })
-}
-
-/// `echo` and `suffix` are not implemented: refused by name rather than ignored.
-fn refuse_unsupported_completion_fields(req: &CompletionRequest) -> Result<(), ApiError> {
-    for (set, field) in [
-        (req.echo == Some(true), "echo"),
-        (req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix"),
-    ] {
-        if set {
-            return Err(ApiError::bad_request(
-                format!("`{field}` is not supported yet"),
-                Some(field),
-            ));
-        }
-    }
-    Ok(())
 }
 
 fn stream_options_need_stream(has_options: bool, stream: bool) -> Result<(), ApiError> {
@@ -403,7 +422,7 @@ async fn completion_prompt(
             Ok(ids)
         }
         PromptField::Batch(_) => Err(ApiError::bad_request(
-            "a batch of prompts is not supported yet; send one prompt per request",
+            "a prompt must be a string or a list of token ids",
             Some("prompt"),
         )),
     }

@@ -246,7 +246,10 @@ impl Collected {
                             "finish_reason": finish_reason(finish, shaper.called_tools()),
                         })
                     }
-                    Kind::Completion => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish}),
+                    Kind::Completion => {
+                        let text = format!("{}{text}", want.shape.echo_of(index));
+                        json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
+                    }
                 }
             })
             .collect();

@@ -21,6 +21,10 @@ pub struct OutputShape {
     pub reasoning: Option<ReasoningFormat>,
     /// Tool call ids are this prefix, the choice index and the call's number.
     pub call_id_prefix: String,
+    /// Completions' `echo`: each prompt's text, put before its choices' text.
+    pub echo: Vec<String>,
+    /// Choices per prompt (`n`): choice `i` answers prompt `i / choices_per_prompt`.
+    pub choices_per_prompt: usize,
 }
 
 impl OutputShape {
@@ -31,7 +35,16 @@ impl OutputShape {
             tool_format: None,
             reasoning: None,
             call_id_prefix: String::new(),
+            echo: Vec::new(),
+            choices_per_prompt: 1,
         }
+    }
+
+    /// The echoed prompt text of choice `index` (empty without `echo`).
+    pub fn echo_of(&self, index: usize) -> &str {
+        self.echo
+            .get(index / self.choices_per_prompt.max(1))
+            .map_or("", String::as_str)
     }
 }
 
@@ -306,6 +319,7 @@ mod tests {
             tool_format: format,
             reasoning: reasoning.then_some(ReasoningFormat::Think),
             call_id_prefix: "r1".into(),
+            ..OutputShape::plain()
         }
     }
 
