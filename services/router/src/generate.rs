@@ -87,6 +87,7 @@ pub async fn start(
         limits: request.limits,
         cache_salt: request.cache_salt,
         images: request.images,
+        target: request.target,
         replayed: 0,
     };
     let block_size = req.validate()?;
@@ -117,6 +118,8 @@ pub struct Incoming {
     pub cache_salt: Option<CacheSalt>,
     /// The prompt's images, placed at their image tokens.
     pub images: Vec<PlacedImage>,
+    /// `--router-mode direct`: the worker the client named.
+    pub target: Option<u64>,
 }
 
 /// One request as the stages see it (and, for migration, the stream stage too).
@@ -136,6 +139,8 @@ struct Request {
     images: Vec<PlacedImage>,
     /// Output tokens at the end of `prompt` that an earlier worker generated (migration).
     replayed: usize,
+    /// `--router-mode direct`: the worker the client named.
+    target: Option<u64>,
 }
 
 /// Workers one request is offered to before a refusal is the client's answer.
@@ -303,11 +308,23 @@ impl Request {
             hashes,
             self.prompt.len(),
             &candidates,
-            &SelectOptions::default(),
+            &SelectOptions {
+                worker_id: self.target,
+                ..SelectOptions::default()
+            },
         );
         let selection = match routed {
             Ok(s) => s,
             Err(RouteError::Select(SelectError::NoWorkerAvailable { .. })) => return Ok(None),
+            Err(RouteError::Select(SelectError::UnknownWorker(id))) => {
+                return Err(ApiError::bad_request(
+                    format!(
+                        "worker {id} (the request's target) is not a healthy worker of model {}",
+                        view.name
+                    ),
+                    Some(crate::prepare::TARGET_HEADER),
+                ))
+            }
             Err(e) => return Err(ApiError::internal(e.to_string())),
         };
         metrics::histogram!(m::SCHEDULING_MS).record(t_sched.elapsed().as_secs_f64() * 1e3);

@@ -198,7 +198,7 @@ pub async fn chat_completions(
     let received = Instant::now();
     let rid = request_id(&headers);
     let tenant = state.tenant(caller);
-    match prepare::chat(&state, &body, &rid, &tenant).await {
+    match prepare::chat(&state, &body, &rid, &tenant, &headers).await {
         Ok(p) => serve(state, p, rid, "chat_completions", received).await,
         Err(r) => error_response(r.error, &rid, &r.model, "chat_completions", r.stream),
     }
@@ -213,7 +213,7 @@ pub async fn completions(
     let received = Instant::now();
     let rid = request_id(&headers);
     let tenant = state.tenant(caller);
-    match prepare::completion(&state, &body, &rid, &tenant).await {
+    match prepare::completion(&state, &body, &rid, &tenant, &headers).await {
         Ok(p) => serve(state, p, rid, "completions", received).await,
         Err(r) => error_response(r.error, &rid, &r.model, "completions", r.stream),
     }
@@ -335,6 +335,7 @@ fn incoming(p: &mut Prepared, rid: &str, received: Instant) -> Vec<generate::Inc
             limits: p.limits.clone(),
             cache_salt: p.cache_salt,
             images: images.take().unwrap_or_default(),
+            target: p.target,
         })
         .collect()
 }

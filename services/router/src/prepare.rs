@@ -45,6 +45,8 @@ pub struct Prepared {
     pub images: Vec<PlacedImage>,
     /// How the output is shaped into content, reasoning and tool calls.
     pub shape: OutputShape,
+    /// `--router-mode direct`: the worker the client named (header or `nvext`).
+    pub target: Option<u64>,
     /// A batched completion's other prompts (`prompt` is the first); choice `j` of prompt `i`
     /// is answered as choice `i * n + j`.
     pub more_prompts: Vec<Vec<u32>>,
@@ -108,6 +110,7 @@ pub async fn chat(
     body: &[u8],
     rid: &str,
     tenant: &Tenant,
+    headers: &axum::http::HeaderMap,
 ) -> Result<Prepared, Refusal> {
     let req: ChatCompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
     let view = served(state, &req.model)?;
@@ -115,6 +118,7 @@ pub async fn chat(
     let fail = labelled(&view.name, stream);
     check_chat_sizes(&req).map_err(fail)?;
     let cache_salt = tenant.cache_salt(req.cache_salt.as_deref()).map_err(fail)?;
+    let target = direct_target(state, headers, req.nvext.as_ref()).map_err(fail)?;
     stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
     let lp = params::chat_logprobs(req.logprobs, req.top_logprobs).map_err(fail)?;
     let (tool_choice, forced) =
@@ -165,6 +169,7 @@ pub async fn chat(
         cache_salt,
         images,
         shape,
+        target,
         more_prompts: Vec::new(),
     })
 }
@@ -212,12 +217,14 @@ pub async fn completion(
     body: &[u8],
     rid: &str,
     tenant: &Tenant,
+    headers: &axum::http::HeaderMap,
 ) -> Result<Prepared, Refusal> {
     let req: CompletionRequest = parse_body(body).map_err(Refusal::unlabelled)?;
     let view = served(state, &req.model)?;
     let stream = req.stream;
     let fail = labelled(&view.name, stream);
     let cache_salt = tenant.cache_salt(req.cache_salt.as_deref()).map_err(fail)?;
+    let target = direct_target(state, headers, req.nvext.as_ref()).map_err(fail)?;
     stream_options_need_stream(req.stream_options.is_some(), req.stream).map_err(fail)?;
     let lp = params::completion_logprobs(req.logprobs).map_err(fail)?;
     let echo = req.echo.unwrap_or(false);
@@ -270,8 +277,57 @@ pub async fn completion(
         cache_salt,
         images: Vec::new(),
         shape,
+        target,
         more_prompts: ids.collect(),
     })
+}
+
+/// The request header naming the worker of a `--router-mode direct` request (the same name
+/// as the response header that tells which worker served a request).
+pub const TARGET_HEADER: &str = crate::handlers::WORKER_HEADER;
+
+/// The worker a request names, from the header or Dynamo's `nvext.backend_instance_id`:
+/// required in `--router-mode direct`, refused in the other modes (which choose themselves).
+fn direct_target(
+    state: &AppState,
+    headers: &axum::http::HeaderMap,
+    nvext: Option<&crate::openai::NvExt>,
+) -> Result<Option<u64>, ApiError> {
+    let bad = |m: String| ApiError::bad_request(m, Some(TARGET_HEADER));
+    let header = match headers.get(TARGET_HEADER) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "header {TARGET_HEADER} must be a worker instance id"
+                    ))
+                })?,
+        ),
+    };
+    let field = nvext.and_then(|n| n.backend_instance_id);
+    let target = match (header, field) {
+        (Some(h), Some(f)) if h != f => {
+            return Err(bad(format!(
+                "header {TARGET_HEADER} ({h}) and nvext.backend_instance_id ({f}) name different workers"
+            )))
+        }
+        (h, f) => h.or(f),
+    };
+    let direct = state.kv.config().router_mode == tandem_kv_router::RouterMode::Direct;
+    match (direct, target) {
+        (true, None) => Err(bad(format!(
+            "--router-mode direct needs the target worker: set header {TARGET_HEADER} or \
+             nvext.backend_instance_id"
+        ))),
+        (false, Some(_)) => Err(bad(format!(
+            "a target worker ({TARGET_HEADER} or nvext.backend_instance_id) is only taken with \
+             --router-mode direct; this router chooses workers itself"
+        ))),
+        (_, t) => Ok(t),
+    }
 }
 
 fn stream_options_need_stream(has_options: bool, stream: bool) -> Result<(), ApiError> {

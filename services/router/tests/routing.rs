@@ -244,3 +244,54 @@ async fn a_client_that_disconnects_frees_the_workers_blocks() {
         .await;
     assert_eq!(status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_mode_takes_its_target_from_the_header_or_nvext() {
+    let t =
+        Topology::start_healthy(2, &[], &["--router-mode", "direct", "--expose-worker-id"]).await;
+    let send = |target: Option<String>, body: Value| {
+        let url = format!("{}/v1/completions", t.base);
+        async move {
+            let mut r = reqwest::Client::new().post(url).json(&body);
+            if let Some(id) = target {
+                r = r.header("x-tandem-worker-id", id);
+            }
+            let r = r.send().await.expect("request");
+            let worker = r
+                .headers()
+                .get("x-tandem-worker-id")
+                .map(|v| v.to_str().unwrap().to_string());
+            let status = r.status().as_u16();
+            (status, worker, r.text().await.unwrap())
+        }
+    };
+    let body = json!({"model": "tandem-tiny", "prompt": "Hello", "max_tokens": 2});
+    for i in 0..2 {
+        let id = t.worker_id(i).to_string();
+        for _ in 0..2 {
+            let (status, worker, text) = send(Some(id.clone()), body.clone()).await;
+            assert_eq!(
+                (status, worker.as_deref()),
+                (200, Some(id.as_str())),
+                "{text}"
+            );
+        }
+        let nvext = json!({"model": "tandem-tiny", "prompt": "Hello", "max_tokens": 2,
+            "nvext": {"backend_instance_id": t.worker_id(i)}});
+        let (status, worker, text) = send(None, nvext).await;
+        assert_eq!(
+            (status, worker.as_deref()),
+            (200, Some(id.as_str())),
+            "{text}"
+        );
+    }
+    for (target, needle) in [
+        (None, "needs the target worker"),
+        (Some("12345".to_string()), "12345"),
+        (Some("abc".to_string()), "instance id"),
+    ] {
+        let (status, _, text) = send(target, body.clone()).await;
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(needle), "{text}");
+    }
+}

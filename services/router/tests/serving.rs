@@ -157,6 +157,11 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
             "llguidance",
         ),
         (
+            json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": "x"}], "nvext": {"backend_instance_id": 7}}),
+            400,
+            "only taken with --router-mode direct",
+        ),
+        (
             json!({"model": "tandem-tiny", "messages": [{"role": "wizard", "content": "x"}]}),
             400,
             "role",
@@ -203,10 +208,11 @@ async fn every_bad_input_class_gets_its_status_and_the_router_keeps_serving() {
     let (status, body, _) = t
         .post(
             "/v1/completions",
-            json!({"model": "tandem-tiny", "prompt": ["a", "b"], "max_tokens": 2}),
+            json!({"model": "tandem-tiny", "prompt": ["a", {"b": 1}], "max_tokens": 2}),
         )
         .await;
     assert_eq!(status, 400, "{body}");
+    assert!(body.to_string().contains("prompt[1]"), "{body}");
     let (status, body, _) = t
         .post(
             "/v1/completions",
@@ -405,4 +411,54 @@ async fn a_client_request_id_is_honoured_even_when_two_clients_reuse_it() {
         let body: Value = r.json().await.unwrap();
         assert_eq!(body["id"], "cmpl-same-id");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_chat_template_is_what_the_router_renders() {
+    let dir = common::temp_dir("custom-template");
+    let path = dir.join("chat.jinja");
+    std::fs::write(
+        &path,
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}",
+    )
+    .unwrap();
+    let path = path.to_str().unwrap().to_string();
+    let t = Topology::start_healthy(1, &["--custom-jinja-template", &path], &[]).await;
+    let chat = json!({"model": "tandem-tiny", "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 6, "temperature": 0});
+    let (status, chat, _) = t.post("/v1/chat/completions", chat).await;
+    assert_eq!(status, 200, "{chat}");
+    // The same text as a plain completion: same prompt tokens, same greedy output.
+    let plain = json!({"model": "tandem-tiny", "prompt": "[user] Hello\n[assistant] ",
+        "max_tokens": 6, "temperature": 0});
+    let (status, plain, _) = t.post("/v1/completions", plain).await;
+    assert_eq!(status, 200, "{plain}");
+    assert_eq!(
+        chat["usage"]["prompt_tokens"],
+        plain["usage"]["prompt_tokens"]
+    );
+    assert_eq!(
+        chat["choices"][0]["message"]["content"],
+        plain["choices"][0]["text"]
+    );
+
+    // A template that does not compile stops the worker with a message naming the flag.
+    std::fs::write(dir.join("bad.jinja"), "{% for %}").unwrap();
+    let bad = dir.join("bad.jinja");
+    let run = tokio::process::Command::new(common::bin("tandem-decode"))
+        .args(["--rpc-host", "127.0.0.1", "--system-host", "127.0.0.1"])
+        .args(tandem_test_support::tls_args())
+        .arg("--custom-jinja-template")
+        .arg(&bad)
+        .env("DYN_DISCOVERY_BACKEND", "file")
+        .env("DYN_FILE_KV", &dir)
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(std::time::Duration::from_secs(120), run)
+        .await
+        .expect("the worker exits")
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--custom-jinja-template"), "{err}");
 }

@@ -135,7 +135,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
         "exclude-tools-when-tool-choice-none",
         "tool_choice handling",
     ),
-    ("custom-jinja-template", "custom chat templates"),
     (
         "endpoint-types",
         "registering a subset of API endpoint types",

@@ -109,6 +109,11 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// Another template source with this one's `bos_token` and `eos_token`.
+    pub fn replaced(&self, source: String) -> Result<Self, TextError> {
+        Self::new(source, self.bos_token.clone(), self.eos_token.clone())
+    }
+
     /// Renders a conversation into the prompt text.
     pub fn render(&self, req: &ChatRequest<'_>) -> Result<String, TextError> {
         let mut ctx = serde_json::Map::new();

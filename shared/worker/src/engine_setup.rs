@@ -274,7 +274,16 @@ pub fn build_engine_with(
     backend: impl FnOnce(&LoadedModel, &KvLayout, usize) -> anyhow::Result<Box<dyn Backend>>,
 ) -> anyhow::Result<BuiltEngine> {
     let folder = model_folder(cfg)?;
-    let model = Arc::new(LoadedModel::load(&folder, load)?);
+    let mut model = LoadedModel::load(&folder, load)?;
+    if let Some(path) = &cfg.runtime.custom_jinja_template {
+        let source = std::fs::read_to_string(path)
+            .with_context(|| format!("--custom-jinja-template: cannot read {}", path.display()))?;
+        model
+            .use_chat_template(source)
+            .with_context(|| format!("--custom-jinja-template {}", path.display()))?;
+        tracing::info!(template = %path.display(), "serving a custom chat template");
+    }
+    let model = Arc::new(model);
     let layout = kv_layout(cfg, &model, device);
     let backend = backend(&model, &layout, pool_blocks(cfg, &layout)?)?;
     // The backend may size its own pool (the CUDA backend, from the free GPU memory).

@@ -33,6 +33,23 @@ pub struct ModelFilesSource {
     /// The model folder, or a GGUF file.
     pub folder: PathBuf,
     pub tokenizer_hash: String,
+    /// `--custom-jinja-template`'s source: sent as the `chat_template` of
+    /// tokenizer_config.json in place of the model's own.
+    pub chat_template: Option<String>,
+}
+
+/// tokenizer_config.json (or an empty one) with `chat_template` set to `source`.
+fn with_chat_template(config_json: &str, source: &str) -> Result<String, Status> {
+    let mut cfg: serde_json::Value = match config_json.trim() {
+        "" => serde_json::json!({}),
+        text => serde_json::from_str(text)
+            .map_err(|e| Status::internal(format!("tokenizer_config.json: {e}")))?,
+    };
+    let obj = cfg
+        .as_object_mut()
+        .ok_or_else(|| Status::internal("tokenizer_config.json is not a JSON object"))?;
+    obj.insert("chat_template".into(), source.into());
+    Ok(cfg.to_string())
 }
 
 pub struct WorkerService {
@@ -355,9 +372,13 @@ impl Worker for WorkerService {
                 Err(e) => Err(Status::internal(format!("{name}: {e}"))),
             }
         };
+        let mut tokenizer_config_json = read("tokenizer_config.json", false)?;
+        if let Some(source) = &self.files.chat_template {
+            tokenizer_config_json = with_chat_template(&tokenizer_config_json, source)?;
+        }
         Ok(Response::new(ModelFiles {
             tokenizer_json: read("tokenizer.json", true)?,
-            tokenizer_config_json: read("tokenizer_config.json", false)?,
+            tokenizer_config_json,
             generation_config_json: read("generation_config.json", false)?,
             tokenizer_hash: self.files.tokenizer_hash.clone(),
         }))

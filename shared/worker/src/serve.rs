@@ -88,6 +88,13 @@ fn worker_service(
         ModelFilesSource {
             folder: built.model.path.clone(),
             tokenizer_hash: built.model.tokenizer_hash.clone(),
+            // The template served (the model's own, or --custom-jinja-template's), which
+            // the tokenizer hash covers.
+            chat_template: built
+                .model
+                .chat_template
+                .as_ref()
+                .map(|t| t.source().to_string()),
         },
     )
     .with_decode(sides.decode.clone())

@@ -180,6 +180,19 @@ impl LoadedModel {
         })
     }
 
+    /// Serves `source` (`--custom-jinja-template`) as the chat template instead of the
+    /// model's own; the tokenizer hash covers it, so routers render with the same one.
+    pub fn use_chat_template(&mut self, source: String) -> Result<(), EngineError> {
+        let template = match &self.chat_template {
+            Some(own) => own.replaced(source),
+            None => ChatTemplate::new(source, None, None),
+        }
+        .map_err(|e| EngineError::Template(e.to_string()))?;
+        self.tokenizer_hash = tokenizer_hash(&self.tokenizer, Some(&template));
+        self.chat_template = Some(template);
+        Ok(())
+    }
+
     /// EOS ids: generation_config.json's, else the template's `eos_token`.
     pub fn eos_token_ids(&self) -> Vec<u32> {
         if !self.generation_config.eos_token_ids.is_empty() {
