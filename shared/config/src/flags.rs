@@ -38,6 +38,7 @@ pub const TOOL_CALL_PARSERS_BUILT: &[&str] = &[
     "hermes",
     "llama3_json",
     "mistral",
+    "pythonic",
     "qwen3_coder",
     "deepseek_v3",
     "deepseek_v3_1",

@@ -4,6 +4,7 @@
 //! the model write. The same [`ChoiceShaper`] serves streaming (delta by delta) and whole
 //! responses (one push, then finish).
 
+pub mod pythonic;
 pub mod reasoning;
 pub mod tools;
 
@@ -223,11 +224,10 @@ impl ChoiceShaper {
         let mut calls: Vec<ToolCall> = Vec::new();
         loop {
             if !*in_call {
-                let bare = format.bare_json_start()
-                    && !*wrote_content
-                    && content.is_empty()
-                    && buf.trim_start().starts_with('{');
-                match buf.find(format.start()) {
+                let bare = format.bare_start().is_some_and(|c| {
+                    !*wrote_content && content.is_empty() && buf.trim_start().starts_with(c)
+                });
+                match format.start().and_then(|tag| buf.find(tag)) {
                     _ if bare => *in_call = true,
                     Some(i) => {
                         content.push_str(&buf[..i]);
@@ -235,10 +235,9 @@ impl ChoiceShaper {
                         *in_call = true;
                     }
                     None => {
-                        let keep = if last {
-                            0
-                        } else {
-                            partial_tag(buf, format.start())
+                        let keep = match (last, format.start()) {
+                            (false, Some(tag)) => partial_tag(buf, tag),
+                            _ => 0,
                         };
                         content.push_str(&buf[..buf.len() - keep]);
                         buf.drain(..buf.len() - keep);
@@ -366,6 +365,11 @@ mod tests {
         }
         let unclosed = "<tool_call>{\"name\": \"w\"";
         assert_eq!(stream(&s, unclosed, 4).0, unclosed);
+        let py = shape(ToolChoice::Auto, Some(ToolFormat::Pythonic), false);
+        let (c, _, calls) = stream(&py, "[f(a=1), g(b='x')]", 3);
+        assert_eq!((c.as_str(), calls.len()), ("", 2));
+        assert_eq!(stream(&py, "[1] is a list", 3).0, "[1] is a list");
+        assert_eq!(stream(&py, "no [f()] here", 3).0, "no [f()] here");
         let llama = shape(ToolChoice::Auto, Some(ToolFormat::Llama3Json), false);
         let (c, _, calls) = stream(&llama, " {\"name\": \"f\", \"parameters\": {\"a\": 1}}", 5);
         assert_eq!((c.as_str(), calls.len()), ("", 1));

@@ -26,6 +26,8 @@ pub enum ToolFormat {
     DeepSeekV3,
     /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}<｜tool▁call▁end｜>`.
     DeepSeekV31,
+    /// The whole output: `[get_weather(city="Paris"), get_time()]` (Llama 3.2 / 4).
+    Pythonic,
 }
 
 const DS_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
@@ -43,18 +45,20 @@ impl ToolFormat {
             "mistral" => ToolFormat::Mistral,
             "deepseek_v3" => ToolFormat::DeepSeekV3,
             "deepseek_v3_1" => ToolFormat::DeepSeekV31,
+            "pythonic" => ToolFormat::Pythonic,
             _ => return None,
         })
     }
 
-    /// Where a block of calls starts.
-    pub fn start(self) -> &'static str {
-        match self {
+    /// The tag a block of calls starts with (None: calls are the whole output).
+    pub fn start(self) -> Option<&'static str> {
+        Some(match self {
             ToolFormat::Hermes | ToolFormat::Qwen3Coder => "<tool_call>",
             ToolFormat::Llama3Json => "<|python_tag|>",
             ToolFormat::Mistral => "[TOOL_CALLS]",
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => DS_CALLS_BEGIN,
-        }
+            ToolFormat::Pythonic => return None,
+        })
     }
 
     /// Where a block ends (None: at the end of the output).
@@ -62,22 +66,27 @@ impl ToolFormat {
         match self {
             ToolFormat::Hermes | ToolFormat::Qwen3Coder => Some("</tool_call>"),
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => Some(DS_CALLS_END),
-            ToolFormat::Llama3Json | ToolFormat::Mistral => None,
+            ToolFormat::Llama3Json | ToolFormat::Mistral | ToolFormat::Pythonic => None,
         }
     }
 
-    /// Whether a call may begin with a bare `{` at the start of the output (Llama 3).
-    pub fn bare_json_start(self) -> bool {
-        self == ToolFormat::Llama3Json
+    /// The character calls may begin with, untagged, at the start of the output.
+    pub fn bare_start(self) -> Option<char> {
+        match self {
+            ToolFormat::Llama3Json => Some('{'),
+            ToolFormat::Pythonic => Some('['),
+            _ => None,
+        }
     }
 
     /// The calls of one block (start tag included, end tag included when there is one);
     /// None when it does not parse.
     pub fn parse_block(self, block: &str) -> Option<Vec<ToolCall>> {
-        let inner = block
-            .trim()
-            .strip_prefix(self.start())
-            .unwrap_or(block.trim());
+        let trimmed = block.trim();
+        let inner = self
+            .start()
+            .and_then(|s| trimmed.strip_prefix(s))
+            .unwrap_or(trimmed);
         let inner = match self.end() {
             Some(end) => inner.trim_end().strip_suffix(end)?,
             None => inner,
@@ -98,6 +107,7 @@ impl ToolFormat {
                 v => vec![call_of(&v, &["arguments", "parameters"])?],
             },
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => deepseek_calls(self, inner)?,
+            ToolFormat::Pythonic => super::pythonic::parse(inner)?,
         };
         (!calls.is_empty()).then_some(calls)
     }
