@@ -122,10 +122,9 @@ impl Core {
         }
         let (result, guides) = std::thread::scope(|s| {
             let prep = s.spawn(move || {
+                use rayon::prelude::*;
                 let mut guides = guides;
-                for (_, g) in &mut guides {
-                    g.prepare();
-                }
+                guides.par_iter_mut().for_each(|(_, g)| g.prepare());
                 guides
             });
             let result = self.forward(pieces);

@@ -212,6 +212,11 @@ fn apply_mask(mask: &SimpleVob, logits: &mut [f32]) {
         if bits == u32::MAX {
             continue;
         }
+        if bits == 0 {
+            // Most of a grammar's mask: whole words of forbidden tokens.
+            chunk.fill(f32::NEG_INFINITY);
+            continue;
+        }
         for (j, l) in chunk.iter_mut().enumerate() {
             if bits & (1 << j) == 0 {
                 *l = f32::NEG_INFINITY;
