@@ -76,7 +76,10 @@ fn grammar_alone(
     );
     let t = Instant::now();
     guides.compile(&Constraint::JsonSchema(SCHEMA.into()))?;
-    println!("compile (table built): {:.2} ms", t.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "compile (table built): {:.2} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
     let mut row = vec![0f32; vocab];
     let (mut mask_t, mut apply_t) = (Duration::ZERO, Duration::ZERO);
     let mut state = 12345u64;
@@ -92,7 +95,9 @@ fn grammar_alone(
         let allowed: Vec<u32> = (0..vocab as u32)
             .filter(|&i| row[i as usize].is_finite())
             .collect();
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         guide.advance(allowed[(state >> 33) as usize % allowed.len()])?;
     }
     let per = |d: Duration| d.as_secs_f64() / tokens as f64 * 1e6;
@@ -162,7 +167,12 @@ async fn run(
     }
     let mut generated = 0;
     for s in streams {
-        generated += s.collect().await.iter().map(|o| o.token_ids.len()).sum::<usize>();
+        generated += s
+            .collect()
+            .await
+            .iter()
+            .map(|o| o.token_ids.len())
+            .sum::<usize>();
     }
     let elapsed = started.elapsed();
     if generated != batch * tokens {

@@ -92,6 +92,13 @@ pub enum TransferError {
     UnknownBackend(String),
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// GPU memory where the transport (or this build of UCX) cannot take it: never a silent
+    /// fallback through host memory.
+    #[error("GPU memory over {backend}: {missing}")]
+    GpuMemoryUnsupported {
+        backend: Backend,
+        missing: &'static str,
+    },
     #[error("notification of {0} bytes exceeds the {MAX_NOTIFICATION_BYTES}-byte limit")]
     NotificationTooLarge(usize),
     #[error("the OS random number generator failed: {0}")]
@@ -144,9 +151,19 @@ impl FromStr for Backend {
 pub enum MemoryKind {
     #[default]
     Host,
-    /// GPU memory of a CUDA device. Reserved: needs a CUDA-enabled UCX (libucx-cu13); both
-    /// transports refuse it today.
+    /// GPU memory of a CUDA device: registered only by a UCX built with CUDA support
+    /// (PyPI `libucx-cu13`: `cuda_copy`, `cuda_ipc`); TCP refuses it.
     Cuda { device: u32 },
+}
+
+impl MemoryKind {
+    /// The `memory_type` label of the transfer metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Cuda { .. } => "cuda",
+        }
+    }
 }
 
 /// A region of this process's memory to expose to remote writers.
@@ -179,6 +196,19 @@ impl LocalMemory {
         }
     }
 
+    /// GPU memory `[ptr, ptr + len)` of CUDA device `device` (a device pointer).
+    ///
+    /// # Safety
+    /// As [`LocalMemory::host`], for device memory: the allocation stays valid until the
+    /// registration is dropped and every writer given its descriptor has stopped.
+    pub unsafe fn cuda(ptr: *mut u8, len: usize, device: u32) -> Self {
+        LocalMemory {
+            ptr,
+            len,
+            kind: MemoryKind::Cuda { device },
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -192,12 +222,6 @@ impl LocalMemory {
     }
 
     fn check(&self) -> Result<()> {
-        if self.kind != MemoryKind::Host {
-            return Err(TransferError::Unsupported(format!(
-                "registering {:?} memory",
-                self.kind
-            )));
-        }
         if self.ptr.is_null() || self.len == 0 {
             return Err(TransferError::BadDescriptor("empty or null region".into()));
         }
@@ -580,10 +604,13 @@ fn check_batch(
         ));
     }
     if remote.memory != MemoryKind::Host {
-        return Err(TransferError::Unsupported(format!(
-            "writing to {:?} memory",
-            remote.memory
-        )));
+        // Puts carry host bytes: a GPU pool takes writes from a GPU pool only, so a
+        // host-to-GPU pair is refused rather than staged.
+        return Err(TransferError::GpuMemoryUnsupported {
+            backend,
+            missing: "the region is GPU memory and these blocks are in host memory; a GPU \
+                      decode pool takes KV from a GPU prefill pool (both on UCX with CUDA)",
+        });
     }
     let mut total = 0u64;
     for p in puts {

@@ -46,8 +46,16 @@ pub(crate) fn record_refused(labels: &[(String, String)], reason: Refusal) {
     metrics::counter!(REFUSED_TOTAL, labels).increment(1);
 }
 
-pub(crate) fn record_transfer(labels: &[(String, String)], bytes: u64, elapsed: Duration) {
-    let labels = labels_of(labels);
+/// One completed write batch, labelled with the transport's labels and the destination's
+/// `memory_type` (`host`, `cuda`).
+pub(crate) fn record_transfer(
+    labels: &[(String, String)],
+    memory: crate::MemoryKind,
+    bytes: u64,
+    elapsed: Duration,
+) {
+    let mut labels = labels_of(labels);
+    labels.push(metrics::Label::new("memory_type", memory.label()));
     let secs = elapsed.as_secs_f64();
     metrics::counter!("trtllm_kv_transfer_success_total", labels.clone()).increment(1);
     metrics::histogram!("trtllm_kv_transfer_latency_seconds", labels.clone()).record(secs);

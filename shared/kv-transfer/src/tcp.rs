@@ -610,7 +610,12 @@ impl KvConnection for TcpConnection {
         match r {
             Ok(Ok(())) => {
                 guard.1 = true;
-                crate::metrics::record_transfer(&self.labels, bytes, start.elapsed());
+                crate::metrics::record_transfer(
+                    &self.labels,
+                    remote.memory,
+                    bytes,
+                    start.elapsed(),
+                );
                 Ok(())
             }
             Ok(Err(e @ TransferError::PeerFailed(_))) => {
@@ -678,6 +683,14 @@ impl KvTransport for TcpTransport {
 
     async fn register(&self, mem: LocalMemory) -> Result<TcpRegistration> {
         mem.check()?;
+        if mem.kind() != MemoryKind::Host {
+            return Err(TransferError::GpuMemoryUnsupported {
+                backend: Backend::Tcp,
+                missing: "the TCP transport moves host memory only; GPU KV needs \
+                          cache_transceiver_config.backend UCX with a CUDA-enabled UCX \
+                          (PyPI libucx-cu13)",
+            });
+        }
         // Random id and secret: neither guessable from other registrations nor reused.
         let secret = RegionSecret::generate()?;
         let id = {

@@ -933,3 +933,52 @@ async fn tcp_notification_floods_are_bounded() {
     assert_eq!(events.next_notification(T).await.unwrap(), b"after");
     assert_eq!(&pool.snapshot()[..8], &[5; 8]);
 }
+
+/// GPU memory is never staged through the host behind the caller's back: TCP refuses to
+/// register it, a UCX without CUDA support (Debian's, which CI runs) refuses naming the UCX it
+/// needs, and a host-memory batch into a region that says it is GPU memory is refused before
+/// anything moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_memory_is_refused_where_it_cannot_be_moved() {
+    let pool = Pool::new(4096);
+    for backend in BACKENDS {
+        let t = transport(backend, T).await;
+        let e = t
+            .register(pool.as_gpu_memory())
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        match e {
+            TransferError::GpuMemoryUnsupported {
+                backend: b,
+                missing,
+            } => {
+                assert_eq!(b, backend);
+                let needs = if backend == Backend::Tcp {
+                    "UCX"
+                } else {
+                    "libucx-cu13"
+                };
+                assert!(missing.contains(needs), "{backend}: {missing}");
+            }
+            other => panic!("{backend}: {other}"),
+        }
+        // A descriptor claiming GPU memory takes no host-memory puts.
+        let rx = transport(backend, T).await;
+        let reg = rx.register(pool.memory()).await.unwrap();
+        let mut desc = reg.descriptor().clone();
+        desc.memory = tandem_kv_transfer::MemoryKind::Cuda { device: 0 };
+        desc.seal();
+        let conn = t.connect(&desc.peer).await.unwrap();
+        let put = Put {
+            local: vec![1u8; 8].into(),
+            offset: 0,
+        };
+        let e = conn.write(&desc, vec![put]).await.unwrap_err();
+        assert!(
+            matches!(e, TransferError::GpuMemoryUnsupported { .. }),
+            "{backend}: {e}"
+        );
+        assert_eq!(pool.snapshot()[..8], [0u8; 8], "{backend}: nothing written");
+    }
+}

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::engine::{EngineHandle, PrefillEvent, PrefillStream};
 use tandem_engine::request::{FinishReason, Request, RequestOutput, SequenceState};
 use tandem_kv_transfer::{AnyConnection, AnyTransport, Bytes, KvConnection, Put};
-use tandem_kv_transfer::{PeerAddress, RemoteRegion};
+use tandem_kv_transfer::{MemoryKind, PeerAddress, RemoteRegion};
 use tandem_protocol::wire::required;
 use tandem_protocol::worker::{
     FenceLeaseReply, FenceLeaseRequest, KvLease, PrefillReply, PrefillRequest,
@@ -123,6 +123,7 @@ impl PrefillSide {
         region
             .validate()
             .map_err(|e| Status::invalid_argument(format!("lease.region: {e}")))?;
+        same_memory(&region)?;
         request
             .params
             .validate()
@@ -257,6 +258,19 @@ impl PrefillSide {
     }
 }
 
+/// This worker's blocks leave from host memory: a region of another memory type is refused
+/// before any compute, never staged.
+fn same_memory(region: &RemoteRegion) -> Result<(), Status> {
+    if region.memory == MemoryKind::Host {
+        return Ok(());
+    }
+    Err(Status::failed_precondition(format!(
+        "the decode worker's KV pool is {} memory; this prefill worker writes from host \
+         memory (pair workers whose pools are the same memory type)",
+        region.memory.label()
+    )))
+}
+
 /// The engine's next prefill event, unless the lease expires or is revoked first.
 async fn next_event(
     stream: &mut PrefillStream,
@@ -362,5 +376,20 @@ impl LeaseWrite {
             bytes_transferred: self.sent_bytes,
             blocks_transferred: self.sent_blocks as u32,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_region_is_refused_by_a_host_memory_writer() {
+        let mut region = crate::transport::simulated_region(1, 4096);
+        assert!(same_memory(&region).is_ok());
+        region.memory = MemoryKind::Cuda { device: 1 };
+        let e = same_memory(&region).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(e.message().contains("cuda memory"), "{}", e.message());
     }
 }

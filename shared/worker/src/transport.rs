@@ -168,6 +168,7 @@ fn record_simulated_transfer(bytes: u64, elapsed: Duration) {
     let labels = [
         ("engine_type", "tandem"),
         ("disaggregation_mode", "prefill"),
+        ("memory_type", "host"),
     ];
     let secs = elapsed.as_secs_f64();
     metrics::counter!("trtllm_kv_transfer_success_total", &labels).increment(1);

@@ -77,6 +77,7 @@ enum Cmd {
     Register {
         ptr: usize,
         len: usize,
+        memory: MemoryKind,
         reply: oneshot::Sender<Result<(u64, usize, Vec<u8>)>>,
     },
     Unregister {
@@ -309,12 +310,16 @@ impl UcxTransport {
             .collect()
     }
 
-    /// `ucp_mem_map` of `[ptr, ptr + len)`, or a UCX allocation of `len` bytes if `ptr == 0`.
-    async fn map(&self, ptr: usize, len: usize) -> Result<UcxRegistration> {
+    /// `ucp_mem_map` of `[ptr, ptr + len)` in `memory`, or a UCX allocation of `len` bytes of
+    /// host memory if `ptr == 0`.
+    async fn map(&self, ptr: usize, len: usize, memory: MemoryKind) -> Result<UcxRegistration> {
         let (reply, rx) = oneshot::channel();
-        self.primary
-            .shared
-            .send(Cmd::Register { ptr, len, reply })?;
+        self.primary.shared.send(Cmd::Register {
+            ptr,
+            len,
+            memory,
+            reply,
+        })?;
         let (id, base, rkey) = answer(rx, self.config.op_timeout, "ucp_mem_map").await?;
         Ok(UcxRegistration {
             shared: self.primary.shared.clone(),
@@ -326,7 +331,7 @@ impl UcxTransport {
                 len: len as u64,
                 rkey,
                 secret: crate::RegionSecret::default(),
-                memory: MemoryKind::Host,
+                memory,
                 check: 0,
             }
             .sealed(),
@@ -445,7 +450,7 @@ impl KvConnection for UcxConnection {
             }
         }
         result?;
-        crate::metrics::record_transfer(&self.labels, bytes, start.elapsed());
+        crate::metrics::record_transfer(&self.labels, remote.memory, bytes, start.elapsed());
         Ok(())
     }
 
@@ -485,14 +490,14 @@ impl KvTransport for UcxTransport {
 
     async fn register(&self, mem: LocalMemory) -> Result<UcxRegistration> {
         mem.check()?;
-        self.map(mem.ptr as usize, mem.len).await
+        self.map(mem.ptr as usize, mem.len, mem.kind()).await
     }
 
     async fn allocate(&self, len: usize) -> Result<(UcxRegistration, *mut u8)> {
         if len == 0 {
             return Err(TransferError::BadDescriptor("empty region".into()));
         }
-        let reg = self.map(0, len).await?;
+        let reg = self.map(0, len, MemoryKind::Host).await?;
         let ptr = reg.desc.base as *mut u8;
         Ok((reg, ptr))
     }

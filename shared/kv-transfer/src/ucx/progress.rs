@@ -13,7 +13,7 @@ use tandem_ucx_sys as sys;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{ucx_err, Cmd, InitSink, LaneSettings, WorkerPtr, AM_ID};
-use crate::{Bytes, Event, Result, TransferError, MAX_NOTIFICATION_BYTES};
+use crate::{Bytes, Event, MemoryKind, Result, TransferError, MAX_NOTIFICATION_BYTES};
 
 /// Per-endpoint state. `failed` is written by the error callback, whose `arg` points at it:
 /// boxed so the address is stable, freed only after the worker is destroyed.
@@ -53,6 +53,9 @@ struct Thread {
     abandoned: Vec<Bytes>,
     op_timeout: Duration,
     peer_error_handling: bool,
+    /// The memory types this UCX context registers (`ucp_context_query`: bit
+    /// `UCS_MEMORY_TYPE_*`); a UCX without CUDA support has only the host bit.
+    memory_types: u64,
 }
 
 unsafe extern "C" fn ep_error_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
@@ -163,6 +166,22 @@ unsafe fn read_config(
     }
 }
 
+/// The memory types a context registers (host only when the query fails).
+///
+/// # Safety
+/// `ctx` is a live context.
+unsafe fn memory_types(ctx: sys::ucp_context_h) -> u64 {
+    // SAFETY: a zeroed attr with only MEMORY_TYPES requested; ctx is live.
+    unsafe {
+        let mut attr: sys::ucp_context_attr_t = std::mem::zeroed();
+        attr.field_mask = sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64;
+        match sys::ucp_context_query(ctx, &mut attr) {
+            sys::UCS_OK => attr.memory_types,
+            _ => 1 << sys::UCS_MEMORY_TYPE_HOST,
+        }
+    }
+}
+
 /// Context + worker + (primary lane only) AM handler + event fd.
 unsafe fn init_ucx(
     am_ctx: Option<&AmCtx>,
@@ -235,6 +254,7 @@ unsafe fn init_ucx(
             abandoned: Vec::new(),
             op_timeout: settings.op_timeout,
             peer_error_handling: settings.peer_error_handling,
+            memory_types: memory_types(ctx),
         };
         Ok((t, efd, address))
     }
@@ -304,8 +324,13 @@ impl Thread {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Register { ptr, len, reply } => {
-                let _ = reply.send(self.register(ptr, len));
+            Cmd::Register {
+                ptr,
+                len,
+                memory,
+                reply,
+            } => {
+                let _ = reply.send(self.register(ptr, len, memory));
             }
             Cmd::Unregister { id, done } => {
                 if let Some(memh) = self.regions.remove(&id) {
@@ -328,8 +353,22 @@ impl Thread {
         }
     }
 
-    fn register(&mut self, ptr: usize, len: usize) -> Result<(u64, usize, Vec<u8>)> {
-        // SAFETY: LocalMemory::host's contract makes [ptr, ptr+len) valid while registered;
+    fn register(
+        &mut self,
+        ptr: usize,
+        len: usize,
+        memory: MemoryKind,
+    ) -> Result<(u64, usize, Vec<u8>)> {
+        let cuda = matches!(memory, MemoryKind::Cuda { .. });
+        if cuda && self.memory_types & (1 << sys::UCS_MEMORY_TYPE_CUDA) == 0 {
+            return Err(TransferError::GpuMemoryUnsupported {
+                backend: crate::Backend::Ucx,
+                missing: "this UCX has no CUDA memory support (no cuda_copy / cuda_ipc \
+                          transports): load the CUDA-enabled UCX of PyPI libucx-cu13 through \
+                          LD_LIBRARY_PATH",
+            });
+        }
+        // SAFETY: LocalMemory's constructors make [ptr, ptr+len) valid while registered;
         // param structs are zero-initialised and announced through field_mask.
         unsafe {
             let mut mp: sys::ucp_mem_map_params_t = std::mem::zeroed();
@@ -337,6 +376,10 @@ impl Thread {
                 (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
             mp.address = ptr as *mut c_void;
             mp.length = len;
+            if cuda {
+                mp.field_mask |= sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE as u64;
+                mp.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
+            }
             if ptr == 0 {
                 mp.field_mask = (sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
                     | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64;

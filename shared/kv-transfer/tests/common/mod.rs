@@ -78,6 +78,13 @@ impl Pool {
         unsafe { tandem_kv_transfer::LocalMemory::host(self.ptr, self.len) }
     }
 
+    /// The same memory described as GPU memory of device 0 (for refusal tests: no transport
+    /// here may touch it as such).
+    pub fn as_gpu_memory(&self) -> tandem_kv_transfer::LocalMemory {
+        // SAFETY: as `memory`; the transports refuse it before using the pointer.
+        unsafe { tandem_kv_transfer::LocalMemory::cuda(self.ptr, self.len, 0) }
+    }
+
     pub fn snapshot(&self) -> Vec<u8> {
         // SAFETY: called only when no transfer is in flight.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
