@@ -22,6 +22,12 @@ pub enum ToolFormat {
     Llama3Json,
     /// `[TOOL_CALLS] [{"name": .., "arguments": {..}}, ..]`.
     Mistral,
+    /// `<tool_calls>{"name": .., "arguments": {..}}</tool_calls>` (AI21 Jamba; an array too).
+    Jamba,
+    /// `<TOOLCALL>[{"name": .., "arguments": {..}}]</TOOLCALL>` (NVIDIA Nemotron).
+    NemotronDeci,
+    /// `functools{"name": .., "arguments": {..}}` (Phi-4; an array too), to the end.
+    Phi4,
     /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + a fenced JSON block.
     DeepSeekV3,
     /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}<｜tool▁call▁end｜>`.
@@ -43,6 +49,9 @@ impl ToolFormat {
             "qwen3_coder" => ToolFormat::Qwen3Coder,
             "llama3_json" => ToolFormat::Llama3Json,
             "mistral" => ToolFormat::Mistral,
+            "jamba" => ToolFormat::Jamba,
+            "nemotron_deci" => ToolFormat::NemotronDeci,
+            "phi4" => ToolFormat::Phi4,
             "deepseek_v3" => ToolFormat::DeepSeekV3,
             "deepseek_v3_1" => ToolFormat::DeepSeekV31,
             "pythonic" => ToolFormat::Pythonic,
@@ -56,6 +65,9 @@ impl ToolFormat {
             ToolFormat::Hermes | ToolFormat::Qwen3Coder => "<tool_call>",
             ToolFormat::Llama3Json => "<|python_tag|>",
             ToolFormat::Mistral => "[TOOL_CALLS]",
+            ToolFormat::Jamba => "<tool_calls>",
+            ToolFormat::NemotronDeci => "<TOOLCALL>",
+            ToolFormat::Phi4 => "functools",
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => DS_CALLS_BEGIN,
             ToolFormat::Pythonic => return None,
         })
@@ -66,7 +78,12 @@ impl ToolFormat {
         match self {
             ToolFormat::Hermes | ToolFormat::Qwen3Coder => Some("</tool_call>"),
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => Some(DS_CALLS_END),
-            ToolFormat::Llama3Json | ToolFormat::Mistral | ToolFormat::Pythonic => None,
+            ToolFormat::Jamba => Some("</tool_calls>"),
+            ToolFormat::NemotronDeci => Some("</TOOLCALL>"),
+            ToolFormat::Llama3Json
+            | ToolFormat::Mistral
+            | ToolFormat::Phi4
+            | ToolFormat::Pythonic => None,
         }
     }
 
@@ -99,17 +116,23 @@ impl ToolFormat {
                 .filter(|s| !s.trim().is_empty())
                 .map(|s| json_call(s.trim(), &["parameters", "arguments"]))
                 .collect::<Option<Vec<_>>>()?,
-            ToolFormat::Mistral => match serde_json::from_str::<Value>(inner.trim()).ok()? {
-                Value::Array(a) => a
-                    .iter()
-                    .map(|v| call_of(v, &["arguments", "parameters"]))
-                    .collect::<Option<Vec<_>>>()?,
-                v => vec![call_of(&v, &["arguments", "parameters"])?],
-            },
+            ToolFormat::Mistral
+            | ToolFormat::Jamba
+            | ToolFormat::NemotronDeci
+            | ToolFormat::Phi4 => json_calls(inner)?,
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => deepseek_calls(self, inner)?,
             ToolFormat::Pythonic => super::pythonic::parse(inner)?,
         };
         (!calls.is_empty()).then_some(calls)
+    }
+}
+
+/// One call object or an array of them.
+fn json_calls(inner: &str) -> Option<Vec<ToolCall>> {
+    let keys = ["arguments", "parameters"];
+    match serde_json::from_str::<Value>(inner.trim()).ok()? {
+        Value::Array(a) => a.iter().map(|v| call_of(v, &keys)).collect(),
+        v => Some(vec![call_of(&v, &keys)?]),
     }
 }
 
@@ -215,7 +238,10 @@ mod tests {
     #[test]
     fn each_format_parses_its_calls_and_refuses_malformed_ones() {
         let weather = call("get_weather", r#"{"city":"Paris"}"#);
-        let cases: [(ToolFormat, &str); 7] = [
+        let cases: [(ToolFormat, &str); 10] = [
+            (ToolFormat::Jamba, "<tool_calls>{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}</tool_calls>"),
+            (ToolFormat::NemotronDeci, "<TOOLCALL>[{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}]</TOOLCALL>"),
+            (ToolFormat::Phi4, "functools{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}"),
             (ToolFormat::Hermes, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
             (ToolFormat::Hermes, "<tool_call>{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Paris\\\"}\"}</tool_call>"),
             (ToolFormat::Qwen3Coder, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"),
@@ -244,6 +270,8 @@ mod tests {
             (ToolFormat::Hermes, "<tool_call>{\"arguments\": {}}</tool_call>"),
             (ToolFormat::Qwen3Coder, "<tool_call><function=f><parameter=a>1</tool_call>"),
             (ToolFormat::Mistral, "[TOOL_CALLS] not json"),
+            (ToolFormat::NemotronDeci, "<TOOLCALL>[{\"name\":\"f\",\"arguments\":[1]}]</TOOLCALL>"),
+            (ToolFormat::Phi4, "functools{\"name\":"),
             (ToolFormat::DeepSeekV3, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
         ] {
             assert_eq!(f.parse_block(bad), None, "{f:?}: {bad}");
