@@ -21,7 +21,11 @@
 //! It also prints a local copy of the same volume with 1 thread and with `--lanes` threads
 //! (the machine's memory-bandwidth ceiling for distinct, cache-cold memory).
 //!
-//! Usage: `transfer_bench [--backend UCX|TCP] [--blocks N] [--iters N] [--pool alloc|heap]
+//! With `--pool cuda` (built with the `cuda-bench` feature, run with a CUDA-enabled UCX) the
+//! source blocks and the receiver's pool are GPU memory of device 0 and every batch goes GPU
+//! to GPU (`write_device`), as the serving path of CUDA workers does.
+//!
+//! Usage: `transfer_bench [--backend UCX|TCP] [--blocks N] [--iters N] [--pool alloc|heap|cuda]
 //! [--lanes N] [--batch B,B,..] [--ucx NAME=VALUE]...`. The program starts itself again as the
 //! receiver (`--receiver`), reads its descriptor from the child's stdout, and checks the
 //! received blocks by hash at the end. Prints MiB/s (2^20 bytes, the unit of `ucx_perftest`).
@@ -31,8 +35,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tandem_kv_transfer::{
-    default_ucx_lanes, open, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory, Put,
-    Registration, RemoteRegion, TransportConfig,
+    default_ucx_lanes, open, AnyConnection, Backend, Bytes, DeviceBatch, DevicePut, Event,
+    KvConnection, KvTransport, LocalMemory, Put, Registration, RemoteRegion, TransportConfig,
 };
 
 const LAYERS: usize = 28;
@@ -111,7 +115,17 @@ async fn receiver(a: Args) {
     let t = open(config(&a)).await.expect("open transport");
     let mut events = t.take_notifications().expect("notifications");
     let len = 2 * a.blocks * BLOCK_BYTES;
-    let (reg, pool) = if a.pool == "heap" {
+    let mut gpu = None;
+    let (reg, pool) = if a.pool == "cuda" {
+        let (buf, ptr) = gpu::alloc(len);
+        // SAFETY: the device buffer lives (in `gpu`) until exit; read only after "hash".
+        let reg = t
+            .register(unsafe { LocalMemory::cuda(ptr as *mut u8, len, 0) })
+            .await
+            .expect("register GPU memory");
+        gpu = Some(buf);
+        (reg, std::ptr::null_mut())
+    } else if a.pool == "heap" {
         let pool = Box::into_raw(vec![0u8; len].into_boxed_slice()) as *mut u8;
         // SAFETY: the pool is leaked (lives until exit) and only read after "hash" arrives,
         // when the sender has no write in flight.
@@ -139,10 +153,14 @@ async fn receiver(a: Args) {
                     .map(|s| s.parse().expect("id"))
                     .collect();
                 let mut h = FNV_START;
+                let host = gpu.as_ref().map(gpu::to_host);
                 for id in ids {
-                    // SAFETY: see above.
-                    let block = unsafe {
-                        std::slice::from_raw_parts(pool.add(id * BLOCK_BYTES), BLOCK_BYTES)
+                    let block = match &host {
+                        Some(h) => &h[id * BLOCK_BYTES..(id + 1) * BLOCK_BYTES],
+                        // SAFETY: see above.
+                        None => unsafe {
+                            std::slice::from_raw_parts(pool.add(id * BLOCK_BYTES), BLOCK_BYTES)
+                        },
                     };
                     fnv(&mut h, block);
                 }
@@ -243,7 +261,12 @@ async fn sender(a: Args) {
     }
     let mut expect = FNV_START;
     fnv(&mut expect, &src);
+    let device_src = (a.pool == "cuda").then(|| gpu::upload(&src));
     let src = Bytes::from(src);
+    let source = Source {
+        host: src.clone(),
+        device: device_src.as_ref().map(|(_, ptr)| *ptr),
+    };
 
     // Destination block of source block b: a fixed permutation of the pool's 2 × blocks ids
     // (Fisher-Yates with a fixed seed), first `blocks` of it: distinct and scattered.
@@ -257,33 +280,29 @@ async fn sender(a: Args) {
     }
     let dst: Vec<usize> = ids[..a.blocks].to_vec();
 
-    let block_put = |b: usize| Put {
-        local: src.slice(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES),
-        offset: (dst[b] * BLOCK_BYTES) as u64,
-    };
-    let per_layer = |k: usize| -> Vec<Put> {
+    // Puts as (source offset, length, destination offset).
+    let block_put = |b: usize| (b * BLOCK_BYTES, BLOCK_BYTES, dst[b] * BLOCK_BYTES);
+    let per_layer = |k: usize| -> Vec<(usize, usize, usize)> {
         (0..a.blocks)
             .map(|b| {
                 let off = b * BLOCK_BYTES + k * LAYER_BYTES;
-                Put {
-                    local: src.slice(off..off + LAYER_BYTES),
-                    offset: (dst[b] * BLOCK_BYTES + k * LAYER_BYTES) as u64,
-                }
+                (off, LAYER_BYTES, dst[b] * BLOCK_BYTES + k * LAYER_BYTES)
             })
             .collect()
     };
     // As ucx_perftest: the same source bytes to the same destination, `blocks` times.
-    let hot = || -> Vec<Put> { (0..a.blocks).map(|_| block_put(0)).collect() };
+    let hot = || -> Vec<(usize, usize, usize)> { (0..a.blocks).map(|_| block_put(0)).collect() };
 
     // Warm-up (connection establishment, rkey unpack, page faults on both sides).
-    conn.write(&desc, (0..a.blocks).map(block_put).collect())
+    source
+        .write(&conn, &desc, (0..a.blocks).map(block_put).collect())
         .await
         .expect("warm-up");
 
     let mut hot_t = Timing::new();
     for _ in 0..a.iters {
         let s = Instant::now();
-        conn.write(&desc, hot()).await.expect("hot write");
+        source.write(&conn, &desc, hot()).await.expect("hot write");
         conn.notify(Bytes::from_static(b"blocks done"))
             .await
             .expect("notify");
@@ -303,7 +322,8 @@ async fn sender(a: Args) {
     for _ in 0..a.iters {
         let s = Instant::now();
         for k in 0..LAYERS {
-            conn.write(&desc, per_layer(k))
+            source
+                .write(&conn, &desc, per_layer(k))
                 .await
                 .expect("per-layer write");
             conn.notify(Bytes::from(format!("layer {k} done")))
@@ -317,7 +337,8 @@ async fn sender(a: Args) {
             let mut b = 0;
             while b < a.blocks {
                 let end = (b + batch.max(1)).min(a.blocks);
-                conn.write(&desc, (b..end).map(block_put).collect())
+                source
+                    .write(&conn, &desc, (b..end).map(block_put).collect())
                     .await
                     .expect("serving write");
                 conn.notify(Bytes::from(format!("blocks {b}..{end} done")))
@@ -386,6 +407,125 @@ async fn sender(a: Args) {
     );
     if !ok {
         std::process::exit(1);
+    }
+}
+
+/// The sender's blocks: host bytes, and with `--pool cuda` the same bytes in GPU memory.
+struct Source {
+    host: Bytes,
+    device: Option<u64>,
+}
+
+impl Source {
+    /// One batch of (source offset, length, destination offset) puts: host or GPU memory.
+    async fn write(
+        &self,
+        conn: &AnyConnection,
+        desc: &RemoteRegion,
+        puts: Vec<(usize, usize, usize)>,
+    ) -> tandem_kv_transfer::Result<()> {
+        match self.device {
+            Some(base) => {
+                let puts = puts
+                    .into_iter()
+                    .map(|(s, len, d)| DevicePut {
+                        src: base + s as u64,
+                        len: len as u64,
+                        offset: d as u64,
+                    })
+                    .collect();
+                // SAFETY: the device source lives until the end of `sender`, after every
+                // write has completed, and nothing writes it meanwhile.
+                let batch = unsafe { DeviceBatch::new(0, puts, Box::new(())) };
+                conn.write_device(desc, batch).await
+            }
+            None => {
+                let puts = puts
+                    .into_iter()
+                    .map(|(s, len, d)| Put {
+                        local: self.host.slice(s..s + len),
+                        offset: d as u64,
+                    })
+                    .collect();
+                conn.write(desc, puts).await
+            }
+        }
+    }
+}
+
+/// GPU memory for `--pool cuda`, through cudarc (the `cuda-bench` feature): `cuMemAlloc`
+/// allocations, which CUDA IPC can export (stream-ordered pool memory cannot), as the
+/// engine's KV pool is. Never freed: the benchmark's processes end with them.
+#[cfg(feature = "cuda-bench")]
+mod gpu {
+    use cudarc::driver::{result, CudaContext};
+
+    pub struct Buf {
+        ptr: u64,
+        len: usize,
+    }
+
+    /// The device's context, held for the whole run (dropping the last handle would release
+    /// the primary context and every allocation with it).
+    fn context() -> &'static std::sync::Arc<CudaContext> {
+        static CTX: std::sync::OnceLock<std::sync::Arc<CudaContext>> = std::sync::OnceLock::new();
+        CTX.get_or_init(|| CudaContext::new(0).expect("CUDA device 0"))
+    }
+
+    fn malloc(len: usize) -> u64 {
+        context().bind_to_thread().expect("bind the context");
+        // SAFETY: a fresh allocation, written before use.
+        unsafe { result::malloc_sync(len) }.expect("cuMemAlloc")
+    }
+
+    pub fn alloc(len: usize) -> (Buf, u64) {
+        let ptr = malloc(len);
+        // SAFETY: `len` bytes at `ptr`, just allocated (the context is bound by malloc).
+        unsafe { result::memset_d8_sync(ptr, 0, len) }.expect("cuMemsetD8");
+        (Buf { ptr, len }, ptr)
+    }
+
+    pub fn upload(data: &[u8]) -> (Buf, u64) {
+        let ptr = malloc(data.len());
+        // SAFETY: `data.len()` bytes at `ptr`, just allocated.
+        unsafe { result::memcpy_htod_sync(ptr, data) }.expect("copy to the GPU");
+        (
+            Buf {
+                ptr,
+                len: data.len(),
+            },
+            ptr,
+        )
+    }
+
+    pub fn to_host(b: &Buf) -> Vec<u8> {
+        let mut out = vec![0u8; b.len];
+        context().bind_to_thread().expect("bind the context");
+        // SAFETY: the buffer holds `b.len` bytes.
+        unsafe { result::memcpy_dtoh_sync(&mut out, b.ptr) }.expect("copy from the GPU");
+        out
+    }
+}
+
+#[cfg(not(feature = "cuda-bench"))]
+mod gpu {
+    pub struct Buf;
+
+    fn missing() -> ! {
+        eprintln!("--pool cuda needs the `cuda-bench` feature (cargo build --features cuda-bench)");
+        std::process::exit(2)
+    }
+
+    pub fn alloc(_len: usize) -> (Buf, u64) {
+        missing()
+    }
+
+    pub fn upload(_data: &[u8]) -> (Buf, u64) {
+        missing()
+    }
+
+    pub fn to_host(_b: &Buf) -> Vec<u8> {
+        missing()
     }
 }
 

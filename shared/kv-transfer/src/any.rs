@@ -3,8 +3,9 @@
 use crate::tcp::{TcpConnection, TcpRegistration};
 use crate::ucx::{UcxConnection, UcxRegistration};
 use crate::{
-    Backend, Bytes, KvConnection, KvTransport, LocalMemory, Notifications, PeerAddress, Put,
-    Registration, RemoteRegion, Result, TcpTransport, TransportConfig, UcxTransport,
+    Backend, Bytes, DeviceBatch, KvConnection, KvTransport, LocalMemory, Notifications,
+    PeerAddress, Put, Registration, RemoteRegion, Result, TcpTransport, TransportConfig,
+    UcxTransport,
 };
 
 /// Opens the transport `config.backend` names. UCX that cannot be initialised is an error
@@ -45,6 +46,13 @@ impl KvConnection for AnyConnection {
         match self {
             AnyConnection::Ucx(c) => c.write(remote, puts).await,
             AnyConnection::Tcp(c) => c.write(remote, puts).await,
+        }
+    }
+
+    async fn write_device(&self, remote: &RemoteRegion, batch: DeviceBatch) -> Result<()> {
+        match self {
+            AnyConnection::Ucx(c) => c.write_device(remote, batch).await,
+            AnyConnection::Tcp(c) => c.write_device(remote, batch).await,
         }
     }
 

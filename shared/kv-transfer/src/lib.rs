@@ -11,8 +11,10 @@
 //! Two transports implement the same protocol:
 //! - [`UcxTransport`] over our own UCP bindings (`tandem-ucx-sys`): RMA put + flush, active
 //!   message for notifications; a write batch is striped over several UCX workers (lanes,
-//!   [`TransportConfig::ucx_lanes`]) so its copies run on several cores. Host memory today;
-//!   [`MemoryKind::Cuda`] is reserved for GPU memory with a CUDA-enabled UCX.
+//!   [`TransportConfig::ucx_lanes`]) so its copies run on several cores. Host memory, and
+//!   GPU memory ([`MemoryKind::Cuda`]) too with a CUDA-enabled UCX: a decode worker registers
+//!   its GPU pool, and a prefill worker writes into it from its own GPU pool
+//!   ([`KvConnection::write_device`]), GPU to GPU.
 //! - [`TcpTransport`] over plain TCP for machines without UCX: a put is a frame the receiver
 //!   copies into its registered region after checking bounds itself.
 //!
@@ -404,6 +406,91 @@ pub struct Put {
     pub offset: u64,
 }
 
+/// One put of a [`DeviceBatch`]: `len` bytes of GPU memory at device address `src` land at
+/// `offset` bytes into the remote region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevicePut {
+    pub src: u64,
+    pub len: u64,
+    pub offset: u64,
+}
+
+/// A write batch whose sources are GPU memory of this process (a prefill worker's KV pool),
+/// for a region that is GPU memory too: the bytes go GPU to GPU (UCX `cuda_ipc` on one host,
+/// GPUDirect RDMA across hosts), never through host memory.
+///
+/// `keep` owns whatever keeps the source memory valid and unchanged (the engine's pin on the
+/// blocks); the transport holds it until UCX has finished reading, even when the caller's
+/// future is dropped first.
+pub struct DeviceBatch {
+    device: u32,
+    puts: Vec<DevicePut>,
+    keep: Box<dyn std::any::Any + Send>,
+}
+
+impl fmt::Debug for DeviceBatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBatch")
+            .field("device", &self.device)
+            .field("puts", &self.puts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeviceBatch {
+    /// A batch of `puts` from memory of CUDA device `device`; puts that continue each other
+    /// on both sides (source and destination adjacent) are merged into one, so consecutive
+    /// blocks travel as one large message.
+    ///
+    /// # Safety
+    /// Every `[src, src + len)` must be device memory of `device`, valid and not written by
+    /// anyone for as long as `keep` lives, and any work that produced it must be complete.
+    pub unsafe fn new(
+        device: u32,
+        puts: Vec<DevicePut>,
+        keep: Box<dyn std::any::Any + Send>,
+    ) -> Self {
+        DeviceBatch {
+            device,
+            puts: coalesce(puts),
+            keep,
+        }
+    }
+
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    pub fn puts(&self) -> &[DevicePut] {
+        &self.puts
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.puts.iter().map(|p| p.len).sum()
+    }
+
+    pub(crate) fn into_parts(self) -> (u32, Vec<DevicePut>, Box<dyn std::any::Any + Send>) {
+        (self.device, self.puts, self.keep)
+    }
+}
+
+/// Merges puts that continue the previous one on both sides, keeping batch order.
+fn coalesce(puts: Vec<DevicePut>) -> Vec<DevicePut> {
+    let mut out: Vec<DevicePut> = Vec::with_capacity(puts.len());
+    for p in puts.into_iter().filter(|p| p.len > 0) {
+        if let Some(last) = out.last_mut() {
+            if last.src.checked_add(last.len) == Some(p.src)
+                && last.offset.checked_add(last.len) == Some(p.offset)
+            {
+                last.len += p.len;
+                continue;
+            }
+        }
+        out.push(p);
+    }
+    out
+}
+
 /// What a receiver hears from its senders.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
@@ -531,6 +618,16 @@ pub trait KvConnection: Send + Sync {
         puts: Vec<Put>,
     ) -> impl Future<Output = Result<()>> + Send;
 
+    /// Writes a batch from this process's GPU memory into `remote` (GPU memory too), GPU to
+    /// GPU, returning once every put is complete at the receiver. Transports that cannot
+    /// move GPU memory refuse it ([`TransferError::GpuMemoryUnsupported`]) rather than stage
+    /// it through host memory.
+    fn write_device(
+        &self,
+        remote: &RemoteRegion,
+        batch: DeviceBatch,
+    ) -> impl Future<Output = Result<()>> + Send;
+
     /// Sends a small notification; the receiver sees it after every completed `write`.
     fn notify(&self, payload: Bytes) -> impl Future<Output = Result<()>> + Send;
 }
@@ -584,13 +681,8 @@ impl Fnv {
     }
 }
 
-/// Checks a whole batch before anything is sent, so a refused batch writes nothing.
-fn check_batch(
-    remote: &RemoteRegion,
-    backend: Backend,
-    peer: &PeerAddress,
-    puts: &[Put],
-) -> Result<u64> {
+/// The descriptor is sealed, for this backend and for this connection's peer.
+fn check_peer(remote: &RemoteRegion, backend: Backend, peer: &PeerAddress) -> Result<()> {
     remote.validate()?;
     if remote.backend != backend {
         return Err(TransferError::BadDescriptor(format!(
@@ -603,6 +695,17 @@ fn check_batch(
             "descriptor belongs to another peer".into(),
         ));
     }
+    Ok(())
+}
+
+/// Checks a whole batch before anything is sent, so a refused batch writes nothing.
+fn check_batch(
+    remote: &RemoteRegion,
+    backend: Backend,
+    peer: &PeerAddress,
+    puts: &[Put],
+) -> Result<u64> {
+    check_peer(remote, backend, peer)?;
     if remote.memory != MemoryKind::Host {
         // Puts carry host bytes: a GPU pool takes writes from a GPU pool only, so a
         // host-to-GPU pair is refused rather than staged.
@@ -620,9 +723,123 @@ fn check_batch(
     Ok(total)
 }
 
+/// Checks a GPU batch before anything is sent: the region must be GPU memory (a GPU source
+/// never lands in host memory, nor the reverse), every put inside it.
+fn check_device_batch(
+    remote: &RemoteRegion,
+    backend: Backend,
+    peer: &PeerAddress,
+    batch: &DeviceBatch,
+) -> Result<u64> {
+    check_peer(remote, backend, peer)?;
+    if remote.memory == MemoryKind::Host {
+        return Err(TransferError::GpuMemoryUnsupported {
+            backend,
+            missing: "these blocks are in GPU memory and the region is host memory; a GPU \
+                      prefill pool writes into a GPU decode pool (pair workers whose KV pools \
+                      are the same memory type)",
+        });
+    }
+    for p in &batch.puts {
+        if p.src.checked_add(p.len).is_none() {
+            return Err(TransferError::BadDescriptor(format!(
+                "device source {:#x} + {} wraps",
+                p.src, p.len
+            )));
+        }
+        remote.check_bounds(p.offset, p.len)?;
+    }
+    Ok(batch.bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn device_puts_merge_when_both_sides_continue() {
+        let put = |src, len, offset| DevicePut { src, len, offset };
+        let keep = Box::new(());
+        // SAFETY: never issued; the test only looks at the merged puts.
+        let b = unsafe {
+            DeviceBatch::new(
+                0,
+                vec![
+                    put(0x1000, 100, 0),
+                    put(0x1064, 100, 100),  // continues both sides: merged
+                    put(0x10c8, 100, 1000), // source continues, destination jumps
+                    put(0x5000, 100, 1100), // destination continues, source jumps
+                    put(0x5064, 0, 1200),   // empty: dropped
+                    put(0x5064, 50, 1200),  // continues the previous one
+                ],
+                keep,
+            )
+        };
+        assert_eq!(
+            b.puts(),
+            &[
+                put(0x1000, 200, 0),
+                put(0x10c8, 100, 1000),
+                put(0x5000, 150, 1100)
+            ]
+        );
+        assert_eq!(b.bytes(), 450);
+    }
+
+    #[test]
+    fn device_batches_go_to_gpu_regions_only() {
+        let mut r = RemoteRegion {
+            backend: Backend::Ucx,
+            peer: PeerAddress(b"x".to_vec()),
+            region_id: 1,
+            base: 0x1000,
+            len: 1000,
+            rkey: vec![1],
+            secret: RegionSecret::default(),
+            memory: MemoryKind::Host,
+            check: 0,
+        };
+        r.seal();
+        let batch = |offset| {
+            // SAFETY: never issued.
+            unsafe {
+                DeviceBatch::new(
+                    0,
+                    vec![DevicePut {
+                        src: 0x9000,
+                        len: 100,
+                        offset,
+                    }],
+                    Box::new(()),
+                )
+            }
+        };
+        let peer = r.peer.clone();
+        let e = check_device_batch(&r, Backend::Ucx, &peer, &batch(0)).unwrap_err();
+        assert!(
+            matches!(e, TransferError::GpuMemoryUnsupported { .. }),
+            "{e}"
+        );
+        r.memory = MemoryKind::Cuda { device: 0 };
+        r.seal();
+        assert_eq!(
+            check_device_batch(&r, Backend::Ucx, &peer, &batch(900)).unwrap(),
+            100
+        );
+        assert!(matches!(
+            check_device_batch(&r, Backend::Ucx, &peer, &batch(901)),
+            Err(TransferError::OutOfBounds { .. })
+        ));
+        // And the reverse: host bytes never go into a GPU region.
+        let host = [Put {
+            local: Bytes::from_static(b"abc"),
+            offset: 0,
+        }];
+        assert!(matches!(
+            check_batch(&r, Backend::Ucx, &peer, &host),
+            Err(TransferError::GpuMemoryUnsupported { .. })
+        ));
+    }
 
     #[test]
     fn backend_names() {

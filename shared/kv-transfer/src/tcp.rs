@@ -41,9 +41,9 @@ use tokio::task::JoinHandle;
 
 use crate::metrics::{record_refused, Refusal};
 use crate::{
-    check_batch, random_u64, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory,
-    MemoryKind, Notifications, PeerAddress, Put, RegionSecret, RemoteRegion, Result, TransferError,
-    TransportConfig, EVENT_QUEUE, MAX_NOTIFICATION_BYTES,
+    check_batch, random_u64, Backend, Bytes, DeviceBatch, Event, KvConnection, KvTransport,
+    LocalMemory, MemoryKind, Notifications, PeerAddress, Put, RegionSecret, RemoteRegion, Result,
+    TransferError, TransportConfig, EVENT_QUEUE, MAX_NOTIFICATION_BYTES,
 };
 
 const PUT: u8 = 1;
@@ -589,6 +589,15 @@ impl TcpConnection {
 }
 
 impl KvConnection for TcpConnection {
+    /// Refused: TCP frames carry host bytes, and GPU memory is never staged through them.
+    async fn write_device(&self, _remote: &RemoteRegion, _batch: DeviceBatch) -> Result<()> {
+        Err(TransferError::GpuMemoryUnsupported {
+            backend: Backend::Tcp,
+            missing: "the TCP transport moves host memory only; GPU-to-GPU KV needs UCX with \
+                      CUDA support (cache_transceiver_config.backend: UCX, PyPI libucx-cu13)",
+        })
+    }
+
     async fn write(&self, remote: &RemoteRegion, puts: Vec<Put>) -> Result<()> {
         let bytes = check_batch(remote, Backend::Tcp, &self.peer, &puts)?;
         if remote.secret.as_bytes().len() != RegionSecret::LEN {

@@ -934,10 +934,30 @@ async fn tcp_notification_floods_are_bounded() {
     assert_eq!(&pool.snapshot()[..8], &[5; 8]);
 }
 
+/// `e` refuses GPU memory on `backend`, naming what it lacks: UCX (for TCP), or the
+/// CUDA-enabled UCX of libucx-cu13 (for a UCX without CUDA support).
+fn assert_names_what_gpu_memory_needs(e: TransferError, backend: Backend) {
+    match e {
+        TransferError::GpuMemoryUnsupported {
+            backend: b,
+            missing,
+        } => {
+            assert_eq!(b, backend);
+            let needs = if backend == Backend::Tcp {
+                "UCX"
+            } else {
+                "libucx-cu13"
+            };
+            assert!(missing.contains(needs), "{backend}: {missing}");
+        }
+        other => panic!("{backend}: {other}"),
+    }
+}
+
 /// GPU memory is never staged through the host behind the caller's back: TCP refuses to
 /// register it, a UCX without CUDA support (Debian's, which CI runs) refuses naming the UCX it
-/// needs, and a host-memory batch into a region that says it is GPU memory is refused before
-/// anything moves.
+/// needs, a host-memory batch into a region that says it is GPU memory is refused before
+/// anything moves, and so is a GPU batch where the transport or its UCX cannot move it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_memory_is_refused_where_it_cannot_be_moved() {
     let pool = Pool::new(4096);
@@ -948,21 +968,7 @@ async fn gpu_memory_is_refused_where_it_cannot_be_moved() {
             .await
             .map(|_| ())
             .unwrap_err();
-        match e {
-            TransferError::GpuMemoryUnsupported {
-                backend: b,
-                missing,
-            } => {
-                assert_eq!(b, backend);
-                let needs = if backend == Backend::Tcp {
-                    "UCX"
-                } else {
-                    "libucx-cu13"
-                };
-                assert!(missing.contains(needs), "{backend}: {missing}");
-            }
-            other => panic!("{backend}: {other}"),
-        }
+        assert_names_what_gpu_memory_needs(e, backend);
         // A descriptor claiming GPU memory takes no host-memory puts.
         let rx = transport(backend, T).await;
         let reg = rx.register(pool.memory()).await.unwrap();
@@ -975,6 +981,31 @@ async fn gpu_memory_is_refused_where_it_cannot_be_moved() {
             offset: 0,
         };
         let e = conn.write(&desc, vec![put]).await.unwrap_err();
+        assert!(
+            matches!(e, TransferError::GpuMemoryUnsupported { .. }),
+            "{backend}: {e}"
+        );
+        assert_eq!(pool.snapshot()[..8], [0u8; 8], "{backend}: nothing written");
+        // A batch from GPU memory: TCP refuses it, and so does a UCX without CUDA support
+        // (its progress thread checks before issuing anything), naming what is missing.
+        let src = [7u8; 8];
+        let device_batch = || {
+            let put = tandem_kv_transfer::DevicePut {
+                src: src.as_ptr() as u64,
+                len: 8,
+                offset: 0,
+            };
+            // SAFETY: refused before any byte is read (asserted below).
+            unsafe { tandem_kv_transfer::DeviceBatch::new(0, vec![put], Box::new(())) }
+        };
+        let e = conn.write_device(&desc, device_batch()).await.unwrap_err();
+        assert_names_what_gpu_memory_needs(e, backend);
+        // Nor does GPU memory ever land in a host region.
+        let host_desc = reg.descriptor().clone();
+        let e = conn
+            .write_device(&host_desc, device_batch())
+            .await
+            .unwrap_err();
         assert!(
             matches!(e, TransferError::GpuMemoryUnsupported { .. }),
             "{backend}: {e}"

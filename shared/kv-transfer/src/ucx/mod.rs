@@ -51,9 +51,9 @@ use tandem_ucx_sys as sys;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    check_batch, Backend, Bytes, Event, KvConnection, KvTransport, LocalMemory, MemoryKind,
-    Notifications, PeerAddress, Put, RemoteRegion, Result, TransferError, TransportConfig,
-    MAX_NOTIFICATION_BYTES,
+    check_batch, check_device_batch, Backend, Bytes, DeviceBatch, Event, KvConnection, KvTransport,
+    LocalMemory, MemoryKind, Notifications, PeerAddress, Put, RemoteRegion, Result, TransferError,
+    TransportConfig, MAX_NOTIFICATION_BYTES,
 };
 
 /// Active-message id of notifications.
@@ -91,7 +91,7 @@ enum Cmd {
     Write {
         ep: u64,
         rkey: Vec<u8>,
-        puts: Vec<(Bytes, u64)>,
+        share: Share,
         reply: oneshot::Sender<Result<()>>,
     },
     Notify {
@@ -102,6 +102,35 @@ enum Cmd {
     Close {
         ep: u64,
     },
+}
+
+/// One put as the progress thread issues it: source address, length, remote address.
+type RawPut = (usize, usize, u64);
+
+/// A lane's share of a write batch: its puts, the memory they read, and what keeps that
+/// memory alive until UCX has read it (held by the lane even if the caller goes away).
+struct Share {
+    puts: Vec<RawPut>,
+    source: MemoryKind,
+    keep: Vec<progress::Held>,
+}
+
+impl Share {
+    /// Puts from host bytes, each kept by its own `Bytes` handle.
+    fn host(puts: Vec<(Bytes, u64)>) -> Self {
+        let raw = puts
+            .iter()
+            .map(|(b, addr)| (b.as_ptr() as usize, b.len(), *addr))
+            .collect();
+        Share {
+            puts: raw,
+            source: MemoryKind::Host,
+            keep: puts
+                .into_iter()
+                .map(|(b, _)| Box::new(b) as progress::Held)
+                .collect(),
+        }
+    }
 }
 
 struct Shared {
@@ -404,6 +433,43 @@ impl Drop for UcxConnection {
     }
 }
 
+impl UcxConnection {
+    /// Sends each share to its lane (share i to lane i) and waits for all of them: the batch
+    /// is complete when every lane's share is (each lane flushed its endpoint); a failed lane
+    /// fails the batch, after the other lanes have finished with it.
+    async fn issue(&self, remote: &RemoteRegion, shares: Vec<Share>) -> Result<()> {
+        let mut replies = Vec::with_capacity(shares.len());
+        let mut result = Ok(());
+        for ((shared, ep), share) in self.lanes.iter().zip(shares) {
+            let (reply, rx) = oneshot::channel();
+            let sent = shared.send(Cmd::Write {
+                ep: *ep,
+                rkey: remote.rkey.clone(),
+                share,
+                reply,
+            });
+            if let Err(e) = sent {
+                result = Err(e);
+                break;
+            }
+            replies.push(rx);
+        }
+        for rx in replies {
+            // The thread enforces op_timeout itself; the extra second covers a wedged thread.
+            let r = answer(
+                rx,
+                self.op_timeout + Duration::from_secs(1),
+                "a UCX write batch",
+            )
+            .await;
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result
+    }
+}
+
 impl KvConnection for UcxConnection {
     async fn write(&self, remote: &RemoteRegion, puts: Vec<Put>) -> Result<()> {
         let bytes = check_batch(remote, Backend::Ucx, &self.peer, &puts)?;
@@ -418,38 +484,33 @@ impl KvConnection for UcxConnection {
             .filter(|p| !p.local.is_empty())
             .map(|p| (p.local, remote.base + p.offset))
             .collect();
-        let shares = stripe(puts, bytes, self.lanes.len());
-        let mut replies = Vec::with_capacity(shares.len());
-        let mut result = Ok(());
-        for ((shared, ep), puts) in self.lanes.iter().zip(shares) {
-            let (reply, rx) = oneshot::channel();
-            let sent = shared.send(Cmd::Write {
-                ep: *ep,
-                rkey: remote.rkey.clone(),
-                puts,
-                reply,
-            });
-            if let Err(e) = sent {
-                result = Err(e);
-                break;
-            }
-            replies.push(rx);
+        let shares = stripe(puts, bytes, self.lanes.len())
+            .into_iter()
+            .map(Share::host)
+            .collect();
+        self.issue(remote, shares).await?;
+        crate::metrics::record_transfer(&self.labels, remote.memory, bytes, start.elapsed());
+        Ok(())
+    }
+
+    /// GPU to GPU: one share on lane 0 (the copies run on UCX's CUDA streams, not on the
+    /// lane's thread, so striping over lanes buys nothing), adjacent puts merged first.
+    async fn write_device(&self, remote: &RemoteRegion, batch: DeviceBatch) -> Result<()> {
+        let bytes = check_device_batch(remote, Backend::Ucx, &self.peer, &batch)?;
+        if remote.rkey.is_empty() {
+            return Err(TransferError::BadDescriptor("empty rkey".into()));
         }
-        // The batch is complete when every lane's share is (each lane flushed its endpoint);
-        // a failed lane fails the batch, after the other lanes have finished with it.
-        for rx in replies {
-            // The thread enforces op_timeout itself; the extra second covers a wedged thread.
-            let r = answer(
-                rx,
-                self.op_timeout + Duration::from_secs(1),
-                "a UCX write batch",
-            )
-            .await;
-            if result.is_ok() {
-                result = r;
-            }
-        }
-        result?;
+        let start = Instant::now();
+        let (device, puts, keep) = batch.into_parts();
+        let share = Share {
+            puts: puts
+                .iter()
+                .map(|p| (p.src as usize, p.len as usize, remote.base + p.offset))
+                .collect(),
+            source: MemoryKind::Cuda { device },
+            keep: vec![keep],
+        };
+        self.issue(remote, vec![share]).await?;
         crate::metrics::record_transfer(&self.labels, remote.memory, bytes, start.elapsed());
         Ok(())
     }

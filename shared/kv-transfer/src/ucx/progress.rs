@@ -2,6 +2,7 @@
 //! (context, worker, endpoints, memory handles, remote keys); the rest of the transport talks
 //! to it through [`super::Cmd`]s.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr;
@@ -12,8 +13,17 @@ use std::time::{Duration, Instant};
 use tandem_ucx_sys as sys;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{ucx_err, Cmd, InitSink, LaneSettings, WorkerPtr, AM_ID};
+use super::{ucx_err, Cmd, InitSink, LaneSettings, Share, WorkerPtr, AM_ID};
 use crate::{Bytes, Event, MemoryKind, Result, TransferError, MAX_NOTIFICATION_BYTES};
+
+/// What keeps an operation's source memory alive (its `Bytes`, or the owner of a GPU batch's
+/// blocks) until UCX has finished reading it.
+pub(super) type Held = Box<dyn Any + Send>;
+
+/// What a UCX without CUDA support lacks, for [`TransferError::GpuMemoryUnsupported`].
+pub(super) const NO_CUDA_UCX: &str = "this UCX has no CUDA memory support (no cuda_copy / \
+    cuda_ipc transports): load the CUDA-enabled UCX of PyPI libucx-cu13 through LD_LIBRARY_PATH \
+    (and UCX_MODULE_DIR)";
 
 /// Per-endpoint state. `failed` is written by the error callback, whose `arg` points at it:
 /// boxed so the address is stable, freed only after the worker is destroyed.
@@ -32,7 +42,7 @@ struct Pending {
     reply: Option<oneshot::Sender<Result<()>>>,
     deadline: Instant,
     what: &'static str,
-    _keep: Vec<Bytes>,
+    _keep: Vec<Held>,
 }
 
 struct Thread {
@@ -50,7 +60,7 @@ struct Thread {
     dead_slots: Vec<Box<std::cell::Cell<sys::ucs_status_t>>>,
     /// Source buffers of batches whose endpoint was force-closed before UCX finished with
     /// them: freed only after the worker is destroyed.
-    abandoned: Vec<Bytes>,
+    abandoned: Vec<Held>,
     op_timeout: Duration,
     peer_error_handling: bool,
     /// The memory types this UCX context registers (`ucp_context_query`: bit
@@ -345,9 +355,9 @@ impl Thread {
             Cmd::Write {
                 ep,
                 rkey,
-                puts,
+                share,
                 reply,
-            } => self.write(ep, rkey, puts, reply),
+            } => self.write(ep, rkey, share, reply),
             Cmd::Notify { ep, payload, reply } => self.notify(ep, payload, reply),
             Cmd::Close { ep } => self.close_ep(ep, false),
         }
@@ -363,9 +373,7 @@ impl Thread {
         if cuda && self.memory_types & (1 << sys::UCS_MEMORY_TYPE_CUDA) == 0 {
             return Err(TransferError::GpuMemoryUnsupported {
                 backend: crate::Backend::Ucx,
-                missing: "this UCX has no CUDA memory support (no cuda_copy / cuda_ipc \
-                          transports): load the CUDA-enabled UCX of PyPI libucx-cu13 through \
-                          LD_LIBRARY_PATH",
+                missing: NO_CUDA_UCX,
             });
         }
         // SAFETY: LocalMemory's constructors make [ptr, ptr+len) valid while registered;
@@ -464,13 +472,23 @@ impl Thread {
         Ok(e.ep)
     }
 
+    /// Issues a share of a write batch: `puts` read `source` memory, kept alive by `keep`.
     fn write(
         &mut self,
         id: u64,
         rkey_bytes: Vec<u8>,
-        puts: Vec<(Bytes, u64)>,
+        share: Share,
         reply: oneshot::Sender<Result<()>>,
     ) {
+        let Share { puts, source, keep } = share;
+        let cuda = matches!(source, MemoryKind::Cuda { .. });
+        if cuda && self.memory_types & (1 << sys::UCS_MEMORY_TYPE_CUDA) == 0 {
+            let _ = reply.send(Err(TransferError::GpuMemoryUnsupported {
+                backend: crate::Backend::Ucx,
+                missing: NO_CUDA_UCX,
+            }));
+            return;
+        }
         let ep = match self.usable_ep(id) {
             Ok(ep) => ep,
             Err(e) => {
@@ -502,33 +520,28 @@ impl Thread {
                 }
             }
         };
-        let keep = Vec::with_capacity(puts.len());
         let mut pending = Pending::new(id, reply, self.op_timeout, "a UCX write batch", keep);
-        // SAFETY: zeroed request params = no callback, contiguous datatype, defaults.
-        let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
-        for (buf, addr) in puts {
-            if buf.is_empty() {
+        // SAFETY: zeroed request params = no callback, contiguous datatype, defaults; a GPU
+        // source announces its memory type, so UCX skips detecting it per put.
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        if cuda {
+            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            param.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
+        }
+        for (src, len, addr) in puts {
+            if len == 0 {
                 continue;
             }
-            // SAFETY: `buf` stays alive in `pending._keep` until every request of the batch
-            // has completed; `addr` is inside the remote region (checked by the caller).
-            let r = unsafe {
-                sys::ucp_put_nbx(
-                    ep,
-                    buf.as_ptr() as *const c_void,
-                    buf.len(),
-                    addr,
-                    rkey,
-                    &param,
-                )
-            };
+            // SAFETY: the source stays alive in `pending._keep` until every request of the
+            // batch has completed; `addr` is inside the remote region (checked by the caller).
+            let r = unsafe { sys::ucp_put_nbx(ep, src as *const c_void, len, addr, rkey, &param) };
             pending.track(r);
-            pending._keep.push(buf);
             if pending.first_error.is_some() {
                 break;
             }
         }
         // SAFETY: flush of a live endpoint with default params.
+        let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         let r = unsafe { sys::ucp_ep_flush_nbx(ep, &param) };
         pending.track(r);
         self.pending.push(pending);
@@ -564,7 +577,7 @@ impl Thread {
             reply,
             self.op_timeout,
             "a UCX notification",
-            vec![payload],
+            vec![Box::new(payload)],
         );
         pending.track(r);
         self.pending.push(pending);
@@ -698,7 +711,7 @@ impl Thread {
             }
             // Requests still pending here are abandoned with the worker: keep their source
             // bytes until after ucp_worker_destroy, when UCX can no longer read them.
-            let mut keep: Vec<Bytes> = std::mem::take(&mut self.abandoned);
+            let mut keep: Vec<Held> = std::mem::take(&mut self.abandoned);
             for mut p in self.pending.drain(..) {
                 keep.append(&mut p._keep);
             }
@@ -717,7 +730,7 @@ impl Pending {
         reply: oneshot::Sender<Result<()>>,
         timeout: Duration,
         what: &'static str,
-        keep: Vec<Bytes>,
+        keep: Vec<Held>,
     ) -> Self {
         Pending {
             ep,
