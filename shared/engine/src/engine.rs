@@ -53,9 +53,9 @@ use tokio::sync::{broadcast, mpsc as tmpsc, oneshot, watch};
 
 use self::core::{Command, Core};
 pub use self::lease::Reservation;
-pub use self::prefill::{PrefillEvent, PrefillStream};
+pub use self::prefill::{BlockExport, BlockPin, PrefillEvent, PrefillStream};
 use self::queue::{command_queue, CommandQueue};
-use crate::backend::Backend;
+use crate::backend::{Backend, DevicePool};
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockStats;
 use crate::kv::block_manager::HashContext;
@@ -179,6 +179,7 @@ impl Engine {
         mut config: EngineConfig,
     ) -> Result<EngineHandle, EngineError> {
         let layout = backend.layout().clone();
+        let device_pool = backend.device_pool();
         if config.kv_block_size == 0 {
             config.kv_block_size = layout.block_size;
         }
@@ -226,7 +227,11 @@ impl Engine {
         Ok(EngineHandle {
             tx,
             alive,
-            info: Arc::new(Info { config, layout }),
+            info: Arc::new(Info {
+                config,
+                layout,
+                device_pool,
+            }),
             events,
             next_key: Arc::new(AtomicU64::new(1)),
         })
@@ -236,6 +241,7 @@ impl Engine {
 struct Info {
     config: EngineConfig,
     layout: KvLayout,
+    device_pool: Option<DevicePool>,
 }
 
 /// A cloneable handle on a running engine.
@@ -257,6 +263,11 @@ impl EngineHandle {
 
     pub fn layout(&self) -> &KvLayout {
         &self.info.layout
+    }
+
+    /// The KV pool's GPU memory, when it lives on a GPU (see [`Backend::device_pool`]).
+    pub fn device_pool(&self) -> Option<DevicePool> {
+        self.info.device_pool
     }
 
     fn send(&self, cmd: Command) -> Result<(), EngineError> {
@@ -452,12 +463,28 @@ impl EngineHandle {
         request: Request,
         send_from_block: usize,
     ) -> impl Future<Output = Result<PrefillStream, EngineError>> + Send + 'static {
+        self.prefill_as(request, send_from_block, BlockExport::Host)
+    }
+
+    /// [`EngineHandle::prefill`] with the blocks leaving as `export` says: with
+    /// [`BlockExport::Device`] they come as `PrefillEvent::DeviceBlocks` (the GPU pool's own
+    /// memory, pinned until each event's pin is dropped); refused when the pool is not GPU
+    /// memory.
+    pub fn prefill_as(
+        &self,
+        request: Request,
+        send_from_block: usize,
+        export: BlockExport,
+    ) -> impl Future<Output = Result<PrefillStream, EngineError>> + Send + 'static {
         let request_id = request.request_id.clone();
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let (out_tx, out_rx) = tmpsc::unbounded_channel();
+        let queue = self.tx.clone();
         let ack = self.call(move |ack| Command::Prefill {
             request,
             send_from_block,
+            export,
+            queue,
             key,
             out: out_tx,
             ack,

@@ -185,6 +185,7 @@ fn build_cuda_engine(
     transport: Option<Arc<AnyTransport>>,
 ) -> anyhow::Result<BuiltEngine> {
     use tandem_engine::backend::cuda::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
+    use tandem_kv_transfer::KvTransport;
     let opts = &cfg.engine;
     let mut region = None;
     let mut built = build_engine_with(
@@ -192,8 +193,13 @@ fn build_cuda_engine(
         &load_options(cfg),
         Device::Cuda,
         |model, layout, num_blocks| {
-            // With a transport the pool is mirrored in registered host memory that remote
-            // prefills write into, so it keeps the host-memory size computed by the caller.
+            // Over TCP the pool is mirrored in registered host memory that remote prefills
+            // write into; over UCX the GPU pool itself is registered. Either way a decode
+            // worker keeps the size computed by the caller (bounded, so that a prefill worker
+            // started beside it on the same GPU finds memory too).
+            let host_mirror = transport
+                .as_ref()
+                .is_some_and(|t| t.backend() == tandem_kv_transfer::Backend::Tcp);
             let pool = match (opts.kv_cache_config.max_tokens, &transport) {
                 (None, None) => {
                     PoolSize::FreeFraction(opts.kv_cache_config.free_gpu_memory_fraction)
@@ -220,14 +226,53 @@ fn build_cuda_engine(
             let Some(t) = transport else {
                 return Ok(Box::new(backend) as Box<dyn Backend>);
             };
-            let (memory, descriptor) =
-                registered_memory(&t, backend.num_blocks() * layout.block_bytes())?;
+            if host_mirror {
+                let (memory, descriptor) =
+                    registered_memory(&t, backend.num_blocks() * layout.block_bytes())?;
+                region = Some(descriptor);
+                return Ok(Box::new(backend.with_staging(memory)?) as Box<dyn Backend>);
+            }
+            let (registration, descriptor) = registered_gpu_pool(&t, &backend)?;
             region = Some(descriptor);
-            Ok(Box::new(backend.with_staging(memory)?) as Box<dyn Backend>)
+            Ok(Box::new(backend.with_registration(Box::new(registration))) as Box<dyn Backend>)
         },
     )?;
     built.kv_region = region;
     Ok(built)
+}
+
+/// Registers the CUDA backend's GPU pool with the (UCX) transport: prefill workers put blocks
+/// straight into it, GPU to GPU. A UCX without CUDA support is an error naming what is
+/// missing (never a silent host-memory fallback).
+#[cfg(feature = "cuda")]
+fn registered_gpu_pool(
+    t: &Arc<AnyTransport>,
+    backend: &tandem_engine::backend::cuda::CudaBackend,
+) -> anyhow::Result<(AnyRegistration, RemoteRegion)> {
+    use tandem_kv_transfer::{KvTransport, Registration};
+    let pool = backend
+        .device_pool()
+        .context("the CUDA backend reports no GPU pool")?;
+    // SAFETY: the pool is `pool.len` bytes of device memory owned by the backend, which keeps
+    // the registration (with_registration) and drops it before freeing the pool; remote
+    // writers only write blocks the engine reserved for them under a lease.
+    let memory = unsafe {
+        tandem_kv_transfer::LocalMemory::cuda(pool.ptr as *mut u8, pool.len, pool.device)
+    };
+    let registration = tokio::runtime::Handle::try_current()
+        .context("registering the GPU KV pool needs a tokio runtime")?
+        .block_on(t.register(memory))
+        .context(
+            "cannot register the GPU KV pool with UCX for GPU-to-GPU transfers (use the \
+             CUDA-enabled UCX of PyPI libucx-cu13, or --kv-transport tcp for host staging)",
+        )?;
+    let descriptor = registration.descriptor().clone();
+    tracing::info!(
+        bytes = pool.len,
+        device = pool.device,
+        "GPU KV pool registered with UCX: prefill workers write into it directly"
+    );
+    Ok((registration, descriptor))
 }
 
 #[cfg(not(feature = "cuda"))]

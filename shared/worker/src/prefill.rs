@@ -16,10 +16,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_engine::engine::{EngineHandle, PrefillEvent, PrefillStream};
+use tandem_engine::backend::DeviceBlocks;
+use tandem_engine::engine::{BlockExport, BlockPin, EngineHandle, PrefillEvent, PrefillStream};
 use tandem_engine::request::{FinishReason, Request, RequestOutput, SequenceState};
-use tandem_kv_transfer::{AnyConnection, AnyTransport, Bytes, KvConnection, Put};
-use tandem_kv_transfer::{MemoryKind, PeerAddress, RemoteRegion};
+use tandem_kv_transfer::{
+    AnyConnection, AnyTransport, Bytes, DeviceBatch, DevicePut, KvConnection, Put,
+};
+use tandem_kv_transfer::{Backend, KvTransport, MemoryKind, PeerAddress, RemoteRegion};
 use tandem_protocol::wire::required;
 use tandem_protocol::worker::{
     FenceLeaseReply, FenceLeaseRequest, KvLease, PrefillReply, PrefillRequest,
@@ -90,7 +93,7 @@ impl PrefillSide {
             .as_mut()
             .map(|r| std::mem::take(&mut r.media))
             .unwrap_or_default();
-        let (mut request, lease, region) = self.check(req)?;
+        let (mut request, lease, region, export) = self.check(req)?;
         if !images.is_empty() {
             let media = self.media.get().ok_or_else(|| {
                 Status::invalid_argument("request.media: this worker's model does not take images")
@@ -102,14 +105,19 @@ impl PrefillSide {
         let me = self.clone();
         self.writes
             .run(key, epoch, "prefill", move |cancel| async move {
-                me.write(request, lease, region, &cancel).await
+                me.write(request, (lease, region, export), &cancel).await
             })
             .await
     }
 
-    /// The request, lease and destination region of a `Prefill` call, checked: a malformed
-    /// message, another KV layout or bad sampling parameters are refused before any write.
-    fn check(&self, req: PrefillRequest) -> Result<(Request, KvLease, RemoteRegion), Status> {
+    /// The request, lease and destination region of a `Prefill` call, checked, and how the
+    /// blocks leave the engine for that region: a malformed message, another KV layout, a
+    /// region this worker's pool cannot write into or bad sampling parameters are refused
+    /// before any write.
+    fn check(
+        &self,
+        req: PrefillRequest,
+    ) -> Result<(Request, KvLease, RemoteRegion, BlockExport), Status> {
         let mut lease = required(req.lease, "lease")?;
         let request: Request = engine_sub(req.request, "request")?;
         if lease.kv_layout_id != self.layout_id {
@@ -123,12 +131,19 @@ impl PrefillSide {
         region
             .validate()
             .map_err(|e| Status::invalid_argument(format!("lease.region: {e}")))?;
-        same_memory(&region)?;
+        let export = export_for(&region, self.gpu_writer())?;
         request
             .params
             .validate()
             .map_err(Status::invalid_argument)?;
-        Ok((request, lease, region))
+        Ok((request, lease, region, export))
+    }
+
+    /// Whether this worker writes from GPU memory: its pool is on a GPU and its transport is
+    /// UCX (which moves GPU memory when it is CUDA-enabled, and says so when it is not).
+    fn gpu_writer(&self) -> bool {
+        self.engine.device_pool().is_some()
+            && matches!(&self.writer, KvWriter::Transport(t) if t.backend() == Backend::Ucx)
     }
 
     async fn connection(&self, peer: &PeerAddress) -> Result<Arc<AnyConnection>, Status> {
@@ -158,8 +173,7 @@ impl PrefillSide {
     async fn write(
         &self,
         request: Request,
-        lease: KvLease,
-        region: RemoteRegion,
+        (lease, region, export): (KvLease, RemoteRegion, BlockExport),
         cancel: &Cancel,
     ) -> Result<PrefillReply, Status> {
         let deadline = Instant::now() + Duration::from_millis(lease.ttl_ms.max(1));
@@ -167,7 +181,7 @@ impl PrefillSide {
         let prompt_len = request.prompt.len();
         let mut stream = self
             .engine
-            .prefill(request, lease.first_block as usize)
+            .prefill_as(request, lease.first_block as usize, export)
             .await
             .map_err(crate::status::engine_status)?;
         let mut w = LeaseWrite {
@@ -187,6 +201,11 @@ impl PrefillSide {
                     first_block: at,
                     data,
                 }) => self.send_blocks(&mut w, at, data).await?,
+                Some(PrefillEvent::DeviceBlocks {
+                    first_block: at,
+                    blocks,
+                    pin,
+                }) => self.send_device_blocks(&mut w, at, blocks, pin).await?,
                 Some(PrefillEvent::Done { output, state }) => return w.finish(output, state),
                 None => {
                     return Err(Status::aborted(
@@ -208,15 +227,8 @@ impl PrefillSide {
         let n = data.len() / bb;
         w.check_blocks(at, n, data.len(), bb)?;
         crate::failpoints::prefill_silent().await;
-        // The writer stops by its own clock: past the lease's end its owner may already
-        // have given the blocks to another request.
-        if Instant::now() >= w.deadline {
-            return Err(Status::aborted(format!(
-                "lease {} expired (ttl {} ms) before blocks {at}.. were written; not writing",
-                w.lease.lease_id, w.lease.ttl_ms
-            )));
-        }
-        let offsets = &w.lease.block_offsets[at - w.first_block()..at + n - w.first_block()];
+        w.check_deadline(at)?;
+        let offsets = w.offsets(at, n);
         let last_block = at + n - 1;
         let written = match &w.link {
             Link::Real(conn) => {
@@ -249,6 +261,64 @@ impl PrefillSide {
         Ok(())
     }
 
+    /// Writes the engine's blocks `at..` (in its GPU pool, pinned by `pin`) GPU to GPU into
+    /// the lease's offsets, once the step that computed them is complete.
+    async fn send_device_blocks(
+        &self,
+        w: &mut LeaseWrite,
+        at: usize,
+        blocks: DeviceBlocks,
+        pin: BlockPin,
+    ) -> Result<(), Status> {
+        let bb = blocks.block_bytes;
+        let n = blocks.ptrs.len();
+        if bb != self.block_bytes {
+            return Err(Status::internal(format!(
+                "the engine's GPU blocks are {bb} bytes, its layout's {}",
+                self.block_bytes
+            )));
+        }
+        w.check_blocks(at, n, n * bb, bb)?;
+        crate::failpoints::prefill_silent().await;
+        w.check_deadline(at)?;
+        let Link::Real(conn) = &w.link else {
+            return Err(Status::internal("GPU blocks for a simulated link"));
+        };
+        // The fence is almost always passed already (the step ended with a read-back); wait
+        // for it off the async threads all the same.
+        let ready = blocks.ready;
+        tokio::task::spawn_blocking(move || ready.wait())
+            .await
+            .map_err(|e| Status::internal(format!("waiting for the KV blocks: {e}")))?
+            .map_err(|e| Status::internal(format!("waiting for the KV blocks: {e}")))?;
+        let offsets = w.offsets(at, n);
+        let puts = blocks
+            .ptrs
+            .iter()
+            .zip(offsets)
+            .map(|(&src, &offset)| DevicePut {
+                src,
+                len: bb as u64,
+                offset,
+            })
+            .collect();
+        // SAFETY: the engine handed these blocks out as its pool's memory on `blocks.device`
+        // after the work that wrote them (the fence above), and `pin` keeps them referenced —
+        // neither evicted, reused nor written — until the transport drops it, after its last
+        // read.
+        let batch = unsafe { DeviceBatch::new(blocks.device, puts, Box::new(pin)) };
+        crate::failpoints::prefill_hold(&w.request_id, at + n - 1).await;
+        if let Err(e) = conn.write_device(&w.region, batch).await {
+            self.connections.forget(&w.region.peer).await;
+            return Err(write_failed(e));
+        }
+        let written = (n * bb) as u64;
+        w.sent_blocks += n;
+        w.sent_bytes += written;
+        self.bytes_sent.fetch_add(written, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Stops writing for a lease and returns once no write for it can happen any more.
     pub async fn fence(&self, req: FenceLeaseRequest) -> FenceLeaseReply {
         let key = (req.owner_instance_id, req.lease_id);
@@ -258,17 +328,20 @@ impl PrefillSide {
     }
 }
 
-/// This worker's blocks leave from host memory: a region of another memory type is refused
-/// before any compute, never staged.
-fn same_memory(region: &RemoteRegion) -> Result<(), Status> {
-    if region.memory == MemoryKind::Host {
-        return Ok(());
+/// How blocks leave the engine for `region`: a host region takes exported (copied) blocks;
+/// a GPU region takes the GPU pool's blocks in place, from a GPU writer only. Any other
+/// pair is refused before any compute, never staged.
+fn export_for(region: &RemoteRegion, gpu_writer: bool) -> Result<BlockExport, Status> {
+    match (region.memory, gpu_writer) {
+        (MemoryKind::Host, _) => Ok(BlockExport::Host),
+        (MemoryKind::Cuda { .. }, true) => Ok(BlockExport::Device),
+        (memory, false) => Err(Status::failed_precondition(format!(
+            "the decode worker's KV pool is {} memory; this prefill worker writes from host \
+             memory (pair workers whose pools are the same memory type: GPU to GPU needs \
+             --device cuda and the UCX transport on both)",
+            memory.label()
+        ))),
     }
-    Err(Status::failed_precondition(format!(
-        "the decode worker's KV pool is {} memory; this prefill worker writes from host \
-         memory (pair workers whose pools are the same memory type)",
-        region.memory.label()
-    )))
 }
 
 /// The engine's next prefill event, unless the lease expires or is revoked first.
@@ -319,6 +392,24 @@ impl LeaseWrite {
     /// Blocks the lease asks for.
     fn want(&self) -> usize {
         self.lease.block_offsets.len()
+    }
+
+    /// The writer stops by its own clock: past the lease's end its owner may already have
+    /// given the blocks to another request.
+    fn check_deadline(&self, at: usize) -> Result<(), Status> {
+        if Instant::now() >= self.deadline {
+            return Err(Status::aborted(format!(
+                "lease {} expired (ttl {} ms) before blocks {at}.. were written; not writing",
+                self.lease.lease_id, self.lease.ttl_ms
+            )));
+        }
+        Ok(())
+    }
+
+    /// The lease's destination offsets of the engine's blocks `at..at + n`.
+    fn offsets(&self, at: usize, n: usize) -> &[u64] {
+        let first = self.first_block();
+        &self.lease.block_offsets[at - first..at + n - first]
     }
 
     /// The engine's blocks `at..at + n` (`len` bytes) must be whole blocks, next in order,
@@ -384,11 +475,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_gpu_region_is_refused_by_a_host_memory_writer() {
+    fn a_gpu_region_is_written_by_a_gpu_writer_only() {
         let mut region = crate::transport::simulated_region(1, 4096);
-        assert!(same_memory(&region).is_ok());
+        assert_eq!(export_for(&region, false).unwrap(), BlockExport::Host);
+        assert_eq!(export_for(&region, true).unwrap(), BlockExport::Host);
         region.memory = MemoryKind::Cuda { device: 1 };
-        let e = same_memory(&region).unwrap_err();
+        assert_eq!(export_for(&region, true).unwrap(), BlockExport::Device);
+        let e = export_for(&region, false).unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
         assert!(e.message().contains("cuda memory"), "{}", e.message());
     }

@@ -50,6 +50,40 @@ pub struct StepOutput {
     pub logits: Vec<Vec<Vec<f32>>>,
 }
 
+/// A KV pool in GPU memory: `len` bytes at device address `ptr` of CUDA device `device`,
+/// block `b` at `ptr + b * block_bytes` (the layout's block-major order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePool {
+    pub ptr: u64,
+    pub len: usize,
+    pub device: u32,
+}
+
+/// Tells when the GPU work recorded before it (the step that wrote some blocks) is complete.
+pub trait DeviceFence: Send + Sync {
+    /// Blocks the calling thread until that work is complete.
+    fn wait(&self) -> Result<(), EngineError>;
+}
+
+/// Blocks of a GPU pool handed out for a GPU-to-GPU write: their device addresses
+/// (`block_bytes` each) and the fence after which their contents are final.
+pub struct DeviceBlocks {
+    pub device: u32,
+    pub block_bytes: usize,
+    pub ptrs: Vec<u64>,
+    pub ready: Box<dyn DeviceFence>,
+}
+
+impl std::fmt::Debug for DeviceBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBlocks")
+            .field("device", &self.device)
+            .field("block_bytes", &self.block_bytes)
+            .field("ptrs", &self.ptrs)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A model runner over a paged KV pool laid out as [`KvLayout`] describes.
 pub trait Backend: Send {
     fn layout(&self) -> &KvLayout;
@@ -84,6 +118,17 @@ pub trait Backend: Send {
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError>;
     /// Writes whole blocks (as [`Backend::export_blocks`] returns them) into `blocks`.
     fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError>;
+    /// The pool's GPU memory, when the pool lives on a GPU (what a decode worker registers
+    /// with the KV transport so prefill workers write into it directly). `None`: host memory.
+    fn device_pool(&self) -> Option<DevicePool> {
+        None
+    }
+    /// `blocks` as GPU memory for a GPU-to-GPU write, with a fence after the work queued so
+    /// far (no device-wide wait); `None` when the pool is not in GPU memory.
+    fn device_blocks(&mut self, blocks: &[u32]) -> Result<Option<DeviceBlocks>, EngineError> {
+        let _ = blocks;
+        Ok(None)
+    }
     /// Makes blocks a remote prefill wrote into this backend's transfer memory visible to
     /// compute. A no-op where that memory is the pool itself (the CPU backend); the CUDA
     /// backend copies them from its host staging memory into the GPU pool.

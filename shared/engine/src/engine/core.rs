@@ -9,8 +9,8 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use super::beam::BeamGroups;
 use super::lease::{Leases, Reservation};
-use super::prefill::{PrefillCursors, PrefillEvent};
-use super::queue::CommandReceiver;
+use super::prefill::{BlockExport, PrefillCursors, PrefillEvent};
+use super::queue::{CommandQueue, CommandReceiver};
 use super::requests::{Entry, Requests, Sink};
 use super::{EngineConfig, EngineStats};
 use crate::backend::Backend;
@@ -72,10 +72,15 @@ pub(crate) enum Command {
     Prefill {
         request: Request,
         send_from_block: usize,
+        export: BlockExport,
+        /// The queue the export's pins are released through.
+        queue: CommandQueue,
         key: u64,
         out: tmpsc::UnboundedSender<PrefillEvent>,
         ack: Reply<()>,
     },
+    /// A [`super::prefill::BlockPin`] was dropped: release its blocks.
+    Unpin(u64),
     Shutdown,
 }
 
@@ -88,6 +93,7 @@ impl Command {
             Command::Abort { .. }
                 | Command::AbortKey(_)
                 | Command::ReleaseReservation { .. }
+                | Command::Unpin(_)
                 | Command::Shutdown
         )
     }
@@ -356,12 +362,16 @@ impl Core {
             Command::Prefill {
                 request,
                 send_from_block,
+                export,
+                queue,
                 key,
                 out,
                 ack,
             } => {
-                let _ = ack.send(self.prefill(request, send_from_block, key, out));
+                let r = self.prefill(request, send_from_block, (export, queue), key, out);
+                let _ = ack.send(r);
             }
+            Command::Unpin(id) => self.prefills.unpin(self.sched.blocks_mut(), id),
             Command::Shutdown => return false,
         }
         true

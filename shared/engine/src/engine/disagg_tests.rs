@@ -245,6 +245,7 @@ async fn disagg(a: &EngineHandle, b: &Decode, lease: u64, r: Request) -> Disagg 
                 }
                 break;
             }
+            Some(PrefillEvent::DeviceBlocks { .. }) => panic!("GPU blocks from a host export"),
             None => panic!("prefill stream ended without Done"),
         }
     }
@@ -601,7 +602,7 @@ async fn prefill_state(a: &EngineHandle, r: Request) -> (RequestOutput, Sequence
     let mut ps = a.prefill(r, 0).await.unwrap();
     loop {
         match tokio::time::timeout(T, ps.next()).await.unwrap().unwrap() {
-            PrefillEvent::Blocks { .. } => {}
+            PrefillEvent::Blocks { .. } | PrefillEvent::DeviceBlocks { .. } => {}
             PrefillEvent::Done { output, state } => return (output, state),
         }
     }
@@ -706,6 +707,7 @@ async fn preempted_prefill_restarts_without_resending() {
                 assert_eq!(first_block, next);
                 next += data.len() / a.layout().block_bytes();
             }
+            PrefillEvent::DeviceBlocks { .. } => panic!("GPU blocks from a host export"),
             PrefillEvent::Done { output, .. } => {
                 assert_eq!(next, 6);
                 assert_eq!(output.token_ids, tokens(&want_p));
@@ -743,4 +745,153 @@ async fn staged_transfer_memory_is_loaded_on_activation() {
     let want = run(&reference, req("y", fresh.clone(), greedy(8))).await;
     let d = disagg(&a, &b, 10, req("y", fresh, greedy(8))).await;
     assert_same(&d.outs, &want);
+}
+
+/// A CPU backend standing in for a GPU one: its pool (memory the test owns) is reported as
+/// device memory, so prefills can hand blocks out in place (`BlockExport::Device`).
+struct InPlaceBackend {
+    inner: CpuBackend,
+    base: u64,
+}
+
+/// A fence that has always passed (the CPU backend's work is done when `forward` returns).
+struct Passed;
+
+impl crate::backend::DeviceFence for Passed {
+    fn wait(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
+}
+
+impl Backend for InPlaceBackend {
+    fn layout(&self) -> &KvLayout {
+        self.inner.layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn forward(
+        &mut self,
+        batch: &[crate::backend::SeqInput<'_>],
+    ) -> Result<crate::backend::StepOutput, EngineError> {
+        self.inner.forward(batch)
+    }
+    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
+        self.inner.export_blocks(blocks)
+    }
+    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
+        self.inner.import_blocks(blocks, data)
+    }
+    fn device_pool(&self) -> Option<crate::backend::DevicePool> {
+        Some(crate::backend::DevicePool {
+            ptr: self.base,
+            len: self.num_blocks() * self.layout().block_bytes(),
+            device: 0,
+        })
+    }
+    fn device_blocks(
+        &mut self,
+        blocks: &[u32],
+    ) -> Result<Option<crate::backend::DeviceBlocks>, EngineError> {
+        let bb = self.layout().block_bytes();
+        Ok(Some(crate::backend::DeviceBlocks {
+            device: 0,
+            block_bytes: bb,
+            ptrs: blocks
+                .iter()
+                .map(|&b| self.base + self.layout().block_offset(b))
+                .collect(),
+            ready: Box::new(Passed),
+        }))
+    }
+}
+
+fn in_place_engine(t: &Tiny, max_num_tokens: usize) -> EngineHandle {
+    let probe = CpuBackend::new(&t.model, KvDtype::F32, BLOCK, 1).unwrap();
+    let len = BLOCKS * probe.layout().block_bytes();
+    let mut buf = vec![0u64; len.div_ceil(8)];
+    let base = buf.as_mut_ptr() as u64;
+    // SAFETY: the Vec's heap buffer does not move when boxed and lives as long as the pool.
+    let mem = unsafe { KvPoolMemory::external(base as *mut u8, len, Box::new(buf)) }.unwrap();
+    let inner = CpuBackend::new_in(&t.model, KvDtype::F32, BLOCK, BLOCKS, mem).unwrap();
+    Engine::start(
+        Box::new(InPlaceBackend { inner, base }),
+        Some(t.tokenizer.clone()),
+        tiny_config(t, max_num_tokens),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_handed_out_in_place_stay_pinned_until_written() {
+    let t = tiny();
+    let prompt = t
+        .tokenizer
+        .encode(
+            &"The quick brown fox jumps over the lazy dog. ".repeat(6),
+            false,
+        )
+        .unwrap();
+    assert!(prompt.len() > 2 * 16, "{} tokens", prompt.len());
+    let reference = owned_engine(&t, 64);
+    let want = run(&reference, req("p", prompt.clone(), greedy(12))).await;
+    // Chunks of 16 tokens: blocks leave in several events, while the prompt still computes.
+    let a = in_place_engine(&t, 16);
+    let b = decode_engine(&t, 64);
+    let reservation =
+        b.h.reserve(9, prompt.clone(), greedy(12), HashContext::salted(None))
+            .await
+            .unwrap();
+    let mut ps = a
+        .prefill_as(req("p", prompt.clone(), greedy(12)), 0, BlockExport::Device)
+        .await
+        .unwrap();
+    let (mut pins, mut next, mut events) = (Vec::new(), 0, 0);
+    let state = loop {
+        match tokio::time::timeout(T, ps.next()).await.unwrap() {
+            Some(PrefillEvent::DeviceBlocks {
+                first_block,
+                blocks,
+                pin,
+            }) => {
+                assert_eq!(first_block, next, "blocks come in order, each once");
+                blocks.ready.wait().unwrap();
+                let bb = blocks.block_bytes;
+                for (j, &ptr) in blocks.ptrs.iter().enumerate() {
+                    // SAFETY: the pin keeps the block referenced (not reused nor written).
+                    let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, bb) };
+                    b.write_blocks(&reservation.block_ids[first_block + j..][..1], data);
+                }
+                next += blocks.ptrs.len();
+                events += 1;
+                // Held until after Done: the sequence has ended by then.
+                pins.push(pin);
+            }
+            Some(PrefillEvent::Done { state, .. }) => break state,
+            Some(PrefillEvent::Blocks { .. }) => panic!("copied blocks from a device export"),
+            None => panic!("prefill stream ended without Done"),
+        }
+    };
+    assert!(events > 1, "a chunked prompt leaves in several events");
+    assert_eq!(next, reservation.block_ids.len());
+    // The sequence has ended; its blocks are still referenced, by the pins alone.
+    let held = stats(&a).await.blocks.referenced;
+    assert_eq!(held, next, "every handed-out block stays pinned");
+    drop(pins);
+    assert_eq!(stats(&a).await.blocks.referenced, 0, "dropped pins release");
+    let s = b.h.activate(9, state).await.unwrap();
+    let mut outs = vec![];
+    outs.extend(tokio::time::timeout(T, s.collect()).await.unwrap());
+    assert_eq!(tokens(&outs), tokens(&want)[1..].to_vec());
+
+    // An engine whose pool is not device memory refuses a device export.
+    let e = reference
+        .prefill_as(req("x", prompt, greedy(2)), 0, BlockExport::Device)
+        .await
+        .err()
+        .expect("refused");
+    assert!(matches!(e, EngineError::InvalidRequest(_)), "{e}");
 }

@@ -14,6 +14,13 @@
 //! Preemption (under `MAX_UTILIZATION`) restarts the prompt like any recompute; blocks already
 //! sent are not sent again (what was sent was complete and valid), so each block index is
 //! still reported exactly once, in order.
+//!
+//! Blocks leave in one of two forms ([`BlockExport`]): copied out in export format
+//! ([`PrefillEvent::Blocks`], host memory, what TCP and host-memory UCX send), or — where the
+//! pool is GPU memory and the decode worker's is too — as the pool's own GPU memory
+//! ([`PrefillEvent::DeviceBlocks`]): no copy, the transport reads the blocks where they are.
+//! Such blocks are pinned (referenced, so neither evicted nor reused) until the event's
+//! [`BlockPin`] is dropped, i.e. until the writer has finished reading them.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -23,20 +30,62 @@ use tokio::sync::mpsc as tmpsc;
 use super::core::{Command, Core};
 use super::queue::CommandQueue;
 use super::requests::{Entry, Sink};
+use crate::backend::DeviceBlocks;
 use crate::error::EngineError;
 use crate::kv::block_manager::BlockManager;
+use crate::kv::block_manager::BlockTable;
 use crate::request::{Request, RequestOutput, SequenceState};
 use crate::scheduler::ScheduledSeq;
 use crate::sequence::{SeqId, Sequence};
 
+/// How a prefill's blocks leave the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BlockExport {
+    /// Copied out in export format ([`PrefillEvent::Blocks`]).
+    #[default]
+    Host,
+    /// As GPU memory of the pool, pinned until written ([`PrefillEvent::DeviceBlocks`]); a
+    /// pool that is not GPU memory fails the request.
+    Device,
+}
+
+/// Keeps blocks of a [`PrefillEvent::DeviceBlocks`] referenced in the engine; dropping it
+/// releases them (they stay in the prefix cache as any finished prompt's blocks).
+pub struct BlockPin {
+    id: u64,
+    tx: CommandQueue,
+}
+
+impl std::fmt::Debug for BlockPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BlockPin({})", self.id)
+    }
+}
+
+impl Drop for BlockPin {
+    fn drop(&mut self) {
+        // A cleanup command: never refused while the engine runs; a stopped engine has
+        // released everything already.
+        let _ = self.tx.send(Command::Unpin(self.id));
+    }
+}
+
 /// What a [`PrefillStream`] yields.
 // One `Done` per request: boxing its fields is not worth a less direct API.
 #[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub enum PrefillEvent {
     /// Whole blocks `first_block ..` of the prompt (index in the prompt's block list), bytes in
     /// export format (layout byte order), `data.len() == k * block_bytes`.
     Blocks { first_block: usize, data: Vec<u8> },
+    /// Whole blocks `first_block ..` of the prompt as GPU memory of this engine's pool
+    /// ([`BlockExport::Device`]): read them once `blocks.ready` has passed and before
+    /// dropping `pin`.
+    DeviceBlocks {
+        first_block: usize,
+        blocks: DeviceBlocks,
+        pin: BlockPin,
+    },
     /// The last event. Three cases, told apart by `output.finish_reason`:
     /// - `None`: the prompt is computed and the first token sampled; `output` carries that
     ///   token (text, logprobs) and `state` continues the request elsewhere (`num_computed ==
@@ -102,15 +151,27 @@ impl Drop for PrefillStream {
     }
 }
 
-/// The prefill-only sequences, each with the index of the next prompt block to send.
+/// How a prefill sequence's blocks leave: copied, or pinned in place (with the queue its
+/// pins' release goes through).
+enum Exporter {
+    Host,
+    Device(CommandQueue),
+}
+
+/// The prefill-only sequences, each with the index of the next prompt block to send, and the
+/// blocks pinned for GPU-to-GPU writes still in progress.
 pub(super) struct PrefillCursors {
-    next: HashMap<SeqId, usize>,
+    next: HashMap<SeqId, (usize, Exporter)>,
+    pins: HashMap<u64, BlockTable>,
+    next_pin: u64,
 }
 
 impl PrefillCursors {
     pub(super) fn new() -> Self {
         Self {
             next: HashMap::new(),
+            pins: HashMap::new(),
+            next_pin: 0,
         }
     }
 
@@ -119,19 +180,33 @@ impl PrefillCursors {
     }
 
     /// Makes `id` a prefill-only sequence whose blocks are sent from `first_block` on.
-    fn start(&mut self, id: SeqId, first_block: usize) {
-        self.next.insert(id, first_block);
+    fn start(&mut self, id: SeqId, first_block: usize, exporter: Exporter) {
+        self.next.insert(id, (first_block, exporter));
     }
 
     pub(super) fn remove(&mut self, id: SeqId) {
         self.next.remove(&id);
     }
 
+    /// References `blocks` until [`PrefillCursors::unpin`] of the returned id.
+    fn pin(&mut self, bm: &mut BlockManager, blocks: &[u32]) -> u64 {
+        self.next_pin += 1;
+        self.pins.insert(self.next_pin, bm.pin(blocks));
+        self.next_pin
+    }
+
+    /// Releases the blocks of pin `id` (a [`BlockPin`] was dropped).
+    pub(super) fn unpin(&mut self, bm: &mut BlockManager, id: u64) {
+        if let Some(mut table) = self.pins.remove(&id) {
+            bm.release(&mut table);
+        }
+    }
+
     /// The prompt blocks of prefill sequence `seq` that are complete and not sent yet: full
     /// computed blocks, and once the whole prompt is computed, the last partial one. None when
     /// there are none, or `seq` is no prefill.
     fn ready(&self, seq: &Sequence, bm: &BlockManager) -> Option<Range<usize>> {
-        let next = *self.next.get(&seq.id)?;
+        let next = self.next.get(&seq.id)?.0;
         let ready = if seq.num_computed >= seq.prompt_len {
             bm.blocks_for(seq.prompt_len)
         } else {
@@ -143,7 +218,9 @@ impl PrefillCursors {
 
     /// Blocks before `to` of `id` are sent.
     fn sent(&mut self, id: SeqId, to: usize) {
-        self.next.insert(id, to);
+        if let Some(e) = self.next.get_mut(&id) {
+            e.0 = to;
+        }
     }
 }
 
@@ -152,9 +229,15 @@ impl Core {
         &mut self,
         req: Request,
         send_from_block: usize,
+        (export, queue): (BlockExport, CommandQueue),
         key: u64,
         out: tmpsc::UnboundedSender<PrefillEvent>,
     ) -> Result<(), EngineError> {
+        if export == BlockExport::Device && self.backend.device_pool().is_none() {
+            return Err(EngineError::InvalidRequest(
+                "GPU-to-GPU KV export asked of an engine whose KV pool is not in GPU memory".into(),
+            ));
+        }
         if req.params.use_beam_search {
             return Err(EngineError::InvalidRequest(
                 "beam search (use_beam_search) cannot run as a remote prefill".into(),
@@ -175,7 +258,11 @@ impl Core {
         let rid = req.request_id.clone();
         self.submit(req, key, Sink::Prefill(out))?;
         if let Some(&id) = self.requests.get(&rid).and_then(|e| e.seqs().first()) {
-            self.prefills.start(id, send_from_block);
+            let exporter = match export {
+                BlockExport::Host => Exporter::Host,
+                BlockExport::Device => Exporter::Device(queue),
+            };
+            self.prefills.start(id, send_from_block, exporter);
         }
         Ok(())
     }
@@ -201,15 +288,27 @@ impl Core {
         let Some(rid) = self.requests.request_of(id).map(str::to_owned) else {
             return;
         };
-        match self.backend.export_blocks(&seq.table.ids()[blocks.clone()]) {
-            Ok(data) => {
+        let ids = seq.table.ids()[blocks.clone()].to_vec();
+        let event = match self.prefills.next.get(&id).map(|e| &e.1) {
+            Some(Exporter::Device(queue)) => {
+                let queue = queue.clone();
+                self.device_event(&ids, blocks.start, queue)
+            }
+            _ => self
+                .backend
+                .export_blocks(&ids)
+                .map(|data| PrefillEvent::Blocks {
+                    first_block: blocks.start,
+                    data,
+                }),
+        };
+        match event {
+            Ok(event) => {
                 self.prefills.sent(id, blocks.end);
                 if let Some(Sink::Prefill(tx)) = self.requests.get(&rid).map(Entry::sink) {
-                    // A receiver that is gone aborts the request through its stream's drop.
-                    let _ = tx.send(PrefillEvent::Blocks {
-                        first_block: blocks.start,
-                        data,
-                    });
+                    // A receiver that is gone aborts the request through its stream's drop
+                    // (and drops the event, whose pin then releases its blocks).
+                    let _ = tx.send(event);
                 }
             }
             Err(e) => {
@@ -217,5 +316,24 @@ impl Core {
                 self.fail(&rid, Some(format!("exporting KV blocks: {e}")));
             }
         }
+    }
+
+    /// Blocks `ids` (prompt blocks `first_block..`) in place in the GPU pool, pinned.
+    fn device_event(
+        &mut self,
+        ids: &[u32],
+        first_block: usize,
+        queue: CommandQueue,
+    ) -> Result<PrefillEvent, EngineError> {
+        let blocks = self
+            .backend
+            .device_blocks(ids)?
+            .ok_or_else(|| EngineError::Backend("the KV pool is not in GPU memory".into()))?;
+        let id = self.prefills.pin(self.sched.blocks_mut(), ids);
+        Ok(PrefillEvent::DeviceBlocks {
+            first_block,
+            blocks,
+            pin: BlockPin { id, tx: queue },
+        })
     }
 }

@@ -375,6 +375,22 @@ impl BlockManager {
         }
     }
 
+    /// A table holding one more reference on each of `ids` (blocks a sequence references
+    /// now), for [`BlockManager::release`] later: the blocks are neither evicted nor reused
+    /// until then, whatever their sequence does meanwhile (a GPU-to-GPU write reading them).
+    pub fn pin(&mut self, ids: &[u32]) -> BlockTable {
+        let mut t = BlockTable::salted(None);
+        for &id in ids {
+            debug_assert!(
+                self.blocks[id as usize].ref_count > 0,
+                "pinning unreferenced block {id}"
+            );
+            self.incref(id);
+            t.blocks.push(id);
+        }
+        t
+    }
+
     /// Releases every block of `table` and empties it (its salt stays). Blocks are released tail first so that,
     /// with equal recency, a prefix's later blocks are evicted before its earlier ones (an
     /// earlier block is worth more: every longer prefix needs it).

@@ -19,7 +19,9 @@ use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Work
 use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
 use super::weights::{upload_weights, DeviceWeights};
 use super::{AttentionScratch, CudaDevice, KvPool, PoolShape};
-use crate::backend::{Backend, KvPoolMemory, LogitsMode, SeqInput, StepOutput};
+use crate::backend::{
+    Backend, DeviceBlocks, DeviceFence, DevicePool, KvPoolMemory, LogitsMode, SeqInput, StepOutput,
+};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
@@ -55,6 +57,10 @@ pub struct CudaOptions {
 
 /// The decoder on one GPU.
 pub struct CudaBackend {
+    /// What keeps the pool registered with the KV transport (a decode worker whose prefill
+    /// workers write into its GPU pool directly); declared first so it is dropped, and the
+    /// registration undone, before the pool's memory is freed.
+    registration: Option<Box<dyn std::any::Any + Send>>,
     model: DeviceModel,
     ws: AnyWorkspace,
     layout: KvLayout,
@@ -119,10 +125,12 @@ impl CudaBackend {
         // or not, TANDEM_CUDA_PDL is checked so a bad value is an error everywhere).
         let pdl = pdl_from_env()? && dev.pdl_capable();
         let shape = pool_shape(&dev, &layout, opts.pool)?;
+        // In exportable memory, so that a decode worker's pool can be registered with UCX
+        // for GPU-to-GPU writes from prefill workers (cuda_ipc maps it).
         let pool = match pool_elem {
-            PoolElem::F32 => KvPool::F32(dev.zeros(shape.elems())?),
-            PoolElem::Own16 => KvPool::Bf16(dev.zeros(shape.elems())?),
-            PoolElem::HalfBesideBf16 => KvPool::Half(dev.zeros(shape.elems())?),
+            PoolElem::F32 => KvPool::F32(dev.zeros_exportable(shape.elems())?),
+            PoolElem::Own16 => KvPool::Bf16(dev.zeros_exportable(shape.elems())?),
+            PoolElem::HalfBesideBf16 => KvPool::Half(dev.zeros_exportable(shape.elems())?),
         };
         tracing::info!(
             device = dev.name(),
@@ -134,6 +142,7 @@ impl CudaBackend {
             "CUDA backend ready"
         );
         Ok(CudaBackend {
+            registration: None,
             model: DeviceModel {
                 dev,
                 config,
@@ -167,6 +176,28 @@ impl CudaBackend {
         }
         self.staging = Some(memory);
         Ok(self)
+    }
+
+    /// Keeps `registration` (the KV transport's registration of [`Backend::device_pool`])
+    /// alive as long as the pool, and drops it first.
+    pub fn with_registration(mut self, registration: Box<dyn std::any::Any + Send>) -> Self {
+        self.registration = Some(registration);
+        self
+    }
+
+    /// The pool's first byte on the device.
+    fn pool_ptr(&self) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let stream = self.model.dev.stream();
+        // Event tracking is off (CudaDevice::new): the guards do nothing.
+        match &self.model.pool {
+            KvPool::F32(p) => p.device_ptr(stream).0,
+            KvPool::Bf16(p) | KvPool::Half(p) => p.device_ptr(stream).0,
+        }
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.model.dev.stream().context().ordinal() as u32
     }
 
     pub fn device(&self) -> &CudaDevice {
@@ -303,6 +334,38 @@ impl Backend for CudaBackend {
             .collect())
     }
 
+    fn device_pool(&self) -> Option<DevicePool> {
+        Some(DevicePool {
+            ptr: self.pool_ptr(),
+            len: self.model.shape.num_blocks * self.layout.block_bytes(),
+            device: self.ordinal(),
+        })
+    }
+
+    /// The blocks' addresses, and an event recorded on the compute stream after the work
+    /// queued so far (the steps that wrote them): a writer waits for that event, not for the
+    /// device, and the next step is queued meanwhile.
+    fn device_blocks(&mut self, blocks: &[u32]) -> Result<Option<DeviceBlocks>, EngineError> {
+        crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
+        let bb = self.layout.block_bytes();
+        let base = self.pool_ptr();
+        let event = self
+            .model
+            .dev
+            .stream()
+            .record_event(None)
+            .map_err(|e| EngineError::Backend(format!("CUDA: recording a KV event: {e:?}")))?;
+        Ok(Some(DeviceBlocks {
+            device: self.ordinal(),
+            block_bytes: bb,
+            ptrs: blocks
+                .iter()
+                .map(|&b| base + b as u64 * bb as u64)
+                .collect(),
+            ready: Box::new(EventFence(event)),
+        }))
+    }
+
     fn load_received_blocks(&mut self, blocks: &[u32]) -> Result<(), EngineError> {
         let Some(staging) = &self.staging else {
             return Ok(());
@@ -411,6 +474,33 @@ impl Backend for CudaBackend {
             self.model.dev.synchronize()?;
         }
         Ok(())
+    }
+}
+
+impl Drop for CudaBackend {
+    /// Undoes the transport registration, then frees the pool (a `cuMemAlloc` allocation,
+    /// see `CudaDevice::zeros_exportable`) in its place, a one-element stand-in taking its
+    /// field for the rest of the drop.
+    fn drop(&mut self) {
+        drop(self.registration.take());
+        let Ok(stand_in) = self.model.dev.zeros::<u16>(1) else {
+            return;
+        };
+        match std::mem::replace(&mut self.model.pool, KvPool::Bf16(stand_in)) {
+            KvPool::F32(p) => self.model.dev.free_exportable(p),
+            KvPool::Bf16(p) | KvPool::Half(p) => self.model.dev.free_exportable(p),
+        }
+    }
+}
+
+/// A CUDA event as a [`DeviceFence`].
+struct EventFence(cudarc::driver::CudaEvent);
+
+impl DeviceFence for EventFence {
+    fn wait(&self) -> Result<(), EngineError> {
+        self.0
+            .synchronize()
+            .map_err(|e| EngineError::Backend(format!("CUDA: waiting for a KV event: {e:?}")))
     }
 }
 

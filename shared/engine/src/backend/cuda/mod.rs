@@ -450,6 +450,44 @@ impl CudaDevice {
         self.stream.alloc_zeros(n).map_err(cuda_err("allocation"))
     }
 
+    /// `n` zeroed elements in one `cuMemAlloc` allocation rather than the stream-ordered
+    /// pool cudarc allocates from: only such memory can be exported to other processes
+    /// (`cuIpcGetMemHandle`, what UCX's `cuda_ipc` transport maps), so the KV pool lives in
+    /// it. Free it with [`CudaDevice::free_exportable`], not by dropping it (cudarc's drop
+    /// frees in stream order, which is for pool allocations).
+    pub fn zeros_exportable<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, EngineError> {
+        let bytes = n.max(1) * std::mem::size_of::<T>();
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context"))?;
+        // SAFETY: a fresh allocation of `bytes`, zeroed before cudarc sees it; the slice
+        // covers `n` elements of it.
+        unsafe {
+            let ptr = cudarc::driver::result::malloc_sync(bytes)
+                .map_err(cuda_err("allocating exportable memory"))?;
+            if let Err(e) = cudarc::driver::result::memset_d8_sync(ptr, 0, bytes) {
+                let _ = cudarc::driver::result::free_sync(ptr);
+                return Err(cuda_err("zeroing exportable memory")(e));
+            }
+            Ok(self.stream.upgrade_device_ptr(ptr, n))
+        }
+    }
+
+    /// Frees a [`CudaDevice::zeros_exportable`] allocation (after the work queued on the
+    /// device's stream, which may still read it).
+    pub fn free_exportable<T>(&self, slice: CudaSlice<T>) {
+        let _ = self.stream.synchronize();
+        let ptr = slice.leak();
+        // SAFETY: `ptr` came from malloc_sync (zeros_exportable) and is freed once, here.
+        if let Err(e) = unsafe { cudarc::driver::result::free_sync(ptr) } {
+            tracing::warn!("freeing the KV pool: {e:?}");
+        }
+    }
+
     /// Kernel launches and cuBLAS calls issued so far.
     pub fn launch_count(&self) -> u64 {
         self.launches.load(std::sync::atomic::Ordering::Relaxed)
