@@ -16,7 +16,10 @@
 # VARIANTS ("default"; add "memcpy" on UCX >= 1.16 to also run both programs with
 # UCX_PROTOS=^put/offload/zcopy, i.e. shared-memory puts as a memcpy instead of cma),
 # PERF_ITERS_LARGE (500), PERF_ITERS_SMALL (5000), PORT (13370), HEAP (1: also a run into a
-# registered heap pool), TCP (1: also the TCP transport), BENCH (prebuilt binary).
+# registered heap pool), TCP (1: also the TCP transport), BENCH (prebuilt binary),
+# MEMORY (host; `cuda`: source blocks and pool in GPU memory of device 0, GPU to GPU through
+# a CUDA-enabled UCX — transfer_bench built with `--features cuda-bench` — against
+# `ucx_perftest -m cuda`; HEAP and TCP runs are then skipped).
 # Figures are in MiB/s (2^20 B/s), the unit ucx_perftest prints as "MB/s".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +31,12 @@ VARIANTS=${VARIANTS:-default}
 PERF_ITERS_LARGE=${PERF_ITERS_LARGE:-500}
 PERF_ITERS_SMALL=${PERF_ITERS_SMALL:-5000}
 PORT=${PORT:-13370}
-HEAP=${HEAP:-1}
-TCP=${TCP:-1}
+MEMORY=${MEMORY:-host}
+case $MEMORY in
+    host) POOL=alloc HEAP=${HEAP:-1} TCP=${TCP:-1} ;;
+    cuda) POOL=cuda HEAP=0 TCP=0 ;;
+    *) echo "MEMORY must be host or cuda, not '$MEMORY'" >&2; exit 2 ;;
+esac
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
@@ -60,11 +67,11 @@ variant_env() { [[ $1 == memcpy ]] && echo "UCX_PROTOS=^put/offload/zcopy" || tr
 for v in $VARIANTS; do
     # shellcheck disable=SC2046
     env $(variant_env "$v") UCX_LOG_LEVEL=info UCX_PROTO_INFO=y UCX_LOG_FILE="$TMP/ucx.%p" \
-        "$BENCH" --blocks 2 --iters 1 --batch 2 --lanes 1 >/dev/null 2>&1 || true
+        "$BENCH" --blocks 2 --iters 1 --batch 2 --lanes 1 --pool "$POOL" >/dev/null 2>&1 || true
     # UCX < 1.16: the ep_cfg info line; later: the protocol table of ucp_put* to host memory.
-    chosen=$(cat "$TMP"/ucx.* 2>/dev/null | sed 's/^\[[^]]*\] *\[[^]]*\] *//' | awk '
+    chosen=$(cat "$TMP"/ucx.* 2>/dev/null | sed 's/^\[[^]]*\] *\[[^]]*\] *//' | awk -v mem="$MEMORY" '
         /ep_cfg/ { sub(/.*INFO */, ""); print; next }
-        /remote memory write by ucp_put\* from host memory to host/ { put = 1; next }
+        $0 ~ "remote memory write by ucp_put\\* from " mem " memory to " mem { put = 1; next }
         /ucp_context|by ucp_/ { put = 0 }
         put && /\| *[0-9][0-9.]*[KMG]?\.\.[0-9a-z]+ *\|/ { gsub(/ +/, " "); print }' \
         | sort -u | tr '\n' ';' || true)
@@ -83,12 +90,12 @@ run() {
 perftest() {
     local size=$1 iters=$2 port=$3 v=$4
     # shellcheck disable=SC2046
-    env $(variant_env "$v") "$PERFTEST" -p "$port" >/dev/null 2>&1 &
+    env $(variant_env "$v") "$PERFTEST" -p "$port" -m "$MEMORY" >/dev/null 2>&1 &
     local srv=$!
     sleep 1
     # shellcheck disable=SC2046
     env $(variant_env "$v") "$PERFTEST" 127.0.0.1 -p "$port" -t ucp_put_bw -s "$size" \
-        -n "$iters" -w $((iters / 10)) >"$TMP/perf_${v}_$size" 2>&1 || true
+        -m "$MEMORY" -n "$iters" -w $((iters / 10)) >"$TMP/perf_${v}_$size" 2>&1 || true
     wait "$srv" || true
     # "Final: iters p50 avg overall bw_avg bw_overall ..." -> overall bandwidth, MiB/s
     awk '/Final/ {print $7}' "$TMP/perf_${v}_$size"
@@ -103,7 +110,7 @@ max() { awk -v a="$1" -v b="$2" 'BEGIN { print (a > b ? a : b) }'; }
 # ucx_perftest at both sizes; prints "<3670016 figure> <131072 figure>".
 perftests() {
     local v=$1
-    echo "== ucx_perftest -t ucp_put_bw, variant $v (server + client on 127.0.0.1)" >&2
+    echo "== ucx_perftest -t ucp_put_bw -m $MEMORY, variant $v (server + client on 127.0.0.1)" >&2
     local large small
     large=$(perftest 3670016 "$PERF_ITERS_LARGE" "$PORT" "$v")
     small=$(perftest 131072 "$PERF_ITERS_SMALL" $((PORT + 1)) "$v")
@@ -120,7 +127,7 @@ for v in $VARIANTS; do
     read -r P1_LARGE P1_SMALL < <(perftests "$v")
     for l in $LANES; do
         # shellcheck disable=SC2046
-        run "${v}_$l" --backend UCX --pool alloc --lanes "$l" $(variant_args "$v")
+        run "${v}_$l" --backend UCX --pool "$POOL" --lanes "$l" $(variant_args "$v")
     done
     read -r P2_LARGE P2_SMALL < <(perftests "$v")
     P_LARGE=$(max "$P1_LARGE" "$P2_LARGE")

@@ -10,8 +10,10 @@
 #              not the router, meets the pressure)
 #   cancel     streams cut by the client mid-generation, then the worker still serves a
 #              normal load, and once idle no KV block stays referenced (worker metrics)
-#   disagg     a CUDA prefill worker pushing KV over TCP into a CUDA decode worker, with the
-#              router enforcing disaggregation
+#   disagg     a CUDA prefill worker pushing KV GPU to GPU over UCX into a CUDA decode worker
+#              (TANDEM_GPU_KV_TRANSPORT, default ucx: the CUDA-enabled UCX must be in
+#              LD_LIBRARY_PATH, as gpu-check sets it), with the router enforcing disaggregation;
+#              then the same over TCP (host staging) as the comparison
 #   f16        the agg and disagg topologies again with --cuda-precision f16 (f16 weights,
 #              GEMM inputs and KV cache: the f16 blocks cross the transport too)
 #   bf16       disagg with --cuda-precision bf16 (the fastest precision: bf16 GEMM inputs and
@@ -86,10 +88,16 @@ echo "cancel: referenced KV blocks when idle: $active"
 case_result cancel $rc
 stop
 
-# disagg: CUDA prefill → CUDA decode over TCP, router enforcing disaggregation.
-up disagg --topology disagg --kv-transport tcp --router-arg=--enforce-disagg
+# disagg: CUDA prefill → CUDA decode, GPU to GPU over UCX, router enforcing disaggregation;
+# then over TCP (host staging), the comparison.
+KV=${TANDEM_GPU_KV_TRANSPORT:-ucx}
+up disagg --topology disagg --kv-transport "$KV" --router-arg=--enforce-disagg
 load disagg --num-requests 128 --concurrency 16 --isl uniform:256:1024 --osl 64 --vocab-hi 150000
 case_result disagg $?
+stop
+up disagg_tcp --topology disagg --kv-transport tcp --router-arg=--enforce-disagg
+load disagg_tcp --num-requests 128 --concurrency 16 --isl uniform:256:1024 --osl 64 --vocab-hi 150000
+case_result disagg_tcp $?
 stop
 
 # f16: the f16 precision through the same worker paths, aggregated then disaggregated; the
@@ -102,7 +110,7 @@ load agg_f16 --num-requests 128 --concurrency 32 --isl uniform:64:1024 --osl 64 
 rc=$?
 stop
 f16_mode agg_f16 || { echo "agg_f16: no worker reported mode=F16"; rc=1; }
-up disagg_f16 --topology disagg --kv-transport tcp --router-arg=--enforce-disagg \
+up disagg_f16 --topology disagg --kv-transport "$KV" --router-arg=--enforce-disagg \
     --worker-arg=--cuda-precision --worker-arg=f16
 load disagg_f16 --num-requests 64 --concurrency 16 --isl uniform:256:1024 --osl 64 --vocab-hi 150000 || rc=1
 stop
@@ -112,7 +120,7 @@ case_result f16 $rc
 # bf16: bf16 GEMM inputs and a bf16 KV cache, disaggregated: its bf16 blocks cross the
 # transport between two such workers.
 bf16_mode() { sed 's/\x1b\[[0-9;]*m//g' "$OUT/serve_$1.log" | grep -c 'CUDA backend ready.*mode=Bf16 .*kv_dtype=bf16' > /dev/null; }
-up disagg_bf16 --topology disagg --kv-transport tcp --router-arg=--enforce-disagg \
+up disagg_bf16 --topology disagg --kv-transport "$KV" --router-arg=--enforce-disagg \
     --worker-arg=--cuda-precision --worker-arg=bf16
 load disagg_bf16 --num-requests 32 --concurrency 8 --isl uniform:256:1024 --osl 32 --vocab-hi 150000
 rc=$?

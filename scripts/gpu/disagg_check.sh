@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The disaggregation stage of scripts/gpu-check: CUDA prefill and decode workers on the same
+# GPU, KV blocks GPU to GPU over UCX (cuda_ipc; the CUDA-enabled UCX of PyPI libucx-cu13
+# must come first in LD_LIBRARY_PATH, with UCX_MODULE_DIR set), against aggregated serving
+# and against disaggregation over TCP (host staging), on the given model:
+#   same      fixed prompts (100 to 3,000 tokens, so partial and many blocks), greedy and
+#             seeded sampling, one at a time: disaggregated output over UCX must equal the
+#             aggregated output token for token (and TCP's too)
+#   ttft      TTFT at 512 / 2k / 8k-token prompts, one request at a time (tandem-loadtest),
+#             for agg, disagg over UCX and disagg over TCP, in one run: what disaggregation
+#             adds to the first token
+#   cancel    streams cut mid-prefill and mid-decode on the UCX path, then a normal load must
+#             still complete with every request served (pins and leases released)
+# Usage: disagg_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
+set -uo pipefail
+BIN=$1
+MODEL=$2
+OUT=$3
+. "$(dirname "$0")/serve_lib.sh"
+ISLS=${TANDEM_GPU_TTFT_ISLS:-512 2048 8192}
+TTFT_N=${TANDEM_GPU_TTFT_REQUESTS:-24}
+
+# Fixed completions, one at a time; writes "<name>.json" (texts per prompt and mode).
+outputs() { # name
+    python3 - "$URL" "$OUT/outputs_$1.json" <<'PY'
+import json, sys, urllib.request
+url, out = sys.argv[1], sys.argv[2]
+model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
+res = {}
+for n in (100, 257, 700, 1500, 3000):
+    prompt = [(i * 7919 + n) % 150000 + 10 for i in range(n)]
+    for mode, extra in (("greedy", {"temperature": 0}), ("seeded", {"temperature": 1.0, "seed": 1234})):
+        body = {"model": model, "prompt": prompt, "max_tokens": 32, "ignore_eos": True, **extra}
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+        r = json.load(urllib.request.urlopen(req, timeout=120))
+        res[f"{n}/{mode}"] = r["choices"][0]["text"]
+json.dump(res, open(out, "w"), indent=1)
+print(f"{len(res)} outputs")
+PY
+}
+
+same() { # a b
+    python3 - "$OUT/outputs_$1.json" "$OUT/outputs_$2.json" "$1" "$2" <<'PY'
+import json, sys
+a, b = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+diff = [k for k in a if a[k] != b.get(k)]
+print(f"{sys.argv[4]} vs {sys.argv[3]}: {len(a) - len(diff)}/{len(a)} outputs equal" + (f"; differ: {diff}" if diff else ""))
+sys.exit(1 if diff or len(a) != len(b) else 0)
+PY
+}
+
+ttft() { # name
+    local isl rc=0
+    for isl in $ISLS; do
+        "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/ttft_$1_$isl" \
+            --num-requests "$TTFT_N" --concurrency 1 --isl "$isl" --osl 2 --vocab-hi 150000 \
+            > "$OUT/ttft_$1_$isl.txt" 2>&1 || rc=1
+        python3 - "$OUT/ttft_$1_$isl/report.json" "$1" "$isl" <<'PY' | tee -a "$OUT/ttft_summary.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))["summary"]
+t = r["ttft_ms"]
+print(f"ttft {sys.argv[2]} isl {sys.argv[3]}: p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, "
+      f"{r['succeeded']}/{r['requests']} ok")
+sys.exit(0 if r["failed"] == 0 else 1)
+PY
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    return $rc
+}
+
+wait_model() {
+    "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --num-requests 2 --concurrency 1 \
+        --isl 64 --osl 2 --vocab-hi 150000 --out "$OUT/warm_$1" > /dev/null 2>&1
+}
+
+: > "$OUT/ttft_summary.txt"
+up agg --topology agg
+wait_model agg && outputs agg && ttft agg
+case_result agg_reference $?
+stop
+
+up disagg_ucx --topology disagg --kv-transport ucx --router-arg=--enforce-disagg
+wait_model disagg_ucx
+rc=0
+grep -q "GPU KV pool registered with UCX" "$OUT/serve_disagg_ucx.log" \
+    || { echo "disagg_ucx: the decode worker did not register its GPU pool with UCX"; rc=1; }
+outputs disagg_ucx && same agg disagg_ucx || rc=1
+case_result same_ucx $rc
+ttft disagg_ucx
+case_result ttft_ucx $?
+# cancel: streams cut mid-prefill (8k prompts) and mid-decode, then a normal load.
+name=$(curl -s "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+for i in $(seq 1 6); do
+    curl -sN --max-time 0.05 "$URL/v1/completions" -H 'content-type: application/json' \
+        -d "{\"model\":\"$name\",\"prompt\":[$(seq -s, 1000 9000)],\"max_tokens\":64,\"stream\":true}" \
+        > /dev/null 2>&1
+    curl -sN --max-time 0.4 "$URL/v1/completions" -H 'content-type: application/json' \
+        -d "{\"model\":\"$name\",\"prompt\":[$(seq -s, 100 900)],\"max_tokens\":4000,\"stream\":true,\"ignore_eos\":true}" \
+        > /dev/null 2>&1
+done
+"$BIN/tandem-loadtest" --url "$URL" --quiet --out "$OUT/load_cancel_ucx" --num-requests 64 --concurrency 16 \
+    --isl uniform:256:4096 --osl 32 --vocab-hi 150000 > "$OUT/load_cancel_ucx.txt" 2>&1
+python3 - "$OUT/load_cancel_ucx/report.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["summary"]
+print(f"cancel_ucx: after cut streams {r['succeeded']}/{r['requests']} ok, "
+      f"{r['output_token_throughput']:.0f} out tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms")
+sys.exit(0 if r["failed"] == 0 and r["succeeded"] == r["requests"] else 1)
+PY
+case_result cancel_ucx $?
+stop
+grep -E "ERROR|panicked" "$OUT/serve_disagg_ucx.log" | head -20
+
+up disagg_tcp --topology disagg --kv-transport tcp --router-arg=--enforce-disagg
+wait_model disagg_tcp
+outputs disagg_tcp && same agg disagg_tcp
+case_result same_tcp $?
+ttft disagg_tcp
+case_result ttft_tcp $?
+stop
+
+echo "disagg_check: $fails case(s) failed"
+cat "$OUT/ttft_summary.txt"
+[ "$fails" -eq 0 ]
