@@ -261,11 +261,14 @@ fn index_json(kv: &tandem_kv_router::KvRouter) -> serde_json::Map<String, serde_
     })
 }
 
-/// The shapers of a streamed response's choices (chat only: completions stream text as is).
+/// The shapers of a streamed response's choices (chat only: completions stream text as is,
+/// their choices only tracked to put the echo in front of each one's first delta).
 struct Shapers {
     shape: OutputShape,
     kind: respond::Kind,
     choices: std::collections::BTreeMap<usize, ChoiceShaper>,
+    /// Completion choices that have streamed their first delta.
+    seen: std::collections::BTreeSet<usize>,
 }
 
 impl Shapers {
@@ -274,30 +277,26 @@ impl Shapers {
             shape,
             kind,
             choices: Default::default(),
+            seen: Default::default(),
         }
     }
 
     /// The delta shaped (its finish reason made final), and whether it is the choice's first.
     fn shape(&mut self, d: &mut generate::ChoiceDelta) -> (Shaped, bool) {
-        let first = !self.choices.contains_key(&d.index);
         if self.kind == respond::Kind::Completion {
-            if first {
-                self.choices
-                    .insert(d.index, ChoiceShaper::new(&OutputShape::plain(), d.index));
+            if self.seen.insert(d.index) {
                 d.text.insert_str(0, self.shape.echo_of(d.index));
             }
             return (Shaped::default(), false);
         }
+        let first = !self.choices.contains_key(&d.index);
         let shaper = self
             .choices
             .entry(d.index)
             .or_insert_with(|| ChoiceShaper::new(&self.shape, d.index));
         let mut shaped = shaper.push(&d.text);
         if d.finish_reason.is_some() {
-            let rest = shaper.finish();
-            shaped.content.push_str(&rest.content);
-            shaped.reasoning.push_str(&rest.reasoning);
-            shaped.tool_calls.extend(rest.tool_calls);
+            shaped.extend(shaper.finish());
             d.finish_reason = respond::finish_reason(d.finish_reason.take(), shaper.called_tools());
         }
         (shaped, first)

@@ -58,7 +58,8 @@ pub struct Shaped {
 }
 
 impl Shaped {
-    fn extend(&mut self, other: Shaped) {
+    /// Appends `other` (a later piece of the same choice).
+    pub fn extend(&mut self, other: Shaped) {
         self.content.push_str(&other.content);
         self.reasoning.push_str(&other.reasoning);
         self.tool_calls.extend(other.tool_calls);
