@@ -11,6 +11,9 @@
 #             adds to the first token
 #   cancel    streams cut mid-prefill and mid-decode on the UCX path, then a normal load must
 #             still complete with every request served (pins and leases released)
+#   kill      kill -9 of the prefill worker, then of the decode worker, each under load on the
+#             UCX path: the load must end (failed requests allowed, none hung), and once the
+#             launcher has restarted the worker a normal load must be served in full
 # Usage: disagg_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
 set -uo pipefail
 BIN=$1
@@ -109,6 +112,35 @@ print(f"cancel_ucx: after cut streams {r['succeeded']}/{r['requests']} ok, "
 sys.exit(0 if r["failed"] == 0 and r["succeeded"] == r["requests"] else 1)
 PY
 case_result cancel_ucx $?
+# kill: each worker role killed under load, then restarted by the launcher.
+served() { # name: a load of 32 served in full
+    "$BIN/tandem-loadtest" --url "$URL" --quiet --out "$OUT/load_$1" --num-requests 32 --concurrency 8 \
+        --isl uniform:256:4096 --osl 16 --vocab-hi 150000 > "$OUT/load_$1.txt" 2>&1
+    python3 - "$OUT/load_$1/report.json" "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["summary"]
+print(f"{sys.argv[2]}: {r['succeeded']}/{r['requests']} ok, errors {r['errors']}")
+sys.exit(0 if r["failed"] == 0 and r["succeeded"] == r["requests"] else 1)
+PY
+}
+for role in prefill decode; do
+    rc=0
+    timeout 180 "$BIN/tandem-loadtest" --url "$URL" --quiet --out "$OUT/load_kill_$role" --num-requests 48 \
+        --concurrency 8 --isl 4096 --osl 32 --vocab-hi 150000 > "$OUT/load_kill_$role.txt" 2>&1 &
+    lt=$!
+    sleep 3
+    victim=$(pgrep -f "tandem-$role .*--disaggregation-mode" | head -1)
+    [ -n "$victim" ] && kill -9 "$victim" || { echo "kill_$role: no $role worker found"; rc=1; }
+    wait "$lt"; [ $? -eq 124 ] && { echo "kill_$role: the load hung"; rc=1; }
+    # Back once a request goes through again (the launcher restarts the worker).
+    for _ in $(seq 1 90); do
+        curl -sf --max-time 20 "$URL/v1/completions" -H 'content-type: application/json' \
+            -d "{\"model\":\"$name\",\"prompt\":[1,2,3,4,5,6,7,8],\"max_tokens\":2}" > /dev/null && break
+        sleep 2
+    done
+    served "after_kill_$role" || rc=1
+    case_result "kill_$role" $rc
+done
 stop
 grep -E "ERROR|panicked" "$OUT/serve_disagg_ucx.log" | head -20
 
