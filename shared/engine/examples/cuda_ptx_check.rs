@@ -41,15 +41,21 @@ fn main() {
     }
     let mut ok = true;
     for arch in &archs {
-        // Both flavours of the program: bf16, and IEEE half (the f16 compute mode).
-        for e16 in [kernels::Float16::Bf16, kernels::Float16::F16] {
-            ok &= check_program(
-                arch,
-                e16,
-                write.as_deref().filter(|_| e16 == kernels::Float16::Bf16),
-            );
-        }
-        ok &= check_half_kv_program(arch);
+        // Both flavours of the program (bf16, and IEEE half for the f16 compute mode) and the
+        // half-KV program, each compiled on a thread of its own: NVRTC compiles one program
+        // on one core, and the two big ones take about a minute each.
+        let write = write.as_deref();
+        ok &= std::thread::scope(|s| {
+            let flavours = [kernels::Float16::Bf16, kernels::Float16::F16].map(|e16| {
+                let write = write.filter(|_| e16 == kernels::Float16::Bf16);
+                s.spawn(move || check_program(arch, e16, write))
+            });
+            let half_kv = check_half_kv_program(arch);
+            flavours
+                .into_iter()
+                .map(|t| t.join().unwrap_or(false))
+                .fold(half_kv, |all, one| all & one)
+        });
     }
     std::process::exit(if ok { 0 } else { 1 });
 }
