@@ -284,7 +284,7 @@ fn bench_selection(c: &mut Criterion) {
         // A 2048-token prompt (128 blocks); each worker has 16 requests of 128 blocks in
         // flight, half of them sharing the prompt's first 32 blocks.
         let locals: Vec<LocalBlockHash> = (0..128).map(|_| random_local(&mut rng)).collect();
-        let mut seqs = ActiveSequences::new(&KvRouterConfig::default());
+        let seqs = ActiveSequences::new(&KvRouterConfig::default());
         for w in 0..n {
             for r in 0..16 {
                 let mut l = if r % 2 == 0 {
@@ -316,7 +316,7 @@ fn bench_selection(c: &mut Criterion) {
                 router_mode: mode,
                 ..Default::default()
             };
-            let mut sel = WorkerSelector::new(cfg, Some(1));
+            let sel = WorkerSelector::new(cfg, Some(1));
             let name = if mode == RouterMode::Kv {
                 "kv"
             } else {

@@ -2,8 +2,11 @@
 //! which is what the serving layer holds.
 //!
 //! Locks: the index is behind an `RwLock` (events write, lookups read) and is never held
-//! together with the others; selection and AddRequest happen under the sequences lock, so two
-//! concurrent requests never both see a worker as idle and pile onto it.
+//! together with anything else. The load of the requests in flight ([`ActiveSequences`]) is in
+//! sharded maps and the selector's random and round-robin state in atomics, so concurrent
+//! requests route without a lock over the whole: each reads the loads, chooses, and adds its
+//! own (two requests at the same instant may both choose by the loads before either's, as two
+//! router replicas may).
 
 use std::sync::{Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
@@ -34,8 +37,8 @@ pub struct KvRouter {
     indexer: RwLock<KvIndexer>,
     /// Present when `use_kv_events` is off: overlaps then come from the router's own decisions.
     approx: Option<Mutex<ApproxIndexer>>,
-    sequences: Mutex<ActiveSequences>,
-    selector: Mutex<WorkerSelector>,
+    sequences: ActiveSequences,
+    selector: WorkerSelector,
     /// Where this router's load changes go for its peer replicas (`--router-replica-sync`).
     sink: OnceLock<LoadSink>,
 }
@@ -52,8 +55,8 @@ impl KvRouter {
         Self {
             indexer: RwLock::new(KvIndexer::new()),
             approx: (!config.use_kv_events).then(|| Mutex::new(ApproxIndexer::new(&config))),
-            sequences: Mutex::new(ActiveSequences::new(&config)),
-            selector: Mutex::new(WorkerSelector::new(config.clone(), seed)),
+            sequences: ActiveSequences::new(&config),
+            selector: WorkerSelector::new(config.clone(), seed),
             sink: OnceLock::new(),
             config,
         }
@@ -100,13 +103,12 @@ impl KvRouter {
         opts: &SelectOptions,
     ) -> Result<Selection, SelectError> {
         let overlaps = self.find_matches(local_hashes);
-        let seqs = lock(&self.sequences);
-        lock(&self.selector).select(
+        self.selector.select(
             local_hashes,
             isl_tokens,
             candidates,
             &overlaps,
-            &*seqs,
+            &self.sequences,
             opts,
         )
     }
@@ -123,15 +125,10 @@ impl KvRouter {
     ) -> Result<Selection, RouteError> {
         let overlaps = self.find_matches(local_hashes);
         let seq_hashes = sequence_hashes(local_hashes);
-        let mut seqs = lock(&self.sequences);
-        let sel = lock(&self.selector).select(
-            local_hashes,
-            isl_tokens,
-            candidates,
-            &overlaps,
-            &*seqs,
-            opts,
-        )?;
+        let seqs = &self.sequences;
+        let sel =
+            self.selector
+                .select(local_hashes, isl_tokens, candidates, &overlaps, seqs, opts)?;
         let block_size = candidates
             .iter()
             .find(|w| w.id == sel.worker_id)
@@ -153,7 +150,6 @@ impl KvRouter {
             block_size,
         });
         metrics::record_worker_load(sel.worker_id, &seqs.load(sel.worker_id));
-        drop(seqs);
         if let Some(a) = &self.approx {
             lock(a).record_routing(sel.worker_id, local_hashes, Instant::now());
         }
@@ -165,50 +161,39 @@ impl KvRouter {
     /// caller should queue the request and retry when load drops (after a `free` or
     /// `mark_prefill_completed`) rather than route it now.
     pub fn should_queue(&self, candidates: &[WorkerInfo]) -> bool {
-        let seqs = lock(&self.sequences);
-        let sel = lock(&self.selector);
         !candidates.is_empty()
             && candidates
                 .iter()
-                .all(|w| sel.is_saturated(w, &seqs.load(w.id)))
+                .all(|w| self.selector.is_saturated(w, &self.sequences.load(w.id)))
     }
 
     /// First token seen: the request's prefill load ends.
     pub fn mark_prefill_completed(&self, request_id: &str) -> bool {
-        let mut seqs = lock(&self.sequences);
-        let worker = seqs.worker_of(request_id);
-        let known = seqs.mark_prefill_completed(request_id);
-        if known {
-            self.emit(|| LoadEvent::MarkPrefillCompleted {
-                request_id: request_id.to_string(),
-            });
-        }
-        if let Some(w) = worker {
-            metrics::record_worker_load(w, &seqs.load(w));
-        }
-        known
+        let Some(worker) = self.sequences.mark_prefill_completed(request_id) else {
+            return false;
+        };
+        self.emit(|| LoadEvent::MarkPrefillCompleted {
+            request_id: request_id.to_string(),
+        });
+        metrics::record_worker_load(worker, &self.sequences.load(worker));
+        true
     }
 
     /// The request ended (finished, failed, cancelled): its load goes.
     pub fn free(&self, request_id: &str) -> bool {
-        let mut seqs = lock(&self.sequences);
-        let worker = seqs.worker_of(request_id);
-        let known = seqs.free(request_id);
-        if known {
-            self.emit(|| LoadEvent::Free {
-                request_id: request_id.to_string(),
-            });
-        }
-        if let Some(w) = worker {
-            metrics::record_worker_load(w, &seqs.load(w));
-        }
-        known
+        let Some(worker) = self.sequences.free(request_id) else {
+            return false;
+        };
+        self.emit(|| LoadEvent::Free {
+            request_id: request_id.to_string(),
+        });
+        metrics::record_worker_load(worker, &self.sequences.load(worker));
+        true
     }
 
     /// Frees requests older than `active_request_expiry_secs`; call periodically.
     pub fn expire_stale(&self) -> Vec<String> {
-        let mut seqs = lock(&self.sequences);
-        let gone = seqs.expire_stale(Instant::now());
+        let gone = self.sequences.expire_stale(Instant::now());
         for id in &gone {
             self.emit(|| LoadEvent::Free {
                 request_id: id.clone(),
@@ -217,18 +202,18 @@ impl KvRouter {
         gone
     }
 
-    /// Announces every request this router has in flight (a [`LoadEvent::Live`]), ordered
-    /// with its other load events; call every few seconds when replicas sync.
+    /// Announces every request this router has in flight (a [`LoadEvent::Live`]); call every
+    /// few seconds when replicas sync. A request routed while the list is made may be missing
+    /// from it: a peer drops a request only when two lists in a row lack it.
     pub fn announce_live(&self) {
-        let seqs = lock(&self.sequences);
         self.emit(|| LoadEvent::Live {
-            request_ids: seqs.local_request_ids(),
+            request_ids: self.sequences.local_request_ids(),
         });
     }
 
     /// Applies a load change of the peer replica `peer`.
     pub fn apply_peer(&self, peer: u64, event: LoadEvent) {
-        let mut seqs = lock(&self.sequences);
+        let seqs = &self.sequences;
         let worker = match &event {
             LoadEvent::AddRequest {
                 request_id,
@@ -246,19 +231,13 @@ impl KvRouter {
                     overlap_blocks: *overlap_blocks,
                     block_size: *block_size,
                 };
-                seqs.add_peer_request(peer, req, Instant::now());
-                Some(*worker_id)
+                seqs.add_peer_request(peer, req, Instant::now())
+                    .then_some(*worker_id)
             }
             LoadEvent::MarkPrefillCompleted { request_id } => {
-                let w = seqs.worker_of_peer(peer, request_id);
-                seqs.mark_peer_prefill_completed(peer, request_id);
-                w
+                seqs.mark_peer_prefill_completed(peer, request_id)
             }
-            LoadEvent::Free { request_id } => {
-                let w = seqs.worker_of_peer(peer, request_id);
-                seqs.free_peer(peer, request_id);
-                w
-            }
+            LoadEvent::Free { request_id } => seqs.free_peer(peer, request_id),
             LoadEvent::Live { request_ids } => {
                 let live = request_ids.iter().map(String::as_str).collect();
                 let dropped = seqs.retain_peer(peer, &live);
@@ -275,16 +254,15 @@ impl KvRouter {
 
     /// A peer replica left or fell silent: its requests' load goes. Returns how many.
     pub fn remove_peer(&self, peer: u64) -> usize {
-        let mut seqs = lock(&self.sequences);
-        let n = seqs.remove_peer(peer);
-        for (w, load) in seqs.loads() {
+        let n = self.sequences.remove_peer(peer);
+        for (w, load) in self.sequences.loads() {
             metrics::record_worker_load(w, &load);
         }
         n
     }
 
     pub fn worker_load(&self, worker: WorkerId) -> WorkerLoad {
-        lock(&self.sequences).load(worker)
+        self.sequences.load(worker)
     }
 
     /// A worker left discovery: drop its blocks and its requests. Returns the freed request ids.
@@ -293,7 +271,7 @@ impl KvRouter {
         if let Some(a) = &self.approx {
             lock(a).remove_worker(worker);
         }
-        lock(&self.sequences).remove_worker(worker)
+        self.sequences.remove_worker(worker)
     }
 
     pub fn apply_event(&self, ev: RouterEvent) -> Result<ApplyOutcome, IndexerError> {
@@ -459,7 +437,8 @@ mod tests {
         a.mark_prefill_completed("a");
         deliver(&b);
         assert!(!b.should_queue(&ws));
-        // A lost Free heals with the next list of what the peer has in flight.
+        // A lost Free heals with the lists of what the peer has in flight: "a" was added
+        // before any list, so the second list without it drops it.
         a.free("a");
         lock(&sent).clear();
         a.announce_live();
@@ -469,6 +448,13 @@ mod tests {
                 request_ids: vec!["b".into()]
             })
         );
+        deliver(&b);
+        assert_eq!(
+            b.worker_load(1).active_requests + b.worker_load(2).active_requests,
+            2,
+            "one list may be older than a request"
+        );
+        a.announce_live();
         deliver(&b);
         assert_eq!(
             b.worker_load(1).active_requests + b.worker_load(2).active_requests,

@@ -13,6 +13,7 @@ use crate::protocols::{sequence_hashes, LocalBlockHash, OverlapScores, WorkerId}
 use crate::sequences::{LoadSource, WorkerLoad};
 use cost::CostInputs;
 use rng::SplitMix64;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// A worker the request may go to, with what the selector needs to know about its capacity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,23 +63,34 @@ pub enum SelectError {
     Unsupported(RouterMode),
 }
 
-/// Chooses workers. Holds the config, a seedable RNG and the round-robin cursor; loads and
-/// overlaps are passed in per call, so it needs no lock of its own beyond `&mut`.
+/// Chooses workers. Holds the config, the seed of its random choices and the round-robin
+/// cursor, both atomics; loads and overlaps are passed in per call, so concurrent selections
+/// need no lock.
 pub struct WorkerSelector {
     config: KvRouterConfig,
-    rng: SplitMix64,
-    next_rr: usize,
+    /// Each selection draws from a generator of its own, seeded from this counter.
+    draws: AtomicU64,
+    next_rr: AtomicUsize,
 }
 
 impl WorkerSelector {
     /// `seed: None` seeds from the clock; tests pass a seed to make every choice reproducible.
     pub fn new(config: KvRouterConfig, seed: Option<u64>) -> Self {
-        let rng = seed.map_or_else(SplitMix64::from_entropy, SplitMix64::new);
+        let seed = seed.unwrap_or_else(|| SplitMix64::from_entropy().next_u64());
         Self {
             config,
-            rng,
-            next_rr: 0,
+            draws: AtomicU64::new(seed),
+            next_rr: AtomicUsize::new(0),
         }
+    }
+
+    /// The generator of one selection (sequential selections draw reproducibly from a seed).
+    fn rng(&self) -> SplitMix64 {
+        // Consecutive counters would give overlapping streams: seed from a mix of the counter.
+        let mut state = self
+            .draws
+            .fetch_add(tandem_rng::GOLDEN_GAMMA, Ordering::Relaxed);
+        SplitMix64::new(tandem_rng::splitmix64(&mut state))
     }
 
     pub fn config(&self) -> &KvRouterConfig {
@@ -116,7 +128,7 @@ impl WorkerSelector {
     /// `request_local_hashes`, among `candidates`, with the index's `overlaps` and the tracked
     /// `loads`.
     pub fn select(
-        &mut self,
+        &self,
         request_local_hashes: &[LocalBlockHash],
         isl_tokens: usize,
         candidates: &[WorkerInfo],
@@ -172,25 +184,22 @@ impl WorkerSelector {
             )
         };
         let pick = match mode {
-            RouterMode::RoundRobin => {
-                let i = self.next_rr % n;
-                self.next_rr = self.next_rr.wrapping_add(1);
-                i
-            }
-            RouterMode::Random => self.rng.below(n as u64) as usize,
+            RouterMode::RoundRobin => self.next_rr.fetch_add(1, Ordering::Relaxed) % n,
+            RouterMode::Random => self.rng().below(n as u64) as usize,
             RouterMode::LeastLoaded => {
                 let best = with_load.iter().map(|(_, l)| load_key(l)).min();
                 let ties: Vec<usize> = (0..n)
                     .filter(|&i| Some(load_key(&with_load[i].1)) == best)
                     .collect();
-                ties[self.rng.below(ties.len() as u64) as usize]
+                ties[self.rng().below(ties.len() as u64) as usize]
             }
             RouterMode::PowerOfTwo => {
                 if n == 1 {
                     0
                 } else {
-                    let a = self.rng.below(n as u64) as usize;
-                    let b = (a + 1 + self.rng.below(n as u64 - 1) as usize) % n;
+                    let mut rng = self.rng();
+                    let a = rng.below(n as u64) as usize;
+                    let b = (a + 1 + rng.below(n as u64 - 1) as usize) % n;
                     if load_key(&with_load[b].1) < load_key(&with_load[a].1) {
                         b
                     } else {
@@ -217,7 +226,7 @@ impl WorkerSelector {
     }
 
     fn kv_pick(
-        &mut self,
+        &self,
         locals: &[LocalBlockHash],
         isl_tokens: usize,
         workers: &[(&WorkerInfo, WorkerLoad)],
@@ -266,13 +275,13 @@ impl WorkerSelector {
             })
             .collect();
         let pick = if temperature > 0.0 {
-            cost::softmax_sample(&logits, temperature, &mut self.rng)
+            cost::softmax_sample(&logits, temperature, &mut self.rng())
         } else {
             let sizes: Vec<usize> = workers
                 .iter()
                 .map(|(w, _)| overlaps.tree_size(w.id))
                 .collect();
-            cost::argmin(&logits, &sizes, &mut self.rng)
+            cost::argmin(&logits, &sizes, &mut self.rng())
         };
         // `workers` is non-empty here, so both pickers return Some.
         let i = pick.unwrap_or(0);

@@ -72,7 +72,7 @@ fn kv_mode_cost_on_a_hand_computed_example() {
     let ws = workers(&[1, 2]);
     let ov = overlaps(&[(1, 3)], &[(1, 3), (2, 0)]);
     let loads = Loads::default().set(1, 2, 10, 0);
-    let mut s = selector(RouterMode::Kv, |_| {});
+    let s = selector(RouterMode::Kv, |_| {});
     let sel = s
         .select(&HASHES, 16, &ws, &ov, &loads, &SelectOptions::default())
         .unwrap();
@@ -110,7 +110,7 @@ fn kv_mode_cost_on_a_hand_computed_example() {
 fn kv_ties_go_to_the_smaller_tree_then_random() {
     let ws = workers(&[1, 2, 3]);
     let ov = overlaps(&[], &[(1, 500), (2, 20), (3, 20)]);
-    let mut s = selector(RouterMode::Kv, |_| {});
+    let s = selector(RouterMode::Kv, |_| {});
     let mut seen = FxHashMap::default();
     for _ in 0..200 {
         let sel = s
@@ -140,7 +140,7 @@ fn kv_temperature_samples_reproducibly() {
             ..Default::default()
         };
         c.router_track_active_blocks = true;
-        let mut s = WorkerSelector::new(c, Some(seed));
+        let s = WorkerSelector::new(c, Some(seed));
         (0..2000)
             .map(|_| {
                 s.select(
@@ -169,7 +169,7 @@ fn busy_workers_are_excluded_and_all_busy_is_no_worker_available() {
     let ws = workers(&[1, 2]);
     let ov = OverlapScores::default();
     let opts = SelectOptions::default();
-    let mut s = selector(RouterMode::RoundRobin, |_| {});
+    let s = selector(RouterMode::RoundRobin, |_| {});
     // Decode blocks above 1.0 × 100 total blocks.
     let loads = Loads::default().set(1, 1, 101, 0);
     for _ in 0..4 {
@@ -200,7 +200,7 @@ fn busy_workers_are_excluded_and_all_busy_is_no_worker_available() {
         "at the threshold is not above it"
     );
     // Absolute prefill threshold.
-    let mut s = selector(RouterMode::Kv, |c| {
+    let s = selector(RouterMode::Kv, |c| {
         c.active_prefill_tokens_threshold = Some(50)
     });
     let loads = Loads::default().set(1, 1, 0, 51).set(2, 1, 0, 60);
@@ -214,7 +214,7 @@ fn busy_workers_are_excluded_and_all_busy_is_no_worker_available() {
     );
     assert!(err.to_string().contains("no worker available"));
     // Disabled thresholds never exclude.
-    let mut s = selector(RouterMode::Kv, |c| {
+    let s = selector(RouterMode::Kv, |c| {
         c.active_decode_blocks_threshold = None;
         c.active_prefill_tokens_threshold = None;
         c.active_prefill_tokens_threshold_frac = None;
@@ -231,7 +231,7 @@ fn busy_workers_are_excluded_and_all_busy_is_no_worker_available() {
 #[test]
 fn round_robin_cycles() {
     let ws = workers(&[10, 20, 30]);
-    let mut s = selector(RouterMode::RoundRobin, |_| {});
+    let s = selector(RouterMode::RoundRobin, |_| {});
     let picks: Vec<_> = (0..6)
         .map(|_| {
             s.select(
@@ -253,7 +253,7 @@ fn round_robin_cycles() {
 fn random_covers_every_worker_reproducibly() {
     let ws = workers(&[1, 2, 3, 4]);
     let run = || {
-        let mut s = selector(RouterMode::Random, |_| {});
+        let s = selector(RouterMode::Random, |_| {});
         (0..400)
             .map(|_| {
                 s.select(
@@ -286,14 +286,14 @@ fn least_loaded_and_power_of_two() {
         .set(3, 1, 2, 0);
     let ov = OverlapScores::default();
     let opts = SelectOptions::default();
-    let mut s = selector(RouterMode::LeastLoaded, |_| {});
+    let s = selector(RouterMode::LeastLoaded, |_| {});
     assert_eq!(
         s.select(&[], 5, &ws, &ov, &loads, &opts).unwrap().worker_id,
         3
     );
     // Power of two: of any two sampled, the less loaded wins, so worker 1 (most requests)
     // can never be chosen, and with two workers the lighter one always is.
-    let mut s = selector(RouterMode::PowerOfTwo, |_| {});
+    let s = selector(RouterMode::PowerOfTwo, |_| {});
     let mut seen = FxHashMap::default();
     for _ in 0..300 {
         let w = s.select(&[], 5, &ws, &ov, &loads, &opts).unwrap().worker_id;
@@ -323,7 +323,7 @@ fn direct_mode_and_unsupported_mode() {
     let ov = overlaps(&[(2, 2)], &[]);
     // Busy does not matter for direct.
     let loads = Loads::default().set(2, 1, 1000, 0);
-    let mut s = selector(RouterMode::Direct, |_| {});
+    let s = selector(RouterMode::Direct, |_| {});
     let opts = SelectOptions {
         worker_id: Some(2),
         ..Default::default()
@@ -345,7 +345,7 @@ fn direct_mode_and_unsupported_mode() {
         s.select(&HASHES, 10, &ws, &ov, &loads, &opts),
         Err(SelectError::UnknownWorker(9))
     );
-    let mut s = selector(RouterMode::DeviceAwareWeighted, |_| {});
+    let s = selector(RouterMode::DeviceAwareWeighted, |_| {});
     let err = s
         .select(&HASHES, 10, &ws, &ov, &loads, &SelectOptions::default())
         .unwrap_err();
