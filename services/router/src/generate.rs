@@ -73,7 +73,7 @@ pub struct Routed {
 /// stage does when it ends).
 pub async fn start(
     state: &AppState,
-    view: &ModelView,
+    view: &Arc<ModelView>,
     request: Incoming,
 ) -> Result<(mpsc::Receiver<GenEvent>, Routed), ApiError> {
     let mut req = Request {
@@ -126,7 +126,7 @@ pub struct Incoming {
 struct Request {
     state: AppState,
     /// The model's workers: the handler's snapshot, renewed when the request leaves the queue.
-    view: ModelView,
+    view: Arc<ModelView>,
     id: String,
     /// The prompt, followed after a migration by the output so far (`replayed` tokens).
     prompt: Vec<u32>,
@@ -581,8 +581,11 @@ impl StreamTask {
         stream: &mut Streaming<GenerateOutput>,
         progress: &mut Progress,
     ) -> Ended {
+        // One timer for the whole stream, not one per message.
+        let deadline = tokio::time::sleep_until(self.deadline.into());
+        tokio::pin!(deadline);
         loop {
-            let out = match self.next_output(stream).await {
+            let out = match self.next_output(stream, deadline.as_mut()).await {
                 Ok(out) => out,
                 Err(ended) => return ended,
             };
@@ -647,21 +650,24 @@ impl StreamTask {
     async fn next_output(
         &self,
         stream: &mut Streaming<GenerateOutput>,
+        deadline: std::pin::Pin<&mut tokio::time::Sleep>,
     ) -> Result<GenerateOutput, Ended> {
         let item = tokio::select! {
-            item = tokio::time::timeout_at(self.deadline.into(), stream.next()) => item,
+            item = stream.next() => item,
+            _ = deadline => {
+                return Err(Ended::Failed(ApiError::timeout("request deadline passed")))
+            }
             _ = self.tx.closed() => return Err(Ended::ClientGone),
         };
         match item {
-            Err(_) => Err(Ended::Failed(ApiError::timeout("request deadline passed"))),
-            Ok(None) => Err(Ended::Broken(ApiError::internal(
+            None => Err(Ended::Broken(ApiError::internal(
                 "the worker ended the stream early",
             ))),
-            Ok(Some(Err(status))) if broken_stream(status.code()) => {
+            Some(Err(status)) if broken_stream(status.code()) => {
                 Err(Ended::Broken(from_status(&status)))
             }
-            Ok(Some(Err(status))) => Err(Ended::Failed(from_status(&status))),
-            Ok(Some(Ok(out))) => Ok(out),
+            Some(Err(status)) => Err(Ended::Failed(from_status(&status))),
+            Some(Ok(out)) => Ok(out),
         }
     }
 
@@ -694,7 +700,13 @@ impl StreamTask {
     /// Hands `delta` to the client. A reader that stops reading fills this channel; after the
     /// idle timeout it counts as gone, so it cannot hold KV blocks on the worker.
     async fn send(&self, delta: ChoiceDelta) -> Result<(), Ended> {
-        match tokio::time::timeout(self.idle, self.tx.send(GenEvent::Delta(delta))).await {
+        // A reader keeping up leaves room: no timer for that case.
+        let event = match self.tx.try_send(GenEvent::Delta(delta)) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(Ended::ClientGone),
+            Err(mpsc::error::TrySendError::Full(event)) => event,
+        };
+        match tokio::time::timeout(self.idle, self.tx.send(event)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) | Err(_) => Err(Ended::ClientGone),
         }
@@ -868,7 +880,7 @@ impl ChoiceText {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// An image as the worker gets it: its bytes, content hash and span.
 fn media_input(image: &PlacedImage) -> tandem_protocol::worker::MediaInput {

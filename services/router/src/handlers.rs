@@ -138,29 +138,28 @@ async fn serve(
         let mut shapers = Shapers::new(p.shape, meta.kind);
         let events = ReceiverStream::new(rx).flat_map(move |ev| {
             let _keep = &inflight;
-            let items: Vec<Result<Event, Infallible>> = match ev {
-                GenEvent::Delta(mut d) => {
-                    let (shaped, first) = shapers.shape(&mut d);
-                    vec![Ok(Event::default().data(
-                        respond::chunk(&meta, &assets, &d, &shaped, first).to_string(),
-                    ))]
-                }
-                GenEvent::Done(u) => {
-                    let mut v = Vec::new();
-                    if include_usage {
-                        let r = shapers.reasoning_tokens(&assets);
-                        v.push(Ok(
-                            Event::default().data(respond::usage_chunk(&meta, &u, r).to_string())
-                        ));
+            let items: Vec<Result<Event, Infallible>> =
+                match ev {
+                    GenEvent::Delta(mut d) => {
+                        let (shaped, first) = shapers.shape(&mut d);
+                        vec![Ok(Event::default()
+                            .data(respond::chunk(&meta, &assets, &d, &shaped, first)))]
                     }
-                    v.push(Ok(Event::default().data("[DONE]")));
-                    v
-                }
-                GenEvent::Error(e) => vec![
-                    Ok(Event::default().data(e.body().to_string())),
-                    Ok(Event::default().data("[DONE]")),
-                ],
-            };
+                    GenEvent::Done(u) => {
+                        let mut v = Vec::new();
+                        if include_usage {
+                            let r = shapers.reasoning_tokens(&assets);
+                            v.push(Ok(Event::default()
+                                .data(respond::usage_chunk(&meta, &u, r).to_string())));
+                        }
+                        v.push(Ok(Event::default().data("[DONE]")));
+                        v
+                    }
+                    GenEvent::Error(e) => vec![
+                        Ok(Event::default().data(e.body().to_string())),
+                        Ok(Event::default().data("[DONE]")),
+                    ],
+                };
             stream::iter(items)
         });
         let resp = Sse::new(events)
@@ -345,7 +344,7 @@ fn incoming(p: &mut Prepared, rid: &str, received: Instant) -> Vec<generate::Inc
 /// prompts already started (their streams' ends cancel them).
 async fn start_all(
     state: &AppState,
-    view: &crate::models::ModelView,
+    view: &std::sync::Arc<crate::models::ModelView>,
     incoming: Vec<generate::Incoming>,
     choices: usize,
 ) -> Result<(tokio::sync::mpsc::Receiver<GenEvent>, Routed), crate::error::ApiError> {

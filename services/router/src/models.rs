@@ -10,7 +10,9 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use dashmap::DashMap;
 use std::time::Duration;
 use tandem_pki::ChannelSecurity;
 
@@ -52,6 +54,35 @@ pub struct Model {
     pub workers: HashMap<u64, WorkerEntry>,
     /// The prefill workers (called by decode workers in `GenerateDisagg`).
     pub prefill: HashMap<u64, WorkerEntry>,
+    /// What requests see of it, rebuilt when a worker comes or goes (requests share it).
+    view: Arc<ModelView>,
+}
+
+impl Model {
+    fn new(name: String, assets: Arc<ModelAssets>) -> Self {
+        let view = Arc::new(ModelView {
+            name: name.clone(),
+            assets: assets.clone(),
+            workers: Vec::new(),
+            prefill: Vec::new(),
+        });
+        Self {
+            name,
+            assets,
+            workers: HashMap::new(),
+            prefill: HashMap::new(),
+            view,
+        }
+    }
+
+    fn renew_view(&mut self) {
+        self.view = Arc::new(ModelView {
+            name: self.name.clone(),
+            assets: self.assets.clone(),
+            workers: self.workers.values().cloned().collect(),
+            prefill: self.prefill.values().cloned().collect(),
+        });
+    }
 }
 
 /// True for a card of a prefill-only worker.
@@ -64,11 +95,14 @@ struct Owner {
     prefill: bool,
 }
 
+/// The models and their workers. Sharded maps: requests read a model's shared view without
+/// taking a lock over the registry, and a worker coming or going locks one shard. One change
+/// takes its model's entry and its owner's entry one after the other, never both at once.
 #[derive(Default)]
 pub struct Registry {
-    models: RwLock<HashMap<String, Model>>,
+    models: DashMap<String, Model>,
     /// worker id → its model name (and set), to find a worker on removal.
-    owners: RwLock<HashMap<u64, Owner>>,
+    owners: DashMap<u64, Owner>,
 }
 
 /// A snapshot of one model for a request.
@@ -190,20 +224,16 @@ pub async fn fetch_assets(client: &mut Client, card: &ModelCard) -> anyhow::Resu
 }
 
 impl Registry {
-    pub fn view(&self, name: &str) -> Option<ModelView> {
-        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        models.get(name).map(|m| ModelView {
-            name: m.name.clone(),
-            assets: m.assets.clone(),
-            workers: m.workers.values().cloned().collect(),
-            prefill: m.prefill.values().cloned().collect(),
-        })
+    /// The model's current workers, shared (a worker that comes or goes later makes a new
+    /// view; this one stays as it was).
+    pub fn view(&self, name: &str) -> Option<Arc<ModelView>> {
+        self.models.get(name).map(|m| m.view.clone())
     }
 
     pub fn model_names(&self) -> Vec<String> {
-        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        let mut names: Vec<String> = models
-            .values()
+        let mut names: Vec<String> = self
+            .models
+            .iter()
             .filter(|m| !m.workers.is_empty())
             .map(|m| m.name.clone())
             .collect();
@@ -214,29 +244,19 @@ impl Registry {
     /// Workers that serve `Generate` (prefill workers are not counted: alone they serve
     /// nothing).
     pub fn worker_count(&self) -> usize {
-        self.owners
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|o| !o.prefill)
-            .count()
+        self.owners.iter().filter(|o| !o.prefill).count()
     }
 
     /// `Some(true)` for a registered prefill worker, `Some(false)` for another registered
     /// worker, `None` for an unknown id.
     pub fn is_prefill_worker(&self, id: u64) -> Option<bool> {
-        self.owners
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .map(|o| o.prefill)
+        self.owners.get(&id).map(|o| o.prefill)
     }
 
     /// The tokenizer already loaded for `card`'s model, if its hash matches.
     /// `Err` when the model is known with a different tokenizer.
     pub fn existing_assets(&self, card: &ModelCard) -> Result<Option<Arc<ModelAssets>>, String> {
-        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        match models.get(&card.served_model_name) {
+        match self.models.get(&card.served_model_name) {
             None => Ok(None),
             Some(m) if m.assets.hash == card.tokenizer_hash => Ok(Some(m.assets.clone())),
             Some(m) => Err(format!(
@@ -258,72 +278,56 @@ impl Registry {
         let id = card.instance_id;
         let name = card.served_model_name.clone();
         let prefill = is_prefill(&card);
-        let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
-        let model = models.entry(name.clone()).or_insert_with(|| Model {
-            name: name.clone(),
-            assets,
-            workers: HashMap::new(),
-            prefill: HashMap::new(),
-        });
-        let set = if prefill {
-            &mut model.prefill
-        } else {
-            &mut model.workers
+        let entry = WorkerEntry {
+            card,
+            client,
+            health: health.clone(),
         };
-        set.insert(
+        {
+            let mut model = self
+                .models
+                .entry(name.clone())
+                .or_insert_with(|| Model::new(name.clone(), assets));
+            let set = if prefill {
+                &mut model.prefill
+            } else {
+                &mut model.workers
+            };
+            set.insert(id, entry);
+            model.renew_view();
+        }
+        self.owners.insert(
             id,
-            WorkerEntry {
-                card,
-                client,
-                health: health.clone(),
+            Owner {
+                model: name,
+                prefill,
             },
         );
-        self.owners
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                id,
-                Owner {
-                    model: name,
-                    prefill,
-                },
-            );
         health
     }
 
     /// Removes a worker.
     pub fn remove(&self, id: u64) -> bool {
-        let Some(owner) = self
-            .owners
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id)
-        else {
+        let Some((_, owner)) = self.owners.remove(&id) else {
             return false;
         };
-        let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
         // A model whose last worker left stays known, so its requests get 503 (no worker
         // available) rather than 404 (no such model); `/v1/models` lists served models only.
-        if let Some(m) = models.get_mut(&owner.model) {
+        if let Some(mut m) = self.models.get_mut(&owner.model) {
             if owner.prefill {
                 m.prefill.remove(&id);
             } else {
                 m.workers.remove(&id);
             }
+            m.renew_view();
         }
         true
     }
 
     /// `f` of a registered worker's entry.
     fn with_entry<R>(&self, id: u64, f: impl FnOnce(&WorkerEntry) -> R) -> Option<R> {
-        let (name, prefill) = self
-            .owners
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .map(|o| (o.model.clone(), o.prefill))?;
-        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        let m = models.get(&name)?;
+        let (name, prefill) = self.owners.get(&id).map(|o| (o.model.clone(), o.prefill))?;
+        let m = self.models.get(&name)?;
         let set = if prefill { &m.prefill } else { &m.workers };
         set.get(&id).map(f)
     }
@@ -340,19 +344,11 @@ impl Registry {
 
     /// Every registered worker's id.
     pub fn ids(&self) -> Vec<u64> {
-        self.owners
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .copied()
-            .collect()
+        self.owners.iter().map(|o| *o.key()).collect()
     }
 
     pub fn contains(&self, id: u64) -> bool {
-        self.owners
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&id)
+        self.owners.contains_key(&id)
     }
 }
 

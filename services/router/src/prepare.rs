@@ -36,7 +36,7 @@ pub struct Prepared {
     pub stream: bool,
     pub include_usage: bool,
     pub want_logprobs: bool,
-    pub view: ModelView,
+    pub view: Arc<ModelView>,
     /// The caller's rate limits (its API key's, or the shared ones), charged as tokens stream.
     pub limits: Arc<RateLimits>,
     /// The salt of the prompt's KV block hashes (the tenant's and the request's `cache_salt`).
@@ -98,7 +98,7 @@ fn labelled(model: &str, stream: bool) -> impl Fn(ApiError) -> Refusal + Copy + 
 }
 
 /// The served model `name`, or 404.
-fn served(state: &AppState, name: &str) -> Result<ModelView, Refusal> {
+fn served(state: &AppState, name: &str) -> Result<Arc<ModelView>, Refusal> {
     state
         .registry
         .view(name)
@@ -484,12 +484,21 @@ async fn completion_prompt(
     }
 }
 
-/// Runs `work` (rendering, tokenizing) on the blocking pool, so the async threads keep
-/// serving; prompts over [`LARGE_PROMPT_BYTES`] take turns.
+/// Prompts up to this many bytes are rendered and tokenized on the request's own thread: a
+/// few hundred microseconds, less than handing them to another thread costs (the hop, and
+/// the tokenizer's per-thread caches and allocator pages warmed again on the other side).
+const INLINE_PROMPT_BYTES: usize = 16 * 1024;
+
+/// Runs `work` (rendering, tokenizing): a small prompt's in place, a larger one's on the
+/// blocking pool so the async threads keep serving; prompts over [`LARGE_PROMPT_BYTES`] take
+/// turns.
 async fn off_thread<T: Send + 'static>(
     text_bytes: usize,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ApiError> {
+    if text_bytes <= INLINE_PROMPT_BYTES {
+        return Ok(work());
+    }
     let _turn = if text_bytes > LARGE_PROMPT_BYTES {
         Some(
             LARGE_PROMPTS

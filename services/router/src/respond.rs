@@ -1,5 +1,6 @@
 //! OpenAI response bodies and SSE chunks for chat and text completions.
 
+use serde::Serialize;
 use serde_json::{json, Value};
 use tandem_text::TokenLogprob;
 
@@ -69,21 +70,6 @@ fn tool_calls_json(calls: &[ToolCallDelta]) -> Value {
         .collect()
 }
 
-/// A chat delta: content, and the reasoning and tool calls when there are any.
-fn chat_delta(s: &Shaped, first: bool) -> Value {
-    let mut delta = json!({"content": s.content});
-    if first {
-        delta["role"] = json!("assistant");
-    }
-    if !s.reasoning.is_empty() {
-        delta["reasoning_content"] = json!(s.reasoning);
-    }
-    if !s.tool_calls.is_empty() {
-        delta["tool_calls"] = tool_calls_json(&s.tool_calls);
-    }
-    delta
-}
-
 /// `stop` becomes `tool_calls` when the choice called tools.
 pub fn finish_reason(reason: Option<String>, called_tools: bool) -> Option<String> {
     match reason.as_deref() {
@@ -135,32 +121,82 @@ pub fn logprobs_json(kind: Kind, assets: &ModelAssets, lps: &[TokenLogprob]) -> 
     }
 }
 
-/// One streaming chunk for one choice delta (`shaped`: a chat delta's content, reasoning and
-/// tool calls; `d.finish_reason` already final).
+/// A streaming chunk as it is serialised: borrowed fields, written straight to text (a
+/// chunk goes out per token, so no intermediate JSON tree is built for it).
+#[derive(Serialize)]
+struct Chunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [ChunkChoice<'a>; 1],
+}
+
+#[derive(Serialize)]
+struct ChunkChoice<'a> {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<ChatDelta<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    logprobs: Value,
+    finish_reason: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct ChatDelta<'a> {
+    content: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    reasoning_content: &'a str,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    tool_calls: Value,
+}
+
+/// One streaming chunk for one choice delta, as JSON text (`shaped`: a chat delta's content,
+/// reasoning and tool calls; `d.finish_reason` already final).
 pub fn chunk(
     meta: &Meta,
     assets: &ModelAssets,
     d: &ChoiceDelta,
     shaped: &Shaped,
     first: bool,
-) -> Value {
-    let lp = logprobs_json(meta.kind, assets, &d.logprobs);
-    let choice = match meta.kind {
+) -> String {
+    let (delta, text) = match meta.kind {
         Kind::Chat => {
-            let delta = chat_delta(shaped, first);
-            json!({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
+            let tool_calls = match shaped.tool_calls.is_empty() {
+                true => Value::Null,
+                false => tool_calls_json(&shaped.tool_calls),
+            };
+            let delta = ChatDelta {
+                content: &shaped.content,
+                role: first.then_some("assistant"),
+                reasoning_content: &shaped.reasoning,
+                tool_calls,
+            };
+            (Some(delta), None)
         }
-        Kind::Completion => {
-            json!({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
-        }
+        Kind::Completion => (None, Some(d.text.as_str())),
     };
-    json!({
-        "id": meta.id,
-        "object": match meta.kind { Kind::Chat => "chat.completion.chunk", Kind::Completion => "text_completion" },
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [choice],
-    })
+    let chunk = Chunk {
+        id: &meta.id,
+        object: match meta.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        },
+        created: meta.created,
+        model: &meta.model,
+        choices: [ChunkChoice {
+            index: d.index,
+            delta,
+            text,
+            logprobs: logprobs_json(meta.kind, assets, &d.logprobs),
+            finish_reason: d.finish_reason.as_deref(),
+        }],
+    };
+    // Serialising borrowed strings and numbers cannot fail.
+    serde_json::to_string(&chunk).unwrap_or_default()
 }
 
 /// The final usage-only chunk (`stream_options.include_usage`).
@@ -263,5 +299,86 @@ impl Collected {
             "choices": choices,
             "usage": usage_json(usage, reasoning_tokens),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(kind: Kind) -> Meta {
+        Meta {
+            kind,
+            id: "chatcmpl-1".into(),
+            model: "m".into(),
+            created: 7,
+        }
+    }
+
+    fn delta(text: &str, finish: Option<&str>) -> ChoiceDelta {
+        ChoiceDelta {
+            index: 1,
+            text: text.into(),
+            logprobs: Vec::new(),
+            finish_reason: finish.map(str::to_owned),
+        }
+    }
+
+    fn parsed(chunk: String) -> Value {
+        serde_json::from_str(&chunk).expect("a chunk is JSON")
+    }
+
+    #[test]
+    fn chat_chunks_carry_the_role_first_and_reasoning_and_calls_when_there_are_some() {
+        let assets = crate::generate::tests::assets();
+        let shaped = Shaped {
+            content: "a".into(),
+            ..Shaped::default()
+        };
+        let d = delta("a", None);
+        assert_eq!(
+            parsed(chunk(&meta(Kind::Chat), &assets, &d, &shaped, true)),
+            json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7,
+                   "model": "m", "choices": [{"index": 1,
+                   "delta": {"content": "a", "role": "assistant"},
+                   "logprobs": null, "finish_reason": null}]})
+        );
+        let shaped = Shaped {
+            content: String::new(),
+            reasoning: "hm".into(),
+            tool_calls: vec![ToolCallDelta {
+                index: 0,
+                id: Some("call_1".into()),
+                name: Some("f".into()),
+                arguments: "{}".into(),
+            }],
+        };
+        let d = delta("", Some("tool_calls"));
+        let c = parsed(chunk(&meta(Kind::Chat), &assets, &d, &shaped, false));
+        assert_eq!(
+            c["choices"][0],
+            json!({"index": 1, "delta": {"content": "", "reasoning_content": "hm",
+                   "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "f", "arguments": "{}"}}]},
+                   "logprobs": null, "finish_reason": "tool_calls"})
+        );
+    }
+
+    #[test]
+    fn completion_chunks_carry_the_text() {
+        let assets = crate::generate::tests::assets();
+        let d = delta("a b", Some("stop"));
+        let c = parsed(chunk(
+            &meta(Kind::Completion),
+            &assets,
+            &d,
+            &Shaped::default(),
+            true,
+        ));
+        assert_eq!(c["object"], "text_completion");
+        assert_eq!(
+            c["choices"],
+            json!([{"index": 1, "text": "a b", "logprobs": null, "finish_reason": "stop"}])
+        );
     }
 }

@@ -6,7 +6,7 @@ use tandem_protocol::worker::Usage;
 use super::*;
 
 /// A word-level tokenizer of two words, `a` (id 0) and `b` (id 1).
-fn assets() -> ModelAssets {
+pub(crate) fn assets() -> ModelAssets {
     let dir = std::env::temp_dir().join(format!("tandem-router-generate-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).expect("dir");
     std::fs::write(
