@@ -570,6 +570,19 @@ impl RequestStream {
         }
     }
 
+    /// The next output if one is ready now (`None` also once every choice has finished; a
+    /// stream whose engine is gone is noticed by [`Self::next`]).
+    pub fn try_next(&mut self) -> Option<RequestOutput> {
+        if self.remaining == 0 {
+            return None;
+        }
+        let o = self.rx.try_recv().ok()?;
+        if o.finish_reason.is_some() {
+            self.remaining -= 1;
+        }
+        Some(o)
+    }
+
     /// Every remaining output, in order.
     pub async fn collect(mut self) -> Vec<RequestOutput> {
         let mut v = Vec::new();

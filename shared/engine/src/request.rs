@@ -92,6 +92,26 @@ pub struct RequestOutput {
     pub score: Option<f32>,
 }
 
+impl RequestOutput {
+    /// Appends `next`, the following output of the same choice, to this one, so that tokens
+    /// that were ready together travel as one output; gives `next` back when it cannot be
+    /// merged (another choice, or this output already ends its choice or carries a score).
+    pub fn absorb(&mut self, next: RequestOutput) -> Result<(), Box<RequestOutput>> {
+        let ended = self.finish_reason.is_some() || self.error.is_some() || self.score.is_some();
+        if ended || next.index != self.index || next.score.is_some() {
+            return Err(Box::new(next));
+        }
+        self.token_ids.extend_from_slice(&next.token_ids);
+        self.text.push_str(&next.text);
+        self.logprobs.extend(next.logprobs);
+        self.finish_reason = next.finish_reason;
+        self.stop_reason = next.stop_reason;
+        self.usage = next.usage;
+        self.error = next.error;
+        Ok(())
+    }
+}
+
 pub use tandem_text::StopReason;
 
 /// Everything about one in-flight sequence that another engine needs to continue it exactly:
@@ -128,4 +148,44 @@ pub struct RequestSnapshot {
     pub layout: KvLayout,
     pub state: SequenceState,
     pub kv: Vec<u8>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(index: usize, token: u32, text: &str, finish: Option<FinishReason>) -> RequestOutput {
+        RequestOutput {
+            request_id: "r".into(),
+            index,
+            token_ids: vec![token],
+            text: text.into(),
+            logprobs: Vec::new(),
+            finish_reason: finish,
+            stop_reason: None,
+            usage: finish.map(|_| Usage::default()),
+            error: None,
+            score: None,
+        }
+    }
+
+    #[test]
+    fn outputs_of_one_choice_merge_until_it_ends() {
+        let mut a = out(0, 1, "he", None);
+        assert!(a.absorb(out(0, 2, "llo", None)).is_ok());
+        assert!(a.absorb(out(0, 3, "!", Some(FinishReason::Stop))).is_ok());
+        assert_eq!(
+            (a.token_ids.as_slice(), a.text.as_str()),
+            (&[1, 2, 3][..], "hello!")
+        );
+        assert_eq!(a.finish_reason, Some(FinishReason::Stop));
+        assert!(a.usage.is_some());
+        // Nothing follows a choice's last output, nor joins another choice's.
+        assert_eq!(
+            a.absorb(out(0, 4, "x", None)),
+            Err(Box::new(out(0, 4, "x", None)))
+        );
+        let mut b = out(0, 1, "a", None);
+        assert!(b.absorb(out(1, 2, "b", None)).is_err());
+    }
 }

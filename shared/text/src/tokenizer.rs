@@ -72,9 +72,11 @@ impl Tokenizer {
     /// Token ids of `text`. Chat prompts are rendered by the template with their special
     /// tokens spelled out, so `add_special_tokens` is normally false (Qwen3 adds none anyway).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        // Ids only: no character offsets are tracked (`encode_fast`), which the router's
+        // per-request CPU is mostly made of for text prompts.
         let enc = self
             .inner
-            .encode(text, add_special_tokens)
+            .encode_fast(text, add_special_tokens)
             .map_err(|e| TextError::Tokenizer(format!("encode: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }

@@ -12,7 +12,7 @@ use crate::prefill::PrefillSide;
 use crate::status::engine_status;
 use crate::wire::{EngineIntoWire, EngineTryFromWire, IntoWire};
 use tandem_engine::kv::events::KvCacheEvent;
-use tandem_engine::request::Request;
+use tandem_engine::request::{Request, RequestOutput};
 use tandem_protocol::worker::worker_server::Worker;
 use tandem_protocol::worker::{
     AbortReply, AbortRequest, DumpKvBlocksRequest, FenceLeaseReply, FenceLeaseRequest,
@@ -149,34 +149,51 @@ fn forward_events(
     Box::pin(ReceiverStream::new(rx))
 }
 
+/// Messages a Generate stream holds for a caller that reads slower than tokens come: fewer
+/// than the engine makes in a burst, so that the rest wait in the engine's stream and go out
+/// merged ([`forward`]).
+pub(crate) const STREAM_BUFFER: usize = 4;
+
 /// Forwards a local engine stream to a gRPC caller; a caller gone aborts the request at once
-/// instead of at the next token.
+/// instead of at the next token. Outputs of a choice that are ready together go out as one
+/// message (a caller that fell behind catches up with fewer, larger messages).
 pub(crate) async fn forward(
     mut stream: RequestStream,
     tx: &mpsc::Sender<Result<GenerateOutput, Status>>,
     engine: &EngineHandle,
 ) {
     let rid = stream.request_id().to_owned();
+    let mut held: Option<RequestOutput> = None;
     loop {
-        tokio::select! {
-            out = stream.next() => match out {
-                Some(out) => {
-                    if tx.send(Ok(out.into_wire())).await.is_err() {
+        let next = match held.take() {
+            Some(out) => Some(out),
+            None => tokio::select! {
+                out = stream.next() => out,
+                _ = tx.closed() => break,
+            },
+        };
+        match next {
+            Some(mut out) => {
+                while let Some(more) = stream.try_next() {
+                    if let Err(other) = out.absorb(more) {
+                        held = Some(*other);
                         break;
                     }
                 }
-                None if stream.was_cut() => {
-                    // The engine thread died with the request in flight.
-                    let _ = tx
-                        .send(Err(Status::unavailable(
-                            "the engine stopped before the request finished",
-                        )))
-                        .await;
-                    return;
+                if tx.send(Ok(out.into_wire())).await.is_err() {
+                    break;
                 }
-                None => return,
-            },
-            _ = tx.closed() => break,
+            }
+            None if stream.was_cut() => {
+                // The engine thread died with the request in flight.
+                let _ = tx
+                    .send(Err(Status::unavailable(
+                        "the engine stopped before the request finished",
+                    )))
+                    .await;
+                return;
+            }
+            None => return,
         }
     }
     tracing::info!(request_id = %rid, "client went away; aborting");
@@ -200,7 +217,7 @@ impl Worker for WorkerService {
             )
         })?;
         self.check_accepting()?;
-        let (tx, rx) = mpsc::channel(64);
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         decode.start(request.into_inner(), tx).await?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -250,7 +267,7 @@ impl Worker for WorkerService {
             req.media = encoder.embed(&req.prompt, media).await?;
         }
         let stream = self.engine.submit(req).await.map_err(engine_status)?;
-        let (tx, rx) = mpsc::channel(64);
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let engine = self.engine.clone();
         tokio::spawn(async move { forward(stream, &tx, &engine).await });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
