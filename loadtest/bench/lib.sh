@@ -44,3 +44,10 @@ start_router() {
 }
 
 stop_all() { cleanup; PIDS=(); }
+
+# bench_pki: a deployment PKI for this run (internal channels are mutual TLS by default);
+# sets SEC, the flags the mocker and the router take.
+bench_pki() {
+  "$BIN/tandem" certs --out "$WORK/pki" >/dev/null
+  SEC=(--internal-tls-dir "$WORK/pki")
+}

@@ -124,9 +124,32 @@ fn class_of(e: &reqwest::Error) -> &'static str {
 /// choice carried text.
 enum Event {
     Text,
-    Usage(usize),
+    Usage(Usage),
     Done,
     Other,
+}
+
+/// The usage block of a stream's last chunk.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Usage {
+    completion_tokens: usize,
+    /// The server's count of prompt tokens and of those it had cached, when it gave them.
+    prompt: Option<(usize, usize)>,
+}
+
+impl Usage {
+    fn of(v: &Value) -> Option<Self> {
+        let n = |p: &str| v.pointer(p).and_then(Value::as_u64).map(|n| n as usize);
+        let completion_tokens = n("/usage/completion_tokens")?;
+        let prompt = n("/usage/prompt_tokens").map(|p| {
+            let cached = n("/usage/prompt_tokens_details/cached_tokens").unwrap_or(0);
+            (p, cached)
+        });
+        Some(Self {
+            completion_tokens,
+            prompt,
+        })
+    }
 }
 
 /// Classifies one SSE payload; with `output`, also records its tokens and logprobs (one parse
@@ -142,10 +165,7 @@ fn parse_event(data: &str, output: Option<&mut Output>) -> Result<Event, ()> {
     if let Some(out) = output {
         take_logprobs(&v, out);
     }
-    if let Some(n) = v
-        .pointer("/usage/completion_tokens")
-        .and_then(Value::as_u64)
-    {
+    if let Some(usage) = Usage::of(&v) {
         // Usage may ride with the last text chunk too; text wins the timing.
         let has_text = v
             .pointer("/choices/0/text")
@@ -153,7 +173,7 @@ fn parse_event(data: &str, output: Option<&mut Output>) -> Result<Event, ()> {
             .and_then(Value::as_str)
             .is_some_and(|t| !t.is_empty());
         if !has_text {
-            return Ok(Event::Usage(n as usize));
+            return Ok(Event::Usage(usage));
         }
     }
     // Only visible text counts as a token arrival (as in aiperf): a server sends empty text
@@ -303,7 +323,8 @@ impl Client {
             let end = rec.end;
             return fail(rec, "stream_truncated", end);
         }
-        rec.output_tokens = usage.unwrap_or(text_chunks);
+        rec.output_tokens = usage.map_or(text_chunks, |u: Usage| u.completion_tokens);
+        rec.server_prompt = usage.and_then(|u| u.prompt);
         rec.output = output;
         if rec.chunk_times.is_empty() {
             let end = rec.end;
@@ -364,7 +385,19 @@ mod tests {
         ));
         assert!(matches!(
             parse_event(r#"{"choices":[],"usage":{"completion_tokens":7}}"#, None),
-            Ok(Event::Usage(7))
+            Ok(Event::Usage(Usage {
+                completion_tokens: 7,
+                prompt: None
+            }))
+        ));
+        let usage = r#"{"choices":[],"usage":{"completion_tokens":7,"prompt_tokens":40,
+                        "prompt_tokens_details":{"cached_tokens":32}}}"#;
+        assert!(matches!(
+            parse_event(usage, None),
+            Ok(Event::Usage(Usage {
+                completion_tokens: 7,
+                prompt: Some((40, 32))
+            }))
         ));
         // Chat completions (`--images`): the text is the delta's content.
         assert!(matches!(

@@ -102,6 +102,12 @@ pub fn print_summary(s: &Summary) {
         s.input_token_throughput,
         goodput_line(s)
     );
+    if let Some(rate) = s.prompt_cache_hit_rate {
+        println!(
+            "prompt cache hit rate {:.1}% (the server's cached_tokens)",
+            rate * 100.0
+        );
+    }
     if !s.ended_by.is_empty() {
         println!("ended by: {}", s.ended_by);
     }

@@ -12,6 +12,9 @@ pub struct Record {
     pub end: f64,
     pub input_tokens: usize,
     pub output_tokens: usize,
+    /// The server's prompt tokens and how many of them it found cached (its usage block).
+    #[serde(skip)]
+    pub server_prompt: Option<(usize, usize)>,
     /// Error class when the request failed (see `client::ErrorClass`).
     pub error: Option<String>,
     /// The start of the server's error message, when it sent one.
@@ -129,6 +132,9 @@ pub struct Summary {
     pub request_throughput: f64,
     pub output_token_throughput: f64,
     pub input_token_throughput: f64,
+    /// Cached prompt tokens over prompt tokens, as the server's usage reported them
+    /// (`prompt_tokens_details.cached_tokens`); `None` when no request reported them.
+    pub prompt_cache_hit_rate: Option<f64>,
     /// Successful requests per second that met the SLA (0 without an SLA).
     pub goodput: f64,
     pub sla_met: usize,
@@ -176,12 +182,22 @@ pub fn summarize(records: &[Record], duration_s: f64, sla: Option<Sla>) -> Summa
         request_throughput: ok.len() as f64 / dur,
         output_token_throughput: ok.iter().map(|r| r.output_tokens).sum::<usize>() as f64 / dur,
         input_token_throughput: ok.iter().map(|r| r.input_tokens).sum::<usize>() as f64 / dur,
+        prompt_cache_hit_rate: hit_rate(&ok),
         goodput: sla_met as f64 / dur,
         sla_met,
         sla,
         ended_by: String::new(),
         error_samples,
     }
+}
+
+/// Cached over prompt tokens of the requests whose usage reported both.
+fn hit_rate(ok: &[&Record]) -> Option<f64> {
+    let (prompt, cached) = ok
+        .iter()
+        .filter_map(|r| r.server_prompt)
+        .fold((0, 0), |(p, c), (rp, rc)| (p + rp, c + rc));
+    (prompt > 0).then(|| cached as f64 / prompt as f64)
 }
 
 #[cfg(test)]
@@ -198,10 +214,23 @@ mod tests {
             chunk_times,
             input_tokens: 100,
             output_tokens: n,
+            server_prompt: None,
             error: None,
             detail: None,
             output: None,
         }
+    }
+
+    #[test]
+    fn the_hit_rate_counts_the_requests_that_reported_their_prompt() {
+        let with = |prompt| Record {
+            server_prompt: prompt,
+            ..stream(0.0, 0.1, 0.01, 3)
+        };
+        let recs = [with(Some((100, 80))), with(Some((300, 0))), with(None)];
+        let s = summarize(&recs, 1.0, None);
+        assert_eq!(s.prompt_cache_hit_rate, Some(0.2));
+        assert_eq!(summarize(&recs[2..], 1.0, None).prompt_cache_hit_rate, None);
     }
 
     #[test]
