@@ -2,8 +2,8 @@
 
 use tandem_config::entry;
 
-/// mimalloc: the router allocates per request and per token (tokenizing, JSON); glibc's
-/// allocator was a third of its CPU on text prompts.
+/// mimalloc: the router allocates per request and per token (tokenizing, JSON); malloc and
+/// free were about a third of its CPU in a profile of text prompts (docs/benchmarks.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

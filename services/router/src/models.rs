@@ -47,28 +47,25 @@ pub struct ModelAssets {
     pub hash: String,
 }
 
-pub struct Model {
-    pub name: String,
-    pub assets: Arc<ModelAssets>,
+struct Model {
     /// The workers that serve `Generate` (agg, pd, decode).
-    pub workers: HashMap<u64, WorkerEntry>,
+    workers: HashMap<u64, WorkerEntry>,
     /// The prefill workers (called by decode workers in `GenerateDisagg`).
-    pub prefill: HashMap<u64, WorkerEntry>,
-    /// What requests see of it, rebuilt when a worker comes or goes (requests share it).
+    prefill: HashMap<u64, WorkerEntry>,
+    /// What requests see of it (its name and tokenizer too), rebuilt when a worker comes or
+    /// goes; requests share it.
     view: Arc<ModelView>,
 }
 
 impl Model {
     fn new(name: String, assets: Arc<ModelAssets>) -> Self {
         let view = Arc::new(ModelView {
-            name: name.clone(),
-            assets: assets.clone(),
+            name,
+            assets,
             workers: Vec::new(),
             prefill: Vec::new(),
         });
         Self {
-            name,
-            assets,
             workers: HashMap::new(),
             prefill: HashMap::new(),
             view,
@@ -77,8 +74,8 @@ impl Model {
 
     fn renew_view(&mut self) {
         self.view = Arc::new(ModelView {
-            name: self.name.clone(),
-            assets: self.assets.clone(),
+            name: self.view.name.clone(),
+            assets: self.view.assets.clone(),
             workers: self.workers.values().cloned().collect(),
             prefill: self.prefill.values().cloned().collect(),
         });
@@ -235,7 +232,7 @@ impl Registry {
             .models
             .iter()
             .filter(|m| !m.workers.is_empty())
-            .map(|m| m.name.clone())
+            .map(|m| m.view.name.clone())
             .collect();
         names.sort();
         names
@@ -258,11 +255,11 @@ impl Registry {
     pub fn existing_assets(&self, card: &ModelCard) -> Result<Option<Arc<ModelAssets>>, String> {
         match self.models.get(&card.served_model_name) {
             None => Ok(None),
-            Some(m) if m.assets.hash == card.tokenizer_hash => Ok(Some(m.assets.clone())),
+            Some(m) if m.view.assets.hash == card.tokenizer_hash => Ok(Some(m.view.assets.clone())),
             Some(m) => Err(format!(
                 "worker {} serves `{}` with tokenizer hash {}, but the other workers of that model \
                  have {}; refusing it",
-                card.instance_id, card.served_model_name, card.tokenizer_hash, m.assets.hash
+                card.instance_id, card.served_model_name, card.tokenizer_hash, m.view.assets.hash
             )),
         }
     }
