@@ -7,8 +7,10 @@
 #             seeded sampling, one at a time: disaggregated output over UCX must equal the
 #             aggregated output token for token (and TCP's too)
 #   ttft      TTFT at 512 / 2k / 8k-token prompts, one request at a time (tandem-loadtest),
-#             for agg, disagg over UCX and disagg over TCP, in one run: what disaggregation
-#             adds to the first token
+#             for agg, disagg over UCX (the default layer groups, then each of
+#             TANDEM_GPU_LAYER_GROUPS_COMPARE, default "0 28") and disagg over TCP, in one run:
+#             what disaggregation adds to the first token; with the prefill worker's time in
+#             KV writes per request and the part of it after the last layer was computed
 #   cancel    streams cut mid-prefill and mid-decode on the UCX path, then a normal load must
 #             still complete with every request served (pins and leases released)
 #   kill      kill -9 of the prefill worker, then of the decode worker, each under load on the
@@ -53,9 +55,25 @@ sys.exit(1 if diff or len(a) != len(b) else 0)
 PY
 }
 
+# The prefill worker's /metrics address in a topology's log (empty when aggregated).
+prefill_metrics() { # name
+    grep -o 'prefill[^ ]* ready at .*/metrics: http://[^)]*' "$OUT/serve_$1.log" | tail -1 | sed 's/.*metrics: //'
+}
+
+# Sums and counts of the prefill worker's write-time histograms, one line.
+scrape_transfer() { # metrics address
+    [ -n "$1" ] || { echo "- - - -"; return; }
+    curl -sf "$1/metrics" | awk '
+        /^tandem_kv_transfer_write_seconds_sum/ {ws=$2} /^tandem_kv_transfer_write_seconds_count/ {wc=$2}
+        /^tandem_kv_transfer_exposed_seconds_sum/ {es=$2} /^tandem_kv_transfer_exposed_seconds_count/ {ec=$2}
+        END {print (ws==""?0:ws), (wc==""?0:wc), (es==""?0:es), (ec==""?0:ec)}'
+}
+
 ttft() { # name
-    local isl rc=0
+    local isl rc=0 m before after
+    m=$(prefill_metrics "$1")
     for isl in $ISLS; do
+        before=$(scrape_transfer "$m")
         "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/ttft_$1_$isl" \
             --num-requests "$TTFT_N" --concurrency 1 --isl "$isl" --osl 2 --vocab-hi 150000 \
             > "$OUT/ttft_$1_$isl.txt" 2>&1 || rc=1
@@ -68,6 +86,23 @@ print(f"ttft {sys.argv[2]} isl {sys.argv[3]}: p50 {t['p50']:.2f} ms, p90 {t['p90
 sys.exit(0 if r["failed"] == 0 else 1)
 PY
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        after=$(scrape_transfer "$m")
+        # Time in KV writes per request, and the part of it after the last computed layer
+        # (not hidden behind compute).
+        [ -n "$m" ] && python3 - "$1" "$isl" "$before" "$after" <<'PY' | tee -a "$OUT/ttft_summary.txt"
+import sys
+name, isl = sys.argv[1], sys.argv[2]
+b = [float(x) for x in sys.argv[3].split()]
+a = [float(x) for x in sys.argv[4].split()]
+ws, wc, es, ec = (a[i] - b[i] for i in range(4))
+if wc <= 0:
+    print(f"transfer {name} isl {isl}: no writes recorded")
+else:
+    w = ws / wc * 1e3
+    e = es / ec * 1e3 if ec > 0 else float("nan")
+    print(f"transfer {name} isl {isl}: writes {w:.3f} ms per request, {e:.3f} ms of them after the "
+          f"last layer was computed ({100 * (1 - e / w) if w > 0 else 0:.0f}% hidden)")
+PY
     done
     return $rc
 }
@@ -143,6 +178,19 @@ for role in prefill decode; do
 done
 stop
 grep -E "ERROR|panicked" "$OUT/serve_disagg_ucx.log" | head -20
+
+# The same over UCX with other layer groupings (0: whole blocks after each step), TTFT and
+# write times side by side with the default's.
+for g in ${TANDEM_GPU_LAYER_GROUPS_COMPARE:-0 28}; do
+    DYN_KV_TRANSFER_LAYER_GROUPS=$g up "disagg_ucx_g$g" --topology disagg --kv-transport ucx \
+        --router-arg=--enforce-disagg
+    wait_model "disagg_ucx_g$g"
+    outputs "disagg_ucx_g$g" && same agg "disagg_ucx_g$g"
+    case_result "same_ucx_g$g" $?
+    ttft "disagg_ucx_g$g"
+    case_result "ttft_ucx_g$g" $?
+    stop
+done
 
 up disagg_tcp --topology disagg --kv-transport tcp --router-arg=--enforce-disagg
 wait_model disagg_tcp

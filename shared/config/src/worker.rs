@@ -136,6 +136,9 @@ pub struct Disaggregation {
     pub kv_lease_ttl_secs: u32,
     /// Seconds past a revoked lease's TTL after which its blocks are reclaimed without a fence.
     pub kv_lease_reclaim_margin_secs: u32,
+    /// `--kv-transfer-layer-groups`: groups of layers a GPU-to-GPU prefill write leaves in
+    /// while its step runs (0: whole blocks after the step).
+    pub kv_transfer_layer_groups: u32,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -1,7 +1,10 @@
 //! The prefill worker (`--disaggregation-mode prefill`): computes a prompt and writes the KV
 //! blocks a decode worker's lease asks for straight into that worker's registered memory,
 //! batch by batch as the engine completes them (so transfer overlaps the next chunk's
-//! compute), then returns the first token and the request's sampling state.
+//! compute), then returns the first token and the request's sampling state. GPU to GPU, a
+//! batch may also come before the step that computes it, in groups of layers each behind
+//! its own fence (`--kv-transfer-layer-groups`): each group is put as soon as the step has
+//! computed it, so the transfer overlaps that same step.
 //!
 //! Each write runs in its own task ([`LeaseWrites`]), so a cancelled call never drops a put
 //! halfway: the task stops at the next batch boundary. `FenceLease` answers only once the
@@ -16,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_engine::backend::DeviceBlocks;
+use tandem_engine::backend::{BlocksReady, DeviceBlocks, DeviceFence};
 use tandem_engine::engine::{BlockExport, BlockPin, EngineHandle, PrefillEvent, PrefillStream};
 use tandem_engine::request::{FinishReason, Request, RequestOutput, SequenceState};
 use tandem_kv_transfer::{
@@ -40,6 +43,8 @@ pub struct PrefillSide {
     writer: KvWriter,
     layout_id: String,
     block_bytes: usize,
+    /// Layer groups of a GPU-to-GPU write while its step runs (0: whole blocks after it).
+    layer_groups: usize,
     connections: Connections,
     writes: Arc<LeaseWrites>,
     pub bytes_sent: AtomicU64,
@@ -67,11 +72,19 @@ impl PrefillSide {
             writer,
             layout_id,
             block_bytes,
+            layer_groups: 0,
             connections: Connections::default(),
             writes: Arc::default(),
             bytes_sent: AtomicU64::new(0),
             media: std::sync::OnceLock::new(),
         }
+    }
+
+    /// GPU-to-GPU writes leave in `groups` groups of layers while their step runs (0: whole
+    /// blocks after each step; see `BlockExport::Device`).
+    pub fn with_layer_groups(mut self, groups: usize) -> Self {
+        self.layer_groups = groups;
+        self
     }
 
     /// Lets this prefill worker take images (its model's vision tower).
@@ -131,7 +144,7 @@ impl PrefillSide {
         region
             .validate()
             .map_err(|e| Status::invalid_argument(format!("lease.region: {e}")))?;
-        let export = export_for(&region, self.gpu_writer())?;
+        let export = export_for(&region, self.gpu_writer(), self.layer_groups)?;
         request
             .params
             .validate()
@@ -194,6 +207,7 @@ impl PrefillSide {
             sent_bytes: 0,
             started: Instant::now(),
             deadline,
+            timing: WriteTiming::default(),
         };
         loop {
             match next_event(&mut stream, &w.lease, deadline, cancel).await? {
@@ -240,10 +254,12 @@ impl PrefillSide {
                     })
                     .collect();
                 crate::failpoints::prefill_hold(&w.request_id, last_block).await;
+                let started = Instant::now();
                 if let Err(e) = conn.write(&w.region, puts).await {
                     self.connections.forget(&w.region.peer).await;
                     return Err(write_failed(e));
                 }
+                w.timing.wrote(started);
                 data.len() as u64
             }
             Link::Simulated(sim) => {
@@ -262,7 +278,8 @@ impl PrefillSide {
     }
 
     /// Writes the engine's blocks `at..` (in its GPU pool, pinned by `pin`) GPU to GPU into
-    /// the lease's offsets, once the step that computed them is complete.
+    /// the lease's offsets: whole, once the step that computed them is complete, or group of
+    /// layers by group, each once the step has passed it.
     async fn send_device_blocks(
         &self,
         w: &mut LeaseWrite,
@@ -280,37 +297,56 @@ impl PrefillSide {
         }
         w.check_blocks(at, n, n * bb, bb)?;
         crate::failpoints::prefill_silent().await;
-        w.check_deadline(at)?;
         let Link::Real(conn) = &w.link else {
             return Err(Status::internal("GPU blocks for a simulated link"));
         };
-        // The fence is almost always passed already (the step ended with a read-back); wait
-        // for it off the async threads all the same.
-        let ready = blocks.ready;
-        tokio::task::spawn_blocking(move || ready.wait())
-            .await
-            .map_err(|e| Status::internal(format!("waiting for the KV blocks: {e}")))?
-            .map_err(|e| Status::internal(format!("waiting for the KV blocks: {e}")))?;
-        let offsets = w.offsets(at, n);
-        let puts = blocks
-            .ptrs
-            .iter()
-            .zip(offsets)
-            .map(|(&src, &offset)| DevicePut {
-                src,
-                len: bb as u64,
-                offset,
-            })
-            .collect();
-        // SAFETY: the engine handed these blocks out as its pool's memory on `blocks.device`
-        // after the work that wrote them (the fence above), and `pin` keeps them referenced —
-        // neither evicted, reused nor written — until the transport drops it, after its last
-        // read.
-        let batch = unsafe { DeviceBatch::new(blocks.device, puts, Box::new(pin)) };
-        crate::failpoints::prefill_hold(&w.request_id, at + n - 1).await;
-        if let Err(e) = conn.write_device(&w.region, batch).await {
-            self.connections.forget(&w.region.peer).await;
-            return Err(write_failed(e));
+        let conn = conn.clone();
+        let pin = Arc::new(pin);
+        let parts = match &blocks.ready {
+            BlocksReady::Whole(_) => vec![(0..bb, None)],
+            BlocksReady::Layers {
+                layer_bytes,
+                groups,
+            } => groups
+                .iter()
+                .map(|g| {
+                    let range = g.layers.start * layer_bytes..g.layers.end * layer_bytes;
+                    (range, Some(g.fence.clone()))
+                })
+                .collect(),
+        };
+        if let BlocksReady::Whole(fence) = blocks.ready {
+            wait_fence(Arc::from(fence)).await?;
+            w.timing.fence_passed();
+        }
+        for (bytes, fence) in parts {
+            if let Some(fence) = fence {
+                wait_fence(fence).await?;
+                w.timing.fence_passed();
+            }
+            w.check_deadline(at)?;
+            let puts = w
+                .offsets(at, n)
+                .iter()
+                .zip(&blocks.ptrs)
+                .map(|(&offset, &src)| DevicePut {
+                    src: src + bytes.start as u64,
+                    len: bytes.len() as u64,
+                    offset: offset + bytes.start as u64,
+                })
+                .collect();
+            // SAFETY: the engine handed these blocks out as its pool's memory on
+            // `blocks.device`, and these bytes of them are final (the fence above); `pin`
+            // keeps them referenced — neither evicted, reused nor written — until the
+            // transport drops its last clone, after its last read.
+            let batch = unsafe { DeviceBatch::new(blocks.device, puts, Box::new(pin.clone())) };
+            crate::failpoints::prefill_hold(&w.request_id, at + n - 1).await;
+            let started = Instant::now();
+            if let Err(e) = conn.write_device(&w.region, batch).await {
+                self.connections.forget(&w.region.peer).await;
+                return Err(write_failed(e));
+            }
+            w.timing.wrote(started);
         }
         let written = (n * bb) as u64;
         w.sent_blocks += n;
@@ -331,10 +367,14 @@ impl PrefillSide {
 /// How blocks leave the engine for `region`: a host region takes exported (copied) blocks;
 /// a GPU region takes the GPU pool's blocks in place, from a GPU writer only. Any other
 /// pair is refused before any compute, never staged.
-fn export_for(region: &RemoteRegion, gpu_writer: bool) -> Result<BlockExport, Status> {
+fn export_for(
+    region: &RemoteRegion,
+    gpu_writer: bool,
+    layer_groups: usize,
+) -> Result<BlockExport, Status> {
     match (region.memory, gpu_writer) {
         (MemoryKind::Host, _) => Ok(BlockExport::Host),
-        (MemoryKind::Cuda { .. }, true) => Ok(BlockExport::Device),
+        (MemoryKind::Cuda { .. }, true) => Ok(BlockExport::Device { layer_groups }),
         (memory, false) => Err(Status::failed_precondition(format!(
             "the decode worker's KV pool is {} memory; this prefill worker writes from host \
              memory (pair workers whose pools are the same memory type: GPU to GPU needs \
@@ -364,6 +404,15 @@ async fn next_event(
     }
 }
 
+/// Waits for `fence` off the async threads (it is almost always passed already when whole
+/// blocks come after their step; a layer group's passes while its step runs).
+async fn wait_fence(fence: Arc<dyn DeviceFence>) -> Result<(), Status> {
+    tokio::task::spawn_blocking(move || fence.wait())
+        .await
+        .map_err(|e| Status::internal(format!("waiting for the KV blocks: {e}")))?
+        .map_err(|e| Status::internal(format!("waiting for the KV blocks: {e}")))
+}
+
 fn write_failed(e: impl std::fmt::Display) -> Status {
     Status::aborted(format!(
         "writing KV blocks to the decode worker failed: {e}"
@@ -382,6 +431,41 @@ struct LeaseWrite {
     started: Instant,
     /// The lease's end by this worker's clock: no put starts after it.
     deadline: Instant,
+    timing: WriteTiming,
+}
+
+/// Where a lease's write time went: in puts, and after the last computed layer.
+#[derive(Default)]
+struct WriteTiming {
+    /// Time inside the transport's writes.
+    writing: Duration,
+    /// When the last fence passed (the last bytes to write were computed) and when the last
+    /// write ended: the difference is the part of the transfer not hidden behind compute.
+    last_fence: Option<Instant>,
+    last_write_end: Option<Instant>,
+}
+
+impl WriteTiming {
+    fn fence_passed(&mut self) {
+        self.last_fence = Some(Instant::now());
+    }
+
+    fn wrote(&mut self, started: Instant) {
+        let now = Instant::now();
+        self.writing += now - started;
+        self.last_write_end = Some(now);
+    }
+
+    /// Records the lease's write time and its exposed part (GPU-to-GPU writes, which wait
+    /// for fences): `tandem_kv_transfer_write_seconds` and
+    /// `tandem_kv_transfer_exposed_seconds`.
+    fn record(&self) {
+        metrics::histogram!("tandem_kv_transfer_write_seconds").record(self.writing.as_secs_f64());
+        if let (Some(fence), Some(end)) = (self.last_fence, self.last_write_end) {
+            let exposed = end.saturating_duration_since(fence);
+            metrics::histogram!("tandem_kv_transfer_exposed_seconds").record(exposed.as_secs_f64());
+        }
+    }
 }
 
 impl LeaseWrite {
@@ -452,6 +536,7 @@ impl LeaseWrite {
                 self.want()
             )));
         }
+        self.timing.record();
         tracing::debug!(
             lease_id = self.lease.lease_id,
             prompt_len = self.prompt_len,
@@ -477,11 +562,14 @@ mod tests {
     #[test]
     fn a_gpu_region_is_written_by_a_gpu_writer_only() {
         let mut region = crate::transport::simulated_region(1, 4096);
-        assert_eq!(export_for(&region, false).unwrap(), BlockExport::Host);
-        assert_eq!(export_for(&region, true).unwrap(), BlockExport::Host);
+        assert_eq!(export_for(&region, false, 4).unwrap(), BlockExport::Host);
+        assert_eq!(export_for(&region, true, 4).unwrap(), BlockExport::Host);
         region.memory = MemoryKind::Cuda { device: 1 };
-        assert_eq!(export_for(&region, true).unwrap(), BlockExport::Device);
-        let e = export_for(&region, false).unwrap_err();
+        assert_eq!(
+            export_for(&region, true, 4).unwrap(),
+            BlockExport::Device { layer_groups: 4 }
+        );
+        let e = export_for(&region, false, 4).unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
         assert!(e.message().contains("cuda memory"), "{}", e.message());
     }

@@ -343,11 +343,10 @@ impl DisaggSides {
             _ => None,
         };
         let prefill = writer.map(|writer| {
-            Arc::new(PrefillSide::with_writer(
-                built.engine.clone(),
-                writer,
-                layout_id,
-            ))
+            Arc::new(
+                PrefillSide::with_writer(built.engine.clone(), writer, layout_id)
+                    .with_layer_groups(cfg.disaggregation.kv_transfer_layer_groups as usize),
+            )
         });
         Ok(DisaggSides {
             decode,

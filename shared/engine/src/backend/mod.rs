@@ -4,11 +4,13 @@
 
 pub mod cpu;
 pub mod cpu_ops;
+pub mod fence;
 pub mod pool_memory;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use fence::{BlocksReady, DeviceFence, LayerFence};
 pub use pool_memory::KvPoolMemory;
 
 use crate::error::EngineError;
@@ -59,19 +61,13 @@ pub struct DevicePool {
     pub device: u32,
 }
 
-/// Tells when the GPU work recorded before it (the step that wrote some blocks) is complete.
-pub trait DeviceFence: Send + Sync {
-    /// Blocks the calling thread until that work is complete.
-    fn wait(&self) -> Result<(), EngineError>;
-}
-
 /// Blocks of a GPU pool handed out for a GPU-to-GPU write: their device addresses
-/// (`block_bytes` each) and the fence after which their contents are final.
+/// (`block_bytes` each) and the fences after which their contents are final.
 pub struct DeviceBlocks {
     pub device: u32,
     pub block_bytes: usize,
     pub ptrs: Vec<u64>,
-    pub ready: Box<dyn DeviceFence>,
+    pub ready: BlocksReady,
 }
 
 impl std::fmt::Debug for DeviceBlocks {
@@ -80,7 +76,8 @@ impl std::fmt::Debug for DeviceBlocks {
             .field("device", &self.device)
             .field("block_bytes", &self.block_bytes)
             .field("ptrs", &self.ptrs)
-            .finish_non_exhaustive()
+            .field("ready", &self.ready)
+            .finish()
     }
 }
 
@@ -127,6 +124,20 @@ pub trait Backend: Send {
     /// far (no device-wide wait); `None` when the pool is not in GPU memory.
     fn device_blocks(&mut self, blocks: &[u32]) -> Result<Option<DeviceBlocks>, EngineError> {
         let _ = blocks;
+        Ok(None)
+    }
+    /// `blocks` as GPU memory whose K/V the *next* step writes, each of `groups` groups of
+    /// layers behind a fence that step records as soon as its launches have written that
+    /// group ([`BlocksReady::Layers`]): a writer reads the early layers while the step still
+    /// computes the later ones. Every call before that step shares its fences. `None` when
+    /// the pool is not GPU memory or the backend cannot fence by layer (the blocks then
+    /// leave after the step, through [`Backend::device_blocks`]).
+    fn device_blocks_by_layers(
+        &mut self,
+        blocks: &[u32],
+        groups: usize,
+    ) -> Result<Option<DeviceBlocks>, EngineError> {
+        let _ = (blocks, groups);
         Ok(None)
     }
     /// Makes blocks a remote prefill wrote into this backend's transfer memory visible to

@@ -752,6 +752,8 @@ async fn staged_transfer_memory_is_loaded_on_activation() {
 struct InPlaceBackend {
     inner: CpuBackend,
     base: u64,
+    /// Layer fences handed out for the next step, resolved once its forward returns.
+    armed: Option<crate::backend::fence::ArmedLayers>,
 }
 
 /// A fence that has always passed (the CPU backend's work is done when `forward` returns).
@@ -777,7 +779,12 @@ impl Backend for InPlaceBackend {
         &mut self,
         batch: &[crate::backend::SeqInput<'_>],
     ) -> Result<crate::backend::StepOutput, EngineError> {
-        self.inner.forward(batch)
+        let marks = self.armed.take().map(|a| a.into_setters());
+        let out = self.inner.forward(batch)?;
+        if let Some(mut marks) = marks {
+            marks.finish(|| Ok(Box::new(Passed)))?;
+        }
+        Ok(out)
     }
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
         self.inner.export_blocks(blocks)
@@ -804,8 +811,27 @@ impl Backend for InPlaceBackend {
                 .iter()
                 .map(|&b| self.base + self.layout().block_offset(b))
                 .collect(),
-            ready: Box::new(Passed),
+            ready: crate::backend::BlocksReady::Whole(Box::new(Passed)),
         }))
+    }
+    fn device_blocks_by_layers(
+        &mut self,
+        blocks: &[u32],
+        groups: usize,
+    ) -> Result<Option<crate::backend::DeviceBlocks>, EngineError> {
+        let layers = self.layout().num_layers;
+        let fences = self
+            .armed
+            .get_or_insert_with(|| crate::backend::fence::ArmedLayers::new(layers, groups))
+            .fences();
+        let Some(mut blocks) = self.device_blocks(blocks)? else {
+            return Ok(None);
+        };
+        blocks.ready = crate::backend::BlocksReady::Layers {
+            layer_bytes: self.layout().layer_bytes(),
+            groups: fences,
+        };
+        Ok(Some(blocks))
     }
 }
 
@@ -818,7 +844,11 @@ fn in_place_engine(t: &Tiny, max_num_tokens: usize) -> EngineHandle {
     let mem = unsafe { KvPoolMemory::external(base as *mut u8, len, Box::new(buf)) }.unwrap();
     let inner = CpuBackend::new_in(&t.model, KvDtype::F32, BLOCK, BLOCKS, mem).unwrap();
     Engine::start(
-        Box::new(InPlaceBackend { inner, base }),
+        Box::new(InPlaceBackend {
+            inner,
+            base,
+            armed: None,
+        }),
         Some(t.tokenizer.clone()),
         tiny_config(t, max_num_tokens),
     )
@@ -827,6 +857,55 @@ fn in_place_engine(t: &Tiny, max_num_tokens: usize) -> EngineHandle {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_handed_out_in_place_stay_pinned_until_written() {
+    in_place_prefill(0).await;
+}
+
+/// Blocks a step completes leave before it runs, in layer groups each behind its own fence:
+/// read group by group, they make the same blocks and the same continuation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_handed_out_by_layer_groups_assemble_the_same_kv() {
+    in_place_prefill(2).await;
+    in_place_prefill(64).await;
+}
+
+/// Reads a handed-out block set: whole blocks after their fence, or group by group, each
+/// group's layers of every block after that group's fence; returns each block's bytes.
+fn read_device_blocks(blocks: &crate::backend::DeviceBlocks) -> Vec<Vec<u8>> {
+    let bb = blocks.block_bytes;
+    let mut out = vec![vec![0u8; bb]; blocks.ptrs.len()];
+    let groups: Vec<std::ops::Range<usize>> = match &blocks.ready {
+        crate::backend::BlocksReady::Whole(f) => {
+            f.wait().unwrap();
+            std::iter::once(0..bb).collect()
+        }
+        crate::backend::BlocksReady::Layers {
+            layer_bytes,
+            groups,
+        } => {
+            let mut ranges = Vec::new();
+            let mut covered = 0;
+            for g in groups {
+                g.fence.wait().unwrap();
+                assert_eq!(g.layers.start * layer_bytes, covered, "groups in order");
+                covered = g.layers.end * layer_bytes;
+                ranges.push(g.layers.start * layer_bytes..covered);
+            }
+            assert_eq!(covered, bb, "the groups cover every layer");
+            ranges
+        }
+    };
+    for bytes in groups {
+        for (j, &ptr) in blocks.ptrs.iter().enumerate() {
+            // SAFETY: the pin keeps the block referenced (not reused nor written), and the
+            // range is inside the block.
+            let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, bb) };
+            out[j][bytes.clone()].copy_from_slice(&data[bytes.clone()]);
+        }
+    }
+    out
+}
+
+async fn in_place_prefill(layer_groups: usize) {
     let t = tiny();
     let prompt = t
         .tokenizer
@@ -846,7 +925,11 @@ async fn blocks_handed_out_in_place_stay_pinned_until_written() {
             .await
             .unwrap();
     let mut ps = a
-        .prefill_as(req("p", prompt.clone(), greedy(12)), 0, BlockExport::Device)
+        .prefill_as(
+            req("p", prompt.clone(), greedy(12)),
+            0,
+            BlockExport::Device { layer_groups },
+        )
         .await
         .unwrap();
     let (mut pins, mut next, mut events) = (Vec::new(), 0, 0);
@@ -858,11 +941,9 @@ async fn blocks_handed_out_in_place_stay_pinned_until_written() {
                 pin,
             }) => {
                 assert_eq!(first_block, next, "blocks come in order, each once");
-                blocks.ready.wait().unwrap();
-                let bb = blocks.block_bytes;
-                for (j, &ptr) in blocks.ptrs.iter().enumerate() {
-                    // SAFETY: the pin keeps the block referenced (not reused nor written).
-                    let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, bb) };
+                let by_layers = matches!(blocks.ready, crate::backend::BlocksReady::Layers { .. });
+                assert_eq!(by_layers, layer_groups > 0, "{:?}", blocks.ready);
+                for (j, data) in read_device_blocks(&blocks).iter().enumerate() {
                     b.write_blocks(&reservation.block_ids[first_block + j..][..1], data);
                 }
                 next += blocks.ptrs.len();
@@ -889,7 +970,11 @@ async fn blocks_handed_out_in_place_stay_pinned_until_written() {
 
     // An engine whose pool is not device memory refuses a device export.
     let e = reference
-        .prefill_as(req("x", prompt, greedy(2)), 0, BlockExport::Device)
+        .prefill_as(
+            req("x", prompt, greedy(2)),
+            0,
+            BlockExport::Device { layer_groups },
+        )
         .await
         .err()
         .expect("refused");

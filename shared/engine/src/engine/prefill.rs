@@ -20,7 +20,11 @@
 //! pool is GPU memory and the decode worker's is too — as the pool's own GPU memory
 //! ([`PrefillEvent::DeviceBlocks`]): no copy, the transport reads the blocks where they are.
 //! Such blocks are pinned (referenced, so neither evicted nor reused) until the event's
-//! [`BlockPin`] is dropped, i.e. until the writer has finished reading them.
+//! [`BlockPin`] is dropped, i.e. until the writer has finished reading them. In GPU memory
+//! the blocks a step completes may also leave *before* that step runs, by groups of layers
+//! ([`BlockExport::Device`] with `layer_groups`): the backend resolves each group's fence as
+//! the step's launches pass it, and the writer puts that group's bytes of every block while
+//! the step computes the later layers.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -45,8 +49,12 @@ pub enum BlockExport {
     #[default]
     Host,
     /// As GPU memory of the pool, pinned until written ([`PrefillEvent::DeviceBlocks`]); a
-    /// pool that is not GPU memory fails the request.
-    Device,
+    /// pool that is not GPU memory fails the request. `layer_groups` 0: the blocks a step
+    /// completes leave once the step is done, whole; `n` ≥ 1: they leave before the step
+    /// runs, in `n` groups of layers, each readable as soon as the step has written it
+    /// ([`crate::backend::BlocksReady::Layers`]), so the write overlaps the step's compute
+    /// (a backend that cannot fence by layer sends them whole after the step).
+    Device { layer_groups: usize },
 }
 
 /// Keeps blocks of a [`PrefillEvent::DeviceBlocks`] referenced in the engine; dropping it
@@ -79,8 +87,8 @@ pub enum PrefillEvent {
     /// export format (layout byte order), `data.len() == k * block_bytes`.
     Blocks { first_block: usize, data: Vec<u8> },
     /// Whole blocks `first_block ..` of the prompt as GPU memory of this engine's pool
-    /// ([`BlockExport::Device`]): read them once `blocks.ready` has passed and before
-    /// dropping `pin`.
+    /// ([`BlockExport::Device`]): read them (or each group of their layers) once
+    /// `blocks.ready` says so, and before dropping `pin`.
     DeviceBlocks {
         first_block: usize,
         blocks: DeviceBlocks,
@@ -155,7 +163,10 @@ impl Drop for PrefillStream {
 /// pins' release goes through).
 enum Exporter {
     Host,
-    Device(CommandQueue),
+    Device {
+        queue: CommandQueue,
+        layer_groups: usize,
+    },
 }
 
 /// The prefill-only sequences, each with the index of the next prompt block to send, and the
@@ -206,14 +217,30 @@ impl PrefillCursors {
     /// computed blocks, and once the whole prompt is computed, the last partial one. None when
     /// there are none, or `seq` is no prefill.
     fn ready(&self, seq: &Sequence, bm: &BlockManager) -> Option<Range<usize>> {
+        self.ready_at(seq, bm, seq.num_computed)
+    }
+
+    /// [`PrefillCursors::ready`] once `seq` has `computed` tokens computed.
+    fn ready_at(&self, seq: &Sequence, bm: &BlockManager, computed: usize) -> Option<Range<usize>> {
         let next = self.next.get(&seq.id)?.0;
-        let ready = if seq.num_computed >= seq.prompt_len {
+        let ready = if computed >= seq.prompt_len {
             bm.blocks_for(seq.prompt_len)
         } else {
-            seq.num_computed / bm.block_size()
+            computed / bm.block_size()
         }
         .min(seq.table.len());
         (ready > next).then_some(next..ready)
+    }
+
+    /// The release queue and group count of a prefill sequence that sends by layer groups.
+    fn by_layers(&self, id: SeqId) -> Option<(CommandQueue, usize)> {
+        match self.next.get(&id)?.1 {
+            Exporter::Device {
+                ref queue,
+                layer_groups,
+            } if layer_groups > 0 => Some((queue.clone(), layer_groups)),
+            _ => None,
+        }
     }
 
     /// Blocks before `to` of `id` are sent.
@@ -233,7 +260,7 @@ impl Core {
         key: u64,
         out: tmpsc::UnboundedSender<PrefillEvent>,
     ) -> Result<(), EngineError> {
-        if export == BlockExport::Device && self.backend.device_pool().is_none() {
+        if matches!(export, BlockExport::Device { .. }) && self.backend.device_pool().is_none() {
             return Err(EngineError::InvalidRequest(
                 "GPU-to-GPU KV export asked of an engine whose KV pool is not in GPU memory".into(),
             ));
@@ -260,7 +287,10 @@ impl Core {
         if let Some(&id) = self.requests.get(&rid).and_then(|e| e.seqs().first()) {
             let exporter = match export {
                 BlockExport::Host => Exporter::Host,
-                BlockExport::Device => Exporter::Device(queue),
+                BlockExport::Device { layer_groups } => Exporter::Device {
+                    queue,
+                    layer_groups,
+                },
             };
             self.prefills.start(id, send_from_block, exporter);
         }
@@ -285,37 +315,94 @@ impl Core {
         let Some(blocks) = self.prefills.ready(seq, self.sched.blocks()) else {
             return;
         };
+        let ids = seq.table.ids()[blocks.clone()].to_vec();
+        let event = match self.prefills.next.get(&id).map(|e| &e.1) {
+            Some(Exporter::Device { queue, .. }) => {
+                let queue = queue.clone();
+                self.device_event(&ids, blocks.start, queue).map(Some)
+            }
+            _ => self.backend.export_blocks(&ids).map(|data| {
+                Some(PrefillEvent::Blocks {
+                    first_block: blocks.start,
+                    data,
+                })
+            }),
+        };
+        self.send_prefill_event(id, blocks.end, event);
+    }
+
+    /// Blocks that this step completes, of prefill sequences among `pieces` that send by
+    /// layer groups: handed out before the forward pass, each group of layers behind a
+    /// fence the step resolves as it passes the group's last layer, so that writing them
+    /// overlaps the rest of the step. Where the backend cannot fence by layer they stay
+    /// unsent, and leave whole after the step.
+    pub(super) fn send_prefills_by_layers(&mut self, pieces: &[ScheduledSeq]) {
+        for p in pieces {
+            let Some((queue, groups)) = self.prefills.by_layers(p.id) else {
+                continue;
+            };
+            let Some(seq) = self.sched.get(p.id) else {
+                continue;
+            };
+            let bm = self.sched.blocks();
+            let Some(blocks) = self.prefills.ready_at(seq, bm, p.start + p.len) else {
+                continue;
+            };
+            let ids = seq.table.ids()[blocks.clone()].to_vec();
+            let event = self.layered_event(&ids, blocks.start, groups, queue);
+            if !matches!(event, Ok(None)) {
+                self.send_prefill_event(p.id, blocks.end, event);
+            }
+        }
+    }
+
+    /// Hands `event` (blocks up to `to` of prefill sequence `id`) to the request's stream;
+    /// a failed export fails the request.
+    fn send_prefill_event(
+        &mut self,
+        id: SeqId,
+        to: usize,
+        event: Result<Option<PrefillEvent>, EngineError>,
+    ) {
         let Some(rid) = self.requests.request_of(id).map(str::to_owned) else {
             return;
         };
-        let ids = seq.table.ids()[blocks.clone()].to_vec();
-        let event = match self.prefills.next.get(&id).map(|e| &e.1) {
-            Some(Exporter::Device(queue)) => {
-                let queue = queue.clone();
-                self.device_event(&ids, blocks.start, queue)
-            }
-            _ => self
-                .backend
-                .export_blocks(&ids)
-                .map(|data| PrefillEvent::Blocks {
-                    first_block: blocks.start,
-                    data,
-                }),
-        };
         match event {
-            Ok(event) => {
-                self.prefills.sent(id, blocks.end);
+            Ok(Some(event)) => {
+                self.prefills.sent(id, to);
                 if let Some(Sink::Prefill(tx)) = self.requests.get(&rid).map(Entry::sink) {
                     // A receiver that is gone aborts the request through its stream's drop
                     // (and drops the event, whose pin then releases its blocks).
                     let _ = tx.send(event);
                 }
             }
+            Ok(None) => {}
             Err(e) => {
                 tracing::error!("exporting prefill blocks of {rid:?}: {e}");
                 self.fail(&rid, Some(format!("exporting KV blocks: {e}")));
             }
         }
+    }
+
+    /// Blocks `ids` (prompt blocks `first_block..`) in place in the GPU pool, pinned, each
+    /// of `groups` layer groups behind the next step's fence for it; `None` when the
+    /// backend cannot fence by layer.
+    fn layered_event(
+        &mut self,
+        ids: &[u32],
+        first_block: usize,
+        groups: usize,
+        queue: CommandQueue,
+    ) -> Result<Option<PrefillEvent>, EngineError> {
+        let Some(blocks) = self.backend.device_blocks_by_layers(ids, groups)? else {
+            return Ok(None);
+        };
+        let id = self.prefills.pin(self.sched.blocks_mut(), ids);
+        Ok(Some(PrefillEvent::DeviceBlocks {
+            first_block,
+            blocks,
+            pin: BlockPin { id, tx: queue },
+        }))
     }
 
     /// Blocks `ids` (prompt blocks `first_block..`) in place in the GPU pool, pinned.

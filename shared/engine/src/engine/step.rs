@@ -1,5 +1,6 @@
-//! One engine step: schedule, send the prefill blocks already complete, run the backend's
-//! forward pass over the scheduled pieces, then mark them computed and sample (on the device or
+//! One engine step: schedule, send the prefill blocks already complete (and, for prefills
+//! sending by layer groups, the blocks this step completes), run the backend's forward pass
+//! over the scheduled pieces, then mark them computed and sample (on the device or
 //! here), emit, and step the beam groups whose beams all have their rows.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -42,6 +43,10 @@ impl Core {
         self.flush_prefills(&sch.seqs);
         let pieces = self.live_pieces(&sch.seqs);
         let pieces = self.drop_pieces_without_media(pieces);
+        // Blocks this step completes, for prefills that send by layer groups, go out now:
+        // each group is written as soon as the step has computed it.
+        self.send_prefills_by_layers(&pieces);
+        let pieces = self.live_pieces(&pieces);
         let prompt_tokens = self.prompt_tokens_in(&pieces);
         let result = match self.forward_preparing_masks(&pieces) {
             Ok(r) => r,

@@ -19,8 +19,9 @@ use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Work
 use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
 use super::weights::{upload_weights, DeviceWeights};
 use super::{AttentionScratch, CudaDevice, KvPool, PoolShape};
+use crate::backend::fence::ArmedLayers;
 use crate::backend::{
-    Backend, DeviceBlocks, DeviceFence, DevicePool, KvPoolMemory, LogitsMode, SeqInput, StepOutput,
+    Backend, BlocksReady, DeviceBlocks, DevicePool, KvPoolMemory, LogitsMode, SeqInput, StepOutput,
 };
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
@@ -69,6 +70,8 @@ pub struct CudaBackend {
     /// serving), laid out as the pool; copied into the GPU pool on activation.
     staging: Option<KvPoolMemory>,
     graphs: GraphCache,
+    /// Layer fences handed out for the next step (`device_blocks_by_layers`).
+    armed: Option<ArmedLayers>,
 }
 
 impl CudaBackend {
@@ -155,12 +158,14 @@ impl CudaBackend {
                 inv_freq,
                 scratch,
                 inputs,
+                layer_marks: Default::default(),
             },
             ws,
             layout,
             mode,
             staging: None,
             graphs: GraphCache::new(opts.graph_max_batch, pdl),
+            armed: None,
         })
     }
 
@@ -242,6 +247,10 @@ impl CudaBackend {
         readout: Readout,
         plans: Option<&[Option<&SamplePlan>]>,
     ) -> Result<(Vec<usize>, StepRows), EngineError> {
+        // Layer fences handed out for this step: resolved as its eager launches pass each
+        // group, the rest (a replayed graph's) once all of its work is queued; a step that
+        // fails drops them, failing their waiters.
+        let marks = self.armed.take().map(ArmedLayers::into_setters);
         crate::backend::check_batch(batch, self.layout.block_size, self.model.shape.num_blocks)?;
         let decode_shaped = !batch.is_empty()
             && batch
@@ -249,6 +258,23 @@ impl CudaBackend {
                 .all(|s| s.tokens.len() == 1 && s.logits == LogitsMode::Last);
         let graphable =
             decode_shaped && batch.len() <= self.graphs.max_batch && !self.model.dev.profiling();
+        self.model.layer_marks = marks.unwrap_or_default();
+        let out = self.step_in_workspace(batch, readout, plans, graphable);
+        let mut marks = std::mem::take(&mut self.model.layer_marks);
+        if out.is_ok() {
+            let dev = &self.model.dev;
+            marks.finish(|| dev.kv_event().map(|e| Box::new(e) as _))?;
+        }
+        out
+    }
+
+    fn step_in_workspace(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        readout: Readout,
+        plans: Option<&[Option<&SamplePlan>]>,
+        graphable: bool,
+    ) -> Result<(Vec<usize>, StepRows), EngineError> {
         match &mut self.ws {
             AnyWorkspace::F32(ws) => run_step(
                 &mut self.model,
@@ -268,6 +294,21 @@ impl CudaBackend {
                 plans,
                 graphable,
             ),
+        }
+    }
+
+    /// Checked `blocks` of the pool as device addresses, readable as `ready` says.
+    fn pool_blocks(&self, blocks: &[u32], ready: BlocksReady) -> DeviceBlocks {
+        let bb = self.layout.block_bytes();
+        let base = self.pool_ptr();
+        DeviceBlocks {
+            device: self.ordinal(),
+            block_bytes: bb,
+            ptrs: blocks
+                .iter()
+                .map(|&b| base + b as u64 * bb as u64)
+                .collect(),
+            ready,
         }
     }
 
@@ -347,23 +388,28 @@ impl Backend for CudaBackend {
     /// device, and the next step is queued meanwhile.
     fn device_blocks(&mut self, blocks: &[u32]) -> Result<Option<DeviceBlocks>, EngineError> {
         crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
-        let bb = self.layout.block_bytes();
-        let base = self.pool_ptr();
-        let event = self
-            .model
-            .dev
-            .stream()
-            .record_event(None)
-            .map_err(|e| EngineError::Backend(format!("CUDA: recording a KV event: {e:?}")))?;
-        Ok(Some(DeviceBlocks {
-            device: self.ordinal(),
-            block_bytes: bb,
-            ptrs: blocks
-                .iter()
-                .map(|&b| base + b as u64 * bb as u64)
-                .collect(),
-            ready: Box::new(EventFence(event)),
-        }))
+        let event = self.model.dev.kv_event()?;
+        Ok(Some(self.pool_blocks(blocks, BlocksReady::Whole(Box::new(event)))))
+    }
+
+    /// The blocks' addresses, and layer fences that the next step resolves as its launches
+    /// pass each group (see `DeviceModel::mark_layers`).
+    fn device_blocks_by_layers(
+        &mut self,
+        blocks: &[u32],
+        groups: usize,
+    ) -> Result<Option<DeviceBlocks>, EngineError> {
+        crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
+        let layers = self.layout.num_layers;
+        let fences = self
+            .armed
+            .get_or_insert_with(|| ArmedLayers::new(layers, groups))
+            .fences();
+        let ready = BlocksReady::Layers {
+            layer_bytes: self.layout.layer_bytes(),
+            groups: fences,
+        };
+        Ok(Some(self.pool_blocks(blocks, ready)))
     }
 
     fn load_received_blocks(&mut self, blocks: &[u32]) -> Result<(), EngineError> {
@@ -490,17 +536,6 @@ impl Drop for CudaBackend {
             KvPool::F32(p) => self.model.dev.free_exportable(p),
             KvPool::Bf16(p) | KvPool::Half(p) => self.model.dev.free_exportable(p),
         }
-    }
-}
-
-/// A CUDA event as a [`DeviceFence`].
-struct EventFence(cudarc::driver::CudaEvent);
-
-impl DeviceFence for EventFence {
-    fn wait(&self) -> Result<(), EngineError> {
-        self.0
-            .synchronize()
-            .map_err(|e| EngineError::Backend(format!("CUDA: waiting for a KV event: {e:?}")))
     }
 }
 

@@ -111,6 +111,8 @@ impl DeviceModel {
         for l in 0..self.layers.len() {
             let qkv_unfolded = self.qkv_projection(ws, &plan, l, proj_unfolded)?;
             proj_unfolded = self.attention_and_o_proj(ws, &plan, l, qkv_unfolded)?;
+            // Layer l's K/V are written: a fence for writers waiting on it.
+            self.mark_layers(l + 1)?;
             proj_unfolded = self.mlp(ws, &plan, l, proj_unfolded)?;
         }
         if r == 0 {
@@ -118,6 +120,18 @@ impl DeviceModel {
         }
         self.final_norm_and_lm_head(ws, &plan, r, proj_unfolded)?;
         self.readout(ws, r, readout)
+    }
+
+    /// Resolves the armed layer fences of groups that end at or before `layers_done` layers
+    /// with events recorded here (after the launches of those layers). None are armed while
+    /// a graph is captured: the eager run before a capture resolves them all.
+    pub(super) fn mark_layers(&mut self, layers_done: usize) -> Result<(), EngineError> {
+        if self.layer_marks.is_empty() {
+            return Ok(());
+        }
+        let dev = &self.dev;
+        self.layer_marks
+            .passed(layers_done, || dev.kv_event().map(|e| Box::new(e) as _))
     }
 
     /// Copies media rows over their tokens' embeddings in `ws.x` (f32 rows of `hidden`).

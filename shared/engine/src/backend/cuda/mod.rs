@@ -488,6 +488,15 @@ impl CudaDevice {
         }
     }
 
+    /// A fence after the work queued on the device's stream so far (an event recorded on
+    /// it): waiting for it waits for that work only, not for the device.
+    pub fn kv_event(&self) -> Result<EventFence, EngineError> {
+        self.stream
+            .record_event(None)
+            .map(EventFence)
+            .map_err(cuda_err("recording a KV event"))
+    }
+
     /// Kernel launches and cuBLAS calls issued so far.
     pub fn launch_count(&self) -> u64 {
         self.launches.load(std::sync::atomic::Ordering::Relaxed)
@@ -618,6 +627,17 @@ fn load_functions(
         funcs.insert(format!("{prefix}{name}"), f);
     }
     Ok(())
+}
+
+/// A CUDA event as a [`crate::backend::DeviceFence`].
+pub struct EventFence(cudarc::driver::CudaEvent);
+
+impl crate::backend::DeviceFence for EventFence {
+    fn wait(&self) -> Result<(), EngineError> {
+        self.0
+            .synchronize()
+            .map_err(|e| EngineError::Backend(format!("CUDA: waiting for a KV event: {e:?}")))
+    }
 }
 
 #[cfg(test)]

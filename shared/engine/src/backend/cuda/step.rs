@@ -8,6 +8,7 @@ use cudarc::driver::CudaSlice;
 use super::sampling::SamplingInputs;
 pub(super) use super::workspace::{dims, AnyWorkspace, Workspace};
 use super::{AttentionScratch, CudaDevice, DeviceElem, DeviceMatrix, KvPool, PoolShape, TokenMaps};
+use crate::backend::fence::LayerMarks;
 use crate::backend::{LogitsMode, SeqInput};
 use crate::error::EngineError;
 use crate::model::config::ModelConfig;
@@ -39,6 +40,9 @@ pub(super) struct DeviceModel {
     pub(super) inv_freq: CudaSlice<f32>,
     pub(super) scratch: AttentionScratch,
     pub(super) inputs: StepInputs,
+    /// Layer fences the running step resolves as its launches pass each group
+    /// ([`crate::backend::Backend::device_blocks_by_layers`]); empty between steps.
+    pub(super) layer_marks: LayerMarks,
 }
 
 /// What a step brings back from the device.
