@@ -2,11 +2,13 @@
 //! hash workers and routers compare.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
 use crate::chat::ChatTemplate;
 use crate::error::TextError;
+use crate::fast_bpe::{FastBpe, Piece};
 use crate::hex;
 
 /// A model's tokenizer.
@@ -17,6 +19,9 @@ pub struct Tokenizer {
     file_sha256: String,
     /// The longest token string of the vocabulary, in bytes (see [`Tokenizer::min_tokens`]).
     max_token_bytes: usize,
+    /// Ids-only encoding for byte-level BPE vocabularies, equal to `inner`'s (see
+    /// [`crate::fast_bpe`]); `None` for other tokenizers.
+    fast: Option<Arc<FastBpe>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -53,10 +58,23 @@ impl Tokenizer {
             .max()
             .unwrap_or(1)
             .max(1);
+        let fast = match serde_json::from_slice(bytes)
+            .map_err(|_| None)
+            .and_then(|json| FastBpe::from_json(&json, |t| inner.token_to_id(t)).map_err(Some))
+        {
+            Ok(fast) => Some(Arc::new(fast)),
+            Err(why) => {
+                if let Some(why) = why {
+                    tracing::debug!("{origin}: encoded by `tokenizers` alone: {why}");
+                }
+                None
+            }
+        };
         Ok(Tokenizer {
             inner,
             file_sha256: hex(&Sha256::digest(bytes)),
             max_token_bytes,
+            fast,
         })
     }
 
@@ -72,13 +90,36 @@ impl Tokenizer {
     /// Token ids of `text`. Chat prompts are rendered by the template with their special
     /// tokens spelled out, so `add_special_tokens` is normally false (Qwen3 adds none anyway).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
-        // Ids only: no character offsets are tracked (`encode_fast`), which the router's
-        // per-request CPU is mostly made of for text prompts.
+        let Some(pieces) = self
+            .fast
+            .as_ref()
+            .and_then(|f| f.encode(text, add_special_tokens))
+        else {
+            return self.encode_slow(text, add_special_tokens);
+        };
+        let mut ids = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Ids(part) if ids.is_empty() => ids = part,
+                Piece::Ids(part) => ids.extend_from_slice(&part),
+                Piece::Slow(range) => ids.extend(self.encode_slow(&text[range], false)?),
+            }
+        }
+        Ok(ids)
+    }
+
+    /// `text` through `tokenizers`: ids only, no character offsets tracked (`encode_fast`).
+    fn encode_slow(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
         let enc = self
             .inner
             .encode_fast(text, add_special_tokens)
             .map_err(|e| TextError::Tokenizer(format!("encode: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Whether [`Tokenizer::encode`] has its fast path for this vocabulary.
+    pub fn has_fast_path(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Text of `ids`.

@@ -389,7 +389,9 @@ impl Backend for CudaBackend {
     fn device_blocks(&mut self, blocks: &[u32]) -> Result<Option<DeviceBlocks>, EngineError> {
         crate::backend::check_blocks(blocks, self.model.shape.num_blocks)?;
         let event = self.model.dev.kv_event()?;
-        Ok(Some(self.pool_blocks(blocks, BlocksReady::Whole(Box::new(event)))))
+        Ok(Some(
+            self.pool_blocks(blocks, BlocksReady::Whole(Box::new(event))),
+        ))
     }
 
     /// The blocks' addresses, and layer fences that the next step resolves as its launches
