@@ -16,6 +16,9 @@
 #   kill      kill -9 of the prefill worker, then of the decode worker, each under load on the
 #             UCX path: the load must end (failed requests allowed, none hung), and once the
 #             launcher has restarted the worker a normal load must be served in full
+#   ttl       one-second leases under a burst of 8k-token prompts on the UCX path: the burst
+#             ends, a normal load is then served in full, and the decode worker holds no lease
+#             and no KV block afterwards
 # Usage: disagg_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
 set -uo pipefail
 BIN=$1
@@ -55,9 +58,10 @@ sys.exit(1 if diff or len(a) != len(b) else 0)
 PY
 }
 
-# The prefill worker's /metrics address in a topology's log (empty when aggregated).
-prefill_metrics() { # name
-    grep -o 'prefill[^ ]* ready at .*/metrics: http://[^)]*' "$OUT/serve_$1.log" | tail -1 | sed 's/.*metrics: //'
+# A worker's /metrics address in a topology's log (`tandem up` prints "<role> worker <i>
+# ready at ... /metrics: http://..."); empty when there is none.
+worker_metrics() { # name role
+    grep -o "$2 worker [0-9]* ready at .*/metrics: http://[^)]*" "$OUT/serve_$1.log" | tail -1 | sed 's/.*metrics: //'
 }
 
 # Sums and counts of the prefill worker's write-time histograms, one line.
@@ -71,7 +75,7 @@ scrape_transfer() { # metrics address
 
 ttft() { # name
     local isl rc=0 m before after
-    m=$(prefill_metrics "$1")
+    m=$(worker_metrics "$1" prefill)
     for isl in $ISLS; do
         before=$(scrape_transfer "$m")
         "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/ttft_$1_$isl" \
@@ -178,6 +182,36 @@ for role in prefill decode; do
 done
 stop
 grep -E "ERROR|panicked" "$OUT/serve_disagg_ucx.log" | head -20
+
+# ttl: leases of one second, under a burst of 8k-token prompts that queues prefills past
+# it: the burst must end (failures allowed), a normal load must then be served in full, and
+# the decode worker must end with no lease and no KV block held.
+gauge() { # metrics address, name
+    curl -sf "$1/metrics" | awk -v n="$2" '$1 == n || index($1, n "{") == 1 {s += $2} END {print s + 0}'
+}
+up disagg_ucx_ttl --topology disagg --kv-transport ucx --router-arg=--enforce-disagg \
+    --worker-arg=--kv-lease-ttl-secs --worker-arg=1
+wait_model disagg_ucx_ttl
+rc=0
+timeout 180 "$BIN/tandem-loadtest" --url "$URL" --quiet --out "$OUT/load_ttl_burst" --num-requests 48 \
+    --concurrency 48 --isl 8192 --osl 4 --vocab-hi 150000 > "$OUT/load_ttl_burst.txt" 2>&1
+[ $? -eq 124 ] && { echo "ttl: the burst hung"; rc=1; }
+python3 - "$OUT/load_ttl_burst/report.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["summary"]
+print(f"ttl burst: {r['succeeded']}/{r['requests']} ok, errors {r['errors']}")
+PY
+served after_ttl || rc=1
+dm=$(worker_metrics disagg_ucx_ttl decode)
+for _ in $(seq 1 60); do
+    [ "$(gauge "$dm" tandem_kv_leases)" = 0 ] && [ "$(gauge "$dm" dynamo_component_kv_cache_active_blocks)" = 0 ] && break
+    sleep 1
+done
+leases=$(gauge "$dm" tandem_kv_leases); active=$(gauge "$dm" dynamo_component_kv_cache_active_blocks)
+echo "ttl: decode worker after the loads: $leases leases, $active KV blocks in use"
+[ "$leases" = 0 ] && [ "$active" = 0 ] || rc=1
+case_result ttl_ucx $rc
+stop
 
 # The same over UCX with other layer groupings (0: whole blocks after each step), TTFT and
 # write times side by side with the default's.
