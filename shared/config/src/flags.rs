@@ -45,6 +45,12 @@ pub const TOOL_CALL_PARSERS_BUILT: &[&str] = &[
     "qwen3_coder",
     "deepseek_v3",
     "deepseek_v3_1",
+    "deepseek_v3_2",
+    "kimi_k2",
+    "minimax_m2",
+    "glm47",
+    "nemotron_nano",
+    "harmony",
 ];
 /// The reasoning formats the router splits (`<think>` ... `</think>`).
 pub const REASONING_PARSERS_BUILT: &[&str] = &["deepseek_r1", "qwen3", "basic"];

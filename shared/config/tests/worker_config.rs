@@ -408,7 +408,7 @@ fn every_not_implemented_flag_exits_with_a_message_naming_it() {
     ])
     .is_ok());
     for (flag, value) in [
-        ("--dyn-tool-call-parser", "harmony"),
+        ("--dyn-tool-call-parser", "default"),
         ("--dyn-reasoning-parser", "gpt_oss"),
     ] {
         let e = err(&[flag, value]);

@@ -7,6 +7,7 @@
 pub mod pythonic;
 pub mod reasoning;
 pub mod tools;
+pub mod xml_calls;
 
 use reasoning::{partial_tag, ReasoningFormat, ThinkSplitter};
 use tools::{ToolCall, ToolFormat};
