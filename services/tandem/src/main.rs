@@ -19,7 +19,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Start a local topology (router + workers) on this machine.
-    Up(up::UpArgs),
+    Up(Box<up::UpArgs>),
     /// Make a deployment's mutual-TLS folder for the internal channels (ca.crt, node.crt,
     /// node.key), unless OUT already holds one. Give the same folder to every process of the
     /// deployment with --internal-tls-dir; the CA's key is not kept, so no one can add
@@ -64,7 +64,7 @@ async fn main() -> anyhow::Result<()> {
     tandem_config::entry::init_logging();
     let cli = Cli::parse();
     match cli.command {
-        Command::Up(args) => up::run(args).await?,
+        Command::Up(args) => up::run(*args).await?,
         Command::Certs { out, hosts } => {
             let done = tandem_pki::generate(&out, &hosts)
                 .with_context(|| format!("making the TLS folder {}", out.display()))?;

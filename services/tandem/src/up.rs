@@ -58,6 +58,14 @@ pub struct UpArgs {
     /// Extra flags for every worker (repeat, e.g. --worker-arg=--max-batch-size --worker-arg=8).
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     pub worker_args: Vec<String>,
+    /// Extra flags for the prefill workers only, after --worker-arg (repeat, e.g.
+    /// --prefill-arg=--device --prefill-arg=cuda:0).
+    #[arg(long = "prefill-arg", allow_hyphen_values = true)]
+    pub prefill_args: Vec<String>,
+    /// Extra flags for the decode (or aggregated) workers only, after --worker-arg (repeat,
+    /// e.g. --decode-arg=--device --decode-arg=cuda:1).
+    #[arg(long = "decode-arg", allow_hyphen_values = true)]
+    pub decode_args: Vec<String>,
     /// Extra flags for the router (repeat, e.g. --router-arg=--enforce-disagg).
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     pub router_args: Vec<String>,
@@ -220,6 +228,11 @@ fn worker_args(args: &UpArgs, mode: &str, served: &Served<'_>, security: &[Strin
     }
     wargs.extend(security.iter().cloned());
     wargs.extend(args.worker_args.iter().cloned());
+    match mode {
+        "prefill" => wargs.extend(args.prefill_args.iter().cloned()),
+        "decode" | "agg" => wargs.extend(args.decode_args.iter().cloned()),
+        _ => {}
+    }
     wargs
 }
 
@@ -459,4 +472,46 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     topo.shutdown().await;
     // The router's exit is a failure of the topology: say so in the exit status.
     reason.map(|_| ()).map_err(anyhow::Error::msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    /// Per-role flags reach only their role, after the flags every worker gets, so that a
+    /// prefill and a decode worker can each take a GPU of their own.
+    #[test]
+    fn role_flags_reach_their_role_only() {
+        let cli = Cli::try_parse_from([
+            "tandem",
+            "--worker-arg=--device",
+            "--worker-arg=cuda",
+            "--prefill-arg=--device",
+            "--prefill-arg=cuda:0",
+            "--decode-arg=--device",
+            "--decode-arg=cuda:1",
+        ])
+        .unwrap();
+        let served = Served {
+            path: None,
+            name: "m",
+        };
+        let tail = |mode: &str| {
+            let a = worker_args(&cli.up, mode, &served, &[]);
+            a[a.len().saturating_sub(4)..].to_vec()
+        };
+        assert_eq!(tail("prefill"), ["--device", "cuda", "--device", "cuda:0"]);
+        assert_eq!(tail("decode"), ["--device", "cuda", "--device", "cuda:1"]);
+        assert_eq!(tail("agg"), ["--device", "cuda", "--device", "cuda:1"]);
+        let encode = worker_args(&cli.up, "encode", &served, &[]);
+        assert_eq!(encode[encode.len() - 2..], ["--device", "cuda"]);
+    }
 }

@@ -86,10 +86,11 @@ pub static FLAGS: &[FlagSpec] = &[
     FlagSpec::new("load-format", Str, ModelLoading,
         "Model weight loading format; `auto` detects it from the files.")
         .env("DYN_TRTLLM_LOAD_FORMAT").default("auto"),
-    FlagSpec::new("device", Choice(&["auto", "cpu", "cuda"]), ModelLoading,
-        "Where the engine runs: cuda (the GPU backend; needs a binary built with `--features \
-         cuda` and the CUDA driver, NVRTC and cuBLAS libraries), cpu, or auto (cuda when this \
-         binary has it and a GPU is visible, else cpu).")
+    FlagSpec::new("device", Str, ModelLoading,
+        "Where the engine runs: cuda or cuda:N (the GPU backend on GPU N of those \
+         CUDA_VISIBLE_DEVICES leaves visible, cuda being cuda:0; needs a binary built with \
+         `--features cuda` and the CUDA driver, NVRTC and cuBLAS libraries), cpu, or auto (cuda \
+         when this binary has it and a GPU is visible, else cpu).")
         .env("DYN_TRTLLM_DEVICE").default("auto"),
     FlagSpec::new("cuda-precision", Choice(&["bf16", "bf16x2", "f16"]), ModelLoading,
         "CUDA backend, weights in bf16 throughout: bf16x2 (default: near-f32 activations, as \

@@ -116,6 +116,15 @@ fn worker_from_resolved(
         }
     }
     let advertise = g.opt_string("rpc-advertise-host")?;
+    let device_text = g.string("device")?;
+    let device =
+        device_text
+            .parse::<DeviceChoice>()
+            .map_err(|reason| ConfigError::InvalidValue {
+                origin: resolved.origin("device"),
+                value: device_text.clone(),
+                reason,
+            })?;
     Ok(WorkerConfig {
         role,
         model: ModelLoading {
@@ -123,7 +132,7 @@ fn worker_from_resolved(
             served_model_name: g.opt_string("served-model-name")?,
             load_format: g.string("load-format")?,
             model_loader_extra_config,
-            device: g.string("device")?,
+            device,
             cuda_precision: g.string("cuda-precision")?,
         },
         parallelism: Parallelism {

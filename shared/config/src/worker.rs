@@ -77,6 +77,47 @@ impl DisaggregationMode {
     }
 }
 
+/// Where a worker's engine runs (`--device auto|cpu|cuda|cuda:N`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum DeviceChoice {
+    /// CUDA when this binary has it and a GPU is visible, else the CPU.
+    Auto,
+    Cpu,
+    /// GPU `ordinal` among those `CUDA_VISIBLE_DEVICES` leaves visible (`cuda` is `cuda:0`).
+    Cuda {
+        ordinal: u32,
+    },
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda { ordinal: 0 }),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(|ordinal| DeviceChoice::Cuda { ordinal })
+                .ok_or_else(|| {
+                    "expected auto, cpu, cuda or cuda:N (N a GPU's index, 0 first)".to_string()
+                }),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Auto => f.write_str("auto"),
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelLoading {
     /// `None` means the built-in tiny model.
@@ -84,8 +125,8 @@ pub struct ModelLoading {
     pub served_model_name: Option<String>,
     pub load_format: String,
     pub model_loader_extra_config: Option<serde_json::Value>,
-    /// `auto`, `cpu` or `cuda` (`--device`).
-    pub device: String,
+    /// `--device`.
+    pub device: DeviceChoice,
     /// `bf16`, `bf16x2` or `f16` (`--cuda-precision`).
     pub cuda_precision: String,
 }

@@ -826,3 +826,39 @@ fn advertise_host_parts() {
     assert_eq!(part("[fd00::7]:5000"), Some("fd00::7"));
     assert_eq!(part(" "), None);
 }
+
+#[test]
+fn device_takes_a_gpu_index() {
+    use tandem_config::worker::DeviceChoice;
+    assert_eq!(parse(&[]).unwrap().model.device, DeviceChoice::Auto);
+    assert_eq!(
+        parse(&["--device", "cpu"]).unwrap().model.device,
+        DeviceChoice::Cpu
+    );
+    assert_eq!(
+        parse(&["--device", "cuda"]).unwrap().model.device,
+        DeviceChoice::Cuda { ordinal: 0 }
+    );
+    assert_eq!(
+        parse(&["--device", "cuda:3"]).unwrap().model.device,
+        DeviceChoice::Cuda { ordinal: 3 }
+    );
+    let cfg = parse_env(Role::Decode, &[], &[("DYN_TRTLLM_DEVICE", "cuda:1")]).unwrap();
+    assert_eq!(cfg.model.device, DeviceChoice::Cuda { ordinal: 1 });
+    for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "cuda1"] {
+        let e = err(&["--device", bad]);
+        assert!(
+            e.contains("--device") && e.contains(bad) && e.contains("cuda:N"),
+            "{e}"
+        );
+    }
+}
+
+/// A flag given twice takes its last value (`tandem up` appends per-role flags after the
+/// flags every worker gets).
+#[test]
+fn a_repeated_flag_takes_its_last_value() {
+    use tandem_config::worker::DeviceChoice;
+    let cfg = parse(&["--device", "cuda", "--device", "cuda:1"]).unwrap();
+    assert_eq!(cfg.model.device, DeviceChoice::Cuda { ordinal: 1 });
+}

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use tandem_config::engine_options::{CapacitySchedulerPolicy as Policy, KvCacheDtype};
+use tandem_config::worker::DeviceChoice;
 use tandem_config::WorkerConfig;
 use tandem_engine::backend::cpu::{
     cpu_kv_blocks_from_memory, CpuBackend, DEFAULT_CPU_KV_CAP_BYTES,
@@ -40,38 +41,40 @@ pub fn model_folder(cfg: &WorkerConfig) -> anyhow::Result<PathBuf> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
     Cpu,
-    Cuda,
+    /// GPU `ordinal` among the visible ones.
+    Cuda(usize),
 }
 
-/// Resolves `--device auto|cpu|cuda`: `cuda` is an error when this binary lacks the `cuda`
-/// feature or no GPU can be used; `auto` takes CUDA when it can be used, else the CPU.
-pub fn choose_device(requested: &str) -> anyhow::Result<Device> {
+/// Resolves `--device`: `cuda[:N]` is an error when this binary lacks the `cuda` feature or
+/// GPU N cannot be used; `auto` takes GPU 0 when it can be used, else the CPU.
+pub fn choose_device(requested: DeviceChoice) -> anyhow::Result<Device> {
     match requested {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => cuda_device(),
-        "auto" | "" => Ok(if cuda_usable() {
-            Device::Cuda
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Cuda { ordinal } => cuda_device(ordinal as usize),
+        DeviceChoice::Auto => Ok(if cuda_usable() {
+            Device::Cuda(0)
         } else {
             Device::Cpu
         }),
-        other => anyhow::bail!("--device {other}: expected auto, cpu or cuda"),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_device() -> anyhow::Result<Device> {
+fn cuda_device(ordinal: usize) -> anyhow::Result<Device> {
     tandem_engine::backend::cuda::check_libraries()?;
+    let visible = tandem_engine::backend::cuda::device_count();
     anyhow::ensure!(
-        tandem_engine::backend::cuda::available(),
-        "--device cuda: the CUDA driver sees no GPU (check CUDA_VISIBLE_DEVICES and the driver)"
+        ordinal < visible,
+        "--device cuda:{ordinal}: the CUDA driver sees {visible} GPU(s) (numbered from 0 among \
+         those CUDA_VISIBLE_DEVICES leaves visible; check it and the driver)"
     );
-    Ok(Device::Cuda)
+    Ok(Device::Cuda(ordinal))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_device() -> anyhow::Result<Device> {
+fn cuda_device(ordinal: usize) -> anyhow::Result<Device> {
     anyhow::bail!(
-        "--device cuda: this binary was built without CUDA support; build it with \
+        "--device cuda:{ordinal}: this binary was built without CUDA support; build it with \
          `cargo build --release --features cuda` or run with --device cpu"
     )
 }
@@ -93,11 +96,11 @@ fn kv_dtype(dtype: KvCacheDtype, device: Device, cuda_precision: &str) -> KvDtyp
     match (dtype, device) {
         // The CPU backend computes in f32; keeping the cache in f32 makes it exact.
         (KvCacheDtype::Auto, Device::Cpu) | (KvCacheDtype::Float32, _) => KvDtype::F32,
-        (KvCacheDtype::Auto, Device::Cuda) if matches!(cuda_precision, "f16" | "bf16x2") => {
+        (KvCacheDtype::Auto, Device::Cuda(_)) if matches!(cuda_precision, "f16" | "bf16x2") => {
             KvDtype::F16
         }
         // The CUDA backend otherwise computes in bf16.
-        (KvCacheDtype::Auto, Device::Cuda) | (KvCacheDtype::Bfloat16, _) => KvDtype::Bf16,
+        (KvCacheDtype::Auto, Device::Cuda(_)) | (KvCacheDtype::Bfloat16, _) => KvDtype::Bf16,
         (KvCacheDtype::Float16, _) => KvDtype::F16,
     }
 }
@@ -114,9 +117,9 @@ pub fn build_engine_on(
     cfg: &WorkerConfig,
     transport: Option<Arc<AnyTransport>>,
 ) -> anyhow::Result<BuiltEngine> {
-    let device = choose_device(&cfg.model.device)?;
-    if device == Device::Cuda {
-        return build_cuda_engine(cfg, transport);
+    let device = choose_device(cfg.model.device)?;
+    if let Device::Cuda(ordinal) = device {
+        return build_cuda_engine(cfg, ordinal, transport);
     }
     let mut region = None;
     let mut built = build_engine_with(
@@ -139,7 +142,7 @@ pub fn build_engine_on(
     Ok(built)
 }
 
-/// `encoder` where `device` computes: as it is on the CPU, its weights uploaded to GPU 0 on
+/// `encoder` where `device` computes: as it is on the CPU, its weights uploaded to the GPU on
 /// CUDA (TF32 GEMMs, f32 activations).
 pub fn place_vision(
     encoder: Arc<VisionEncoder>,
@@ -147,21 +150,21 @@ pub fn place_vision(
 ) -> anyhow::Result<Arc<VisionEncoder>> {
     match device {
         Device::Cpu => Ok(encoder),
-        Device::Cuda => vision_on_cuda(&encoder).map(Arc::new),
+        Device::Cuda(ordinal) => vision_on_cuda(&encoder, ordinal).map(Arc::new),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn vision_on_cuda(encoder: &VisionEncoder) -> anyhow::Result<VisionEncoder> {
+fn vision_on_cuda(encoder: &VisionEncoder, ordinal: usize) -> anyhow::Result<VisionEncoder> {
     use tandem_engine::backend::cuda::vision::VisionPrecision;
     encoder
-        .on_cuda(0, VisionPrecision::Tf32)
+        .on_cuda(ordinal, VisionPrecision::Tf32)
         .context("uploading the vision tower to the GPU")
 }
 
 #[cfg(not(feature = "cuda"))]
-fn vision_on_cuda(_encoder: &VisionEncoder) -> anyhow::Result<VisionEncoder> {
-    Err(cuda_device()
+fn vision_on_cuda(_encoder: &VisionEncoder, ordinal: usize) -> anyhow::Result<VisionEncoder> {
+    Err(cuda_device(ordinal)
         .err()
         .unwrap_or_else(|| anyhow::anyhow!("this binary has no CUDA backend")))
 }
@@ -182,6 +185,7 @@ fn load_options(cfg: &WorkerConfig) -> LoadOptions {
 #[cfg(feature = "cuda")]
 fn build_cuda_engine(
     cfg: &WorkerConfig,
+    ordinal: usize,
     transport: Option<Arc<AnyTransport>>,
 ) -> anyhow::Result<BuiltEngine> {
     use tandem_engine::backend::cuda::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
@@ -191,7 +195,7 @@ fn build_cuda_engine(
     let mut built = build_engine_with(
         cfg,
         &load_options(cfg),
-        Device::Cuda,
+        Device::Cuda(ordinal),
         |model, layout, num_blocks| {
             // Over TCP the pool is mirrored in registered host memory that remote prefills
             // write into; over UCX the GPU pool itself is registered. Either way a decode
@@ -207,7 +211,7 @@ fn build_cuda_engine(
                 _ => PoolSize::Blocks(num_blocks),
             };
             let cuda = CudaOptions {
-                ordinal: 0,
+                ordinal,
                 mode: match cfg.model.cuda_precision.as_str() {
                     "bf16x2" => ComputeMode::Bf16Split,
                     "f16" => ComputeMode::F16,
@@ -278,9 +282,10 @@ fn registered_gpu_pool(
 #[cfg(not(feature = "cuda"))]
 fn build_cuda_engine(
     _cfg: &WorkerConfig,
+    ordinal: usize,
     _transport: Option<Arc<AnyTransport>>,
 ) -> anyhow::Result<BuiltEngine> {
-    Err(cuda_device()
+    Err(cuda_device(ordinal)
         .err()
         .unwrap_or_else(|| anyhow::anyhow!("this binary has no CUDA backend")))
 }
@@ -430,21 +435,23 @@ mod tests {
 
     #[test]
     fn device_choice_is_explicit_about_cuda() {
-        assert_eq!(choose_device("cpu").ok(), Some(Device::Cpu));
-        assert!(choose_device("gpu").is_err());
-        match choose_device("cuda") {
+        assert_eq!(choose_device(DeviceChoice::Cpu).ok(), Some(Device::Cpu));
+        match choose_device(DeviceChoice::Cuda { ordinal: 0 }) {
             // A CUDA build on a GPU machine.
-            Ok(d) => assert_eq!(d, Device::Cuda),
+            Ok(d) => assert_eq!(d, Device::Cuda(0)),
             Err(e) => {
                 let msg = e.to_string();
                 assert!(
-                    msg.contains("--device") || msg.contains("CUDA libraries not found"),
+                    msg.contains("--device cuda:0") || msg.contains("CUDA libraries not found"),
                     "{msg}"
                 );
                 // Without a usable GPU, auto falls back to the CPU.
-                assert_eq!(choose_device("auto").ok(), Some(Device::Cpu));
+                assert_eq!(choose_device(DeviceChoice::Auto).ok(), Some(Device::Cpu));
             }
         }
+        // No machine has a GPU numbered this high: refused, naming the flag's value.
+        let e = choose_device(DeviceChoice::Cuda { ordinal: 4096 }).unwrap_err();
+        assert!(e.to_string().contains("--device cuda:4096"), "{e}");
     }
 
     #[test]
@@ -452,11 +459,11 @@ mod tests {
         use KvCacheDtype::{Auto, Bfloat16, Float16, Float32};
         for (dtype, device, precision, want) in [
             (Auto, Device::Cpu, "f16", KvDtype::F32),
-            (Auto, Device::Cuda, "bf16", KvDtype::Bf16),
-            (Auto, Device::Cuda, "bf16x2", KvDtype::F16),
-            (Bfloat16, Device::Cuda, "bf16x2", KvDtype::Bf16),
-            (Auto, Device::Cuda, "f16", KvDtype::F16),
-            (Float32, Device::Cuda, "f16", KvDtype::F32),
+            (Auto, Device::Cuda(0), "bf16", KvDtype::Bf16),
+            (Auto, Device::Cuda(0), "bf16x2", KvDtype::F16),
+            (Bfloat16, Device::Cuda(0), "bf16x2", KvDtype::Bf16),
+            (Auto, Device::Cuda(0), "f16", KvDtype::F16),
+            (Float32, Device::Cuda(0), "f16", KvDtype::F32),
             (Bfloat16, Device::Cpu, "bf16", KvDtype::Bf16),
             (Float16, Device::Cpu, "bf16", KvDtype::F16),
         ] {

@@ -133,7 +133,7 @@ async fn media_encoder(
         return Ok(None);
     }
     let Some(endpoint) = cfg.disaggregation.encode_endpoint.clone() else {
-        let device = crate::engine_setup::choose_device(&cfg.model.device)?;
+        let device = crate::engine_setup::choose_device(cfg.model.device)?;
         return Ok(MediaEncoder::for_model(&built.model, device)?.map(Arc::new));
     };
     let transport = with

@@ -78,7 +78,7 @@ pub async fn run_with(
 async fn load(cfg: &WorkerConfig) -> anyhow::Result<EncodeParts> {
     let folder = crate::engine_setup::model_folder(cfg)?;
     let f = folder.clone();
-    let device = crate::engine_setup::choose_device(&cfg.model.device)?;
+    let device = crate::engine_setup::choose_device(cfg.model.device)?;
     let (encoder, model_id) = tokio::task::spawn_blocking(move || {
         let (encoder, model_id) = tandem_engine::model::load_vision(&f)?;
         let encoder = crate::engine_setup::place_vision(Arc::new(encoder), device)?;

@@ -105,7 +105,15 @@ pub fn check_libraries() -> Result<(), EngineError> {
 
 /// Whether a CUDA GPU can be used here: the libraries load and the driver sees a device.
 pub fn available() -> bool {
-    check_libraries().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
+    device_count() > 0
+}
+
+/// The GPUs the driver shows this process (0 when the libraries or the driver are missing).
+pub fn device_count() -> usize {
+    if check_libraries().is_err() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
 }
 
 fn cuda_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> EngineError + '_ {
