@@ -22,11 +22,13 @@
 //! (the machine's memory-bandwidth ceiling for distinct, cache-cold memory).
 //!
 //! With `--pool cuda` (built with the `cuda-bench` feature, run with a CUDA-enabled UCX) the
-//! source blocks and the receiver's pool are GPU memory of device 0 and every batch goes GPU
+//! source blocks and the receiver's pool are GPU memory (of devices `--cuda-device` and
+//! `--receiver-cuda-device`, 0 unless given) and every batch goes GPU
 //! to GPU (`write_device`), as the serving path of CUDA workers does.
 //!
 //! Usage: `transfer_bench [--backend UCX|TCP] [--blocks N] [--iters N] [--pool alloc|heap|cuda]
-//! [--lanes N] [--batch B,B,..] [--ucx NAME=VALUE]...`. The program starts itself again as the
+//! [--lanes N] [--batch B,B,..] [--ucx NAME=VALUE]... [--cuda-device N]
+//! [--receiver-cuda-device N]`. The program starts itself again as the
 //! receiver (`--receiver`), reads its descriptor from the child's stdout, and checks the
 //! received blocks by hash at the end. Prints MiB/s (2^20 bytes, the unit of `ucx_perftest`).
 
@@ -63,7 +65,13 @@ struct Args {
     lanes: usize,
     batches: Vec<usize>,
     ucx: Vec<(String, String)>,
+    /// `--pool cuda`: the GPU of the sender's blocks, and of the receiver's pool.
+    cuda_device: usize,
+    receiver_cuda_device: usize,
 }
+
+/// This process's GPU (`--cuda-device`), read when its context is first made.
+static CUDA_DEVICE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn args() -> Args {
     let mut a = Args {
@@ -75,6 +83,8 @@ fn args() -> Args {
         lanes: default_ucx_lanes(),
         batches: vec![64, 16],
         ucx: Vec::new(),
+        cuda_device: 0,
+        receiver_cuda_device: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -86,6 +96,10 @@ fn args() -> Args {
             "--receiver" => a.receiver = true,
             "--pool" => a.pool = val(),
             "--lanes" => a.lanes = val().parse().expect("lanes"),
+            "--cuda-device" => a.cuda_device = val().parse().expect("cuda device"),
+            "--receiver-cuda-device" => {
+                a.receiver_cuda_device = val().parse().expect("receiver cuda device")
+            }
             "--batch" => {
                 a.batches = val()
                     .split(',')
@@ -100,6 +114,7 @@ fn args() -> Args {
             other => panic!("unknown argument {other}"),
         }
     }
+    CUDA_DEVICE.store(a.cuda_device, std::sync::atomic::Ordering::Relaxed);
     a
 }
 
@@ -120,7 +135,7 @@ async fn receiver(a: Args) {
         let (buf, ptr) = gpu::alloc(len);
         // SAFETY: the device buffer lives (in `gpu`) until exit; read only after "hash".
         let reg = t
-            .register(unsafe { LocalMemory::cuda(ptr as *mut u8, len, 0) })
+            .register(unsafe { LocalMemory::cuda(ptr as *mut u8, len, a.cuda_device as u32) })
             .await
             .expect("register GPU memory");
         gpu = Some(buf);
@@ -230,6 +245,8 @@ async fn sender(a: Args) {
             &a.blocks.to_string(),
             "--pool",
             &a.pool,
+            "--cuda-device",
+            &a.receiver_cuda_device.to_string(),
         ])
         .args(
             a.ucx
@@ -436,7 +453,8 @@ impl Source {
                     .collect();
                 // SAFETY: the device source lives until the end of `sender`, after every
                 // write has completed, and nothing writes it meanwhile.
-                let batch = unsafe { DeviceBatch::new(0, puts, Box::new(())) };
+                let device = CUDA_DEVICE.load(std::sync::atomic::Ordering::Relaxed) as u32;
+                let batch = unsafe { DeviceBatch::new(device, puts, Box::new(())) };
                 conn.write_device(desc, batch).await
             }
             None => {
@@ -469,7 +487,8 @@ mod gpu {
     /// the primary context and every allocation with it).
     fn context() -> &'static std::sync::Arc<CudaContext> {
         static CTX: std::sync::OnceLock<std::sync::Arc<CudaContext>> = std::sync::OnceLock::new();
-        CTX.get_or_init(|| CudaContext::new(0).expect("CUDA device 0"))
+        let device = super::CUDA_DEVICE.load(std::sync::atomic::Ordering::Relaxed);
+        CTX.get_or_init(|| CudaContext::new(device).expect("the CUDA device (--cuda-device)"))
     }
 
     fn malloc(len: usize) -> u64 {
