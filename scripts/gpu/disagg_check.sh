@@ -8,7 +8,7 @@
 #             aggregated output token for token (and TCP's too)
 #   ttft      TTFT at 512 / 2k / 8k-token prompts, one request at a time (tandem-loadtest),
 #             for agg, disagg over UCX (the default layer groups, then each of
-#             TANDEM_GPU_LAYER_GROUPS_COMPARE, default "0 28") and disagg over TCP, in one run:
+#             TANDEM_GPU_LAYER_GROUPS_COMPARE, default "1 4") and disagg over TCP, in one run:
 #             what disaggregation adds to the first token; with the prefill worker's time in
 #             KV writes per request and the part of it after the last layer was computed
 #   cancel    streams cut mid-prefill and mid-decode on the UCX path, then a normal load must
@@ -213,9 +213,9 @@ echo "ttl: decode worker after the loads: $leases leases, $active KV blocks in u
 case_result ttl_ucx $rc
 stop
 
-# The same over UCX with other layer groupings (0: whole blocks after each step), TTFT and
+# The same over UCX with layer groups (N groups of layers put while the step computes), TTFT and
 # write times side by side with the default's.
-for g in ${TANDEM_GPU_LAYER_GROUPS_COMPARE:-0 28}; do
+for g in ${TANDEM_GPU_LAYER_GROUPS_COMPARE:-1 4}; do
     DYN_KV_TRANSFER_LAYER_GROUPS=$g up "disagg_ucx_g$g" --topology disagg --kv-transport ucx \
         --router-arg=--enforce-disagg
     wait_model "disagg_ucx_g$g"

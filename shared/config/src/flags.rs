@@ -184,11 +184,12 @@ pub static FLAGS: &[FlagSpec] = &[
          unfinished before it is revoked.")
         .env("DYN_TRTLLM_KV_LEASE_TTL_SECS").default("30"),
     FlagSpec::new("kv-transfer-layer-groups", INT0, DisaggregationAndMultimodal,
-        "Prefill worker writing GPU to GPU (--device cuda, UCX): the KV blocks a prefill \
-         step completes leave in this many groups of layers, each put as soon as the step has \
-         computed it, so the transfer overlaps the rest of the step; 0 sends whole blocks \
-         after each step. At most one group per layer.")
-        .env("DYN_KV_TRANSFER_LAYER_GROUPS").default("4"),
+        "Prefill worker writing GPU to GPU (--device cuda, UCX): 0 (default) sends the KV \
+         blocks a prefill step completes whole, once the step is done; N leaves them in N \
+         groups of layers, each put as soon as the step has computed it, so the transfer \
+         overlaps the rest of the step (at most one group per layer). On one GPU (cuda_ipc) \
+         the grouped writes measured slower (docs/benchmarks.md).")
+        .env("DYN_KV_TRANSFER_LAYER_GROUPS").default("0"),
     FlagSpec::new("kv-lease-reclaim-margin-secs", INT0, DisaggregationAndMultimodal,
         "Decode worker: a revoked reservation whose prefill worker neither answers FenceLease \
          nor is gone is reclaimed this many seconds after its TTL ended (the prefill worker \

@@ -862,3 +862,13 @@ fn a_repeated_flag_takes_its_last_value() {
     let cfg = parse(&["--device", "cuda", "--device", "cuda:1"]).unwrap();
     assert_eq!(cfg.model.device, DeviceChoice::Cuda { ordinal: 1 });
 }
+
+/// GPU-to-GPU prefill writes leave whole after each step unless layer groups are asked for
+/// (measured faster on one GPU, docs/benchmarks.md).
+#[test]
+fn kv_transfer_layer_groups_default_to_whole_blocks() {
+    assert_eq!(parse(&[]).unwrap().disaggregation.kv_transfer_layer_groups, 0);
+    let cfg = parse(&["--kv-transfer-layer-groups", "4"]).unwrap();
+    assert_eq!(cfg.disaggregation.kv_transfer_layer_groups, 4);
+    assert!(err(&["--kv-transfer-layer-groups", "-1"]).contains("kv-transfer-layer-groups"));
+}
