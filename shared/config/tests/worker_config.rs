@@ -867,7 +867,10 @@ fn a_repeated_flag_takes_its_last_value() {
 /// (measured faster on one GPU, docs/benchmarks.md).
 #[test]
 fn kv_transfer_layer_groups_default_to_whole_blocks() {
-    assert_eq!(parse(&[]).unwrap().disaggregation.kv_transfer_layer_groups, 0);
+    assert_eq!(
+        parse(&[]).unwrap().disaggregation.kv_transfer_layer_groups,
+        0
+    );
     let cfg = parse(&["--kv-transfer-layer-groups", "4"]).unwrap();
     assert_eq!(cfg.disaggregation.kv_transfer_layer_groups, 4);
     assert!(err(&["--kv-transfer-layer-groups", "-1"]).contains("kv-transfer-layer-groups"));
