@@ -339,15 +339,15 @@ fn check_bpe_options(model: &Value) -> Result<(), Unsupported> {
             .get(k)
             .is_some_and(|v| !v.is_null() && v != "" && v != false)
     };
-    for (k, name) in [
-        ("dropout", "dropout"),
-        ("unk_token", "unk_token"),
-        ("continuing_subword_prefix", "continuing_subword_prefix"),
-        ("end_of_word_suffix", "end_of_word_suffix"),
-        ("byte_fallback", "byte_fallback"),
+    for k in [
+        "dropout",
+        "unk_token",
+        "continuing_subword_prefix",
+        "end_of_word_suffix",
+        "byte_fallback",
     ] {
         if set(k) {
-            return Err(Unsupported::BpeOption(name));
+            return Err(Unsupported::BpeOption(k));
         }
     }
     Ok(())

@@ -15,6 +15,7 @@
 //! `tandem-mocker`) a [`SimulatedLink`] that moves no bytes but takes their time; everything
 //! else here is the same code for both.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -302,28 +303,9 @@ impl PrefillSide {
         };
         let conn = conn.clone();
         let pin = Arc::new(pin);
-        let parts = match &blocks.ready {
-            BlocksReady::Whole(_) => vec![(0..bb, None)],
-            BlocksReady::Layers {
-                layer_bytes,
-                groups,
-            } => groups
-                .iter()
-                .map(|g| {
-                    let range = g.layers.start * layer_bytes..g.layers.end * layer_bytes;
-                    (range, Some(g.fence.clone()))
-                })
-                .collect(),
-        };
-        if let BlocksReady::Whole(fence) = blocks.ready {
-            wait_fence(Arc::from(fence)).await?;
+        for (bytes, fence) in byte_parts(blocks.ready, bb) {
+            wait_fence(fence).await?;
             w.timing.fence_passed();
-        }
-        for (bytes, fence) in parts {
-            if let Some(fence) = fence {
-                wait_fence(fence).await?;
-                w.timing.fence_passed();
-            }
             w.check_deadline(at)?;
             let puts = w
                 .offsets(at, n)
@@ -401,6 +383,26 @@ async fn next_event(
             lease.lease_id, lease.ttl_ms
         ))),
         _ = cancel.wait() => Err(Status::aborted("the lease was revoked")),
+    }
+}
+
+/// The byte ranges of each handed-out block to write in turn, each after its fence: the
+/// whole block, or each group of layers.
+fn byte_parts(ready: BlocksReady, block_bytes: usize) -> Vec<(Range<usize>, Arc<dyn DeviceFence>)> {
+    match ready {
+        BlocksReady::Whole(fence) => vec![(0..block_bytes, Arc::from(fence))],
+        BlocksReady::Layers {
+            layer_bytes,
+            groups,
+        } => groups
+            .into_iter()
+            .map(|g| {
+                (
+                    g.layers.start * layer_bytes..g.layers.end * layer_bytes,
+                    g.fence,
+                )
+            })
+            .collect(),
     }
 }
 

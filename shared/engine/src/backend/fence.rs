@@ -63,16 +63,6 @@ impl std::fmt::Debug for BlocksReady {
     }
 }
 
-impl BlocksReady {
-    /// Waits until every layer has passed (for readers that take whole blocks only).
-    pub fn wait_all(&self) -> Result<(), EngineError> {
-        match self {
-            BlocksReady::Whole(f) => f.wait(),
-            BlocksReady::Layers { groups, .. } => groups.iter().try_for_each(|g| g.fence.wait()),
-        }
-    }
-}
-
 /// The layer groups of a model of `num_layers` layers cut into `groups` (at least 1, at most
 /// one per layer) runs of nearly equal length, in order.
 pub fn layer_groups(num_layers: usize, groups: usize) -> Vec<Range<usize>> {
