@@ -10,7 +10,9 @@
 #             for agg, disagg over UCX (the default layer groups, then each of
 #             TANDEM_GPU_LAYER_GROUPS_COMPARE, default "1 4") and disagg over TCP, in one run:
 #             what disaggregation adds to the first token; with the prefill worker's time in
-#             KV writes per request and the part of it after the last layer was computed
+#             KV writes per request and the part of it after the last layer was computed, and
+#             the means of the disaggregation phases (reserve, prefill call, compute) and of
+#             the UCX lanes' batch phases (queue, issue, complete)
 #   cancel    streams cut mid-prefill and mid-decode on the UCX path, then a normal load must
 #             still complete with every request served (pins and leases released)
 #   kill      kill -9 of the prefill worker, then of the decode worker, each under load on the
@@ -19,6 +21,7 @@
 #   ttl       one-second leases under a burst of 8k-token prompts on the UCX path: the burst
 #             ends, a normal load is then served in full, and the decode worker holds no lease
 #             and no KV block afterwards
+# TANDEM_GPU_DISAGG_CASES=ttft runs only same + ttft for agg and UCX.
 # Usage: disagg_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
 set -uo pipefail
 BIN=$1
@@ -27,6 +30,9 @@ OUT=$3
 . "$(dirname "$0")/serve_lib.sh"
 ISLS=${TANDEM_GPU_TTFT_ISLS:-512 2048 8192}
 TTFT_N=${TANDEM_GPU_TTFT_REQUESTS:-24}
+# TANDEM_GPU_DISAGG_CASES=ttft: only the outputs and TTFT of aggregated and UCX serving (no
+# fault cases, layer groups or TCP).
+CASES=${TANDEM_GPU_DISAGG_CASES:-all}
 
 # Fixed completions, one at a time; writes "<name>.json" (texts per prompt and mode).
 outputs() { # name
@@ -64,20 +70,58 @@ worker_metrics() { # name role
     grep -o "$2 worker [0-9]* ready at .*/metrics: http://[^)]*" "$OUT/serve_$1.log" | tail -1 | sed 's/.*metrics: //'
 }
 
-# Sums and counts of the prefill worker's write-time histograms, one line.
-scrape_transfer() { # metrics address
-    [ -n "$1" ] || { echo "- - - -"; return; }
-    curl -sf "$1/metrics" | awk '
-        /^tandem_kv_transfer_write_seconds_sum/ {ws=$2} /^tandem_kv_transfer_write_seconds_count/ {wc=$2}
-        /^tandem_kv_transfer_exposed_seconds_sum/ {es=$2} /^tandem_kv_transfer_exposed_seconds_count/ {ec=$2}
-        END {print (ws==""?0:ws), (wc==""?0:wc), (es==""?0:es), (ec==""?0:ec)}'
+# Sums and counts of the workers' timing histograms (`_sum`/`_count` of the write times, the
+# disaggregation phases and the UCX lanes' batch phases), one JSON object per scrape.
+scrape_timings() { # metrics address...
+    python3 - "$@" <<'PY'
+import json, re, sys, urllib.request
+want = ("tandem_kv_transfer_write_seconds", "tandem_kv_transfer_exposed_seconds",
+        "tandem_disagg_phase_seconds", "tandem_kv_transfer_ucx_phase_seconds")
+out = {}
+for addr in sys.argv[1:]:
+    if not addr:
+        continue
+    try:
+        text = urllib.request.urlopen(addr + "/metrics", timeout=10).read().decode()
+    except OSError:
+        continue
+    for line in text.splitlines():
+        m = re.match(r"^(\w+?)_(sum|count)(\{[^}]*\})? (\S+)$", line)
+        if m and m.group(1) in want:
+            key = m.group(1) + (m.group(3) or "")
+            out.setdefault(key, [0.0, 0.0])["sum count".split().index(m.group(2))] += float(m.group(4))
+print(json.dumps(out))
+PY
+}
+
+# Per request (or per batch, for UCX phases): the mean of every timing histogram between two
+# scrapes.
+print_timings() { # name isl before after
+    python3 - "$@" <<'PY'
+import json, sys
+name, isl, b, a = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+for key in sorted(a):
+    s = a[key][0] - b.get(key, [0, 0])[0]
+    n = a[key][1] - b.get(key, [0, 0])[1]
+    if n > 0:
+        print(f"timing {name} isl {isl}: {key} mean {s / n * 1e3:.3f} ms over {n:.0f}")
+w, e = (a.get(k, [0, 0]) for k in ("tandem_kv_transfer_write_seconds", "tandem_kv_transfer_exposed_seconds"))
+bw, be = (b.get(k, [0, 0]) for k in ("tandem_kv_transfer_write_seconds", "tandem_kv_transfer_exposed_seconds"))
+wn, en = w[1] - bw[1], e[1] - be[1]
+if wn > 0:
+    wm = (w[0] - bw[0]) / wn * 1e3
+    em = (e[0] - be[0]) / en * 1e3 if en > 0 else float("nan")
+    print(f"transfer {name} isl {isl}: writes {wm:.3f} ms per request, {em:.3f} ms of them after the "
+          f"last layer was computed ({100 * (1 - em / wm) if wm > 0 else 0:.0f}% hidden)")
+PY
 }
 
 ttft() { # name
-    local isl rc=0 m before after
-    m=$(worker_metrics "$1" prefill)
+    local isl rc=0 pm dm before after
+    pm=$(worker_metrics "$1" prefill)
+    dm=$(worker_metrics "$1" decode)
     for isl in $ISLS; do
-        before=$(scrape_transfer "$m")
+        before=$(scrape_timings "$pm" "$dm")
         "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/ttft_$1_$isl" \
             --num-requests "$TTFT_N" --concurrency 1 --isl "$isl" --osl 2 --vocab-hi 150000 \
             > "$OUT/ttft_$1_$isl.txt" 2>&1 || rc=1
@@ -90,23 +134,10 @@ print(f"ttft {sys.argv[2]} isl {sys.argv[3]}: p50 {t['p50']:.2f} ms, p90 {t['p90
 sys.exit(0 if r["failed"] == 0 else 1)
 PY
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-        after=$(scrape_transfer "$m")
-        # Time in KV writes per request, and the part of it after the last computed layer
-        # (not hidden behind compute).
-        [ -n "$m" ] && python3 - "$1" "$isl" "$before" "$after" <<'PY' | tee -a "$OUT/ttft_summary.txt"
-import sys
-name, isl = sys.argv[1], sys.argv[2]
-b = [float(x) for x in sys.argv[3].split()]
-a = [float(x) for x in sys.argv[4].split()]
-ws, wc, es, ec = (a[i] - b[i] for i in range(4))
-if wc <= 0:
-    print(f"transfer {name} isl {isl}: no writes recorded")
-else:
-    w = ws / wc * 1e3
-    e = es / ec * 1e3 if ec > 0 else float("nan")
-    print(f"transfer {name} isl {isl}: writes {w:.3f} ms per request, {e:.3f} ms of them after the "
-          f"last layer was computed ({100 * (1 - e / w) if w > 0 else 0:.0f}% hidden)")
-PY
+        after=$(scrape_timings "$pm" "$dm")
+        # Where the time went: writes (and the part after the last computed layer), the
+        # disaggregation phases, the UCX lanes' batch phases.
+        print_timings "$1" "$isl" "$before" "$after" | tee -a "$OUT/ttft_summary.txt"
     done
     return $rc
 }
@@ -131,6 +162,13 @@ outputs disagg_ucx && same agg disagg_ucx || rc=1
 case_result same_ucx $rc
 ttft disagg_ucx
 case_result ttft_ucx $?
+if [ "$CASES" = ttft ]; then
+    stop
+    echo "disagg_check: $fails case(s) failed (TTFT cases only)"
+    cat "$OUT/ttft_summary.txt"
+    [ "$fails" -eq 0 ]
+    exit
+fi
 # cancel: streams cut mid-prefill (8k prompts) and mid-decode, then a normal load.
 name=$(curl -s "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 for i in $(seq 1 6); do

@@ -7,13 +7,13 @@
 //! The receiver's pool holds `2 × --blocks` blocks; the `--blocks` source blocks (default 64)
 //! go to distinct destination blocks picked by a fixed pseudo-random permutation, so
 //! destinations are scattered, as decode block ids are. Patterns, each timed per iteration
-//! over all `--blocks` blocks (every figure includes the batches' completion and the
-//! notifications):
+//! over all `--blocks` blocks (every figure includes the batches' completion and one
+//! notification at the end, as the serving path answers once per prompt):
 //! - `serving B`: what the serving path does after each prefill chunk: one batch of `B`
-//!   whole-block puts (3.67 MB each) to scattered destinations, then a notification; for each
-//!   `B` of `--batch` (default `64,16`);
+//!   whole-block puts (3.67 MB each) to scattered destinations, waited for before the next;
+//!   for each `B` of `--batch` (default `64,16`);
 //! - `per-layer`: after each layer, one batch of `--blocks` puts of 131 KB (that layer of
-//!   every block) and a notification — 28 batches (a finer-grained alternative);
+//!   every block) — 28 batches (a finer-grained alternative);
 //! - `hot`: `--blocks` puts of 3.67 MB, every one from the same source block to the same
 //!   destination block — the access pattern of `ucx_perftest` (cache-hot), which isolates the
 //!   transport's own overhead from memory bandwidth.
@@ -343,10 +343,10 @@ async fn sender(a: Args) {
                 .write(&conn, &desc, per_layer(k))
                 .await
                 .expect("per-layer write");
-            conn.notify(Bytes::from(format!("layer {k} done")))
-                .await
-                .expect("notify");
         }
+        conn.notify(Bytes::from_static(b"layers done"))
+            .await
+            .expect("notify");
         layer_t.add(s.elapsed());
 
         for (i, &batch) in a.batches.iter().enumerate() {
@@ -358,11 +358,12 @@ async fn sender(a: Args) {
                     .write(&conn, &desc, (b..end).map(block_put).collect())
                     .await
                     .expect("serving write");
-                conn.notify(Bytes::from(format!("blocks {b}..{end} done")))
-                    .await
-                    .expect("notify");
                 b = end;
             }
+            // One message per prompt, as serving's answer to the decode worker.
+            conn.notify(Bytes::from_static(b"blocks done"))
+                .await
+                .expect("notify");
             serving_t[i].add(s.elapsed());
         }
     }
@@ -401,12 +402,12 @@ async fn sender(a: Args) {
     );
     for (i, &batch) in a.batches.iter().enumerate() {
         println!(
-            "serving {batch} (batches of {batch} whole-block puts of {BLOCK_BYTES} B to scattered blocks + notify): {}",
+            "serving {batch} (batches of {batch} whole-block puts of {BLOCK_BYTES} B to scattered blocks, one notify): {}",
             serving_t[i].line(len)
         );
     }
     println!(
-        "per-layer (28 batches x {} puts of {LAYER_BYTES} B + notify): {}",
+        "per-layer (28 batches x {} puts of {LAYER_BYTES} B, one notify): {}",
         a.blocks,
         layer_t.line(len)
     );

@@ -65,3 +65,23 @@ pub(crate) fn record_transfer(
             .record(bytes as f64 / secs / 1e9);
     }
 }
+
+/// A write batch's phases on a UCX lane (`tandem_kv_transfer_ucx_phase_seconds`, by `phase`
+/// and source `memory_type`): `queue` (command sent until its lane's thread took it),
+/// `issue` (its puts and flush issued), `complete` (until UCX reported them done; label
+/// `slept`: whether the thread slept meanwhile).
+pub(crate) fn record_ucx_phases(
+    source: crate::MemoryKind,
+    [queue, issue, complete]: [Duration; 3],
+    slept: bool,
+) {
+    const NAME: &str = "tandem_kv_transfer_ucx_phase_seconds";
+    let memory = source.label();
+    metrics::histogram!(NAME, "phase" => "queue", "memory_type" => memory)
+        .record(queue.as_secs_f64());
+    metrics::histogram!(NAME, "phase" => "issue", "memory_type" => memory)
+        .record(issue.as_secs_f64());
+    let slept = if slept { "true" } else { "false" };
+    metrics::histogram!(NAME, "phase" => "complete", "memory_type" => memory, "slept" => slept)
+        .record(complete.as_secs_f64());
+}

@@ -93,6 +93,8 @@ enum Cmd {
         rkey: Vec<u8>,
         share: Share,
         reply: oneshot::Sender<Result<()>>,
+        /// When the command was sent (the queue phase of the lane's timing).
+        sent: Instant,
     },
     Notify {
         ep: u64,
@@ -447,6 +449,7 @@ impl UcxConnection {
                 rkey: remote.rkey.clone(),
                 share,
                 reply,
+                sent: Instant::now(),
             });
             if let Err(e) = sent {
                 result = Err(e);

@@ -27,6 +27,9 @@ pub(super) const NO_CUDA_UCX: &str = "this UCX has no CUDA memory support (no cu
 
 /// Per-endpoint state. `failed` is written by the error callback, whose `arg` points at it:
 /// boxed so the address is stable, freed only after the worker is destroyed.
+/// The longest sleep with write batches in flight (see [`Thread::sleep_length`]).
+const PENDING_SLEEP: Duration = Duration::from_micros(50);
+
 struct Endpoint {
     ep: sys::ucp_ep_h,
     failed: Box<std::cell::Cell<sys::ucs_status_t>>,
@@ -42,7 +45,33 @@ struct Pending {
     reply: Option<oneshot::Sender<Result<()>>>,
     deadline: Instant,
     what: &'static str,
+    /// A write batch's phases (notifications have none).
+    timing: Option<BatchTiming>,
     _keep: Vec<Held>,
+}
+
+/// Where a write batch's time goes on its lane: waiting for the thread, issuing its puts,
+/// and until UCX reported them complete (and whether the thread slept meanwhile).
+struct BatchTiming {
+    source: MemoryKind,
+    sent: Instant,
+    handled: Instant,
+    issued: Instant,
+    slept: bool,
+}
+
+impl BatchTiming {
+    fn record(&self, done: Instant) {
+        crate::metrics::record_ucx_phases(
+            self.source,
+            [
+                self.handled - self.sent,
+                self.issued - self.handled,
+                done.saturating_duration_since(self.issued),
+            ],
+            self.slept,
+        );
+    }
 }
 
 struct Thread {
@@ -317,18 +346,37 @@ impl Thread {
             if st == sys::UCS_ERR_BUSY {
                 continue;
             }
-            let timeout_ms = if self.pending.is_empty() && self.closing.is_empty() {
-                1000
-            } else {
-                1
+            let wait = self.sleep_length();
+            let timeout = libc::timespec {
+                tv_sec: wait.as_secs() as libc::time_t,
+                tv_nsec: wait.subsec_nanos() as libc::c_long,
             };
             let mut pfd = libc::pollfd {
                 fd: efd,
                 events: libc::POLLIN,
                 revents: 0,
             };
-            // SAFETY: one valid pollfd; the fd belongs to the live worker.
-            unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+            // SAFETY: one valid pollfd (the fd belongs to the live worker) and a valid timeout.
+            unsafe { libc::ppoll(&mut pfd, 1, &timeout, ptr::null()) };
+        }
+    }
+
+    /// How long the thread may sleep: long when idle (a command or an event wakes it); with
+    /// batches in flight, briefly — not every transport's completions wake the worker's
+    /// event fd (CUDA copies are polled), so a long sleep would add its length to a batch.
+    fn sleep_length(&mut self) -> Duration {
+        if !self.pending.is_empty() {
+            for p in &mut self.pending {
+                if let Some(t) = &mut p.timing {
+                    t.slept = true;
+                }
+            }
+            return PENDING_SLEEP;
+        }
+        if self.closing.is_empty() {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_millis(1)
         }
     }
 
@@ -357,7 +405,8 @@ impl Thread {
                 rkey,
                 share,
                 reply,
-            } => self.write(ep, rkey, share, reply),
+                sent,
+            } => self.write(ep, rkey, share, reply, sent),
             Cmd::Notify { ep, payload, reply } => self.notify(ep, payload, reply),
             Cmd::Close { ep } => self.close_ep(ep, false),
         }
@@ -479,7 +528,9 @@ impl Thread {
         rkey_bytes: Vec<u8>,
         share: Share,
         reply: oneshot::Sender<Result<()>>,
+        sent: Instant,
     ) {
+        let handled = Instant::now();
         let Share { puts, source, keep } = share;
         let cuda = matches!(source, MemoryKind::Cuda { .. });
         if cuda && self.memory_types & (1 << sys::UCS_MEMORY_TYPE_CUDA) == 0 {
@@ -544,6 +595,13 @@ impl Thread {
         let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         let r = unsafe { sys::ucp_ep_flush_nbx(ep, &param) };
         pending.track(r);
+        pending.timing = Some(BatchTiming {
+            source,
+            sent,
+            handled,
+            issued: Instant::now(),
+            slept: false,
+        });
         self.pending.push(pending);
     }
 
@@ -648,6 +706,9 @@ impl Thread {
                     None => Ok(()),
                     Some(st) => Err(TransferError::PeerFailed(sys::status_string(st))),
                 };
+                if let (Ok(()), Some(t)) = (&r, &p.timing) {
+                    t.record(now);
+                }
                 let _ = reply.send(r);
             }
             false
@@ -739,6 +800,7 @@ impl Pending {
             reply: Some(reply),
             deadline: Instant::now() + timeout,
             what,
+            timing: None,
             _keep: keep,
         }
     }
