@@ -2,8 +2,9 @@
 //! aggregated serving (greedy, seeded sampling with penalties, stop strings, logprobs, chunked
 //! prompts, prefixes cached on either side, concurrency) over UCX and TCP, with the bytes
 //! moved and the decode worker's prompt compute checked from stats; and the fault paths
-//! (cancel, lease timeout, kill -9 of either side mid-transfer, revocation while a write is
-//! held, SIGTERM of a prefill worker), made deterministic with the prefill hold failpoint.
+//! (cancel, lease timeout, kill -9 of either side mid-transfer, the first token out while the
+//! last write is held and its writer then killed, revocation while a write is held, SIGTERM of
+//! a prefill worker), made deterministic with the prefill hold failpoint.
 
 mod common;
 
@@ -682,6 +683,33 @@ async fn faults_free_every_block_and_never_touch_live_ones() {
         want
     );
 
+    // 4a. The first token leaves while the prompt's last write is still held (90 tokens in
+    // chunks of 64: the held batch, block 2, is the last); then kill -9 of that prefill
+    // worker: the client has its first token, then an error naming the failure — never a
+    // hang — and the dead writer's lease is released (its listener is gone).
+    let short = tokens(13, 90);
+    let short_want = agg(&r, "ref-short", &short, &params).await;
+    let rid = "hold-kill-after-first";
+    let mut stream = disagg_stream(&d0a, rid, &short, &params, &[p0p])
+        .await
+        .expect("call");
+    wait_file(&reached(&holds, rid)).await;
+    let first = tokio::time::timeout(Duration::from_secs(30), stream.next())
+        .await
+        .expect("the first token while the last write is held")
+        .expect("a message")
+        .expect("the first token");
+    assert_eq!(first.token_ids, short_want.tokens[..1]);
+    p0.take(); // kill -9
+    let err = collect(stream)
+        .await
+        .expect_err("the writer died after the first token");
+    assert!(err.message().contains("after the first token"), "{err:?}");
+    wait_stats(&d0a, "the dead writer's lease released", |s| {
+        s.leases_quarantined == 0 && s.leases_live == 0 && s.referenced_blocks == 0
+    })
+    .await;
+
     // 4. kill -9 of the prefill worker mid-transfer: the decode worker retries on the other
     // prefill worker and answers correctly; the dead writer's lease is released (its
     // listener is gone).
@@ -693,7 +721,7 @@ async fn faults_free_every_block_and_never_touch_live_ones() {
     };
     let call = spawn_disagg(&d0a, rid, &prompt, &params, vec![dead, target(p1p)]);
     wait_file(&reached(&holds, rid)).await;
-    p0.take(); // kill -9
+    p0.take(); // killed in 4a already
                // p1 holds the same request id too: let it through.
     release(&holds, rid);
     let got = call

@@ -190,6 +190,13 @@ pub static FLAGS: &[FlagSpec] = &[
          overlaps the rest of the step (at most one group per layer). On one GPU (cuda_ipc) \
          the grouped writes measured slower (docs/benchmarks.md).")
         .env("DYN_KV_TRANSFER_LAYER_GROUPS").default("0"),
+    FlagSpec::new("first-token-before-kv-writes", Bool, DisaggregationAndMultimodal,
+        "Prefill worker: send the first token to the decode worker (which streams it at once) \
+         as soon as it is sampled, while the prompt's last KV blocks are still being written; \
+         false holds it until every write is done, so TTFT includes the transfer. A prefill \
+         worker failing after its first token went out fails the request (the router's \
+         --migration-limit may continue it elsewhere).")
+        .env("DYN_FIRST_TOKEN_BEFORE_KV_WRITES").default("true"),
     FlagSpec::new("kv-lease-reclaim-margin-secs", INT0, DisaggregationAndMultimodal,
         "Decode worker: a revoked reservation whose prefill worker neither answers FenceLease \
          nor is gone is reclaimed this many seconds after its TTL ended (the prefill worker \

@@ -172,6 +172,7 @@ fn worker_from_resolved(
             kv_lease_ttl_secs: g.u32("kv-lease-ttl-secs")?,
             kv_lease_reclaim_margin_secs: g.u32("kv-lease-reclaim-margin-secs")?,
             kv_transfer_layer_groups: g.u32("kv-transfer-layer-groups")?,
+            first_token_before_kv_writes: g.bool("first-token-before-kv-writes")?,
         },
         guided_decoding_backend: g.opt_string("guided-decoding-backend")?,
         diffusion: Diffusion {

@@ -180,6 +180,9 @@ pub struct Disaggregation {
     /// `--kv-transfer-layer-groups`: groups of layers a GPU-to-GPU prefill write leaves in
     /// while its step runs (0: whole blocks after the step).
     pub kv_transfer_layer_groups: u32,
+    /// `--first-token-before-kv-writes`: a prefill worker sends its first token while the
+    /// prompt's last KV writes are in flight.
+    pub first_token_before_kv_writes: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -21,10 +21,11 @@ use tandem_engine::request::MediaSpan;
 use tandem_engine::sampler::SamplingParams;
 use tandem_kv_transfer::RemoteRegion;
 use tandem_protocol::wire::{required, TryFromWire};
+use tandem_protocol::worker::prefill_progress::Step;
 use tandem_protocol::worker::worker_client::WorkerClient;
 use tandem_protocol::worker::{
     FenceLeaseRequest, GenerateDisaggRequest, GenerateOutput, GenerateRequest, KvLease,
-    PrefillReply, PrefillRequest, PrefillTarget,
+    PrefillProgress, PrefillReply, PrefillRequest, PrefillTarget,
 };
 use tandem_protocol::WireError;
 use tokio::sync::mpsc;
@@ -231,19 +232,33 @@ impl DecodeSide {
         target: &PrefillTarget,
         tx: &Out,
     ) -> Attempt {
+        let began = Instant::now();
         let lease = match self.lease(request, params, target).await {
             Ok(lease) => lease,
             Err(refused) => return refused,
         };
-        let lease_id = lease.lease_id;
-        let reply = match self.call_prefill(request, lease, target, tx).await {
-            Ok(reply) => reply,
+        let called = Instant::now();
+        crate::stats::disagg_phase("reserve", called - began);
+        let mut call = match self.call_prefill(request, lease, target, tx).await {
+            Ok(call) => call,
             Err(ended) => return ended,
         };
-        // The prefill worker answered: every write of this lease has completed.
+        crate::stats::disagg_phase("prefill_first", called.elapsed());
+        let done = self.after_first(&mut call, tx).await;
+        crate::stats::disagg_phase("prefill_call", called.elapsed());
+        let (reply, finished) = match done {
+            Ok(done) => done,
+            Err(ended) => return ended,
+        };
+        // Every write of this lease has completed.
         self.bytes_received
             .fetch_add(reply.bytes_transferred, Ordering::Relaxed);
-        self.continue_here(lease_id, reply, tx).await
+        if finished {
+            // The first token ended the request: nothing to continue.
+            self.release(call.lease_id).await;
+            return Attempt::Over;
+        }
+        self.continue_here(call.lease_id, reply, tx).await
     }
 
     /// Reserves the prompt's blocks and grants `target` a lease to write the missing ones.
@@ -283,83 +298,174 @@ impl DecodeSide {
         })
     }
 
-    /// Calls `target`'s `Prefill` under the lease. Every way it can fail releases the lease
-    /// (the writer has stopped) or revokes it (it may still be writing).
+    /// Calls `target`'s `Prefill` under the lease until its first token. Every way it can fail
+    /// before then releases the lease (the writer has stopped) or revokes it (it may still be
+    /// writing), and leaves the request to another prefill worker.
     async fn call_prefill(
         &self,
         request: &GenerateRequest,
         lease: KvLease,
         target: &PrefillTarget,
         tx: &Out,
-    ) -> Result<PrefillReply, Attempt> {
-        let (lease_id, epoch) = (lease.lease_id, lease.epoch);
+    ) -> Result<PrefillCall, Attempt> {
+        let mut call = PrefillCall {
+            lease_id: lease.lease_id,
+            epoch: lease.epoch,
+            writer: target.grpc_addr.clone(),
+            deadline: tokio::time::Instant::now() + self.ttl,
+            first: None,
+            messages: None,
+        };
         let mut client = match self.client(&target.grpc_addr) {
             Ok(c) => c,
             Err(e) => {
-                self.release(lease_id).await;
+                self.release(call.lease_id).await;
                 return Err(Attempt::PrefillFailed(e));
             }
         };
-        let call = client.prefill(PrefillRequest {
-            request: Some(request.clone()),
-            lease: Some(lease),
-        });
-        // Dropping `call` (client gone, deadline) cancels the RPC; the writer may still be
+        let opened = async {
+            let mut messages = client
+                .prefill(PrefillRequest {
+                    request: Some(request.clone()),
+                    lease: Some(lease),
+                })
+                .await?
+                .into_inner();
+            let first = messages.message().await?;
+            Ok::<_, Status>((messages, first))
+        };
+        // Dropping the call (client gone, deadline) cancels the RPC; the writer may still be
         // mid-put, so those paths quarantine rather than release.
         let answer = tokio::select! {
-            r = tokio::time::timeout(self.ttl, call) => r,
+            r = tokio::time::timeout_at(call.deadline, opened) => r,
             _ = tx.closed() => {
-                self.revoke(lease_id, epoch, &target.grpc_addr);
+                call.revoke(self);
                 return Err(Attempt::Over);
             }
         };
-        match answer {
+        let (messages, first) = match answer {
             Err(_) => {
-                self.revoke(lease_id, epoch, &target.grpc_addr);
-                Err(Attempt::PrefillFailed(format!(
-                    "no answer within the lease TTL of {:?}",
+                call.revoke(self);
+                return Err(Attempt::PrefillFailed(format!(
+                    "no first token within the lease TTL of {:?}",
                     self.ttl
+                )));
+            }
+            Ok(Err(status)) => return Err(self.failed(&call, status).await),
+            Ok(Ok(m)) => m,
+        };
+        call.messages = Some(messages);
+        match first.and_then(|m| m.step) {
+            Some(Step::First(first)) => {
+                call.first = Some(first);
+                Ok(call)
+            }
+            other => {
+                call.revoke(self);
+                Err(Attempt::PrefillFailed(format!(
+                    "the prefill worker's first message is not the first token: {}",
+                    step_name(other.as_ref())
                 )))
             }
-            Ok(Err(status)) if writer_stopped(&status) => {
-                self.release(lease_id).await;
-                if status.code() == Code::InvalidArgument {
-                    return Err(Attempt::Refused(status));
-                }
-                Err(Attempt::PrefillFailed(describe(&status)))
-            }
-            Ok(Err(status)) => {
-                self.revoke(lease_id, epoch, &target.grpc_addr);
-                Err(Attempt::PrefillFailed(describe(&status)))
-            }
-            Ok(Ok(reply)) => Ok(reply.into_inner()),
         }
     }
 
-    /// Streams the prefill's first token and continues the request on this engine from the
-    /// state the prefill worker handed over.
-    async fn continue_here(&self, lease_id: u64, reply: PrefillReply, tx: &Out) -> Attempt {
-        let Some(first) = reply.first else {
-            self.release(lease_id).await;
-            return Attempt::PrefillFailed("the reply has no first token".into());
-        };
-        if first.finish_reason != i32::from(tandem_protocol::worker::FinishReason::Unspecified) {
-            self.release(lease_id).await;
-            let _ = tx.send(Ok(first)).await;
-            return Attempt::Over;
+    /// A `Prefill` call that failed with `status` before its first token: the lease released
+    /// if the prefill worker answered (its writer has stopped), revoked otherwise.
+    async fn failed(&self, call: &PrefillCall, status: Status) -> Attempt {
+        if !writer_stopped(&status) {
+            call.revoke(self);
+            return Attempt::PrefillFailed(describe(&status));
         }
+        self.release(call.lease_id).await;
+        if status.code() == Code::InvalidArgument {
+            return Attempt::Refused(status);
+        }
+        Attempt::PrefillFailed(describe(&status))
+    }
+
+    /// Streams the first token to the client at once (it is the TTFT), then waits for the
+    /// prefill worker's `done`: every write of the lease completed. The first token is out,
+    /// so a failure now cannot move to another prefill worker: the client gets the error
+    /// (the router's `--migration-limit` may then continue the request elsewhere). Also
+    /// returns whether the first token ended the request.
+    async fn after_first(
+        &self,
+        call: &mut PrefillCall,
+        tx: &Out,
+    ) -> Result<(PrefillReply, bool), Attempt> {
+        let first = call.first.take().unwrap_or_default();
+        let finished =
+            first.finish_reason != i32::from(tandem_protocol::worker::FinishReason::Unspecified);
+        if tx.send(Ok(first)).await.is_err() {
+            call.revoke(self);
+            return Err(Attempt::Over);
+        }
+        let Some(messages) = call.messages.as_mut() else {
+            call.revoke(self);
+            return Err(Attempt::Over);
+        };
+        let answer = tokio::select! {
+            r = tokio::time::timeout_at(call.deadline, messages.message()) => r,
+            // A client gone while the writes finish: its tokens stop, the lease ends below.
+            _ = tx.closed(), if !finished => {
+                call.revoke(self);
+                return Err(Attempt::Over);
+            }
+        };
+        let failure = match answer {
+            Ok(Ok(Some(PrefillProgress {
+                step: Some(Step::Done(reply)),
+            }))) => return Ok((reply, finished)),
+            Ok(Ok(other)) => {
+                call.revoke(self);
+                format!(
+                    "the prefill worker's message after the first token is not done: {}",
+                    step_name(other.and_then(|m| m.step).as_ref())
+                )
+            }
+            Ok(Err(status)) => {
+                if writer_stopped(&status) {
+                    self.release(call.lease_id).await;
+                } else {
+                    call.revoke(self);
+                }
+                describe(&status)
+            }
+            Err(_) => {
+                call.revoke(self);
+                format!(
+                    "its writes did not finish within the lease TTL of {:?}",
+                    self.ttl
+                )
+            }
+        };
+        if !finished {
+            let _ = tx
+                .send(Err(Status::unavailable(format!(
+                    "the prefill worker {} failed after the first token: {failure}",
+                    call.writer
+                ))))
+                .await;
+        }
+        Err(Attempt::Over)
+    }
+
+    /// Continues the request on this engine from the state the prefill worker handed over
+    /// (its first token is out already).
+    async fn continue_here(&self, lease_id: u64, reply: PrefillReply, tx: &Out) -> Attempt {
         let state: SequenceState = match engine_sub(reply.state, "state") {
             Ok(s) => s,
             Err(e) => {
                 self.release(lease_id).await;
-                return Attempt::PrefillFailed(format!("malformed prefill reply: {e}"));
+                let _ = tx
+                    .send(Err(Status::internal(format!(
+                        "malformed prefill reply after the first token: {e}"
+                    ))))
+                    .await;
+                return Attempt::Over;
             }
         };
-        // Stream the first token before activating: it is the TTFT.
-        if tx.send(Ok(first)).await.is_err() {
-            self.release(lease_id).await;
-            return Attempt::Over;
-        }
         match self.engine.activate(lease_id, state).await {
             Ok(stream) => {
                 self.leases.remove(lease_id);
@@ -493,6 +599,34 @@ fn hashing_of(request: &GenerateRequest) -> Result<HashContext, Status> {
         .map_err(|e| Status::from(e.within("request")))?;
     HashContext::new(request.cache_salt.map(CacheSalt), spans)
         .map_err(|e| Status::invalid_argument(format!("request.media: {e}")))
+}
+
+/// A `Prefill` call in flight, from its first token on.
+struct PrefillCall {
+    lease_id: u64,
+    epoch: u64,
+    /// The prefill worker's gRPC address.
+    writer: String,
+    /// The lease's end: the whole call, first token and writes, must finish by then.
+    deadline: tokio::time::Instant,
+    first: Option<GenerateOutput>,
+    messages: Option<tonic::Streaming<PrefillProgress>>,
+}
+
+impl PrefillCall {
+    /// Revokes the lease (its writer may still be writing): see [`DecodeSide::revoke`].
+    fn revoke(&self, side: &DecodeSide) {
+        side.revoke(self.lease_id, self.epoch, &self.writer);
+    }
+}
+
+/// A `Prefill` message's kind, for errors.
+fn step_name(step: Option<&Step>) -> &'static str {
+    match step {
+        Some(Step::First(_)) => "a first token",
+        Some(Step::Done(_)) => "done",
+        None => "an empty message or the end of the stream",
+    }
 }
 
 fn describe(status: &Status) -> String {

@@ -17,7 +17,7 @@ use tandem_protocol::worker::worker_server::Worker;
 use tandem_protocol::worker::{
     AbortReply, AbortRequest, DumpKvBlocksRequest, FenceLeaseReply, FenceLeaseRequest,
     GenerateDisaggRequest, GenerateOutput, GenerateRequest, HealthReply, HealthRequest, KvDump,
-    KvEvent, LoadStatsReply, LoadStatsRequest, ModelFiles, ModelFilesRequest, PrefillReply,
+    KvEvent, LoadStatsReply, LoadStatsRequest, ModelFiles, ModelFilesRequest, PrefillProgress,
     PrefillRequest, SubscribeKvEventsRequest,
 };
 use tokio::sync::{broadcast, mpsc};
@@ -205,6 +205,7 @@ impl Worker for WorkerService {
     type GenerateStream = BoxStream<GenerateOutput>;
     type SubscribeKvEventsStream = BoxStream<KvEvent>;
     type GenerateDisaggStream = BoxStream<GenerateOutput>;
+    type PrefillStream = BoxStream<PrefillProgress>;
 
     async fn generate_disagg(
         &self,
@@ -225,7 +226,7 @@ impl Worker for WorkerService {
     async fn prefill(
         &self,
         request: GrpcRequest<PrefillRequest>,
-    ) -> Result<Response<PrefillReply>, Status> {
+    ) -> Result<Response<Self::PrefillStream>, Status> {
         let prefill = self.prefill.as_ref().ok_or_else(|| {
             Status::unimplemented(
                 "this worker is not a prefill worker (tandem-prefill, --disaggregation-mode prefill)",
@@ -235,7 +236,8 @@ impl Worker for WorkerService {
         if !self.accepting.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(Status::failed_precondition("prefill worker is draining"));
         }
-        Ok(Response::new(prefill.prefill(request.into_inner()).await?))
+        let rx = prefill.start(request.into_inner()).await?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn fence_lease(

@@ -1,7 +1,9 @@
 //! The prefill worker (`--disaggregation-mode prefill`): computes a prompt and writes the KV
 //! blocks a decode worker's lease asks for straight into that worker's registered memory,
 //! batch by batch as the engine completes them (so transfer overlaps the next chunk's
-//! compute), then returns the first token and the request's sampling state. GPU to GPU, a
+//! compute). It sends the first token as soon as the engine has sampled it — while the last
+//! blocks are still being written (`--first-token-before-kv-writes`) — then, once every
+//! write is done, the request's sampling state. GPU to GPU, a
 //! batch may also come before the step that computes it, in groups of layers each behind
 //! its own fence (`--kv-transfer-layer-groups`): each group is put as soon as the step has
 //! computed it, so the transfer overlaps that same step.
@@ -28,16 +30,23 @@ use tandem_kv_transfer::{
 };
 use tandem_kv_transfer::{Backend, KvTransport, MemoryKind, PeerAddress, RemoteRegion};
 use tandem_protocol::wire::required;
+use tandem_protocol::worker::prefill_progress::Step;
 use tandem_protocol::worker::{
-    FenceLeaseReply, FenceLeaseRequest, KvLease, PrefillReply, PrefillRequest,
+    FenceLeaseReply, FenceLeaseRequest, KvLease, PrefillProgress, PrefillReply, PrefillRequest,
 };
 use tandem_protocol::WireError;
+use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::lease_writes::{Cancel, LeaseWrites};
 use crate::media::MediaEncoder;
 use crate::transport::{Connections, KvWriter, SimulatedLink};
 use crate::wire::{engine_sub, EngineIntoWire};
+
+/// A `Prefill` call's messages, as its task sends them.
+pub type ProgressTx = mpsc::Sender<Result<PrefillProgress, Status>>;
+/// A `Prefill` call's messages, as its caller receives them.
+pub type ProgressRx = mpsc::Receiver<Result<PrefillProgress, Status>>;
 
 pub struct PrefillSide {
     engine: EngineHandle,
@@ -46,6 +55,9 @@ pub struct PrefillSide {
     block_bytes: usize,
     /// Layer groups of a GPU-to-GPU write while its step runs (0: whole blocks after it).
     layer_groups: usize,
+    /// Whether the first token goes out while the last writes are in flight
+    /// (`--first-token-before-kv-writes`), or only once every write is done.
+    first_early: bool,
     connections: Connections,
     writes: Arc<LeaseWrites>,
     pub bytes_sent: AtomicU64,
@@ -74,6 +86,7 @@ impl PrefillSide {
             layout_id,
             block_bytes,
             layer_groups: 0,
+            first_early: true,
             connections: Connections::default(),
             writes: Arc::default(),
             bytes_sent: AtomicU64::new(0),
@@ -88,6 +101,13 @@ impl PrefillSide {
         self
     }
 
+    /// Whether the first token goes out before the last KV writes are done (see
+    /// `--first-token-before-kv-writes`).
+    pub fn with_first_token_early(mut self, early: bool) -> Self {
+        self.first_early = early;
+        self
+    }
+
     /// Lets this prefill worker take images (its model's vision tower).
     pub fn set_media(&self, media: Arc<MediaEncoder>) {
         let _ = self.media.set(media);
@@ -98,10 +118,11 @@ impl PrefillSide {
         self.writes.active()
     }
 
-    pub async fn prefill(
-        self: &Arc<Self>,
-        mut req: PrefillRequest,
-    ) -> Result<PrefillReply, Status> {
+    /// Starts a `Prefill` call: checks it (and embeds its images), then runs it in a task of
+    /// its own whose messages — the first token as soon as it is sampled, then `done` once
+    /// every write has completed, or an error — come out of the returned channel. Dropping
+    /// the receiver cancels the call: the writes stop at their next boundary.
+    pub async fn start(self: &Arc<Self>, mut req: PrefillRequest) -> Result<ProgressRx, Status> {
         let images = req
             .request
             .as_mut()
@@ -114,14 +135,30 @@ impl PrefillSide {
             })?;
             request.media = media.embed(&request.prompt, images).await?;
         }
-        let key = (lease.owner_instance_id, lease.lease_id);
-        let epoch = lease.epoch;
+        let (tx, rx) = mpsc::channel(2);
         let me = self.clone();
-        self.writes
-            .run(key, epoch, "prefill", move |cancel| async move {
-                me.write(request, (lease, region, export), &cancel).await
-            })
-            .await
+        tokio::spawn(async move {
+            let key = (lease.owner_instance_id, lease.lease_id);
+            let epoch = lease.epoch;
+            let first = tx.clone();
+            let writer = me.clone();
+            let run = me
+                .writes
+                .run(key, epoch, "prefill", move |cancel| async move {
+                    writer
+                        .write(request, (lease, region, export), &first, &cancel)
+                        .await
+                });
+            // A caller that went away drops `run`, which cancels the writes.
+            let msg = tokio::select! {
+                r = run => r.map(|done| PrefillProgress {
+                    step: Some(Step::Done(done)),
+                }),
+                _ = tx.closed() => return,
+            };
+            let _ = tx.send(msg).await;
+        });
+        Ok(rx)
     }
 
     /// The request, lease and destination region of a `Prefill` call, checked, and how the
@@ -182,15 +219,23 @@ impl PrefillSide {
         })
     }
 
-    /// Runs the prompt and writes its blocks. Every error is returned after the last put of
-    /// this lease has completed or failed: the caller may then treat the writer as stopped.
+    /// Runs the prompt and writes its blocks; sends the first token to `first` as soon as the
+    /// engine has sampled it, even while the last blocks are still being written. Every error
+    /// is returned after the last put of this lease has completed or failed: the caller may
+    /// then treat the writer as stopped.
     async fn write(
         &self,
         request: Request,
         (lease, region, export): (KvLease, RemoteRegion, BlockExport),
+        first: &ProgressTx,
         cancel: &Cancel,
     ) -> Result<PrefillReply, Status> {
-        let deadline = Instant::now() + Duration::from_millis(lease.ttl_ms.max(1));
+        let began = Instant::now();
+        let ends = LeaseEnd {
+            lease_id: lease.lease_id,
+            ttl_ms: lease.ttl_ms,
+            at: began + Duration::from_millis(lease.ttl_ms.max(1)),
+        };
         let request_id = request.request_id.clone();
         let prompt_len = request.prompt.len();
         let mut stream = self
@@ -206,27 +251,64 @@ impl PrefillSide {
             prompt_len,
             sent_blocks: 0,
             sent_bytes: 0,
-            started: Instant::now(),
-            deadline,
+            started: began,
+            deadline: ends.at,
             timing: WriteTiming::default(),
         };
+        let mut first_sent = false;
+        let mut event = next_event(&mut stream, &ends, cancel).await?;
         loop {
-            match next_event(&mut stream, &w.lease, deadline, cancel).await? {
-                Some(PrefillEvent::Blocks {
-                    first_block: at,
-                    data,
-                }) => self.send_blocks(&mut w, at, data).await?,
-                Some(PrefillEvent::DeviceBlocks {
-                    first_block: at,
-                    blocks,
-                    pin,
-                }) => self.send_device_blocks(&mut w, at, blocks, pin).await?,
-                Some(PrefillEvent::Done { output, state }) => return w.finish(output, state),
+            match event {
+                Some(PrefillEvent::Done { output, state }) => {
+                    if !first_sent {
+                        send_first(first, &output, began).await;
+                    }
+                    return w.finish(output, state);
+                }
                 None => {
                     return Err(Status::aborted(
                         "the prefill ended without a result (request aborted or engine stopped)",
                     ))
                 }
+                Some(blocks) => {
+                    // The next event (more blocks, or the first token, which then goes out at
+                    // once unless it waits for the writes) is taken while these blocks are
+                    // written.
+                    let next = async {
+                        let ev = next_event(&mut stream, &ends, cancel).await;
+                        if let (true, Ok(Some(PrefillEvent::Done { output, .. }))) =
+                            (self.first_early, &ev)
+                        {
+                            send_first(first, output, began).await;
+                            first_sent = true;
+                        }
+                        ev
+                    };
+                    let (wrote, next) = tokio::join!(self.send(&mut w, blocks), next);
+                    wrote?;
+                    event = next?;
+                }
+            }
+        }
+    }
+
+    /// Writes one blocks event of the engine's.
+    async fn send(&self, w: &mut LeaseWrite, event: PrefillEvent) -> Result<(), Status> {
+        match event {
+            PrefillEvent::Blocks {
+                first_block: at,
+                data,
+            } => {
+                w.timing.computed();
+                self.send_blocks(w, at, data).await
+            }
+            PrefillEvent::DeviceBlocks {
+                first_block: at,
+                blocks,
+                pin,
+            } => self.send_device_blocks(w, at, blocks, pin).await,
+            PrefillEvent::Done { .. } => {
+                Err(Status::internal("a prefill's result among its blocks"))
             }
         }
     }
@@ -306,6 +388,7 @@ impl PrefillSide {
         for (bytes, fence) in byte_parts(blocks.ready, bb) {
             wait_fence(fence).await?;
             w.timing.fence_passed();
+            w.timing.computed();
             w.check_deadline(at)?;
             let puts = w
                 .offsets(at, n)
@@ -366,11 +449,18 @@ fn export_for(
     }
 }
 
+/// The lease a prefill writes for, as its event loop checks it: its id and TTL (for errors)
+/// and its end by this worker's clock.
+struct LeaseEnd {
+    lease_id: u64,
+    ttl_ms: u64,
+    at: Instant,
+}
+
 /// The engine's next prefill event, unless the lease expires or is revoked first.
 async fn next_event(
     stream: &mut PrefillStream,
-    lease: &KvLease,
-    deadline: Instant,
+    lease: &LeaseEnd,
     cancel: &Cancel,
 ) -> Result<Option<PrefillEvent>, Status> {
     if cancel.is_set() {
@@ -378,12 +468,25 @@ async fn next_event(
     }
     tokio::select! {
         ev = stream.next() => Ok(ev),
-        _ = tokio::time::sleep_until(deadline.into()) => Err(Status::aborted(format!(
+        _ = tokio::time::sleep_until(lease.at.into()) => Err(Status::aborted(format!(
             "lease {} expired (ttl {} ms) before the prefill finished",
             lease.lease_id, lease.ttl_ms
         ))),
         _ = cancel.wait() => Err(Status::aborted("the lease was revoked")),
     }
+}
+
+/// Sends the prefill's first token to the caller (not an aborted one: that is the call's
+/// error). A caller gone is noticed by the task running the call.
+async fn send_first(first: &ProgressTx, output: &RequestOutput, began: Instant) {
+    if output.finish_reason == Some(FinishReason::Abort) {
+        return;
+    }
+    let msg = PrefillProgress {
+        step: Some(Step::First(output.clone().into_wire())),
+    };
+    let _ = first.send(Ok(msg)).await;
+    crate::stats::disagg_phase("prefill_first", began.elapsed());
 }
 
 /// The byte ranges of each handed-out block to write in turn, each after its fence: the
@@ -445,11 +548,17 @@ struct WriteTiming {
     /// write ended: the difference is the part of the transfer not hidden behind compute.
     last_fence: Option<Instant>,
     last_write_end: Option<Instant>,
+    /// When the last blocks to write were known computed.
+    last_computed: Option<Instant>,
 }
 
 impl WriteTiming {
     fn fence_passed(&mut self) {
         self.last_fence = Some(Instant::now());
+    }
+
+    fn computed(&mut self) {
+        self.last_computed = Some(Instant::now());
     }
 
     fn wrote(&mut self, started: Instant) {
@@ -460,8 +569,13 @@ impl WriteTiming {
 
     /// Records the lease's write time and its exposed part (GPU-to-GPU writes, which wait
     /// for fences): `tandem_kv_transfer_write_seconds` and
-    /// `tandem_kv_transfer_exposed_seconds`.
-    fn record(&self) {
+    /// `tandem_kv_transfer_exposed_seconds`; and the prefill's phases from `began` (the call
+    /// received), `tandem_disagg_phase_seconds`.
+    fn record(&self, began: Instant) {
+        if let Some(computed) = self.last_computed {
+            crate::stats::disagg_phase("prefill_compute", computed - began);
+        }
+        crate::stats::disagg_phase("prefill_total", began.elapsed());
         metrics::histogram!("tandem_kv_transfer_write_seconds").record(self.writing.as_secs_f64());
         if let (Some(fence), Some(end)) = (self.last_fence, self.last_write_end) {
             let exposed = end.saturating_duration_since(fence);
@@ -538,7 +652,7 @@ impl LeaseWrite {
                 self.want()
             )));
         }
-        self.timing.record();
+        self.timing.record(self.started);
         tracing::debug!(
             lease_id = self.lease.lease_id,
             prompt_len = self.prompt_len,
@@ -548,7 +662,6 @@ impl LeaseWrite {
             "remote prefill done"
         );
         Ok(PrefillReply {
-            first: Some(output.into_wire()),
             prefill_cached_tokens: state.cached_prompt_tokens as u32,
             state: Some(state.into_wire()),
             bytes_transferred: self.sent_bytes,

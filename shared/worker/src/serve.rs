@@ -345,7 +345,8 @@ impl DisaggSides {
         let prefill = writer.map(|writer| {
             Arc::new(
                 PrefillSide::with_writer(built.engine.clone(), writer, layout_id)
-                    .with_layer_groups(cfg.disaggregation.kv_transfer_layer_groups as usize),
+                    .with_layer_groups(cfg.disaggregation.kv_transfer_layer_groups as usize)
+                    .with_first_token_early(cfg.disaggregation.first_token_before_kv_writes),
             )
         });
         Ok(DisaggSides {

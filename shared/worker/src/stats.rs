@@ -16,6 +16,15 @@ pub use tandem_runtime::metrics::names::component::{
     QUEUED_PREFILL_TOKENS, RUNNING_REQUESTS, SCHEDULED_KV_TOKENS, WAITING_REQUESTS,
 };
 
+/// Where a disaggregated request's time goes before its first token
+/// (`tandem_disagg_phase_seconds`, by `phase`): on the decode worker `reserve` (its blocks
+/// reserved under a lease) and `prefill_call` (the prefill worker's answer); on the prefill
+/// worker `prefill_compute` (call received until the engine computed the prompt's last
+/// blocks) and `prefill_total` (until its answer, every write done).
+pub fn disagg_phase(phase: &'static str, took: Duration) {
+    metrics::histogram!("tandem_disagg_phase_seconds", "phase" => phase).record(took.as_secs_f64());
+}
+
 /// Refreshes the gauges every 500 ms until shutdown.
 pub fn spawn_gauges(engine: EngineHandle, instance_id: u64, shutdown: ShutdownToken) {
     tokio::spawn(async move {
