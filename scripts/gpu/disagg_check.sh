@@ -129,8 +129,9 @@ ttft() { # name
 import json, sys
 r = json.load(open(sys.argv[1]))["summary"]
 t = r["ttft_ms"]
-print(f"ttft {sys.argv[2]} isl {sys.argv[3]}: p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, "
-      f"{r['succeeded']}/{r['requests']} ok")
+i = r["itl_ms"]
+print(f"ttft {sys.argv[2]} isl {sys.argv[3]}: p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms "
+      f"(second token after {i['p50']:.2f} ms p50), {r['succeeded']}/{r['requests']} ok")
 sys.exit(0 if r["failed"] == 0 else 1)
 PY
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
@@ -162,6 +163,14 @@ outputs disagg_ucx && same agg disagg_ucx || rc=1
 case_result same_ucx $rc
 ttft disagg_ucx
 case_result ttft_ucx $?
+stop
+# The same with the first token held until every KV write is done (TTFT includes the
+# transfer), for comparison.
+DYN_FIRST_TOKEN_BEFORE_KV_WRITES=false up disagg_ucx_late --topology disagg --kv-transport ucx \
+    --router-arg=--enforce-disagg
+wait_model disagg_ucx_late
+ttft disagg_ucx_late
+case_result ttft_ucx_late $?
 if [ "$CASES" = ttft ]; then
     stop
     echo "disagg_check: $fails case(s) failed (TTFT cases only)"
@@ -169,6 +178,9 @@ if [ "$CASES" = ttft ]; then
     [ "$fails" -eq 0 ]
     exit
 fi
+stop
+up disagg_ucx --topology disagg --kv-transport ucx --router-arg=--enforce-disagg
+wait_model disagg_ucx
 # cancel: streams cut mid-prefill (8k prompts) and mid-decode, then a normal load.
 name=$(curl -s "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 for i in $(seq 1 6); do
