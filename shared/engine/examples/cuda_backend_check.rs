@@ -257,6 +257,13 @@ mod check {
                     seen: vec![1, 5, tok_gpu],
                     counts: vec![(tok_gpu, 2)],
                     masked: vec![0],
+                    // Every other step, a grammar allowing every fourth token (and the
+                    // chosen one), so the device's bitmask is checked on real logits.
+                    allowed: (step % 2 == 1).then(|| {
+                        let mut w = vec![0x1111_1111u32; b.logits[0][0].len().div_ceil(32)];
+                        w[tok_gpu as usize / 32] |= 1 << (tok_gpu % 32);
+                        w
+                    }),
                     uniform: ((step as f64 + 0.5) * 0.618_033_988_75).fract(),
                 };
                 let sampled = gpu.forward_sampled(&step_g, &[Some(&plan)])?;

@@ -1,9 +1,11 @@
-//! What structured outputs cost per token on the CPU engine: the built-in tiny model (the
-//! real Qwen3 tokenizer, 151,936-token vocabulary) generating at batch 1 and 64, with a
-//! JSON-schema constraint and without one, in the same run; and the grammar's own work per
-//! token (mask, apply, advance) measured alone.
+//! What structured outputs cost per token: the built-in tiny model on the CPU engine (the
+//! real Qwen3 tokenizer, 151,936-token vocabulary), or with `--cuda --model DIR` a model on
+//! the CUDA backend (whose device sampler applies the grammar's mask), generating at batch 1
+//! and 64, with a JSON-schema constraint and without one, in the same run; and the grammar's
+//! own work per token (mask, apply, advance) measured alone.
 //!
 //!     cargo run -p tandem-engine --example grammar_cost [-- --tokens 64]
+//!     grammar_cost --cuda --model DIR (built with --features cuda)
 //!
 //! The schema never completes within the budget (an array of at least 1,000 objects), so every
 //! step of every sequence computes a mask; the unconstrained run uses `ignore_eos` to generate
@@ -13,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::backend::cpu::CpuBackend;
+use tandem_engine::backend::Backend;
 use tandem_engine::engine::{Engine, EngineConfig, EngineHandle, Request};
 use tandem_engine::kv::layout::KvDtype;
 use tandem_engine::model::{LoadOptions, LoadedModel};
@@ -27,15 +30,27 @@ const SCHEMA: &str = r#"{"type": "array", "minItems": 1000, "items": {"type": "o
                  "ok": {"type": "boolean"}},
   "required": ["id", "name", "ok"], "additionalProperties": false}}"#;
 
+/// The value after `flag` on the command line.
+fn arg(flag: &str) -> Option<String> {
+    std::env::args().skip_while(|a| a != flag).nth(1)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let tokens: usize = std::env::args()
-        .skip_while(|a| a != "--tokens")
-        .nth(1)
+    let tokens: usize = arg("--tokens")
         .map(|v| v.parse())
         .transpose()?
         .unwrap_or(64);
-    let dir = tandem_engine::tiny::ensure_tiny_model()?;
+    let cuda = std::env::args().any(|a| a == "--cuda");
+    let dir = match arg("--model") {
+        Some(d) => std::path::PathBuf::from(d),
+        None => tandem_engine::tiny::ensure_tiny_model()?,
+    };
     let model = LoadedModel::load(&dir, &LoadOptions::default())?;
+    println!(
+        "backend: {}, model {}",
+        if cuda { "CUDA" } else { "CPU" },
+        dir.display()
+    );
     let tokenizer = Arc::new(Tokenizer::load(&dir)?);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -46,9 +61,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| batch | unconstrained tok/s | json_schema tok/s | ratio | added per token |");
     println!("| --- | --- | --- | --- | --- |");
     for batch in [1usize, 64] {
-        let plain = rt.block_on(run(&model, &tokenizer, batch, tokens, None))?;
+        let shape = Shape {
+            batch,
+            tokens,
+            cuda,
+        };
+        let plain = rt.block_on(run(&model, &tokenizer, shape, None))?;
         let constraint = Some(Constraint::JsonSchema(SCHEMA.into()));
-        let guided = rt.block_on(run(&model, &tokenizer, batch, tokens, constraint))?;
+        let guided = rt.block_on(run(&model, &tokenizer, shape, constraint))?;
         let n = (batch * tokens) as f64;
         let (p, g) = (n / plain.as_secs_f64(), n / guided.as_secs_f64());
         let added_us = (guided.as_secs_f64() - plain.as_secs_f64()) / n * 1e6;
@@ -109,16 +129,55 @@ fn grammar_alone(
     Ok(())
 }
 
+/// One timed run: `batch` requests of `tokens` tokens each, on which backend.
+#[derive(Clone, Copy)]
+struct Shape {
+    batch: usize,
+    tokens: usize,
+    cuda: bool,
+}
+
+/// The backend of a run: the CPU engine's, or (`--cuda`) the CUDA backend's.
+fn backend(
+    model: &LoadedModel,
+    blocks: usize,
+    cuda: bool,
+) -> Result<Box<dyn Backend>, Box<dyn std::error::Error>> {
+    if !cuda {
+        return Ok(Box::new(CpuBackend::new(model, KvDtype::F32, 16, blocks)?));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use tandem_engine::backend::cuda::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
+        let mode = ComputeMode::Bf16Split;
+        let opts = CudaOptions {
+            ordinal: 0,
+            mode,
+            kv_dtype: mode.kv_dtype16(),
+            block_size: 16,
+            pool: PoolSize::Blocks(blocks),
+            max_step_tokens: 8192,
+            graph_max_batch: 256,
+        };
+        Ok(Box::new(CudaBackend::new(model, &opts)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err("--cuda needs this example built with --features cuda".into())
+}
+
 /// `batch` requests of `tokens` tokens each through a fresh engine; the wall time.
 async fn run(
     model: &LoadedModel,
     tokenizer: &Arc<Tokenizer>,
-    batch: usize,
-    tokens: usize,
+    Shape {
+        batch,
+        tokens,
+        cuda,
+    }: Shape,
     constraint: Option<Constraint>,
 ) -> Result<Duration, Box<dyn std::error::Error>> {
     let blocks = batch * (tokens + 16).div_ceil(16) + 16;
-    let backend = CpuBackend::new(model, KvDtype::F32, 16, blocks)?;
+    let backend = backend(model, blocks, cuda)?;
     let cfg = EngineConfig {
         max_batch_size: batch,
         max_num_tokens: 8192,
@@ -127,7 +186,7 @@ async fn run(
         eos_token_ids: model.eos_token_ids(),
         ..EngineConfig::default()
     };
-    let engine: EngineHandle = Engine::start(Box::new(backend), Some(tokenizer.clone()), cfg)?;
+    let engine: EngineHandle = Engine::start(backend, Some(tokenizer.clone()), cfg)?;
     let prompt = tokenizer.encode("Write the records:", false)?;
     // The token table is built on an engine's first constrained request: not timed.
     let warm = SamplingParams {

@@ -4,7 +4,9 @@
 //!   for seeded sampling with penalties and a stop string;
 //! - structured outputs: JSON under a schema (seeded sampling at temperature 1, 100 seeds),
 //!   regex, choice and Lark constraints, and logit bias; a constrained request continues
-//!   across an export and import exactly (the grammar replays its output);
+//!   across an export and import exactly (the grammar replays its output); a backend that
+//!   samples on its device gets each step's grammar mask in the plan and draws the same tokens
+//!   as the host path;
 //! - many concurrent requests through a small block pool (forcing preemption) all complete,
 //!   each with its solo output, and every block returns to the pool.
 
@@ -20,7 +22,7 @@ use tandem_engine::engine::{
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::layout::{KvDtype, KvLayout};
 use tandem_engine::model::{LoadOptions, LoadedModel};
-use tandem_engine::sampler::SamplingParams;
+use tandem_engine::sampler::{SamplePlan, SamplingParams};
 use tandem_engine::tokenizer::Tokenizer;
 use tandem_text::Constraint;
 
@@ -60,6 +62,53 @@ impl Backend for Gated {
             .recv_timeout(T)
             .map_err(|_| EngineError::InvalidInput("test gate closed or timed out".into()))?;
         self.inner.forward(batch)
+    }
+    fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
+        self.inner.export_blocks(blocks)
+    }
+    fn import_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<(), EngineError> {
+        self.inner.import_blocks(blocks, data)
+    }
+}
+
+/// The CPU backend as a device sampler: it samples each row by its plan (the rule a device
+/// kernel follows), counting the steps it sampled and the plans that carried a grammar mask.
+struct DeviceSampled {
+    inner: CpuBackend,
+    masked_plans: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Backend for DeviceSampled {
+    fn layout(&self) -> &KvLayout {
+        self.inner.layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
+        self.inner.forward(batch)
+    }
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        plans: &[Option<&SamplePlan>],
+    ) -> Result<Vec<Option<u32>>, EngineError> {
+        let out = self.inner.forward(batch)?;
+        let masked = plans.iter().flatten().filter(|p| p.allowed.is_some());
+        self.masked_plans
+            .fetch_add(masked.count(), std::sync::atomic::Ordering::Relaxed);
+        Ok(out
+            .logits
+            .iter()
+            .zip(plans)
+            .map(|(rows, plan)| Some(plan.as_ref()?.sample_row(rows.last()?)))
+            .collect())
     }
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
         self.inner.export_blocks(blocks)
@@ -465,4 +514,60 @@ async fn a_constrained_request_continues_across_export_and_import() {
     valid_under_schema(&text(&want)).unwrap();
     assert_eq!(tokens(&got), tokens(&want));
     assert_eq!(text(&got), text(&want));
+}
+
+/// A device sampler gets each step's grammar mask in its plans: constrained requests draw the
+/// same tokens (seeded, temperature 1) as on the host path, and are valid under the schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_sampler_applies_the_grammar_mask_of_its_plans() {
+    let t = tiny();
+    let prompt = t
+        .tokenizer
+        .encode("Describe a cat as JSON:", false)
+        .unwrap();
+    let host = engine(&t, 256, CapacitySchedulerPolicy::GuaranteedNoEvict);
+    let masked_plans = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let backend = DeviceSampled {
+        inner: CpuBackend::new(&t.model, KvDtype::F32, BLOCK, 256).expect("backend"),
+        masked_plans: masked_plans.clone(),
+    };
+    let device = start(
+        &t,
+        Box::new(backend),
+        256,
+        CapacitySchedulerPolicy::GuaranteedNoEvict,
+    );
+    let cases = [
+        Constraint::JsonSchema(SCHEMA.into()),
+        Constraint::Regex("[0-9]{3}-[a-z]{2}".into()),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        for seed in 0..4 {
+            let params = constrained(c.clone(), seed);
+            let want = run(
+                &host,
+                req(&format!("h{i}-{seed}"), prompt.clone(), params.clone()),
+            )
+            .await;
+            let got = run(
+                &device,
+                req(&format!("d{i}-{seed}"), prompt.clone(), params),
+            )
+            .await;
+            assert_eq!(tokens(&got), tokens(&want), "{c:?} seed {seed}");
+            assert_eq!(got.last().unwrap().finish_reason, Some(FinishReason::Stop));
+        }
+    }
+    valid_under_schema(&text(
+        &run(
+            &device,
+            req("d-json", prompt.clone(), constrained(cases[0].clone(), 9)),
+        )
+        .await,
+    ))
+    .unwrap();
+    assert!(
+        masked_plans.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "the grammar's masks never reached the device sampler"
+    );
 }

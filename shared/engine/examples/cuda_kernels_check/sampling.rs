@@ -35,8 +35,18 @@ fn plain_plan() -> SamplePlan {
         seen: Vec::new(),
         counts: Vec::new(),
         masked: Vec::new(),
+        allowed: None,
         uniform: 0.0,
     }
+}
+
+/// A grammar's bitmask allowing `tokens`, `words` words long.
+fn allow_only(tokens: impl IntoIterator<Item = usize>, words: usize) -> Vec<u32> {
+    let mut w = vec![0u32; words];
+    for t in tokens {
+        w[t / 32] |= 1 << (t % 32);
+    }
+    w
 }
 
 /// Device argmax (with a planted tie) and device sampling against SamplePlan::sample_row.
@@ -69,7 +79,8 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
     }
 
     // Sampling on the device against the CPU rule (SamplePlan::sample_row) with the same
-    // uniforms: penalties, mask, greedy, temperature, top-k, top-p, min-p and mixes, on
+    // uniforms: penalties, mask, grammar masks, greedy, temperature, top-k, top-p, min-p and
+    // mixes, on
     // vocabulary-sized rows, 8 uniforms per plan.
     {
         const V: usize = 151_936;
@@ -107,6 +118,21 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
                 }),
             ),
             (
+                "grammar mask: 100 tokens allowed, temperature 0.8 + top_p 0.9",
+                with(&|p| {
+                    p.temperature = 0.8;
+                    p.top_p = 0.9;
+                    p.allowed = Some(allow_only((0..100).map(|i| i * 1511 % V), V.div_ceil(32)));
+                }),
+            ),
+            (
+                "greedy + short grammar mask (tokens past its 40 words forbidden)",
+                with(&|p| {
+                    p.greedy = true;
+                    p.allowed = Some(allow_only([3, 700, 1201], 40));
+                }),
+            ),
+            (
                 "top_p 0.95 at temperature 5 (wide nucleus)",
                 with(&|p| {
                     p.top_p = 0.95;
@@ -138,7 +164,7 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
             .collect();
         let mut inputs = SamplingInputs::new(dev)?;
         let refs: Vec<&SamplePlan> = plans.iter().collect();
-        inputs.fill(dev, &refs)?;
+        inputs.fill(dev, &refs, V)?;
         let mut dl = dev.upload(&logits)?;
         let mut ids = dev.zeros::<i32>(rows)?;
         dev.sample_rows(&mut ids, &mut dl, rows, V, &inputs)?;
@@ -188,7 +214,7 @@ pub(crate) fn f16_overflow_rows(cx: &mut Ctx) -> Result<(), EngineError> {
         };
         let plans = [&plan, &plan, &plan, &plan];
         let mut inputs = SamplingInputs::new(&dev16)?;
-        inputs.fill(&dev16, &plans)?;
+        inputs.fill(&dev16, &plans, V)?;
         let mut dl = dev16.upload(&logits)?;
         let mut ids = dev16.zeros::<i32>(4)?;
         dev16.sample_rows(&mut ids, &mut dl, 4, V, &inputs)?;

@@ -57,8 +57,18 @@ impl Core {
         Some(Ok(sampled))
     }
 
-    /// Emits a token the backend sampled on its device (with the plan taken before the step).
+    /// Emits a token the backend sampled on its device (with the plan taken before the step,
+    /// inside its grammar's mask when it has one; the grammar follows the token).
     pub(super) fn emit_device_sample(&mut self, id: SeqId, token: u32) {
+        let Some(seq) = self.sched.get_mut(id) else {
+            return;
+        };
+        if let Some(Err(e)) = seq.guide.as_mut().map(|g| g.advance(token)) {
+            if let Some(rid) = self.requests.request_of(id).map(str::to_owned) {
+                self.fail(&rid, Some(e.to_string()));
+            }
+            return;
+        }
         let Some(seq) = self.sched.get_mut(id) else {
             return;
         };

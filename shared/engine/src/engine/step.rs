@@ -13,10 +13,10 @@ use crate::sampler::{SampleContext, SamplePlan};
 use crate::scheduler::{ScheduledSeq, Scheduler};
 use crate::sequence::{SeqId, Sequence};
 
-/// Sampling that only the host sampler does: logprobs, beam search, logit bias and grammar
-/// masks (a device sampler follows the plan, which carries none of them).
+/// Sampling that only the host sampler does: logprobs, beam search and logit bias (a device
+/// sampler follows the plan, which carries none of them; a grammar's mask it does carry).
 fn needs_host_sampling(p: &crate::sampler::SamplingParams) -> bool {
-    p.logprobs.is_some() || p.use_beam_search || !p.logit_bias.is_empty() || p.constraint.is_some()
+    p.logprobs.is_some() || p.use_beam_search || !p.logit_bias.is_empty()
 }
 
 /// What a step's backend call returned: logits rows to sample here, or tokens it sampled.
@@ -125,6 +125,17 @@ impl Core {
         if guides.is_empty() {
             return self.forward(pieces);
         }
+        if self.samples_on_device(pieces) {
+            // The device sampler applies each mask in its kernel: they are computed first (in
+            // parallel), then go to the device with the step's plans.
+            let mut guides = guides;
+            {
+                use rayon::prelude::*;
+                guides.par_iter_mut().for_each(|(_, g)| g.prepare());
+            }
+            self.put_back(guides);
+            return self.forward(pieces);
+        }
         let (result, guides) = std::thread::scope(|s| {
             let prep = s.spawn(move || {
                 use rayon::prelude::*;
@@ -136,13 +147,7 @@ impl Core {
             (result, prep.join())
         });
         match guides {
-            Ok(guides) => {
-                for (id, g) in guides {
-                    if let Some(seq) = self.sched.get_mut(id) {
-                        seq.guide = Some(g);
-                    }
-                }
-            }
+            Ok(guides) => self.put_back(guides),
             // `prepare` catches llguidance's panics; this is a panic of the thread itself.
             Err(_) => {
                 return Err(EngineError::InvalidInput(
@@ -171,23 +176,39 @@ impl Core {
         }
     }
 
-    /// The sampling plans of a step whose sampling the backend does on its device (None:
-    /// sample here, from logits rows). Taking a plan advances the sequence's RNG.
-    fn device_sample_plans(&mut self, pieces: &[ScheduledSeq]) -> Option<Vec<Option<SamplePlan>>> {
-        if !self.backend.samples_on_device() || !self.beams.is_empty() {
-            return None;
+    /// Gives the guides taken for a step back to their sequences.
+    fn put_back(&mut self, guides: Vec<(SeqId, Box<Guide>)>) {
+        for (id, g) in guides {
+            if let Some(seq) = self.sched.get_mut(id) {
+                seq.guide = Some(g);
+            }
         }
-        let needs_row = pieces.iter().any(|p| {
-            p.sample
-                && self
-                    .sched
-                    .get(p.id)
-                    .is_none_or(|s| needs_host_sampling(&s.params))
-        });
-        if needs_row {
+    }
+
+    /// Whether the step's sampling happens on the backend's device: it can, and no sequence
+    /// the step samples needs its logits row here (logprobs, beam search, logit bias, or a
+    /// grammar whose mask failed: the host path then fails that request with the reason).
+    fn samples_on_device(&self, pieces: &[ScheduledSeq]) -> bool {
+        self.backend.samples_on_device()
+            && self.beams.is_empty()
+            && !pieces.iter().any(|p| {
+                p.sample
+                    && self.sched.get(p.id).is_none_or(|s| {
+                        needs_host_sampling(&s.params)
+                            || s.guide.as_ref().is_some_and(|g| g.has_failed())
+                    })
+            })
+    }
+
+    /// The sampling plans of a step whose sampling the backend does on its device (None:
+    /// sample here, from logits rows), each with its grammar's mask. Taking a plan advances
+    /// the sequence's RNG.
+    fn device_sample_plans(&mut self, pieces: &[ScheduledSeq]) -> Option<Vec<Option<SamplePlan>>> {
+        if !self.samples_on_device(pieces) {
             return None;
         }
         let eos = &self.cfg.eos_token_ids;
+        let words = self.backend.vocab_size().div_ceil(32);
         let mut plans = Vec::with_capacity(pieces.len());
         for p in pieces {
             let plan = if p.sample {
@@ -196,7 +217,13 @@ impl Core {
                     all_tokens: &seq.tokens,
                     eos_token_ids: eos,
                 };
-                Some(SamplePlan::new(&seq.params, &mut seq.sampler, &ctx))
+                let mut plan = SamplePlan::new(&seq.params, &mut seq.sampler, &ctx);
+                if let Some(guide) = seq.guide.as_mut() {
+                    // Computed before the step (`forward_preparing_masks`); an error was
+                    // caught by `samples_on_device`.
+                    plan.allowed = Some(guide.mask_words(words).ok()?);
+                }
+                Some(plan)
             } else {
                 None
             };

@@ -191,6 +191,26 @@ impl Guide {
         Ok(())
     }
 
+    /// The next token's mask as `words` bitmask words (bit `t % 32` of word `t / 32`: token
+    /// `t` allowed; tokens past the grammar's vocabulary are not), for a device sampler.
+    pub fn mask_words(&mut self, words: usize) -> Result<Vec<u32>, GuideError> {
+        self.prepare();
+        match self.mask.as_ref() {
+            Some(Ok(m)) => {
+                let mut w = m.as_slice().to_vec();
+                w.resize(words, 0);
+                Ok(w)
+            }
+            Some(Err(e)) => Err(e.clone()),
+            None => unreachable!("prepare sets the mask"),
+        }
+    }
+
+    /// Whether computing the next token's mask failed (the request then fails with it).
+    pub fn has_failed(&self) -> bool {
+        matches!(self.mask, Some(Err(_)))
+    }
+
     /// Follows the sampled token.
     pub fn advance(&mut self, token: u32) -> Result<(), GuideError> {
         self.mask = None;

@@ -23,6 +23,9 @@ pub struct SamplePlan {
     pub counts: Vec<(u32, u32)>,
     /// Token ids masked to -inf (EOS and stop ids until `min_tokens`).
     pub masked: Vec<u32>,
+    /// A grammar's allowed tokens as bitmask words (bit `t % 32` of word `t / 32`; a token
+    /// past the words is not allowed): every other token is masked to -inf. None: no grammar.
+    pub allowed: Option<Vec<u32>>,
     /// The draw's uniform in [0, 1), taken from the sequence's RNG (0 when greedy: a greedy
     /// step takes nothing from it).
     pub uniform: f64,
@@ -71,6 +74,7 @@ impl SamplePlan {
             seen,
             counts,
             masked: Vec::new(),
+            allowed: None,
             uniform,
         }
     }
@@ -94,6 +98,14 @@ impl SamplePlan {
             }
         }
         mask_in_place(logits, self.masked.iter().copied());
+        if let Some(words) = &self.allowed {
+            for (t, l) in logits.iter_mut().enumerate() {
+                let word = words.get(t / 32).copied().unwrap_or(0);
+                if word & (1 << (t % 32)) == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
     }
 
     /// Divides penalised logits by the temperature in place (not for greedy plans).

@@ -30,9 +30,12 @@ pub struct SamplingInputs {
     seen_off: DevAddr,
     count_off: DevAddr,
     mask_off: DevAddr,
+    /// Per row: the word offset of its grammar bitmask in `allowed`, or -1.
+    allow_off: DevAddr,
     seen: CudaSlice<i32>,
     counts: CudaSlice<i32>,
     masked: CudaSlice<i32>,
+    allowed: CudaSlice<u32>,
     /// Bumped whenever a buffer is reallocated.
     pub generation: u64,
 }
@@ -51,15 +54,22 @@ impl SamplingInputs {
             seen_off: base,
             count_off: base,
             mask_off: base,
+            allow_off: base,
             seen: dev.zeros(1)?,
             counts: dev.zeros(2)?,
             masked: dev.zeros(1)?,
+            allowed: dev.zeros(1)?,
             generation: 0,
         })
     }
 
     /// Copies the plans (one per logits row, in row order) to the device.
-    pub fn fill(&mut self, dev: &CudaDevice, plans: &[&SamplePlan]) -> Result<(), EngineError> {
+    pub fn fill(
+        &mut self,
+        dev: &CudaDevice,
+        plans: &[&SamplePlan],
+        vocab: usize,
+    ) -> Result<(), EngineError> {
         let r = plans.len();
         let mut f = Vec::with_capacity(r * FLOATS);
         let mut i = Vec::with_capacity(r * INTS);
@@ -67,6 +77,7 @@ impl SamplingInputs {
         let (mut seen_off, mut seen) = (vec![0i32], Vec::new());
         let (mut count_off, mut counts) = (vec![0i32], Vec::new());
         let (mut mask_off, mut masked) = (vec![0i32], Vec::new());
+        let (mut allow_off, mut allowed) = (Vec::with_capacity(r), Vec::<u32>::new());
         let id = |t: u32| to_i32("token id", t as usize);
         for p in plans {
             let valid_temperature = p.temperature > 0.0 && p.temperature.is_finite();
@@ -101,6 +112,19 @@ impl SamplingInputs {
             // fail the whole batch.
             masked.extend(p.masked.iter().filter_map(|&t| i32::try_from(t).ok()));
             mask_off.push(to_i32("mask list", masked.len())?);
+            match &p.allowed {
+                Some(words) => {
+                    allow_off.push(to_i32("grammar masks", allowed.len())?);
+                    allowed.extend_from_slice(words);
+                    // The kernel reads (vocab + 31) / 32 words of each mask: short masks (a
+                    // tokenizer vocabulary smaller than the model's) end in forbidden tokens.
+                    allowed.resize(
+                        allowed.len() + dev_words(vocab).saturating_sub(words.len()),
+                        0,
+                    );
+                }
+                None => allow_off.push(-1),
+            }
         }
         // The fixed part: f64 first keeps every list aligned to its element.
         let host = &mut self.host;
@@ -112,7 +136,7 @@ impl SamplingInputs {
         at.push(host.len());
         f.iter()
             .for_each(|v| host.extend_from_slice(&v.to_ne_bytes()));
-        for list in [&i, &seen_off, &count_off, &mask_off] {
+        for list in [&i, &seen_off, &count_off, &mask_off, &allow_off] {
             at.push(host.len());
             list.iter()
                 .for_each(|v| host.extend_from_slice(&v.to_ne_bytes()));
@@ -124,10 +148,17 @@ impl SamplingInputs {
         self.rows = r;
         (self.uniforms, self.fparams, self.iparams) = (addr(0), addr(1), addr(2));
         (self.seen_off, self.count_off, self.mask_off) = (addr(3), addr(4), addr(5));
+        self.allow_off = addr(6);
         put(dev, &mut self.seen, &seen, g)?;
         put(dev, &mut self.counts, &counts, g)?;
-        put(dev, &mut self.masked, &masked, g)
+        put(dev, &mut self.masked, &masked, g)?;
+        put(dev, &mut self.allowed, &allowed, g)
     }
+}
+
+/// Bitmask words of a `vocab`-token row.
+fn dev_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
 }
 
 /// Copies `src` into `dst`, growing it (by doubling, bumping `generation`) when too small.
@@ -185,7 +216,9 @@ impl CudaDevice {
             .arg(&inputs.count_off)
             .arg(&inputs.counts)
             .arg(&inputs.mask_off)
-            .arg(&inputs.masked);
+            .arg(&inputs.masked)
+            .arg(&inputs.allow_off)
+            .arg(&inputs.allowed);
         // SAFETY: signature matches; shapes checked above; the lists' offsets were written by
         // `fill` for at least these rows, and the kernel skips ids outside the vocabulary.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching sample_rows"))?;

@@ -193,7 +193,8 @@ impl DeviceModel {
                     }
                 }
             }
-            self.inputs.sampling.fill(&self.dev, &row_plans)?;
+            let vocab = self.config.vocab_size;
+            self.inputs.sampling.fill(&self.dev, &row_plans, vocab)?;
         }
         Ok(Prepared {
             t,

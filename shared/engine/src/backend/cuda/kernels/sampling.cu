@@ -271,11 +271,13 @@ __device__ SampleCut find_cut(const float* row, int vocab, Member member, Mass m
 // fparams per row: temperature, top_p, min_p, repetition, frequency, presence (6 floats);
 // iparams per row: greedy (0/1), top_k. Lists per row r: seen[seen_off[r] .. seen_off[r+1]]
 // (distinct prompt and output ids, for the repetition penalty), counts (id, count) pairs of the
-// output, masked ids (EOS and stop ids before min_tokens).
+// output, masked ids (EOS and stop ids before min_tokens). allow_off[r] >= 0: row r follows a
+// grammar whose allowed tokens are the bits of allowed[allow_off[r] ..] (bit i % 32 of word
+// i / 32, (vocab + 31) / 32 words); every other token is masked.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     int* out, float* logits, int vocab, const float* fparams, const int* iparams, const double* uniforms,
     const int* seen_off, const int* seen, const int* count_off, const int* counts, const int* mask_off,
-    const int* masked) {
+    const int* masked, const int* allow_off, const unsigned* allowed) {
     GRID_DEPENDENCY_SYNC();
     const int r = blockIdx.x;
     float* row = logits + (long long)r * vocab;
@@ -309,6 +311,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     for (int i = mask_off[r] + threadIdx.x; i < mask_off[r + 1]; i += blockDim.x) {
         const int id = masked[i];
         if (id >= 0 && id < vocab) row[id] = NEG_INF;
+    }
+    if (allow_off[r] >= 0) {
+        const unsigned* bits = allowed + allow_off[r];
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            if (((bits[i >> 5] >> (i & 31)) & 1u) == 0u) row[i] = NEG_INF;
+        }
     }
     __syncthreads();
 
