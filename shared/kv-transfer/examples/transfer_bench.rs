@@ -279,6 +279,20 @@ async fn sender(a: Args) {
     let mut expect = FNV_START;
     fnv(&mut expect, &src);
     let device_src = (a.pool == "cuda").then(|| gpu::upload(&src));
+    // As a CUDA worker registers its own KV pool with its transport (its puts then name the
+    // registration's handle), the sender registers its source blocks.
+    let _source_registration = match &device_src {
+        // SAFETY: the upload stays allocated until the end of this function, after the
+        // registration (declared later, dropped first).
+        Some((_, ptr)) => Some(
+            t.register(unsafe {
+                tandem_kv_transfer::LocalMemory::cuda(*ptr as *mut u8, len, a.cuda_device as u32)
+            })
+            .await
+            .expect("register the source blocks"),
+        ),
+        None => None,
+    };
     let src = Bytes::from(src);
     let source = Source {
         host: src.clone(),

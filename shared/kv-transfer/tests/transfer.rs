@@ -1013,3 +1013,46 @@ async fn gpu_memory_is_refused_where_it_cannot_be_moved() {
         assert_eq!(pool.snapshot()[..8], [0u8; 8], "{backend}: nothing written");
     }
 }
+
+/// A sender whose source bytes lie in a region it registered itself (as a CUDA worker's own
+/// KV pool is): its puts name that registration's handle, and land byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_from_the_senders_own_registration_land_byte_exact() {
+    let rx = transport(Backend::Ucx, T).await;
+    let tx = transport(Backend::Ucx, T).await;
+    let len = 1 << 20;
+    let pool = Pool::new(len);
+    let reg = rx.register(pool.memory()).await.unwrap();
+    let desc = reg.descriptor().clone();
+    let conn = tx.connect(&desc.peer).await.unwrap();
+    let mut rng = Rng(0x0a11_0ca7);
+    let src: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+    let src = Bytes::from(src);
+    // SAFETY: `src` is kept alive (and unmodified) until after the registration is dropped.
+    let own = tx
+        .register(unsafe {
+            tandem_kv_transfer::LocalMemory::host(src.as_ptr() as *mut u8, src.len())
+        })
+        .await
+        .unwrap();
+    // Blocks of 64 KiB, each to the mirrored offset.
+    let puts: Vec<Put> = (0..len / 65536)
+        .map(|b| Put {
+            local: src.slice(b * 65536..(b + 1) * 65536),
+            offset: (len - (b + 1) * 65536) as u64,
+        })
+        .collect();
+    conn.write(&desc, puts).await.unwrap();
+    let got = pool.snapshot();
+    for b in 0..len / 65536 {
+        let at = len - (b + 1) * 65536;
+        assert!(
+            got[at..at + 65536] == src[b * 65536..(b + 1) * 65536],
+            "block {b}"
+        );
+    }
+    drop(conn);
+    drop(own);
+    drop(reg);
+    drop(src);
+}

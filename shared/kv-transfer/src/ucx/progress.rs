@@ -25,6 +25,13 @@ pub(super) const NO_CUDA_UCX: &str = "this UCX has no CUDA memory support (no cu
     cuda_ipc transports): load the CUDA-enabled UCX of PyPI libucx-cu13 through LD_LIBRARY_PATH \
     (and UCX_MODULE_DIR)";
 
+/// A registration of this context: its handle and the addresses it covers.
+struct Region {
+    memh: sys::ucp_mem_h,
+    start: usize,
+    end: usize,
+}
+
 /// Per-endpoint state. `failed` is written by the error callback, whose `arg` points at it:
 /// boxed so the address is stable, freed only after the worker is destroyed.
 /// The longest sleep with write batches in flight (see [`Thread::sleep_length`]).
@@ -77,7 +84,8 @@ impl BatchTiming {
 struct Thread {
     ctx: sys::ucp_context_h,
     worker: sys::ucp_worker_h,
-    regions: HashMap<u64, sys::ucp_mem_h>,
+    /// This context's registrations: the memory handle and the bytes it covers.
+    regions: HashMap<u64, Region>,
     eps: HashMap<u64, Endpoint>,
     next_id: AtomicU64,
     pending: Vec<Pending>,
@@ -391,9 +399,9 @@ impl Thread {
                 let _ = reply.send(self.register(ptr, len, memory));
             }
             Cmd::Unregister { id, done } => {
-                if let Some(memh) = self.regions.remove(&id) {
+                if let Some(r) = self.regions.remove(&id) {
                     // SAFETY: memh came from ucp_mem_map on this context and is unmapped once.
-                    unsafe { sys::ucp_mem_unmap(self.ctx, memh) };
+                    unsafe { sys::ucp_mem_unmap(self.ctx, r.memh) };
                 }
                 let _ = done.send(());
             }
@@ -466,7 +474,14 @@ impl Thread {
             let rkey = std::slice::from_raw_parts(buf as *const u8, size).to_vec();
             sys::ucp_rkey_buffer_release(buf);
             let id = self.id();
-            self.regions.insert(id, memh);
+            self.regions.insert(
+                id,
+                Region {
+                    memh,
+                    start: addr,
+                    end: addr + attr.length,
+                },
+            );
             Ok((id, addr, rkey))
         }
     }
@@ -519,6 +534,15 @@ impl Thread {
             return Err(TransferError::PeerFailed(sys::status_string(st)));
         }
         Ok(e.ep)
+    }
+
+    /// The memory handle of the registration holding `len` bytes from `src`, if any.
+    fn memh_of(&self, src: usize, len: usize) -> Option<sys::ucp_mem_h> {
+        let end = src.checked_add(len)?;
+        self.regions
+            .values()
+            .find(|r| r.start <= src && end <= r.end)
+            .map(|r| r.memh)
     }
 
     /// Issues a share of a write batch: `puts` read `source` memory, kept alive by `keep`.
@@ -574,14 +598,22 @@ impl Thread {
         let mut pending = Pending::new(id, reply, self.op_timeout, "a UCX write batch", keep);
         // SAFETY: zeroed request params = no callback, contiguous datatype, defaults; a GPU
         // source announces its memory type, so UCX skips detecting it per put.
-        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        let mut plain: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         if cuda {
-            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-            param.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
+            plain.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            plain.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
         }
         for (src, len, addr) in puts {
             if len == 0 {
                 continue;
+            }
+            // A source inside one of this context's registrations (a worker's own KV pool)
+            // names its handle: UCX then registers nothing per put (for GPU memory each
+            // registration is an IPC handle lookup, ~40 µs).
+            let mut param = plain;
+            if let Some(memh) = self.memh_of(src, len) {
+                param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
+                param.memh = memh;
             }
             // SAFETY: the source stays alive in `pending._keep` until every request of the
             // batch has completed; `addr` is inside the remote region (checked by the caller).
@@ -767,8 +799,8 @@ impl Thread {
         // SAFETY: every handle below was created by this thread and is released once; requests
         // that did not finish in time are abandoned (their buffers leak, which is safe).
         unsafe {
-            for (_, memh) in self.regions.drain() {
-                sys::ucp_mem_unmap(self.ctx, memh);
+            for (_, r) in self.regions.drain() {
+                sys::ucp_mem_unmap(self.ctx, r.memh);
             }
             // Requests still pending here are abandoned with the worker: keep their source
             // bytes until after ucp_worker_destroy, when UCX can no longer read them.
