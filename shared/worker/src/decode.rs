@@ -243,7 +243,7 @@ impl DecodeSide {
             Ok(call) => call,
             Err(ended) => return ended,
         };
-        crate::stats::disagg_phase("prefill_first", called.elapsed());
+        crate::stats::disagg_phase("first_token", called.elapsed());
         let done = self.after_first(&mut call, tx).await;
         crate::stats::disagg_phase("prefill_call", called.elapsed());
         let (reply, finished) = match done {

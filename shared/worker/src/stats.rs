@@ -18,9 +18,10 @@ pub use tandem_runtime::metrics::names::component::{
 
 /// Where a disaggregated request's time goes before its first token
 /// (`tandem_disagg_phase_seconds`, by `phase`): on the decode worker `reserve` (its blocks
-/// reserved under a lease) and `prefill_call` (the prefill worker's answer); on the prefill
-/// worker `prefill_compute` (call received until the engine computed the prompt's last
-/// blocks) and `prefill_total` (until its answer, every write done).
+/// reserved under a lease), `first_token` (until the prefill worker's first token) and
+/// `prefill_call` (until its `done`, every write complete); on the prefill worker
+/// `prefill_compute` (call received until the engine computed the prompt's last blocks),
+/// `prefill_first` (until the first token was sent) and `prefill_total` (until `done`).
 pub fn disagg_phase(phase: &'static str, took: Duration) {
     metrics::histogram!("tandem_disagg_phase_seconds", "phase" => phase).record(took.as_secs_f64());
 }
