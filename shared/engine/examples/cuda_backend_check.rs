@@ -256,6 +256,7 @@ mod check {
                     presence_penalty: 0.2,
                     seen: vec![1, 5, tok_gpu],
                     counts: vec![(tok_gpu, 2)],
+                    logit_bias: vec![(tok_gpu, 0.5), (7, -2.0)],
                     masked: vec![0],
                     // Every other step, a grammar allowing every fourth token (and the
                     // chosen one), so the device's bitmask is checked on real logits.
@@ -265,9 +266,15 @@ mod check {
                         w
                     }),
                     uniform: ((step as f64 + 0.5) * 0.618_033_988_75).fract(),
+                    // Every third step, the token's logprob and five alternatives.
+                    logprobs: (step % 3 == 0).then_some(5),
                 };
                 let sampled = gpu.forward_sampled(&step_g, &[Some(&plan)])?;
-                if sampled.first().copied().flatten() != Some(plan.sample_row(&b.logits[0][0])) {
+                let got = sampled.first().cloned().flatten();
+                let (want_token, want_lp) = plan.sample_row_with_logprobs(&b.logits[0][0]);
+                if got.as_ref().map(|s| s.token) != Some(want_token)
+                    || !logprobs_close(got.and_then(|s| s.logprob).as_ref(), want_lp.as_ref())
+                {
                     device_sample_mismatches += 1;
                 }
                 if tok_cpu == tok_gpu && first_diff.is_none() {
@@ -342,5 +349,27 @@ mod check {
             serde_json::to_string_pretty(&report).unwrap_or_default()
         );
         Ok(all_pass)
+    }
+
+    /// Device logprobs against the CPU rule's: the same presence, token and alternatives, each
+    /// logprob within 1e-3 (sums in another order; ids may swap only between equal values).
+    fn logprobs_close(
+        got: Option<&tandem_engine::sampler::TokenLogprob>,
+        want: Option<&tandem_engine::sampler::TokenLogprob>,
+    ) -> bool {
+        let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 || (a == b);
+        match (got, want) {
+            (None, None) => true,
+            (Some(g), Some(w)) => {
+                g.token == w.token
+                    && close(g.logprob, w.logprob)
+                    && g.top.len() == w.top.len()
+                    && g.top
+                        .iter()
+                        .zip(&w.top)
+                        .all(|(a, b)| close(a.1, b.1) && (a.0 == b.0 || close(a.1, b.1)))
+            }
+            _ => false,
+        }
     }
 }

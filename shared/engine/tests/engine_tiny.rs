@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_engine::backend::cpu::CpuBackend;
-use tandem_engine::backend::{Backend, SeqInput, StepOutput};
+use tandem_engine::backend::{Backend, DeviceSample, SeqInput, StepOutput};
 use tandem_engine::engine::{
     CapacitySchedulerPolicy, Engine, EngineConfig, EngineHandle, FinishReason, Request,
     RequestOutput, StopReason,
@@ -98,7 +98,7 @@ impl Backend for DeviceSampled {
         &mut self,
         batch: &[SeqInput<'_>],
         plans: &[Option<&SamplePlan>],
-    ) -> Result<Vec<Option<u32>>, EngineError> {
+    ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
         let out = self.inner.forward(batch)?;
         let masked = plans.iter().flatten().filter(|p| p.allowed.is_some());
         self.masked_plans
@@ -107,7 +107,10 @@ impl Backend for DeviceSampled {
             .logits
             .iter()
             .zip(plans)
-            .map(|(rows, plan)| Some(plan.as_ref()?.sample_row(rows.last()?)))
+            .map(|(rows, plan)| {
+                let (token, logprob) = plan.as_ref()?.sample_row_with_logprobs(rows.last()?);
+                Some(DeviceSample { token, logprob })
+            })
             .collect())
     }
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {

@@ -34,9 +34,11 @@ fn plain_plan() -> SamplePlan {
         presence_penalty: 0.0,
         seen: Vec::new(),
         counts: Vec::new(),
+        logit_bias: Vec::new(),
         masked: Vec::new(),
         allowed: None,
         uniform: 0.0,
+        logprobs: None,
     }
 }
 
@@ -133,6 +135,13 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
                 }),
             ),
             (
+                "logit bias (+9 on three tokens, -100 on token 0) + temperature 0.9",
+                with(&|p| {
+                    p.temperature = 0.9;
+                    p.logit_bias = vec![(5, 9.0), (77_777, 9.0), (151_000, 9.0), (0, -100.0)];
+                }),
+            ),
+            (
                 "top_p 0.95 at temperature 5 (wide nucleus)",
                 with(&|p| {
                     p.top_p = 0.95;
@@ -156,6 +165,10 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
                 logits.extend(row);
             }
         }
+        // Logprobs on some rows: none, the token's only, 3, and the API's most (20).
+        for (i, p) in plans.iter_mut().enumerate() {
+            p.logprobs = [None, Some(0), Some(3), Some(20)][i % 4];
+        }
         let rows = plans.len();
         let want: Vec<f32> = plans
             .iter()
@@ -172,6 +185,31 @@ pub(crate) fn argmax_and_sampling(cx: &mut Ctx) -> Result<(), EngineError> {
         for (k, (name, _)) in kinds.iter().enumerate() {
             let r = k * per..(k + 1) * per;
             rep.add("sample_rows", name, &got[r.clone()], &want[r], 0.0);
+        }
+        // row_logprobs (launched with sample_rows) against the CPU's log-softmax of the same
+        // processed rows: values within 1e-4, alternatives' ids exactly.
+        let lps = inputs.logprobs(dev, &refs)?;
+        for (k, (name, _)) in kinds.iter().enumerate() {
+            let (mut gv, mut wv, mut gi, mut wi) = (vec![], vec![], vec![], vec![]);
+            for row in k * per..(k + 1) * per {
+                let (_, want_lp) =
+                    plans[row].sample_row_with_logprobs(&logits[row * V..(row + 1) * V]);
+                match (&lps[row], want_lp) {
+                    (Some(g), Some(w)) => {
+                        gv.push(g.token);
+                        wv.push(w.logprob);
+                        gv.extend(g.top.iter().map(|t| t.1));
+                        wv.extend(w.top.iter().map(|t| t.1));
+                        gi.extend(g.top.iter().map(|t| t.0 as f32));
+                        wi.extend(w.top.iter().map(|t| t.0 as f32));
+                    }
+                    (None, None) => {}
+                    // A row with logprobs on one side only: a length mismatch fails the check.
+                    _ => gv.push(f32::NAN),
+                }
+            }
+            rep.add("row_logprobs", &format!("{name}: logprobs"), &gv, &wv, 1e-4);
+            rep.add("row_logprobs", &format!("{name}: top ids"), &gi, &wi, 0.0);
         }
     }
     Ok(())

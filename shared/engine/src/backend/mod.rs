@@ -82,6 +82,13 @@ impl std::fmt::Debug for DeviceBlocks {
 }
 
 /// A model runner over a paged KV pool laid out as [`KvLayout`] describes.
+/// A token a backend sampled on its device, with the logprobs its plan asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSample {
+    pub token: u32,
+    pub logprob: Option<crate::sampler::TokenLogprob>,
+}
+
 pub trait Backend: Send {
     fn layout(&self) -> &KvLayout;
     fn num_blocks(&self) -> usize;
@@ -100,12 +107,13 @@ pub trait Backend: Send {
     }
     /// A step whose sequences sample on the device: `plans[i]` is given for each sequence
     /// with [`LogitsMode::Last`] (and only for those); returns per sequence its sampled token
-    /// (None where it had no plan). Follows the CPU rules of [`SamplePlan::sample_row`].
+    /// and the logprobs its plan asks for (None where it had no plan). Follows the CPU rules
+    /// of [`SamplePlan::sample_row_with_logprobs`].
     fn forward_sampled(
         &mut self,
         batch: &[SeqInput<'_>],
         plans: &[Option<&SamplePlan>],
-    ) -> Result<Vec<Option<u32>>, EngineError> {
+    ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
         let _ = (batch, plans);
         Err(EngineError::Backend(
             "this backend does not sample on a device (samples_on_device is false)".into(),

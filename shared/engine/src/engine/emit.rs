@@ -2,6 +2,7 @@
 //! detokenizer, and send the output (or end the sequence).
 
 use super::core::{output, Core};
+use crate::backend::DeviceSample;
 use crate::request::{FinishReason, RequestOutput, StopReason};
 use crate::sampler::guide::GuideError;
 use crate::sampler::{
@@ -59,11 +60,11 @@ impl Core {
 
     /// Emits a token the backend sampled on its device (with the plan taken before the step,
     /// inside its grammar's mask when it has one; the grammar follows the token).
-    pub(super) fn emit_device_sample(&mut self, id: SeqId, token: u32) {
+    pub(super) fn emit_device_sample(&mut self, id: SeqId, sample: DeviceSample) {
         let Some(seq) = self.sched.get_mut(id) else {
             return;
         };
-        if let Some(Err(e)) = seq.guide.as_mut().map(|g| g.advance(token)) {
+        if let Some(Err(e)) = seq.guide.as_mut().map(|g| g.advance(sample.token)) {
             if let Some(rid) = self.requests.request_of(id).map(str::to_owned) {
                 self.fail(&rid, Some(e.to_string()));
             }
@@ -72,7 +73,7 @@ impl Core {
         let Some(seq) = self.sched.get_mut(id) else {
             return;
         };
-        let sampled = record_device_sample(&mut seq.sampler, token);
+        let sampled = record_device_sample(&mut seq.sampler, sample.token, sample.logprob);
         self.emit_sampled(id, sampled);
     }
 

@@ -6,6 +6,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::core::Core;
+use crate::backend::DeviceSample;
 use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::sampler::guide::Guide;
@@ -13,16 +14,17 @@ use crate::sampler::{SampleContext, SamplePlan};
 use crate::scheduler::{ScheduledSeq, Scheduler};
 use crate::sequence::{SeqId, Sequence};
 
-/// Sampling that only the host sampler does: logprobs, beam search and logit bias (a device
-/// sampler follows the plan, which carries none of them; a grammar's mask it does carry).
+/// Sampling that only the host sampler does: beam search, whose beams fork from whole
+/// logits rows (a device sampler follows the plan: logit bias, penalties, masks, a grammar's
+/// mask, the filters and logprobs).
 fn needs_host_sampling(p: &crate::sampler::SamplingParams) -> bool {
-    p.logprobs.is_some() || p.use_beam_search || !p.logit_bias.is_empty()
+    p.use_beam_search
 }
 
 /// What a step's backend call returned: logits rows to sample here, or tokens it sampled.
 enum StepResult {
     Logits(StepOutput),
-    Tokens(Vec<Option<u32>>),
+    Tokens(Vec<Option<DeviceSample>>),
 }
 
 impl Core {
@@ -263,7 +265,7 @@ impl Core {
             let beam = self.isolated(p.id, |core| match result {
                 // Sampled on the device with this step's plan.
                 StepResult::Tokens(tokens) => {
-                    core.emit_device_token(p.id, tokens.get(i).copied().flatten());
+                    core.emit_device_token(p.id, tokens.get(i).cloned().flatten());
                     None
                 }
                 StepResult::Logits(out) => core.sample_row(p.id, logits_row(out, i)),
@@ -312,7 +314,7 @@ impl Core {
     }
 
     /// Emits the token the device sampled for `id`, or fails its request when there is none.
-    fn emit_device_token(&mut self, id: SeqId, token: Option<u32>) {
+    fn emit_device_token(&mut self, id: SeqId, token: Option<DeviceSample>) {
         match token {
             Some(t) => self.emit_device_sample(id, t),
             None => {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Backend, LogitsMode, SeqInput, StepOutput};
+use crate::backend::{Backend, DeviceSample, LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 use crate::sampler::SamplePlan;
@@ -173,7 +173,7 @@ impl Backend for TestBackend {
         &mut self,
         batch: &[SeqInput<'_>],
         plans: &[Option<&SamplePlan>],
-    ) -> Result<Vec<Option<u32>>, EngineError> {
+    ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
         if !self.device_sampling || plans.len() != batch.len() {
             return Err(EngineError::InvalidInput(
                 "unexpected forward_sampled".into(),
@@ -186,7 +186,10 @@ impl Backend for TestBackend {
             .iter()
             .zip(plans)
             .map(|(rows, plan)| match (rows.last(), plan) {
-                (Some(row), Some(p)) => Some(p.sample_row(row)),
+                (Some(row), Some(p)) => {
+                    let (token, logprob) = p.sample_row_with_logprobs(row);
+                    Some(DeviceSample { token, logprob })
+                }
                 _ => None,
             })
             .collect())

@@ -170,14 +170,15 @@ pub fn sample(
     Sampled { token, logprob }
 }
 
-/// Records a token sampled elsewhere (on a backend's device, with `plan`) in the state, as
-/// [`sample`] does for its own.
-pub fn record_device_sample(state: &mut SamplerState, token: u32) -> Sampled {
+/// Records a token sampled elsewhere (on a backend's device, with `plan`, and its logprobs
+/// when the plan asked for them) in the state, as [`sample`] does for its own.
+pub fn record_device_sample(
+    state: &mut SamplerState,
+    token: u32,
+    logprob: Option<TokenLogprob>,
+) -> Sampled {
     state.record(token);
-    Sampled {
-        token,
-        logprob: None,
-    }
+    Sampled { token, logprob }
 }
 
 /// Draws a token for a backend that returned no logits (the simulator): uniform over the

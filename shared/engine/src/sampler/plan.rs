@@ -3,7 +3,10 @@
 //! [`super::sample`] applies with it. A device sampler follows the same rules, so an engine can
 //! sample on either side and keep each sequence's RNG stream identical.
 
-use super::{argmax, draw_with, SampleContext, SamplerState, SamplingParams};
+use super::{
+    argmax, draw_with, log_softmax, top_logprobs, SampleContext, SamplerState, SamplingParams,
+    TokenLogprob,
+};
 
 /// Everything of a sampling step except the logits.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,6 +24,8 @@ pub struct SamplePlan {
     pub seen: Vec<u32>,
     /// Output token counts (filled only with a frequency or presence penalty).
     pub counts: Vec<(u32, u32)>,
+    /// `logit_bias`: added to these tokens' logits first (ids are distinct).
+    pub logit_bias: Vec<(u32, f32)>,
     /// Token ids masked to -inf (EOS and stop ids until `min_tokens`).
     pub masked: Vec<u32>,
     /// A grammar's allowed tokens as bitmask words (bit `t % 32` of word `t / 32`; a token
@@ -29,6 +34,9 @@ pub struct SamplePlan {
     /// The draw's uniform in [0, 1), taken from the sequence's RNG (0 when greedy: a greedy
     /// step takes nothing from it).
     pub uniform: f64,
+    /// Logprobs asked for: the token's and this many alternatives' (of the row as sampled:
+    /// penalised, masked, and scaled unless greedy). None: none.
+    pub logprobs: Option<usize>,
 }
 
 impl SamplePlan {
@@ -37,11 +45,12 @@ impl SamplePlan {
     pub fn new(params: &SamplingParams, state: &mut SamplerState, ctx: &SampleContext<'_>) -> Self {
         let mut plan = Self::unmasked(params, state, ctx);
         plan.masked = masked_ids(params, state, ctx).collect();
+        plan.logit_bias = params.logit_bias.clone();
         plan
     }
 
-    /// Like [`SamplePlan::new`] with an empty `masked`: the CPU sampler masks straight from
-    /// the parameters ([`mask_in_place`]) instead of copying the ids into every step's plan.
+    /// Like [`SamplePlan::new`] with empty `masked` and `logit_bias`: the CPU sampler applies
+    /// both straight from the parameters instead of copying them into every step's plan.
     pub(super) fn unmasked(
         params: &SamplingParams,
         state: &mut SamplerState,
@@ -73,14 +82,22 @@ impl SamplePlan {
             presence_penalty: params.presence_penalty,
             seen,
             counts,
+            logit_bias: Vec::new(),
             masked: Vec::new(),
             allowed: None,
             uniform,
+            logprobs: params.logprobs,
         }
     }
 
-    /// Penalties (repetition, then frequency / presence) and the mask, in place.
+    /// The logit bias, penalties (repetition, then frequency / presence) and the masks, in
+    /// place.
     pub fn penalize(&self, logits: &mut [f32]) {
+        for &(t, bias) in &self.logit_bias {
+            if let Some(x) = logits.get_mut(t as usize) {
+                *x += bias;
+            }
+        }
         if self.repetition_penalty != 1.0 {
             for &t in &self.seen {
                 if let Some(l) = logits.get_mut(t as usize) {
@@ -127,12 +144,27 @@ impl SamplePlan {
 
     /// The whole CPU rule on a raw logits row: what a device sampler must reproduce.
     pub fn sample_row(&self, logits: &[f32]) -> u32 {
+        self.sample_row_with_logprobs(logits).0
+    }
+
+    /// [`SamplePlan::sample_row`] with the logprobs the plan asks for, as the CPU sampler
+    /// computes them (log-softmax of the row as sampled).
+    pub fn sample_row_with_logprobs(&self, logits: &[f32]) -> (u32, Option<TokenLogprob>) {
         let mut l = logits.to_vec();
         self.penalize(&mut l);
         if !self.greedy {
             self.scale(&mut l);
         }
-        self.choose(&l)
+        let token = self.choose(&l);
+        let logprob = self.logprobs.map(|k| {
+            let lp = log_softmax(&l);
+            TokenLogprob {
+                token,
+                logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+                top: top_logprobs(&lp, k),
+            }
+        });
+        (token, logprob)
     }
 }
 

@@ -170,8 +170,8 @@ fn penalties_follow_vllm_semantics() {
 }
 
 /// A backend sampling on its device takes the plan (and its uniform) before the step and
-/// applies `SamplePlan::sample_row` there: the same tokens and the same RNG position as
-/// `sample` on the CPU, step after step, whatever the parameters.
+/// applies `SamplePlan::sample_row_with_logprobs` there: the same tokens, logprobs and RNG
+/// position as `sample` on the CPU, step after step, whatever the parameters.
 #[test]
 fn plan_then_sample_row_matches_sample() {
     let mut r = Rng::for_stream(7, 0);
@@ -191,6 +191,20 @@ fn plan_then_sample_row_matches_sample() {
             p.min_tokens = 3;
             p.stop_token_ids = vec![4];
         }),
+        params(|p| {
+            p.temperature = 0.7;
+            p.top_p = 0.9;
+            p.repetition_penalty = 1.2;
+            p.logprobs = Some(5);
+        }),
+        params(|p| {
+            p.temperature = 0.0;
+            p.logprobs = Some(0);
+        }),
+        params(|p| {
+            p.logit_bias = vec![(2, 3.0), (9, -20.0)];
+            p.logprobs = Some(2);
+        }),
     ];
     for (i, p) in cases.iter().enumerate() {
         let mut cpu = SamplerState::new(11, i as u64);
@@ -202,12 +216,15 @@ fn plan_then_sample_row_matches_sample() {
                 all_tokens: &tokens,
                 eos_token_ids: &[0],
             };
-            let want = sample(&logits, p, &mut cpu, &ctx).token;
+            let want = sample(&logits, p, &mut cpu, &ctx);
             let plan = SamplePlan::new(p, &mut dev, &ctx);
-            let got = record_device_sample(&mut dev, plan.sample_row(&logits)).token;
-            assert_eq!(got, want, "case {i}");
+            let (token, logprob) = plan.sample_row_with_logprobs(&logits);
+            let got = record_device_sample(&mut dev, token, logprob);
+            assert_eq!(got.token, want.token, "case {i}");
+            assert_eq!(got.logprob, want.logprob, "case {i}: logprobs");
+            assert_eq!(got.logprob.is_some(), p.logprobs.is_some(), "case {i}");
             assert_eq!(dev, cpu, "case {i}: the states diverged");
-            tokens.push(got);
+            tokens.push(got.token);
         }
     }
 }

@@ -21,14 +21,15 @@ use super::weights::{upload_weights, DeviceWeights};
 use super::{AttentionScratch, CudaDevice, KvPool, PoolShape};
 use crate::backend::fence::ArmedLayers;
 use crate::backend::{
-    Backend, BlocksReady, DeviceBlocks, DevicePool, KvPoolMemory, LogitsMode, SeqInput, StepOutput,
+    Backend, BlocksReady, DeviceBlocks, DevicePool, DeviceSample, KvPoolMemory, LogitsMode,
+    SeqInput, StepOutput,
 };
 use crate::error::EngineError;
 use crate::kv::layout::{KvDtype, KvLayout, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
 use crate::model::decoder::DecoderWeights;
 use crate::model::LoadedModel;
-use crate::sampler::SamplePlan;
+use crate::sampler::{SamplePlan, TokenLogprob};
 
 /// How many KV blocks the pool gets.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -360,7 +361,7 @@ impl Backend for CudaBackend {
         &mut self,
         batch: &[SeqInput<'_>],
         plans: &[Option<&SamplePlan>],
-    ) -> Result<Vec<Option<u32>>, EngineError> {
+    ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
         if plans.len() != batch.len() {
             return Err(EngineError::InvalidInput(format!(
                 "device sampling: {} plans for {} sequences",
@@ -369,9 +370,27 @@ impl Backend for CudaBackend {
             )));
         }
         let (counts, rows) = self.step(batch, Readout::Sample, Some(plans))?;
+        // One row per sequence with a plan, in batch order (`prepare` checked it).
+        let row_plans: Vec<&SamplePlan> = plans.iter().flatten().copied().collect();
+        let mut logprobs = self
+            .model
+            .inputs
+            .sampling
+            .logprobs(&self.model.dev, &row_plans)?
+            .into_iter();
         Ok(ids_per_sequence(&counts, rows)?
             .into_iter()
-            .map(|ids| ids.last().copied())
+            .zip(plans)
+            .map(|(ids, plan)| {
+                let token = *ids.last()?;
+                plan.as_ref()?;
+                let logprob = logprobs.next().flatten().map(|lp| TokenLogprob {
+                    token,
+                    logprob: lp.token,
+                    top: lp.top,
+                });
+                Some(DeviceSample { token, logprob })
+            })
             .collect())
     }
 

@@ -68,6 +68,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_write_h16",
     "argmax_f32",
     "sample_rows_f32",
+    "row_logprobs",
     "fold_rows_f32",
     "attention_prefill_f32_hd64",
     "attention_prefill_bf16_hd64",

@@ -277,7 +277,8 @@ __device__ SampleCut find_cut(const float* row, int vocab, Member member, Mass m
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     int* out, float* logits, int vocab, const float* fparams, const int* iparams, const double* uniforms,
     const int* seen_off, const int* seen, const int* count_off, const int* counts, const int* mask_off,
-    const int* masked, const int* allow_off, const unsigned* allowed) {
+    const int* masked, const int* allow_off, const unsigned* allowed, const int* bias_off,
+    const int* biases) {
     GRID_DEPENDENCY_SYNC();
     const int r = blockIdx.x;
     float* row = logits + (long long)r * vocab;
@@ -290,7 +291,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     const bool greedy = iparams[r * 2] != 0;
     const int top_k = iparams[r * 2 + 1];
 
-    // 1. Penalties (repetition first, on distinct ids; then frequency / presence), the mask.
+    // 1. The logit bias ((id, f32 bits) pairs, distinct ids), penalties (repetition first, on
+    // distinct ids; then frequency / presence), the masks.
+    for (int i = bias_off[r] + threadIdx.x; i < bias_off[r + 1]; i += blockDim.x) {
+        const int id = biases[2 * i];
+        if (id >= 0 && id < vocab) row[id] += __int_as_float(biases[2 * i + 1]);
+    }
+    __syncthreads();
     if (rep != 1.0f) {
         for (int i = seen_off[r] + threadIdx.x; i < seen_off[r + 1]; i += blockDim.x) {
             const int id = seen[i];
@@ -490,4 +497,87 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_f32(
     if (threadIdx.x == 0) out[r] = cd.id < vocab ? cd.id : 0;
     // A draw past the end (rounding) takes every kept element; its bound is the last tie id,
     // which find_cut returns as the cut's id.
+}
+
+// The most alternatives a row's logprobs carry (the API's top_logprobs limit).
+#define LOGPROBS_MAX 20
+
+// Logprobs of rows `sample_rows_f32` has just processed in place (penalised and masked, and
+// scaled by 1 / temperature unless greedy): the CPU's log-softmax input. lp_k[r] < 0: none
+// asked. Otherwise lp_out[r * (LOGPROBS_MAX + 1)] is the sampled token's (tokens[r])
+// log-probability and lp_out[.. + 1 + j], lp_ids[r * LOGPROBS_MAX + j] the j-th most likely
+// token of the lp_k[r] asked (descending, ties to the lowest id). Sums in f64 of
+// exp(x - max) with the difference in f32, as the CPU.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) row_logprobs(
+    const float* logits, int vocab, const int* tokens, const int* lp_k, float* lp_out, int* lp_ids) {
+    GRID_DEPENDENCY_SYNC();
+    const int r = blockIdx.x;
+    const int k = min(lp_k[r], LOGPROBS_MAX);
+    if (k < 0) return;
+    const float* row = logits + (long long)r * vocab;
+    float mx = NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, row[i]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    __shared__ float smx[32];
+    __shared__ float s_max;
+    if ((threadIdx.x & 31) == 0) smx[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = NEG_INF;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, smx[w]);
+        s_max = m;
+    }
+    __syncthreads();
+    const float maxv = s_max;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = row[i];
+        if (v > NEG_INF) s += exp((double)(v - maxv));
+    }
+    unsigned pc, tc;
+    double pm, tm;
+    block_scan_cm(0u, s, pc, pm, tc, tm);
+    const double lse = (double)maxv + log(tm);
+    float* out = lp_out + (long long)r * (LOGPROBS_MAX + 1);
+    if (threadIdx.x == 0) {
+        const int t = tokens[r];
+        out[0] = (t >= 0 && t < vocab) ? (float)((double)row[t] - lse) : NEG_INF;
+    }
+    if (k == 0) return;
+    // The k largest (ties to the lowest id), gathered, then ordered by one thread.
+    auto every = [&](int i, unsigned key) { return true; };
+    auto no_mass = [&](int i) { return 0.0; };
+    const SampleCut cut = find_cut(row, vocab, every, no_mass, true, (unsigned)k, 0.0, false);
+    __shared__ int s_n;
+    __shared__ int s_ids[LOGPROBS_MAX];
+    if (threadIdx.x == 0) s_n = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        if (before_cut(cut, order_key(row[i]), i)) {
+            const int at = atomicAdd(&s_n, 1);
+            if (at < LOGPROBS_MAX) s_ids[at] = i;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int n = min(min(s_n, k), LOGPROBS_MAX);
+        for (int a = 1; a < n; ++a) {
+            const int id = s_ids[a];
+            const unsigned key = order_key(row[id]);
+            int b = a - 1;
+            while (b >= 0) {
+                const unsigned kb = order_key(row[s_ids[b]]);
+                if (kb > key || (kb == key && s_ids[b] < id)) break;
+                s_ids[b + 1] = s_ids[b];
+                --b;
+            }
+            s_ids[b + 1] = id;
+        }
+        int* ids = lp_ids + (long long)r * LOGPROBS_MAX;
+        for (int j = 0; j < k; ++j) {
+            const bool have = j < n;
+            ids[j] = have ? s_ids[j] : -1;
+            out[1 + j] = have ? (float)((double)row[s_ids[j]] - lse) : NEG_INF;
+        }
+    }
 }
