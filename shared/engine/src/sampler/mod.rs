@@ -123,6 +123,17 @@ pub fn top_k_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     top_logprobs(&log_softmax(logits), k)
 }
 
+/// `token`'s logprob and the `k` most likely alternatives of a row as sampled (penalised,
+/// masked, scaled): its log-softmax.
+fn token_logprob(row: &[f32], token: u32, k: usize) -> TokenLogprob {
+    let lp = log_softmax(row);
+    TokenLogprob {
+        token,
+        logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        top: top_logprobs(&lp, k),
+    }
+}
+
 fn top_logprobs(lp: &[f32], k: usize) -> Vec<(u32, f32)> {
     if k == 0 {
         return Vec::new();
@@ -158,14 +169,7 @@ pub fn sample(
         plan.scale(&mut l);
     }
     let token = plan.choose(&l);
-    let logprob = params.logprobs.map(|k| {
-        let lp = log_softmax(&l);
-        TokenLogprob {
-            token,
-            logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
-            top: top_logprobs(&lp, k),
-        }
-    });
+    let logprob = params.logprobs.map(|k| token_logprob(&l, token, k));
     state.record(token);
     Sampled { token, logprob }
 }

@@ -4,8 +4,7 @@
 //! sample on either side and keep each sequence's RNG stream identical.
 
 use super::{
-    argmax, draw_with, log_softmax, top_logprobs, SampleContext, SamplerState, SamplingParams,
-    TokenLogprob,
+    argmax, draw_with, token_logprob, SampleContext, SamplerState, SamplingParams, TokenLogprob,
 };
 
 /// Everything of a sampling step except the logits.
@@ -156,15 +155,7 @@ impl SamplePlan {
             self.scale(&mut l);
         }
         let token = self.choose(&l);
-        let logprob = self.logprobs.map(|k| {
-            let lp = log_softmax(&l);
-            TokenLogprob {
-                token,
-                logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
-                top: top_logprobs(&lp, k),
-            }
-        });
-        (token, logprob)
+        (token, self.logprobs.map(|k| token_logprob(&l, token, k)))
     }
 }
 
