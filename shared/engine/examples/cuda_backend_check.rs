@@ -269,7 +269,21 @@ mod check {
                     // Every third step, the token's logprob and five alternatives.
                     logprobs: (step % 3 == 0).then_some(5),
                 };
-                let sampled = gpu.forward_sampled(&step_g, &[Some(&plan)])?;
+                // Steps 1, 5, 9, ... hand the mask over while the forward pass runs
+                // (`forward_sampled_with_masks`, the sampler launched after it); the other
+                // masked steps carry it in the plan.
+                let sampled = if step % 4 == 1 {
+                    let without = SamplePlan {
+                        allowed: None,
+                        ..plan.clone()
+                    };
+                    let mask = plan.allowed.clone();
+                    gpu.forward_sampled_with_masks(&step_g, &[Some(&without)], &mut || {
+                        vec![mask.clone()]
+                    })?
+                } else {
+                    gpu.forward_sampled(&step_g, &[Some(&plan)])?
+                };
                 let got = sampled.first().cloned().flatten();
                 let (want_token, want_lp) = plan.sample_row_with_logprobs(&b.logits[0][0]);
                 if got.as_ref().map(|s| s.token) != Some(want_token)

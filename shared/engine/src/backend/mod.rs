@@ -89,6 +89,27 @@ pub struct DeviceSample {
     pub logprob: Option<crate::sampler::TokenLogprob>,
 }
 
+/// `plans` with each given mask set as its grammar's `allowed` words.
+pub fn with_masks(
+    plans: &[Option<&SamplePlan>],
+    masks: Vec<Option<Vec<u32>>>,
+) -> Vec<Option<SamplePlan>> {
+    let mut masks = masks.into_iter();
+    plans
+        .iter()
+        .map(|p| {
+            let mask = masks.next().flatten();
+            p.map(|p| {
+                let mut p = p.clone();
+                if mask.is_some() {
+                    p.allowed = mask;
+                }
+                p
+            })
+        })
+        .collect()
+}
+
 pub trait Backend: Send {
     fn layout(&self) -> &KvLayout;
     fn num_blocks(&self) -> usize;
@@ -118,6 +139,20 @@ pub trait Backend: Send {
         Err(EngineError::Backend(
             "this backend does not sample on a device (samples_on_device is false)".into(),
         ))
+    }
+    /// [`Backend::forward_sampled`] for plans whose grammar masks are computed while the
+    /// forward pass runs: `masks()` returns, per plan (batch order), the bitmask words to set
+    /// as its `allowed` (None: as given). This default computes them first; a backend that
+    /// can start the forward pass before its sampler overrides it to call `masks()` meanwhile.
+    fn forward_sampled_with_masks(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        plans: &[Option<&SamplePlan>],
+        masks: &mut dyn FnMut() -> Vec<Option<Vec<u32>>>,
+    ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
+        let owned = with_masks(plans, masks());
+        let refs: Vec<Option<&SamplePlan>> = owned.iter().map(Option::as_ref).collect();
+        self.forward_sampled(batch, &refs)
     }
     /// The concatenation of whole blocks, in layout byte order.
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError>;

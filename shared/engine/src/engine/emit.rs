@@ -64,7 +64,12 @@ impl Core {
         let Some(seq) = self.sched.get_mut(id) else {
             return;
         };
-        if let Some(Err(e)) = seq.guide.as_mut().map(|g| g.advance(sample.token)) {
+        // A mask that failed allowed nothing: the request fails with the grammar's reason.
+        let advanced = seq
+            .guide
+            .as_mut()
+            .map(|g| g.failure().map_or_else(|| g.advance(sample.token), Err));
+        if let Some(Err(e)) = advanced {
             if let Some(rid) = self.requests.request_of(id).map(str::to_owned) {
                 self.fail(&rid, Some(e.to_string()));
             }

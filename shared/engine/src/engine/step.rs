@@ -128,15 +128,7 @@ impl Core {
             return self.forward(pieces);
         }
         if self.samples_on_device(pieces) {
-            // The device sampler applies each mask in its kernel: they are computed first (in
-            // parallel), then go to the device with the step's plans.
-            let mut guides = guides;
-            {
-                use rayon::prelude::*;
-                guides.par_iter_mut().for_each(|(_, g)| g.prepare());
-            }
-            self.put_back(guides);
-            return self.forward(pieces);
+            return self.forward_with_device_masks(pieces, guides);
         }
         let (result, guides) = std::thread::scope(|s| {
             let prep = s.spawn(move || {
@@ -158,6 +150,40 @@ impl Core {
             }
         }
         result
+    }
+
+    /// A device-sampled step with grammars: the plans go to the backend without their masks,
+    /// which are computed (in parallel) while its forward pass runs and reach its sampler
+    /// after it. A mask that fails allows nothing; emitting then fails that request with the
+    /// reason (`emit_device_sample`).
+    fn forward_with_device_masks(
+        &mut self,
+        pieces: &[ScheduledSeq],
+        mut guides: Vec<(SeqId, Box<Guide>)>,
+    ) -> Result<StepResult, EngineError> {
+        let Some(plans) = self.device_sample_plans(pieces) else {
+            self.put_back(guides);
+            return self.forward(pieces);
+        };
+        let words = self.backend.vocab_size().div_ceil(32);
+        let inputs = backend_inputs(&self.sched, pieces);
+        let refs: Vec<Option<&SamplePlan>> = plans.iter().map(Option::as_ref).collect();
+        let mut masks = || {
+            use rayon::prelude::*;
+            guides.par_iter_mut().for_each(|(_, g)| g.prepare());
+            pieces
+                .iter()
+                .map(|p| {
+                    let (_, g) = guides.iter_mut().find(|(id, _)| *id == p.id)?;
+                    Some(g.mask_words(words).unwrap_or_else(|_| vec![0; words]))
+                })
+                .collect()
+        };
+        let result = self
+            .backend
+            .forward_sampled_with_masks(&inputs, &refs, &mut masks);
+        self.put_back(guides);
+        result.map(StepResult::Tokens)
     }
 
     /// The backend's forward pass over the pieces. Sampling happens on the backend's device

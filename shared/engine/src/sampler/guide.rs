@@ -211,6 +211,14 @@ impl Guide {
         matches!(self.mask, Some(Err(_)))
     }
 
+    /// Why computing the next token's mask failed, if it did.
+    pub fn failure(&self) -> Option<GuideError> {
+        match &self.mask {
+            Some(Err(e)) => Some(e.clone()),
+            _ => None,
+        }
+    }
+
     /// Follows the sampled token.
     pub fn advance(&mut self, token: u32) -> Result<(), GuideError> {
         self.mask = None;

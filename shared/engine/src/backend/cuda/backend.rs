@@ -298,6 +298,38 @@ impl CudaBackend {
         }
     }
 
+    /// The tokens a device-sampled step drew (its `rows`), per sequence, with the logprobs
+    /// its plans asked for.
+    fn device_samples(
+        &self,
+        counts: &[usize],
+        rows: StepRows,
+        plans: &[Option<&SamplePlan>],
+    ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
+        // One row per sequence with a plan, in batch order (`prepare` checked it).
+        let row_plans: Vec<&SamplePlan> = plans.iter().flatten().copied().collect();
+        let mut logprobs = self
+            .model
+            .inputs
+            .sampling
+            .logprobs(&self.model.dev, &row_plans)?
+            .into_iter();
+        Ok(ids_per_sequence(counts, rows)?
+            .into_iter()
+            .zip(plans)
+            .map(|(ids, plan)| {
+                let token = *ids.last()?;
+                plan.as_ref()?;
+                let logprob = logprobs.next().flatten().map(|lp| TokenLogprob {
+                    token,
+                    logprob: lp.token,
+                    top: lp.top,
+                });
+                Some(DeviceSample { token, logprob })
+            })
+            .collect())
+    }
+
     /// Checked `blocks` of the pool as device addresses, readable as `ready` says.
     fn pool_blocks(&self, blocks: &[u32], ready: BlocksReady) -> DeviceBlocks {
         let bb = self.layout.block_bytes();
@@ -370,28 +402,38 @@ impl Backend for CudaBackend {
             )));
         }
         let (counts, rows) = self.step(batch, Readout::Sample, Some(plans))?;
-        // One row per sequence with a plan, in batch order (`prepare` checked it).
-        let row_plans: Vec<&SamplePlan> = plans.iter().flatten().copied().collect();
-        let mut logprobs = self
-            .model
-            .inputs
-            .sampling
-            .logprobs(&self.model.dev, &row_plans)?
-            .into_iter();
-        Ok(ids_per_sequence(&counts, rows)?
-            .into_iter()
-            .zip(plans)
-            .map(|(ids, plan)| {
-                let token = *ids.last()?;
-                plan.as_ref()?;
-                let logprob = logprobs.next().flatten().map(|lp| TokenLogprob {
-                    token,
-                    logprob: lp.token,
-                    top: lp.top,
-                });
-                Some(DeviceSample { token, logprob })
-            })
-            .collect())
+        self.device_samples(&counts, rows, plans)
+    }
+
+    /// The forward pass is launched first (its logits stay on the device, nothing waits for
+    /// it); the masks are computed on the host meanwhile, go to the device with the plans, and
+    /// the sampler runs after the forward pass in stream order.
+    fn forward_sampled_with_masks(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        plans: &[Option<&SamplePlan>],
+        masks: &mut dyn FnMut() -> Vec<Option<Vec<u32>>>,
+    ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
+        if plans.len() != batch.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "device sampling: {} plans for {} sequences",
+                plans.len(),
+                batch.len()
+            )));
+        }
+        let (counts, _) = self.step(batch, Readout::Deferred, Some(plans))?;
+        let owned = crate::backend::with_masks(plans, masks());
+        let refs: Vec<Option<&SamplePlan>> = owned.iter().map(Option::as_ref).collect();
+        let row_plans: Vec<&SamplePlan> = owned.iter().flatten().collect();
+        let vocab = self.model.config.vocab_size;
+        let rows = counts.iter().sum();
+        let model = &mut self.model;
+        model.inputs.sampling.fill(&model.dev, &row_plans, vocab)?;
+        let ids = match &mut self.ws {
+            AnyWorkspace::F32(ws) => model.sample_deferred(ws, rows)?,
+            AnyWorkspace::Bf16(ws) => model.sample_deferred(ws, rows)?,
+        };
+        self.device_samples(&counts, ids, &refs)
     }
 
     fn device_pool(&self) -> Option<DevicePool> {

@@ -387,7 +387,19 @@ impl DeviceModel {
                 let sampling = &self.inputs.sampling;
                 dev.sample_rows(&mut ws.ids, &mut ws.logits, r, v, sampling)
             }
-            Readout::Logits => Ok(()),
+            Readout::Logits | Readout::Deferred => Ok(()),
         }
+    }
+
+    /// Samples the `r` logits rows a [`Readout::Deferred`] step left on the device, by the
+    /// plans last filled into the sampling inputs (with their grammar masks now), and reads
+    /// the tokens back.
+    pub(super) fn sample_deferred<A: DeviceElem>(
+        &self,
+        ws: &mut Workspace<A>,
+        r: usize,
+    ) -> Result<super::step::StepRows, EngineError> {
+        self.readout(ws, r, Readout::Sample)?;
+        self.read_back(ws, r, Readout::Sample)
     }
 }

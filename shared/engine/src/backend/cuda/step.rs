@@ -52,6 +52,10 @@ pub(super) enum Readout {
     Argmax,
     /// One token per row by the step's sampling plans (`sampling.cu`).
     Sample,
+    /// The logits stay on the device, nothing is read back (and nothing waited for): the
+    /// sampling is launched after the step, once its grammar masks are ready
+    /// ([`DeviceModel::sample_deferred`]).
+    Deferred,
 }
 
 /// The flattened rows a step brought back, in the order of the batch.
@@ -225,6 +229,7 @@ impl DeviceModel {
                 s.clone_dtoh(&ws.logits.slice(..r * self.config.vocab_size))
                     .map_err(|e| EngineError::Backend(format!("CUDA logits copy: {e:?}")))?
             }),
+            Readout::Deferred => StepRows::Ids(Vec::new()),
             Readout::Argmax | Readout::Sample => StepRows::Ids(if r == 0 {
                 Vec::new()
             } else {
