@@ -59,22 +59,9 @@ impl Core {
     }
 
     /// Emits a token the backend sampled on its device (with the plan taken before the step,
-    /// inside its grammar's mask when it has one; the grammar follows the token).
+    /// inside its grammar's mask when it has one; its guide has followed the token already,
+    /// `Core::advance_guides`).
     pub(super) fn emit_device_sample(&mut self, id: SeqId, sample: DeviceSample) {
-        let Some(seq) = self.sched.get_mut(id) else {
-            return;
-        };
-        // A mask that failed allowed nothing: the request fails with the grammar's reason.
-        let advanced = seq
-            .guide
-            .as_mut()
-            .map(|g| g.failure().map_or_else(|| g.advance(sample.token), Err));
-        if let Some(Err(e)) = advanced {
-            if let Some(rid) = self.requests.request_of(id).map(str::to_owned) {
-                self.fail(&rid, Some(e.to_string()));
-            }
-            return;
-        }
         let Some(seq) = self.sched.get_mut(id) else {
             return;
         };

@@ -6,10 +6,12 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::core::Core;
+use std::collections::HashMap;
+
 use crate::backend::DeviceSample;
 use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
-use crate::sampler::guide::Guide;
+use crate::sampler::guide::{Guide, GuideError};
 use crate::sampler::{SampleContext, SamplePlan};
 use crate::scheduler::{ScheduledSeq, Scheduler};
 use crate::sequence::{SeqId, Sequence};
@@ -278,6 +280,10 @@ impl Core {
     /// emits where a piece asks for a token; then steps the beam groups that got rows.
     fn apply(&mut self, pieces: &[ScheduledSeq], result: &StepResult) {
         let mut beam_reqs: Vec<String> = Vec::new();
+        let mut guide_failures = match result {
+            StepResult::Tokens(tokens) => self.advance_guides(pieces, tokens),
+            StepResult::Logits(_) => HashMap::new(),
+        };
         for (i, p) in pieces.iter().enumerate() {
             self.sched.mark_computed(p);
             if self.prefills.contains(p.id) {
@@ -291,7 +297,8 @@ impl Core {
             let beam = self.isolated(p.id, |core| match result {
                 // Sampled on the device with this step's plan.
                 StepResult::Tokens(tokens) => {
-                    core.emit_device_token(p.id, tokens.get(i).cloned().flatten());
+                    let failure = guide_failures.remove(&p.id);
+                    core.emit_device_token(p.id, tokens.get(i).cloned().flatten(), failure);
                     None
                 }
                 StepResult::Logits(out) => core.sample_row(p.id, logits_row(out, i)),
@@ -307,6 +314,41 @@ impl Core {
                 self.fail_panicked(&rid, payload.as_ref());
             }
         }
+    }
+
+    /// The guides of the device-sampled sequences follow their tokens, in parallel (each
+    /// guide its own token; at a large batch this host work would otherwise add up one
+    /// sequence after another). Returns why a guide failed (its mask, or the token), by
+    /// sequence: emitting then fails that request.
+    fn advance_guides(
+        &mut self,
+        pieces: &[ScheduledSeq],
+        tokens: &[Option<DeviceSample>],
+    ) -> HashMap<SeqId, GuideError> {
+        let mut work: Vec<(SeqId, u32, Box<Guide>)> = Vec::new();
+        for (p, t) in pieces.iter().zip(tokens) {
+            let (true, Some(t)) = (p.sample, t) else {
+                continue;
+            };
+            if let Some(g) = self.sched.get_mut(p.id).and_then(|s| s.guide.take()) {
+                work.push((p.id, t.token, g));
+            }
+        }
+        let failures = {
+            use rayon::prelude::*;
+            work.par_iter_mut()
+                .filter_map(|(id, token, g)| {
+                    let r = g.failure().map_or_else(|| g.advance(*token), Err);
+                    r.err().map(|e| (*id, e))
+                })
+                .collect()
+        };
+        for (id, _, g) in work {
+            if let Some(seq) = self.sched.get_mut(id) {
+                seq.guide = Some(g);
+            }
+        }
+        failures
     }
 
     /// Runs sequence `id`'s part of a step. A panic in it fails the sequence's request (each
@@ -340,7 +382,18 @@ impl Core {
     }
 
     /// Emits the token the device sampled for `id`, or fails its request when there is none.
-    fn emit_device_token(&mut self, id: SeqId, token: Option<DeviceSample>) {
+    fn emit_device_token(
+        &mut self,
+        id: SeqId,
+        token: Option<DeviceSample>,
+        guide_failure: Option<GuideError>,
+    ) {
+        if let Some(e) = guide_failure {
+            if let Some(rid) = self.requests.request_of(id).map(str::to_owned) {
+                self.fail(&rid, Some(e.to_string()));
+            }
+            return;
+        }
         match token {
             Some(t) => self.emit_device_sample(id, t),
             None => {
