@@ -394,13 +394,7 @@ impl Backend for CudaBackend {
         batch: &[SeqInput<'_>],
         plans: &[Option<&SamplePlan>],
     ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
-        if plans.len() != batch.len() {
-            return Err(EngineError::InvalidInput(format!(
-                "device sampling: {} plans for {} sequences",
-                plans.len(),
-                batch.len()
-            )));
-        }
+        check_plans(batch, plans)?;
         let (counts, rows) = self.step(batch, Readout::Sample, Some(plans))?;
         self.device_samples(&counts, rows, plans)
     }
@@ -414,13 +408,7 @@ impl Backend for CudaBackend {
         plans: &[Option<&SamplePlan>],
         masks: &mut dyn FnMut() -> Vec<Option<Vec<u32>>>,
     ) -> Result<Vec<Option<DeviceSample>>, EngineError> {
-        if plans.len() != batch.len() {
-            return Err(EngineError::InvalidInput(format!(
-                "device sampling: {} plans for {} sequences",
-                plans.len(),
-                batch.len()
-            )));
-        }
+        check_plans(batch, plans)?;
         let (counts, _) = self.step(batch, Readout::Deferred, Some(plans))?;
         let owned = crate::backend::with_masks(plans, masks());
         let refs: Vec<Option<&SamplePlan>> = owned.iter().map(Option::as_ref).collect();
@@ -719,6 +707,18 @@ fn pool_shape(
         num_kv_heads: layout.num_kv_heads,
         head_dim: layout.head_dim,
     })
+}
+
+/// A device-sampled step has one plan slot per sequence.
+fn check_plans(batch: &[SeqInput<'_>], plans: &[Option<&SamplePlan>]) -> Result<(), EngineError> {
+    if plans.len() != batch.len() {
+        return Err(EngineError::InvalidInput(format!(
+            "device sampling: {} plans for {} sequences",
+            plans.len(),
+            batch.len()
+        )));
+    }
+    Ok(())
 }
 
 /// A step's token ids split per sequence (`counts[i]` rows each, in batch order). A negative
