@@ -3,17 +3,23 @@
 # settings (the router's queue on, threshold 4.0), driven by tandem-loadtest at 256 and then
 # 512 concurrent clients (ISL 512, OSL 512, 1,024 requests each, each run its own prompts). Every request must succeed:
 # bursts wait in the router's queue rather than getting 503. Records the loadtest reports and
-# the router's queue metrics.
+# the router's queue metrics and the worker's KV pool (blocks, GiB).
 # Usage: burst_check.sh BIN_DIR MODEL_DIR OUT_DIR. Exit status non-zero when a case fails.
+# TANDEM_BURST_WORKER_ARGS: extra worker arguments (space-separated; e.g.
+# "--trtllm.kv_cache_config.dtype=fp8"); TANDEM_BURST_NAME names the run in the reports;
+# TANDEM_BURST_CONCURRENCY: the client counts (default "256 512").
 set -uo pipefail
 BIN=$1
 MODEL=$2
 OUT=$3
 . "$(dirname "$0")/serve_lib.sh"
 
-up burst --topology agg
-for c in 256 512; do
-    name=burst_c$c
+run=burst${TANDEM_BURST_NAME:+_$TANDEM_BURST_NAME}
+extra=()
+for a in ${TANDEM_BURST_WORKER_ARGS:-}; do extra+=("--worker-arg=$a"); done
+up "$run" --topology agg "${extra[@]}"
+for c in ${TANDEM_BURST_CONCURRENCY:-256 512}; do
+    name=${run}_c$c
     "$BIN/tandem-loadtest" --url "$URL" --wait-for-model 300 --quiet --out "$OUT/load_$name" \
         --num-requests 1024 --concurrency "$c" --isl 512 --osl 512 --vocab-hi 150000 --seed "$c" \
         > "$OUT/load_$name.txt" 2>&1
@@ -38,5 +44,6 @@ PY
     case_result "$name" $?
 done
 stop
+grep -h "CUDA backend ready" "$OUT/serve_$run.log" | sed 's/\x1b\[[0-9;]*m//g' > "$OUT/${run}_pool.txt"
 echo "burst_check: $fails case(s) failed"
 [ "$fails" -eq 0 ]

@@ -53,6 +53,10 @@ pub enum KvCacheDtype {
     Bfloat16,
     #[serde(alias = "fp16", alias = "half")]
     Float16,
+    /// FP8 e4m3 with an f32 scale per (token, KV head): half a 16-bit cache's bytes (CUDA
+    /// with `--cuda-precision bf16x2` or `bf16`, and the CPU backend).
+    #[serde(alias = "fp8_e4m3", alias = "e4m3")]
+    Fp8,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -100,7 +100,8 @@ pub static FLAGS: &[FlagSpec] = &[
          converted from bf16, exactly above ~1e-5, GEMM inputs and KV cache in IEEE half: \
          bf16's speed with 8x finer rounding, values limited to +-65504). \
          kv_cache_config.dtype auto picks bf16 for bf16, f16 for bf16x2 and f16; float32 goes \
-         with every precision, bfloat16 with bf16 and bf16x2.")
+         with every precision, bfloat16 with bf16 and bf16x2, fp8 (e4m3, a scale per token \
+         and KV head: half the bytes) with bf16x2 and bf16.")
         .env("DYN_TRTLLM_CUDA_PRECISION").default("bf16x2"),
     FlagSpec::new("model-loader-extra-config", Str, ModelLoading,
         "JSON object passed as extra configuration to the model loader.")

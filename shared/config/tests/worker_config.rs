@@ -184,6 +184,14 @@ fn dynamic_flags_set_nested_options_and_exclude_override() {
         CapacitySchedulerPolicy::MaxUtilization
     );
     assert_eq!(cfg.engine.kv_cache_config.dtype, KvCacheDtype::Bfloat16);
+    for name in ["fp8", "fp8_e4m3", "e4m3"] {
+        let cfg = parse(&[&format!("--trtllm.kv_cache_config.dtype={name}")]).unwrap();
+        assert_eq!(
+            cfg.engine.kv_cache_config.dtype,
+            KvCacheDtype::Fp8,
+            "{name}"
+        );
+    }
     let e = err(&[
         "--trtllm.max_batch_size",
         "4",

@@ -104,9 +104,11 @@ mod bench {
         2.0 * (c.num_hidden_layers * layer + c.vocab_size * h) as f64
     }
 
-    /// KV bytes per token of context (all layers, K and V, bf16).
-    fn kv_bytes_per_token(c: &ModelConfig) -> f64 {
-        2.0 * (c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim) as f64
+    /// KV bytes per token of context (all layers, K and V, in `dtype`: 16-bit, or FP8
+    /// codes and a 4-byte scale per head).
+    fn kv_bytes_per_token(c: &ModelConfig, dtype: tandem_engine::kv::layout::KvDtype) -> f64 {
+        let head = c.head_dim * dtype.bytes() + dtype.scale_bytes();
+        (c.num_hidden_layers * 2 * c.num_key_value_heads * head) as f64
     }
 
     /// FLOPs of a prefill of n tokens: the GEMMs, causal attention, one lm_head row.
@@ -195,7 +197,7 @@ mod bench {
             flops / 1e12
         );
         let wbytes = weight_bytes(&cfg);
-        let kvtok = kv_bytes_per_token(&cfg);
+        let kvtok = kv_bytes_per_token(&cfg, opts.kv_dtype);
         let vocab = cfg.vocab_size as u64;
         let token = |i: usize| ((i as u64 * 2_654_435_761 + 17) % vocab.min(150_000)) as u32;
 

@@ -50,24 +50,26 @@ fn main() {
                 let write = write.filter(|_| e16 == kernels::Float16::Bf16);
                 s.spawn(move || check_program(arch, e16, write))
             });
-            let half_kv = check_half_kv_program(arch);
+            use tandem_engine::backend::cuda::kernels::KvProgram;
+            let kv_programs = check_kv_program(arch, KvProgram::HalfKv)
+                & check_kv_program(arch, KvProgram::Fp8Kv);
             flavours
                 .into_iter()
                 .map(|t| t.join().unwrap_or(false))
-                .fold(half_kv, |all, one| all & one)
+                .fold(kv_programs, |all, one| all & one)
         });
     }
     std::process::exit(if ok { 0 } else { 1 });
 }
 
-/// Compiles the half-KV attention program (the attention files as the f16 program, outputs
-/// in bf16: the bf16x2 precision's f16 cache) for `arch`; prints a JSON line. True when it
-/// compiled with every entry point the engine loads from it.
+/// Compiles a KV attention program (the attention files as the f16 program, outputs in bf16:
+/// the bf16x2 precision's f16 cache, or an FP8 cache) for `arch`; prints a JSON line. True
+/// when it compiled with every entry point the engine loads from it.
 #[cfg(feature = "cuda")]
-fn check_half_kv_program(arch: &str) -> bool {
+fn check_kv_program(arch: &str, program: tandem_engine::backend::cuda::kernels::KvProgram) -> bool {
     use tandem_engine::backend::cuda::kernels;
     let t0 = std::time::Instant::now();
-    match kernels::half_kv_ptx(arch) {
+    match kernels::kv_program_ptx(arch, program) {
         Ok(ptx) => {
             let missing: Vec<&&str> = kernels::HALF_KV_KERNEL_NAMES
                 .iter()
@@ -76,7 +78,7 @@ fn check_half_kv_program(arch: &str) -> bool {
             println!(
                 "{}",
                 serde_json::json!({
-                    "arch": arch, "program": "half-kv", "ptx_bytes": ptx.len(),
+                    "arch": arch, "program": program.name(), "ptx_bytes": ptx.len(),
                     "kernels": kernels::HALF_KV_KERNEL_NAMES.len(), "missing": missing,
                     "ms": t0.elapsed().as_secs_f64() * 1e3,
                 })
@@ -86,7 +88,7 @@ fn check_half_kv_program(arch: &str) -> bool {
         Err(e) => {
             println!(
                 "{}",
-                serde_json::json!({ "arch": arch, "program": "half-kv", "error": e.to_string() })
+                serde_json::json!({ "arch": arch, "program": program.name(), "error": e.to_string() })
             );
             false
         }

@@ -94,6 +94,8 @@ pub enum KvDtype {
     Float32,
     Bfloat16,
     Float16,
+    /// FP8 e4m3 with a scale per (token, KV head).
+    Fp8,
 }
 
 #[cfg(test)]
@@ -117,6 +119,7 @@ mod tests {
             (KvDtype::Float32, "float32"),
             (KvDtype::Bfloat16, "bfloat16"),
             (KvDtype::Float16, "float16"),
+            (KvDtype::Fp8, "fp8"),
         ] {
             assert_eq!(
                 serde_json::to_value(dtype).ok(),

@@ -29,6 +29,7 @@ pub fn kv_dtype(dtype: EngineKvDtype) -> KvDtype {
         EngineKvDtype::F32 => KvDtype::Float32,
         EngineKvDtype::Bf16 => KvDtype::Bfloat16,
         EngineKvDtype::F16 => KvDtype::Float16,
+        EngineKvDtype::Fp8 => KvDtype::Fp8,
     }
 }
 

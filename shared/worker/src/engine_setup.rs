@@ -103,6 +103,7 @@ fn kv_dtype(dtype: KvCacheDtype, device: Device, cuda_precision: &str) -> KvDtyp
         // The CUDA backend otherwise computes in bf16.
         (KvCacheDtype::Auto, Device::Cuda(_)) | (KvCacheDtype::Bfloat16, _) => KvDtype::Bf16,
         (KvCacheDtype::Float16, _) => KvDtype::F16,
+        (KvCacheDtype::Fp8, _) => KvDtype::Fp8,
     }
 }
 
@@ -454,7 +455,7 @@ mod tests {
 
     #[test]
     fn the_kv_cache_dtype_follows_the_device() {
-        use KvCacheDtype::{Auto, Bfloat16, Float16, Float32};
+        use KvCacheDtype::{Auto, Bfloat16, Float16, Float32, Fp8};
         for (dtype, device, precision, want) in [
             (Auto, Device::Cpu, "f16", KvDtype::F32),
             (Auto, Device::Cuda(0), "bf16", KvDtype::Bf16),
@@ -464,6 +465,8 @@ mod tests {
             (Float32, Device::Cuda(0), "f16", KvDtype::F32),
             (Bfloat16, Device::Cpu, "bf16", KvDtype::Bf16),
             (Float16, Device::Cpu, "bf16", KvDtype::F16),
+            (Fp8, Device::Cuda(0), "bf16x2", KvDtype::Fp8),
+            (Fp8, Device::Cpu, "bf16x2", KvDtype::Fp8),
         ] {
             assert_eq!(
                 kv_dtype(dtype, device, precision),

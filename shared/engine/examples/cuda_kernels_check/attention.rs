@@ -1,7 +1,7 @@
 //! The KV write and the attention kernels against the decoder's attention on the CPU.
 
 use cudarc::driver::CudaSlice;
-use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot};
+use tandem_engine::backend::cpu_ops::bf16_to_f32;
 use tandem_engine::backend::cuda::{
     AttentionInputs, AttentionScratch, CudaDevice, DecodeLaunch, DeviceElem, KvPool, TokenMaps,
 };
@@ -24,7 +24,6 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
     let n = shape.elems();
     let qkv = rng.vec(t * ROW);
     let dqkv = dev.upload(&qkv)?;
-    let scale = 1.0 / (HD as f32).sqrt();
     let mut scratch = AttentionScratch::new(dev)?;
     // F16: an f16 pool beside the bf16 program's element (KvPool::Half, the bf16x2
     // precision's f16 cache).
@@ -49,6 +48,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
             KvDtype::F32 => v,
             KvDtype::Bf16 => bf16_to_f32(bf16(v)),
             KvDtype::F16 => half::f16::from_f32(v).to_f32(),
+            KvDtype::Fp8 => unreachable!("fp8 pools: fp8.rs"),
         };
         host.iter_mut().for_each(|v| *v = round(*v));
         let upload_pool = |host: &[f32]| -> Result<KvPool, EngineError> {
@@ -65,6 +65,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                             .collect::<Vec<_>>(),
                     )?,
                 ),
+                KvDtype::Fp8 => unreachable!("fp8 pools: fp8.rs"),
             })
         };
         let mut pool = upload_pool(&host)?;
@@ -111,32 +112,11 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
         // Attention over the pool as written, without and with a sliding window.
         for window in [usize::MAX, 8] {
             let maps_w = dev.token_maps(&seq_refs, BS, window)?;
-            let mut want = vec![0.0f32; t * NQ * HD];
-            for (ti, (s, pos)) in tokens.iter().enumerate() {
-                let table = &seqs[*s].0;
-                let lo = (pos + 1).saturating_sub(window);
-                for h in 0..NQ {
-                    let kvh = h / (NQ / NKV);
-                    let q = &qkv[ti * ROW + h * HD..ti * ROW + (h + 1) * HD];
-                    let head = |p: usize, part| {
-                        let at = el(table[p / BS] as usize, layer, part, p % BS, kvh);
-                        &host[at..at + HD]
-                    };
-                    let scores: Vec<f32> = (lo..=*pos)
-                        .map(|p| dot(q, head(p, KvPart::K)) * scale)
-                        .collect();
-                    let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                    let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-                    let sum: f32 = e.iter().sum();
-                    let out = &mut want[(ti * NQ + h) * HD..(ti * NQ + h + 1) * HD];
-                    for (p, ev) in (lo..=*pos).zip(&e) {
-                        let a = ev / sum;
-                        for (o, v) in out.iter_mut().zip(head(p, KvPart::V)) {
-                            *o += a * v;
-                        }
-                    }
-                }
-            }
+            let want =
+                reference_attention(&seqs, &tokens, &qkv, window, |block, slot, part, kvh| {
+                    let at = el(block, layer, part, slot, kvh);
+                    &host[at..at + HD]
+                });
             let case = if window == usize::MAX {
                 format!("{dtype} pool, decode + chunked prefill + prefill")
             } else {
@@ -374,15 +354,6 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
         }
     }
     Ok(())
-}
-
-/// hi + lo of a split bf16 buffer (the first half the hi rows, the second the lo rows).
-fn fold_split(v: &[u16]) -> Vec<f32> {
-    let (hi, lo) = v.split_at(v.len() / 2);
-    hi.iter()
-        .zip(lo)
-        .map(|(h, l)| bf16_to_f32(*h) + bf16_to_f32(*l))
-        .collect()
 }
 
 /// What the attention launches of one case share beside the check's constants (the pool's

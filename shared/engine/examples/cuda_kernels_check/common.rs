@@ -2,10 +2,11 @@
 
 use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
-use tandem_engine::backend::cpu_ops::{bf16_to_f32, rope_inv_freq};
+use tandem_engine::backend::cpu_ops::{bf16_to_f32, dot, rope_inv_freq};
 use tandem_engine::backend::cuda::ops::HeadNorms;
 use tandem_engine::backend::cuda::{CudaDevice, KvPool, KvTarget, Norm, PoolShape};
 use tandem_engine::error::EngineError;
+use tandem_engine::kv::layout::KvPart;
 
 /// xorshift64*: reproducible inputs without a dependency.
 pub(crate) struct Rng(pub(crate) u64);
@@ -191,6 +192,7 @@ pub(crate) const POOL_SHAPE: PoolShape = PoolShape {
     block_size: BS,
     num_kv_heads: NKV,
     head_dim: HD,
+    scales: false,
 };
 
 /// A pool's elements as f32 (bf16, IEEE half or f32 on the device).
@@ -203,5 +205,56 @@ pub(crate) fn download_pool(dev: &CudaDevice, pool: &KvPool) -> Result<Vec<f32>,
             .map(|b| half::f16::from_bits(b).to_f32())
             .collect(),
         KvPool::Bf16(p) => dev.download(p)?.into_iter().map(bf16_to_f32).collect(),
+        KvPool::Fp8(_) => {
+            return Err(EngineError::InvalidInput(
+                "download_pool: an fp8 pool holds codes and scales (fp8.rs reads its bytes)".into(),
+            ))
+        }
     })
+}
+
+/// hi + lo of a split bf16 buffer (the first half the hi rows, the second the lo rows).
+pub(crate) fn fold_split(v: &[u16]) -> Vec<f32> {
+    let (hi, lo) = v.split_at(v.len() / 2);
+    hi.iter()
+        .zip(lo)
+        .map(|(h, l)| bf16_to_f32(*h) + bf16_to_f32(*l))
+        .collect()
+}
+
+/// The decoder's attention of every token of the step over positions within `window` of its
+/// own, with `head(block, slot, part, kv_head)` giving a head's K or V values as the pool
+/// holds them: `[tokens, NQ * HD]`.
+pub(crate) fn reference_attention<'h>(
+    seqs: &[(Vec<u32>, std::ops::Range<usize>)],
+    tokens: &[(usize, usize)],
+    qkv: &[f32],
+    window: usize,
+    head: impl Fn(usize, usize, KvPart, usize) -> &'h [f32],
+) -> Vec<f32> {
+    let scale = 1.0 / (HD as f32).sqrt();
+    let mut want = vec![0.0f32; tokens.len() * NQ * HD];
+    for (ti, (s, pos)) in tokens.iter().enumerate() {
+        let table = &seqs[*s].0;
+        let lo = (pos + 1).saturating_sub(window);
+        for h in 0..NQ {
+            let kvh = h / (NQ / NKV);
+            let q = &qkv[ti * ROW + h * HD..ti * ROW + (h + 1) * HD];
+            let at = |p: usize, part| head(table[p / BS] as usize, p % BS, part, kvh);
+            let scores: Vec<f32> = (lo..=*pos)
+                .map(|p| dot(q, at(p, KvPart::K)) * scale)
+                .collect();
+            let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f32 = e.iter().sum();
+            let out = &mut want[(ti * NQ + h) * HD..(ti * NQ + h + 1) * HD];
+            for (p, ev) in (lo..=*pos).zip(&e) {
+                let a = ev / sum;
+                for (o, v) in out.iter_mut().zip(at(p, KvPart::V)) {
+                    *o += a * v;
+                }
+            }
+        }
+    }
+    want
 }

@@ -19,6 +19,8 @@ mod common;
 #[cfg(feature = "cuda")]
 mod elementwise;
 #[cfg(feature = "cuda")]
+mod fp8;
+#[cfg(feature = "cuda")]
 mod gemm;
 #[cfg(feature = "cuda")]
 mod sampling;
@@ -58,6 +60,7 @@ fn run() -> Result<bool, tandem_engine::error::EngineError> {
     elementwise::norms_and_embedding(&mut cx)?;
     elementwise::rope_and_silu(&mut cx)?;
     attention::kv_and_attention(&mut cx)?;
+    fp8::fp8_kv_and_attention(&mut cx)?;
     gemm::gemms(&mut cx)?;
     split_inputs::split_inputs(&mut cx)?;
     elementwise::gather_and_bias(&mut cx)?;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::backend::pool_memory::KvPoolMemory;
 use crate::backend::{Backend, SeqInput, StepOutput};
 use crate::error::EngineError;
+use crate::kv::fp8;
 use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
 use crate::model::decoder::{self, KvStore};
@@ -88,6 +89,7 @@ impl KvStore for CpuKv {
                     *d = half::f16::from_f32(*s).to_bits();
                 }
             }
+            KvDtype::Fp8 => self.write_fp8_token(layer, block, slot, part, data),
         }
     }
 
@@ -122,6 +124,40 @@ impl KvStore for CpuKv {
                 }
                 &scratch[..hd]
             }
+            KvDtype::Fp8 => {
+                let sat = self.layout.scale_offset(block, layer, part, slot, head);
+                // SAFETY: as above.
+                let (codes, scale) =
+                    unsafe { (self.mem.slice::<u8>(at, hd), self.mem.slice::<u8>(sat, 4)) };
+                let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+                fp8::dequantize_head(codes, scale, &mut scratch[..hd]);
+                &scratch[..hd]
+            }
+        }
+    }
+}
+
+impl CpuKv {
+    /// One token's K or V (every KV head) as e4m3 codes and a scale per head.
+    fn write_fp8_token(
+        &mut self,
+        layer: usize,
+        block: usize,
+        slot: usize,
+        part: KvPart,
+        data: &[f32],
+    ) {
+        let hd = self.layout.head_dim;
+        for (head, x) in data.chunks_exact(hd).enumerate() {
+            let at = self.layout.token_offset(block, layer, part, slot, head);
+            let sat = self.layout.scale_offset(block, layer, part, slot, head);
+            // SAFETY: as in `write_token`: `&mut self`, a block the engine computes on,
+            // bounds checked; the codes and the scale are disjoint ranges (layout docs).
+            let codes = unsafe { self.mem.slice_mut::<u8>(at, hd) };
+            let scale = fp8::quantize_head(x, codes);
+            // SAFETY: as above.
+            let d = unsafe { self.mem.slice_mut::<u8>(sat, 4) };
+            d.copy_from_slice(&scale.to_le_bytes());
         }
     }
 }
@@ -481,7 +517,7 @@ mod tests {
 
     #[test]
     fn sixteen_bit_blocks_round_trip_through_export_and_import() {
-        for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        for dtype in [KvDtype::Bf16, KvDtype::F16, KvDtype::Fp8] {
             let mut a = micro(dtype, 4);
             a.forward(&[seq(&[1, 2, 3, 4, 5, 6], 0, &[3, 1], LogitsMode::None)])
                 .unwrap();
@@ -507,13 +543,8 @@ mod tests {
         // The cache holds each K/V element rounded to f16: 3 mantissa bits more than bf16,
         // so logits over it stay closer to the f32 pool's.
         let toks: Vec<u32> = (1..13).collect();
-        let logits = |dtype| {
-            let out = micro(dtype, 4)
-                .forward(&[seq(&toks, 0, &[0, 1, 2], LogitsMode::All)])
-                .unwrap();
-            out.logits.concat().concat()
-        };
-        let exact = logits(KvDtype::F32);
+        let exact = micro_logits(KvDtype::F32, &toks);
+        let logits = |dtype| micro_logits(dtype, &toks);
         let err = |v: Vec<f32>| {
             v.iter()
                 .zip(&exact)
@@ -542,6 +573,63 @@ mod tests {
             })
             .collect();
         assert_eq!(narrow, want);
+    }
+
+    #[test]
+    fn an_fp8_pool_holds_scaled_e4m3_heads_close_to_the_f32_pool() {
+        let toks: Vec<u32> = (1..13).collect();
+        let exact = micro_logits(KvDtype::F32, &toks);
+        let logits = |dtype| micro_logits(dtype, &toks);
+        let (lo, hi) = exact
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
+        let e8 = logits(KvDtype::Fp8)
+            .iter()
+            .zip(&exact)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        // Coarser than a 16-bit cache, but a few percent of the logits' spread at most.
+        assert!(
+            e8 > 0.0 && e8 < 0.05 * (hi - lo),
+            "fp8 {e8}, spread {}",
+            hi - lo
+        );
+        // The first layer's heads are the codes and scales of what an f32 pool holds.
+        let mut f32_pool = micro(KvDtype::F32, 4);
+        let mut fp8_pool = micro(KvDtype::Fp8, 4);
+        for be in [&mut f32_pool, &mut fp8_pool] {
+            be.forward(&[seq(&toks[..4], 0, &[2], LogitsMode::None)])
+                .unwrap();
+        }
+        let (wl, nl) = (f32_pool.layout().clone(), fp8_pool.layout().clone());
+        let wide = f32_pool.export_blocks(&[2]).unwrap();
+        let narrow = fp8_pool.export_blocks(&[2]).unwrap();
+        let hd = wl.head_dim;
+        for part in [KvPart::K, KvPart::V] {
+            for slot in 0..4 {
+                for head in 0..wl.num_kv_heads {
+                    let at = wl.token_offset(0, 0, part, slot, head);
+                    let x: Vec<f32> = wide[at..at + 4 * hd]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    let mut codes = vec![0u8; hd];
+                    let scale = fp8::quantize_head(&x, &mut codes);
+                    let at = nl.token_offset(0, 0, part, slot, head);
+                    assert_eq!(&narrow[at..at + hd], &codes[..]);
+                    let at = nl.scale_offset(0, 0, part, slot, head);
+                    assert_eq!(&narrow[at..at + 4], &scale.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Every position's logits of `toks` prefilled into a fresh micro backend of `dtype`.
+    fn micro_logits(dtype: KvDtype, toks: &[u32]) -> Vec<f32> {
+        let out = micro(dtype, 4)
+            .forward(&[seq(toks, 0, &[0, 1, 2], LogitsMode::All)])
+            .unwrap();
+        out.logits.concat().concat()
     }
 
     /// A buffer the test owns, handed to the pool as external memory (as a transport

@@ -18,6 +18,18 @@
 //!   + slot * token_bytes + head * head_bytes + i * dtype.bytes()        (part: K = 0, V = 1)
 //! ```
 //!
+//! An FP8 pool (`fp8`: e4m3, [`super::fp8`]) keeps one f32 scale per (token, KV head) after
+//! the part's slots, so a part is `slot[0] ... slot[block_size-1] scale[0] ... scale[block_size *
+//! num_kv_heads - 1]` (part_bytes = block_size * (token_bytes + num_kv_heads * 4)):
+//!
+//! ```text
+//! scale_address(block, layer, part, slot, head) =
+//!     block * block_bytes + layer * layer_bytes + part * part_bytes
+//!   + block_size * token_bytes + (slot * num_kv_heads + head) * 4
+//! ```
+//!
+//! Element i of that head is `fp8::decode(x[i]) * scale`. The other dtypes have no scales.
+//!
 //! Blocks are outermost so that one block (all layers) is one contiguous range — export, import
 //! and transfer move whole blocks — and layers come next so that one layer of one block is
 //! contiguous too (a layer-by-layer transfer can start before the whole forward ends). Within a
@@ -38,6 +50,9 @@ pub enum KvDtype {
     Bf16,
     /// IEEE half (the CUDA backend's f16 precision).
     F16,
+    /// FP8 e4m3 (±448, 3 mantissa bits) with an f32 scale per (token, KV head): half the
+    /// bytes of a 16-bit cache (see the module docs and [`super::fp8`]).
+    Fp8,
 }
 
 impl KvDtype {
@@ -46,6 +61,15 @@ impl KvDtype {
         match self {
             KvDtype::F32 => 4,
             KvDtype::Bf16 | KvDtype::F16 => 2,
+            KvDtype::Fp8 => 1,
+        }
+    }
+
+    /// Bytes of the scale each (token, KV head) carries: 4 (an f32) for FP8, else 0.
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            KvDtype::Fp8 => 4,
+            KvDtype::F32 | KvDtype::Bf16 | KvDtype::F16 => 0,
         }
     }
 }
@@ -56,6 +80,7 @@ impl std::fmt::Display for KvDtype {
             KvDtype::F32 => "f32",
             KvDtype::Bf16 => "bf16",
             KvDtype::F16 => "f16",
+            KvDtype::Fp8 => "fp8",
         })
     }
 }
@@ -67,8 +92,9 @@ impl std::str::FromStr for KvDtype {
             "f32" | "float32" | "float" => Ok(KvDtype::F32),
             "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
             "f16" | "float16" | "fp16" | "half" => Ok(KvDtype::F16),
+            "fp8" | "fp8_e4m3" | "e4m3" => Ok(KvDtype::Fp8),
             other => Err(format!(
-                "unknown KV dtype {other:?} (expected f32, bf16 or f16)"
+                "unknown KV dtype {other:?} (expected f32, bf16, f16 or fp8)"
             )),
         }
     }
@@ -117,9 +143,14 @@ impl KvLayout {
         self.num_kv_heads * self.head_bytes()
     }
 
-    /// Bytes of the K (or V) part of one layer of one block.
+    /// Bytes of the scales of one token's K (or V) in one layer (FP8 only, else 0).
+    pub fn token_scale_bytes(&self) -> usize {
+        self.num_kv_heads * self.dtype.scale_bytes()
+    }
+
+    /// Bytes of the K (or V) part of one layer of one block: its slots, then (FP8) its scales.
     pub fn part_bytes(&self) -> usize {
-        self.block_size * self.token_bytes()
+        self.block_size * (self.token_bytes() + self.token_scale_bytes())
     }
 
     /// One layer of one block, K and V.
@@ -153,6 +184,21 @@ impl KvLayout {
         head: usize,
     ) -> usize {
         self.offset(block, layer, part) + slot * self.token_bytes() + head * self.head_bytes()
+    }
+
+    /// Byte offset of the f32 scale of `head` of the token in `slot`: FP8 pools only (the
+    /// other dtypes have none), see the module docs.
+    pub fn scale_offset(
+        &self,
+        block: usize,
+        layer: usize,
+        part: KvPart,
+        slot: usize,
+        head: usize,
+    ) -> usize {
+        self.offset(block, layer, part)
+            + self.block_size * self.token_bytes()
+            + (slot * self.num_kv_heads + head) * self.dtype.scale_bytes()
     }
 
     /// Ok when blocks made under `other` can be used under `self`; otherwise names the first
@@ -220,6 +266,44 @@ mod tests {
         assert_eq!(l.block_bytes(), 1536);
         let b = layout(KvDtype::Bf16);
         assert_eq!(b.block_bytes(), 768);
+        // FP8: 8 bytes per head, then a 4-byte scale per (token, head) after each part's slots.
+        let f = layout(KvDtype::Fp8);
+        assert_eq!(f.token_bytes(), 16);
+        assert_eq!(f.token_scale_bytes(), 8);
+        assert_eq!(f.part_bytes(), 4 * 16 + 4 * 8);
+        assert_eq!(f.block_bytes(), 3 * 2 * 96);
+        assert_eq!(
+            f.scale_offset(1, 2, KvPart::V, 3, 1),
+            576 + 2 * 192 + 96 + 64 + 7 * 4
+        );
+    }
+
+    #[test]
+    fn fp8_data_and_scales_tile_each_block_without_overlap() {
+        let l = layout(KvDtype::Fp8);
+        let mut seen = vec![false; 2 * l.block_bytes()];
+        let mut mark = |a: usize, n: usize| {
+            for (b, s) in seen.iter_mut().enumerate().skip(a).take(n) {
+                assert!(!*s, "byte {b} used twice");
+                *s = true;
+            }
+        };
+        for block in 0..2 {
+            for layer in 0..l.num_layers {
+                for part in [KvPart::K, KvPart::V] {
+                    for slot in 0..l.block_size {
+                        for head in 0..l.num_kv_heads {
+                            mark(
+                                l.token_offset(block, layer, part, slot, head),
+                                l.head_bytes(),
+                            );
+                            mark(l.scale_offset(block, layer, part, slot, head), 4);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
     }
 
     #[test]
@@ -293,6 +377,8 @@ mod tests {
         assert_eq!(serde_json::to_string(&KvDtype::Bf16).unwrap(), "\"bf16\"");
         assert_eq!("F32".parse::<KvDtype>().unwrap(), KvDtype::F32);
         assert!("f8".parse::<KvDtype>().is_err());
+        assert_eq!("fp8".parse::<KvDtype>().unwrap(), KvDtype::Fp8);
+        assert_eq!(serde_json::to_string(&KvDtype::Fp8).unwrap(), "\"fp8\"");
         assert_eq!("float16".parse::<KvDtype>().unwrap(), KvDtype::F16);
         assert_eq!(serde_json::to_string(&KvDtype::F16).unwrap(), "\"f16\"");
         assert_eq!(KvDtype::F16.bytes(), 2);

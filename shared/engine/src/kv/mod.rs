@@ -2,6 +2,7 @@
 //! leaf crate the router shares.
 pub mod block_manager;
 pub mod events;
+pub mod fp8;
 pub mod layout;
 
 pub use tandem_kv_protocol::hash;

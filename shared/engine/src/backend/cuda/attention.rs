@@ -5,7 +5,7 @@ use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::attention_scratch::AttentionScratch;
 use super::cluster_launch::RawParams;
-use super::kernels::AttentionInstance;
+use super::kernels::{AttentionInstance, KvProgram};
 use super::{
     bad, check_len, cuda_err, to_i32, CudaDevice, DevAddr, DeviceElem, KvPool, PoolShape, TokenMaps,
 };
@@ -67,7 +67,7 @@ impl CudaDevice {
             let (pairs, group) = (maps.n_singles * nkv, a.nq / nkv.max(1));
             // The half-KV program has cluster variants for both its outputs; the main
             // program's kernels stand for them in the choice (the same code).
-            let chosen_as = if matches!(a.pool, KvPool::Half(_)) {
+            let chosen_as = if matches!(a.pool, KvPool::Half(_) | KvPool::Fp8(_)) {
                 "bf16"
             } else {
                 O::SUFFIX
@@ -143,6 +143,11 @@ impl CudaDevice {
         let t = a.maps.tokens;
         if t == 0 {
             return Ok(());
+        }
+        if matches!(a.pool, KvPool::Fp8(_)) {
+            return Err(bad(
+                "attention_fast: an fp8 pool is read only by the tensor-core kernels".into(),
+            ));
         }
         let group = fast_group(a)?;
         let (nkv, hd) = (a.shape.num_kv_heads, a.shape.head_dim);
@@ -233,6 +238,8 @@ impl FastInts {
         match a.pool {
             KvPool::F32(p) => b.arg(p),
             KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
+            // Refused in `attention_fast_rows` before any argument is pushed.
+            KvPool::Fp8(p) => b.arg(p),
         };
         b.arg(&maps.tables)
             .arg(&maps.table_start)
@@ -253,9 +260,10 @@ impl FastInts {
 /// take alike: a 16-bit pool, head_dim 64 or 128, whole q-head groups, and the arguments
 /// between `out` and the kernel's own ones.
 pub(super) struct TcShape<'a> {
-    pool: &'a CudaSlice<u16>,
-    /// An f16 pool beside bf16 weights: the kernels come from the half-KV program.
-    pub(super) half_kv: bool,
+    pool: PoolArg<'a>,
+    /// An f16 pool beside bf16 weights, or an FP8 pool: the kernels come from that KV
+    /// program.
+    pub(super) program: Option<KvProgram>,
     pub(super) nkv: usize,
     pub(super) hd: usize,
     pub(super) group: usize,
@@ -267,10 +275,11 @@ impl<'a> TcShape<'a> {
     pub(super) fn check(kernel: &str, a: &AttentionInputs<'a>) -> Result<Self, EngineError> {
         let (nq, row_stride, layer, shape) = (a.nq, a.row_stride, a.layer, a.shape);
         let (nkv, hd) = (shape.num_kv_heads, shape.head_dim);
-        let (p, half_kv) = match a.pool {
-            KvPool::Bf16(p) => (p, false),
-            KvPool::Half(p) => (p, true),
-            KvPool::F32(_) => return Err(bad(format!("{kernel}: needs a 16-bit pool"))),
+        let (p, program) = match a.pool {
+            KvPool::Bf16(p) => (PoolArg::Wide(p), None),
+            KvPool::Half(p) => (PoolArg::Wide(p), Some(KvProgram::HalfKv)),
+            KvPool::Fp8(p) => (PoolArg::Fp8(p), Some(KvProgram::Fp8Kv)),
+            KvPool::F32(_) => return Err(bad(format!("{kernel}: needs a 16-bit or fp8 pool"))),
         };
         let group = if nkv > 0 && nq.is_multiple_of(nkv) {
             nq / nkv
@@ -291,7 +300,7 @@ impl<'a> TcShape<'a> {
         check_len("attention pool", a.pool.len(), shape.elems())?;
         Ok(TcShape {
             pool: p,
-            half_kv,
+            program,
             nkv,
             hd,
             group,
@@ -307,17 +316,18 @@ impl<'a> TcShape<'a> {
         })
     }
 
+    /// An FP8 pool (the FP8-KV program's kernels).
+    pub(super) fn fp8(&self) -> bool {
+        self.program == Some(KvProgram::Fp8Kv)
+    }
+
     /// The entry point `name` (as the main program calls it) for this pool: with an f16 pool
-    /// beside bf16 weights the half-KV program's, whose 16-bit output is split bf16 (`b16`).
+    /// beside bf16 weights, or an FP8 pool, the KV program's, whose 16-bit output is split
+    /// bf16 (`b16`; plain bf16 with no split offset).
     pub(super) fn kernel(&self, name: &str) -> String {
-        if self.half_kv {
-            format!(
-                "{}{}",
-                super::kernels::HALF_KV_PREFIX,
-                name.replacen("_bf16_", "_b16_", 1)
-            )
-        } else {
-            name.to_string()
+        match self.program {
+            Some(p) => format!("{}{}", p.prefix(), name.replacen("_bf16_", "_b16_", 1)),
+            None => name.to_string(),
         }
     }
 
@@ -331,10 +341,12 @@ impl<'a> TcShape<'a> {
         list: &'b DevAddr,
     ) {
         let maps = a.maps;
-        b.arg(a.qkv)
-            .arg(&self.ints[0])
-            .arg(self.pool)
-            .arg(&maps.tables)
+        b.arg(a.qkv).arg(&self.ints[0]);
+        match self.pool {
+            PoolArg::Wide(p) => b.arg(p),
+            PoolArg::Fp8(p) => b.arg(p),
+        };
+        b.arg(&maps.tables)
             .arg(&maps.table_start)
             .arg(&maps.positions)
             .arg(&maps.lo_pos)
@@ -355,10 +367,12 @@ impl<'a> TcShape<'a> {
         list: DevAddr,
     ) {
         let maps = a.maps;
-        p.slice(dev, a.qkv)
-            .int(self.ints[0])
-            .slice(dev, self.pool)
-            .addr(maps.tables)
+        p.slice(dev, a.qkv).int(self.ints[0]);
+        match self.pool {
+            PoolArg::Wide(s) => p.slice(dev, s),
+            PoolArg::Fp8(s) => p.slice(dev, s),
+        };
+        p.addr(maps.tables)
             .addr(maps.table_start)
             .addr(maps.positions)
             .addr(maps.lo_pos)
@@ -368,6 +382,13 @@ impl<'a> TcShape<'a> {
         }
         p.float(a.scale);
     }
+}
+
+/// The pool a tensor-core kernel reads: 16-bit elements, or FP8 bytes with their scales.
+#[derive(Clone, Copy)]
+enum PoolArg<'a> {
+    Wide(&'a CudaSlice<u16>),
+    Fp8(&'a CudaSlice<u8>),
 }
 
 /// The `attention_fast.cu` instance for a pool (its [`KvPool::kernel_suffix`]), an output

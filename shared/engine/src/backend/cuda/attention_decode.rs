@@ -55,7 +55,7 @@ impl CudaDevice {
         let cfg = ClusterConfig {
             grid: (rows as u32, tc.nkv as u32, splits as u32),
             block: 128,
-            shared_mem_bytes: decode_smem_bytes(tc.hd, launch.stages),
+            shared_mem_bytes: decode_smem_bytes(tc.hd, launch.stages, tc.fp8()),
             cluster: (1, 1, splits as u32),
         };
         let mut p = RawParams::new();
@@ -92,7 +92,7 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, nkv as u32, splits as u32),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: decode_smem_bytes(hd, launch.stages),
+            shared_mem_bytes: decode_smem_bytes(hd, launch.stages, tc.fp8()),
         };
         let mut b = self.stream.launch_builder(f);
         b.arg(out);
@@ -120,7 +120,7 @@ impl CudaDevice {
         self.loaded(&decode_kernel("bf16", group, head_dim))?
             .occupancy_max_active_blocks_per_multiprocessor(
                 128,
-                decode_smem_bytes(head_dim, stages) as usize,
+                decode_smem_bytes(head_dim, stages, false) as usize,
                 None,
             )
             .map_err(cuda_err("attention_decode occupancy"))
@@ -147,8 +147,8 @@ fn check_decode_launch<O: DeviceElem>(
              (1-{MAX_SPLITS}), {stages} stages (1 or 2)"
         )));
     }
-    // The main program's cluster variant writes 16-bit outputs, the half-KV one's f32 too.
-    let cluster_out = O::SUFFIX == "bf16" || tc.half_kv;
+    // The main program's cluster variant writes 16-bit outputs, the KV programs' f32 too.
+    let cluster_out = O::SUFFIX == "bf16" || tc.program.is_some();
     if cluster && (!cluster_out || splits > MAX_CLUSTER) {
         return Err(bad(format!(
             "attention_decode: the cluster variant takes a 16-bit output ({} given) and at \
@@ -160,10 +160,16 @@ fn check_decode_launch<O: DeviceElem>(
 }
 
 /// Dynamic shared memory of `attention_decode.cu` at `head_dim` with `stages` stages of K and
-/// V runs (the prefill kernel's layout; the kernel double-buffers when given two), and at
-/// least its merge area: 4 warps × 16 heads × (head_dim + 4) f32 outputs and (max, sum) pairs.
-pub(super) fn decode_smem_bytes(head_dim: usize, stages: usize) -> u32 {
-    let runs = stages * 2 * FA_KEYS * (head_dim + FA_PAD) * 2;
+/// V runs (the prefill kernel's layout; the kernel double-buffers when given two; over an FP8
+/// pool, `fp8`, one 16-bit slot and `stages` byte stages of codes and scales), and at least
+/// its merge area: 4 warps × 16 heads × (head_dim + 4) f32 outputs and (max, sum) pairs.
+pub(super) fn decode_smem_bytes(head_dim: usize, stages: usize, fp8: bool) -> u32 {
+    let wide = 2 * FA_KEYS * (head_dim + FA_PAD) * 2;
+    let runs = if fp8 {
+        wide + stages * (2 * FA_KEYS * head_dim + 2 * FA_KEYS * 4)
+    } else {
+        stages * wide
+    };
     let merge = 4 * 16 * (head_dim + 4 + 2) * 4;
     runs.max(merge) as u32
 }
@@ -189,11 +195,21 @@ mod tests {
     fn decode_shared_memory_holds_its_stages_and_merge_area() {
         for hd in [64, 128] {
             // Two stages are the prefill kernel's layout (the attribute set at load covers it).
-            assert_eq!(decode_smem_bytes(hd, 2), prefill_smem_bytes(hd));
-            let one = decode_smem_bytes(hd, 1);
+            assert_eq!(decode_smem_bytes(hd, 2, false), prefill_smem_bytes(hd));
+            let one = decode_smem_bytes(hd, 1, false);
             assert_eq!(one * 2, prefill_smem_bytes(hd));
             // The merge area: 4 warps × 16 heads × (hd + 4) outputs, plus (max, sum) pairs.
             assert!(one as usize >= 4 * 16 * (hd + 4) * 4 + 4 * 16 * 2 * 4);
+            // FP8: one 16-bit slot and the byte stages, both within the attribute set at load.
+            let (f1, f2) = (
+                decode_smem_bytes(hd, 1, true),
+                decode_smem_bytes(hd, 2, true),
+            );
+            assert!(
+                one < f1 && f1 < f2 && f2 <= prefill_smem_bytes(hd),
+                "{f1} {f2}"
+            );
+            assert_eq!(f2 - f1, (2 * 64 * hd + 2 * 64 * 4) as u32);
         }
     }
 

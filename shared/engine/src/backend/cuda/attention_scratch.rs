@@ -61,6 +61,8 @@ pub struct AttentionScratch {
     cluster_max: [Option<usize>; 2],
     /// Bumped when a buffer is reallocated (graphs captured before hold stale addresses).
     pub generation: u64,
+    /// The decode launches read an FP8 pool (their shared memory: `decode_smem_bytes`).
+    pub fp8_pool: bool,
 }
 
 impl AttentionScratch {
@@ -76,6 +78,7 @@ impl AttentionScratch {
             decode_cluster: super::switches::decode_cluster_from_env()?,
             cluster_max: [None; 2],
             generation: 0,
+            fp8_pool: false,
         })
     }
 
@@ -152,7 +155,7 @@ impl AttentionScratch {
                 let per_sm = f
                     .occupancy_max_active_blocks_per_multiprocessor(
                         128,
-                        decode_smem_bytes(head_dim, stages) as usize,
+                        decode_smem_bytes(head_dim, stages, self.fp8_pool) as usize,
                         None,
                     )
                     .map_err(cuda_err("attention_decode occupancy"))?;
@@ -180,7 +183,12 @@ impl AttentionScratch {
             return Ok(n);
         }
         let f = dev.loaded(&decode_cluster_kernel("bf16", group, head_dim))?;
-        let n = dev.max_cluster_size(f, 128, decode_smem_bytes(head_dim, stages), MAX_CLUSTER)?;
+        let n = dev.max_cluster_size(
+            f,
+            128,
+            decode_smem_bytes(head_dim, stages, self.fp8_pool),
+            MAX_CLUSTER,
+        )?;
         self.cluster_max[stages - 1] = Some(n);
         Ok(n)
     }

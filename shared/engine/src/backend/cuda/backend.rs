@@ -112,6 +112,15 @@ impl CudaBackend {
             )));
         }
         let pool_elem = PoolElem::of(mode, opts.kv_dtype)?;
+        if pool_elem == PoolElem::Fp8
+            && !(layout.block_size * layout.num_kv_heads).is_multiple_of(4)
+        {
+            // Each part's scales follow its slots: 16-byte aligned rows need 4 | size × heads.
+            return Err(EngineError::Config(format!(
+                "an fp8 KV cache needs tokens_per_block × KV heads divisible by 4 (here {} × {})",
+                layout.block_size, layout.num_kv_heads
+            )));
+        }
         let DeviceWeights {
             layers,
             embed,
@@ -123,7 +132,8 @@ impl CudaBackend {
         // the free memory leaves it room.
         let ws = new_workspace(&dev, &config, mode, opts.max_step_tokens)?;
         let group = config.num_attention_heads / config.num_key_value_heads.max(1);
-        let scratch = AttentionScratch::for_model(&dev, group, config.head_dim)?;
+        let mut scratch = AttentionScratch::for_model(&dev, group, config.head_dim)?;
+        scratch.fp8_pool = pool_elem == PoolElem::Fp8;
         let inputs = attention_setup(&mut dev, &config, mode, pool_elem)?;
         // Programmatic launch in decode graphs where the GPU and driver have it (asked for
         // or not, TANDEM_CUDA_PDL is checked so a bad value is an error everywhere).
@@ -135,6 +145,7 @@ impl CudaBackend {
             PoolElem::F32 => KvPool::F32(dev.zeros_exportable(shape.elems())?),
             PoolElem::Own16 => KvPool::Bf16(dev.zeros_exportable(shape.elems())?),
             PoolElem::HalfBesideBf16 => KvPool::Half(dev.zeros_exportable(shape.elems())?),
+            PoolElem::Fp8 => KvPool::Fp8(dev.zeros_exportable(shape.elems())?),
         };
         tracing::info!(
             device = dev.name(),
@@ -193,13 +204,7 @@ impl CudaBackend {
 
     /// The pool's first byte on the device.
     fn pool_ptr(&self) -> u64 {
-        use cudarc::driver::DevicePtr;
-        let stream = self.model.dev.stream();
-        // Event tracking is off (CudaDevice::new): the guards do nothing.
-        match &self.model.pool {
-            KvPool::F32(p) => p.device_ptr(stream).0,
-            KvPool::Bf16(p) | KvPool::Half(p) => p.device_ptr(stream).0,
-        }
+        self.model.pool.device_addr(self.model.dev.stream())
     }
 
     fn ordinal(&self) -> u32 {
@@ -473,6 +478,7 @@ impl Backend for CudaBackend {
         let elem = match self.model.pool {
             KvPool::F32(_) => std::mem::size_of::<f32>(),
             KvPool::Bf16(_) | KvPool::Half(_) => std::mem::size_of::<u16>(),
+            KvPool::Fp8(_) => 1,
         };
         if !(base as usize).is_multiple_of(elem) || !bb.is_multiple_of(elem) {
             return Err(EngineError::Backend(format!(
@@ -505,6 +511,13 @@ impl Backend for CudaBackend {
                         .memcpy_htod(src, &mut p.slice_mut(range))
                         .map_err(err)?;
                 }
+                KvPool::Fp8(p) => {
+                    // SAFETY: as above; n bytes are one block's bytes.
+                    let src = unsafe { std::slice::from_raw_parts(at, n) };
+                    stream
+                        .memcpy_htod(src, &mut p.slice_mut(range))
+                        .map_err(err)?;
+                }
             }
         }
         // The copies read the staging memory, which the transport may reuse after this.
@@ -526,6 +539,10 @@ impl Backend for CudaBackend {
                 KvPool::Bf16(p) | KvPool::Half(p) => {
                     let v: Vec<u16> = stream.clone_dtoh(&p.slice(range)).map_err(err)?;
                     out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+                }
+                KvPool::Fp8(p) => {
+                    let v: Vec<u8> = stream.clone_dtoh(&p.slice(range)).map_err(err)?;
+                    out.extend(v);
                 }
             }
         }
@@ -566,6 +583,11 @@ impl Backend for CudaBackend {
                         .memcpy_htod(&v, &mut p.slice_mut(range))
                         .map_err(err)?;
                 }
+                KvPool::Fp8(p) => {
+                    stream
+                        .memcpy_htod(bytes, &mut p.slice_mut(range))
+                        .map_err(err)?;
+                }
             }
             // The copy reads `v`, dropped at the end of this iteration.
             self.model.dev.synchronize()?;
@@ -586,6 +608,7 @@ impl Drop for CudaBackend {
         match std::mem::replace(&mut self.model.pool, KvPool::Bf16(stand_in)) {
             KvPool::F32(p) => self.model.dev.free_exportable(p),
             KvPool::Bf16(p) | KvPool::Half(p) => self.model.dev.free_exportable(p),
+            KvPool::Fp8(p) => self.model.dev.free_exportable(p),
         }
     }
 }
@@ -646,6 +669,10 @@ fn attention_setup(
         ComputeMode::Bf16 | ComputeMode::Bf16Split | ComputeMode::F16 => "bf16",
     };
     let pool16 = pool_elem != PoolElem::F32;
+    if pool_elem == PoolElem::Fp8 {
+        // Only the tensor-core kernels of the FP8-KV program read an FP8 pool.
+        return fp8_attention_setup(dev, config, group);
+    }
     dev.preload_attention(pool_elem.kernel_suffix(), out, config.head_dim, group)?;
     if mode == ComputeMode::Bf16Split {
         // Steps of one or two rows read their attention output in f32.
@@ -671,6 +698,39 @@ fn attention_setup(
             }
         }
     }
+    Ok(inputs)
+}
+
+/// The step inputs of an FP8 pool: every prefill chunk in tensor-core tiles and every decode
+/// row by the tensor-core decode kernel, both from the FP8-KV program (Q and P in f16, the
+/// keys and values dequantised into f16 as they are staged); a shape those kernels do not
+/// serve is a configuration error, as is turning the tiled attention off.
+fn fp8_attention_setup(
+    dev: &mut CudaDevice,
+    config: &ModelConfig,
+    group: usize,
+) -> Result<StepInputs, EngineError> {
+    let tiles = CudaDevice::prefill_tile_tokens(true, config.head_dim, group)
+        .filter(|_| group <= 16)
+        .ok_or_else(|| {
+            EngineError::Config(format!(
+                "an fp8 KV cache needs head_dim 64 or 128 and at most 16 q heads per KV head \
+                 (this model: head_dim {}, {group} q heads per KV head); use \
+                 kv_cache_config.dtype auto",
+                config.head_dim
+            ))
+        })?;
+    if !tiled_prefill_attention()? {
+        return Err(EngineError::Config(
+            "an fp8 KV cache is read only by the tensor-core attention, which \
+             TANDEM_CUDA_PREFILL_ATTENTION=fast turns off"
+                .into(),
+        ));
+    }
+    dev.load_fp8_kv_attention()?;
+    let mut inputs = StepInputs::new(dev)?;
+    inputs.maps.tile_tokens = tiles;
+    inputs.maps.decode_tc_min = 0;
     Ok(inputs)
 }
 
@@ -706,6 +766,7 @@ fn pool_shape(
         block_size: layout.block_size,
         num_kv_heads: layout.num_kv_heads,
         head_dim: layout.head_dim,
+        scales: layout.dtype.scale_bytes() > 0,
     })
 }
 

@@ -4,8 +4,9 @@
 //!
 //! The program comes in two flavours of its 16-bit element ([`Float16`]): bf16, or IEEE half
 //! (compiled with `TANDEM_F16`, for the f16 compute mode); the entry points are the same. A
-//! third, smaller program ([`half_kv_ptx`]) holds the tensor-core attention over an f16 KV
-//! cache beside bf16 weights (the bf16x2 precision's default cache).
+//! third and fourth, smaller programs ([`KvProgram`]) hold the tensor-core attention over an
+//! f16 KV cache beside bf16 weights (the bf16x2 precision's default cache) and over an FP8
+//! cache (bf16x2 or bf16 with `kv_cache_config.dtype: fp8`).
 //!
 //! Development mode: with `TANDEM_CUDA_KERNEL_DIR` set to a folder holding the same file
 //! names, the sources are read from there instead, so a kernel edit needs no Rust rebuild.
@@ -61,11 +62,13 @@ pub const KERNEL_NAMES: &[&str] = &[
     "qk_norm_rope_kv_f32",
     "qk_norm_rope_kv_bf16",
     "qk_norm_rope_kv_h16",
+    "qk_norm_rope_kv_fp8",
     "silu_mul_f32",
     "silu_mul_bf16",
     "kv_write_f32",
     "kv_write_bf16",
     "kv_write_h16",
+    "kv_write_fp8",
     "argmax_f32",
     "sample_rows_f32",
     "row_logprobs",
@@ -105,7 +108,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "softmax_rows_f32",
 ];
 
-/// The files of the half-KV attention program ([`half_kv_ptx`]).
+/// The files of the KV attention programs ([`KvProgram`]).
 const HALF_KV_SOURCES: &[&str] = &[
     "prelude.cu",
     "attention_fast.cu",
@@ -114,9 +117,11 @@ const HALF_KV_SOURCES: &[&str] = &[
     "attention_decode.cu",
 ];
 
-/// The entry points the engine takes from the half-KV attention program: the tensor-core
-/// prefill and decode attention (plain and cluster) over an IEEE half pool (Q and P in half)
-/// writing f32 (for the GEMVs that read f32 rows) or split bf16 (`b16`, for the bf16x2 GEMMs).
+/// The entry points the engine takes from each KV attention program ([`KvProgram`]): the
+/// tensor-core prefill and decode attention (plain and cluster) over an IEEE half pool, or
+/// an FP8 pool dequantised into half as it is staged (Q and P in half), writing f32 (for the
+/// GEMVs that read f32 rows) or split bf16 (`b16`, for the bf16x2 GEMMs; plain bf16 with no
+/// split offset, for the bf16 precision).
 pub const HALF_KV_KERNEL_NAMES: &[&str] = &[
     "attention_prefill_f32_hd64",
     "attention_prefill_f32_hd128",
@@ -140,9 +145,43 @@ pub const HALF_KV_KERNEL_NAMES: &[&str] = &[
     "attention_decode_cluster_b16_n16_hd128",
 ];
 
-/// The prefix under which a device keeps the half-KV program's kernels beside the main
-/// program's (their entry point names overlap).
-pub const HALF_KV_PREFIX: &str = "half_kv:";
+/// A program of the attention files alone, compiled as the f16 program (`TANDEM_F16`: Q, P
+/// and the staged keys and values in IEEE half) plus `TANDEM_HALF_KV` (outputs in f32 or
+/// split bf16 for bf16 weights), for a pool the main program does not read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvProgram {
+    /// An IEEE half pool beside bf16 weights (bf16x2's default cache).
+    HalfKv,
+    /// An FP8 e4m3 pool with per-(token, head) scales (`TANDEM_FP8_KV`).
+    Fp8Kv,
+}
+
+impl KvProgram {
+    /// The prefix under which a device keeps the program's kernels beside the main
+    /// program's (their entry point names overlap).
+    pub fn prefix(self) -> &'static str {
+        match self {
+            KvProgram::HalfKv => "half_kv:",
+            KvProgram::Fp8Kv => "fp8_kv:",
+        }
+    }
+
+    /// Its name in messages and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvProgram::HalfKv => "half-KV attention",
+            KvProgram::Fp8Kv => "FP8-KV attention",
+        }
+    }
+
+    fn defines(self) -> Vec<String> {
+        let mut d = vec!["-DTANDEM_F16".to_string(), "-DTANDEM_HALF_KV".to_string()];
+        if self == KvProgram::Fp8Kv {
+            d.push("-DTANDEM_FP8_KV".into());
+        }
+        d
+    }
+}
 
 /// What the program's 16-bit element (`e16_t`: weights, GEMM inputs, a 16-bit KV pool) is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -288,18 +327,16 @@ pub fn ptx_with_instances(
     compile_cached(arch, &e16.defines(), e16.name(), key, &src)
 }
 
-/// PTX of the half-KV attention program for `arch`: the attention files compiled as the f16
-/// program (`TANDEM_F16`: the pool, Q and P in IEEE half) plus `TANDEM_HALF_KV` (outputs in
-/// bf16 for bf16 weights). The bf16x2 precision with an f16 cache takes its attention from
-/// here, the rest from the bf16 program. Cached like [`ptx_for`].
-pub fn half_kv_ptx(arch: &str) -> Result<String, EngineError> {
+/// PTX of a KV attention program for `arch` ([`KvProgram`]). The bf16x2 precision with an
+/// f16 cache, and bf16x2 or bf16 with an FP8 cache, take their attention from one of these,
+/// the rest from the bf16 program. Cached like [`ptx_for`].
+pub fn kv_program_ptx(arch: &str, program: KvProgram) -> Result<String, EngineError> {
     let src = source_of(|n| HALF_KV_SOURCES.contains(&n))?;
-    let defines = ["-DTANDEM_F16".to_string(), "-DTANDEM_HALF_KV".to_string()];
     compile_cached(
         arch,
-        &defines,
-        "half-KV attention",
-        format!("{arch}/half-kv"),
+        &program.defines(),
+        program.name(),
+        format!("{arch}/{}", program.prefix()),
         &src,
     )
 }

@@ -202,6 +202,9 @@ pub enum KvPool {
     /// IEEE half in the bf16 program: the f16 cache beside bf16 weights of the bf16x2
     /// precision (the kernels' `h16_t`).
     Half(CudaSlice<u16>),
+    /// FP8 e4m3 codes with an f32 scale per (token, KV head) after each part's slots
+    /// (`kv::layout`), addressed in bytes: read by the FP8-KV program's tensor-core attention.
+    Fp8(CudaSlice<u8>),
 }
 
 impl KvPool {
@@ -209,6 +212,7 @@ impl KvPool {
         match self {
             KvPool::F32(s) => s.len(),
             KvPool::Bf16(s) | KvPool::Half(s) => s.len(),
+            KvPool::Fp8(s) => s.len(),
         }
     }
 
@@ -216,12 +220,25 @@ impl KvPool {
         self.len() == 0
     }
 
-    /// The suffix of the kernels written for this pool's element (`f32`, `bf16`, `h16`).
+    /// The suffix of the kernels written for this pool's element (`f32`, `bf16`, `h16`,
+    /// `fp8`).
     pub fn kernel_suffix(&self) -> &'static str {
         match self {
             KvPool::F32(_) => "f32",
             KvPool::Bf16(_) => "bf16",
             KvPool::Half(_) => "h16",
+            KvPool::Fp8(_) => "fp8",
+        }
+    }
+
+    /// The pool's first byte on the device.
+    pub fn device_addr(&self, stream: &Arc<CudaStream>) -> u64 {
+        use cudarc::driver::DevicePtr;
+        // Event tracking is off (CudaDevice::new): the guards do nothing.
+        match self {
+            KvPool::F32(p) => p.device_ptr(stream).0,
+            KvPool::Bf16(p) | KvPool::Half(p) => p.device_ptr(stream).0,
+            KvPool::Fp8(p) => p.device_ptr(stream).0,
         }
     }
 }
@@ -237,12 +254,15 @@ pub struct PoolShape {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// An FP8 pool: elements are bytes, and each (token, KV head) also holds a 4-byte scale.
+    pub scales: bool,
 }
 
 impl PoolShape {
-    /// Elements of the whole pool.
+    /// Elements of the whole pool (bytes of an FP8 pool, its scales included).
     pub fn elems(&self) -> usize {
-        self.num_blocks * self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        let head = self.head_dim + if self.scales { 4 } else { 0 };
+        self.num_blocks * self.num_layers * 2 * self.block_size * self.num_kv_heads * head
     }
 }
 
@@ -369,36 +389,44 @@ impl CudaDevice {
         })
     }
 
-    /// Compiles (cached per process) and loads the half-KV attention program
-    /// ([`kernels::half_kv_ptx`]): the tensor-core attention over an f16 pool beside bf16
-    /// weights. Its kernels are then found under [`kernels::HALF_KV_PREFIX`]. Once per device.
-    pub fn load_half_kv_attention(&mut self) -> Result<(), EngineError> {
-        let probe = format!(
-            "{}{}",
-            kernels::HALF_KV_PREFIX,
-            kernels::HALF_KV_KERNEL_NAMES[0]
-        );
+    /// Compiles (cached per process) and loads a KV attention program
+    /// ([`kernels::KvProgram`]): the tensor-core attention over an f16 pool beside bf16
+    /// weights, or over an FP8 pool. Its kernels are then found under the program's prefix.
+    /// Once per device.
+    pub fn load_kv_program(&mut self, program: kernels::KvProgram) -> Result<(), EngineError> {
+        let probe = format!("{}{}", program.prefix(), kernels::HALF_KV_KERNEL_NAMES[0]);
         if self.funcs.contains_key(&probe) {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
-        let ptx = kernels::half_kv_ptx(&self.arch)?;
+        let ptx = kernels::kv_program_ptx(&self.arch, program)?;
         let module = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(cuda_err("loading the half-KV attention kernels"))?;
+            .map_err(cuda_err("loading a KV attention program"))?;
         load_functions(
             &module,
             kernels::HALF_KV_KERNEL_NAMES,
-            kernels::HALF_KV_PREFIX,
+            program.prefix(),
             self.cluster_capable,
             &mut self.funcs,
         )?;
         tracing::info!(
             ms = t0.elapsed().as_millis() as u64,
-            "CUDA half-KV attention kernels compiled"
+            program = program.name(),
+            "CUDA KV attention kernels compiled"
         );
         Ok(())
+    }
+
+    /// [`Self::load_kv_program`] of the half-KV program.
+    pub fn load_half_kv_attention(&mut self) -> Result<(), EngineError> {
+        self.load_kv_program(kernels::KvProgram::HalfKv)
+    }
+
+    /// [`Self::load_kv_program`] of the FP8-KV program.
+    pub fn load_fp8_kv_attention(&mut self) -> Result<(), EngineError> {
+        self.load_kv_program(kernels::KvProgram::Fp8Kv)
     }
 
     /// What this device's 16-bit buffers hold (the program it compiled).

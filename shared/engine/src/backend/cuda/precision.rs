@@ -55,20 +55,27 @@ pub(super) enum PoolElem {
     Own16,
     /// IEEE half beside bf16 weights (bf16x2 with an f16 cache): `KvPool::Half`.
     HalfBesideBf16,
+    /// FP8 e4m3 with per-(token, head) scales beside bf16 weights (bf16x2 or bf16):
+    /// `KvPool::Fp8`, read by the FP8-KV program.
+    Fp8,
 }
 
 impl PoolElem {
-    /// f32 goes with every precision, the precision's own 16-bit element with its own, and
-    /// f16 also with bf16x2; anything else is a configuration error saying so.
+    /// f32 goes with every precision, the precision's own 16-bit element with its own, f16
+    /// also with bf16x2, and fp8 with bf16x2 and bf16; anything else is a configuration error
+    /// saying so.
     pub(super) fn of(mode: ComputeMode, kv: KvDtype) -> Result<Self, EngineError> {
         match kv {
             KvDtype::F32 => Ok(PoolElem::F32),
             kv if kv == mode.kv_dtype16() => Ok(PoolElem::Own16),
             KvDtype::F16 if mode == ComputeMode::Bf16Split => Ok(PoolElem::HalfBesideBf16),
+            KvDtype::Fp8 if matches!(mode, ComputeMode::Bf16Split | ComputeMode::Bf16) => {
+                Ok(PoolElem::Fp8)
+            }
             kv => Err(EngineError::Config(format!(
                 "a {kv} KV cache does not go with the CUDA {} precision (its 16-bit pool is {}; \
                  kv_cache_config.dtype auto picks it, float32 works in every mode, float16 \
-                 also with bf16x2)",
+                 also with bf16x2, fp8 with bf16x2 and bf16)",
                 match mode {
                     ComputeMode::F32 => "f32",
                     ComputeMode::Bf16 => "bf16",
@@ -86,6 +93,7 @@ impl PoolElem {
             PoolElem::F32 => "f32",
             PoolElem::Own16 => "bf16",
             PoolElem::HalfBesideBf16 => "h16",
+            PoolElem::Fp8 => "fp8",
         }
     }
 }
@@ -111,10 +119,15 @@ mod tests {
                 .kernel_suffix(),
             "h16"
         );
+        for m in [Bf16, Bf16Split] {
+            assert_eq!(PoolElem::of(m, KvDtype::Fp8).unwrap(), PoolElem::Fp8);
+        }
         for (m, kv, name) in [
             (Bf16, KvDtype::F16, "bf16"),
             (F32, KvDtype::F16, "f32"),
             (F16, KvDtype::Bf16, "f16"),
+            (F16, KvDtype::Fp8, "f16"),
+            (F32, KvDtype::Fp8, "f32"),
         ] {
             let e = PoolElem::of(m, kv).unwrap_err().to_string();
             assert!(

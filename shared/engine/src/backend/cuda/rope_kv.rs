@@ -31,6 +31,7 @@ impl KvTarget<'_> {
         match &*self.pool {
             KvPool::F32(p) => b.arg(p),
             KvPool::Bf16(p) | KvPool::Half(p) => b.arg(p),
+            KvPool::Fp8(p) => b.arg(p),
         };
     }
 }
@@ -123,6 +124,7 @@ impl CudaDevice {
                 KvPool::F32(_) => "qk_norm_rope_kv_f32",
                 KvPool::Bf16(_) => "qk_norm_rope_kv_bf16",
                 KvPool::Half(_) => "qk_norm_rope_kv_h16",
+                KvPool::Fp8(_) => "qk_norm_rope_kv_fp8",
             },
         };
         let f = self.func(name)?;
@@ -182,10 +184,18 @@ impl CudaDevice {
         }
         check_len("kv_write pool", kv.pool.len(), shape.elems())?;
         check_len("kv_write qkv", qkv.len(), t * row_stride)?;
-        let cfg = LaunchConfig {
-            grid_dim: (t as u32, 1, 1),
-            block_dim: (threads_for(kvd).min(256), 1, 1),
-            shared_mem_bytes: 0,
+        // FP8: one warp per (token, KV head), for the head's largest magnitude.
+        let cfg = match &*kv.pool {
+            KvPool::Fp8(_) => LaunchConfig {
+                grid_dim: (t as u32, shape.num_kv_heads as u32, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            _ => LaunchConfig {
+                grid_dim: (t as u32, 1, 1),
+                block_dim: (threads_for(kvd).min(256), 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
         let args = [
             to_i32("row stride", row_stride)?,
@@ -197,6 +207,7 @@ impl CudaDevice {
             KvPool::F32(_) => "kv_write_f32",
             KvPool::Bf16(_) => "kv_write_bf16",
             KvPool::Half(_) => "kv_write_h16",
+            KvPool::Fp8(_) => "kv_write_fp8",
         };
         let f = self.func(name)?;
         let mut b = self.stream.launch_builder(f);

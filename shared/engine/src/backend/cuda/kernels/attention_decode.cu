@@ -63,7 +63,7 @@ __device__ __forceinline__ int2 split_keys(int lo, int pos, int splits, int sp) 
 }
 
 template <typename O, int HD, int NH, bool CLUSTER>
-__device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
+__device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, const kv_t* pool,
                                       const int* tables, const int* table_start, const int* positions,
                                       const int* lo_pos, const int* token_list, int nq, int nkv, int group,
                                       int block_size, int layer, int num_layers, float scale, float* part_acc,
@@ -90,9 +90,15 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
     const int mr = lane & 7;   // and its row
     const long long kvd = (long long)nkv * HD;
-    const long long part_e = (long long)block_size * kvd;
+    const long long part_e = kv_part_e<kv_t>(block_size, kvd, nkv);
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
+#ifdef TANDEM_FP8_KV
+    // FP8: the runs are staged as bytes after one 16-bit slot, which each run is dequantised
+    // into before the math (stage_kv_run_fp8, dequant_kv_run); `st` then names a byte stage.
+    unsigned char* raw = fa_smem + FP8_WIDE_BYTES(HD);
+    constexpr int RAW = FP8_RAW_BYTES(HD);
+#endif
 
     // The block's keys, staged before the q fragments.
     int2 keys = make_int2(0, 0);
@@ -109,7 +115,11 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         const int end = keys.y;
         unsigned smem_bytes;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+#ifdef TANDEM_FP8_KV
+        ring = smem_bytes >= FP8_WIDE_BYTES(HD) + 2 * RAW;
+#else
         ring = smem_bytes >= 2 * 2 * FA_BK * ROW * sizeof(e16_t);
+#endif
         early2 = ring && beg + FA_BK < end;
         // The first run (and with two stages the second) into shared memory before the wait on
         // the kernel before this one (the q/k norm, whose KV write is the only write to these
@@ -117,13 +127,43 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         // DRAM latency overlaps that kernel. The row of `pos` follows after the wait, into the
         // stage that holds it. (A block with two runs otherwise met the second's latency after
         // the wait, while a cluster's other blocks waited for it at the barrier.)
+#ifdef TANDEM_FP8_KV
+        if (beg < end)
+            stage_kv_run_fp8<HD, true>(raw, pool, table, beg, end, block_size, block_e, layer_off, kvd, part_e, g,
+                                       pos);
+        if (early2)
+            stage_kv_run_fp8<HD, true>(raw + RAW, pool, table, beg + FA_BK, end, block_size, block_e, layer_off, kvd,
+                                       part_e, g, pos);
+#else
         if (beg < end)
             stage_kv_run<HD, true>(smem, pool, table, beg, end, block_size, block_e, layer_off, kvd, part_e, g, pos);
         if (early2)
             stage_kv_run<HD, true>(smem + 2 * FA_BK * ROW, pool, table, beg + FA_BK, end, block_size, block_e,
                                    layer_off, kvd, part_e, g, pos);
+#endif
         GRID_DEPENDENCY_SYNC();
         const int r = pos - beg;  // the own key's row in the staged runs: stage r / FA_BK
+#ifdef TANDEM_FP8_KV
+        if (beg < end && r < (early2 ? 2 : 1) * FA_BK) {
+            const unsigned char* p8 = reinterpret_cast<const unsigned char*>(pool);
+            const long long part = (long long)table[pos / block_size] * block_e + layer_off;
+            const long long slot = pos % block_size;
+            unsigned char* st8 = raw + (r / FA_BK) * RAW;
+            const int kr = r % FA_BK;
+            if (threadIdx.x < HD / 16) {
+                const int c = threadIdx.x * 16;
+                const long long at = part + slot * kvd + (long long)g * HD + c;
+                cp_async16(st8 + kr * HD + c, p8 + at, true);
+                cp_async16(st8 + FA_BK * HD + kr * HD + c, p8 + at + part_e, true);
+            } else if (threadIdx.x == HD / 16) {
+                const long long sat = part + (long long)block_size * kvd + (slot * nkv + g) * 4;
+                float* sc = reinterpret_cast<float*>(st8 + 2 * FA_BK * HD);
+                cp_async4(sc + kr, p8 + sat, true);
+                cp_async4(sc + FA_BK + kr, p8 + sat + part_e, true);
+            }
+            cp_async_commit();
+        }
+#else
         if (beg < end && r < (early2 ? 2 : 1) * FA_BK) {
             if (threadIdx.x < HD / 8) {
                 const int c = threadIdx.x * 8;
@@ -135,6 +175,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
             }
             cp_async_commit();
         }
+#endif
     }
     unsigned qb[NH][HD / 16][2];
     load_q_b_fragments<HD, NH>(qb, qkv + (long long)t * row_stride, g, group);
@@ -159,8 +200,12 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
     const long long layer_off = (long long)layer * layer_e;
 
     auto stage = [&](int st, int k0) {
+#ifdef TANDEM_FP8_KV
+        stage_kv_run_fp8<HD>(raw + st * RAW, pool, table, k0, end, block_size, block_e, layer_off, kvd, part_e, g);
+#else
         stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, end, block_size, block_e,
                          layer_off, kvd, part_e, g);
+#endif
     };
     int st = 0;
     for (int k0 = beg; k0 < end; k0 += FA_BK) {
@@ -173,9 +218,18 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
             cp_async_wait<0>();
         }
         __syncthreads();
+#ifdef TANDEM_FP8_KV
+        dequant_kv_run<HD>(smem, raw + st * RAW);
+        __syncthreads();
+        // With one byte stage it is free again now: the next run loads during this one.
+        if (!ring && k0 + FA_BK < end) stage(st, k0 + FA_BK);
+        const e16_t* slot = smem;
+#else
+        const e16_t* slot = smem + (long long)st * 2 * FA_BK * ROW;
+#endif
         const int kw = k0 + warp * FD_WK;  // this warp's first key of the run
         if (kw < end) {
-            const e16_t* sk = smem + (long long)st * 2 * FA_BK * ROW + warp * FD_WK * ROW;
+            const e16_t* sk = slot + warp * FD_WK * ROW;
             const e16_t* sv = sk + FA_BK * ROW;
             // S^T for the warp's 16 keys: element e is key qr + 8 (e >> 1), head 2 qc + (e & 1)
             // of tile nt. Even and odd k chunks in two accumulators, so that the dependent
@@ -254,7 +308,9 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
         if (ring) {
             st ^= 1;
         } else if (k0 + FA_BK < end) {
+#ifndef TANDEM_FP8_KV
             stage(st, k0 + FA_BK);
+#endif
         }
     }
 
@@ -335,7 +391,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
 // One entry point per (output type, q heads per KV head up to NH × 8, head size).
 #define ATTENTION_DECODE(NAME, O, NH, HD)                                                                    \
     extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
-        O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                     \
+        O* out, const float* qkv, int row_stride, const kv_t* pool, const int* tables,                      \
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) {                                          \
@@ -350,7 +406,7 @@ __device__ void attention_decode_impl(O* out, const float* qkv, int row_stride, 
 // counter arguments are unused (kept for one argument list).
 #define ATTENTION_DECODE_CLUSTER(NAME, O, NH, HD)                                                            \
     extern "C" __global__ void __launch_bounds__(FD_WARPS * 32) NAME(                                        \
-        O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                     \
+        O* out, const float* qkv, int row_stride, const kv_t* pool, const int* tables,                      \
         const int* table_start, const int* positions, const int* lo_pos, const int* token_list, int nq,      \
         int nkv, int group, int block_size, int layer, int num_layers, float scale, float* part_acc,         \
         float* part_ml, unsigned int* counters, long long lo_off) {                                          \

@@ -86,6 +86,18 @@ __device__ __forceinline__ void load_q_fragments(unsigned (&qa)[HD / 16][4], con
     }
 }
 
+// Moves a key's (block, offset) walk `step` keys on; true when it left its block (the caller
+// then reads the new block's id from the table).
+__device__ __forceinline__ bool walk_keys(int& blk, int& off, int step, int block_size) {
+    off += step;
+    if (off < block_size) return false;
+    do {
+        off -= block_size;
+        ++blk;
+    } while (off >= block_size);
+    return true;
+}
+
 // Queues the K and V rows of keys k0 .. k0 + FA_BK of KV head g (zero past `end`) into one
 // shared-memory slot ([FA_BK][HD + FA_PAD] of K, then of V) by cp.async and commits them as one
 // group. Each thread copies one 16-byte column of every (blockDim / (HD / 8))-th key, walking
@@ -117,16 +129,110 @@ __device__ __forceinline__ void stage_kv_run(e16_t* slot, const e16_t* pool, con
             cp_async16(sv + key * ROW + c, pool + (ok ? at + part_e : 0), ok);
         }
         p += step;
-        off += step;
-        if (off >= block_size) {
-            do {
-                off -= block_size;
-                ++blk;
-            } while (off >= block_size);
-            blk_at = p < end ? (long long)table[blk] * block_e + col : 0;
-        }
+        if (walk_keys(blk, off, step, block_size)) blk_at = p < end ? (long long)table[blk] * block_e + col : 0;
     }
     cp_async_commit();
+}
+
+// The pool element of the tensor-core kernels: the program's 16-bit element, or FP8 codes in
+// the FP8-KV program (TANDEM_FP8_KV), whose runs are staged as bytes (stage_kv_run_fp8) and
+// dequantised into one 16-bit slot (dequant_kv_run) before the same math reads them.
+#ifdef TANDEM_FP8_KV
+typedef f8_t kv_t;
+#else
+typedef e16_t kv_t;
+#endif
+// Bytes of the 16-bit slot (K and V runs of FA_BK keys) and of one FP8 run as staged: the K
+// and V codes, then their FA_BK scales each.
+#define FP8_WIDE_BYTES(HD) (2 * FA_BK * ((HD) + FA_PAD) * 2)
+#define FP8_RAW_BYTES(HD) (2 * FA_BK * (HD) + 2 * FA_BK * 4)
+
+// 4 bytes global → shared (the scales of an FP8 run); zero-filled when !valid.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+
+// stage_kv_run for an FP8 pool: the codes of keys k0 .. k0 + FA_BK of KV head g into `raw`
+// ([FA_BK][HD] of K, then of V, then FA_BK K scales and FA_BK V scales), 16 bytes per copy,
+// each key's scales by the thread holding its first column; zero past `end`. One group.
+template <int HD, bool SKIP = false>
+__device__ __forceinline__ void stage_kv_run_fp8(unsigned char* raw, const f8_t* pool8, const int* table, int k0,
+                                                 int end, int block_size, long long block_e, long long layer_off,
+                                                 long long kvd, long long part_e, int g, int skip = -1) {
+    constexpr int CHUNKS = HD / 16;
+    const unsigned char* pool = reinterpret_cast<const unsigned char*>(pool8);
+    const int key0 = threadIdx.x / CHUNKS;
+    const int step = blockDim.x / CHUNKS;
+    const int c = (threadIdx.x % CHUNKS) * 16;
+    const long long nkv = kvd / HD;
+    unsigned char* rk = raw;
+    unsigned char* rv = raw + FA_BK * HD;
+    float* sc = reinterpret_cast<float*>(raw + 2 * FA_BK * HD);
+    int p = k0 + key0;
+    int blk = p / block_size;
+    int off = p - blk * block_size;
+    const long long col = layer_off + (long long)g * HD + c;
+    const long long scol = layer_off + (long long)block_size * kvd + (long long)g * 4;
+    long long blk_at = p < end ? (long long)table[blk] * block_e : 0;
+    for (int key = key0; key < FA_BK; key += step) {
+        const bool ok = p < end;
+        if (!SKIP || p != skip) {
+            const long long at = ok ? blk_at + col + (long long)off * kvd : 0;
+            cp_async16(rk + key * HD + c, pool + at, ok);
+            cp_async16(rv + key * HD + c, pool + (ok ? at + part_e : 0), ok);
+            if (c == 0) {
+                const long long sat = ok ? blk_at + scol + (long long)off * nkv * 4 : 0;
+                cp_async4(sc + key, pool + sat, ok);
+                cp_async4(sc + FA_BK + key, pool + (ok ? sat + part_e : 0), ok);
+            }
+        }
+        p += step;
+        if (walk_keys(blk, off, step, block_size)) blk_at = p < end ? (long long)table[blk] * block_e : 0;
+    }
+    cp_async_commit();
+}
+
+// Two codes times their scale as a pair of halves (the first in the low 16 bits): the value
+// the f16 pool would hold for what the codes stand for (the product in f32, rounded once; two
+// f16x2 multiplies measured no faster on an H100 and round twice).
+__device__ __forceinline__ unsigned e4m3x2_scaled(unsigned short codes, float s) {
+    const unsigned h = e4m3x2_to_h2(codes);
+    const float lo = h16_to_f32((unsigned short)(h & 0xffffu)) * s;
+    const float hi = h16_to_f32((unsigned short)(h >> 16)) * s;
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// A staged FP8 run (`raw`, as stage_kv_run_fp8 left it, complete) into the 16-bit slot `wide`
+// ([FA_BK][HD + FA_PAD] of K, then of V, as stage_kv_run fills it), each value decoded and
+// multiplied by its key's scale. Every thread of the block takes part; the caller syncs after.
+template <int HD>
+__device__ __forceinline__ void dequant_kv_run(e16_t* wide, const unsigned char* raw) {
+    constexpr int ROW = HD + FA_PAD;
+    constexpr int CHUNKS = HD / 16;
+    const float* sc = reinterpret_cast<const float*>(raw + 2 * FA_BK * HD);
+    for (int i = threadIdx.x; i < 2 * FA_BK * CHUNKS; i += blockDim.x) {
+        const int part = i / (FA_BK * CHUNKS);
+        const int key = (i / CHUNKS) % FA_BK;
+        const int c = (i % CHUNKS) * 16;
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + part * FA_BK * HD + key * HD + c);
+        const float s = sc[part * FA_BK + key];
+        uint4 a, b;
+        a.x = e4m3x2_scaled((unsigned short)(v.x & 0xffffu), s);
+        a.y = e4m3x2_scaled((unsigned short)(v.x >> 16), s);
+        a.z = e4m3x2_scaled((unsigned short)(v.y & 0xffffu), s);
+        a.w = e4m3x2_scaled((unsigned short)(v.y >> 16), s);
+        b.x = e4m3x2_scaled((unsigned short)(v.z & 0xffffu), s);
+        b.y = e4m3x2_scaled((unsigned short)(v.z >> 16), s);
+        b.z = e4m3x2_scaled((unsigned short)(v.w & 0xffffu), s);
+        b.w = e4m3x2_scaled((unsigned short)(v.w >> 16), s);
+        e16_t* dst = wide + (part * FA_BK + key) * ROW + c;
+        *reinterpret_cast<uint4*>(dst) = a;
+        *reinterpret_cast<uint4*>(dst + 8) = b;
+    }
 }
 
 // The scores of a warp's 16 rows (Q as A fragments) against NT × 8 keys of a staged K slot,
@@ -226,7 +332,7 @@ __device__ __forceinline__ void pv_accumulate(float (&o)[HD / 8][4], const float
 }
 
 template <typename O, int HD>
-__device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
+__device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride, const kv_t* pool,
                                        const int* tables, const int* table_start, const int* positions,
                                        const int* lo_pos, const int* tiles, int nq, int nkv, int group,
                                        int block_size, int layer, int num_layers, float scale,
@@ -243,7 +349,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     const int qr = lane >> 2;  // fragment row (and +8)
     const int qc = lane & 3;   // fragment column pair
     const long long kvd = (long long)nkv * HD;
-    const long long part_e = (long long)block_size * kvd;
+    const long long part_e = kv_part_e<kv_t>(block_size, kvd, nkv);
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
 
@@ -278,10 +384,19 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     const int kbeg = lo_pos[tok0];
     const int kend = positions[tok0 + ntok - 1] + 1;
     const long long layer_off = (long long)layer * layer_e;
+#ifdef TANDEM_FP8_KV
+    // Two byte stages after one 16-bit slot (within the 16-bit program's two slots).
+    unsigned char* raw = fa_smem + FP8_WIDE_BYTES(HD);
+    auto stage = [&](int st, int k0) {
+        stage_kv_run_fp8<HD>(raw + st * FP8_RAW_BYTES(HD), pool, table, k0, kend, block_size, block_e, layer_off,
+                             kvd, part_e, g);
+    };
+#else
     auto stage = [&](int st, int k0) {
         stage_kv_run<HD>(smem + (long long)st * 2 * FA_BK * ROW, pool, table, k0, kend, block_size, block_e,
                          layer_off, kvd, part_e, g);
     };
+#endif
     stage(0, kbeg);
     int st = 0;
     for (int k0 = kbeg; k0 < kend; k0 += FA_BK, st ^= 1) {
@@ -292,7 +407,13 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
             cp_async_wait<0>();
         }
         __syncthreads();
+#ifdef TANDEM_FP8_KV
+        dequant_kv_run<HD>(smem, raw + st * FP8_RAW_BYTES(HD));
+        __syncthreads();
+        const e16_t* sk = smem;
+#else
         const e16_t* sk = smem + (long long)st * 2 * FA_BK * ROW;
+#endif
         const e16_t* sv = sk + FA_BK * ROW;
         if (k0 <= warp_pos) {  // else every row of this warp is before the run
             float s[FA_BK / 8][4];
@@ -335,7 +456,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
 
 #define ATTENTION_PREFILL(NAME, O, HD)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                \
-        O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                   \
+        O* out, const float* qkv, int row_stride, const kv_t* pool, const int* tables,                    \
         const int* table_start, const int* positions, const int* lo_pos, const int* tiles, int nq, int nkv, \
         int group, int block_size, int layer, int num_layers, float scale, long long lo_off) { GRID_DEPENDENCY_SYNC();             \
         attention_prefill_impl<O, HD>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos,  \

@@ -42,3 +42,34 @@ extern "C" __global__ void kv_write_h16(h16_t* pool, const float* qkv, int row_s
     GRID_DEPENDENCY_SYNC();
     kv_write_impl(pool, qkv, row_stride, k_off, kvd, token_block, positions, block_size, layer, num_layers);
 }
+
+// The FP8 pool's write: grid (tokens, nkv), one warp per (token, KV head), which stores the
+// head's K and V codes and their two scales (prelude.cu's rule; the part's scales after its
+// slots, see kv/layout.rs).
+extern "C" __global__ void kv_write_fp8(f8_t* pool, const float* qkv, int row_stride, int k_off, int kvd,
+                                        const int* token_block, const int* positions, int block_size,
+                                        int layer, int num_layers) {
+    GRID_DEPENDENCY_SYNC();
+    const int t = blockIdx.x;
+    const int h = blockIdx.y;
+    const int nkv = gridDim.y;
+    const int hd = kvd / nkv;
+    const int lane = threadIdx.x;
+    const long long part_e = kv_part_e<f8_t>(block_size, kvd, nkv);
+    const long long slot = positions[t] % block_size;
+    const long long base = (long long)token_block[t] * num_layers * 2 * part_e + (long long)layer * 2 * part_e;
+    const float* row = qkv + (long long)t * row_stride + k_off + (long long)h * hd;
+    for (int part = 0; part < 2; ++part) {
+        const float* x = row + part * kvd;
+        float amax = 0.0f;
+        for (int i = lane; i < hd; i += 32) amax = fmaxf(amax, fabsf(x[i]));
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float inv = e4m3_inv_scale(amax);
+        const long long at = base + part * part_e + slot * kvd + (long long)h * hd;
+        for (int i = lane; i < hd; i += 32) pool[at + i].bits = f32_to_e4m3(x[i] * inv);
+        if (lane == 0) {
+            const long long sat = base + part * part_e + (long long)block_size * kvd + (slot * nkv + h) * 4;
+            *reinterpret_cast<float*>(&pool[sat]) = e4m3_scale(amax);
+        }
+    }
+}

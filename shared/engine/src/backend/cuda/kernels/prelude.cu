@@ -90,6 +90,62 @@ __device__ __forceinline__ void store_in(b16_t* p, long long i, float v, long lo
     if (lo_off != 0) p[i + lo_off].bits = f32_to_bf16_bits(v - bf16_bits_to_f32(hi));
 }
 
+// FP8 e4m3 (kv/fp8.rs): the codes of an FP8 KV pool (`f8_t`, a type of its own so that the
+// writers pick the quantising store), each (token, KV head) with an f32 scale after its part's
+// slots. A head stores scale = amax / 448 and the codes of x * (448 / amax); both divisions
+// are IEEE (NVRTC's prec-div), as on the CPU.
+struct f8_t {
+    unsigned char bits;
+};
+#define E4M3_MAX 448.0f
+
+// The e4m3 code nearest to v (ties to even), saturated to ±448; NaN stays NaN.
+__device__ __forceinline__ unsigned char f32_to_e4m3(float v) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+    unsigned short r;
+    // The first source goes to the upper byte, the second (v) to the lower.
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+    return (unsigned char)(r & 0xffu);
+#else
+    if (v != v) return 0x7fu;
+    const unsigned char sign = signbit(v) ? 0x80u : 0u;
+    const float a = fabsf(v);
+    unsigned code;
+    if (a < 0.015625f) {  // subnormals: multiples of 2^-9
+        code = (unsigned)__float2int_rn(a * 512.0f);
+    } else if (a >= E4M3_MAX) {
+        code = 0x7eu;
+    } else {
+        int e;
+        const float f = frexpf(a, &e);  // a = f * 2^e, f in [0.5, 1)
+        int m = __float2int_rn((2.0f * f - 1.0f) * 8.0f);
+        e -= 1;
+        if (m == 8) {
+            m = 0;
+            e += 1;
+        }
+        code = min((unsigned)(((e + 7) << 3) | m), 0x7eu);
+    }
+    return sign | (unsigned char)code;
+#endif
+}
+
+// Two codes (the low byte the first element) as a pair of IEEE halves (the first in the low
+// 16 bits), exactly: every e4m3 value is a half.
+__device__ __forceinline__ unsigned e4m3x2_to_h2(unsigned short c) {
+    unsigned r;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(c));
+#else
+    // Each code's sign and magnitude bits moved to a half's: the value / 256 for normals and
+    // subnormals alike (bias 7 against 15), then × 256, exact.
+    const unsigned v = c;
+    const unsigned h = ((v & 0x7fu) << 7) | ((v & 0x80u) << 8) | ((v & 0x7f00u) << 15) | ((v & 0x8000u) << 16);
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x5c005c00u));
+#endif
+    return r;
+}
+
 #define NEG_INF __int_as_float(0xff800000)
 
 // Programmatic dependent launch (sm_90 on): in a CUDA graph whose edges between these kernels
@@ -127,4 +183,63 @@ __device__ float block_sum(float v) {
     const float r = total;
     __syncthreads();  // the next call may overwrite the shared slots
     return r;
+}
+
+// Maximum of `v` over the whole block, as block_sum (same conditions).
+__device__ float block_max(float v) {
+    __shared__ float warp_max[32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = (blockDim.x + 31) >> 5;
+        float s = lane < warps ? warp_max[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, o));
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    const float r = total;
+    __syncthreads();
+    return r;
+}
+
+// The factor a head of largest magnitude `amax` is multiplied by before its codes are taken
+// (0 for a head of zeros), and the scale stored beside them.
+__device__ __forceinline__ float e4m3_inv_scale(float amax) { return amax > 0.0f ? E4M3_MAX / amax : 0.0f; }
+__device__ __forceinline__ float e4m3_scale(float amax) { return amax / E4M3_MAX; }
+
+// Elements of one part (the K or V of one layer of one block) of a pool of T: its slots, and
+// in an FP8 pool (bytes) the 4-byte scale of each (slot, KV head) after them.
+template <typename T>
+__device__ __forceinline__ long long kv_part_e(int block_size, long long kvd, int nkv) {
+    return (long long)block_size * kvd;
+}
+template <>
+__device__ __forceinline__ long long kv_part_e<f8_t>(int block_size, long long kvd, int nkv) {
+    return (long long)block_size * (kvd + 4LL * nkv);
+}
+
+// Stores this thread's pair (j, j + half) of one head's row at `at` (threads with `active`).
+// For an FP8 pool every thread of the block must call it: the head's largest magnitude is a
+// block reduction, and thread 0 stores the scale at `sat`.
+template <typename T>
+__device__ __forceinline__ void store_kv_pair(T* pool, long long at, long long sat, int j, int half, bool active,
+                                              float x, float y) {
+    if (active) {
+        store_f(pool, at + j, x);
+        store_f(pool, at + j + half, y);
+    }
+}
+__device__ __forceinline__ void store_kv_pair(f8_t* pool, long long at, long long sat, int j, int half,
+                                              bool active, float x, float y) {
+    const float amax = block_max(active ? fmaxf(fabsf(x), fabsf(y)) : 0.0f);
+    const float inv = e4m3_inv_scale(amax);
+    if (active) {
+        pool[at + j].bits = f32_to_e4m3(x * inv);
+        pool[at + j + half].bits = f32_to_e4m3(y * inv);
+    }
+    if (threadIdx.x == 0) *reinterpret_cast<float*>(&pool[sat]) = e4m3_scale(amax);
 }

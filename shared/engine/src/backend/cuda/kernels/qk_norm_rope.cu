@@ -20,24 +20,26 @@ __device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int 
     float* v = qkv + (long long)t * row_stride + (long long)h * head_dim;
     const int j = threadIdx.x;
     const bool active = j < half;
-    // This head's row in the pool: K for the k heads, V for the v heads.
-    long long at = -1;
+    // This head's row in the pool: K for the k heads, V for the v heads (and in an FP8 pool
+    // its scale at `sat`).
+    long long at = -1, sat = -1;
     if (pool != nullptr && h >= nq) {
         const long long kvd = (long long)nkv * head_dim;
-        const long long part_e = (long long)block_size * kvd;
+        const long long part_e = kv_part_e<T>(block_size, kvd, nkv);
         const long long layer_e = 2 * part_e;
         const long long block_e = (long long)num_layers * layer_e;
         const int kh = h - nq;
-        at = (long long)token_block[t] * block_e + (long long)layer * layer_e + (kh >= nkv ? part_e : 0) +
-             (long long)(positions[t] % block_size) * kvd + (long long)(kh % nkv) * head_dim;
+        const long long slot = positions[t] % block_size;
+        const long long part = (long long)token_block[t] * block_e + (long long)layer * layer_e + (kh >= nkv ? part_e : 0);
+        at = part + slot * kvd + (long long)(kh % nkv) * head_dim;
+        sat = part + (long long)block_size * kvd + (slot * nkv + kh % nkv) * 4;
     }
     // Element i of the head, folded.
     auto load = [&](int i) { return in_lo != 0 ? __ldcg(v + i) + __ldcg(v + in_lo + i) : __ldcg(v + i); };
     if (at >= 0 && h >= nq + nkv) {  // a v head (uniform over the block): stored as is
-        if (active) {
-            store_f(pool, at + j, load(j));
-            store_f(pool, at + j + half, load(j + half));
-        }
+        const float x = active ? load(j) : 0.0f;
+        const float y = active ? load(j + half) : 0.0f;
+        store_kv_pair(pool, at, sat, j, half, active, x, y);
         return;
     }
     float a = active ? load(j) : 0.0f;
@@ -51,19 +53,17 @@ __device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int 
             b = nw[j + half] * (b * r);
         }
     }
+    float x = 0.0f, y = 0.0f;
     if (active) {
         const float angle = inv_freq[j] * (float)positions[t];
         float s, c;
         sincosf(angle, &s, &c);
-        const float x = a * c - b * s;
-        const float y = b * c + a * s;
+        x = a * c - b * s;
+        y = b * c + a * s;
         v[j] = x;
         v[j + half] = y;
-        if (at >= 0) {
-            store_f(pool, at + j, x);
-            store_f(pool, at + j + half, y);
-        }
     }
+    if (at >= 0) store_kv_pair(pool, at, sat, j, half, active, x, y);  // uniform over the block
 }
 
 template <typename T>
@@ -97,3 +97,4 @@ extern "C" __global__ void qk_norm_rope_f32(float* qkv, int row_stride, int nq, 
 QK_NORM_ROPE_KV(qk_norm_rope_kv_f32, float)
 QK_NORM_ROPE_KV(qk_norm_rope_kv_bf16, e16_t)
 QK_NORM_ROPE_KV(qk_norm_rope_kv_h16, h16_t)
+QK_NORM_ROPE_KV(qk_norm_rope_kv_fp8, f8_t)
