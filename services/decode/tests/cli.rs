@@ -80,12 +80,15 @@ fn python_override_deep_merges() {
 }
 
 #[test]
-fn tensor_parallelism_is_not_implemented_yet() {
-    let out = decode(&["--tensor-parallel-size", "2"], &[]);
+fn tensor_parallelism_on_cuda_is_not_implemented_yet() {
+    let out = decode(&["--tensor-parallel-size", "2", "--device", "cuda"], &[]);
     assert_eq!(out.status.code(), Some(2));
     let err = stderr(&out);
     assert!(
-        err.contains("--tensor-parallel-size") && err.contains("not implemented yet"),
+        err.contains("tensor_parallel_size") && err.contains("not implemented yet"),
         "{err}"
     );
+    let out = decode(&["--tensor-parallel-size", "2", "--print-config"], &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(engine_value(&out, "tensor_parallel_size"), 2);
 }

@@ -58,6 +58,49 @@ fn tandem_up_restarts_a_killed_worker_and_stops_when_the_router_dies() {
     );
 }
 
+#[test]
+fn tandem_up_serves_a_tensor_parallel_model_as_it_serves_a_whole_one() {
+    // Each topology's greedy text, after checking the ranks its workers run with.
+    let greedy = |args: &[&str], prefill_tp: &str, decode_tp: &str| {
+        let up = Up::start(args);
+        let tp = |program: &str| {
+            let args = up.child_args(program);
+            let at = args.iter().rposition(|a| a == "--tensor-parallel-size");
+            at.map_or("1".to_string(), |i| args[i + 1].clone())
+        };
+        assert_eq!(
+            (tp("tandem-prefill"), tp("tandem-decode")),
+            (prefill_tp.to_string(), decode_tp.to_string())
+        );
+        let text = up.greedy_text();
+        up.stop_cleanly(3);
+        text
+    };
+    let whole = greedy(&["--router-arg=--enforce-disagg"], "1", "1");
+    // Every worker split over two ranks; then only the prefill worker, writing its KV into a
+    // whole decode worker's pool (the layout is the same for any tensor-parallel size).
+    let tp = ["--worker-arg=--tensor-parallel-size", "--worker-arg=2"];
+    let split = greedy(
+        &[&tp[..], &["--router-arg=--enforce-disagg"]].concat(),
+        "2",
+        "2",
+    );
+    assert_eq!(split, whole, "greedy text at tensor parallel 2");
+    let mixed = greedy(
+        &[
+            "--prefill-arg=--tensor-parallel-size",
+            "--prefill-arg=2",
+            "--router-arg=--enforce-disagg",
+        ],
+        "2",
+        "1",
+    );
+    assert_eq!(
+        mixed, whole,
+        "greedy text with a tensor-parallel prefill worker"
+    );
+}
+
 /// A running `tandem up`, its stdout lines as they come and its API's chat URL.
 struct Up {
     child: Option<Child>,
@@ -137,6 +180,31 @@ impl Up {
             .expect("curl");
         let body: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON response");
         assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+    }
+
+    /// The text of a 12-token greedy chat completion.
+    fn greedy_text(&self) -> String {
+        let out = Command::new("curl")
+            .args(["-s", "-m", "60", &self.url, "-H", "Content-Type: application/json", "-d",
+                   r#"{"model": "tandem-tiny", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12, "temperature": 0}"#])
+            .output()
+            .expect("curl");
+        let body: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON response");
+        assert_eq!(body["usage"]["completion_tokens"], 12, "{body}");
+        body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no content: {body}"))
+            .to_string()
+    }
+
+    /// The command line of the child process running `program`.
+    fn child_args(&self, program: &str) -> Vec<String> {
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.child_pid(program)))
+            .expect("/proc cmdline");
+        cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect()
     }
 
     /// The pid of the child process running `program`.

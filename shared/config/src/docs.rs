@@ -105,7 +105,7 @@ pub fn config_markdown() -> String {
         let _ = writeln!(out, "- `--{name}` (router): {what}");
     }
     out.push_str("- every flag of the Diffusion groups: diffusion models\n- `--connector kvbm`: KV connectors\n");
-    out.push_str("- engine options: `tensor_parallel_size`, `pipeline_parallel_size` and `moe_expert_parallel_size` above 1, `enable_attention_dp`, `guided_decoding_backend`, `scheduler_config.capacity_scheduler_policy: STATIC_BATCH`, `cache_transceiver_config.backend` NIXL or MPI\n");
+    out.push_str("- engine options: `tensor_parallel_size` above 1 with `--device cuda`, `pipeline_parallel_size` and `moe_expert_parallel_size` above 1, `enable_attention_dp`, `guided_decoding_backend`, `scheduler_config.capacity_scheduler_policy: STATIC_BATCH`, `cache_transceiver_config.backend` NIXL or MPI\n");
     out
 }
 

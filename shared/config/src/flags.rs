@@ -108,7 +108,8 @@ pub static FLAGS: &[FlagSpec] = &[
         .env("DYN_TRTLLM_MODEL_LOADER_EXTRA_CONFIG").default(""),
     // ---- Parallelism
     FlagSpec::new("tensor-parallel-size", INT1, Parallelism,
-        "Tensor parallelism degree (GPUs each layer's weights are split across).")
+        "Tensor parallelism degree: ranks each layer's weights, attention heads and KV cache \
+         are split across (CPU: threads of the worker; CUDA: not implemented yet).")
         .env("DYN_TRTLLM_TENSOR_PARALLEL_SIZE").default("1"),
     FlagSpec::new("pipeline-parallel-size", INT1, Parallelism,
         "Pipeline parallelism degree (stages the layers are distributed over).")

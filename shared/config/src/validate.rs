@@ -113,7 +113,6 @@ pub const NOT_IMPLEMENTED_FLAGS: &[(&str, &str)] = &[
         "weight formats other than auto-detected safetensors",
     ),
     ("model-loader-extra-config", "model loader options"),
-    ("tensor-parallel-size", "tensor parallelism"),
     ("pipeline-parallel-size", "pipeline parallelism"),
     ("enable-attention-dp", "attention data parallelism"),
     (
@@ -188,9 +187,10 @@ pub fn reject_unimplemented(cfg: &WorkerConfig, resolved: &Resolved) -> Result<(
     let e = &cfg.engine;
     let checks: [(bool, &str, &str); 7] = [
         (
-            e.tensor_parallel_size > 1,
+            e.tensor_parallel_size > 1
+                && matches!(cfg.model.device, crate::worker::DeviceChoice::Cuda { .. }),
             "tensor_parallel_size",
-            "tensor parallelism",
+            TP_ON_CUDA,
         ),
         (
             e.pipeline_parallel_size > 1,
@@ -239,6 +239,10 @@ pub fn reject_unimplemented(cfg: &WorkerConfig, resolved: &Resolved) -> Result<(
     }
     Ok(())
 }
+
+/// What `tensor_parallel_size` above 1 on a GPU asks for that is not built yet.
+pub const TP_ON_CUDA: &str = "tensor parallelism on CUDA devices (NCCL); the CPU backend \
+     (--device cpu) runs it with one thread per rank";
 
 fn not_impl(flag: &str, what: &str) -> ConfigError {
     ConfigError::NotImplemented {

@@ -98,6 +98,10 @@ pub enum EngineError {
     /// The backend failed during a step.
     #[error("backend: {0}")]
     Backend(String),
+    /// A tensor-parallel rank failed (or panicked) during a step; the other ranks abandoned
+    /// it at their next collective.
+    #[error("backend: tensor-parallel rank {rank} failed during the step")]
+    RankFailed { rank: usize },
     /// Tokenizer, chat template or their files (from `tandem-text`).
     #[error(transparent)]
     Text(#[from] tandem_text::TextError),
@@ -151,6 +155,7 @@ impl EngineError {
             | E::InvalidInput(_)
             | E::Config(_)
             | E::Backend(_)
+            | E::RankFailed { .. }
             | E::Text(_) => ErrorClass::Internal,
         }
     }

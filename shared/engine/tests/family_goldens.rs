@@ -16,6 +16,7 @@ use serde::Deserialize;
 use tandem_engine::backend::cpu::CpuBackend;
 use tandem_engine::backend::{Backend, LogitsMode, SeqInput};
 use tandem_engine::kv::layout::KvDtype;
+use tandem_engine::model::tp::Shard;
 use tandem_engine::model::weights::file_sha256;
 use tandem_engine::model::{DecoderWeights, Family, LoadOptions, LoadedModel, ModelConfig};
 use tandem_engine::tiny::{ensure_named_model, LLAMA_BIAS};
@@ -139,8 +140,21 @@ fn backend(cfg: ModelConfig, w: Arc<DecoderWeights>) -> CpuBackend {
     CpuBackend::from_parts(cfg, w, "family".into(), KvDtype::F32, BLOCK, 16).expect("backend")
 }
 
-/// Checks the named model of `family` against its goldens; returns the worst max|Δ|/std.
+/// Checks the named model of `family` against its goldens, whole and, where its heads
+/// split in two, over two tensor-parallel ranks; returns the worst max|Δ|/std.
 fn check_model(name: &str, family: Family) -> f32 {
+    let (g, _) = load_goldens(name);
+    let cfg = load_model(family, &g).config;
+    let two = Shard::check(&cfg, 2).is_ok();
+    let sizes: &[usize] = if two { &[1, 2] } else { &[1] };
+    sizes
+        .iter()
+        .map(|&tp| check_model_on(name, family, tp))
+        .fold(0.0, f32::max)
+}
+
+/// [`check_model`] with the model split over `tp` ranks.
+fn check_model_on(name: &str, family: Family, tp: usize) -> f32 {
     let (g, rows) = load_goldens(name);
     let m = load_model(family, &g);
     if let Some(gold) = &g.inv_freq {
@@ -152,7 +166,9 @@ fn check_model(name: &str, family: Family) -> f32 {
         }
     }
     let v = g.vocab_size;
-    let mut be = backend(m.config.clone(), m.weights.clone());
+    let mut be = backend(m.config.clone(), m.weights.clone())
+        .with_tensor_parallel(tp)
+        .expect("tensor parallel");
     let mut worst = 0.0f32;
     for p in &g.prompts {
         let total = p.ids.len() + p.greedy.len();
@@ -196,11 +212,15 @@ fn check_model(name: &str, family: Family) -> f32 {
             next = argmax(&out.logits[0][0]);
             got.push(next);
         }
-        assert_eq!(got, p.greedy, "{} {}: greedy tokens", g.family, p.name);
+        assert_eq!(
+            got, p.greedy,
+            "{} {} (tensor parallel {tp}): greedy tokens",
+            g.family, p.name
+        );
     }
     eprintln!(
-        "{}: largest |Δlogit| / std against transformers {worst:.2e} (tolerance {TOL:.0e}); \
-         greedy tokens identical",
+        "{} (tensor parallel {tp}): largest |Δlogit| / std against transformers {worst:.2e} \
+         (tolerance {TOL:.0e}); greedy tokens identical",
         g.family
     );
     worst

@@ -155,7 +155,27 @@ fn teacher_forced_logits_match_transformers() {
     let m = model(&g);
     assert_eq!(m.config.vocab_size, g.vocab_size);
     let block = 16;
-    let mut be = CpuBackend::new(&m, KvDtype::F32, block, 64).expect("backend");
+    // Whole, and split over two tensor-parallel ranks (threads joined by an all-reduce).
+    for tp in [1, 2] {
+        let mut be = CpuBackend::new(&m, KvDtype::F32, block, 64)
+            .and_then(|be| be.with_tensor_parallel(tp))
+            .expect("backend");
+        let worst = teacher_forced_against_goldens(&g, &m, &mut be, block);
+        eprintln!(
+            "tensor parallel {tp}: largest |Δlogit| / std against transformers: {worst:.2e} \
+             (tolerance {TOL:.0e})"
+        );
+    }
+}
+
+/// Checks every prompt's teacher-forced logits (one chunk, then chunks of 7) against the
+/// goldens; returns the largest |Δ| / std seen.
+fn teacher_forced_against_goldens(
+    g: &Goldens,
+    m: &LoadedModel,
+    be: &mut CpuBackend,
+    block: usize,
+) -> f32 {
     let mut worst = 0.0f32;
     for p in &g.prompts {
         assert_eq!(
@@ -167,7 +187,7 @@ fn teacher_forced_logits_match_transformers() {
         let table = scattered_table(p.ids.len().div_ceil(block), 1);
         // One chunk, then chunks that do not align with blocks (chunked prefill).
         for chunk in [p.ids.len(), 7] {
-            let rows = teacher_forced(&mut be, &p.ids, chunk, &table);
+            let rows = teacher_forced(be, &p.ids, chunk, &table);
             assert_eq!(rows.len(), p.ids.len());
             for (i, (ours, gp)) in rows.iter().zip(&p.positions).enumerate() {
                 let w = check_position(&format!("{} chunk {chunk} pos {i}", p.name), ours, gp);
@@ -192,7 +212,7 @@ fn teacher_forced_logits_match_transformers() {
             }
         }
     }
-    eprintln!("largest |Δlogit| / std against transformers: {worst:.2e} (tolerance {TOL:.0e})");
+    worst
 }
 
 #[test]
@@ -232,7 +252,16 @@ fn greedy_decoding_matches_transformers() {
     let g = goldens();
     let m = model(&g);
     let block = 16;
-    let mut be = CpuBackend::new(&m, KvDtype::F32, block, 64).expect("backend");
+    for tp in [1, 2] {
+        let mut be = CpuBackend::new(&m, KvDtype::F32, block, 64)
+            .and_then(|be| be.with_tensor_parallel(tp))
+            .expect("backend");
+        greedy_against_goldens(&g, &mut be, block, tp);
+    }
+}
+
+/// Free-running greedy tokens of every prompt, which must equal transformers'.
+fn greedy_against_goldens(g: &Goldens, be: &mut CpuBackend, block: usize, tp: usize) {
     for p in &g.prompts {
         let total = p.ids.len() + p.greedy.len();
         let table = scattered_table(total.div_ceil(block), 0);
@@ -262,7 +291,11 @@ fn greedy_decoding_matches_transformers() {
                 }])
                 .expect("decode");
         }
-        assert_eq!(got, p.greedy, "{}: greedy tokens", p.name);
+        assert_eq!(
+            got, p.greedy,
+            "{} (tensor parallel {tp}): greedy tokens",
+            p.name
+        );
     }
 }
 

@@ -120,8 +120,20 @@ pub fn build_engine_on(
     transport: Option<Arc<AnyTransport>>,
 ) -> anyhow::Result<BuiltEngine> {
     let device = choose_device(cfg.model.device)?;
+    let tp = cfg.engine.tensor_parallel_size as usize;
     if let Device::Cuda(ordinal) = device {
+        anyhow::ensure!(
+            tp == 1,
+            "--tensor-parallel-size {tp} on cuda:{ordinal}: {} is not implemented yet",
+            tandem_config::validate::TP_ON_CUDA
+        );
         return build_cuda_engine(cfg, ordinal, transport);
+    }
+    if tp > 1 {
+        tracing::info!(
+            "tensor parallel: {tp} ranks on CPU threads, each with its shard of the weights \
+             and its KV heads of the shared pool"
+        );
     }
     let mut region = None;
     let mut built = build_engine_with(
@@ -130,13 +142,15 @@ pub fn build_engine_on(
         device,
         |model, layout, num_blocks| {
             let Some(t) = transport else {
-                let backend = CpuBackend::new(model, layout.dtype, layout.block_size, num_blocks)?;
+                let backend = CpuBackend::new(model, layout.dtype, layout.block_size, num_blocks)?
+                    .with_tensor_parallel(tp)?;
                 return Ok(Box::new(backend) as Box<dyn Backend>);
             };
             let (memory, descriptor) = registered_memory(&t, num_blocks * layout.block_bytes())?;
             region = Some(descriptor);
             let backend =
-                CpuBackend::new_in(model, layout.dtype, layout.block_size, num_blocks, memory)?;
+                CpuBackend::new_in(model, layout.dtype, layout.block_size, num_blocks, memory)?
+                    .with_tensor_parallel(tp)?;
             Ok(Box::new(backend) as Box<dyn Backend>)
         },
     )?;

@@ -10,6 +10,7 @@ use crate::kv::fp8;
 use crate::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
 use crate::model::config::ModelConfig;
 use crate::model::decoder::{self, KvStore};
+use crate::model::tp::{RankCtx, Shard, ThreadCollective};
 use crate::model::LoadedModel;
 use crate::model::Qwen3Weights;
 
@@ -56,22 +57,30 @@ pub fn mem_available_bytes() -> Option<u64> {
 /// The KV pool: `num_blocks * block_bytes` bytes of [`KvPoolMemory`] in the byte order of
 /// the layout, read and written in place (f32 elements, or bf16 bit patterns).
 ///
+/// A tensor-parallel rank's view addresses only its KV heads, from `first_head` on: the
+/// ranks share one pool in the layout of the whole model (so blocks move between workers of
+/// any tensor-parallel size) and write disjoint heads of each token.
+///
 /// Every access takes a slice of just the range it touches (one token's heads, one block) and
 /// only of blocks the engine hands the backend (the batch's block tables, export/import lists),
 /// never a reference over the whole pool: remote writers may be writing other (reserved)
 /// blocks at the same time.
 struct CpuKv {
     layout: KvLayout,
-    mem: KvPoolMemory,
+    mem: Arc<KvPoolMemory>,
+    first_head: usize,
 }
 
 impl KvStore for CpuKv {
     fn write_token(&mut self, layer: usize, block: usize, slot: usize, part: KvPart, data: &[f32]) {
-        let at = self.layout.token_offset(block, layer, part, slot, 0);
+        let at = self
+            .layout
+            .token_offset(block, layer, part, slot, self.first_head);
         match self.layout.dtype {
             KvDtype::F32 => {
-                // SAFETY: `&mut self` excludes every other engine access; the block is one the
-                // engine computes on, so no remote writer touches it; bounds are checked.
+                // SAFETY: `&mut self` excludes every other access of this view, and other
+                // tensor-parallel ranks' views touch other heads; the block is one the engine
+                // computes on, so no remote writer touches it; bounds are checked.
                 let d = unsafe { self.mem.slice_mut::<f32>(at, data.len()) };
                 d.copy_from_slice(data);
             }
@@ -102,6 +111,7 @@ impl KvStore for CpuKv {
         head: usize,
         scratch: &'a mut [f32],
     ) -> &'a [f32] {
+        let head = self.first_head + head;
         let at = self.layout.token_offset(block, layer, part, slot, head);
         let hd = self.layout.head_dim;
         match self.layout.dtype {
@@ -148,7 +158,7 @@ impl CpuKv {
         data: &[f32],
     ) {
         let hd = self.layout.head_dim;
-        for (head, x) in data.chunks_exact(hd).enumerate() {
+        for (head, x) in (self.first_head..).zip(data.chunks_exact(hd)) {
             let at = self.layout.token_offset(block, layer, part, slot, head);
             let sat = self.layout.scale_offset(block, layer, part, slot, head);
             // SAFETY: as in `write_token`: `&mut self`, a block the engine computes on,
@@ -168,6 +178,85 @@ pub struct CpuBackend {
     weights: Arc<Qwen3Weights>,
     kv: CpuKv,
     num_blocks: usize,
+    /// With tensor parallelism: the ranks that run each step instead of `weights`.
+    ranks: Option<Ranks>,
+}
+
+/// The tensor-parallel ranks of a CPU backend, run as scoped threads each step.
+struct Ranks {
+    ranks: Vec<Rank>,
+    collective: ThreadCollective,
+}
+
+/// One rank: its shard of the weights and its view of the pool (its KV heads).
+struct Rank {
+    shard: Shard,
+    weights: Qwen3Weights,
+    kv: CpuKv,
+}
+
+impl Ranks {
+    /// One step on every rank at once (rank 0 on the calling thread); rank 0's logits, or
+    /// the error of the rank that failed first.
+    fn forward(
+        &mut self,
+        cfg: &ModelConfig,
+        block_size: usize,
+        batch: &[SeqInput<'_>],
+    ) -> Result<StepOutput, EngineError> {
+        self.collective.reset();
+        let collective = &self.collective;
+        let mut results = std::thread::scope(|s| {
+            let (first, rest) = self.ranks.split_at_mut(1);
+            let others: Vec<_> = rest
+                .iter_mut()
+                .map(|rank| s.spawn(move || rank.run(cfg, block_size, batch, collective)))
+                .collect();
+            let mut results = vec![first[0].run(cfg, block_size, batch, collective)];
+            for (i, h) in others.into_iter().enumerate() {
+                let failed = EngineError::RankFailed { rank: i + 1 };
+                results.push(h.join().unwrap_or(Err(failed)));
+            }
+            results
+        });
+        // A rank's own error says more than the others' "rank N failed".
+        let cause = results
+            .iter()
+            .position(|r| matches!(r, Err(e) if !matches!(e, EngineError::RankFailed { .. })));
+        match cause {
+            Some(i) => results.swap_remove(i),
+            None => results.swap_remove(0),
+        }
+    }
+}
+
+impl Rank {
+    /// This rank's part of a step; a failure (or a panic) poisons the collective so that
+    /// the other ranks stop at their next one instead of waiting for this rank.
+    fn run(
+        &mut self,
+        cfg: &ModelConfig,
+        block_size: usize,
+        batch: &[SeqInput<'_>],
+        collective: &ThreadCollective,
+    ) -> Result<StepOutput, EngineError> {
+        struct PoisonUnlessDone<'c>(&'c ThreadCollective, usize, bool);
+        impl Drop for PoisonUnlessDone<'_> {
+            fn drop(&mut self) {
+                if !self.2 {
+                    self.0.poison(self.1);
+                }
+            }
+        }
+        let mut guard = PoisonUnlessDone(collective, self.shard.rank, false);
+        let ctx = RankCtx {
+            shard: self.shard,
+            collective: Some(collective),
+        };
+        let out = decoder::forward_rank(cfg, &self.weights, &mut self.kv, block_size, batch, ctx);
+        guard.2 = out.is_ok();
+        out
+    }
 }
 
 impl CpuBackend {
@@ -305,9 +394,49 @@ impl CpuBackend {
         Ok(CpuBackend {
             config,
             weights,
-            kv: CpuKv { layout, mem },
+            kv: CpuKv {
+                layout,
+                mem: Arc::new(mem),
+                first_head: 0,
+            },
             num_blocks,
+            ranks: None,
         })
+    }
+
+    /// Splits the model over `world` tensor-parallel ranks (threads of this process, joined
+    /// by an in-process all-reduce: see [`crate::model::tp`]); 1 leaves it whole. Each rank
+    /// holds a copy of its shard of the weights and computes its KV heads in the shared
+    /// pool, whose layout does not change. Refused when `world` does not divide the KV
+    /// heads, the query heads and the intermediate size.
+    pub fn with_tensor_parallel(mut self, world: usize) -> Result<Self, EngineError> {
+        Shard::check(&self.config, world)?;
+        self.ranks = (world > 1).then(|| {
+            let ranks = (0..world)
+                .map(|rank| {
+                    let shard = Shard { rank, world };
+                    Rank {
+                        shard,
+                        weights: shard.weights(&self.config, &self.weights),
+                        kv: CpuKv {
+                            layout: self.kv.layout.clone(),
+                            mem: self.kv.mem.clone(),
+                            first_head: shard.part(self.config.num_key_value_heads).start,
+                        },
+                    }
+                })
+                .collect();
+            Ranks {
+                ranks,
+                collective: ThreadCollective::new(world),
+            }
+        });
+        Ok(self)
+    }
+
+    /// Tensor-parallel ranks (1 when the model is whole).
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.ranks.as_ref().map_or(1, |r| r.ranks.len())
     }
 
     /// Byte offset of block `id` inside the pool memory (`id * block_bytes`).
@@ -353,7 +482,10 @@ impl Backend for CpuBackend {
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput, EngineError> {
         self.check_batch(batch)?;
         let bs = self.kv.layout.block_size;
-        decoder::forward(&self.config, &self.weights, &mut self.kv, bs, batch)
+        match &mut self.ranks {
+            None => decoder::forward(&self.config, &self.weights, &mut self.kv, bs, batch),
+            Some(ranks) => ranks.forward(&self.config, bs, batch),
+        }
     }
 
     fn export_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>, EngineError> {
@@ -700,6 +832,130 @@ mod tests {
         .err()
         .unwrap();
         assert!(e.to_string().contains("too small"), "{e}");
+    }
+
+    /// A micro Qwen3 with q/k/v/o biases, 4 query and 2 KV heads, an untied lm_head (or a
+    /// tied one) and a vocabulary of 51 (uneven over 2 ranks), split over `world` ranks.
+    fn micro_tp(kv: KvDtype, world: usize, tied: bool) -> Result<CpuBackend, EngineError> {
+        let d = TinyDims {
+            hidden: 16,
+            intermediate: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            vocab: 51,
+            tied,
+        };
+        let mut json = qwen3_config_json(&d, "float32");
+        json["attention_bias"] = true.into();
+        let cfg = ModelConfig::parse(&serde_json::to_vec(&json).unwrap(), "tp".as_ref()).unwrap();
+        assert!(cfg.qkv_bias && cfg.o_bias);
+        let w = Qwen3Weights::from_source(&cfg, |name, shape| {
+            let (mean, std) = random_init(name, shape);
+            let n = shape.iter().product();
+            Ok(Matrix::F32(random_tensor(5, name, n, mean, std)))
+        })
+        .unwrap();
+        CpuBackend::from_parts(cfg, Arc::new(w), "tp".into(), kv, 4, 16)?
+            .with_tensor_parallel(world)
+    }
+
+    /// Prefill chunks of two sequences and decode steps, all rows of logits.
+    fn tp_steps(be: &mut CpuBackend) -> Vec<Vec<Vec<f32>>> {
+        let a: Vec<u32> = (0..9).collect();
+        let b: Vec<u32> = (20..26).collect();
+        let mut rows = Vec::new();
+        let steps: [[(&[u32], usize); 2]; 3] = [
+            [(&a[..5], 0), (&b[..], 0)],
+            [(&a[5..], 5), (&[50], 6)],
+            [(&[7], 9), (&[3], 7)],
+        ];
+        for [(ta, sa), (tb, sb)] in steps {
+            let out = be
+                .forward(&[
+                    seq(ta, sa, &[0, 1, 2], LogitsMode::All),
+                    seq(tb, sb, &[4, 5], LogitsMode::All),
+                ])
+                .unwrap();
+            rows.extend(out.logits);
+        }
+        rows
+    }
+
+    #[test]
+    fn tensor_parallel_ranks_compute_the_unsplit_model() {
+        for (dtype, tol) in [(KvDtype::F32, 2e-5), (KvDtype::Fp8, 2e-5)] {
+            for tied in [false, true] {
+                let want = tp_steps(&mut micro_tp(dtype, 1, tied).unwrap());
+                let mut two = micro_tp(dtype, 2, tied).unwrap();
+                assert_eq!(two.tensor_parallel_size(), 2);
+                let got = tp_steps(&mut two);
+                assert_eq!(got.len(), want.len());
+                for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                    assert_eq!(g.len(), 51);
+                    for (u, v) in g.iter().zip(w) {
+                        assert!(
+                            (u - v).abs() <= tol * (1.0 + v.abs()),
+                            "{dtype}: {u} vs {v}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_blocks_continue_on_a_whole_model() {
+        // The ranks fill one pool in the whole model's layout: blocks a 2-rank backend wrote
+        // continue on a 1-rank one (and back), as a disaggregated pair of either size does.
+        let mut two = micro_tp(KvDtype::F32, 2, false).unwrap();
+        let mut one = micro_tp(KvDtype::F32, 1, false).unwrap();
+        let prompt: Vec<u32> = (1..8).collect();
+        two.forward(&[seq(&prompt, 0, &[3, 6], LogitsMode::None)])
+            .unwrap();
+        one.forward(&[seq(&prompt, 0, &[0, 1], LogitsMode::None)])
+            .unwrap();
+        assert_eq!(two.layout(), one.layout());
+        let (from_two, from_one) = (
+            two.export_blocks(&[3, 6]).unwrap(),
+            one.export_blocks(&[0, 1]).unwrap(),
+        );
+        for (x, y) in from_two.chunks_exact(4).zip(from_one.chunks_exact(4)) {
+            let (x, y) = (
+                f32::from_le_bytes([x[0], x[1], x[2], x[3]]),
+                f32::from_le_bytes([y[0], y[1], y[2], y[3]]),
+            );
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} vs {y}");
+        }
+        one.import_blocks(&[8, 9], &from_two).unwrap();
+        let a = one
+            .forward(&[seq(&[9], 7, &[8, 9], LogitsMode::Last)])
+            .unwrap();
+        let b = two
+            .forward(&[seq(&[9], 7, &[3, 6], LogitsMode::Last)])
+            .unwrap();
+        for (u, v) in a.logits[0][0].iter().zip(&b.logits[0][0]) {
+            assert!((u - v).abs() <= 2e-5 * (1.0 + v.abs()), "{u} vs {v}");
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_errors_name_the_cause() {
+        // 3 ranks cannot split 2 KV heads.
+        let err = micro_tp(KvDtype::F32, 3, false).err().unwrap().to_string();
+        assert!(err.contains("num_key_value_heads (2)"), "{err}");
+        // A bad token fails every rank before any collective: the step's error is the
+        // token's, and the next step runs.
+        let mut two = micro_tp(KvDtype::F32, 2, false).unwrap();
+        let err = two
+            .forward(&[seq(&[51], 0, &[0], LogitsMode::Last)])
+            .unwrap_err();
+        assert!(err.to_string().contains("vocabulary"), "{err}");
+        let ok = two
+            .forward(&[seq(&[1, 2], 0, &[0], LogitsMode::Last)])
+            .unwrap();
+        assert_eq!(ok.logits[0][0].len(), 51);
     }
 
     #[test]

@@ -81,6 +81,29 @@ impl Matrix {
         }
     }
 
+    /// Rows `rows` of a matrix with `cols` columns (a shard of the output dimension).
+    pub fn row_range(&self, rows: std::ops::Range<usize>, cols: usize) -> Matrix {
+        let span = rows.start * cols..rows.end * cols;
+        match self {
+            Matrix::F32(v) => Matrix::F32(v[span].to_vec()),
+            Matrix::Bf16(v) => Matrix::Bf16(v[span].to_vec()),
+        }
+    }
+
+    /// Columns `take` of every row of a matrix with `cols` columns (a shard of the input
+    /// dimension).
+    pub fn col_range(&self, take: std::ops::Range<usize>, cols: usize) -> Matrix {
+        fn pick<T: Copy>(v: &[T], take: &std::ops::Range<usize>, cols: usize) -> Vec<T> {
+            v.chunks_exact(cols)
+                .flat_map(|row| row[take.clone()].iter().copied())
+                .collect()
+        }
+        match self {
+            Matrix::F32(v) => Matrix::F32(pick(v, &take, cols)),
+            Matrix::Bf16(v) => Matrix::Bf16(pick(v, &take, cols)),
+        }
+    }
+
     /// The rows of `parts` one after another; bf16 stays bf16 when every part is bf16.
     pub fn concat(parts: Vec<Matrix>) -> Matrix {
         if parts.iter().all(|p| matches!(p, Matrix::Bf16(_))) {

@@ -15,6 +15,7 @@ use crate::backend::{LogitsMode, SeqInput, StepOutput};
 use crate::error::EngineError;
 use crate::kv::layout::KvPart;
 use crate::model::config::ModelConfig;
+use crate::model::tp::{RankCtx, Shard};
 use crate::model::weights::Weights;
 
 /// One decoder layer's weights in the `[out, in]` layout of the checkpoint (matrices f32 or
@@ -167,7 +168,8 @@ struct TokenRef {
     pos: usize,
 }
 
-/// The sizes one step works with, from the model config.
+/// The sizes one step works with, from the model config and the rank's shard (heads, KV
+/// heads and intermediate features are this rank's part; hidden is whole).
 struct Dims {
     hidden: usize,
     head_dim: usize,
@@ -184,16 +186,17 @@ struct Dims {
 }
 
 impl Dims {
-    fn new(cfg: &ModelConfig, block_size: usize) -> Self {
+    fn new(cfg: &ModelConfig, block_size: usize, shard: Shard) -> Self {
         let head_dim = cfg.head_dim;
+        let q_heads = shard.part(cfg.num_attention_heads).len();
         Self {
             hidden: cfg.hidden_size,
             head_dim,
-            q_heads: cfg.num_attention_heads,
+            q_heads,
             group: cfg.group_size(),
-            q_width: cfg.num_attention_heads * head_dim,
-            kv_width: cfg.num_key_value_heads * head_dim,
-            intermediate: cfg.intermediate_size,
+            q_width: q_heads * head_dim,
+            kv_width: shard.part(cfg.num_key_value_heads).len() * head_dim,
+            intermediate: shard.part(cfg.intermediate_size).len(),
             eps: cfg.rms_norm_eps,
             block_size,
         }
@@ -263,7 +266,21 @@ pub fn forward(
     block_size: usize,
     batch: &[SeqInput<'_>],
 ) -> Result<StepOutput, EngineError> {
-    let d = Dims::new(cfg, block_size);
+    forward_rank(cfg, w, store, block_size, batch, RankCtx::WHOLE)
+}
+
+/// [`forward`] on one tensor-parallel rank: `w` is the rank's shard ([`Shard::weights`]),
+/// `store` holds its KV heads, and the ranks of the step run this together, joined by
+/// `rank`'s collective (see [`crate::model::tp`]). Every rank returns the full logits.
+pub fn forward_rank(
+    cfg: &ModelConfig,
+    w: &DecoderWeights,
+    store: &mut impl KvStore,
+    block_size: usize,
+    batch: &[SeqInput<'_>],
+    rank: RankCtx<'_>,
+) -> Result<StepOutput, EngineError> {
+    let d = Dims::new(cfg, block_size, rank.shard);
     let ap = AttnParams {
         inv_freq: cfg.rope_inv_freq(),
         window: cfg.sliding_window.unwrap_or(usize::MAX),
@@ -273,13 +290,13 @@ pub fn forward(
         seqs: batch,
         tokens: flatten_tokens(batch),
     };
-    let x = embed(cfg, w, batch.seqs, batch.tokens.len())?;
+    let x = embed(cfg, w, batch.seqs, batch.tokens.len(), rank)?;
     let mut a = Activations::new(&d, x, batch.tokens.len());
     for (l, lw) in w.layers.iter().enumerate() {
-        attention_block(&d, &ap, l, lw, store, &batch, &mut a);
-        mlp_block(&d, lw, &mut a);
+        attention_block(&d, &ap, (l, lw), store, &batch, &mut a, rank)?;
+        mlp_block(&d, lw, &mut a, rank)?;
     }
-    Ok(logits(cfg, w, batch.seqs, &a.x))
+    logits(cfg, w, batch.seqs, &a.x, rank)
 }
 
 /// Every token of the batch with its sequence and position, in batch order.
@@ -296,14 +313,17 @@ fn flatten_tokens(batch: &[SeqInput<'_>]) -> Vec<TokenRef> {
         .collect()
 }
 
-/// The embedding rows of the batch's `t` tokens (the residual stream's start).
+/// The embedding rows of the batch's `t` tokens (the residual stream's start). A rank holds
+/// the rows of its vocabulary slice; the others' tokens are zeros there until the all-reduce.
 fn embed(
     cfg: &ModelConfig,
     w: &DecoderWeights,
     batch: &[SeqInput<'_>],
     t: usize,
+    rank: RankCtx<'_>,
 ) -> Result<Vec<f32>, EngineError> {
     let h = cfg.hidden_size;
+    let held = rank.shard.vocab(cfg.vocab_size);
     let mut x = vec![0.0f32; t * h];
     for (row, id) in x
         .chunks_exact_mut(h)
@@ -316,8 +336,11 @@ fn embed(
                 cfg.vocab_size
             )));
         }
-        w.embed.row_into(id, h, row);
+        if held.contains(&id) {
+            w.embed.row_into(id - held.start, h, row);
+        }
     }
+    rank.all_reduce_sum(&mut x)?;
     splice_media(h, batch, &mut x);
     Ok(x)
 }
@@ -337,16 +360,17 @@ fn splice_media(h: usize, batch: &[SeqInput<'_>], x: &mut [f32]) {
 }
 
 /// Layer `l`'s attention half: RMSNorm, the qkv projection with its biases, norms and RoPE,
-/// this step's k and v into the pool, attention, o_proj, and the residual add.
+/// this step's k and v into the pool, attention, o_proj (summed over the ranks), and the
+/// residual add.
 fn attention_block(
     d: &Dims,
     ap: &AttnParams,
-    l: usize,
-    lw: &LayerWeights,
+    (l, lw): (usize, &LayerWeights),
     store: &mut impl KvStore,
     batch: &Batch<'_, '_>,
     a: &mut Activations,
-) {
+    rank: RankCtx<'_>,
+) -> Result<(), EngineError> {
     let t = batch.tokens.len();
     let qkv_w = d.qkv_width();
     rms_norm_rows(&a.x, &lw.input_norm, d.eps, &mut a.normed);
@@ -362,12 +386,14 @@ fn attention_block(
         d.hidden,
         &mut a.proj,
     );
+    rank.all_reduce_sum(&mut a.proj)?;
     if let Some(b) = &lw.o_bias {
         a.proj
             .chunks_exact_mut(d.hidden)
             .for_each(|row| add_in_place(row, b));
     }
     add_in_place(&mut a.x, &a.proj);
+    Ok(())
 }
 
 /// Biases, per-head norms and RoPE on each token's q and k.
@@ -450,8 +476,14 @@ fn attend(
     );
 }
 
-/// A layer's MLP half: RMSNorm, the SwiGLU MLP, and the residual add.
-fn mlp_block(d: &Dims, lw: &LayerWeights, a: &mut Activations) {
+/// A layer's MLP half: RMSNorm, the SwiGLU MLP (down summed over the ranks), and the
+/// residual add.
+fn mlp_block(
+    d: &Dims,
+    lw: &LayerWeights,
+    a: &mut Activations,
+    rank: RankCtx<'_>,
+) -> Result<(), EngineError> {
     let (h, im) = (d.hidden, d.intermediate);
     let t = a.x.len() / h;
     rms_norm_rows(&a.x, &lw.post_norm, d.eps, &mut a.normed);
@@ -465,11 +497,19 @@ fn mlp_block(d: &Dims, lw: &LayerWeights, a: &mut Activations) {
             act.copy_from_slice(g);
         });
     matmul_t(&a.act, t, im, lw.down.as_ref(), h, &mut a.proj);
+    rank.all_reduce_sum(&mut a.proj)?;
     add_in_place(&mut a.x, &a.proj);
+    Ok(())
 }
 
 /// The final norm and the lm_head over the rows each sequence asks logits for.
-fn logits(cfg: &ModelConfig, w: &DecoderWeights, batch: &[SeqInput<'_>], x: &[f32]) -> StepOutput {
+fn logits(
+    cfg: &ModelConfig,
+    w: &DecoderWeights,
+    batch: &[SeqInput<'_>],
+    x: &[f32],
+    rank: RankCtx<'_>,
+) -> Result<StepOutput, EngineError> {
     let h = cfg.hidden_size;
     let (rows, counts) = logits_rows(batch);
     let r = rows.len();
@@ -478,14 +518,51 @@ fn logits(cfg: &ModelConfig, w: &DecoderWeights, batch: &[SeqInput<'_>], x: &[f3
         rms_norm_rows(&x[src * h..(src + 1) * h], &w.norm, cfg.rms_norm_eps, dst);
     }
     let v = cfg.vocab_size;
-    let mut logits = vec![0.0f32; r * v];
-    matmul_t(&sel, r, h, w.lm_head().as_ref(), v, &mut logits);
+    let logits = vocab_parallel_logits(&sel, r, h, w.lm_head(), v, rank)?;
     let mut chunks = logits.chunks_exact(v).map(<[f32]>::to_vec);
     let out = counts
         .iter()
         .map(|&c| chunks.by_ref().take(c).collect())
         .collect();
-    StepOutput { logits: out }
+    Ok(StepOutput { logits: out })
+}
+
+/// `r` rows of logits over the whole vocabulary `v`: each rank multiplies by its lm_head
+/// rows into a slice padded to [`Shard::vocab_per_rank`], the slices are gathered, and each
+/// row is put together from the ranks' slices.
+fn vocab_parallel_logits(
+    sel: &[f32],
+    r: usize,
+    h: usize,
+    lm_head: &Matrix,
+    v: usize,
+    rank: RankCtx<'_>,
+) -> Result<Vec<f32>, EngineError> {
+    let shard = rank.shard;
+    if shard.world == 1 {
+        let mut logits = vec![0.0f32; r * v];
+        matmul_t(sel, r, h, lm_head.as_ref(), v, &mut logits);
+        return Ok(logits);
+    }
+    let (held, per) = (shard.vocab(v).len(), shard.vocab_per_rank(v));
+    let mut mine = vec![0.0f32; r * held];
+    matmul_t(sel, r, h, lm_head.as_ref(), held, &mut mine);
+    let mut padded = vec![0.0f32; r * per];
+    if held > 0 {
+        for (dst, src) in padded.chunks_exact_mut(per).zip(mine.chunks_exact(held)) {
+            dst[..held].copy_from_slice(src);
+        }
+    }
+    let all = rank.all_gather(padded)?;
+    let mut logits = Vec::with_capacity(r * v);
+    for row in 0..r {
+        for k in 0..shard.world {
+            let n = Shard { rank: k, ..shard }.vocab(v).len();
+            let at = k * r * per + row * per;
+            logits.extend_from_slice(&all[at..at + n]);
+        }
+    }
+    Ok(logits)
 }
 
 /// The flattened token rows that get logits, and how many of them each sequence has.

@@ -8,6 +8,7 @@ pub mod config;
 pub mod decoder;
 pub mod generation_config;
 pub mod gguf;
+pub mod tp;
 pub mod vision;
 pub mod weights;
 
