@@ -19,7 +19,10 @@
 # registered heap pool), TCP (1: also the TCP transport), BENCH (prebuilt binary),
 # MEMORY (host; `cuda`: source blocks and pool in GPU memory of device 0, GPU to GPU through
 # a CUDA-enabled UCX — transfer_bench built with `--features cuda-bench` — against
-# `ucx_perftest -m cuda`; HEAP and TCP runs are then skipped).
+# `ucx_perftest -m cuda`; HEAP and TCP runs are then skipped), CUDA_PAIR (with MEMORY=cuda:
+# "S,R", the sender's and the receiver's GPU of transfer_bench, e.g. "1,0" on a two-GPU
+# machine, where ucx_perftest's client sends from GPU 1 to its server's GPU 0 — its rule,
+# group index modulo the GPU count — so both measure the same pair over NVLink).
 # Figures are in MiB/s (2^20 B/s), the unit ucx_perftest prints as "MB/s".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,11 +82,19 @@ for v in $VARIANTS; do
     rm -f "$TMP"/ucx.*
 done
 
+# transfer_bench's GPUs from CUDA_PAIR (none: device 0 for both).
+PAIR_ARGS=()
+if [[ -n ${CUDA_PAIR:-} ]]; then
+    [[ $MEMORY == cuda ]] || { echo "CUDA_PAIR needs MEMORY=cuda" >&2; exit 2; }
+    [[ $CUDA_PAIR =~ ^([0-9]+),([0-9]+)$ ]] || { echo "CUDA_PAIR must be S,R (GPU indexes), not '$CUDA_PAIR'" >&2; exit 2; }
+    PAIR_ARGS=(--cuda-device "${BASH_REMATCH[1]}" --receiver-cuda-device "${BASH_REMATCH[2]}")
+fi
+
 run() {
     local tag=$1
     shift
-    echo "== transfer_bench $*"
-    "$BENCH" --blocks "$BLOCKS" --iters "$ITERS" --batch "$BATCH" "$@" | tee "$TMP/out_$tag" ||
+    echo "== transfer_bench $* ${PAIR_ARGS[*]}"
+    "$BENCH" --blocks "$BLOCKS" --iters "$ITERS" --batch "$BATCH" "$@" "${PAIR_ARGS[@]}" | tee "$TMP/out_$tag" ||
         echo "transfer_bench $* FAILED"
 }
 

@@ -9,7 +9,11 @@ The weights come from transformers' own initialisation (`Qwen3ForCausalLM(config
 `model.safetensors` (the tied lm_head is not stored). `tokenizer.json` and, if present,
 `tokenizer_config.json` are copied from --tokenizer-from (the folder of Tandem's built-in tiny
 model, which has the real Qwen3 tokenizer). --small makes a tiny variant for CPU testing
-(hidden 64, 2 layers, 4/2 heads, head_dim 16, intermediate 128, vocab 1000).
+(hidden 64, 2 layers, 4/2 heads, head_dim 16, intermediate 128, vocab 1000). --shape
+llama3-8b makes an 8B model for the two-GPU goodput run: Llama-3-8B's layer shapes (hidden
+4096, 32 layers, 32/8 heads of 128, intermediate 14336, rope theta 500000, untied lm_head)
+in the Qwen3 architecture (its q/k norms add 0.01% of the weights) with Qwen3's vocabulary of
+151,936, so that the copied tokenizer's every id has an embedding.
 """
 import argparse
 import json
@@ -38,6 +42,20 @@ REAL = dict(
     attention_bias=False,
     bos_token_id=151643,
     eos_token_id=151645,
+)
+
+LLAMA3_8B = dict(
+    REAL,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000,
+    tie_word_embeddings=False,
 )
 
 SMALL = dict(
@@ -76,13 +94,16 @@ def main():
     ap.add_argument("--layers", type=int, default=None,
                     help="number of decoder layers (default: 28, or 2 with --small)")
     ap.add_argument("--small", action="store_true", help="tiny variant for CPU testing")
+    ap.add_argument("--shape", choices=["qwen3-0.6b", "llama3-8b"], default="qwen3-0.6b",
+                    help="layer shapes (default Qwen3-0.6B's)")
     args = ap.parse_args()
 
     tok_src = os.path.join(args.tokenizer_from, "tokenizer.json")
     if not os.path.isfile(tok_src):
         sys.exit(f"{tok_src} does not exist")
 
-    fields = dict(SMALL if args.small else REAL)
+    shapes = {"qwen3-0.6b": REAL, "llama3-8b": LLAMA3_8B}
+    fields = dict(SMALL if args.small else shapes[args.shape])
     if args.layers is not None:
         fields["num_hidden_layers"] = args.layers
     config = Qwen3Config(**fields)
@@ -95,7 +116,7 @@ def main():
     config.architectures = ["Qwen3ForCausalLM"]
 
     log(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    log(f"config: {'small' if args.small else 'Qwen3-0.6B'} shape, "
+    log(f"config: {'small' if args.small else args.shape} shape, "
         f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"heads {config.num_attention_heads}/{config.num_key_value_heads}x{config.head_dim}, "
         f"intermediate {config.intermediate_size}, vocab {config.vocab_size}, seed {args.seed}")
@@ -129,7 +150,7 @@ def main():
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
 
-    # One safetensors file, tied lm_head not stored.
+    # One safetensors file (a tied lm_head not stored).
     st = os.path.join(args.out, "model.safetensors")
     if not os.path.isfile(st):
         sys.exit(f"expected a single {st}; found {sorted(os.listdir(args.out))}")
@@ -138,8 +159,9 @@ def main():
     with safe_open(st, framework="pt") as f:
         keys = list(f.keys())
         dtypes = {str(f.get_slice(k).get_dtype()) for k in keys}
-    if "lm_head.weight" in keys:
-        log("warning: lm_head.weight is stored although the embeddings are tied")
+    if ("lm_head.weight" in keys) == bool(fields["tie_word_embeddings"]):
+        log(f"warning: lm_head.weight {'is' if 'lm_head.weight' in keys else 'is not'} stored "
+            f"with tie_word_embeddings={fields['tie_word_embeddings']}")
     log(f"model.safetensors: {len(keys)} tensors, dtypes {sorted(dtypes)}, "
         f"{os.path.getsize(st) / 2**20:.1f} MiB")
 

@@ -66,6 +66,13 @@ pub struct UpArgs {
     /// e.g. --decode-arg=--device --decode-arg=cuda:1).
     #[arg(long = "decode-arg", allow_hyphen_values = true)]
     pub decode_args: Vec<String>,
+    /// Devices of the workers started here, one each in start order (encode, prefill, then
+    /// decode workers), cycling when there are fewer devices than workers: worker i gets
+    /// `--device` the i-th, after every other flag. `--devices cuda:0,cuda:1` puts a disagg
+    /// topology's prefill worker on GPU 0 and its decode worker on GPU 1, or two aggregated
+    /// workers on one GPU each.
+    #[arg(long, value_delimiter = ',', value_parser = parse_device, conflicts_with = "planner")]
+    pub devices: Vec<String>,
     /// Extra flags for the router (repeat, e.g. --router-arg=--enforce-disagg).
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     pub router_args: Vec<String>,
@@ -192,6 +199,24 @@ fn multimodal_args(mode: &str, epd: bool) -> Vec<String> {
         (_, false) => {}
     }
     a
+}
+
+/// A `--devices` entry: anything `--device` takes but `auto`.
+fn parse_device(s: &str) -> Result<String, String> {
+    match s.parse::<tandem_config::worker::DeviceChoice>()? {
+        tandem_config::worker::DeviceChoice::Auto => {
+            Err("name a device (cpu, cuda or cuda:N), not auto".into())
+        }
+        _ => Ok(s.to_string()),
+    }
+}
+
+/// The `--device` flag of the `i`-th worker started, from `--devices` (none when unset).
+fn device_args(devices: &[String], i: usize) -> Vec<String> {
+    match devices.len() {
+        0 => Vec::new(),
+        n => vec!["--device".into(), devices[i % n].clone()],
+    }
 }
 
 /// The model the workers serve: a folder (none: their built-in tiny model) and its name.
@@ -348,15 +373,20 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             // Only the encode workers are started here; the planner starts the rest.
             plan.retain(|(_, _, mode)| *mode == "encode");
         }
-        for (name, bin, mode) in plan {
+        for (i, (name, bin, mode)) in plan.into_iter().enumerate() {
+            let device = device_args(&args.devices, i);
             let launch = Launch {
                 bin: bin.to_path_buf(),
-                args: worker_args(mode),
+                args: [worker_args(mode), device.clone()].concat(),
                 marker: "TANDEM_WORKER_READY",
             };
             let line = topo.start(&name, launch, OnExit::Restart).await?;
+            let on = device
+                .last()
+                .map(|d| format!(" on {d}"))
+                .unwrap_or_default();
             println!(
-                "tandem: {name} ready at {} (/health, /metrics: http://{})",
+                "tandem: {name}{on} ready at {} (/health, /metrics: http://{})",
                 field(&line, "grpc=").unwrap_or("?"),
                 field(&line, "http=").unwrap_or("?")
             );
@@ -513,5 +543,22 @@ mod tests {
         assert_eq!(tail("agg"), ["--device", "cuda", "--device", "cuda:1"]);
         let encode = worker_args(&cli.up, "encode", &served, &[]);
         assert_eq!(encode[encode.len() - 2..], ["--device", "cuda"]);
+    }
+
+    #[test]
+    fn devices_go_to_the_workers_in_start_order() {
+        let cli = Cli::try_parse_from(["tandem", "--devices", "cuda:0,cuda:1"]).unwrap();
+        let d = &cli.up.devices;
+        assert_eq!(device_args(d, 0), ["--device", "cuda:0"]);
+        assert_eq!(device_args(d, 1), ["--device", "cuda:1"]);
+        assert_eq!(device_args(d, 2), ["--device", "cuda:0"]);
+        assert!(device_args(&[], 0).is_empty());
+        for bad in ["auto", "gpu1", "cuda:x"] {
+            let e = Cli::try_parse_from(["tandem", "--devices", bad])
+                .err()
+                .unwrap();
+            assert!(e.to_string().contains("--devices"), "{bad}: {e}");
+        }
+        assert!(Cli::try_parse_from(["tandem", "--devices", "cpu", "--planner"]).is_err());
     }
 }

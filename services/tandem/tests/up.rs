@@ -81,7 +81,11 @@ fn tandem_up_serves_a_tensor_parallel_model_as_it_serves_a_whole_one() {
     // whole decode worker's pool (the layout is the same for any tensor-parallel size).
     let tp = ["--worker-arg=--tensor-parallel-size", "--worker-arg=2"];
     let split = greedy(
-        &[&tp[..], &["--router-arg=--enforce-disagg"]].concat(),
+        &[
+            &tp[..],
+            &["--router-arg=--enforce-disagg", "--devices", "cpu"],
+        ]
+        .concat(),
         "2",
         "2",
     );
