@@ -89,7 +89,13 @@ pub fn print_summary(s: &Summary) {
         "requests {} ok {} failed {} in {:.2} s",
         s.requests, s.succeeded, s.failed, s.duration_s
     );
-    for (name, d) in [("TTFT", &s.ttft_ms), ("ITL", &s.itl_ms), ("E2E", &s.e2e_ms)] {
+    let rows = [
+        ("TTFT", &s.ttft_ms),
+        ("ITL", &s.itl_ms),
+        ("gap", &s.gap_ms),
+        ("E2E", &s.e2e_ms),
+    ];
+    for (name, d) in rows {
         println!(
             "{name:>5} ms  p50 {:9.2}  p90 {:9.2}  p99 {:9.2}  mean {:9.2}",
             d.p50, d.p90, d.p99, d.mean

@@ -56,6 +56,12 @@ impl Record {
         }
         Some((last - first) / (self.output_tokens - 1) as f64)
     }
+
+    /// The gaps between consecutive output chunks (a chunk may carry several tokens): the
+    /// stalls a reader of the stream sees, which a request's mean ITL averages away.
+    pub fn gaps(&self) -> impl Iterator<Item = f64> + '_ {
+        self.chunk_times.windows(2).map(|w| w[1] - w[0])
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -128,6 +134,8 @@ pub struct Summary {
     pub duration_s: f64,
     pub ttft_ms: Dist,
     pub itl_ms: Dist,
+    /// Every gap between output chunks of every successful request ([`Record::gaps`]).
+    pub gap_ms: Dist,
     pub e2e_ms: Dist,
     pub request_throughput: f64,
     pub output_token_throughput: f64,
@@ -178,6 +186,7 @@ pub fn summarize(records: &[Record], duration_s: f64, sla: Option<Sla>) -> Summa
         duration_s,
         ttft_ms: Dist::of(ok.iter().filter_map(|r| r.ttft()).collect()).ms(),
         itl_ms: Dist::of(ok.iter().filter_map(|r| r.itl()).collect()).ms(),
+        gap_ms: Dist::of(ok.iter().flat_map(|r| r.gaps()).collect()).ms(),
         e2e_ms: Dist::of(ok.iter().map(|r| r.e2e()).collect()).ms(),
         request_throughput: ok.len() as f64 / dur,
         output_token_throughput: ok.iter().map(|r| r.output_tokens).sum::<usize>() as f64 / dur,
@@ -270,6 +279,9 @@ mod tests {
         assert!((s.ttft_ms.p50 - 200.0).abs() < 1e-9);
         assert!((s.ttft_ms.min - 100.0).abs() < 1e-9);
         assert!((s.itl_ms.mean - 15.0).abs() < 1e-9);
+        // 10 gaps of each stream: 10 ms and 20 ms.
+        assert_eq!(s.gap_ms.count, 20);
+        assert!((s.gap_ms.min - 10.0).abs() < 1e-9 && (s.gap_ms.max - 20.0).abs() < 1e-9);
         assert!((s.e2e_ms.max - (300.0 + 200.0 + 1.0)).abs() < 1e-9);
         assert!((s.request_throughput - 0.2).abs() < 1e-12);
         assert!((s.output_token_throughput - 2.2).abs() < 1e-12);

@@ -37,7 +37,8 @@ ok = r["failed"] == 0 and r["succeeded"] == r["requests"] > 0
 print(f"{sys.argv[2]}: {r['succeeded']}/{r['requests']} ok, {r['failed']} failed, "
       f"{r['output_token_throughput']:.0f} out tok/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms "
       f"p90 {r['ttft_ms'].get('p90', float('nan')):.0f} ms p99 {r['ttft_ms']['p99']:.0f} ms, "
-      f"ITL p50 {r['itl_ms']['p50']:.2f} ms p99 {r['itl_ms'].get('p99', float('nan')):.2f} ms; queued (cumulative) {n:.0f}, mean wait {s / n if n else 0:.2f} s; "
+      f"ITL p50 {r['itl_ms']['p50']:.2f} ms p99 {r['itl_ms'].get('p99', float('nan')):.2f} ms, "
+      f"chunk gaps p50 {r.get('gap_ms', {}).get('p50', float('nan')):.2f} ms p99 {r.get('gap_ms', {}).get('p99', float('nan')):.2f} ms; queued (cumulative) {n:.0f}, mean wait {s / n if n else 0:.2f} s; "
       f"errors {r['errors']}")
 sys.exit(0 if ok else 1)
 PY
