@@ -117,7 +117,8 @@ impl CudaBackend {
         {
             // Each part's scales follow its slots: 16-byte aligned rows need 4 | size × heads.
             return Err(EngineError::Config(format!(
-                "an fp8 KV cache needs tokens_per_block × KV heads divisible by 4 (here {} × {})",
+                "an fp8 KV cache needs the KV block size (--kv-block-size) × KV heads \
+                 divisible by 4 (here {} × {})",
                 layout.block_size, layout.num_kv_heads
             )));
         }
