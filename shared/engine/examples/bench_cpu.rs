@@ -2,7 +2,10 @@
 //! tiny model and a Qwen3-0.6B-shaped random model, next to a pure GEMM rate measured in the
 //! same run (so the forward can be read as a fraction of what the GEMM crate delivers here).
 //!
-//!     cargo run -p tandem-engine --example bench_cpu [-- --quick]
+//!     cargo run -p tandem-engine --example bench_cpu [-- --quick] [--tensor-parallel N]
+//!
+//! `--tensor-parallel N` splits each model over N ranks (threads joined by the in-process
+//! all-reduce; the tiny model runs whole when N does not divide its heads).
 //!
 //! The dev profile already optimises tandem-engine and its dependencies (opt-level 3), so no
 //! release build is needed. `--quick` runs the 0.6B shape with 4 layers only. The 0.6B shape
@@ -24,8 +27,20 @@ const CONTEXT: usize = 128;
 const DECODE_STEPS: usize = 16;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let quick = std::env::args().any(|a| a == "--quick");
-    println!("rayon threads: {}", rayon::current_num_threads());
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let tp = match args.iter().position(|a| a == "--tensor-parallel") {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .ok_or("--tensor-parallel takes a rank count (1 or more)")?,
+        None => 1,
+    };
+    println!(
+        "rayon threads: {}, tensor parallel {tp}",
+        rayon::current_num_threads()
+    );
     let gemm = gemm_rate(PREFILL, 1024, 3072);
     let gemv = gemm_rate(1, 1024, 3072);
     let gemv8 = gemm_rate(8, 1024, 3072);
@@ -36,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "tiny (2 layers, hidden 64, f32 weights)",
         &TINY,
         gemm,
-        false,
+        (false, tp),
     )?;
     let q06 = TinyDims {
         hidden: 1024,
@@ -54,7 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &format!("Qwen3-0.6B shape ({} layers, {dtype} weights)", q06.layers),
             &q06,
             gemm,
-            bf16,
+            (bf16, tp),
         )?;
     }
     Ok(())
@@ -81,7 +96,7 @@ fn bench(
     name: &str,
     d: &TinyDims,
     gemm: f64,
-    bf16: bool,
+    (bf16, tp): (bool, usize),
 ) -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let cfg_json = serde_json::to_vec(&qwen3_config_json(d, "float32"))?;
@@ -118,6 +133,10 @@ fn bench(
         BLOCK,
         blocks,
     )?;
+    if tandem_engine::model::tp::Shard::check(&cfg, tp).is_ok() {
+        be = be.with_tensor_parallel(tp)?;
+    }
+    println!("  tensor parallel ranks: {}", be.tensor_parallel_size());
 
     // Prefill 512 tokens, one chunk.
     let prompt: Vec<u32> = (0..PREFILL as u32).map(|i| (i * 7919) % 150_000).collect();

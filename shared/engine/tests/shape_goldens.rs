@@ -73,9 +73,24 @@ fn qwen3_0_6b_layer_shapes_match_transformers() {
         m.weights.lm_head.is_some(),
         "the shape-check model has an untied lm_head"
     );
+    // Whole, and split over 2 and 8 tensor-parallel ranks (8 KV heads: one per rank).
+    for tp in [1, 2, 8] {
+        let mut be = CpuBackend::new(&m, KvDtype::F32, 16, 32)
+            .and_then(|be| be.with_tensor_parallel(tp))
+            .expect("backend");
+        let worst = check_goldens(&mut be, &g, &rows);
+        eprintln!(
+            "tensor parallel {tp}: largest |Δlogit| / std against transformers: {worst:.2e} \
+             (tolerance {TOL:.0e}); greedy tokens identical"
+        );
+    }
+}
+
+/// Every prompt's logits (in chunks of 10, then whole) and free-running greedy tokens against
+/// the goldens; returns the largest |Δ| / std.
+fn check_goldens(be: &mut CpuBackend, g: &Goldens, rows: &[f32]) -> f32 {
     let v = g.vocab_size;
     let block = 16;
-    let mut be = CpuBackend::new(&m, KvDtype::F32, block, 32).expect("backend");
     let mut worst = 0.0f32;
     for p in &g.prompts {
         let total = p.ids.len() + p.greedy.len();
@@ -135,5 +150,5 @@ fn qwen3_0_6b_layer_shapes_match_transformers() {
         }
         assert_eq!(got, p.greedy, "{}: greedy tokens", p.name);
     }
-    eprintln!("largest |Δlogit| / std against transformers: {worst:.2e} (tolerance {TOL:.0e})");
+    worst
 }
