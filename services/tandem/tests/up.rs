@@ -177,28 +177,36 @@ impl Up {
 
     /// A 4-token chat completion through the API.
     fn chat(&self) {
-        let out = Command::new("curl")
-            .args(["-s", "-m", "60", &self.url, "-H", "Content-Type: application/json", "-d",
-                   r#"{"model": "tandem-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4}"#])
-            .output()
-            .expect("curl");
-        let body: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON response");
-        assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+        self.complete(r#"{"model": "tandem-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4}"#, 4);
     }
 
     /// The text of a 12-token greedy chat completion.
     fn greedy_text(&self) -> String {
-        let out = Command::new("curl")
-            .args(["-s", "-m", "60", &self.url, "-H", "Content-Type: application/json", "-d",
-                   r#"{"model": "tandem-tiny", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12, "temperature": 0}"#])
-            .output()
-            .expect("curl");
-        let body: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON response");
-        assert_eq!(body["usage"]["completion_tokens"], 12, "{body}");
+        let body = self.complete(r#"{"model": "tandem-tiny", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12, "temperature": 0}"#, 12);
         body["choices"][0]["message"]["content"]
             .as_str()
             .unwrap_or_else(|| panic!("no content: {body}"))
             .to_string()
+    }
+
+    /// The response to a chat completion `request`, which must have produced `tokens` tokens.
+    fn complete(&self, request: &str, tokens: u64) -> serde_json::Value {
+        let out = Command::new("curl")
+            .args([
+                "-s",
+                "-m",
+                "60",
+                &self.url,
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                request,
+            ])
+            .output()
+            .expect("curl");
+        let body: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON response");
+        assert_eq!(body["usage"]["completion_tokens"], tokens, "{body}");
+        body
     }
 
     /// The command line of the child process running `program`.
