@@ -40,6 +40,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         (8, HIDDEN, 2 * IM),
         (64, HIDDEN, 2 * IM),
         (300, IM, HIDDEN),
+        (1100, 256, 96),
     ] {
         let x: Vec<f32> = rng
             .vec(m * k)
@@ -58,6 +59,7 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             DeviceMatrix::Bf16(dev.upload(&wv.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?);
         let mut dout = dev.zeros::<f32>(m * nn)?;
         dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+        let got = dev.download(&dout)?;
         rep.add(
             if m <= 2 {
                 "gemm_bf16 (gemv)"
@@ -65,9 +67,22 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                 "gemm_bf16"
             },
             &format!("{m}x{k}x{nn}"),
-            &dev.download(&dout)?,
+            &got,
             &want,
             1e-3,
+        );
+        // The same call again: the very same values (what a graph's replay relies on).
+        dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+        let again = dev.download(&dout)?;
+        let same = again
+            .iter()
+            .zip(&got)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        rep.flag(
+            "gemm_bf16 repeat",
+            &format!("{m}x{k}x{nn}"),
+            same,
+            json!(same),
         );
     }
     // The fused decode launches of gemv.cu (norm + GEMV, norm + gate_up + SiLU·mul)
