@@ -5,8 +5,9 @@ ptxas (from the PyPI wheel nvidia-cuda-nvcc, no GPU needed) assembles the PTX th
 cuda_ptx_check wrote for sm_90 and reports each entry point's registers and spills. The hot
 decode and prefill kernels' occupancy rests on their register counts (the decode attention's
 5 blocks per SM at 96 registers, docs/benchmarks.md), so each budgeted kernel must stay at or
-under its budget and must not spill; a change that needs more says so by raising the budget
-in the budget file. Prints a JSON report; exit status 1 when a budget is broken.
+under its budget and must not spill (beyond the bytes the budget file's `spill_bytes` grants
+a kernel whose measured speed came with them); a change that needs more says so by raising
+the budget in the budget file. Prints a JSON report; exit status 1 when a budget is broken.
 
 usage: kernel_registers.py --ptxas PTXAS --ptx FILE --budgets JSON
 """
@@ -37,8 +38,10 @@ def parse(log):
     return out
 
 
-def check(found, budgets):
-    """Messages for every budgeted kernel missing, over its budget, or spilling."""
+def check(found, budgets, spill_allowed=None):
+    """Messages for every budgeted kernel missing, over its budget, or spilling more than the
+    bytes (stored + loaded) its entry in `spill_allowed` grants (none by default)."""
+    spill_allowed = spill_allowed or {}
     problems = []
     for kernel, budget in sorted(budgets.items()):
         k = found.get(kernel)
@@ -47,7 +50,7 @@ def check(found, budgets):
             continue
         if k["registers"] > budget:
             problems.append(f"{kernel}: {k['registers']} registers, budget {budget}")
-        if k["spill_stores"] or k["spill_loads"]:
+        if k["spill_stores"] + k["spill_loads"] > spill_allowed.get(kernel, 0):
             problems.append(f"{kernel}: spills ({k['spill_stores']} bytes stored, {k['spill_loads']} loaded)")
     return problems
 
@@ -61,7 +64,9 @@ def main():
     a = ap.parse_args()
     try:
         with open(a.budgets) as f:
-            budgets = json.load(f)["registers"]
+            doc = json.load(f)
+        budgets = doc["registers"]
+        spill_allowed = doc.get("spill_bytes", {})
     except (OSError, ValueError, KeyError) as e:
         print(f"kernel registers: cannot read the budgets {a.budgets}: {e!r}", file=sys.stderr)
         return 1
@@ -75,7 +80,7 @@ def main():
         print(f"ptxas failed ({run.returncode}):\n{run.stderr[-4000:]}", file=sys.stderr)
         return 1
     found = parse(run.stdout + run.stderr)
-    problems = check(found, budgets)
+    problems = check(found, budgets, spill_allowed)
     report = {"arch": a.arch, "kernels": len(found),
               "budgeted": {k: found.get(k) for k in sorted(budgets)}, "problems": problems}
     print(json.dumps(report, indent=1))

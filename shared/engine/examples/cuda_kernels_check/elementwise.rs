@@ -4,7 +4,7 @@ use serde_json::json;
 use tandem_engine::backend::cpu_ops::{
     bf16_to_f32, rms_norm_rows, rms_norm_rows_inplace, rope_apply, silu_mul, Matrix,
 };
-use tandem_engine::backend::cuda::DeviceMatrix;
+use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, KvPool};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
@@ -128,6 +128,54 @@ pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// A prefill step of 300 tokens: from 256 tokens on, each token's heads are walked by the
+/// warps of one block (one rotation per token); the rows against the CPU, and the fused KV
+/// write against `kv_write` of the same rows, into an f16 pool whose blocks are permuted.
+fn rope_many_tokens(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    rng: &mut Rng,
+    rope_in: &RopeInputs,
+) -> Result<(), EngineError> {
+    const T: usize = 300;
+    let table: Vec<u32> = (0..POOL_SHAPE.num_blocks as u32).rev().collect();
+    let refs: Vec<SeqRef<'_>> = vec![(table.as_slice(), 0..T)];
+    let maps = dev.token_maps(&refs, BS, usize::MAX)?;
+    let q0 = rng.vec(T * ROW);
+    let mut want = q0.clone();
+    for (row, pos) in want.chunks_exact_mut(ROW).zip(0..T) {
+        for (h, head) in row[..(NQ + NKV) * HD].chunks_exact_mut(HD).enumerate() {
+            rms_norm_rows_inplace(head, if h < NQ { &rope_in.qn } else { &rope_in.kn }, EPS);
+            rope_apply(head, pos, &rope_in.inv64);
+        }
+    }
+    let heads = rope_in.heads();
+    let (mut q1, mut q2) = (dev.upload(&q0)?, dev.upload(&q0)?);
+    dev.qk_norm_rope(&mut q1, ROW, &heads, &maps)?;
+    rep.add(
+        "qk_norm_rope",
+        "q/k norm + rope, 300 tokens",
+        &dev.download(&q1)?,
+        &want,
+        2e-5,
+    );
+    let zeros = vec![0u16; POOL_SHAPE.elems()];
+    let (mut p1, mut p2) = (
+        KvPool::Half(dev.upload(&zeros)?),
+        KvPool::Half(dev.upload(&zeros)?),
+    );
+    dev.kv_write(kv_at(&mut p1, 1), &q1, ROW, NQ * HD, &maps)?;
+    dev.qk_norm_rope_kv(&mut q2, ROW, &heads, &maps, kv_at(&mut p2, 1))?;
+    rep.add(
+        "qk_norm_rope_kv",
+        "f16 pool, 300 tokens",
+        &download_pool(dev, &p2)?,
+        &download_pool(dev, &p1)?,
+        0.0,
+    );
+    Ok(())
+}
+
 /// Per-head q/k norm + RoPE and RoPE alone, at positions up to several thousand; SiLU·mul.
 pub(crate) fn rope_and_silu(cx: &mut Ctx) -> Result<(), EngineError> {
     let Ctx { dev, rep, rng } = cx;
@@ -185,6 +233,8 @@ pub(crate) fn rope_and_silu(cx: &mut Ctx) -> Result<(), EngineError> {
             1e-4,
         );
     }
+
+    rope_many_tokens(dev, rep, rng, &rope_in)?;
 
     // SiLU·mul.
     let gu = rng

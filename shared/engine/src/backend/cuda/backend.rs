@@ -15,6 +15,7 @@
 use super::graphs::{replay_seconds, run_step, GraphCache, GraphStats};
 pub use super::precision::ComputeMode;
 use super::precision::PoolElem;
+use super::rope_kv::MAX_HEAD_DIM;
 use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Workspace};
 use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
 use super::weights::{upload_weights, DeviceWeights};
@@ -102,6 +103,13 @@ impl CudaBackend {
         model_id: String,
         opts: &CudaOptions,
     ) -> Result<Self, EngineError> {
+        if config.head_dim > MAX_HEAD_DIM || !config.head_dim.is_multiple_of(2) {
+            return Err(EngineError::Config(format!(
+                "the CUDA backend serves an even head_dim of at most {MAX_HEAD_DIM} (this \
+                 model: {}); use --device cpu",
+                config.head_dim
+            )));
+        }
         let layout = kv_layout(&config, model_id, opts)?;
         let mode = opts.mode;
         if dev.float16() != mode.float16() {

@@ -19,11 +19,6 @@
 #define ATT_UNROLL 4
 #endif
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // A lane's E elements of a head row as loaded (converted to f32 only when used, so a run of
 // prefetched rows costs half the registers in bf16): four bf16 are one 8-byte load.
 template <typename T, int E>

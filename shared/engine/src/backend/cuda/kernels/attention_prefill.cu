@@ -341,9 +341,13 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     extern __shared__ __align__(16) unsigned char fa_smem[];
     // [stage][K or V][FA_BK][ROW]
     e16_t* smem = reinterpret_cast<e16_t*>(fa_smem);
-    const int g = blockIdx.y;
-    const int tok0 = tiles[2 * blockIdx.x];
-    const int ntok = tiles[2 * blockIdx.x + 1];
+    // Blocks in launch order take the tiles last-first, every KV head's tile before the
+    // previous tile: the longest causal runs start first and the grid's tail is short ones.
+    const int id = blockIdx.y * gridDim.x + blockIdx.x;
+    const int g = id % gridDim.y;
+    const int tile = gridDim.x - 1 - id / gridDim.y;
+    const int tok0 = tiles[2 * tile];
+    const int ntok = tiles[2 * tile + 1];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int qr = lane >> 2;  // fragment row (and +8)
@@ -418,15 +422,26 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
         if (k0 <= warp_pos) {  // else every row of this warp is before the run
             float s[FA_BK / 8][4];
             qk_scores<HD, FA_BK / 8>(s, qa, sk);
-            // Mask (each row's own causal and sliding-window limits) and scale.
+            // Mask (each row's own causal and sliding-window limits) and scale; a run every
+            // row of the warp sees whole is only scaled.
+            const bool whole = __all_sync(0xffffffffu, k0 >= max(row_lo[0], row_lo[1]) &&
+                                                           k0 + FA_BK - 1 <= min(row_pos[0], row_pos[1]));
+            if (whole) {
 #pragma unroll
-            for (int nt = 0; nt < FA_BK / 8; ++nt) {
+                for (int nt = 0; nt < FA_BK / 8; ++nt) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = e >> 1;
-                    const int key = k0 + nt * 8 + 2 * qc + (e & 1);
-                    const bool ok = key >= row_lo[i] && key <= row_pos[i];
-                    s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
+                    for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < FA_BK / 8; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = e >> 1;
+                        const int key = k0 + nt * 8 + 2 * qc + (e & 1);
+                        const bool ok = key >= row_lo[i] && key <= row_pos[i];
+                        s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
+                    }
                 }
             }
             softmax_step<HD, FA_BK / 8>(s, m, l, o);
@@ -455,7 +470,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
 }
 
 #define ATTENTION_PREFILL(NAME, O, HD)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                                \
+    extern "C" __global__ void __launch_bounds__(128, 3) NAME(                                                \
         O* out, const float* qkv, int row_stride, const kv_t* pool, const int* tables,                    \
         const int* table_start, const int* positions, const int* lo_pos, const int* tiles, int nq, int nkv, \
         int group, int block_size, int layer, int num_layers, float scale, long long lo_off) { GRID_DEPENDENCY_SYNC();             \

@@ -163,6 +163,12 @@ __device__ __forceinline__ unsigned e4m3x2_to_h2(unsigned short c) {
 #define GRID_DEPENDENCY_SYNC()
 #endif
 
+// Sum of `v` over the warp; every lane gets the result.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Sum of `v` over the whole block; every thread gets the result. blockDim.x must be a
 // multiple of 32 (at most 1024) and every thread of the block must call it.
 __device__ float block_sum(float v) {

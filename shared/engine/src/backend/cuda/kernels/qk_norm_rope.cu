@@ -4,8 +4,10 @@
 // pairs (j, j + head_dim/2), angle = inv_freq[j] * pos computed in f32 (cpu_ops::rope_apply).
 // With a pool (qk_norm_rope_kv_*), the k heads as rotated and the v heads as they are are also
 // stored into the paged pool (kv_write.cu's address function): the KV write in the same
-// launch. Grid (tokens, nq + nkv, or nq + 2 * nkv with a pool); blockDim.x = head_dim/2
-// rounded up to a multiple of 32.
+// launch. Two forms: for steps of fewer than 256 tokens (decode) and for every FP8 pool, a
+// block per head — grid (tokens, nq + nkv, or nq + 2 * nkv with a pool), blockDim.x =
+// head_dim/2 rounded up to a multiple of 32; for longer steps with a 16- or 32-bit pool (or
+// none), a warp per head (qk_norm_rope_tokens_*, below).
 // Head h of token t, by the calling block (threads j < head_dim / 2 each rotate a pair; every
 // thread of the block must call it: the norm is a block reduction). The head is read through
 // L2 (`__ldcg`): the fused qkv GEMV calls this on values other blocks of its grid wrote.
@@ -98,3 +100,121 @@ QK_NORM_ROPE_KV(qk_norm_rope_kv_f32, float)
 QK_NORM_ROPE_KV(qk_norm_rope_kv_bf16, e16_t)
 QK_NORM_ROPE_KV(qk_norm_rope_kv_h16, h16_t)
 QK_NORM_ROPE_KV(qk_norm_rope_kv_fp8, f8_t)
+
+// The warp-per-head form, for steps of 256 tokens and more (prefill chunks) over a 16- or
+// 32-bit pool or none: the same arguments and `heads`, the heads of a row it rotates (and
+// stores). Grid (tokens, rows), blocks of W warps; warp w of block (t, y) takes heads
+// y * W + w, then every rows * W further. Lane l holds the pairs j = l + 32 i (i < QR_PAIRS:
+// head_dim at most 256) and computes their sin and cos once for the token; the norm is a warp
+// reduction, no block barriers. The launcher gives each token one block of 8 warps.
+#define QR_PAIRS 4
+
+// Stores a head's row (lane's pairs x[i], y[i] at j, j + half) at `at` of the pool.
+template <typename T>
+__device__ __forceinline__ void store_kv_head(T* pool, long long at, int lane, int half,
+                                              const float (&x)[QR_PAIRS], const float (&y)[QR_PAIRS]) {
+#pragma unroll
+    for (int i = 0; i < QR_PAIRS; ++i) {
+        const int j = lane + 32 * i;
+        if (j < half) {
+            store_f(pool, at + j, x[i]);
+            store_f(pool, at + j + half, y[i]);
+        }
+    }
+}
+template <typename T>
+__device__ void qk_norm_rope_tokens_impl(float* qkv, int row_stride, int nq, int nkv, int heads, int head_dim,
+                                  const int* positions, const float* inv_freq, const float* q_norm,
+                                  const float* k_norm, float eps, T* pool, const int* token_block, int block_size,
+                                  int layer, int num_layers, long long in_lo) {
+    const int t = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const int half = head_dim / 2;
+    // The token's rotation, once for all the heads this warp takes.
+    const float pos = (float)positions[t];
+    float sn[QR_PAIRS], cs[QR_PAIRS];
+#pragma unroll
+    for (int i = 0; i < QR_PAIRS; ++i) {
+        const int j = lane + 32 * i;
+        sn[i] = 0.0f;
+        cs[i] = 0.0f;
+        if (j < half) sincosf(inv_freq[j] * pos, &sn[i], &cs[i]);
+    }
+    // The token's K part of `layer` in the pool (its V part is part_e further), its slot.
+    const long long kvd = (long long)nkv * head_dim;
+    long long base = 0, part_e = 0, slot = 0;
+    if (pool != nullptr) {
+        part_e = kv_part_e<T>(block_size, kvd, nkv);
+        base = (long long)token_block[t] * num_layers * 2 * part_e + (long long)layer * 2 * part_e;
+        slot = positions[t] % block_size;
+    }
+    float* row = qkv + (long long)t * row_stride;
+    const int warps = blockDim.x >> 5;
+    for (int h = blockIdx.y * warps + (threadIdx.x >> 5); h < heads; h += gridDim.y * warps) {
+        float* v = row + (long long)h * head_dim;
+        // Element i of the head, folded.
+        auto load = [&](int i) { return in_lo != 0 ? __ldcg(v + i) + __ldcg(v + in_lo + i) : __ldcg(v + i); };
+        float x[QR_PAIRS], y[QR_PAIRS];
+#pragma unroll
+        for (int i = 0; i < QR_PAIRS; ++i) {
+            const int j = lane + 32 * i;
+            x[i] = j < half ? load(j) : 0.0f;
+            y[i] = j < half ? load(j + half) : 0.0f;
+        }
+        const bool is_v = pool != nullptr && h >= nq + nkv;  // uniform over the warp
+        if (!is_v) {
+            const float* nw = h < nq ? q_norm : k_norm;
+            float r = 1.0f;
+            if (nw != nullptr) {
+                float ss = 0.0f;
+#pragma unroll
+                for (int i = 0; i < QR_PAIRS; ++i) ss += x[i] * x[i] + y[i] * y[i];
+                r = 1.0f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
+            }
+#pragma unroll
+            for (int i = 0; i < QR_PAIRS; ++i) {
+                const int j = lane + 32 * i;
+                if (j < half) {
+                    float a = x[i], b = y[i];
+                    if (nw != nullptr) {
+                        a = nw[j] * (a * r);
+                        b = nw[j + half] * (b * r);
+                    }
+                    x[i] = a * cs[i] - b * sn[i];
+                    y[i] = b * cs[i] + a * sn[i];
+                    v[j] = x[i];
+                    v[j + half] = y[i];
+                }
+            }
+        }
+        if (pool != nullptr && h >= nq) {  // a k or v head: its row in the pool
+            const int kh = h - nq;
+            const long long part = base + (kh >= nkv ? part_e : 0);
+            const long long at = part + slot * kvd + (long long)(kh % nkv) * head_dim;
+            store_kv_head(pool, at, lane, half, x, y);
+        }
+    }
+}
+
+extern "C" __global__ void qk_norm_rope_tokens_f32(float* qkv, int row_stride, int nq, int heads, int head_dim,
+                                            const int* positions, const float* inv_freq,
+                                            const float* q_norm, const float* k_norm, float eps) {
+    GRID_DEPENDENCY_SYNC();
+    // No pool: every head past the q heads is a k head.
+    qk_norm_rope_tokens_impl<float>(qkv, row_stride, nq, 0, heads, head_dim, positions, inv_freq, q_norm, k_norm, eps,
+                             nullptr, nullptr, 0, 0, 0, 0);
+}
+
+#define QK_NORM_ROPE_KV_TOKENS(NAME, T)                                                                              \
+    extern "C" __global__ void NAME(float* qkv, int row_stride, int nq, int nkv, int heads, int head_dim,     \
+                                    const int* positions, const float* inv_freq, const float* q_norm,         \
+                                    const float* k_norm, float eps, T* pool, const int* token_block,          \
+                                    int block_size, int layer, int num_layers, long long in_lo) {             \
+        GRID_DEPENDENCY_SYNC();                                                                               \
+        qk_norm_rope_tokens_impl<T>(qkv, row_stride, nq, nkv, heads, head_dim, positions, inv_freq, q_norm, k_norm,  \
+                             eps, pool, token_block, block_size, layer, num_layers, in_lo);                   \
+    }
+
+QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_f32, float)
+QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_bf16, e16_t)
+QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_h16, h16_t)
