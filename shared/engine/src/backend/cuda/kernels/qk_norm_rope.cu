@@ -8,6 +8,22 @@
 // block per head — grid (tokens, nq + nkv, or nq + 2 * nkv with a pool), blockDim.x =
 // head_dim/2 rounded up to a multiple of 32; for longer steps with a 16- or 32-bit pool (or
 // none), a warp per head (qk_norm_rope_tokens_*, below).
+// Where K or V head kh (the k heads 0 .. nkv, then the v heads) of token t is stored in the
+// pool: `part`, the element its block's K or V part of `layer` starts at, and `at`, its row's.
+struct KvHeadAt {
+    long long part, at;
+};
+template <typename T>
+__device__ __forceinline__ KvHeadAt kv_head_at(const int* token_block, const int* positions, int t, int kh, int nkv,
+                                               int head_dim, int block_size, int layer, int num_layers) {
+    const long long kvd = (long long)nkv * head_dim;
+    const long long part_e = kv_part_e<T>(block_size, kvd, nkv);
+    const long long slot = positions[t] % block_size;
+    const long long part =
+        ((long long)token_block[t] * num_layers + layer) * 2 * part_e + (kh >= nkv ? part_e : 0);
+    return {part, part + slot * kvd + (long long)(kh % nkv) * head_dim};
+}
+
 // Head h of token t, by the calling block (threads j < head_dim / 2 each rotate a pair; every
 // thread of the block must call it: the norm is a block reduction). The head is read through
 // L2 (`__ldcg`): the fused qkv GEMV calls this on values other blocks of its grid wrote.
@@ -26,15 +42,11 @@ __device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int 
     // its scale at `sat`).
     long long at = -1, sat = -1;
     if (pool != nullptr && h >= nq) {
-        const long long kvd = (long long)nkv * head_dim;
-        const long long part_e = kv_part_e<T>(block_size, kvd, nkv);
-        const long long layer_e = 2 * part_e;
-        const long long block_e = (long long)num_layers * layer_e;
         const int kh = h - nq;
+        const KvHeadAt kv = kv_head_at<T>(token_block, positions, t, kh, nkv, head_dim, block_size, layer, num_layers);
         const long long slot = positions[t] % block_size;
-        const long long part = (long long)token_block[t] * block_e + (long long)layer * layer_e + (kh >= nkv ? part_e : 0);
-        at = part + slot * kvd + (long long)(kh % nkv) * head_dim;
-        sat = part + (long long)block_size * kvd + (slot * nkv + kh % nkv) * 4;
+        at = kv.at;
+        sat = kv.part + (long long)block_size * nkv * head_dim + (slot * nkv + kh % nkv) * 4;
     }
     // Element i of the head, folded.
     auto load = [&](int i) { return in_lo != 0 ? __ldcg(v + i) + __ldcg(v + in_lo + i) : __ldcg(v + i); };
@@ -103,8 +115,7 @@ QK_NORM_ROPE_KV(qk_norm_rope_kv_fp8, f8_t)
 
 // The warp-per-head form, for steps of 256 tokens and more (prefill chunks) over a 16- or
 // 32-bit pool or none: the same arguments and `heads`, the heads of a row it rotates (and
-// stores). Grid (tokens, rows), blocks of W warps; warp w of block (t, y) takes heads
-// y * W + w, then every rows * W further. Lane l holds the pairs j = l + 32 i (i < QR_PAIRS:
+// stores). Grid (tokens), a block of W warps per token; warp w takes heads w, w + W, .... Lane l holds the pairs j = l + 32 i (i < QR_PAIRS:
 // head_dim at most 256) and computes their sin and cos once for the token; the norm is a warp
 // reduction, no block barriers. The launcher gives each token one block of 8 warps.
 #define QR_PAIRS 4
@@ -140,17 +151,9 @@ __device__ void qk_norm_rope_tokens_impl(float* qkv, int row_stride, int nq, int
         cs[i] = 0.0f;
         if (j < half) sincosf(inv_freq[j] * pos, &sn[i], &cs[i]);
     }
-    // The token's K part of `layer` in the pool (its V part is part_e further), its slot.
-    const long long kvd = (long long)nkv * head_dim;
-    long long base = 0, part_e = 0, slot = 0;
-    if (pool != nullptr) {
-        part_e = kv_part_e<T>(block_size, kvd, nkv);
-        base = (long long)token_block[t] * num_layers * 2 * part_e + (long long)layer * 2 * part_e;
-        slot = positions[t] % block_size;
-    }
     float* row = qkv + (long long)t * row_stride;
     const int warps = blockDim.x >> 5;
-    for (int h = blockIdx.y * warps + (threadIdx.x >> 5); h < heads; h += gridDim.y * warps) {
+    for (int h = threadIdx.x >> 5; h < heads; h += warps) {
         float* v = row + (long long)h * head_dim;
         // Element i of the head, folded.
         auto load = [&](int i) { return in_lo != 0 ? __ldcg(v + i) + __ldcg(v + in_lo + i) : __ldcg(v + i); };
@@ -188,10 +191,9 @@ __device__ void qk_norm_rope_tokens_impl(float* qkv, int row_stride, int nq, int
             }
         }
         if (pool != nullptr && h >= nq) {  // a k or v head: its row in the pool
-            const int kh = h - nq;
-            const long long part = base + (kh >= nkv ? part_e : 0);
-            const long long at = part + slot * kvd + (long long)(kh % nkv) * head_dim;
-            store_kv_head(pool, at, lane, half, x, y);
+            const KvHeadAt kv =
+                kv_head_at<T>(token_block, positions, t, h - nq, nkv, head_dim, block_size, layer, num_layers);
+            store_kv_head(pool, kv.at, lane, half, x, y);
         }
     }
 }
