@@ -105,11 +105,12 @@ pub(crate) const ROW: usize = (NQ + 2 * NKV) * HD;
 pub(crate) fn sequences() -> Vec<(Vec<u32>, std::ops::Range<usize>)> {
     // A decode token at position 150 (three runs of 64 keys: one block of two stages stages
     // two before the PDL wait and the third, holding the step's own key, after it), a prefill
-    // chunk over a cached prefix (40..90: two tiles of the tensor-core prefill, keys in two
-    // runs) and a fresh prefill (0..33); block ids permuted over a pool of 20.
+    // chunk over a cached prefix (40..110: two tiles of the tensor-core prefill at 64 tokens
+    // per tile, the second of 6 tokens, keys in two runs) and a fresh prefill (0..33); block
+    // ids permuted over a pool of 20.
     vec![
         (vec![3, 9, 0, 14, 6, 11, 1, 16, 19, 17], 150..151),
-        (vec![5, 12, 2, 8, 13, 7], 40..90),
+        (vec![5, 12, 2, 8, 13, 7, 18], 40..110),
         (vec![15, 4, 10], 0..33),
     ]
 }

@@ -82,7 +82,7 @@ impl CudaDevice {
 
     /// Whether [`CudaDevice::attention_prefill`] serves this shape: a 16-bit pool (the
     /// program's bf16 or f16, or f16 beside bf16 weights), head_dim 64
-    /// or 128; the tokens per tile then (64 rows of (token, q head) pairs).
+    /// or 128; the tokens per tile then (128 rows of (token, q head) pairs).
     pub fn prefill_tile_tokens(pool16: bool, head_dim: usize, group: usize) -> Option<usize> {
         (pool16 && matches!(head_dim, 64 | 128) && (1..=FA_ROWS).contains(&group))
             .then_some(FA_ROWS / group)
@@ -431,13 +431,20 @@ impl CudaDevice {
 const ATT_WARPS: u32 = 4;
 const ATT_GMAX: usize = 8;
 const ATT_HDMAX: usize = 256;
-/// Rows ((token, q head) pairs) per tile of `attention_prefill.cu` (its FA_BQ).
-const FA_ROWS: usize = 64;
+/// Rows ((token, q head) pairs) per tile of `attention_prefill.cu` (its FA_BQ: 32 per warp).
+const FA_ROWS: usize = 128;
 /// Keys per run and row padding of `attention_prefill.cu` (FA_BK, FA_PAD).
 pub(super) const FA_KEYS: usize = 64;
 pub(super) const FA_PAD: usize = 8;
 
-/// Dynamic shared memory of `attention_prefill.cu` at `head_dim`: 2 stages of K and V runs.
-pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
+/// Two stages of K and V runs of `FA_KEYS` keys at `head_dim` in 16 bits (padded rows): the
+/// shared memory both tensor-core attention kernels stage keys in.
+pub(super) fn kv_stages_smem_bytes(head_dim: usize) -> u32 {
     (2 * 2 * FA_KEYS * (head_dim + FA_PAD) * 2) as u32
+}
+
+/// Dynamic shared memory of `attention_prefill.cu` at `head_dim`: the tile's Q rows in 16
+/// bits, then two stages of K and V runs.
+pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
+    (FA_ROWS * (head_dim + FA_PAD) * 2) as u32 + kv_stages_smem_bytes(head_dim)
 }

@@ -188,16 +188,16 @@ pub(super) fn decode_cluster_kernel(out: &str, group: usize, head_dim: usize) ->
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention::prefill_smem_bytes;
+    use super::super::attention::kv_stages_smem_bytes;
     use super::{decode_cluster_kernel, decode_kernel, decode_smem_bytes};
 
     #[test]
     fn decode_shared_memory_holds_its_stages_and_merge_area() {
         for hd in [64, 128] {
-            // Two stages are the prefill kernel's layout (the attribute set at load covers it).
-            assert_eq!(decode_smem_bytes(hd, 2, false), prefill_smem_bytes(hd));
+            // Two stages are the prefill kernel's K/V layout (the attribute set at load).
+            assert_eq!(decode_smem_bytes(hd, 2, false), kv_stages_smem_bytes(hd));
             let one = decode_smem_bytes(hd, 1, false);
-            assert_eq!(one * 2, prefill_smem_bytes(hd));
+            assert_eq!(one * 2, kv_stages_smem_bytes(hd));
             // The merge area: 4 warps × 16 heads × (hd + 4) outputs, plus (max, sum) pairs.
             assert!(one as usize >= 4 * 16 * (hd + 4) * 4 + 4 * 16 * 2 * 4);
             // FP8: one 16-bit slot and the byte stages, both within the attribute set at load.
@@ -206,7 +206,7 @@ mod tests {
                 decode_smem_bytes(hd, 2, true),
             );
             assert!(
-                one < f1 && f1 < f2 && f2 <= prefill_smem_bytes(hd),
+                one < f1 && f1 < f2 && f2 <= kv_stages_smem_bytes(hd),
                 "{f1} {f2}"
             );
             assert_eq!(f2 - f1, (2 * 64 * hd + 2 * 64 * 4) as u32);

@@ -639,6 +639,13 @@ fn load_functions(
             .map_err(cuda_err(&format!("loading kernel {name}")))?;
         // The tensor-core attention kernels take more than the default 48 KiB of dynamic
         // shared memory.
+        let smem_bytes = |hd: usize| {
+            if name.starts_with("attention_prefill_") {
+                attention::prefill_smem_bytes(hd)
+            } else {
+                attention::kv_stages_smem_bytes(hd)
+            }
+        };
         if let Some(hd) = name
             .strip_prefix("attention_prefill_")
             .or_else(|| name.strip_prefix("attention_decode_"))
@@ -647,7 +654,7 @@ fn load_functions(
         {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attention::prefill_smem_bytes(hd) as i32,
+                smem_bytes(hd) as i32,
             )
             .map_err(cuda_err(&format!("sizing the shared memory of {name}")))?;
         }

@@ -3,17 +3,21 @@
 //
 // Grid (tiles, nkv); block 4 warps. A tile is up to FA_BQ / group consecutive tokens of one
 // sequence (`tiles` holds (first token, tokens) pairs); its FA_BQ rows are (token, q head)
-// pairs of one KV head's group, 16 per warp. The block walks the keys in runs of FA_BK: the
-// run's K and V rows are gathered from their blocks into shared memory by cp.async, double
-// buffered (the next run loads while this one computes; dynamic shared memory of
-// 2 stages × (K, V) × FA_BK × (HD + FA_PAD) bf16), the B fragments come from ldmatrix, and
-// each warp computes its
-// 16 × FA_BK scores with mma.sync (bf16 in, f32 out), masks them by each row's own causal and
-// sliding-window limits, updates its running max / sum in registers, and adds P·V (P rounded
-// to bf16) into f32 accumulators. The fragment layouts are those of m16n8k16 (PTX ISA), so
-// the scores' accumulator fragment is reused as the A operand of P·V without a round trip
+// pairs of one KV head's group, 32 per warp as two m16 row blocks, so that every K and V
+// fragment a warp reads from shared memory feeds two mma. The tile's Q rows are rounded to
+// the 16-bit type into shared memory once and read back by ldmatrix per 32 columns (held in
+// registers they would not fit beside the two blocks' accumulators). The block walks the
+// keys in runs of FA_BK: the run's K and V rows are gathered from their blocks into shared
+// memory by cp.async, double buffered (the next run loads while this one computes; dynamic
+// shared memory of the Q tile, then 2 stages × (K, V) × FA_BK × (HD + FA_PAD) 16-bit
+// values), the B fragments come from ldmatrix, and each warp computes its 32 × FA_BK scores
+// with mma.sync (16-bit in, f32 out), masks them by each row's own causal and sliding-window
+// limits, updates its running max / sum in registers, and adds P·V (P rounded to the 16-bit
+// type) into f32 accumulators. The fragment layouts are those of m16n8k16 (PTX ISA), so the
+// scores' accumulator fragment is reused as the A operand of P·V without a round trip
 // through shared memory.
-#define FA_BQ 64
+#define FA_BQ 128
+#define FA_MB 2  // m16 row blocks per warp (32 rows)
 #define FA_BK 64
 #define FA_PAD 8
 
@@ -64,24 +68,36 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #define LOG2E_F 1.4426950408889634f
 #define LN2_F 0.6931471805599453f
 
+// Two values rounded to the program's 16-bit type (nearest even) as a pair, `lo` in the low
+// half: one instruction (f32_to_e16 is a dozen in bf16; NaN payloads are not kept).
 __device__ __forceinline__ unsigned pack_e16(float lo, float hi) {
-    return (unsigned)f32_to_e16(lo) | ((unsigned)f32_to_e16(hi) << 16);
+    unsigned r;
+    asm("cvt.rn." E16_MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
-// Q rows as A fragments (bf16), one per 16 columns of the head: q0 and q1 start this lane's
-// fragment rows qr and qr + 8; the lane takes columns 2qc, 2qc + 1 and the same + 8.
+// The tile's Q rows into shared memory ([FA_BQ][HD + FA_PAD], rounded to the 16-bit type),
+// each warp its own 32 rows (rows past the tile's tokens repeat its last token; nothing reads
+// their results). Row r is token r / group, q head g·group + r % group.
 template <int HD>
-__device__ __forceinline__ void load_q_fragments(unsigned (&qa)[HD / 16][4], const float* q0, const float* q1) {
-    const int qc = threadIdx.x & 3;
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float* q = (i == 0 ? q0 : q1) + kc * 16 + 2 * qc;
-            const float2 lo = *reinterpret_cast<const float2*>(q);
-            const float2 hi = *reinterpret_cast<const float2*>(q + 8);
-            qa[kc][i] = pack_e16(lo.x, lo.y);
-            qa[kc][2 + i] = pack_e16(hi.x, hi.y);
+__device__ __forceinline__ void stage_q_tile(e16_t* sq, const float* qkv, int row_stride, int tok0, int ntok, int g,
+                                             int group) {
+    constexpr int ROW = HD + FA_PAD;
+    constexpr int PER = HD / 32;  // columns per lane
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+#pragma unroll 8
+    for (int i = 0; i < 32; ++i) {
+        const int r = warp * 32 + i;
+        const int ti = min(r / group, ntok - 1);
+        const float* q = qkv + (long long)(tok0 + ti) * row_stride + (long long)(g * group + r % group) * HD + lane * PER;
+        e16_t* d = sq + r * ROW + lane * PER;
+        if constexpr (PER == 4) {
+            const float4 v = *reinterpret_cast<const float4*>(q);
+            *reinterpret_cast<uint2*>(d) = make_uint2(pack_e16(v.x, v.y), pack_e16(v.z, v.w));
+        } else {
+            const float2 v = *reinterpret_cast<const float2*>(q);
+            *reinterpret_cast<unsigned*>(d) = pack_e16(v.x, v.y);
         }
     }
 }
@@ -235,47 +251,53 @@ __device__ __forceinline__ void dequant_kv_run(e16_t* wide, const unsigned char*
     }
 }
 
-// The scores of a warp's 16 rows (Q as A fragments) against NT × 8 keys of a staged K slot,
-// starting at row `sk` (ldmatrix matrices: (kc, lo 8 cols), (kc, hi 8), (kc+1, lo), (kc+1, hi)).
+// The scores of a warp's 32 rows (two m16 blocks of Q from `sq`, the warp's first row)
+// against NT × 8 keys of a staged K slot from row `sk`: per 32 columns, each block's A
+// fragments by ldmatrix (matrices: rows 0-7 / 8-15 × columns lo / hi 8), then per key tile
+// one ldmatrix of K (matrices: (kc, lo 8 cols), (kc, hi 8), (kc+1, lo), (kc+1, hi)) feeding
+// both blocks' mma. Each score sums its column chunks in order, kc = 0, 1, ...
 template <int HD, int NT>
-__device__ __forceinline__ void qk_scores(float (&s)[NT][4], const unsigned (&qa)[HD / 16][4], const e16_t* sk) {
+__device__ __forceinline__ void qk_scores(float (&s)[FA_MB][NT][4], const e16_t* sq, const e16_t* sk) {
     constexpr int ROW = HD + FA_PAD;
     const int lane = threadIdx.x & 31;
     const int mi = lane >> 3;  // ldmatrix: the matrix this lane addresses
     const int mr = lane & 7;   // and its row
-    // With few key tiles (decode) each tile's HD / 16 dependent mma are split over two
-    // accumulators (even and odd k chunks) so that they overlap; with many tiles (prefill)
-    // the tiles already do, and the registers are better spent elsewhere.
-    constexpr bool PAIR = NT <= 2;
-    float s2[PAIR ? NT : 1][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        if constexpr (PAIR) s2[nt][0] = s2[nt][1] = s2[nt][2] = s2[nt][3] = 0.0f;
+    for (int b = 0; b < FA_MB; ++b) {
 #pragma unroll
-        for (int kc = 0; kc < HD / 16; kc += 2) {
-            unsigned b[4];
-            ldsm_x4(b, sk + (nt * 8 + mr) * ROW + kc * 16 + mi * 8);
-            mma_16816(s[nt], qa[kc], b[0], b[1]);
-            if constexpr (PAIR) {
-                mma_16816(s2[nt], qa[kc + 1], b[2], b[3]);
-            } else {
-                mma_16816(s[nt], qa[kc + 1], b[2], b[3]);
+        for (int nt = 0; nt < NT; ++nt) s[b][nt][0] = s[b][nt][1] = s[b][nt][2] = s[b][nt][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; kc += 2) {
+        unsigned qa[FA_MB][2][4];
+#pragma unroll
+        for (int b = 0; b < FA_MB; ++b) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                ldsm_x4(qa[b][h], sq + (b * 16 + (mi & 1) * 8 + mr) * ROW + (kc + h) * 16 + (mi >> 1) * 8);
             }
         }
-        if constexpr (PAIR) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
+        for (int nt = 0; nt < NT; ++nt) {
+            unsigned k[4];
+            ldsm_x4(k, sk + (nt * 8 + mr) * ROW + kc * 16 + mi * 8);
+#pragma unroll
+            for (int b = 0; b < FA_MB; ++b) {
+                mma_16816(s[b][nt], qa[b][0], k[0], k[1]);
+                mma_16816(s[b][nt], qa[b][1], k[2], k[3]);
+            }
         }
     }
 }
 
-// One online-softmax step over masked, scaled scores in log2 units (-inf where masked; a lane's
-// rows qr and qr + 8 in elements 0-1 and 2-3): the rows' maxima over the quad of lanes sharing a row,
-// the running max m and sum l rescaled, s turned into exp(s - max), the accumulators o
-// rescaled. A row with nothing visible yet stays empty.
+// One online-softmax step over masked raw scores (-inf where masked; a lane's rows qr and
+// qr + 8 in elements 0-1 and 2-3): the rows' maxima over the quad of lanes sharing a row,
+// the running max m (log2 units: scores times scale_log2) and sum l rescaled, s turned into
+// exp2(s · scale_log2 - max) (one fma per score), the accumulators o rescaled unless no row
+// of the warp saw a new maximum. A row with nothing visible yet stays empty.
 template <int HD, int NT>
-__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[HD / 8][4]) {
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[HD / 8][4],
+                                             float scale_log2) {
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -287,7 +309,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], f
     for (int i = 0; i < 2; ++i) {
         mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
         mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float big = fmaxf(m[i], mx[i]);
+        const float big = fmaxf(m[i], mx[i] * scale_log2);
         base[i] = big == NEG_INF ? 0.0f : big;
         corr[i] = fast_exp2(m[i] - base[i]);
         m[i] = big;
@@ -297,10 +319,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], f
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[nt][e] = fast_exp2(s[nt][e] - base[e >> 1]);
+            s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -base[e >> 1]));
             l[e >> 1] += s[nt][e];
         }
     }
+    if (__all_sync(0xffffffffu, corr[0] == 1.0f && corr[1] == 1.0f)) return;
 #pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn) {
         o[dn][0] *= corr[0];
@@ -310,24 +333,64 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], f
     }
 }
 
-// O += P·V for 16 keys (kc) of P's accumulator fragments, reused as A fragments, against the
-// staged V rows from `sv` (B fragments by ldmatrix.trans: keys 0..8 / 8..16 of columns dn*8,
-// then dn+1).
+// O += P·V for 16 keys (kc) of both row blocks' P accumulator fragments, reused as A
+// fragments, against the staged V rows from `sv` (B fragments by ldmatrix.trans: keys 0..8 /
+// 8..16 of columns dn*8, then dn+1; each feeds both blocks).
 template <int HD, int NT>
-__device__ __forceinline__ void pv_accumulate(float (&o)[HD / 8][4], const float (&s)[NT][4], int kc, const e16_t* sv) {
+__device__ __forceinline__ void pv_accumulate(float (&o)[FA_MB][HD / 8][4], const float (&s)[FA_MB][NT][4], int kc,
+                                              const e16_t* sv) {
     constexpr int ROW = HD + FA_PAD;
     const int lane = threadIdx.x & 31;
     const int mi = lane >> 3;
     const int mr = lane & 7;
-    const unsigned pa[4] = {pack_e16(s[2 * kc][0], s[2 * kc][1]), pack_e16(s[2 * kc][2], s[2 * kc][3]),
-                            pack_e16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                            pack_e16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+    unsigned pa[FA_MB][4];
+#pragma unroll
+    for (int b = 0; b < FA_MB; ++b) {
+        pa[b][0] = pack_e16(s[b][2 * kc][0], s[b][2 * kc][1]);
+        pa[b][1] = pack_e16(s[b][2 * kc][2], s[b][2 * kc][3]);
+        pa[b][2] = pack_e16(s[b][2 * kc + 1][0], s[b][2 * kc + 1][1]);
+        pa[b][3] = pack_e16(s[b][2 * kc + 1][2], s[b][2 * kc + 1][3]);
+    }
 #pragma unroll
     for (int dn = 0; dn < HD / 8; dn += 2) {
-        unsigned b[4];
-        ldsm_x4_t(b, sv + (kc * 16 + (mi & 1) * 8 + mr) * ROW + (dn + (mi >> 1)) * 8);
-        mma_16816(o[dn], pa, b[0], b[1]);
-        mma_16816(o[dn + 1], pa, b[2], b[3]);
+        unsigned v[4];
+        ldsm_x4_t(v, sv + (kc * 16 + (mi & 1) * 8 + mr) * ROW + (dn + (mi >> 1)) * 8);
+#pragma unroll
+        for (int b = 0; b < FA_MB; ++b) {
+            mma_16816(o[b][dn], pa[b], v[0], v[1]);
+            mma_16816(o[b][dn + 1], pa[b], v[2], v[3]);
+        }
+    }
+}
+
+// Masks each row's keys outside [lo, pos] (its causal and sliding-window limits: -inf) in a
+// warp's scores of keys k0 .. k0 + NT·8; a run every row of the warp sees whole is left as
+// is. Rows (b, i): block b's fragment rows qr and qr + 8.
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[FA_MB][NT][4], int k0, const int (&pos)[FA_MB][2],
+                                            const int (&lo)[FA_MB][2]) {
+    const int qc = threadIdx.x & 3;
+    int lo_max = lo[0][0], pos_min = pos[0][0];
+#pragma unroll
+    for (int b = 0; b < FA_MB; ++b) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            lo_max = max(lo_max, lo[b][i]);
+            pos_min = min(pos_min, pos[b][i]);
+        }
+    }
+    if (__all_sync(0xffffffffu, k0 >= lo_max && k0 + NT * 8 - 1 <= pos_min)) return;
+#pragma unroll
+    for (int b = 0; b < FA_MB; ++b) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1;
+                const int key = k0 + nt * 8 + 2 * qc + (e & 1);
+                if (key < lo[b][i] || key > pos[b][i]) s[b][nt][e] = NEG_INF;
+            }
+        }
     }
 }
 
@@ -338,9 +401,11 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
                                        int block_size, int layer, int num_layers, float scale,
                                        long long lo_off) {
     constexpr int ROW = HD + FA_PAD;
+    constexpr int NT = FA_BK / 8;
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    // [stage][K or V][FA_BK][ROW]
-    e16_t* smem = reinterpret_cast<e16_t*>(fa_smem);
+    // [FA_BQ][ROW] of Q, then [stage][K or V][FA_BK][ROW]
+    e16_t* sq = reinterpret_cast<e16_t*>(fa_smem);
+    e16_t* smem = sq + FA_BQ * ROW;
     // Blocks in launch order take the tiles last-first, every KV head's tile before the
     // previous tile: the longest causal runs start first and the grid's tail is short ones.
     const int id = blockIdx.y * gridDim.x + blockIdx.x;
@@ -357,32 +422,22 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     const long long layer_e = 2 * part_e;
     const long long block_e = (long long)num_layers * layer_e;
 
-    // This thread's two rows (qr and qr + 8 of its warp's 16): token, head, key limits.
-    int row_tok[2], row_head[2], row_pos[2], row_lo[2];
-    bool row_ok[2];
+    // This thread's four rows (qr and qr + 8 of each of its warp's two blocks): their key
+    // limits (a row past the tile's tokens sees nothing: pos -1).
+    int row_pos[FA_MB][2], row_lo[FA_MB][2];
+    int warp_pos = -1;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = warp * 16 + qr + 8 * i;
-        const int ti = r / group;
-        row_ok[i] = ti < ntok;
-        row_tok[i] = tok0 + min(ti, ntok - 1);
-        row_head[i] = g * group + r % group;
-        row_pos[i] = row_ok[i] ? positions[row_tok[i]] : -1;
-        row_lo[i] = lo_pos[row_tok[i]];
+    for (int b = 0; b < FA_MB; ++b) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int ti = (warp * 32 + b * 16 + qr + 8 * i) / group;
+            const int t = tok0 + min(ti, ntok - 1);
+            row_pos[b][i] = ti < ntok ? positions[t] : -1;
+            row_lo[b][i] = lo_pos[t];
+            warp_pos = max(warp_pos, row_pos[b][i]);
+        }
     }
-    int warp_pos = max(row_pos[0], row_pos[1]);
     for (int o = 16; o > 0; o >>= 1) warp_pos = max(warp_pos, __shfl_xor_sync(0xffffffffu, warp_pos, o));
-
-    unsigned qa[HD / 16][4];
-    load_q_fragments<HD>(qa, qkv + (long long)row_tok[0] * row_stride + (long long)row_head[0] * HD,
-                         qkv + (long long)row_tok[1] * row_stride + (long long)row_head[1] * HD);
-
-    float o[HD / 8][4];
-#pragma unroll
-    for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF};  // log2 units
-    float l[2] = {0.0f, 0.0f};
-    const float scale_log2 = scale * LOG2E_F;
 
     const int* table = tables + table_start[tok0];
     const int kbeg = lo_pos[tok0];
@@ -390,7 +445,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     const long long layer_off = (long long)layer * layer_e;
 #ifdef TANDEM_FP8_KV
     // Two byte stages after one 16-bit slot (within the 16-bit program's two slots).
-    unsigned char* raw = fa_smem + FP8_WIDE_BYTES(HD);
+    unsigned char* raw = reinterpret_cast<unsigned char*>(smem) + FP8_WIDE_BYTES(HD);
     auto stage = [&](int st, int k0) {
         stage_kv_run_fp8<HD>(raw + st * FP8_RAW_BYTES(HD), pool, table, k0, kend, block_size, block_e, layer_off,
                              kvd, part_e, g);
@@ -401,7 +456,20 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
                          layer_off, kvd, part_e, g);
     };
 #endif
-    stage(0, kbeg);
+    stage(0, kbeg);  // the first run loads while Q is rounded into shared memory
+    stage_q_tile<HD>(sq, qkv, row_stride, tok0, ntok, g, group);
+    const e16_t* wq = sq + warp * 32 * ROW;
+
+    float o[FA_MB][HD / 8][4];
+    float m[FA_MB][2], l[FA_MB][2];  // log2 units
+#pragma unroll
+    for (int b = 0; b < FA_MB; ++b) {
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) o[b][dn][0] = o[b][dn][1] = o[b][dn][2] = o[b][dn][3] = 0.0f;
+        m[b][0] = m[b][1] = NEG_INF;
+        l[b][0] = l[b][1] = 0.0f;
+    }
+    const float scale_log2 = scale * LOG2E_F;
     int st = 0;
     for (int k0 = kbeg; k0 < kend; k0 += FA_BK, st ^= 1) {
         if (k0 + FA_BK < kend) {
@@ -410,7 +478,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
         } else {
             cp_async_wait<0>();
         }
-        __syncthreads();
+        __syncthreads();  // (the first time, the Q tile too)
 #ifdef TANDEM_FP8_KV
         dequant_kv_run<HD>(smem, raw + st * FP8_RAW_BYTES(HD));
         __syncthreads();
@@ -420,57 +488,39 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
 #endif
         const e16_t* sv = sk + FA_BK * ROW;
         if (k0 <= warp_pos) {  // else every row of this warp is before the run
-            float s[FA_BK / 8][4];
-            qk_scores<HD, FA_BK / 8>(s, qa, sk);
-            // Mask (each row's own causal and sliding-window limits) and scale; a run every
-            // row of the warp sees whole is only scaled.
-            const bool whole = __all_sync(0xffffffffu, k0 >= max(row_lo[0], row_lo[1]) &&
-                                                           k0 + FA_BK - 1 <= min(row_pos[0], row_pos[1]));
-            if (whole) {
+            float s[FA_MB][NT][4];
+            qk_scores<HD, NT>(s, wq, sk);
+            mask_scores<NT>(s, k0, row_pos, row_lo);
 #pragma unroll
-                for (int nt = 0; nt < FA_BK / 8; ++nt) {
+            for (int b = 0; b < FA_MB; ++b) softmax_step<HD, NT>(s[b], m[b], l[b], o[b], scale_log2);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
-                }
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < FA_BK / 8; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = e >> 1;
-                        const int key = k0 + nt * 8 + 2 * qc + (e & 1);
-                        const bool ok = key >= row_lo[i] && key <= row_pos[i];
-                        s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
-                    }
-                }
-            }
-            softmax_step<HD, FA_BK / 8>(s, m, l, o);
-#pragma unroll
-            for (int kc = 0; kc < FA_BK / 16; ++kc) pv_accumulate<HD, FA_BK / 8>(o, s, kc, sv);
+            for (int kc = 0; kc < FA_BK / 16; ++kc) pv_accumulate<HD, NT>(o, s, kc, sv);
         }
         __syncthreads();  // this stage is refilled two runs on
     }
 
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    }
+    for (int b = 0; b < FA_MB; ++b) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        if (!row_ok[i]) continue;
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        const long long at = ((long long)row_tok[i] * nq + row_head[i]) * HD + 2 * qc;
+        for (int i = 0; i < 2; ++i) {
+            float sum = l[b][i];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (row_pos[b][i] < 0) continue;
+            const int r = warp * 32 + b * 16 + qr + 8 * i;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const long long at = ((long long)(tok0 + r / group) * nq + g * group + r % group) * HD + 2 * qc;
 #pragma unroll
-        for (int dn = 0; dn < HD / 8; ++dn) {
-            store_in(out, at + dn * 8, o[dn][2 * i] * inv, lo_off);
-            store_in(out, at + dn * 8 + 1, o[dn][2 * i + 1] * inv, lo_off);
+            for (int dn = 0; dn < HD / 8; ++dn) {
+                store_in(out, at + dn * 8, o[b][dn][2 * i] * inv, lo_off);
+                store_in(out, at + dn * 8 + 1, o[b][dn][2 * i + 1] * inv, lo_off);
+            }
         }
     }
 }
 
 #define ATTENTION_PREFILL(NAME, O, HD)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128, 3) NAME(                                                \
+    extern "C" __global__ void __launch_bounds__(128, 2) NAME(                                                \
         O* out, const float* qkv, int row_stride, const kv_t* pool, const int* tables,                    \
         const int* table_start, const int* positions, const int* lo_pos, const int* tiles, int nq, int nkv, \
         int group, int block_size, int layer, int num_layers, float scale, long long lo_off) { GRID_DEPENDENCY_SYNC();             \
