@@ -16,8 +16,9 @@
 // type) into f32 accumulators. The fragment layouts are those of m16n8k16 (PTX ISA), so the
 // scores' accumulator fragment is reused as the A operand of P·V without a round trip
 // through shared memory.
-#define FA_BQ 128
-#define FA_MB 2  // m16 row blocks per warp (32 rows)
+#define FA_MB 2                     // m16 row blocks per warp
+#define FA_WARP_ROWS (16 * FA_MB)  // rows per warp
+#define FA_BQ (4 * FA_WARP_ROWS)     // rows per tile: 4 warps
 #define FA_BK 64
 #define FA_PAD 8
 
@@ -77,7 +78,7 @@ __device__ __forceinline__ unsigned pack_e16(float lo, float hi) {
 }
 
 // The tile's Q rows into shared memory ([FA_BQ][HD + FA_PAD], rounded to the 16-bit type),
-// each warp its own 32 rows (rows past the tile's tokens repeat its last token; nothing reads
+// each warp its own FA_WARP_ROWS rows (rows past the tile's tokens repeat its last token; nothing reads
 // their results). Row r is token r / group, q head g·group + r % group.
 template <int HD>
 __device__ __forceinline__ void stage_q_tile(e16_t* sq, const float* qkv, int row_stride, int tok0, int ntok, int g,
@@ -87,8 +88,8 @@ __device__ __forceinline__ void stage_q_tile(e16_t* sq, const float* qkv, int ro
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
 #pragma unroll 8
-    for (int i = 0; i < 32; ++i) {
-        const int r = warp * 32 + i;
+    for (int i = 0; i < FA_WARP_ROWS; ++i) {
+        const int r = warp * FA_WARP_ROWS + i;
         const int ti = min(r / group, ntok - 1);
         const float* q = qkv + (long long)(tok0 + ti) * row_stride + (long long)(g * group + r % group) * HD + lane * PER;
         e16_t* d = sq + r * ROW + lane * PER;
@@ -430,7 +431,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     for (int b = 0; b < FA_MB; ++b) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const int ti = (warp * 32 + b * 16 + qr + 8 * i) / group;
+            const int ti = (warp * FA_WARP_ROWS + b * 16 + qr + 8 * i) / group;
             const int t = tok0 + min(ti, ntok - 1);
             row_pos[b][i] = ti < ntok ? positions[t] : -1;
             row_lo[b][i] = lo_pos[t];
@@ -458,7 +459,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
 #endif
     stage(0, kbeg);  // the first run loads while Q is rounded into shared memory
     stage_q_tile<HD>(sq, qkv, row_stride, tok0, ntok, g, group);
-    const e16_t* wq = sq + warp * 32 * ROW;
+    const e16_t* wq = sq + warp * FA_WARP_ROWS * ROW;
 
     float o[FA_MB][HD / 8][4];
     float m[FA_MB][2], l[FA_MB][2];  // log2 units
@@ -507,7 +508,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             if (row_pos[b][i] < 0) continue;
-            const int r = warp * 32 + b * 16 + qr + 8 * i;
+            const int r = warp * FA_WARP_ROWS + b * 16 + qr + 8 * i;
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             const long long at = ((long long)(tok0 + r / group) * nq + g * group + r % group) * HD + 2 * qc;
 #pragma unroll

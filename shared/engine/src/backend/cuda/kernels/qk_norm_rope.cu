@@ -8,10 +8,12 @@
 // block per head — grid (tokens, nq + nkv, or nq + 2 * nkv with a pool), blockDim.x =
 // head_dim/2 rounded up to a multiple of 32; for longer steps with a 16- or 32-bit pool (or
 // none), a warp per head (qk_norm_rope_tokens_*, below).
+
 // Where K or V head kh (the k heads 0 .. nkv, then the v heads) of token t is stored in the
-// pool: `part`, the element its block's K or V part of `layer` starts at, and `at`, its row's.
+// pool: `at`, the element its row starts at, and `scale_at`, the byte of its f32 scale after
+// the block part's rows (used by FP8 pools only).
 struct KvHeadAt {
-    long long part, at;
+    long long at, scale_at;
 };
 template <typename T>
 __device__ __forceinline__ KvHeadAt kv_head_at(const int* token_block, const int* positions, int t, int kh, int nkv,
@@ -21,7 +23,8 @@ __device__ __forceinline__ KvHeadAt kv_head_at(const int* token_block, const int
     const long long slot = positions[t] % block_size;
     const long long part =
         ((long long)token_block[t] * num_layers + layer) * 2 * part_e + (kh >= nkv ? part_e : 0);
-    return {part, part + slot * kvd + (long long)(kh % nkv) * head_dim};
+    return {part + slot * kvd + (long long)(kh % nkv) * head_dim,
+            part + (long long)block_size * kvd + (slot * nkv + kh % nkv) * 4};
 }
 
 // Head h of token t, by the calling block (threads j < head_dim / 2 each rotate a pair; every
@@ -42,11 +45,10 @@ __device__ void qk_norm_rope_head(int t, int h, float* qkv, int row_stride, int 
     // its scale at `sat`).
     long long at = -1, sat = -1;
     if (pool != nullptr && h >= nq) {
-        const int kh = h - nq;
-        const KvHeadAt kv = kv_head_at<T>(token_block, positions, t, kh, nkv, head_dim, block_size, layer, num_layers);
-        const long long slot = positions[t] % block_size;
+        const KvHeadAt kv =
+            kv_head_at<T>(token_block, positions, t, h - nq, nkv, head_dim, block_size, layer, num_layers);
         at = kv.at;
-        sat = kv.part + (long long)block_size * nkv * head_dim + (slot * nkv + kh % nkv) * 4;
+        sat = kv.scale_at;
     }
     // Element i of the head, folded.
     auto load = [&](int i) { return in_lo != 0 ? __ldcg(v + i) + __ldcg(v + in_lo + i) : __ldcg(v + i); };
@@ -115,9 +117,10 @@ QK_NORM_ROPE_KV(qk_norm_rope_kv_fp8, f8_t)
 
 // The warp-per-head form, for steps of 256 tokens and more (prefill chunks) over a 16- or
 // 32-bit pool or none: the same arguments and `heads`, the heads of a row it rotates (and
-// stores). Grid (tokens), a block of W warps per token; warp w takes heads w, w + W, .... Lane l holds the pairs j = l + 32 i (i < QR_PAIRS:
-// head_dim at most 256) and computes their sin and cos once for the token; the norm is a warp
-// reduction, no block barriers. The launcher gives each token one block of 8 warps.
+// stores). Grid (tokens), a block of W warps per token (the launcher's 8); warp w takes heads
+// w, w + W, .... Lane l holds the pairs j = l + 32 i (i < QR_PAIRS: head_dim at most 256) and
+// computes their sin and cos once for the token; the norm is a warp reduction, no block
+// barriers.
 #define QR_PAIRS 4
 
 // Stores a head's row (lane's pairs x[i], y[i] at j, j + half) at `at` of the pool.
