@@ -2,7 +2,7 @@
 """Registers and spills of the CUDA kernels, held to budgets (CI, no GPU needed).
 
 ptxas (from the PyPI wheel nvidia-cuda-nvcc, no GPU needed) assembles the PTX that
-cuda_ptx_check wrote for sm_90 and reports each entry point's registers and spills. The hot
+cuda_ptx_check wrote for sm_90a and reports each entry point's registers and spills. The hot
 decode and prefill kernels' occupancy rests on their register counts (the decode attention's
 5 blocks per SM at 96 registers, docs/benchmarks.md), so each budgeted kernel must stay at or
 under its budget and must not spill (beyond the bytes the budget file's `spill_bytes` grants
@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--ptxas", required=True)
     ap.add_argument("--ptx", required=True)
     ap.add_argument("--budgets", required=True)
-    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--arch", default="sm_90a")
     a = ap.parse_args()
     try:
         with open(a.budgets) as f:

@@ -2,7 +2,7 @@
 """The engine's CUDA kernels against torch, on the GPU machine (the `torch` stage of
 scripts/gpu-check).
 
-Loads the PTX that `cuda_ptx_check sm_90 --write FILE` produced (every kernel of the engine,
+Loads the PTX that `cuda_ptx_check sm_90a --write FILE` produced (every kernel of the engine,
 compiled by NVRTC exactly as the backend compiles them), launches each kernel through the CUDA
 driver API (ctypes) on torch tensors, and compares its output with the same operation written
 in torch (float64 where it matters). Writes a JSON report (one row per kernel and case) and

@@ -1,12 +1,13 @@
 //! Compiles every CUDA kernel to PTX with NVRTC, without a GPU: only libnvrtc is needed (the
 //! PyPI wheel `nvidia-cuda-nvrtc` 13.0.x provides it; put its `lib` folder on
 //! LD_LIBRARY_PATH). A kernel that does not compile fails this program. Arguments: the
-//! architectures (default `sm_90`), and `--write FILE` to save the PTX of the last one (the
+//! architectures (default `sm_90a`, what the engine compiles for Hopper: with the warpgroup
+//! prefill kernels), and `--write FILE` to save the PTX of the last one (the
 //! torch kernel harness, `scripts/gpu/torch_kernels.py`, loads it: the bf16 program). Both
 //! flavours of the program are compiled (bf16, and IEEE half for the f16 compute mode), and the
 //! half-KV attention program. Prints one JSON line per architecture and program.
 //!
-//! `cargo run -p tandem-engine --features cuda --example cuda_ptx_check -- sm_90`
+//! `cargo run -p tandem-engine --features cuda --example cuda_ptx_check -- sm_90a`
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -37,7 +38,7 @@ fn main() {
         }
     }
     if archs.is_empty() {
-        archs.push("sm_90".into());
+        archs.push(kernels::arch_for(9, 0));
     }
     let mut ok = true;
     for arch in &archs {
@@ -71,15 +72,21 @@ fn check_kv_program(arch: &str, program: tandem_engine::backend::cuda::kernels::
     let t0 = std::time::Instant::now();
     match kernels::kv_program_ptx(arch, program) {
         Ok(ptx) => {
+            let wg: &[&str] = if program == kernels::KvProgram::HalfKv && kernels::has_wgmma(arch) {
+                kernels::HALF_KV_WG_KERNEL_NAMES
+            } else {
+                &[]
+            };
             let missing: Vec<&&str> = kernels::HALF_KV_KERNEL_NAMES
                 .iter()
+                .chain(wg)
                 .filter(|n| !ptx.contains(&format!(".entry {n}(")))
                 .collect();
             println!(
                 "{}",
                 serde_json::json!({
                     "arch": arch, "program": program.name(), "ptx_bytes": ptx.len(),
-                    "kernels": kernels::HALF_KV_KERNEL_NAMES.len(), "missing": missing,
+                    "kernels": kernels::HALF_KV_KERNEL_NAMES.len() + wg.len(), "missing": missing,
                     "ms": t0.elapsed().as_secs_f64() * 1e3,
                 })
             );
@@ -111,8 +118,14 @@ fn check_program(
     let instances = kernels::AttentionInstance::all();
     match kernels::ptx_with_instances(arch, e16, &instances) {
         Ok(ptx) => {
+            let wg: &[&str] = if kernels::has_wgmma(arch) {
+                kernels::WG_KERNEL_NAMES
+            } else {
+                &[]
+            };
             let mut names: Vec<String> = kernels::KERNEL_NAMES
                 .iter()
+                .chain(wg)
                 .map(|s| s.to_string())
                 .collect();
             names.extend(instances.iter().map(|i| i.name()));

@@ -158,8 +158,9 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     rep.add(
                         "attention_prefill",
                         &format!(
-                            "{case}, {} tiles + {} single rows ({})",
+                            "{case}, {} tiles ({}) + {} single rows ({})",
                             maps_t.n_tiles,
+                            dev.prefill_tile_kernel(),
                             maps_t.n_singles,
                             if maps_t.decode_tc {
                                 "tensor-core decode"
@@ -182,7 +183,10 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                         )?;
                         rep.add(
                             "attention_prefill",
-                            &format!("{case}, split bf16 out (decode_tc_min {decode_tc_min})"),
+                            &format!(
+                                "{case}, split bf16 out ({} tiles, decode_tc_min {decode_tc_min})",
+                                dev.prefill_tile_kernel()
+                            ),
                             &fold_split(&dev.download(&tiled2)?),
                             &want,
                             vmax / 256.0,

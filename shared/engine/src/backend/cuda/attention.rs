@@ -113,12 +113,19 @@ impl CudaDevice {
         check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        let name = tc.kernel(&format!("attention_prefill_{}_hd{hd}", O::SUFFIX));
+        // The warpgroup kernel takes the same arguments and tiles; FP8 pools (their runs are
+        // dequantised into the padded slot layout) and head_dim 64 stay on mma.sync.
+        let (kind, smem) = if self.prefill_wgmma && !tc.fp8() && hd == 128 {
+            ("wg_", prefill_wg_smem_bytes(hd))
+        } else {
+            ("", prefill_smem_bytes(hd))
+        };
+        let name = tc.kernel(&format!("attention_prefill_{kind}{}_hd{hd}", O::SUFFIX));
         let f = self.func(&name)?;
         let cfg = LaunchConfig {
             grid_dim: (maps.n_tiles as u32, nkv as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: prefill_smem_bytes(hd),
+            shared_mem_bytes: smem,
         };
         let mut b = self.stream.launch_builder(f);
         b.arg(out);
@@ -447,4 +454,11 @@ pub(super) fn kv_stages_smem_bytes(head_dim: usize) -> u32 {
 /// bits, then two stages of K and V runs.
 pub(super) fn prefill_smem_bytes(head_dim: usize) -> u32 {
     (FA_ROWS * (head_dim + FA_PAD) * 2) as u32 + kv_stages_smem_bytes(head_dim)
+}
+
+/// Dynamic shared memory of `attention_prefill_wg.cu` at `head_dim`: the same Q tile and two
+/// stages of K and V runs, unpadded (the swizzled layout has no bank conflicts), plus 1 KiB
+/// for rounding the start to the swizzle's 1024-byte boundary.
+pub(super) fn prefill_wg_smem_bytes(head_dim: usize) -> u32 {
+    ((FA_ROWS + 2 * 2 * FA_KEYS) * head_dim * 2 + 1024) as u32
 }

@@ -36,6 +36,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("kernels/attention_prefill.cu"),
     ),
     (
+        "attention_prefill_wg.cu",
+        include_str!("kernels/attention_prefill_wg.cu"),
+    ),
+    (
         "attention_cluster.cu",
         include_str!("kernels/attention_cluster.cu"),
     ),
@@ -117,6 +121,7 @@ const HALF_KV_SOURCES: &[&str] = &[
     "prelude.cu",
     "attention_fast.cu",
     "attention_prefill.cu",
+    "attention_prefill_wg.cu",
     "attention_cluster.cu",
     "attention_decode.cu",
 ];
@@ -147,6 +152,20 @@ pub const HALF_KV_KERNEL_NAMES: &[&str] = &[
     "attention_decode_cluster_b16_n8_hd128",
     "attention_decode_cluster_b16_n16_hd64",
     "attention_decode_cluster_b16_n16_hd128",
+];
+
+/// The warpgroup (wgmma) prefill attention of the main program (`attention_prefill_wg.cu`,
+/// head_dim 128), compiled only for an architecture with Hopper's arch-specific features
+/// ([`has_wgmma`]).
+pub const WG_KERNEL_NAMES: &[&str] = &[
+    "attention_prefill_wg_f32_hd128",
+    "attention_prefill_wg_bf16_hd128",
+];
+
+/// The same in the half-KV program ([`KvProgram::HalfKv`]; the FP8 program has none).
+pub const HALF_KV_WG_KERNEL_NAMES: &[&str] = &[
+    "attention_prefill_wg_f32_hd128",
+    "attention_prefill_wg_b16_hd128",
 ];
 
 /// A program of the attention files alone, compiled as the f16 program (`TANDEM_F16`: Q, P
@@ -298,9 +317,20 @@ fn source_of(keep: impl Fn(&str) -> bool) -> Result<String, EngineError> {
     Ok(src)
 }
 
-/// `sm_XY` for compute capability (X, Y).
+/// The NVRTC architecture for compute capability (X, Y): `sm_XY`, and `sm_90a` for 9.0 (Hopper's
+/// arch-specific features: the warpgroup MMA of `attention_prefill_wg.cu`; PTX for `sm_90a`
+/// runs on compute capability 9.0 only, which is what it is compiled for).
 pub fn arch_for(major: i32, minor: i32) -> String {
-    format!("sm_{major}{minor}")
+    if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+/// Whether a program compiled for `arch` holds the warpgroup kernels ([`WG_KERNEL_NAMES`]).
+pub fn has_wgmma(arch: &str) -> bool {
+    arch == "sm_90a"
 }
 
 fn cache() -> &'static Mutex<HashMap<String, String>> {
@@ -308,7 +338,7 @@ fn cache() -> &'static Mutex<HashMap<String, String>> {
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// PTX of the program for `arch` (e.g. `sm_90`) and 16-bit element `e16`, compiled by NVRTC
+/// PTX of the program for `arch` (e.g. `sm_90a`) and 16-bit element `e16`, compiled by NVRTC
 /// on first use in this process and cached. The caller must have checked that NVRTC is
 /// present ([`super::check_libraries`]): cudarc panics on a missing library.
 pub fn ptx_for(arch: &str, e16: Float16) -> Result<String, EngineError> {
@@ -410,7 +440,7 @@ mod tests {
     #[test]
     fn every_kernel_name_is_defined_in_the_sources() {
         let src: String = SOURCES.iter().map(|(_, s)| *s).collect();
-        for name in KERNEL_NAMES {
+        for name in KERNEL_NAMES.iter().chain(WG_KERNEL_NAMES) {
             // Defined directly (possibly with launch bounds), or by a macro instantiation
             // `MACRO(name, ...)`.
             assert!(
@@ -427,15 +457,18 @@ mod tests {
             .filter(|(n, _)| HALF_KV_SOURCES.contains(n))
             .map(|(_, s)| *s)
             .collect();
-        assert_eq!(HALF_KV_SOURCES.len(), 5);
-        for name in HALF_KV_KERNEL_NAMES {
+        assert_eq!(HALF_KV_SOURCES.len(), 6);
+        for name in HALF_KV_KERNEL_NAMES.iter().chain(HALF_KV_WG_KERNEL_NAMES) {
             assert!(src.contains(&format!("({name},")), "{name} not found");
         }
     }
 
     #[test]
     fn arch_names_follow_nvrtc() {
-        assert_eq!(arch_for(9, 0), "sm_90");
+        assert_eq!(arch_for(9, 0), "sm_90a");
         assert_eq!(arch_for(8, 6), "sm_86");
+        assert_eq!(arch_for(10, 0), "sm_100");
+        assert!(has_wgmma(&arch_for(9, 0)));
+        assert!(!has_wgmma(&arch_for(8, 9)) && !has_wgmma(&arch_for(10, 0)));
     }
 }

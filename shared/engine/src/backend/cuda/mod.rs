@@ -298,6 +298,9 @@ pub struct CudaDevice {
     /// Thread-block clusters work here (compute capability 9.0 or later): the decode
     /// attention's cluster variant (`cluster_launch.rs`).
     cluster_capable: bool,
+    /// Whether prefill tiles run the warpgroup (wgmma) kernel: the program was compiled for
+    /// `sm_90a` and `TANDEM_CUDA_PREFILL_ATTENTION` is not `mma`.
+    prefill_wgmma: bool,
     /// The program's 16-bit element: what `u16` buffers (weights, GEMM inputs, a 16-bit KV
     /// pool) hold on this device.
     e16: kernels::Float16,
@@ -344,6 +347,18 @@ impl CudaDevice {
             cluster_capable,
             &mut funcs,
         )?;
+        let wgmma = kernels::has_wgmma(&arch);
+        if wgmma {
+            load_functions(
+                &module,
+                kernels::WG_KERNEL_NAMES,
+                "",
+                cluster_capable,
+                &mut funcs,
+            )?;
+        }
+        let prefill_wgmma =
+            wgmma && switches::prefill_attention()? == switches::PrefillAttention::Tiled;
         // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let blas = CudaBlas::new(stream.clone())
@@ -385,6 +400,7 @@ impl CudaDevice {
             small_m_gemv: switches::small_m_gemv_from_env()?,
             pdl_capable,
             cluster_capable,
+            prefill_wgmma,
             e16,
         })
     }
@@ -411,6 +427,15 @@ impl CudaDevice {
             self.cluster_capable,
             &mut self.funcs,
         )?;
+        if program == kernels::KvProgram::HalfKv && kernels::has_wgmma(&self.arch) {
+            load_functions(
+                &module,
+                kernels::HALF_KV_WG_KERNEL_NAMES,
+                program.prefix(),
+                self.cluster_capable,
+                &mut self.funcs,
+            )?;
+        }
         tracing::info!(
             ms = t0.elapsed().as_millis() as u64,
             program = program.name(),
@@ -434,7 +459,7 @@ impl CudaDevice {
         self.e16
     }
 
-    /// The architecture the kernels were compiled for (`sm_90` on an H200).
+    /// The architecture the kernels were compiled for (`sm_90a` on an H100 or H200).
     pub fn arch(&self) -> &str {
         &self.arch
     }
@@ -575,6 +600,16 @@ impl CudaDevice {
         set
     }
 
+    /// Which kernel serves prefill tiles on this device: `wgmma` (Hopper's warpgroup MMA,
+    /// `attention_prefill_wg.cu`) or `mma.sync` (`attention_prefill.cu`).
+    pub fn prefill_tile_kernel(&self) -> &'static str {
+        if self.prefill_wgmma {
+            "wgmma"
+        } else {
+            "mma.sync"
+        }
+    }
+
     /// Whether thread-block clusters work here (compute capability 9.0 or later).
     pub fn cluster_capable(&self) -> bool {
         self.cluster_capable
@@ -640,7 +675,9 @@ fn load_functions(
         // The tensor-core attention kernels take more than the default 48 KiB of dynamic
         // shared memory.
         let smem_bytes = |hd: usize| {
-            if name.starts_with("attention_prefill_") {
+            if name.starts_with("attention_prefill_wg_") {
+                attention::prefill_wg_smem_bytes(hd)
+            } else if name.starts_with("attention_prefill_") {
                 attention::prefill_smem_bytes(hd)
             } else {
                 attention::kv_stages_smem_bytes(hd)

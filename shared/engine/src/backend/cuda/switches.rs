@@ -35,13 +35,39 @@ fn choice<T: Copy>(name: &str, choices: &[(&str, T)]) -> Result<T, EngineError> 
 }
 
 /// `TANDEM_CUDA_PREFILL_ATTENTION`: `tiled` (the default: prefill chunks on tensor cores
-/// where the shape allows) or `fast` (every token by `attention_fast`, for comparisons).
-/// `fast` stays: `attention_fast` runs anyway wherever the tiles cannot (the f32 mode, the
-/// bf16x2 mode over an f32 or bf16 cache), so forcing it costs no code of its own.
+/// where the shape allows, by the warpgroup kernel `attention_prefill_wg.cu` on compute
+/// capability 9.0 and `attention_prefill.cu`'s mma.sync elsewhere), `mma` (the mma.sync
+/// tiles on every device, for comparisons on Hopper) or `fast` (every token by
+/// `attention_fast`, for comparisons). `fast` stays: `attention_fast` runs anyway wherever the
+/// tiles cannot (the f32 mode, the bf16x2 mode over an f32 or bf16 cache), so forcing it
+/// costs no code of its own; `mma` stays because the mma.sync kernel serves FP8 pools and
+/// pre-Hopper devices anyway.
 pub const PREFILL_ATTENTION_ENV: &str = "TANDEM_CUDA_PREFILL_ATTENTION";
 
+/// The kernels [`PREFILL_ATTENTION_ENV`] asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillAttention {
+    /// Tensor-core tiles, warpgroup MMA where the device has it.
+    Tiled,
+    /// Tensor-core tiles by mma.sync everywhere.
+    Mma,
+    /// No tiles: `attention_fast` for every token.
+    Fast,
+}
+
+pub(super) fn prefill_attention() -> Result<PrefillAttention, EngineError> {
+    choice(
+        PREFILL_ATTENTION_ENV,
+        &[
+            ("tiled", PrefillAttention::Tiled),
+            ("mma", PrefillAttention::Mma),
+            ("fast", PrefillAttention::Fast),
+        ],
+    )
+}
+
 pub(super) fn tiled_prefill_attention() -> Result<bool, EngineError> {
-    choice(PREFILL_ATTENTION_ENV, &[("tiled", true), ("fast", false)])
+    Ok(prefill_attention()? != PrefillAttention::Fast)
 }
 
 /// `TANDEM_CUDA_DECODE_ATTENTION`: `tiled` (the default: the decode rows of a 16-bit step

@@ -364,34 +364,62 @@ __device__ __forceinline__ void pv_accumulate(float (&o)[FA_MB][HD / 8][4], cons
     }
 }
 
-// Masks each row's keys outside [lo, pos] (its causal and sliding-window limits: -inf) in a
-// warp's scores of keys k0 .. k0 + NT·8; a run every row of the warp sees whole is left as
-// is. Rows (b, i): block b's fragment rows qr and qr + 8.
+// Masks each row's keys outside [lo, pos] (its causal and sliding-window limits: -inf) in one
+// m16 block of a warp's scores of keys k0 .. k0 + NT·8 (rows qr and qr + 8: pos[i], lo[i]);
+// a run every row of the block sees whole is left as is.
 template <int NT>
-__device__ __forceinline__ void mask_scores(float (&s)[FA_MB][NT][4], int k0, const int (&pos)[FA_MB][2],
-                                            const int (&lo)[FA_MB][2]) {
+__device__ __forceinline__ void mask_block(float (&s)[NT][4], int k0, const int (&pos)[2], const int (&lo)[2]) {
     const int qc = threadIdx.x & 3;
-    int lo_max = lo[0][0], pos_min = pos[0][0];
-#pragma unroll
-    for (int b = 0; b < FA_MB; ++b) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            lo_max = max(lo_max, lo[b][i]);
-            pos_min = min(pos_min, pos[b][i]);
-        }
-    }
+    const int lo_max = max(lo[0], lo[1]);
+    const int pos_min = min(pos[0], pos[1]);
     if (__all_sync(0xffffffffu, k0 >= lo_max && k0 + NT * 8 - 1 <= pos_min)) return;
 #pragma unroll
-    for (int b = 0; b < FA_MB; ++b) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = e >> 1;
-                const int key = k0 + nt * 8 + 2 * qc + (e & 1);
-                if (key < lo[b][i] || key > pos[b][i]) s[b][nt][e] = NEG_INF;
-            }
+        for (int e = 0; e < 4; ++e) {
+            const int i = e >> 1;
+            const int key = k0 + nt * 8 + 2 * qc + (e & 1);
+            if (key < lo[i] || key > pos[i]) s[nt][e] = NEG_INF;
         }
+    }
+}
+
+// The running state of the online softmax before the first run: O 0, max -inf, sum 0, for
+// MB row blocks.
+template <int HD, int MB>
+__device__ __forceinline__ void clear_online_softmax(float (&o)[MB][HD / 8][4], float (&m)[MB][2], float (&l)[MB][2]) {
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) o[b][dn][0] = o[b][dn][1] = o[b][dn][2] = o[b][dn][3] = 0.0f;
+        m[b][0] = m[b][1] = NEG_INF;
+        l[b][0] = l[b][1] = 0.0f;
+    }
+}
+
+// Where a finished tile's row goes: its first token and KV head, and the layout of `out`.
+struct TileOut {
+    int tok0, g, group, nq;
+    long long lo_off;
+};
+
+// Row r of a finished tile: the lane's half `i` of accumulators o (its columns 2·qc, 2·qc + 1
+// of every n8 tile) divided by the row's sum (the lane's part `l`, summed over the quad), into
+// token tok0 + r / group, q head g·group + r % group. Every lane of the warp calls it (the
+// sum is a warp shuffle); a row that is not `live` stores nothing.
+template <typename O, int HD>
+__device__ __forceinline__ void store_tile_row(O* out, const TileOut& t, const float (&o)[HD / 8][4], float l, int i,
+                                               int r, bool live) {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (!live) return;
+    const int qc = threadIdx.x & 3;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const long long at = ((long long)(t.tok0 + r / t.group) * t.nq + t.g * t.group + r % t.group) * HD + 2 * qc;
+#pragma unroll
+    for (int dn = 0; dn < HD / 8; ++dn) {
+        store_in(out, at + dn * 8, o[dn][2 * i] * inv, t.lo_off);
+        store_in(out, at + dn * 8 + 1, o[dn][2 * i + 1] * inv, t.lo_off);
     }
 }
 
@@ -417,7 +445,6 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int qr = lane >> 2;  // fragment row (and +8)
-    const int qc = lane & 3;   // fragment column pair
     const long long kvd = (long long)nkv * HD;
     const long long part_e = kv_part_e<kv_t>(block_size, kvd, nkv);
     const long long layer_e = 2 * part_e;
@@ -463,13 +490,7 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
 
     float o[FA_MB][HD / 8][4];
     float m[FA_MB][2], l[FA_MB][2];  // log2 units
-#pragma unroll
-    for (int b = 0; b < FA_MB; ++b) {
-#pragma unroll
-        for (int dn = 0; dn < HD / 8; ++dn) o[b][dn][0] = o[b][dn][1] = o[b][dn][2] = o[b][dn][3] = 0.0f;
-        m[b][0] = m[b][1] = NEG_INF;
-        l[b][0] = l[b][1] = 0.0f;
-    }
+    clear_online_softmax<HD>(o, m, l);
     const float scale_log2 = scale * LOG2E_F;
     int st = 0;
     for (int k0 = kbeg; k0 < kend; k0 += FA_BK, st ^= 1) {
@@ -491,31 +512,24 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
         if (k0 <= warp_pos) {  // else every row of this warp is before the run
             float s[FA_MB][NT][4];
             qk_scores<HD, NT>(s, wq, sk);
-            mask_scores<NT>(s, k0, row_pos, row_lo);
 #pragma unroll
-            for (int b = 0; b < FA_MB; ++b) softmax_step<HD, NT>(s[b], m[b], l[b], o[b], scale_log2);
+            for (int b = 0; b < FA_MB; ++b) {
+                mask_block<NT>(s[b], k0, row_pos[b], row_lo[b]);
+                softmax_step<HD, NT>(s[b], m[b], l[b], o[b], scale_log2);
+            }
 #pragma unroll
             for (int kc = 0; kc < FA_BK / 16; ++kc) pv_accumulate<HD, NT>(o, s, kc, sv);
         }
         __syncthreads();  // this stage is refilled two runs on
     }
 
+    const TileOut dst{tok0, g, group, nq, lo_off};
 #pragma unroll
     for (int b = 0; b < FA_MB; ++b) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            float sum = l[b][i];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (row_pos[b][i] < 0) continue;
-            const int r = warp * FA_WARP_ROWS + b * 16 + qr + 8 * i;
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            const long long at = ((long long)(tok0 + r / group) * nq + g * group + r % group) * HD + 2 * qc;
-#pragma unroll
-            for (int dn = 0; dn < HD / 8; ++dn) {
-                store_in(out, at + dn * 8, o[b][dn][2 * i] * inv, lo_off);
-                store_in(out, at + dn * 8 + 1, o[b][dn][2 * i + 1] * inv, lo_off);
-            }
+            store_tile_row<O, HD>(out, dst, o[b], l[b][i], i, warp * FA_WARP_ROWS + b * 16 + qr + 8 * i,
+                                  row_pos[b][i] >= 0);
         }
     }
 }
