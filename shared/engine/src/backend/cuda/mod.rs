@@ -600,8 +600,9 @@ impl CudaDevice {
         set
     }
 
-    /// Which kernel serves prefill tiles on this device: `wgmma` (Hopper's warpgroup MMA,
-    /// `attention_prefill_wg.cu`) or `mma.sync` (`attention_prefill.cu`).
+    /// Which kernel serves prefill tiles of head_dim 128 over a bf16 or f16 pool on this
+    /// device: `wgmma` (Hopper's warpgroup MMA, `attention_prefill_wg.cu`) or `mma.sync`
+    /// (`attention_prefill.cu`, which also serves FP8 pools and head_dim 64 everywhere).
     pub fn prefill_tile_kernel(&self) -> &'static str {
         if self.prefill_wgmma {
             "wgmma"
