@@ -423,6 +423,19 @@ __device__ __forceinline__ void store_tile_row(O* out, const TileOut& t, const f
     }
 }
 
+// The (KV head, tokens) of this block's tile. Blocks in launch order take the tiles
+// last-first, every KV head's tile before the previous tile: the longest causal runs start
+// first and the grid's tail is short ones. `tiles` holds (first token, tokens) per tile.
+struct PrefillTile {
+    int g, tok0, ntok;
+};
+
+__device__ __forceinline__ PrefillTile prefill_tile(const int* tiles) {
+    const int id = blockIdx.y * gridDim.x + blockIdx.x;
+    const int tile = gridDim.x - 1 - id / gridDim.y;
+    return PrefillTile{(int)(id % gridDim.y), tiles[2 * tile], tiles[2 * tile + 1]};
+}
+
 template <typename O, int HD>
 __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride, const kv_t* pool,
                                        const int* tables, const int* table_start, const int* positions,
@@ -435,13 +448,8 @@ __device__ void attention_prefill_impl(O* out, const float* qkv, int row_stride,
     // [FA_BQ][ROW] of Q, then [stage][K or V][FA_BK][ROW]
     e16_t* sq = reinterpret_cast<e16_t*>(fa_smem);
     e16_t* smem = sq + FA_BQ * ROW;
-    // Blocks in launch order take the tiles last-first, every KV head's tile before the
-    // previous tile: the longest causal runs start first and the grid's tail is short ones.
-    const int id = blockIdx.y * gridDim.x + blockIdx.x;
-    const int g = id % gridDim.y;
-    const int tile = gridDim.x - 1 - id / gridDim.y;
-    const int tok0 = tiles[2 * tile];
-    const int ntok = tiles[2 * tile + 1];
+    const PrefillTile pt = prefill_tile(tiles);
+    const int g = pt.g, tok0 = pt.tok0, ntok = pt.ntok;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int qr = lane >> 2;  // fragment row (and +8)

@@ -202,12 +202,8 @@ __device__ void attention_prefill_wg_impl(O* out, const float* qkv, int row_stri
     // (the swizzle is of address bits; the launch adds 1024 bytes for the rounding).
     unsigned char* sq = wg_smem + ((1024u - ((unsigned)__cvta_generic_to_shared(wg_smem) & 1023u)) & 1023u);
     unsigned char* skv = sq + WG_ROWS * HD * 2;
-    // The tile order of attention_prefill.cu: last tiles first, every KV head's together.
-    const int id = blockIdx.y * gridDim.x + blockIdx.x;
-    const int g = id % gridDim.y;
-    const int tile = gridDim.x - 1 - id / gridDim.y;
-    const int tok0 = tiles[2 * tile];
-    const int ntok = tiles[2 * tile + 1];
+    const PrefillTile pt = prefill_tile(tiles);
+    const int g = pt.g, tok0 = pt.tok0, ntok = pt.ntok;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int qr = lane >> 2;
