@@ -355,7 +355,7 @@ fn check_bpe_options(model: &Value) -> Result<(), Unsupported> {
 
 /// GPT-2's byte ↔ character map: printable bytes stand for themselves, the rest for
 /// U+0100 onwards in byte order.
-fn byte_of_char() -> FxHashMap<char, u8> {
+pub(crate) fn byte_of_char() -> FxHashMap<char, u8> {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
     let mut map = FxHashMap::default();
     let mut next = 0u32;
@@ -478,13 +478,13 @@ fn added_tokens(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
     /// A byte-level BPE `tokenizer.json` over a small vocabulary: every byte, plus "ab",
     /// "abc" and " a" from three merges, and one added token.
-    fn tiny_json() -> Value {
+    pub(crate) fn tiny_json() -> Value {
         let map = byte_of_char();
         let mut chars: Vec<(u8, char)> = map.iter().map(|(&c, &b)| (b, c)).collect();
         chars.sort();

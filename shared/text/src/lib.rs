@@ -10,6 +10,7 @@ pub mod chat;
 pub mod constraint;
 pub mod error;
 pub mod fast_bpe;
+pub mod fast_decode;
 pub mod incremental;
 pub mod limits;
 pub mod logprob;

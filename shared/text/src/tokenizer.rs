@@ -9,6 +9,7 @@ use sha2::{Digest, Sha256};
 use crate::chat::ChatTemplate;
 use crate::error::TextError;
 use crate::fast_bpe::{FastBpe, Piece};
+use crate::fast_decode::ByteLevelDecoder;
 use crate::hex;
 
 /// A model's tokenizer.
@@ -22,6 +23,9 @@ pub struct Tokenizer {
     /// Ids-only encoding for byte-level BPE vocabularies, equal to `inner`'s (see
     /// [`crate::fast_bpe`]); `None` for other tokenizers.
     fast: Option<Arc<FastBpe>>,
+    /// Every id's bytes, for vocabularies whose decoder is `ByteLevel`: decoding equal to
+    /// `inner`'s (see [`crate::fast_decode`]); `None` for other tokenizers.
+    fast_decode: Option<Arc<ByteLevelDecoder>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -70,11 +74,13 @@ impl Tokenizer {
                 None
             }
         };
+        let fast_decode = ByteLevelDecoder::new(&inner).map(Arc::new);
         Ok(Tokenizer {
             inner,
             file_sha256: hex(&Sha256::digest(bytes)),
             max_token_bytes,
             fast,
+            fast_decode,
         })
     }
 
@@ -122,8 +128,21 @@ impl Tokenizer {
         self.fast.is_some()
     }
 
+    /// Whether [`Tokenizer::decode`] has its fast path for this vocabulary.
+    pub fn has_fast_decode(&self) -> bool {
+        self.fast_decode.is_some()
+    }
+
     /// Text of `ids`.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
+        if let Some(fast) = &self.fast_decode {
+            return Ok(fast.decode(ids, skip_special_tokens));
+        }
+        self.decode_slow(ids, skip_special_tokens)
+    }
+
+    /// Text of `ids` through `tokenizers`.
+    pub fn decode_slow(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| TextError::Tokenizer(format!("decode: {e}")))

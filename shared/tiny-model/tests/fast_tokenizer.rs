@@ -2,7 +2,8 @@
 //! real Qwen3 vocabulary: the same ids for generated text that mixes what the pre-tokenizer
 //! regex treats differently — letters of both cases, digits, punctuation, contractions, runs of
 //! every ASCII space character, line breaks, added tokens, non-ASCII text (left to
-//! `tokenizers`) and words too long for the fast path.
+//! `tokenizers`) and words too long for the fast path. And the decoding fast path
+//! (`tandem_text::fast_decode`) against `tokenizers` on ids of every kind.
 
 use tandem_rng::SplitMix64;
 use tandem_text::tokenizer::Tokenizer;
@@ -168,4 +169,46 @@ fn fast_encoding_equals_tokenizers_on_prose_and_code() {
             .to_vec();
         assert_eq!(tok.encode(t, false).unwrap(), want, "{t:?}");
     }
+}
+
+#[test]
+fn fast_decoding_equals_tokenizers_on_every_kind_of_id() {
+    let dir = tandem_tiny_model::ensure_tokenizer_files().expect("the Qwen3 tokenizer files");
+    let tok = Tokenizer::load(&dir).expect("load the tokenizer");
+    assert!(
+        tok.has_fast_decode(),
+        "Qwen3's tokenizer.json must take the decoding fast path"
+    );
+    let vocab = tok.vocab_size() as u64;
+    let mut rng = SplitMix64::new(0xdec0de);
+    let mut ids_compared = 0;
+    for case in 0..20_000 {
+        // Windows as the incremental decoder sends them (1-8 ids), and longer runs; ids
+        // anywhere in the vocabulary, the added tokens at its end (special or not), ids
+        // past it, and the ids of generated text (whole and split characters).
+        let len = if case % 10 == 0 {
+            64
+        } else {
+            1 + rng.next_u64() % 8
+        };
+        let mut ids: Vec<u32> = Vec::new();
+        while (ids.len() as u64) < len {
+            let r = rng.next_u64();
+            match r % 8 {
+                0 => ids.push((vocab - 1 - (r >> 8) % 40) as u32),
+                1 => ids.push((vocab + (r >> 8) % 1000) as u32),
+                2 | 3 => ids.extend(tok.encode(&text(&mut rng, 6), false).expect("encodes")),
+                _ => ids.push(((r >> 8) % vocab) as u32),
+            }
+        }
+        for skip in [false, true] {
+            assert_eq!(
+                tok.decode(&ids, skip).expect("decodes"),
+                tok.decode_slow(&ids, skip).expect("tokenizers decodes"),
+                "case {case}, skip_special_tokens {skip}: {ids:?}"
+            );
+        }
+        ids_compared += ids.len();
+    }
+    assert!(ids_compared > 100_000, "{ids_compared} ids compared");
 }
