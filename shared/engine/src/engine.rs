@@ -166,6 +166,15 @@ pub struct EngineStats {
     /// Tokens of waiting sequences, whose KV blocks are not held yet.
     #[serde(default)]
     pub queued_kv_tokens: usize,
+    /// Wall time of the steps that ran a forward pass, ever, in microseconds: scheduling,
+    /// the forward pass, sampling and emitting.
+    #[serde(default)]
+    pub step_micros: u64,
+    /// The part of `step_micros` inside the backend's forward pass (on a GPU: preparing
+    /// the inputs, the launches and the wait for the results). The rest is the engine
+    /// thread's own work, during which the backend's device is idle.
+    #[serde(default)]
+    pub forward_micros: u64,
 }
 
 pub struct Engine;

@@ -10,6 +10,12 @@ pub const KV_REFERENCED_BLOCKS: &str = "dynamo_component_kv_cache_active_blocks"
 pub const KV_CACHED_BLOCKS: &str = "dynamo_component_kv_cache_cached_blocks";
 pub const KV_USAGE_PERCENT: &str = "dynamo_component_gpu_cache_usage_percent";
 pub const PREEMPTIONS: &str = "dynamo_component_preemptions_total";
+/// The engine thread's steps and their time (see `EngineStats::step_micros`): over an
+/// interval, (step − forward) / steps is what the engine itself spends per step while the
+/// device waits.
+pub const ENGINE_STEPS: &str = "tandem_engine_steps_total";
+pub const ENGINE_STEP_MICROS: &str = "tandem_engine_step_microseconds_total";
+pub const ENGINE_FORWARD_MICROS: &str = "tandem_engine_forward_microseconds_total";
 // The load report the planner scales on: its names live with the other component names.
 pub use tandem_runtime::metrics::names::component::{
     CONTEXT_LENGTH, KV_CAPACITY_TOKENS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, QUEUED_KV_TOKENS,
@@ -53,6 +59,9 @@ pub fn spawn_gauges(engine: EngineHandle, instance_id: u64, shutdown: ShutdownTo
             metrics::gauge!(RUNNING_REQUESTS, &label).set(s.running as f64);
             metrics::gauge!(WAITING_REQUESTS, &label).set(s.waiting as f64);
             metrics::gauge!(PREEMPTIONS, &label).set(s.preemptions as f64);
+            metrics::counter!(ENGINE_STEPS, &label).absolute(s.steps);
+            metrics::counter!(ENGINE_STEP_MICROS, &label).absolute(s.step_micros);
+            metrics::counter!(ENGINE_FORWARD_MICROS, &label).absolute(s.forward_micros);
             let bs = s.block_size as f64;
             metrics::gauge!(QUEUED_PREFILL_TOKENS, &label).set(s.queued_prefill_tokens as f64);
             metrics::gauge!(SCHEDULED_KV_TOKENS, &label).set(s.blocks.referenced as f64 * bs);

@@ -4,6 +4,7 @@
 
 use std::sync::mpsc::TryRecvError;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -106,6 +107,9 @@ pub(super) struct Counters {
     preemptions: u64,
     /// Tokens at prompt positions that went through a forward pass, ever.
     prompt_tokens_computed: u64,
+    /// Time in steps that ran a forward pass, and in those forward passes.
+    step_time: Duration,
+    forward_time: Duration,
 }
 
 impl Counters {
@@ -123,6 +127,12 @@ impl Counters {
     /// A forward pass computed `n` tokens at prompt positions.
     pub(super) fn prompt_tokens(&mut self, n: usize) {
         self.prompt_tokens_computed += n as u64;
+    }
+
+    /// A step that ran a forward pass took `step` in all, `forward` of it in the backend.
+    pub(super) fn timed(&mut self, step: Duration, forward: Duration) {
+        self.step_time += step;
+        self.forward_time += forward;
     }
 }
 
@@ -393,6 +403,8 @@ impl Core {
             block_size: self.sched.blocks().block_size(),
             queued_prefill_tokens: queued.prefill_tokens,
             queued_kv_tokens: queued.kv_tokens,
+            step_micros: micros(self.counters.step_time),
+            forward_micros: micros(self.counters.forward_time),
         }
     }
 
@@ -544,4 +556,9 @@ impl Core {
         }
         self.drop_leases();
     }
+}
+
+/// Whole microseconds of `d`, saturating.
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }

@@ -4,6 +4,7 @@
 //! here), emit, and step the beam groups whose beams all have their rows.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
 
 use super::core::Core;
 use std::collections::HashMap;
@@ -32,6 +33,7 @@ enum StepResult {
 impl Core {
     /// One step. Returns false when nothing could be scheduled.
     pub(super) fn step(&mut self) -> bool {
+        let started = Instant::now();
         let sch = self.sched.schedule();
         self.counters.scheduled(&sch);
         if sch.seqs.is_empty() {
@@ -52,15 +54,17 @@ impl Core {
         self.send_prefills_by_layers(&pieces);
         let pieces = self.live_pieces(&pieces);
         let prompt_tokens = self.prompt_tokens_in(&pieces);
-        let result = match self.forward_preparing_masks(&pieces) {
-            Ok(r) => r,
-            Err(e) => {
-                self.fail_step(&pieces, &e);
-                return true;
+        let forward_started = Instant::now();
+        let result = self.forward_preparing_masks(&pieces);
+        let forward = forward_started.elapsed();
+        match result {
+            Ok(result) => {
+                self.counters.prompt_tokens(prompt_tokens);
+                self.apply(&pieces, &result);
             }
-        };
-        self.counters.prompt_tokens(prompt_tokens);
-        self.apply(&pieces, &result);
+            Err(e) => self.fail_step(&pieces, &e),
+        }
+        self.counters.timed(started.elapsed(), forward);
         true
     }
 

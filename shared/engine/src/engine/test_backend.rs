@@ -29,6 +29,8 @@ pub(super) struct TestBackend {
     pub(super) sampled_steps: Arc<AtomicUsize>,
     /// Panic in the forward pass (a fatal fault in the batched part).
     pub(super) panic_in_forward: bool,
+    /// Each forward pass takes at least this long (a device's compute).
+    pub(super) forward_time: Duration,
     /// When set, every step first takes one permit: the test decides how far the engine runs.
     gate: Option<std::sync::mpsc::Receiver<()>>,
     /// When set, told after every step.
@@ -56,6 +58,7 @@ impl TestBackend {
             device_sampling: false,
             sampled_steps: Arc::new(AtomicUsize::new(0)),
             panic_in_forward: false,
+            forward_time: Duration::ZERO,
             gate: None,
             done: None,
         }
@@ -134,6 +137,7 @@ impl Backend for TestBackend {
             g.recv_timeout(T)
                 .map_err(|_| EngineError::InvalidInput("test gate closed or timed out".into()))?;
         }
+        std::thread::sleep(self.forward_time);
         let mut logits = Vec::new();
         for s in batch {
             for (i, &t) in s.tokens.iter().enumerate() {

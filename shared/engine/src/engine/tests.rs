@@ -86,6 +86,24 @@ pub(super) async fn wait_idle(h: &EngineHandle) -> EngineStats {
 }
 
 #[tokio::test]
+async fn stats_split_step_time_into_forward_and_the_engine_own() {
+    let mut backend = TestBackend::new(4, 64);
+    backend.forward_time = std::time::Duration::from_millis(2);
+    let h = Engine::start(Box::new(backend), None, config(64)).unwrap();
+    let before = wait_idle(&h).await;
+    assert_eq!(
+        (before.steps, before.step_micros, before.forward_micros),
+        (0, 0, 0)
+    );
+    run(&h, req("a", prompt(1, 10), greedy(5))).await;
+    let s = wait_idle(&h).await;
+    // One prefill step and four decode steps, each at least the backend's 2 ms.
+    assert_eq!(s.steps, 5);
+    assert!(s.forward_micros >= 5 * 2_000, "{s:?}");
+    assert!(s.step_micros >= s.forward_micros, "{s:?}");
+}
+
+#[tokio::test]
 async fn concurrent_requests_under_preemption_match_solo_runs() {
     let solo = start(4, 64, config(64));
     let mut want = Vec::new();
