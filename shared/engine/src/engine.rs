@@ -170,9 +170,10 @@ pub struct EngineStats {
     /// the forward pass, sampling and emitting.
     #[serde(default)]
     pub step_micros: u64,
-    /// The part of `step_micros` inside the backend's forward pass (on a GPU: preparing
-    /// the inputs, the launches and the wait for the results). The rest is the engine
-    /// thread's own work, during which the backend's device is idle.
+    /// The part of `step_micros` inside the backend's calls (on a GPU: the inputs copied to
+    /// the device, the launches, the wait for the results and their read-back). The rest is
+    /// the engine thread's own work — scheduling, the backend's inputs and sampling plans,
+    /// emitting — during which the backend's device is idle.
     #[serde(default)]
     pub forward_micros: u64,
 }

@@ -107,7 +107,7 @@ pub(super) struct Counters {
     preemptions: u64,
     /// Tokens at prompt positions that went through a forward pass, ever.
     prompt_tokens_computed: u64,
-    /// Time in steps that ran a forward pass, and in those forward passes.
+    /// Time in steps that ran a forward pass, and in the backend's calls of those steps.
     step_time: Duration,
     forward_time: Duration,
 }
@@ -129,10 +129,14 @@ impl Counters {
         self.prompt_tokens_computed += n as u64;
     }
 
-    /// A step that ran a forward pass took `step` in all, `forward` of it in the backend.
-    pub(super) fn timed(&mut self, step: Duration, forward: Duration) {
-        self.step_time += step;
-        self.forward_time += forward;
+    /// A step that ran a forward pass took `d` in all.
+    pub(super) fn step_took(&mut self, d: Duration) {
+        self.step_time += d;
+    }
+
+    /// The backend's forward call (with its sampling, when on the device) took `d`.
+    pub(super) fn forward_took(&mut self, d: Duration) {
+        self.forward_time += d;
     }
 }
 

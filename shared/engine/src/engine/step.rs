@@ -54,17 +54,14 @@ impl Core {
         self.send_prefills_by_layers(&pieces);
         let pieces = self.live_pieces(&pieces);
         let prompt_tokens = self.prompt_tokens_in(&pieces);
-        let forward_started = Instant::now();
-        let result = self.forward_preparing_masks(&pieces);
-        let forward = forward_started.elapsed();
-        match result {
+        match self.forward_preparing_masks(&pieces) {
             Ok(result) => {
                 self.counters.prompt_tokens(prompt_tokens);
                 self.apply(&pieces, &result);
             }
             Err(e) => self.fail_step(&pieces, &e),
         }
-        self.counters.timed(started.elapsed(), forward);
+        self.counters.step_took(started.elapsed());
         true
     }
 
@@ -185,9 +182,11 @@ impl Core {
                 })
                 .collect()
         };
+        let started = Instant::now();
         let result = self
             .backend
             .forward_sampled_with_masks(&inputs, &refs, &mut masks);
+        self.counters.forward_took(started.elapsed());
         self.put_back(guides);
         result.map(StepResult::Tokens)
     }
@@ -199,15 +198,19 @@ impl Core {
     fn forward(&mut self, pieces: &[ScheduledSeq]) -> Result<StepResult, EngineError> {
         let device_plans = self.device_sample_plans(pieces);
         let inputs = backend_inputs(&self.sched, pieces);
-        match &device_plans {
-            Some(plans) => {
-                let refs: Vec<Option<&SamplePlan>> = plans.iter().map(Option::as_ref).collect();
-                self.backend
-                    .forward_sampled(&inputs, &refs)
-                    .map(StepResult::Tokens)
-            }
+        let refs: Option<Vec<Option<&SamplePlan>>> = device_plans
+            .as_ref()
+            .map(|plans| plans.iter().map(Option::as_ref).collect());
+        let started = Instant::now();
+        let result = match &refs {
+            Some(refs) => self
+                .backend
+                .forward_sampled(&inputs, refs)
+                .map(StepResult::Tokens),
             None => self.backend.forward(&inputs).map(StepResult::Logits),
-        }
+        };
+        self.counters.forward_took(started.elapsed());
+        result
     }
 
     /// Gives the guides taken for a step back to their sequences.
