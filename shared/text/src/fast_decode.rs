@@ -48,13 +48,13 @@ impl std::fmt::Debug for ByteLevelDecoder {
 }
 
 impl ByteLevelDecoder {
-    /// The table for `tok`, or None when its decoder is not `ByteLevel` alone (those are
-    /// decoded by `tokenizers`), or its ids do not fit the table's 32-bit offsets.
-    pub fn new(tok: &tokenizers::Tokenizer) -> Option<Self> {
+    /// The table for `tok` (whose highest id is `max_id`), or None when its decoder is not
+    /// `ByteLevel` alone (those are decoded by `tokenizers`), or its ids do not fit the
+    /// table's 32-bit offsets.
+    pub fn new(tok: &tokenizers::Tokenizer, max_id: u32) -> Option<Self> {
         if !matches!(tok.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) {
             return None;
         }
-        let max_id = tok.get_vocab(true).into_values().max()?;
         let special: HashSet<String> = tok
             .get_added_tokens_decoder()
             .into_values()
@@ -126,12 +126,19 @@ mod tests {
         tokenizers::Tokenizer::from_bytes(json.to_string()).expect("tokenizer")
     }
 
+    fn max_id(tok: &tokenizers::Tokenizer) -> u32 {
+        tok.get_vocab(true)
+            .into_values()
+            .max()
+            .expect("a vocabulary")
+    }
+
     const BYTE_LEVEL: &str = r#"{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}"#;
 
     #[test]
     fn equals_tokenizers_on_every_kind_of_id() {
         let tok = tokenizer(BYTE_LEVEL);
-        let fast = ByteLevelDecoder::new(&tok).expect("a ByteLevel decoder");
+        let fast = ByteLevelDecoder::new(&tok, max_id(&tok)).expect("a ByteLevel decoder");
         // Bytes that form "é" only together, an invalid byte alone, a stray continuation
         // byte, merged tokens, the special and the plain added tokens, ids past the
         // vocabulary and ids in its gaps (259..300).
@@ -162,8 +169,8 @@ mod tests {
         let tok = tokenizer(&format!(
             r#"{{"type": "Sequence", "decoders": [{BYTE_LEVEL}]}}"#
         ));
-        assert!(ByteLevelDecoder::new(&tok).is_none());
+        assert!(ByteLevelDecoder::new(&tok, max_id(&tok)).is_none());
         let tok = tokenizer(r#"{"type": "Fuse"}"#);
-        assert!(ByteLevelDecoder::new(&tok).is_none());
+        assert!(ByteLevelDecoder::new(&tok, max_id(&tok)).is_none());
     }
 }

@@ -55,13 +55,7 @@ impl Tokenizer {
     pub fn from_bytes(bytes: &[u8], origin: &str) -> Result<Self, TextError> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TextError::Tokenizer(format!("{origin}: cannot load: {e}")))?;
-        let max_token_bytes = inner
-            .get_vocab(true)
-            .keys()
-            .map(String::len)
-            .max()
-            .unwrap_or(1)
-            .max(1);
+        let (max_token_bytes, max_id) = vocab_extent(&inner);
         let fast = match serde_json::from_slice(bytes)
             .map_err(|_| None)
             .and_then(|json| FastBpe::from_json(&json, |t| inner.token_to_id(t)).map_err(Some))
@@ -74,7 +68,9 @@ impl Tokenizer {
                 None
             }
         };
-        let fast_decode = ByteLevelDecoder::new(&inner).map(Arc::new);
+        let fast_decode = max_id
+            .and_then(|max_id| ByteLevelDecoder::new(&inner, max_id))
+            .map(Arc::new);
         Ok(Tokenizer {
             inner,
             file_sha256: hex(&Sha256::digest(bytes)),
@@ -171,6 +167,14 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// The longest token's length in bytes (at least 1) and the highest id, from one walk of
+/// the vocabulary (a map of every token's string: building it is the costly part).
+fn vocab_extent(tok: &tokenizers::Tokenizer) -> (usize, Option<u32>) {
+    let vocab = tok.get_vocab(true);
+    let longest = vocab.keys().map(String::len).max().unwrap_or(1).max(1);
+    (longest, vocab.into_values().max())
 }
 
 /// The tokenizer hash of the model card: sha256 over the sha256 of `tokenizer.json` and the
