@@ -1,5 +1,6 @@
 //! Writes a run's results: `<out>/report.json` (summary + run settings) and
-//! `<out>/requests.csv` (one row per request).
+//! `<out>/requests.csv` (one row per request; `cached_tokens` is the server's count of
+//! prompt tokens it found cached, empty when it reported none).
 
 use std::io::Write;
 use std::path::Path;
@@ -28,19 +29,22 @@ pub fn write_csv(path: &Path, records: &[Record]) -> anyhow::Result<()> {
     let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(
         f,
-        "start_s,ttft_ms,itl_ms,e2e_ms,input_tokens,output_tokens,error"
+        "start_s,ttft_ms,itl_ms,e2e_ms,input_tokens,output_tokens,cached_tokens,error"
     )?;
     let ms = |x: Option<f64>| x.map(|v| format!("{:.3}", v * 1000.0)).unwrap_or_default();
     for r in records {
         writeln!(
             f,
-            "{:.6},{},{},{:.3},{},{},{}",
+            "{:.6},{},{},{:.3},{},{},{},{}",
             r.start,
             ms(r.ttft()),
             ms(r.itl()),
             r.e2e() * 1000.0,
             r.input_tokens,
             r.output_tokens,
+            r.server_prompt
+                .map(|(_, cached)| cached.to_string())
+                .unwrap_or_default(),
             r.error.as_deref().unwrap_or("")
         )?;
     }

@@ -285,8 +285,43 @@ impl WorkerSelector {
         };
         // `workers` is non-empty here, so both pickers return Some.
         let i = pick.unwrap_or(0);
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            trace_kv_pick(locals.first(), workers, overlaps, &logits, i);
+        }
         (i, logits[i])
     }
+}
+
+/// One kv decision at debug level: the prompt's first block (which names a shared prefix),
+/// and each candidate's overlap, load and cost, so that a log shows why a request went to a
+/// worker that held less of its prompt than another.
+fn trace_kv_pick(
+    first_block: Option<&LocalBlockHash>,
+    workers: &[(&WorkerInfo, WorkerLoad)],
+    overlaps: &OverlapScores,
+    logits: &[f64],
+    chosen: usize,
+) {
+    let candidates: Vec<String> = workers
+        .iter()
+        .zip(logits)
+        .map(|((w, l), logit)| {
+            format!(
+                "{}:overlap={},requests={},blocks={},prefill={},logit={logit:.1}",
+                w.id,
+                overlaps.score(w.id),
+                l.active_requests,
+                l.active_decode_blocks,
+                l.active_prefill_tokens
+            )
+        })
+        .collect();
+    tracing::debug!(
+        first_block = first_block.map(|h| h.0),
+        chosen = workers[chosen].0.id,
+        candidates = candidates.join(" "),
+        "kv routing decision"
+    );
 }
 
 #[cfg(test)]
