@@ -236,34 +236,10 @@ pub(crate) fn rope_and_silu(cx: &mut Ctx) -> Result<(), EngineError> {
 
     rope_many_tokens(dev, rep, rng, &rope_in)?;
 
-    // SiLU·mul.
-    let gu = rng
-        .vec(t * 2 * IM)
-        .iter()
-        .map(|v| v * 8.0)
-        .collect::<Vec<_>>();
-    let mut want = vec![0.0f32; t * IM];
-    for (o, row) in want.chunks_exact_mut(IM).zip(gu.chunks_exact(2 * IM)) {
-        let (g, u) = row.split_at(IM);
-        let mut g = g.to_vec();
-        silu_mul(&mut g, u);
-        o.copy_from_slice(&g);
-    }
-    // The device takes each row's gate and up values interleaved (g0, u0, g1, u1, ...),
-    // as the backend's interleaved gate_up weights produce them.
-    let gu_interleaved: Vec<f32> = gu
-        .chunks_exact(2 * IM)
-        .flat_map(|row| (0..IM).flat_map(move |c| [row[c], row[IM + c]]))
-        .collect();
-    let dgu = dev.upload(&gu_interleaved)?;
-    let mut dout = dev.zeros::<f32>(t * IM)?;
-    dev.silu_mul(&mut dout, &dgu, t, IM, false)?;
-    rep.add("silu_mul", "f32", &dev.download(&dout)?, &want, 1e-5);
-    {
-        let mut dout = dev.zeros::<u16>(t * IM)?;
-        dev.silu_mul(&mut dout, &dgu, t, IM, false)?;
-        let got = widen(&dev.download(&dout)?);
-        rep.add("silu_mul", "bf16 out", &got, &want, bf16_tol(&want));
+    // SiLU·mul: the model's shape (f32 and bf16 out), an odd width (one column per thread)
+    // and more rows than the launch's grid holds (its rows stride).
+    for (rows, im) in [(t, IM), (5, 7), (65_537, 2)] {
+        silu_mul_case(dev, rep, rng, rows, im)?;
     }
     Ok(())
 }
@@ -306,6 +282,59 @@ pub(crate) fn gather_and_bias(cx: &mut Ctx) -> Result<(), EngineError> {
         let mut dx = dev.upload(&src)?;
         dev.bias_add(&mut dx, &dev.upload(&b)?, t)?;
         rep.add("bias_add", "f32", &dev.download(&dx)?, &want_b, 0.0);
+    }
+    Ok(())
+}
+
+/// SiLU·mul of `rows` rows of width `im` against the CPU code (bf16 output too at the model's
+/// width).
+fn silu_mul_case(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    rng: &mut Rng,
+    rows: usize,
+    im: usize,
+) -> Result<(), EngineError> {
+    let gu = rng
+        .vec(rows * 2 * im)
+        .iter()
+        .map(|v| v * 8.0)
+        .collect::<Vec<_>>();
+    let mut want = vec![0.0f32; rows * im];
+    for (o, row) in want.chunks_exact_mut(im).zip(gu.chunks_exact(2 * im)) {
+        let (g, u) = row.split_at(im);
+        let mut g = g.to_vec();
+        silu_mul(&mut g, u);
+        o.copy_from_slice(&g);
+    }
+    // The device takes each row's gate and up values interleaved (g0, u0, g1, u1, ...),
+    // as the backend's interleaved gate_up weights produce them.
+    let gu_interleaved: Vec<f32> = gu
+        .chunks_exact(2 * im)
+        .flat_map(|row| (0..im).flat_map(move |c| [row[c], row[im + c]]))
+        .collect();
+    let dgu = dev.upload(&gu_interleaved)?;
+    let case = format!("{rows}x{im}");
+    let mut dout = dev.zeros::<f32>(rows * im)?;
+    dev.silu_mul(&mut dout, &dgu, rows, im, false)?;
+    rep.add(
+        "silu_mul",
+        &format!("{case}, f32"),
+        &dev.download(&dout)?,
+        &want,
+        1e-5,
+    );
+    if im == IM {
+        let mut dout = dev.zeros::<u16>(rows * im)?;
+        dev.silu_mul(&mut dout, &dgu, rows, im, false)?;
+        let got = widen(&dev.download(&dout)?);
+        rep.add(
+            "silu_mul",
+            &format!("{case}, bf16 out"),
+            &got,
+            &want,
+            bf16_tol(&want),
+        );
     }
     Ok(())
 }

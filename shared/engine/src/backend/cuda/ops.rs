@@ -238,9 +238,14 @@ impl CudaDevice {
         check_len("silu_mul gu", gu.len(), halves * rows * 2 * im)?;
         let in_lo = if unfolded { (rows * 2 * im) as i64 } else { 0 };
         let (r, i) = (to_i32("rows", rows)?, to_i32("im", im)?);
-        let blocks = (rows * im).div_ceil(256).min(65_535 * 8) as u32;
+        // silu_mul.cu: x over a row's columns (pairs of them when im is even), y over rows.
+        let per_thread = if im.is_multiple_of(2) { 2 } else { 1 };
         let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
+            grid_dim: (
+                (im / per_thread).div_ceil(256) as u32,
+                rows.min(65_535) as u32,
+                1,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
