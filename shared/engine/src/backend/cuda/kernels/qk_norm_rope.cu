@@ -136,12 +136,73 @@ __device__ __forceinline__ void store_kv_head(T* pool, long long at, int lane, i
         }
     }
 }
+// The warp-per-head form at head_dim 128 with 16-byte rows (the qkv row stride and the lo
+// offset multiples of 4): lane l holds elements 4l .. 4l + 3 of a head as one float4, the
+// first half's lanes (l < 16) the rotation's x values and the second half's its y values; a
+// lane's partner values (64 elements away) come from lane l ^ 16 by shuffle. One load and one
+// store of each head per lane, against four of each in the general form.
+template <typename T>
+__device__ void qk_norm_rope_tokens_hd128(float* row, int t, int nq, int nkv, int heads, const float* inv_freq,
+                                          const float* q_norm, const float* k_norm, float eps, T* pool,
+                                          const int* token_block, const int* positions, int block_size,
+                                          int layer, int num_layers, long long in_lo) {
+    const int lane = threadIdx.x & 31;
+    const int e = 4 * lane;
+    // sin and cos of this lane's four rotation angles (j = e mod 64), once for the token.
+    const float pos = (float)positions[t];
+    float sn[4], cs[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sincosf(inv_freq[(e + i) & 63] * pos, &sn[i], &cs[i]);
+    // x' = x c - y s on the first half, y' = y c + x s on the second.
+    const float sign = lane < 16 ? -1.0f : 1.0f;
+    const int warps = blockDim.x >> 5;
+    for (int h = threadIdx.x >> 5; h < heads; h += warps) {
+        float* v = row + (long long)h * 128;
+        float4 q = __ldcg(reinterpret_cast<const float4*>(v + e));
+        if (in_lo != 0) {
+            const float4 l = __ldcg(reinterpret_cast<const float4*>(v + in_lo + e));
+            q.x += l.x;
+            q.y += l.y;
+            q.z += l.z;
+            q.w += l.w;
+        }
+        float o[4] = {q.x, q.y, q.z, q.w};
+        const bool is_v = pool != nullptr && h >= nq + nkv;  // uniform over the warp
+        if (!is_v) {
+            const float* nw = h < nq ? q_norm : k_norm;
+            if (nw != nullptr) {
+                const float r = 1.0f / sqrtf(warp_sum(o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]) /
+                                                 128.0f +
+                                             eps);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) o[i] = nw[e + i] * (o[i] * r);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float partner = __shfl_xor_sync(0xffffffffu, o[i], 16);
+                o[i] = o[i] * cs[i] + sign * partner * sn[i];
+            }
+            *reinterpret_cast<float4*>(v + e) = make_float4(o[0], o[1], o[2], o[3]);
+        }
+        if (pool != nullptr && h >= nq) {  // a k or v head: its row in the pool
+            const KvHeadAt kv = kv_head_at<T>(token_block, positions, t, h - nq, nkv, 128, block_size, layer, num_layers);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) store_f(pool, kv.at + e + i, o[i]);
+        }
+    }
+}
+
 template <typename T>
 __device__ void qk_norm_rope_tokens_impl(float* qkv, int row_stride, int nq, int nkv, int heads, int head_dim,
                                   const int* positions, const float* inv_freq, const float* q_norm,
                                   const float* k_norm, float eps, T* pool, const int* token_block, int block_size,
                                   int layer, int num_layers, long long in_lo) {
     const int t = blockIdx.x;
+    if (head_dim == 128 && row_stride % 4 == 0 && in_lo % 4 == 0) {
+        qk_norm_rope_tokens_hd128<T>(qkv + (long long)t * row_stride, t, nq, nkv, heads, inv_freq, q_norm, k_norm,
+                                     eps, pool, token_block, positions, block_size, layer, num_layers, in_lo);
+        return;
+    }
     const int lane = threadIdx.x & 31;
     const int half = head_dim / 2;
     // The token's rotation, once for all the heads this warp takes.
