@@ -7,7 +7,8 @@ use super::attention_scratch::AttentionScratch;
 use super::cluster_launch::RawParams;
 use super::kernels::{AttentionInstance, KvProgram};
 use super::{
-    bad, check_len, cuda_err, to_i32, CudaDevice, DevAddr, DeviceElem, KvPool, PoolShape, TokenMaps,
+    bad, check_len, cuda_err, to_i32, CudaDevice, DevAddr, DeviceElem, KvPool, PoolShape,
+    TileSlots, TokenMaps,
 };
 use crate::error::EngineError;
 
@@ -86,6 +87,29 @@ impl CudaDevice {
     pub fn prefill_tile_tokens(pool16: bool, head_dim: usize, group: usize) -> Option<usize> {
         (pool16 && matches!(head_dim, 64 | 128) && (1..=FA_ROWS).contains(&group))
             .then_some(FA_ROWS / group)
+    }
+
+    /// Where the tiles of a prefill attention launch at `head_dim` over `nkv` KV heads go
+    /// (see [`TileSlots`]): the blocks of the kernel that serves 16-bit pools resident per SM,
+    /// and the SMs over the KV heads.
+    pub fn prefill_tile_slots(
+        &self,
+        head_dim: usize,
+        nkv: usize,
+    ) -> Result<TileSlots, EngineError> {
+        let (kind, smem) = if self.prefill_wgmma && head_dim == 128 {
+            ("wg_", prefill_wg_smem_bytes(head_dim))
+        } else {
+            ("", prefill_smem_bytes(head_dim))
+        };
+        let f = self.loaded(&format!("attention_prefill_{kind}bf16_hd{head_dim}"))?;
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(128, smem as usize, None)
+            .map_err(cuda_err("attention_prefill occupancy"))?;
+        Ok(TileSlots {
+            per_sm: per_sm as usize,
+            sms: self.sm_count() / nkv.max(1),
+        })
     }
 
     /// Causal attention of the tiles of `a.maps` (`attention_prefill.cu`: tensor cores, Q and

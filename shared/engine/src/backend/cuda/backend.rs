@@ -19,7 +19,7 @@ use super::rope_kv::MAX_HEAD_DIM;
 use super::step::{AnyWorkspace, DeviceModel, Readout, StepInputs, StepRows, Workspace};
 use super::switches::{decode_tc_min, pdl_from_env, tiled_prefill_attention};
 use super::weights::{upload_weights, DeviceWeights};
-use super::{AttentionScratch, CudaDevice, KvPool, PoolShape};
+use super::{AttentionScratch, CudaDevice, KvPool, PoolShape, TileSlots};
 use crate::backend::fence::ArmedLayers;
 use crate::backend::{
     Backend, BlocksReady, DeviceBlocks, DevicePool, DeviceSample, KvPoolMemory, LogitsMode,
@@ -701,6 +701,7 @@ fn attention_setup(
     if tensor_cores && tiled_prefill_attention()? {
         if let Some(n) = CudaDevice::prefill_tile_tokens(pool16, config.head_dim, group) {
             inputs.maps.tile_tokens = n;
+            inputs.maps.tile_slots = tile_slots(dev, config)?;
             // attention_decode.cu holds a group in one 16-row fragment.
             if group <= 16 {
                 inputs.maps.decode_tc_min = decode_tc_min()?;
@@ -739,8 +740,20 @@ fn fp8_attention_setup(
     dev.load_fp8_kv_attention()?;
     let mut inputs = StepInputs::new(dev)?;
     inputs.maps.tile_tokens = tiles;
+    inputs.maps.tile_slots = tile_slots(dev, config)?;
     inputs.maps.decode_tc_min = 0;
     Ok(inputs)
+}
+
+/// [`TokenMaps::tile_slots`](super::TokenMaps::tile_slots) of the model's prefill tiles
+/// (none where [`super::switches::PREFILL_TILE_ORDER_ENV`] asks for the longest-first order
+/// alone).
+fn tile_slots(dev: &CudaDevice, config: &ModelConfig) -> Result<Option<TileSlots>, EngineError> {
+    if !super::switches::paired_tile_order()? {
+        return Ok(None);
+    }
+    dev.prefill_tile_slots(config.head_dim, config.num_key_value_heads)
+        .map(Some)
 }
 
 /// The pool's shape: `size` blocks, or as many as the fraction of the device memory free now

@@ -51,7 +51,7 @@ pub use graphs::GraphStats;
 pub use ops::Norm;
 pub use profile::LaunchTime;
 pub use rope_kv::KvTarget;
-pub use token_maps::{DevAddr, DeviceList, TokenMaps};
+pub use token_maps::{DevAddr, DeviceList, TileSlots, TokenMaps};
 
 use std::collections::HashMap;
 use std::sync::Arc;

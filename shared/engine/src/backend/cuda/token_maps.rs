@@ -5,6 +5,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
+use super::attention::FA_KEYS;
 use super::{bad, cuda_err, to_i32, CudaDevice};
 use crate::error::EngineError;
 
@@ -76,7 +77,13 @@ pub struct TokenMaps {
     /// when a step has at least this many of them (it reads K/V in wide runs, faster once
     /// the rows fill the GPU), else to `attention_fast`. Set by the owner.
     pub decode_tc_min: usize,
-    /// (first token, tokens) per tile, each within one sequence.
+    /// Where the prefill attention's blocks go on the GPU (none: the tiles go longest first
+    /// alone): with every block of a launch resident at once, the tiles that take the SMs'
+    /// first slots go longest first and the rest, which share those SMs, shortest first, so
+    /// that each SM's tiles add up to about the same number of key runs. Set by the owner.
+    pub tile_slots: Option<TileSlots>,
+    /// (first token, tokens) per tile, each within one sequence, in launch order (see
+    /// `tile_slots`).
     pub tiles: DevAddr,
     pub n_tiles: usize,
     /// The tokens of single-token sequences (decode rows) when tiles are on.
@@ -107,6 +114,7 @@ impl TokenMaps {
             tokens: 0,
             tile_tokens: 0,
             decode_tc_min: usize::MAX,
+            tile_slots: None,
             tiles: base,
             n_tiles: 0,
             singles: base,
@@ -171,15 +179,12 @@ impl CudaDevice {
         block_size: usize,
         window: usize,
     ) -> Result<(), EngineError> {
-        let l = write_image(
-            &mut maps.host,
-            ids,
-            rows,
-            seqs,
-            block_size,
+        let tiling = Tiling {
+            tokens: maps.tile_tokens,
+            slots: maps.tile_slots,
             window,
-            maps.tile_tokens,
-        )?;
+        };
+        let l = write_image(&mut maps.host, ids, rows, seqs, block_size, tiling)?;
         if l.total > maps.buf.len() {
             maps.buf = self.zeros(l.total.next_power_of_two())?;
             maps.generation += 1;
@@ -221,21 +226,40 @@ struct ImageLayout {
     total: usize,
 }
 
+/// Where the blocks of the prefill attention go: `per_sm` resident on each SM, and `sms`
+/// tiles (each one block per KV head) fill one slot of every SM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileSlots {
+    pub per_sm: usize,
+    pub sms: usize,
+}
+
+/// How a step's multi-token sequences are cut into prefill attention tiles: `tokens` per tile
+/// (0: no tiles), ordered for `slots` (see [`TokenMaps::tile_slots`]), each token seeing the
+/// `window` positions up to its own.
+#[derive(Clone, Copy, Debug)]
+struct Tiling {
+    tokens: usize,
+    slots: Option<TileSlots>,
+    window: usize,
+}
+
 /// Writes the host image of a step's [`TokenMaps`] buffer into `host`: ids, rows, table
 /// starts, positions, window starts, blocks and single rows (`tokens` slots each), then the
-/// tiles ((first token, tokens) pairs, with `tile_tokens > 0`), then the block tables.
+/// tiles ((first token, tokens) pairs in launch order, with `tiling.tokens > 0`), then the
+/// block tables.
 fn write_image(
     host: &mut Vec<i32>,
     ids: &[u32],
     rows: &[u32],
     seqs: &[(&[u32], std::ops::Range<usize>)],
     block_size: usize,
-    window: usize,
-    tile_tokens: usize,
+    tiling: Tiling,
 ) -> Result<ImageLayout, EngineError> {
+    let window = tiling.window;
     let t: usize = seqs.iter().map(|(_, r)| r.len()).sum();
     check_image_inputs(ids, rows, t, block_size)?;
-    let (tiles, singles) = tiles_and_singles(seqs, tile_tokens)?;
+    let (tiles, singles) = tiles_and_singles(seqs, tiling)?;
     let n_tables: usize = seqs.iter().map(|(table, _)| table.len()).sum();
     let (tiles_at, tables_at) = (7 * t, 7 * t + tiles.len());
     let total = tables_at + n_tables;
@@ -303,36 +327,79 @@ fn check_image_inputs(
     Ok(())
 }
 
-/// With tiles of `tile_tokens` (0: none), the (first token, tokens) pairs of the tiles that
-/// cover each sequence of several tokens, and the tokens of the single-token sequences
-/// (decode rows).
+/// A tile before ordering: its first token and tokens in the step, and the runs of
+/// [`FA_KEYS`] keys its block walks (from the first token's window start to the last
+/// token's position).
+struct Tile {
+    tok0: usize,
+    ntok: usize,
+    runs: usize,
+}
+
+/// With tiles of `tiling.tokens` (0: none), the (first token, tokens) pairs of the tiles that
+/// cover each sequence of several tokens, in launch order ([`order_tiles`]), and the tokens
+/// of the single-token sequences (decode rows).
 fn tiles_and_singles(
     seqs: &[(&[u32], std::ops::Range<usize>)],
-    tile_tokens: usize,
+    tiling: Tiling,
 ) -> Result<(Vec<i32>, Vec<i32>), EngineError> {
     let mut tiles = Vec::new();
     let mut singles = Vec::new();
     let mut first = 0;
     for (_, range) in seqs {
-        if tile_tokens > 0 && range.len() > 1 {
+        if tiling.tokens > 0 && range.len() > 1 {
             let mut at = 0;
             while at < range.len() {
-                let n = tile_tokens.min(range.len() - at);
-                tiles.push(to_i32("token", first + at)?);
-                tiles.push(to_i32("tile tokens", n)?);
+                let n = tiling.tokens.min(range.len() - at);
+                let (p0, p1) = (range.start + at, range.start + at + n - 1);
+                let keys = (p0 + 1).saturating_sub(tiling.window)..p1 + 1;
+                tiles.push(Tile {
+                    tok0: first + at,
+                    ntok: n,
+                    runs: keys.len().div_ceil(FA_KEYS),
+                });
                 at += n;
             }
-        } else if tile_tokens > 0 && range.len() == 1 {
+        } else if tiling.tokens > 0 && range.len() == 1 {
             singles.push(to_i32("token", first)?);
         }
         first += range.len();
     }
-    Ok((tiles, singles))
+    order_tiles(&mut tiles, tiling.slots);
+    let mut pairs = Vec::with_capacity(2 * tiles.len());
+    for t in &tiles {
+        pairs.push(to_i32("token", t.tok0)?);
+        pairs.push(to_i32("tile tokens", t.ntok)?);
+    }
+    Ok((pairs, singles))
+}
+
+/// The launch order of `tiles`: longest first (the blocks the GPU starts last are short
+/// ones); and where every block is resident at once on `slots` with SMs shared, the tiles
+/// past the SMs' first slots reversed (shortest first), so that the GPU, which hands out
+/// blocks one per SM before the second, pairs each SM's longest tile with a short one. A
+/// causal prefill's tiles grow by a run each: unpaired, the SMs holding the longest tiles
+/// hold the next longest too and set the launch's length.
+fn order_tiles(tiles: &mut [Tile], slots: Option<TileSlots>) {
+    tiles.sort_by_key(|t| std::cmp::Reverse(t.runs));
+    if let Some(TileSlots { per_sm, sms }) = slots {
+        if per_sm >= 2 && sms < tiles.len() && tiles.len() <= per_sm * sms {
+            tiles[sms..].reverse();
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tiling(tokens: usize, window: usize) -> Tiling {
+        Tiling {
+            tokens,
+            slots: None,
+            window,
+        }
+    }
 
     #[test]
     fn image_holds_every_list_at_its_offset() {
@@ -340,7 +407,7 @@ mod tests {
         let (t_a, t_b) = ([7u32, 9], [5u32]);
         let seqs: Vec<(&[u32], std::ops::Range<usize>)> = vec![(&t_a, 4..7), (&t_b, 2..3)];
         let mut host = vec![99; 3];
-        let l = write_image(&mut host, &[1, 2, 3, 4], &[2, 3], &seqs, 4, 2, 2).unwrap();
+        let l = write_image(&mut host, &[1, 2, 3, 4], &[2, 3], &seqs, 4, tiling(2, 2)).unwrap();
         assert_eq!(
             l,
             ImageLayout {
@@ -370,15 +437,22 @@ mod tests {
         let short = [1u32];
         let long = [1u32, 2, 3];
         let mut host = Vec::new();
-        let a = write_image(&mut host, &[5], &[0], &[(&short, 3..4)], 16, usize::MAX, 64).unwrap();
+        let a = write_image(
+            &mut host,
+            &[5],
+            &[0],
+            &[(&short, 3..4)],
+            16,
+            tiling(64, usize::MAX),
+        )
+        .unwrap();
         let b = write_image(
             &mut host,
             &[5],
             &[0],
             &[(&long, 40..41)],
             16,
-            usize::MAX,
-            64,
+            tiling(64, usize::MAX),
         )
         .unwrap();
         assert_eq!((a.tiles_at, a.tables_at), (b.tiles_at, b.tables_at));
@@ -391,13 +465,69 @@ mod tests {
         let seqs: Vec<(&[u32], std::ops::Range<usize>)> = vec![(&table, 0..2)];
         let mut host = Vec::new();
         let e = |r: Result<ImageLayout, EngineError>| r.unwrap_err().to_string();
-        assert!(e(write_image(&mut host, &[1], &[], &seqs, 4, 8, 0)).contains("1 token ids for 2"));
-        assert!(e(write_image(&mut host, &[], &[2], &seqs, 4, 8, 0)).contains("logits row 2"));
+        assert!(e(write_image(&mut host, &[1], &[], &seqs, 4, tiling(0, 8)))
+            .contains("1 token ids for 2"));
         assert!(
-            e(write_image(&mut host, &[], &[0, 1, 1], &seqs, 4, 8, 0)).contains("3 logits rows")
+            e(write_image(&mut host, &[], &[2], &seqs, 4, tiling(0, 8))).contains("logits row 2")
         );
+        assert!(e(write_image(
+            &mut host,
+            &[],
+            &[0, 1, 1],
+            &seqs,
+            4,
+            tiling(0, 8)
+        ))
+        .contains("3 logits rows"));
         let far: Vec<(&[u32], std::ops::Range<usize>)> = vec![(&table, 3..5)];
-        assert!(e(write_image(&mut host, &[], &[], &far, 4, 8, 0))
+        assert!(e(write_image(&mut host, &[], &[], &far, 4, tiling(0, 8)))
             .contains("does not cover position 4"));
+    }
+
+    /// The tiles (first token, tokens) of a causal prefill of `n` tokens from position 0
+    /// and of a 16-token decode-free chunk at position 5,000, in tiles of 64, on `slots`.
+    fn launch_order(n: usize, slots: Option<TileSlots>) -> Vec<(i32, i32)> {
+        let table = vec![0u32; 5016usize.div_ceil(16)];
+        let seqs: Vec<(&[u32], std::ops::Range<usize>)> =
+            vec![(&table, 0..n), (&table, 5000..5016)];
+        let t = Tiling {
+            tokens: 64,
+            slots,
+            window: usize::MAX,
+        };
+        let (tiles, _) = tiles_and_singles(&seqs, t).unwrap();
+        tiles.chunks_exact(2).map(|p| (p[0], p[1])).collect()
+    }
+
+    #[test]
+    fn tiles_go_longest_first() {
+        // The chunk over 5,000 cached positions (79 runs) first, then the prefill's last
+        // tile (the partial one of 20 tokens, 7 runs) down to its first.
+        let order = launch_order(404, None);
+        let firsts: Vec<i32> = order.iter().map(|t| t.0).collect();
+        assert_eq!(firsts, [404, 384, 320, 256, 192, 128, 64, 0]);
+        assert_eq!((order[0].1, order[1].1), (16, 20));
+    }
+
+    #[test]
+    fn tiles_sharing_sms_pair_long_with_short() {
+        // 2,048 tokens (32 tiles of 1 ..= 32 runs; with the chunk's, 33 tiles) on 17 SMs'
+        // worth of tiles, two per SM: the first 17 longest first, the other 16 shortest
+        // first, so that each SM's two tiles take 34 runs (the chunk's SM: 79 and 1).
+        let slots = Some(TileSlots { per_sm: 2, sms: 17 });
+        let order = launch_order(2048, slots);
+        let runs = |tok0: i32| if tok0 == 2048 { 79 } else { tok0 / 64 + 1 };
+        let r: Vec<i32> = order.iter().map(|t| runs(t.0)).collect();
+        assert_eq!((&r[..3], r[16]), (&[79, 32, 31][..], 17));
+        assert_eq!((&r[17..20], r[32]), (&[1, 2, 3][..], 16));
+        // More tiles than the GPU holds at once (a second wave), or one per SM: longest
+        // first alone.
+        for slots in [
+            TileSlots { per_sm: 2, sms: 8 },
+            TileSlots { per_sm: 1, sms: 40 },
+        ] {
+            let order = launch_order(2048, Some(slots));
+            assert_eq!(order, launch_order(2048, None));
+        }
     }
 }

@@ -423,16 +423,16 @@ __device__ __forceinline__ void store_tile_row(O* out, const TileOut& t, const f
     }
 }
 
-// The (KV head, tokens) of this block's tile. Blocks in launch order take the tiles
-// last-first, every KV head's tile before the previous tile: the longest causal runs start
-// first and the grid's tail is short ones. `tiles` holds (first token, tokens) per tile.
+// The (KV head, tokens) of this block's tile. Blocks in launch order take the tiles in the
+// order of `tiles` ((first token, tokens) per tile, ordered by the host: token_maps.rs), every
+// KV head's tile before the next tile.
 struct PrefillTile {
     int g, tok0, ntok;
 };
 
 __device__ __forceinline__ PrefillTile prefill_tile(const int* tiles) {
     const int id = blockIdx.y * gridDim.x + blockIdx.x;
-    const int tile = gridDim.x - 1 - id / gridDim.y;
+    const int tile = id / gridDim.y;
     return PrefillTile{(int)(id % gridDim.y), tiles[2 * tile], tiles[2 * tile + 1]};
 }
 
