@@ -96,12 +96,10 @@ impl CudaDevice {
         &self,
         head_dim: usize,
         nkv: usize,
+        fp8: bool,
     ) -> Result<TileSlots, EngineError> {
-        let (kind, smem) = if self.prefill_wgmma && head_dim == 128 {
-            ("wg_", prefill_wg_smem_bytes(head_dim))
-        } else {
-            ("", prefill_smem_bytes(head_dim))
-        };
+        // The FP8 program's kernels have the main program's shape and shared memory.
+        let (kind, smem) = self.prefill_kernel(head_dim, fp8);
         let f = self.loaded(&format!("attention_prefill_{kind}bf16_hd{head_dim}"))?;
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(128, smem as usize, None)
@@ -110,6 +108,17 @@ impl CudaDevice {
             per_sm: per_sm as usize,
             sms: self.sm_count() / nkv.max(1),
         })
+    }
+
+    /// The prefill tile kernel at `head_dim` (its name's kind part) and its dynamic shared
+    /// memory: the warpgroup kernel where the device has it, except over FP8 pools (their runs
+    /// are dequantised into the padded slot layout) and at head_dim 64, which keep mma.sync.
+    fn prefill_kernel(&self, head_dim: usize, fp8: bool) -> (&'static str, u32) {
+        if self.prefill_wgmma && !fp8 && head_dim == 128 {
+            ("wg_", prefill_wg_smem_bytes(head_dim))
+        } else {
+            ("", prefill_smem_bytes(head_dim))
+        }
     }
 
     /// Causal attention of the tiles of `a.maps` (`attention_prefill.cu`: tensor cores, Q and
@@ -137,13 +146,8 @@ impl CudaDevice {
         check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        // The warpgroup kernel takes the same arguments and tiles; FP8 pools (their runs are
-        // dequantised into the padded slot layout) and head_dim 64 stay on mma.sync.
-        let (kind, smem) = if self.prefill_wgmma && !tc.fp8() && hd == 128 {
-            ("wg_", prefill_wg_smem_bytes(hd))
-        } else {
-            ("", prefill_smem_bytes(hd))
-        };
+        // The warpgroup kernel takes the same arguments and tiles.
+        let (kind, smem) = self.prefill_kernel(hd, tc.fp8());
         let name = tc.kernel(&format!("attention_prefill_{kind}{}_hd{hd}", O::SUFFIX));
         let f = self.func(&name)?;
         let cfg = LaunchConfig {

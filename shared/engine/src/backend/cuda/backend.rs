@@ -701,7 +701,7 @@ fn attention_setup(
     if tensor_cores && tiled_prefill_attention()? {
         if let Some(n) = CudaDevice::prefill_tile_tokens(pool16, config.head_dim, group) {
             inputs.maps.tile_tokens = n;
-            inputs.maps.tile_slots = tile_slots(dev, config)?;
+            inputs.maps.tile_slots = tile_slots(dev, config, false)?;
             // attention_decode.cu holds a group in one 16-row fragment.
             if group <= 16 {
                 inputs.maps.decode_tc_min = decode_tc_min()?;
@@ -740,19 +740,23 @@ fn fp8_attention_setup(
     dev.load_fp8_kv_attention()?;
     let mut inputs = StepInputs::new(dev)?;
     inputs.maps.tile_tokens = tiles;
-    inputs.maps.tile_slots = tile_slots(dev, config)?;
+    inputs.maps.tile_slots = tile_slots(dev, config, true)?;
     inputs.maps.decode_tc_min = 0;
     Ok(inputs)
 }
 
 /// [`TokenMaps::tile_slots`](super::TokenMaps::tile_slots) of the model's prefill tiles
 /// (none where [`super::switches::PREFILL_TILE_ORDER_ENV`] asks for the longest-first order
-/// alone).
-fn tile_slots(dev: &CudaDevice, config: &ModelConfig) -> Result<Option<TileSlots>, EngineError> {
+/// alone); `fp8`: over an FP8 pool.
+fn tile_slots(
+    dev: &CudaDevice,
+    config: &ModelConfig,
+    fp8: bool,
+) -> Result<Option<TileSlots>, EngineError> {
     if !super::switches::paired_tile_order()? {
         return Ok(None);
     }
-    dev.prefill_tile_slots(config.head_dim, config.num_key_value_heads)
+    dev.prefill_tile_slots(config.head_dim, config.num_key_value_heads, fp8)
         .map(Some)
 }
 
