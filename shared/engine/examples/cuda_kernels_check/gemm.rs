@@ -31,13 +31,18 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
     // GEMM in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
     // product of the same rounded values.
     // Few rows go through gemv.cu (k = 1000 and 8: its tail loop; one row with its first
-    // weights loaded before the PDL wait, `_early_`), more through cuBLAS.
+    // weights loaded before the PDL wait, `_early_`), 3–16 rows through gemm_skinny.cu (n =
+    // 1001: a block's columns past n), more through cuBLAS.
     for (m, k, nn) in [
         (1, HIDDEN, ROW),
         (2, IM, HIDDEN),
         (1, 1000, 77),
         (2, 8, 33),
+        (3, HIDDEN, ROW),
         (8, HIDDEN, 2 * IM),
+        (16, IM, HIDDEN),
+        (13, 2048, 1001),
+        (32, HIDDEN, 2 * IM),
         (64, HIDDEN, 2 * IM),
         (300, IM, HIDDEN),
         (1100, 256, 96),
@@ -63,6 +68,8 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         rep.add(
             if m <= 2 {
                 "gemm_bf16 (gemv)"
+            } else if m <= 16 && k % 256 == 0 {
+                "gemm_bf16 (skinny)"
             } else {
                 "gemm_bf16"
             },

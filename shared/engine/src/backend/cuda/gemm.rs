@@ -51,6 +51,9 @@ impl CudaDevice {
                 return self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki));
             }
         }
+        if let (DeviceMatrix::Bf16(ws), Some(cols)) = (w, self.skinny_cols(m, n, k)) {
+            return self.gemm_skinny(x, ws, out, cols, (mi, ni, ki));
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.count_launch(|| format!("gemm n={n} k={k}"));
         let stream = &self.stream;
@@ -180,6 +183,56 @@ impl CudaDevice {
         // matmul_t), k is a multiple of 8 and the buffers' starts are 256-byte aligned, so
         // the kernel's 16-byte loads stay in bounds and aligned.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_bf16"))?;
+        Ok(())
+    }
+}
+
+/// Warps per block of `gemm_skinny.cu` (its SG_WARPS), each a slice of k of 32-element chunks.
+const SKINNY_WARPS: usize = 8;
+
+/// Rows of x up to which `gemm_skinny.cu` runs: one 16-row tile of mma.sync (two tiles, 32
+/// rows, measured 19–23% slower than cuBLAS on an H100).
+const SKINNY_MAX_ROWS: usize = 16;
+
+/// Output columns per block of `gemm_skinny.cu` for `m` rows of `k` into `n` columns, if it
+/// takes the shape: 16 where that still makes two blocks per SM, else 8.
+fn skinny_cols(m: usize, n: usize, k: usize, sms: usize) -> Option<usize> {
+    if m == 0 || m > SKINNY_MAX_ROWS || !k.is_multiple_of(32 * SKINNY_WARPS) {
+        return None;
+    }
+    Some(if n.div_ceil(16) >= 2 * sms { 16 } else { 8 })
+}
+
+impl CudaDevice {
+    fn skinny_cols(&self, m: usize, n: usize, k: usize) -> Option<usize> {
+        self.skinny_gemm
+            .then(|| skinny_cols(m, n, k, self.sms))
+            .flatten()
+    }
+
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ` by `gemm_skinny.cu` (16-bit x and w, f32 out) with
+    /// `cols` output columns per block; shapes checked by the caller.
+    fn gemm_skinny<X: DeviceElem>(
+        &self,
+        x: &CudaSlice<X>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<f32>,
+        cols: usize,
+        (m, n, k): (i32, i32, i32),
+    ) -> Result<(), EngineError> {
+        let f = self.func(&format!("gemm_skinny_n{cols}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: ((n as usize).div_ceil(cols) as u32, 1, 1),
+            block_dim: ((SKINNY_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(x).arg(w).arg(&m).arg(&n).arg(&k);
+        // SAFETY: signature matches; x holds m·k 16-bit elements, w n·k and out m·n (checked
+        // by matmul_t), k is a multiple of 256 and the buffers' starts 256-byte aligned, so
+        // every 16-byte load stays in bounds and aligned; columns past n read row n − 1 and
+        // are not stored.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemm_skinny"))?;
         Ok(())
     }
 }
@@ -321,4 +374,21 @@ fn check_norm_gemv_output<O: DeviceElem>(silu: bool, input: GemvInput) -> Result
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::skinny_cols;
+
+    #[test]
+    fn skinny_gemm_takes_up_to_16_rows_of_whole_k_slices() {
+        // 132 SMs: 16 columns per block only where that still makes 264 blocks.
+        assert_eq!(skinny_cols(4, 6144, 1024, 132), Some(16));
+        assert_eq!(skinny_cols(16, 4096, 1024, 132), Some(8));
+        assert_eq!(skinny_cols(3, 1024, 3072, 132), Some(8));
+        // Past 16 rows, or k not in slices of 8 warps × 32, cuBLAS keeps it.
+        assert_eq!(skinny_cols(17, 4096, 1024, 132), None);
+        assert_eq!(skinny_cols(8, 4096, 1000, 132), None);
+        assert_eq!(skinny_cols(0, 4096, 1024, 132), None);
+    }
 }

@@ -49,6 +49,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
+    ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
     ("vision.cu", include_str!("kernels/vision.cu")),
 ];
 
@@ -109,6 +110,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_norm_silu_xf32_m2",
     "gemv_norm_early_xf32_m1",
     "gemv_norm_silu_early_xf32_m1",
+    "gemm_skinny_n8",
+    "gemm_skinny_n16",
     "vision_patches_f32",
     "vision_embed_f32",
     "layer_norm_f32",

@@ -266,6 +266,35 @@ impl PoolShape {
     }
 }
 
+/// A cuBLAS handle on `stream` with a fixed workspace of its own, so that GEMMs captured in a
+/// graph allocate nothing.
+fn blas_with_workspace(stream: &Arc<CudaStream>) -> Result<(CudaBlas, CudaSlice<u8>), EngineError> {
+    let blas = CudaBlas::new(stream.clone())
+        .map_err(|e| EngineError::Backend(format!("cuBLAS: {e:?}")))?;
+    let blas_workspace = stream
+        .alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)
+        .map_err(cuda_err("allocating the cuBLAS workspace"))?;
+    {
+        use cudarc::driver::DevicePtr;
+        let (ptr, _guard) = blas_workspace.device_ptr(stream);
+        // SAFETY: a live device buffer of BLAS_WORKSPACE_BYTES on the handle's stream, kept
+        // as long as the handle (both are fields of the device).
+        let status = unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                ptr as *mut std::ffi::c_void,
+                BLAS_WORKSPACE_BYTES,
+            )
+        };
+        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(EngineError::Backend(format!(
+                "cuBLAS: setting the workspace: {status:?}"
+            )));
+        }
+    }
+    Ok((blas, blas_workspace))
+}
+
 /// cuBLAS workspace size: what cuBLAS asks for on Hopper (32 MiB).
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -291,6 +320,8 @@ pub struct CudaDevice {
     /// bf16 GEMMs of one or two rows by `gemv.cu` rather than cuBLAS
     /// ([`switches::SMALL_GEMM_ENV`]).
     small_m_gemv: bool,
+    /// 16-bit GEMMs of up to 16 rows on `gemm_skinny.cu` ([`switches::SKINNY_GEMM_ENV`]).
+    skinny_gemm: bool,
     /// Programmatic dependent launch works here: compute capability 9.0 or later (the
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
@@ -361,30 +392,7 @@ impl CudaDevice {
             wgmma && switches::prefill_attention()? == switches::PrefillAttention::Tiled;
         // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| EngineError::Backend(format!("cuBLAS: {e:?}")))?;
-        // A fixed cuBLAS workspace, so that GEMMs captured in a graph allocate nothing.
-        let blas_workspace = stream
-            .alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)
-            .map_err(cuda_err("allocating the cuBLAS workspace"))?;
-        {
-            use cudarc::driver::DevicePtr;
-            let (ptr, _guard) = blas_workspace.device_ptr(&stream);
-            // SAFETY: a live device buffer of BLAS_WORKSPACE_BYTES on the handle's stream, kept
-            // as long as the handle (both are fields of the device).
-            let status = unsafe {
-                cudarc::cublas::sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    ptr as *mut std::ffi::c_void,
-                    BLAS_WORKSPACE_BYTES,
-                )
-            };
-            if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                return Err(EngineError::Backend(format!(
-                    "cuBLAS: setting the workspace: {status:?}"
-                )));
-            }
-        }
+        let (blas, blas_workspace) = blas_with_workspace(&stream)?;
         Ok(CudaDevice {
             ctx,
             stream,
@@ -398,6 +406,7 @@ impl CudaDevice {
             launches: std::sync::atomic::AtomicU64::new(0),
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
+            skinny_gemm: switches::skinny_gemm()?,
             pdl_capable,
             cluster_capable,
             prefill_wgmma,

@@ -180,6 +180,14 @@ pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
     choice(SMALL_GEMM_ENV, &[("gemv", true), ("cublas", false)])
 }
 
+/// `TANDEM_CUDA_SKINNY_GEMM`: `on` (the default: 16-bit GEMMs of 3–16 rows — those past
+/// `gemv.cu`'s two — run `gemm_skinny.cu` on the tensor cores) or `off` (cuBLAS, as before).
+pub const SKINNY_GEMM_ENV: &str = "TANDEM_CUDA_SKINNY_GEMM";
+
+pub(super) fn skinny_gemm() -> Result<bool, EngineError> {
+    choice(SKINNY_GEMM_ENV, &[("on", true), ("off", false)])
+}
+
 /// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the
 /// program's kernels are programmatic, so each kernel launches while the one before it runs)
 /// or `off` (plain edges, for comparisons). `off` stays: plain edges are what a GPU below
