@@ -2,7 +2,10 @@
 
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
-use tandem_engine::backend::cuda::{DeviceMatrix, GemvInput, GemvWeights, ResidualRows};
+use tandem_engine::backend::cuda::switches::SKINNY_GEMM_ENV;
+use tandem_engine::backend::cuda::{
+    CudaDevice, DeviceMatrix, GemmRoute, GemvInput, GemvWeights, ResidualRows,
+};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
@@ -28,11 +31,69 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             1e-3,
         );
     }
-    // GEMM in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
-    // product of the same rounded values.
-    // Few rows go through gemv.cu (k = 1000 and 8: its tail loop; one row with its first
-    // weights loaded before the PDL wait, `_early_`), 3–16 rows through gemm_skinny.cu (n =
-    // 1001: a block's columns past n), more through cuBLAS.
+    bf16_gemms(cx, ALL_ON)?;
+    fused_gemvs(cx, ALL_ON)?;
+    gemvs_f32_rows(cx, ALL_ON)?;
+    let Ctx { dev, rep, .. } = cx;
+    // A bf16 GEMM input against f32 weights is refused.
+    {
+        let dx = dev.zeros::<u16>(HIDDEN)?;
+        let dwm = DeviceMatrix::F32(dev.zeros::<f32>(HIDDEN)?);
+        let mut dout = dev.zeros::<f32>(1)?;
+        let refused = dev.matmul_t(&dx, 1, HIDDEN, &dwm, 1, &mut dout).is_err();
+        rep.flag("gemm", "mixed dtypes refused", refused, json!(refused));
+    }
+    Ok(())
+}
+
+/// Which device a pass of the small-row checks runs on.
+#[derive(Clone, Copy)]
+pub(crate) struct Pass {
+    /// Appended to each case's name.
+    tag: &'static str,
+    /// Whether every GEMV case must go to `gemv.cu` (else a case the skinny GEMM takes
+    /// instead is left to the other pass).
+    gemvs_only: bool,
+}
+
+/// The default device: the skinny GEMM takes 16-bit rows of one to 16, the GEMVs the rest.
+const ALL_ON: Pass = Pass {
+    tag: "",
+    gemvs_only: false,
+};
+
+/// The GEMVs again on a device with the skinny GEMM off (`TANDEM_CUDA_SKINNY_GEMM=off`), where
+/// they take every GEMM of one or two rows, and their fused norm forms with them.
+pub(crate) fn gemvs_without_skinny(cx: &mut Ctx) -> Result<(), EngineError> {
+    std::env::set_var(SKINNY_GEMM_ENV, "off");
+    let dev = CudaDevice::new(0);
+    std::env::remove_var(SKINNY_GEMM_ENV);
+    let first = std::mem::replace(&mut cx.dev, dev?);
+    let pass = Pass {
+        tag: ", skinny off",
+        gemvs_only: true,
+    };
+    let run = bf16_gemms(cx, pass)
+        .and_then(|()| fused_gemvs(cx, pass))
+        .and_then(|()| gemvs_f32_rows(cx, pass));
+    cx.dev = first;
+    run
+}
+
+/// Records a GEMV case the device sends elsewhere: a failure where the pass wants GEMVs only.
+fn not_a_gemv(rep: &mut Report, kernel: &str, case: &str, pass: Pass) {
+    if pass.gemvs_only {
+        rep.flag(kernel, case, false, json!("not taken by gemv.cu"));
+    }
+}
+
+/// GEMMs in bf16 (weights and inputs rounded to bf16, f32 accumulation) against the f32
+/// product of the same rounded values, each labelled by the kernel the device picks.
+/// Few rows go through gemv.cu (k = 1000 and 8: its tail loop; one row with its first weights
+/// loaded before the PDL wait, `_early_`) or gemm_skinny.cu (n = 1001: a block's columns past
+/// n), more through cuBLAS.
+fn bf16_gemms(cx: &mut Ctx, pass: Pass) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
     for (m, k, nn) in [
         (1, HIDDEN, ROW),
         (2, IM, HIDDEN),
@@ -47,6 +108,9 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         (300, IM, HIDDEN),
         (1100, 256, 96),
     ] {
+        if pass.gemvs_only && m > 2 {
+            continue;
+        }
         let x: Vec<f32> = rng
             .vec(m * k)
             .into_iter()
@@ -62,22 +126,19 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         let dx = dev.upload(&x.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?;
         let dwm =
             DeviceMatrix::Bf16(dev.upload(&wv.iter().map(|v| bf16(*v)).collect::<Vec<u16>>())?);
+        let case = format!("{m}x{k}x{nn}{}", pass.tag);
+        let label = match dev.gemm_route(m, nn, k, &dwm, GemvInput::Bf16) {
+            GemmRoute::Gemv { .. } => "gemm_bf16 (gemv)",
+            GemmRoute::Skinny { .. } => "gemm_bf16 (skinny)",
+            GemmRoute::Cublas => "gemm_bf16",
+        };
+        if label != "gemm_bf16 (gemv)" {
+            not_a_gemv(rep, "gemm_bf16 (gemv)", &case, pass);
+        }
         let mut dout = dev.zeros::<f32>(m * nn)?;
         dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
         let got = dev.download(&dout)?;
-        rep.add(
-            if m <= 2 {
-                "gemm_bf16 (gemv)"
-            } else if m <= 16 && k % 256 == 0 {
-                "gemm_bf16 (skinny)"
-            } else {
-                "gemm_bf16"
-            },
-            &format!("{m}x{k}x{nn}"),
-            &got,
-            &want,
-            1e-3,
-        );
+        rep.add(label, &case, &got, &want, 1e-3);
         // The same call again: the very same values (what a graph's replay relies on).
         dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
         let again = dev.download(&dout)?;
@@ -85,16 +146,16 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             .iter()
             .zip(&got)
             .all(|(a, b)| a.to_bits() == b.to_bits());
-        rep.flag(
-            "gemm_bf16 repeat",
-            &format!("{m}x{k}x{nn}"),
-            same,
-            json!(same),
-        );
+        rep.flag("gemm_bf16 repeat", &case, same, json!(same));
     }
-    // The fused decode launches of gemv.cu (norm + GEMV, norm + gate_up + SiLU·mul)
-    // against the separate kernels they replace, on the same rows: equal but for the
-    // norm's summation order (a bf16 step of a normalised value, now and then).
+    Ok(())
+}
+
+/// The fused decode launches of gemv.cu (norm + GEMV, norm + gate_up + SiLU·mul) against the
+/// separate kernels they replace, on the same rows: equal but for the norm's summation order
+/// (a bf16 step of a normalised value, now and then).
+fn fused_gemvs(cx: &mut Ctx, pass: Pass) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
     for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
         let x = rng.vec(m * k);
         let res = rng.vec(m * k);
@@ -111,13 +172,21 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
                         .collect::<Vec<u16>>(),
                 )?,
             );
+            let case = format!(
+                "{m}x{k}x{n}{}{}",
+                if silu { ", silu" } else { "" },
+                pass.tag
+            );
+            if !dev.norm_gemv_fits(m, k, &dwm, GemvInput::Bf16) {
+                not_a_gemv(rep, "gemv_norm", &case, pass);
+                continue;
+            }
             let mut x_ref = dev.upload(&x)?;
             let mut normed = dev.zeros::<u16>(m * k)?;
             dev.rms_norm(&mut normed, &mut x_ref, Some(&dres), norm(&dnw), m, false)?;
             let mut gemm = dev.zeros::<f32>(m * w_rows)?;
             dev.matmul_t(&normed, m, k, &dwm, w_rows, &mut gemm)?;
             let mut x_out = dev.zeros::<f32>(m * k)?;
-            let case = format!("{m}x{k}x{n}{}", if silu { ", silu" } else { "" });
             let (got, want) = if silu {
                 let mut act = dev.zeros::<u16>(m * n)?;
                 dev.silu_mul(&mut act, &gemm, m, n, false)?;
@@ -172,23 +241,13 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
             );
         }
     }
-    gemvs_f32_rows(cx)?;
-    let Ctx { dev, rep, .. } = cx;
-    // A bf16 GEMM input against f32 weights is refused.
-    {
-        let dx = dev.zeros::<u16>(HIDDEN)?;
-        let dwm = DeviceMatrix::F32(dev.zeros::<f32>(HIDDEN)?);
-        let mut dout = dev.zeros::<f32>(1)?;
-        let refused = dev.matmul_t(&dx, 1, HIDDEN, &dwm, 1, &mut dout).is_err();
-        rep.flag("gemm", "mixed dtypes refused", refused, json!(refused));
-    }
     Ok(())
 }
 
 /// The GEMVs that read f32 rows (`_xf32_`, the bf16x2 precision's one- and two-row steps)
 /// against the host: f32 rows (never rounded) times bf16 weights; the fused norm forms
 /// against the norm, GEMM and SiLU·mul computed on the host in f32.
-fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
+fn gemvs_f32_rows(cx: &mut Ctx, pass: Pass) -> Result<(), EngineError> {
     let Ctx { dev, rep, rng } = cx;
     let bf16_weights = |rng: &mut Rng, n: usize| -> (Vec<u16>, Vec<f32>) {
         let w: Vec<u16> = rng.vec(n).into_iter().map(bf16).collect();
@@ -202,9 +261,13 @@ fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
             let mut want = vec![0.0f32; m * nn];
             matmul_t(&x, m, k, MatRef::F32(&wf), nn, &mut want);
             let (dx, dwm) = (dev.upload(&x)?, DeviceMatrix::Bf16(dev.upload(&w)?));
+            let case = format!("{m}x{k}x{nn}{}", pass.tag);
+            if !dev.f32_rows_gemv_fits(m, k, &dwm) {
+                not_a_gemv(rep, "gemv (f32 rows)", &case, pass);
+                continue;
+            }
             let mut dout = dev.zeros::<f32>(m * nn)?;
             dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
-            let case = format!("{m}x{k}x{nn}");
             rep.add("gemv (f32 rows)", &case, &dev.download(&dout)?, &want, 1e-3);
         }
         for (m, k) in [(1, HIDDEN), (2, HIDDEN), (1, 1000)] {
@@ -237,6 +300,15 @@ fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
                     gemm
                 };
                 let dwm = DeviceMatrix::Bf16(dev.upload(&w)?);
+                let case = format!(
+                    "{m}x{k}x{n}{}{}",
+                    if silu { ", silu" } else { "" },
+                    pass.tag
+                );
+                if !dev.norm_gemv_fits(m, k, &dwm, GemvInput::F32) {
+                    not_a_gemv(rep, "gemv_norm (f32 rows)", &case, pass);
+                    continue;
+                }
                 let mut out = dev.zeros::<f32>(m * n)?;
                 let mut x_out = dev.zeros::<f32>(m * k)?;
                 dev.norm_gemv(
@@ -253,7 +325,6 @@ fn gemvs_f32_rows(cx: &mut Ctx) -> Result<(), EngineError> {
                     GemvInput::F32,
                 )?;
                 let tol = want.iter().fold(0.0f32, |a, v| a.max(v.abs())) * 1e-5 + 1e-4;
-                let case = format!("{m}x{k}x{n}{}", if silu { ", silu" } else { "" });
                 rep.add(
                     "gemv_norm (f32 rows)",
                     &case,

@@ -25,9 +25,14 @@ impl CudaDevice {
             DeviceMatrix::Bf16(s) => (u16::cuda_type(self.e16), s.len()),
         };
         let x_type = X::cuda_type(self.e16);
-        // f32 rows over bf16 weights: the bf16x2 precision's GEMVs of one or two rows.
-        let f32_gemv = X::SUFFIX == "f32" && self.f32_rows_gemv_fits(m, k, w);
-        if w_type != x_type && !f32_gemv {
+        let input = if X::SUFFIX == "f32" {
+            GemvInput::F32
+        } else {
+            GemvInput::Bf16
+        };
+        let route = self.gemm_route(m, n, k, w, input);
+        // f32 rows over bf16 weights: the bf16x2 precision's single-row GEMVs.
+        if w_type != x_type && !matches!(route, GemmRoute::Gemv { .. }) {
             return Err(EngineError::Backend(format!(
                 "GEMM of {} activations with {} weights is not supported",
                 X::SUFFIX,
@@ -41,18 +46,14 @@ impl CudaDevice {
         check_len("matmul w", w_len, n * k)?;
         check_len("matmul out", out.len(), m * n)?;
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
-        if let (DeviceMatrix::Bf16(ws), Some(rows)) = (w, gemv_rows(m, k)) {
-            if self.small_m_gemv {
-                let input = if f32_gemv {
-                    GemvInput::F32
-                } else {
-                    GemvInput::Bf16
-                };
+        match (w, route) {
+            (DeviceMatrix::Bf16(ws), GemmRoute::Gemv { rows, input }) => {
                 return self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki));
             }
-        }
-        if let (DeviceMatrix::Bf16(ws), Some(cols)) = (w, self.skinny_cols(m, n, k)) {
-            return self.gemm_skinny(x, ws, out, cols, (mi, ni, ki));
+            (DeviceMatrix::Bf16(ws), GemmRoute::Skinny { cols }) => {
+                return self.gemm_skinny(x, ws, out, cols, (mi, ni, ki));
+            }
+            _ => {}
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.count_launch(|| format!("gemm n={n} k={k}"));
@@ -122,24 +123,72 @@ impl GemvInput {
     }
 }
 
-/// Rows up to which bf16 GEMMs go to `gemv.cu`: measured on an H200 (0.6B shape, decode at
-/// 1k context), batch 1 ran at 709 tok/s against cuBLAS's 556, but batch 8 at 2,744 against
-/// 3,919 (each weight element then meets eight x rows from L1).
+/// Which kernel [`CudaDevice::matmul_t`] runs a GEMM on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmRoute {
+    /// `gemv.cu`'s weight-streaming GEMV instance for up to `rows` rows of `input`.
+    Gemv { rows: usize, input: GemvInput },
+    /// `gemm_skinny.cu`'s tensor-core GEMM with `cols` output columns per block.
+    Skinny { cols: usize },
+    /// cuBLAS.
+    Cublas,
+}
+
+/// Rows up to which GEMMs over bf16 weights may go to `gemv.cu`: measured on an H200 (0.6B
+/// shape, decode at 1k context), batch 1 ran at 709 tok/s against cuBLAS's 556, but batch 8
+/// at 2,744 against 3,919 (each weight element then meets eight x rows from L1).
 pub(super) const GEMV_MAX_ROWS: usize = 2;
 
-/// The `gemv_bf16_m*` instance for `m` rows (k a multiple of 8), if `gemv.cu` takes them.
-fn gemv_rows(m: usize, k: usize) -> Option<usize> {
+/// The `gemv_bf16_m*` instance for `m` rows (k a multiple of 8), if `gemv.cu` has one.
+fn gemv_instance(m: usize, k: usize) -> Option<usize> {
     if !k.is_multiple_of(8) || m > GEMV_MAX_ROWS {
         return None;
     }
     [1, 2].into_iter().find(|&r| m <= r)
 }
 
+/// The `gemv.cu` instance that takes `m` rows of `input` and `k`, if the GEMVs (switch
+/// `gemvs`) take them: only where the skinny GEMM (switch `skinny`) does not, but for one f32
+/// row. Measured on an H100 (0.6B shape, 1k context, tok/s GEMV → skinny): bf16 batch 1 1,027
+/// → 1,065 and batch 2 1,469 → 1,899; bf16x2 batch 2 (then four split bf16 rows) 1,298 →
+/// 1,632; bf16x2 batch 1 1,048 → 925, so its f32 row keeps the GEMV.
+fn gemv_rows(m: usize, k: usize, input: GemvInput, gemvs: bool, skinny: bool) -> Option<usize> {
+    let rows = gemv_instance(m, k).filter(|_| gemvs)?;
+    let skinny_takes = skinny && skinny_fits(m, k);
+    let gemv_first = input == GemvInput::F32 && m == 1;
+    (gemv_first || !skinny_takes).then_some(rows)
+}
+
 impl CudaDevice {
+    /// The kernel a GEMM of `m` rows of `input` and `k` over `w` into `n` columns runs on.
+    pub fn gemm_route(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        w: &DeviceMatrix,
+        input: GemvInput,
+    ) -> GemmRoute {
+        if !matches!(w, DeviceMatrix::Bf16(_)) {
+            return GemmRoute::Cublas;
+        }
+        if let Some(rows) = self.gemv_rows(m, k, input) {
+            return GemmRoute::Gemv { rows, input };
+        }
+        match (input, self.skinny_cols(m, n, k)) {
+            (GemvInput::Bf16, Some(cols)) => GemmRoute::Skinny { cols },
+            _ => GemmRoute::Cublas,
+        }
+    }
+
+    fn gemv_rows(&self, m: usize, k: usize, input: GemvInput) -> Option<usize> {
+        gemv_rows(m, k, input, self.small_m_gemv, self.skinny_gemm)
+    }
+
     /// Whether [`Self::matmul_t`] takes `m` f32 rows of `k` over `w` (bf16 weights): by a
-    /// `gemv.cu` GEMV reading f32 rows, at one or two rows with the GEMV switch on.
+    /// `gemv.cu` GEMV reading f32 rows (else the bf16x2 precision splits them in hi and lo).
     pub fn f32_rows_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix) -> bool {
-        matches!(w, DeviceMatrix::Bf16(_)) && self.small_m_gemv && gemv_rows(m, k).is_some()
+        matches!(w, DeviceMatrix::Bf16(_)) && self.gemv_rows(m, k, GemvInput::F32).is_some()
     }
 }
 
@@ -197,10 +246,12 @@ const SKINNY_MAX_ROWS: usize = 16;
 /// Output columns per block of `gemm_skinny.cu` for `m` rows of `k` into `n` columns, if it
 /// takes the shape: 16 where that still makes two blocks per SM, else 8.
 fn skinny_cols(m: usize, n: usize, k: usize, sms: usize) -> Option<usize> {
-    if m == 0 || m > SKINNY_MAX_ROWS || !k.is_multiple_of(32 * SKINNY_WARPS) {
-        return None;
-    }
-    Some(if n.div_ceil(16) >= 2 * sms { 16 } else { 8 })
+    skinny_fits(m, k).then_some(if n.div_ceil(16) >= 2 * sms { 16 } else { 8 })
+}
+
+/// Whether `gemm_skinny.cu` takes `m` rows of `k`: one to 16 rows, k whole slices of its warps.
+fn skinny_fits(m: usize, k: usize) -> bool {
+    (1..=SKINNY_MAX_ROWS).contains(&m) && k.is_multiple_of(32 * SKINNY_WARPS)
 }
 
 impl CudaDevice {
@@ -247,9 +298,10 @@ impl CudaDevice {
     /// `input`: bf16 weights, at most two rows, k a multiple of 8 whose rows fit in shared
     /// memory, the GEMV switch on.
     pub fn norm_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix, input: GemvInput) -> bool {
-        self.small_m_gemv
-            && matches!(w, DeviceMatrix::Bf16(_))
-            && gemv_rows(m, k).is_some_and(|rows| rows * k * input.bytes() <= NORM_GEMV_SMEM_MAX)
+        matches!(w, DeviceMatrix::Bf16(_))
+            && self
+                .gemv_rows(m, k, input)
+                .is_some_and(|rows| rows * k * input.bytes() <= NORM_GEMV_SMEM_MAX)
     }
 
     /// A decode step's RMSNorm and GEMV in one launch (`gemv.cu`'s `gemv_norm_*`): the rows
@@ -268,7 +320,7 @@ impl CudaDevice {
         let (m, k, n) = (rows.m, rows.k, weights.n);
         let (DeviceMatrix::Bf16(ws), Some(instance), true) = (
             weights.w,
-            gemv_rows(m, k),
+            self.gemv_rows(m, k, input),
             self.norm_gemv_fits(m, k, weights.w, input),
         ) else {
             return Err(EngineError::Backend(format!(
@@ -378,7 +430,7 @@ fn check_norm_gemv_output<O: DeviceElem>(silu: bool, input: GemvInput) -> Result
 
 #[cfg(test)]
 mod tests {
-    use super::skinny_cols;
+    use super::{gemv_rows, skinny_cols, GemvInput};
 
     #[test]
     fn skinny_gemm_takes_up_to_16_rows_of_whole_k_slices() {
@@ -390,5 +442,25 @@ mod tests {
         assert_eq!(skinny_cols(17, 4096, 1024, 132), None);
         assert_eq!(skinny_cols(8, 4096, 1000, 132), None);
         assert_eq!(skinny_cols(0, 4096, 1024, 132), None);
+    }
+
+    #[test]
+    fn gemvs_keep_one_f32_row_and_what_the_skinny_gemm_cannot_take() {
+        let (f32_rows, bf16_rows) = (GemvInput::F32, GemvInput::Bf16);
+        // Skinny GEMM on: bf16 rows go to it, one f32 row stays a GEMV, two do not.
+        assert_eq!(gemv_rows(1, 1024, bf16_rows, true, true), None);
+        assert_eq!(gemv_rows(2, 3072, bf16_rows, true, true), None);
+        assert_eq!(gemv_rows(1, 1024, f32_rows, true, true), Some(1));
+        assert_eq!(gemv_rows(2, 1024, f32_rows, true, true), None);
+        // k the skinny GEMM does not take (not a multiple of 256): the GEMVs.
+        assert_eq!(gemv_rows(1, 1000, bf16_rows, true, true), Some(1));
+        assert_eq!(gemv_rows(2, 8, f32_rows, true, true), Some(2));
+        // Skinny GEMM off: the GEMVs take one and two rows of either.
+        assert_eq!(gemv_rows(1, 1024, bf16_rows, true, false), Some(1));
+        assert_eq!(gemv_rows(2, 1024, f32_rows, true, false), Some(2));
+        assert_eq!(gemv_rows(3, 1024, bf16_rows, true, false), None);
+        // GEMVs off, or k not a multiple of 8: none.
+        assert_eq!(gemv_rows(1, 1024, f32_rows, false, false), None);
+        assert_eq!(gemv_rows(1, 1001, bf16_rows, true, false), None);
     }
 }

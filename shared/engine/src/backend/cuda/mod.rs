@@ -46,7 +46,7 @@ mod workspace;
 pub use attention::AttentionInputs;
 pub use attention_scratch::{AttentionScratch, DecodeLaunch};
 pub use backend::{ComputeMode, CudaBackend, CudaOptions, PoolSize};
-pub use gemm::{GemvInput, GemvWeights, ResidualRows};
+pub use gemm::{GemmRoute, GemvInput, GemvWeights, ResidualRows};
 pub use graphs::GraphStats;
 pub use ops::Norm;
 pub use profile::LaunchTime;
