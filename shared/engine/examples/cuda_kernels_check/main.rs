@@ -43,14 +43,10 @@ fn run() -> Result<bool, tandem_engine::error::EngineError> {
     use common::{Ctx, Report, Rng};
     use serde_json::json;
     use std::time::Instant;
-    use tandem_engine::backend::cuda::switches::SKINNY_GEMM_ENV;
     use tandem_engine::backend::cuda::{check_libraries, CudaDevice};
 
     check_libraries()?;
     let t0 = Instant::now();
-    // Every GEMM kernel: the skinny GEMM's f32-row and norm forms (`fused`) here, the GEMVs
-    // they replace in gemm::gemvs_without_skinny.
-    std::env::set_var(SKINNY_GEMM_ENV, "fused");
     let dev = CudaDevice::new(0)?;
     let init_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut cx = Ctx {

@@ -49,15 +49,11 @@ impl StepPlan {
         } else {
             GemvInput::Bf16
         };
-        // Every layer has the same shapes, so the first decides for all. With f32 rows (the
-        // split mode) the o and down GEMMs read them too.
+        // Every layer has the same shapes, so the first decides for all.
         let fused = model.layers.first().is_some_and(|lw| {
             let dev = &model.dev;
             dev.norm_gemv_fits(t, hidden, &lw.qkv, gemv_in)
                 && dev.norm_gemv_fits(t, hidden, &lw.gate_up, gemv_in)
-                && (!split
-                    || dev.f32_rows_fit(t, hidden, q_dim, &lw.o_proj)
-                        && dev.f32_rows_fit(t, hidden, inter, &lw.down))
         });
         StepPlan {
             t,
@@ -363,9 +359,9 @@ impl DeviceModel {
             w: &self.norm,
             eps: p.eps,
         };
-        if p.split && dev.f32_rows_fit(r, v, h, head) {
-            // Up to 16 rows in the split mode: the lm_head GEMV or skinny GEMM reads them in
-            // f32 (no hi and lo rows, no fold of 151,936-wide logits rows at the 0.6B shape).
+        if p.split && dev.f32_rows_gemv_fits(r, h, head) {
+            // One or two rows in the split mode: the lm_head GEMV reads them in f32 (no hi
+            // and lo rows, no fold of 151,936-wide logits rows at the 0.6B shape).
             dev.rms_norm_split_residual(&mut ws.sel_f32, stream, mlp_out, norm, r, false)?;
             dev.matmul_t(&ws.sel_f32, r, h, head, v, &mut ws.logits)
         } else {

@@ -5,7 +5,6 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::ops::Norm;
-use super::switches::SkinnyGemm;
 use super::{check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix};
 use crate::error::EngineError;
 
@@ -32,8 +31,8 @@ impl CudaDevice {
             GemvInput::Bf16
         };
         let route = self.gemm_route(m, n, k, w, input);
-        // f32 rows over bf16 weights: the bf16x2 precision's GEMVs and skinny GEMMs.
-        if w_type != x_type && route == GemmRoute::Cublas {
+        // f32 rows over bf16 weights: the bf16x2 precision's single-row GEMVs.
+        if w_type != x_type && !matches!(route, GemmRoute::Gemv { .. }) {
             return Err(EngineError::Backend(format!(
                 "GEMM of {} activations with {} weights is not supported",
                 X::SUFFIX,
@@ -51,8 +50,8 @@ impl CudaDevice {
             (DeviceMatrix::Bf16(ws), GemmRoute::Gemv { rows, input }) => {
                 return self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki));
             }
-            (DeviceMatrix::Bf16(ws), GemmRoute::Skinny { cols, input }) => {
-                return self.gemm_skinny(x, ws, out, (cols, input), (mi, ni, ki));
+            (DeviceMatrix::Bf16(ws), GemmRoute::Skinny { cols }) => {
+                return self.gemm_skinny(x, ws, out, cols, (mi, ni, ki));
             }
             _ => {}
         }
@@ -129,9 +128,8 @@ impl GemvInput {
 pub enum GemmRoute {
     /// `gemv.cu`'s weight-streaming GEMV instance for up to `rows` rows of `input`.
     Gemv { rows: usize, input: GemvInput },
-    /// `gemm_skinny.cu`'s tensor-core GEMM with `cols` output columns per block over rows of
-    /// `input` (f32 rows split into bf16 hi and lo in registers).
-    Skinny { cols: usize, input: GemvInput },
+    /// `gemm_skinny.cu`'s tensor-core GEMM with `cols` output columns per block.
+    Skinny { cols: usize },
     /// cuBLAS.
     Cublas,
 }
@@ -139,7 +137,7 @@ pub enum GemmRoute {
 /// Rows up to which GEMMs over bf16 weights may go to `gemv.cu`: measured on an H200 (0.6B
 /// shape, decode at 1k context), batch 1 ran at 709 tok/s against cuBLAS's 556, but batch 8
 /// at 2,744 against 3,919 (each weight element then meets eight x rows from L1).
-const GEMV_MAX_ROWS: usize = 2;
+pub(super) const GEMV_MAX_ROWS: usize = 2;
 
 /// The `gemv_bf16_m*` instance for `m` rows (k a multiple of 8), if `gemv.cu` has one.
 fn gemv_instance(m: usize, k: usize) -> Option<usize> {
@@ -177,24 +175,20 @@ impl CudaDevice {
         if let Some(rows) = self.gemv_rows(m, k, input) {
             return GemmRoute::Gemv { rows, input };
         }
-        // f32 rows only with the fused forms (not yet run on a GPU).
-        let rows_taken = input == GemvInput::Bf16 || self.skinny_gemm == SkinnyGemm::Fused;
-        match self.skinny_cols(m, n, k).filter(|_| rows_taken) {
-            Some(cols) => GemmRoute::Skinny { cols, input },
-            None => GemmRoute::Cublas,
+        match (input, self.skinny_cols(m, n, k)) {
+            (GemvInput::Bf16, Some(cols)) => GemmRoute::Skinny { cols },
+            _ => GemmRoute::Cublas,
         }
     }
 
     fn gemv_rows(&self, m: usize, k: usize, input: GemvInput) -> Option<usize> {
-        let skinny = self.skinny_gemm != SkinnyGemm::Off;
-        gemv_rows(m, k, input, self.small_m_gemv, skinny)
+        gemv_rows(m, k, input, self.small_m_gemv, self.skinny_gemm)
     }
 
-    /// Whether [`Self::matmul_t`] takes `m` f32 rows of `k` over `w` (bf16 weights) into `n`
-    /// columns: by a `gemv.cu` GEMV or the skinny GEMM reading f32 rows (else the bf16x2
-    /// precision splits them in hi and lo rows first).
-    pub fn f32_rows_fit(&self, m: usize, n: usize, k: usize, w: &DeviceMatrix) -> bool {
-        self.gemm_route(m, n, k, w, GemvInput::F32) != GemmRoute::Cublas
+    /// Whether [`Self::matmul_t`] takes `m` f32 rows of `k` over `w` (bf16 weights): by a
+    /// `gemv.cu` GEMV reading f32 rows (else the bf16x2 precision splits them in hi and lo).
+    pub fn f32_rows_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix) -> bool {
+        matches!(w, DeviceMatrix::Bf16(_)) && self.gemv_rows(m, k, GemvInput::F32).is_some()
     }
 }
 
@@ -247,7 +241,7 @@ const SKINNY_WARPS: usize = 8;
 
 /// Rows of x up to which `gemm_skinny.cu` runs: one 16-row tile of mma.sync (two tiles, 32
 /// rows, measured 19–23% slower than cuBLAS on an H100).
-pub(super) const SKINNY_MAX_ROWS: usize = 16;
+const SKINNY_MAX_ROWS: usize = 16;
 
 /// Output columns per block of `gemm_skinny.cu` for `m` rows of `k` into `n` columns, if it
 /// takes the shape: 16 where that still makes two blocks per SM, else 8.
@@ -262,26 +256,22 @@ fn skinny_fits(m: usize, k: usize) -> bool {
 
 impl CudaDevice {
     fn skinny_cols(&self, m: usize, n: usize, k: usize) -> Option<usize> {
-        (self.skinny_gemm != SkinnyGemm::Off)
+        self.skinny_gemm
             .then(|| skinny_cols(m, n, k, self.sms))
             .flatten()
     }
 
-    /// `out[m, n] = x[m, k] · w[n, k]ᵀ` by `gemm_skinny.cu` (16-bit w, x of `input`, f32
-    /// out) with `cols` output columns per block; shapes checked by the caller.
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ` by `gemm_skinny.cu` (16-bit x and w, f32 out) with
+    /// `cols` output columns per block; shapes checked by the caller.
     fn gemm_skinny<X: DeviceElem>(
         &self,
         x: &CudaSlice<X>,
         w: &CudaSlice<u16>,
         out: &mut CudaSlice<f32>,
-        (cols, input): (usize, GemvInput),
+        cols: usize,
         (m, n, k): (i32, i32, i32),
     ) -> Result<(), EngineError> {
-        let rows_part = match input {
-            GemvInput::Bf16 => "",
-            GemvInput::F32 => "xf32_",
-        };
-        let f = self.func(&format!("gemm_skinny_{rows_part}n{cols}"))?;
+        let f = self.func(&format!("gemm_skinny_n{cols}"))?;
         let cfg = LaunchConfig {
             grid_dim: ((n as usize).div_ceil(cols) as u32, 1, 1),
             block_dim: ((SKINNY_WARPS * 32) as u32, 1, 1),
@@ -303,78 +293,22 @@ impl CudaDevice {
 /// shared memory (block_sum's 132 bytes), which counts against the same limit.
 const NORM_GEMV_SMEM_MAX: usize = (48 << 10) - 1024;
 
-/// The same for `gemm_skinny.cu`'s norm forms, whose static shared memory also holds the
-/// warps' partial tiles (8 KiB at 16 columns per block).
-const SKINNY_NORM_SMEM_MAX: usize = (48 << 10) - (9 << 10);
-
-/// Rows up to which the skinny GEMM's norm forms run: each block normalises every row itself
-/// (x and the residual read twice from L2 per block), which pays for the launch it saves only
-/// at few rows.
-const SKINNY_NORM_MAX_ROWS: usize = 4;
-
-/// Elements per normalised row in `gemm_skinny.cu`'s shared memory (its skinny_norm_ld: 32
-/// bytes of padding, so neighbouring rows' loads fall in different banks).
-fn skinny_norm_ld(k: usize, input: GemvInput) -> usize {
-    k + 32 / input.bytes()
-}
-
-/// A fused norm GEMM's launch: entry point, blocks of `threads`, dynamic shared memory.
-struct NormLaunch {
-    name: String,
-    blocks: usize,
-    threads: usize,
-    smem: usize,
-}
-
 impl CudaDevice {
     /// Whether [`Self::norm_gemv`] takes `m` rows of `k` over weights `w` with rows of
-    /// `input`: bf16 weights, and a GEMV (one or two rows, k a multiple of 8) or the skinny
-    /// GEMM (up to four rows, k a multiple of 256) whose rows fit in shared memory.
+    /// `input`: bf16 weights, at most two rows, k a multiple of 8 whose rows fit in shared
+    /// memory, the GEMV switch on.
     pub fn norm_gemv_fits(&self, m: usize, k: usize, w: &DeviceMatrix, input: GemvInput) -> bool {
-        matches!(w, DeviceMatrix::Bf16(_)) && self.norm_launch(m, k, 1, false, input).is_some()
+        matches!(w, DeviceMatrix::Bf16(_))
+            && self
+                .gemv_rows(m, k, input)
+                .is_some_and(|rows| rows * k * input.bytes() <= NORM_GEMV_SMEM_MAX)
     }
 
-    /// The kernel of a fused norm GEMM of `m` rows of `k` into `n` columns (from 2n weight
-    /// rows with `silu`), if one takes the shape: `gemv.cu`'s where a GEMV would run the plain
-    /// GEMM, else `gemm_skinny.cu`'s.
-    fn norm_launch(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        silu: bool,
-        input: GemvInput,
-    ) -> Option<NormLaunch> {
-        let silu_part = if silu { "_silu" } else { "" };
-        let rows_type = input.kernel_part();
-        if let Some(instance) = self.gemv_rows(m, k, input) {
-            let early = gemv_variant(instance);
-            let smem = instance * k * input.bytes();
-            return (smem <= NORM_GEMV_SMEM_MAX).then(|| NormLaunch {
-                name: format!("gemv_norm{silu_part}{early}_{rows_type}_m{instance}"),
-                blocks: n.div_ceil(GEMV_WARPS),
-                threads: GEMV_WARPS * 32,
-                smem,
-            });
-        }
-        let w_rows = if silu { 2 * n } else { n };
-        let fused = self.skinny_gemm == SkinnyGemm::Fused && m <= SKINNY_NORM_MAX_ROWS;
-        let cols = self.skinny_cols(m, w_rows, k).filter(|_| fused)?;
-        let smem = m * skinny_norm_ld(k, input) * input.bytes();
-        (smem <= SKINNY_NORM_SMEM_MAX).then(|| NormLaunch {
-            name: format!("gemm_skinny_norm{silu_part}_{rows_type}_n{cols}"),
-            blocks: w_rows.div_ceil(cols),
-            threads: SKINNY_WARPS * 32,
-            smem,
-        })
-    }
-
-    /// A decode step's RMSNorm and GEMM in one launch (`gemv.cu`'s `gemv_norm_*` or
-    /// `gemm_skinny.cu`'s `gemm_skinny_norm_*`): the rows `x + residual` (stored to `x_out`,
-    /// the residual stream's other buffer) normalised by `norm`, rounded to bf16 (`input`
-    /// bf16) or kept in f32, times the weights' transpose into `out[m, n]` (f32). With
-    /// `weights.silu`, `out` gets silu(gate) · up in the `input` type. Shapes must pass
-    /// [`Self::norm_gemv_fits`].
+    /// A decode step's RMSNorm and GEMV in one launch (`gemv.cu`'s `gemv_norm_*`): the rows
+    /// `x + residual` (stored to `x_out`, the residual stream's other buffer) normalised by
+    /// `norm`, rounded to bf16 (`input` bf16) or kept in f32, times the weights' transpose into
+    /// `out[m, n]` (f32). With `weights.silu`, `out` gets silu(gate) · up in the `input` type.
+    /// Shapes must pass [`Self::norm_gemv_fits`].
     pub fn norm_gemv<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
@@ -384,9 +318,11 @@ impl CudaDevice {
         input: GemvInput,
     ) -> Result<(), EngineError> {
         let (m, k, n) = (rows.m, rows.k, weights.n);
-        let (DeviceMatrix::Bf16(ws), Some(launch)) =
-            (weights.w, self.norm_launch(m, k, n, weights.silu, input))
-        else {
+        let (DeviceMatrix::Bf16(ws), Some(instance), true) = (
+            weights.w,
+            self.gemv_rows(m, k, input),
+            self.norm_gemv_fits(m, k, weights.w, input),
+        ) else {
             return Err(EngineError::Backend(format!(
                 "norm_gemv: {m} rows of {k} over {} weights is not a fused-GEMV shape",
                 weights.w.elem_name()
@@ -400,11 +336,16 @@ impl CudaDevice {
         weights.check_len(ws.len(), k)?;
         check_len("norm_gemv out", out.len(), m * n)?;
         let ints = [to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?];
-        let f = self.func(&launch.name)?;
+        let silu_part = if weights.silu { "_silu" } else { "" };
+        let early = gemv_variant(instance);
+        let rows_type = input.kernel_part();
+        let f = self.func(&format!(
+            "gemv_norm{silu_part}{early}_{rows_type}_m{instance}"
+        ))?;
         let cfg = LaunchConfig {
-            grid_dim: (launch.blocks as u32, 1, 1),
-            block_dim: (launch.threads as u32, 1, 1),
-            shared_mem_bytes: launch.smem as u32,
+            grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (instance * k * input.bytes()) as u32,
         };
         let null = 0u64;
         let mut b = self.stream.launch_builder(f);
@@ -417,12 +358,11 @@ impl CudaDevice {
         for v in &ints {
             b.arg(v);
         }
-        // SAFETY: signature matches (gemv_norm_* and gemm_skinny_norm_* alike); every
-        // buffer's length was checked above (x, residual and x_out m·k, w (silu ? 2n : n)·k,
-        // out m·n), k is a multiple of 8 (GEMV) or 256 (skinny) and the buffers' starts are
-        // 256-byte aligned for the 16-byte weight loads; the shared memory holds the kernel's
-        // rows of k (padded) `input` elements.
-        unsafe { b.launch(cfg) }.map_err(cuda_err("launching a fused norm GEMM"))?;
+        // SAFETY: signature matches; every buffer's length was checked above (x, residual and
+        // x_out m·k, w (silu ? 2n : n)·k, out m·n), k is a multiple of 8 and the buffers'
+        // starts are 256-byte aligned for the 16-byte weight loads; the shared memory holds
+        // the instance's rows of k `input` elements.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemv_norm"))?;
         Ok(())
     }
 }

@@ -320,8 +320,8 @@ pub struct CudaDevice {
     /// bf16 GEMMs of one or two rows by `gemv.cu` rather than cuBLAS
     /// ([`switches::SMALL_GEMM_ENV`]).
     small_m_gemv: bool,
-    /// GEMMs of up to 16 rows on `gemm_skinny.cu` ([`switches::SKINNY_GEMM_ENV`]).
-    skinny_gemm: switches::SkinnyGemm,
+    /// 16-bit GEMMs of up to 16 rows on `gemm_skinny.cu` ([`switches::SKINNY_GEMM_ENV`]).
+    skinny_gemm: bool,
     /// Programmatic dependent launch works here: compute capability 9.0 or later (the
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).

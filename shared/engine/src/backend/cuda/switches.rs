@@ -182,30 +182,11 @@ pub(super) fn small_m_gemv_from_env() -> Result<bool, EngineError> {
 
 /// `TANDEM_CUDA_SKINNY_GEMM`: `on` (the default: 16-bit GEMMs of 1–16 rows run
 /// `gemm_skinny.cu` on the tensor cores, but for bf16x2's single f32 row, which keeps its GEMV,
-/// and shapes the kernel does not take), `fused` (also f32 rows — bf16x2's, split into hi and lo
-/// in registers — and, at up to four rows, each RMSNorm inside the GEMM after it: not yet run
-/// on a GPU, so not the default) or `off` (`gemv.cu` for one or two rows, cuBLAS above).
+/// and shapes the kernel does not take) or `off` (`gemv.cu` for one or two rows, cuBLAS above).
 pub const SKINNY_GEMM_ENV: &str = "TANDEM_CUDA_SKINNY_GEMM";
 
-/// Which GEMMs of few rows run `gemm_skinny.cu` (see [`SKINNY_GEMM_ENV`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum SkinnyGemm {
-    /// 16-bit rows, after separate norm launches.
-    On,
-    /// f32 rows too, and the norms before them fused in at few rows.
-    Fused,
-    Off,
-}
-
-pub(super) fn skinny_gemm() -> Result<SkinnyGemm, EngineError> {
-    choice(
-        SKINNY_GEMM_ENV,
-        &[
-            ("on", SkinnyGemm::On),
-            ("fused", SkinnyGemm::Fused),
-            ("off", SkinnyGemm::Off),
-        ],
-    )
+pub(super) fn skinny_gemm() -> Result<bool, EngineError> {
+    choice(SKINNY_GEMM_ENV, &[("on", true), ("off", false)])
 }
 
 /// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the

@@ -64,8 +64,7 @@ impl<A: DeviceElem> Workspace<A> {
             normed: dev.zeros(m * t * h)?,
             attn: dev.zeros(m * t * qd)?,
             act: dev.zeros(m * t * im)?,
-            // Only steps whose GEMMs read f32 rows use them (GEMVs and skinny GEMMs: at most
-            // SKINNY_MAX_ROWS rows).
+            // Only steps the GEMVs take read them (at most GEMV_MAX_ROWS rows).
             attn_f32: dev.zeros(if split { gemv_input_rows(t) * qd } else { 1 })?,
             act_f32: dev.zeros(if split { gemv_input_rows(t) * im } else { 1 })?,
             sel_f32: dev.zeros(if split { gemv_input_rows(r) * h } else { 1 })?,
@@ -97,10 +96,9 @@ impl<A: DeviceElem> Workspace<A> {
     }
 }
 
-/// Rows of the f32 GEMM inputs a workspace of `n` rows keeps (the skinny GEMM takes at most
-/// 16).
+/// Rows of the f32 GEMV inputs a workspace of `n` rows keeps (the GEMVs take at most two).
 fn gemv_input_rows(n: usize) -> usize {
-    n.min(super::gemm::SKINNY_MAX_ROWS)
+    n.min(super::gemm::GEMV_MAX_ROWS)
 }
 
 pub(super) enum AnyWorkspace {

@@ -223,27 +223,6 @@ GEMV_BF16(gemv_early_bf16_m1, gemv_early12_impl, 1, e16_t)
 GEMV_BF16(gemv_xf32_m2, gemv_runs12_impl, 2, float)
 GEMV_BF16(gemv_early_xf32_m1, gemv_early12_impl, 1, float)
 
-// Row r of x + residual (stored to x_out by block 0) normalised by norm_w into xs as X, by the
-// whole block (the fused norm GEMMs: every block normalises the rows it needs itself).
-template <typename X>
-__device__ __forceinline__ void norm_row(X* xs, const float* x, const float* residual, float* x_out,
-                                         const float* norm_w, float eps, int r, int k) {
-    const float* xr = x + (long long)r * k;
-    const float* rr = residual != nullptr ? residual + (long long)r * k : nullptr;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
-        ss += v * v;
-    }
-    ss = block_sum(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)k + eps);
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
-        if (blockIdx.x == 0) x_out[(long long)r * k + i] = v;
-        store_f(xs, i, norm_w[i] * (v * inv));
-    }
-}
-
 // With EARLY the first weight chunks are loaded before the PDL wait (as gemv_runs_impl).
 // X: the normalised rows' type in shared memory (bf16 as rms_norm_bf16 rounds them, or f32).
 template <int M, bool SILU, bool EARLY, typename O, typename X>
@@ -262,7 +241,22 @@ __device__ void gemv_norm_impl(O* out, const float* x, const float* residual, fl
     if (EARLY) GRID_DEPENDENCY_SYNC();
 #pragma unroll
     for (int r = 0; r < M; ++r) {
-        if (r < m) norm_row(xs + r * k, x, residual, x_out, norm_w, eps, r, k);  // uniform over the block
+        if (r < m) {  // uniform over the block
+            const float* xr = x + (long long)r * k;
+            const float* rr = residual != nullptr ? residual + (long long)r * k : nullptr;
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) {
+                const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
+                ss += v * v;
+            }
+            ss = block_sum(ss);
+            const float inv = 1.0f / sqrtf(ss / (float)k + eps);
+            for (int i = threadIdx.x; i < k; i += blockDim.x) {
+                const float v = rr != nullptr ? xr[i] + rr[i] : xr[i];
+                if (blockIdx.x == 0) x_out[(long long)r * k + i] = v;
+                store_f(xs, r * k + i, norm_w[i] * (v * inv));
+            }
+        }
     }
     __syncthreads();
     if (col >= n) return;
