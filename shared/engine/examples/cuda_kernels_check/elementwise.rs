@@ -96,17 +96,18 @@ pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
             let mut dx = dev.upload(&x0)?;
             let mut split = dev.zeros::<u16>(2 * t * HIDDEN)?;
             dev.rms_norm(&mut split, &mut dx, None, norm(&dw), t, true)?;
-            let halves = widen(&dev.download(&split)?);
-            let (hi, lo) = halves.split_at(t * HIDDEN);
-            let got: Vec<f32> = hi.iter().zip(lo).map(|(a, b)| a + b).collect();
-            let tol = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 32768.0 + 1e-5;
+            let got = fold_halves(&dev.download(&split)?);
             rep.add(
                 "rms_norm",
                 "norm, split bf16 out (hi + lo)",
                 &got,
                 &want,
-                tol,
+                split_tol(&want),
             );
+            // With the residual a split GEMM's unfolded output too: the width of the model
+            // (the float4 path) and an odd one (the strided loop).
+            split_norm(dev, rep, rng, t, HIDDEN)?;
+            split_norm(dev, rep, rng, 5, 1030)?;
             // The fold of a split GEMM output: first half += second half.
             let a = rng.vec(2 * HIDDEN);
             let want_f: Vec<f32> = (0..HIDDEN).map(|i| a[i] + a[HIDDEN + i]).collect();
@@ -125,6 +126,58 @@ pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
             );
         }
     }
+    Ok(())
+}
+
+/// hi + lo of a split bf16 output (hi rows, then as many lo rows).
+fn fold_halves(split: &[u16]) -> Vec<f32> {
+    let halves = widen(split);
+    let (hi, lo) = halves.split_at(halves.len() / 2);
+    hi.iter().zip(lo).map(|(a, b)| a + b).collect()
+}
+
+/// A split output carries ~16 bits of the largest value.
+fn split_tol(want: &[f32]) -> f32 {
+    want.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 32768.0 + 1e-5
+}
+
+/// RMSNorm of `rows` rows of `dim` with an unfolded split residual (hi rows, then lo rows)
+/// into a split bf16 output, against the CPU norm of x + hi + lo; the sum written back too.
+fn split_norm(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    rng: &mut Rng,
+    rows: usize,
+    dim: usize,
+) -> Result<(), EngineError> {
+    let n = rows * dim;
+    let (w, x0, res) = (rng.vec(dim), rng.vec(n), rng.vec(2 * n));
+    let xs: Vec<f32> = (0..n).map(|i| x0[i] + (res[i] + res[n + i])).collect();
+    let mut want = vec![0.0f32; n];
+    rms_norm_rows(&xs, &w, EPS, &mut want);
+    let dw = dev.upload(&w)?;
+    let mut dx = dev.upload(&x0)?;
+    let dres = dev.upload(&res)?;
+    let mut split = dev.zeros::<u16>(2 * n)?;
+    dev.rms_norm_split_residual(
+        &mut split,
+        &mut dx,
+        Some((&dres, true)),
+        norm(&dw),
+        rows,
+        true,
+    )?;
+    let case = format!("split residual + norm, split bf16 out, {rows} x {dim}");
+    let got = fold_halves(&dev.download(&split)?);
+    rep.add("rms_norm", &case, &got, &want, split_tol(&want));
+    let sum = dev.download(&dx)?;
+    rep.add(
+        "rms_norm",
+        &format!("{case}: sum written back"),
+        &sum,
+        &xs,
+        1e-6,
+    );
     Ok(())
 }
 

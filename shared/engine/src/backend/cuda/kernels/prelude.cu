@@ -78,6 +78,25 @@ __device__ __forceinline__ void store_in(e16_t* p, long long i, float v, long lo
     if (lo_off != 0) p[i + lo_off] = f32_to_e16(v - e16_to_f32(hi));
 }
 
+// Four consecutive GEMM inputs (i a multiple of 4, lo_off too): one 16-byte store for f32, one
+// 8-byte store of the four 16-bit values and, with lo_off != 0, one of their remainders.
+__device__ __forceinline__ void store_in4(float* p, long long i, float4 v, long long lo_off) {
+    *reinterpret_cast<float4*>(p + i) = v;
+}
+__device__ __forceinline__ void store_in4(e16_t* p, long long i, float4 v, long long lo_off) {
+    const e16_t h0 = f32_to_e16(v.x), h1 = f32_to_e16(v.y), h2 = f32_to_e16(v.z), h3 = f32_to_e16(v.w);
+    uint2 hi;
+    hi.x = (unsigned int)h0 | ((unsigned int)h1 << 16);
+    hi.y = (unsigned int)h2 | ((unsigned int)h3 << 16);
+    *reinterpret_cast<uint2*>(p + i) = hi;
+    if (lo_off != 0) {
+        uint2 lo;
+        lo.x = (unsigned int)f32_to_e16(v.x - e16_to_f32(h0)) | ((unsigned int)f32_to_e16(v.y - e16_to_f32(h1)) << 16);
+        lo.y = (unsigned int)f32_to_e16(v.z - e16_to_f32(h2)) | ((unsigned int)f32_to_e16(v.w - e16_to_f32(h3)) << 16);
+        *reinterpret_cast<uint2*>(p + i + lo_off) = lo;
+    }
+}
+
 // A bf16 GEMM input written by the half-KV attention program (compiled with TANDEM_F16, so its
 // pool, Q and P are IEEE half; TANDEM_HALF_KV) for the bf16x2 precision's GEMMs over bf16
 // weights: split like store_in(e16_t*) of the bf16 program, whatever this program's element.

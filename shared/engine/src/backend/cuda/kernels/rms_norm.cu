@@ -5,10 +5,11 @@
 // rms_norm_bf16 writes its output as bf16: the input of a bf16 GEMM, with no separate cast.
 // res_lo != 0: the residual is a split GEMM's unfolded output, its lo half res_lo elements on;
 // the halves are added first (as fold_rows_f32 would), saving that launch.
-// A row of at most 4 × blockDim.x elements, dim and res_lo multiples of 4: one float4 per
-// thread, held in registers between the sum and the output (x read once). Taken for unsplit
-// outputs only: with a split output (lo_off != 0) a thread's eight 2-byte stores measured
-// slower at prefill sizes than the strided form's (bf16x2 2k 0.91 -> 1.18 ms on an H100).
+// A row of at most 4 × blockDim.x elements, dim, res_lo and lo_off multiples of 4: one float4
+// per thread, held in registers between the sum and the output (x read once), stored by
+// store_in4 (a split output as one 8-byte store of the four values and one of their
+// remainders: eight 2-byte stores measured slower at prefill sizes than the strided form's,
+// bf16x2 2k 0.91 -> 1.18 ms on an H100).
 template <typename O>
 __device__ void rms_norm_row4(O* out, float* x, const float* residual, const float* w, int dim, float eps,
                               long long lo_off, long long res_lo) {
@@ -32,17 +33,14 @@ __device__ void rms_norm_row4(O* out, float* x, const float* residual, const flo
     const float r = 1.0f / sqrtf(ss / (float)dim + eps);
     if (on) {
         const float4 wv = *reinterpret_cast<const float4*>(w + i);
-        store_in(out, base + i, wv.x * (v.x * r), lo_off);
-        store_in(out, base + i + 1, wv.y * (v.y * r), lo_off);
-        store_in(out, base + i + 2, wv.z * (v.z * r), lo_off);
-        store_in(out, base + i + 3, wv.w * (v.w * r), lo_off);
+        store_in4(out, base + i, make_float4(wv.x * (v.x * r), wv.y * (v.y * r), wv.z * (v.z * r), wv.w * (v.w * r)), lo_off);
     }
 }
 
 template <typename O>
 __device__ void rms_norm_impl(O* out, float* x, const float* residual, const float* w, int dim, float eps, long long lo_off,
                               long long res_lo) {
-    if (lo_off == 0 && dim % 4 == 0 && res_lo % 4 == 0 && dim <= 4 * (int)blockDim.x) {
+    if (dim % 4 == 0 && res_lo % 4 == 0 && lo_off % 4 == 0 && dim <= 4 * (int)blockDim.x) {
         rms_norm_row4(out, x, residual, w, dim, eps, lo_off, res_lo);
         return;
     }
