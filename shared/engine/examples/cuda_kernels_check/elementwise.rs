@@ -4,7 +4,8 @@ use serde_json::json;
 use tandem_engine::backend::cpu_ops::{
     bf16_to_f32, rms_norm_rows, rms_norm_rows_inplace, rope_apply, silu_mul, Matrix,
 };
-use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, KvPool};
+use tandem_engine::backend::cuda::ops::HeadNorms;
+use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, KvPool, TokenMaps};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
@@ -226,6 +227,55 @@ fn rope_many_tokens(
         &download_pool(dev, &p1)?,
         0.0,
     );
+    rope_in16(dev, rep, &q0, &heads, &maps)
+}
+
+/// The 16-bit-row form (`qk_norm_rope_kv_in16`: a rounded qkv GEMM output in, the q heads out
+/// in f32, K and V into a bf16 pool) against the f32 form on the same rounded rows: the q
+/// heads and the pool bit-equal.
+fn rope_in16(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    q0: &[f32],
+    heads: &HeadNorms<'_>,
+    maps: &TokenMaps,
+) -> Result<(), EngineError> {
+    let rows16: Vec<u16> = q0.iter().map(|v| bf16(*v)).collect();
+    let zeros = vec![0u16; POOL_SHAPE.elems()];
+    let (mut p1, mut p2) = (
+        KvPool::Bf16(dev.upload(&zeros)?),
+        KvPool::Bf16(dev.upload(&zeros)?),
+    );
+    let mut want_q = dev.upload(&widen(&rows16))?;
+    dev.qk_norm_rope_kv(&mut want_q, ROW, heads, maps, kv_at(&mut p1, 1))?;
+    let src = dev.upload(&rows16)?;
+    let mut got_q = dev.zeros::<f32>(q0.len())?;
+    dev.qk_norm_rope_kv_in16(&src, &mut got_q, ROW, heads, maps, kv_at(&mut p2, 1))?;
+    let q_heads = |rows: Vec<f32>| -> Vec<f32> {
+        rows.chunks_exact(ROW)
+            .flat_map(|r| r[..NQ * HD].to_vec())
+            .collect()
+    };
+    let (got, want) = (
+        q_heads(dev.download(&got_q)?),
+        q_heads(dev.download(&want_q)?),
+    );
+    let case = "bf16 rows in, 300 tokens";
+    rep.add(
+        "qk_norm_rope_kv (16-bit in)",
+        &format!("{case}: q heads"),
+        &got,
+        &want,
+        0.0,
+    );
+    let (got, want) = (download_pool(dev, &p2)?, download_pool(dev, &p1)?);
+    rep.add(
+        "qk_norm_rope_kv (16-bit in)",
+        &format!("{case}: bf16 pool"),
+        &got,
+        &want,
+        0.0,
+    );
     Ok(())
 }
 
@@ -389,5 +439,45 @@ fn silu_mul_case(
             bf16_tol(&want),
         );
     }
+    if im.is_multiple_of(2) {
+        silu_mul_in16(dev, rep, &gu_interleaved, rows, im)?;
+    }
+    Ok(())
+}
+
+/// SiLU·mul of interleaved gate/up rows given in bf16 (a GEMM's rounded output), into f32 and
+/// bf16, against the CPU code on the rounded values.
+fn silu_mul_in16(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    gu_interleaved: &[f32],
+    rows: usize,
+    im: usize,
+) -> Result<(), EngineError> {
+    let gu16: Vec<u16> = gu_interleaved.iter().map(|v| bf16(*v)).collect();
+    let rounded = widen(&gu16);
+    let mut want = vec![0.0f32; rows * im];
+    for (o, row) in want.chunks_exact_mut(im).zip(rounded.chunks_exact(2 * im)) {
+        let mut g: Vec<f32> = row.iter().step_by(2).copied().collect();
+        let u: Vec<f32> = row.iter().skip(1).step_by(2).copied().collect();
+        silu_mul(&mut g, &u);
+        o.copy_from_slice(&g);
+    }
+    let dgu = dev.upload(&gu16)?;
+    let case = format!("{rows}x{im}, bf16 in");
+    let mut dout = dev.zeros::<f32>(rows * im)?;
+    dev.silu_mul_split_input(&mut dout, &dgu, false, rows, im, false)?;
+    let got = dev.download(&dout)?;
+    rep.add("silu_mul", &format!("{case}, f32 out"), &got, &want, 1e-5);
+    let mut dout = dev.zeros::<u16>(rows * im)?;
+    dev.silu_mul_split_input(&mut dout, &dgu, false, rows, im, false)?;
+    let got = widen(&dev.download(&dout)?);
+    rep.add(
+        "silu_mul",
+        &format!("{case}, bf16 out"),
+        &got,
+        &want,
+        bf16_tol(&want),
+    );
     Ok(())
 }

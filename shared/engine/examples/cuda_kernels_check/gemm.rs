@@ -1,5 +1,6 @@
 //! GEMMs and GEMVs against cpu_ops::matmul_t.
 
+use cudarc::driver::CudaSlice;
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
 use tandem_engine::backend::cuda::switches::SKINNY_GEMM_ENV;
@@ -147,6 +148,45 @@ fn bf16_gemms(cx: &mut Ctx, pass: Pass) -> Result<(), EngineError> {
             .zip(&got)
             .all(|(a, b)| a.to_bits() == b.to_bits());
         rep.flag("gemm_bf16 repeat", &case, same, json!(same));
+        rounded_output(dev, rep, (&dx, &dwm), (m, k, nn), &case, &want)?;
+    }
+    Ok(())
+}
+
+/// The same GEMM with its output rounded to bf16 (`matmul_t_16`) and added into what its
+/// output holds (`matmul_t_add`: a residual stream) where cuBLAS runs it; both refused on the
+/// other routes.
+fn rounded_output(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    (dx, dwm): (&CudaSlice<u16>, &DeviceMatrix),
+    (m, k, nn): (usize, usize, usize),
+    case: &str,
+    want: &[f32],
+) -> Result<(), EngineError> {
+    let mut d16 = dev.zeros::<u16>(m * nn)?;
+    let run = dev.matmul_t_16(dx, m, k, dwm, nn, &mut d16);
+    // A stream of ones to add into.
+    let mut dsum = dev.upload(&vec![1.0f32; m * nn])?;
+    let run_add = dev.matmul_t_add(dx, m, k, dwm, nn, &mut dsum);
+    if dev.gemm_writes_16::<u16>(m, nn, k, dwm) {
+        run?;
+        run_add?;
+        let got = widen(&dev.download(&d16)?);
+        let tol = bf16_tol(want) + 1e-3;
+        rep.add("gemm_bf16 (16-bit out)", case, &got, want, tol);
+        let want_sum: Vec<f32> = want.iter().map(|v| v + 1.0).collect();
+        let got = dev.download(&dsum)?;
+        rep.add("gemm_bf16 (added into out)", case, &got, &want_sum, 1e-3);
+    } else {
+        let refused = run.is_err() && run_add.is_err();
+        let case = format!("{case}: refused off cuBLAS");
+        rep.flag(
+            "gemm_bf16 (16-bit out, added)",
+            &case,
+            refused,
+            json!(refused),
+        );
     }
     Ok(())
 }

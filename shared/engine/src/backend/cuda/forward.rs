@@ -30,6 +30,8 @@ struct StepPlan {
     /// nothing to fold.
     f32_rows: bool,
     gemv_in: GemvInput,
+    /// What the GEMMs cuBLAS runs do past the product.
+    epi: Epilogues,
     hidden: usize,
     q_dim: usize,
     inter: usize,
@@ -49,12 +51,16 @@ impl StepPlan {
         } else {
             GemvInput::Bf16
         };
+        let dev = &model.dev;
         // Every layer has the same shapes, so the first decides for all.
         let fused = model.layers.first().is_some_and(|lw| {
-            let dev = &model.dev;
             dev.norm_gemv_fits(t, hidden, &lw.qkv, gemv_in)
                 && dev.norm_gemv_fits(t, hidden, &lw.gate_up, gemv_in)
         });
+        let epi = match model.layers.first() {
+            Some(lw) if !split && !fused => Epilogues::plan::<A>(model, lw, t),
+            _ => Epilogues::default(),
+        };
         StepPlan {
             t,
             m: if split { 2 * t } else { t },
@@ -62,6 +68,7 @@ impl StepPlan {
             fused,
             f32_rows: fused && split,
             gemv_in,
+            epi,
             hidden,
             q_dim,
             inter,
@@ -86,6 +93,62 @@ impl StepPlan {
     }
 }
 
+/// The GEMM epilogues of a step in the bf16 and f16 precisions, where cuBLAS runs the GEMMs
+/// (17 rows and more, no split, no fused GEMVs; `TANDEM_CUDA_GEMM_EPILOGUE`).
+#[derive(Clone, Copy, Default)]
+struct Epilogues {
+    /// The qkv GEMM writes 16-bit rows (`ws.qkv16`) that the q/k norm + RoPE reads (its
+    /// warp-per-head form, over a 16-bit pool; no qkv bias).
+    qkv16: bool,
+    /// The gate_up GEMM writes 16-bit rows (`ws.gu16`) that SiLU·mul reads.
+    gu16: bool,
+    /// The o and down GEMMs add their outputs into the residual stream `ws.x` (cuBLAS's
+    /// beta = 1; no o bias), so the norms after them have nothing to add.
+    add_in_gemm: bool,
+}
+
+impl Epilogues {
+    /// For a step of `t` tokens of a model whose layers are shaped like `lw` (every layer
+    /// is), in a mode without split GEMM inputs.
+    fn plan<A: DeviceElem>(model: &DeviceModel, lw: &DeviceLayer, t: usize) -> Self {
+        let (dev, cfg) = (&model.dev, &model.config);
+        let (hidden, q_dim, kv_dim, inter) = dims(cfg);
+        let switch = dev.gemm_epilogue();
+        let cublas =
+            |w: &super::DeviceMatrix, n: usize, k: usize| dev.gemm_writes_16::<A>(t, n, k, w);
+        Epilogues {
+            qkv16: switch
+                && cublas(&lw.qkv, q_dim + 2 * kv_dim, hidden)
+                && lw.qkv_bias.is_none()
+                && dev.rope_reads_16(t, &model.pool),
+            gu16: switch && cublas(&lw.gate_up, 2 * inter, hidden),
+            add_in_gemm: switch
+                && cublas(&lw.o_proj, hidden, q_dim)
+                && cublas(&lw.down, hidden, inter)
+                && lw.o_bias.is_none(),
+        }
+    }
+}
+
+/// Where the last projection into the residual stream (an o or down GEMM) left its output.
+#[derive(Clone, Copy)]
+enum Pending {
+    /// In `ws.proj`, for the next norm to add; `unfolded`: a split GEMM's halves still apart.
+    Proj { unfolded: bool },
+    /// Nothing to add: the GEMM added itself into `ws.x` (or no layer ran yet).
+    Added,
+}
+
+impl Pending {
+    /// The output the next norm adds (and whether its halves are apart), if any.
+    fn residual(self, proj: &CudaSlice<f32>) -> Option<(&CudaSlice<f32>, bool)> {
+        match self {
+            Pending::Proj { unfolded } => Some((proj, unfolded)),
+            Pending::Added => None,
+        }
+    }
+}
+
 impl DeviceModel {
     /// The kernels of a prepared step of `t` tokens and `r` logits rows (argmax or sampling
     /// too, by `readout`). No copy or allocation happens here, but for `media` rows (image
@@ -106,19 +169,18 @@ impl DeviceModel {
         let ids = self.inputs.maps.id_list();
         (self.dev).embedding_dev(&mut ws.x, &self.embed, ids, plan.hidden)?;
         self.splice_media(ws, media, t, plan.hidden)?;
-        // Whether `proj` (the last GEMM into the residual stream) still holds split halves.
-        let mut proj_unfolded = false;
+        let mut pending = Pending::Added;
         for l in 0..self.layers.len() {
-            let qkv_unfolded = self.qkv_projection(ws, &plan, l, proj_unfolded)?;
-            proj_unfolded = self.attention_and_o_proj(ws, &plan, l, qkv_unfolded)?;
+            let qkv_unfolded = self.qkv_projection(ws, &plan, l, pending)?;
+            pending = self.attention_and_o_proj(ws, &plan, l, qkv_unfolded)?;
             // Layer l's K/V are written: a fence for writers waiting on it.
             self.mark_layers(l + 1)?;
-            proj_unfolded = self.mlp(ws, &plan, l, proj_unfolded)?;
+            pending = self.mlp(ws, &plan, l, pending)?;
         }
         if r == 0 {
             return Ok(());
         }
-        self.final_norm_and_lm_head(ws, &plan, r, proj_unfolded)?;
+        self.final_norm_and_lm_head(ws, &plan, r, pending)?;
         self.readout(ws, r, readout)
     }
 
@@ -161,26 +223,26 @@ impl DeviceModel {
     }
 
     /// Layer `l`'s input norm (the previous layer's MLP output joining the residual stream
-    /// first: a fused add) and qkv GEMM into `ws.qkv`, and its bias. Returns whether `qkv`
-    /// holds unfolded split halves (folded by the q/k norm kernel that reads it).
+    /// first, where `pending`: a fused add) and qkv GEMM into `ws.qkv` (`ws.qkv16` by the
+    /// plan), and its bias. Returns whether `qkv` holds unfolded split halves (folded by the
+    /// q/k norm kernel that reads it).
     fn qkv_projection<A: DeviceElem>(
         &self,
         ws: &mut Workspace<A>,
         p: &StepPlan,
         l: usize,
-        proj_unfolded: bool,
+        pending: Pending,
     ) -> Result<bool, EngineError> {
         let (dev, lw) = (&self.dev, &self.layers[l]);
         let norm = Norm {
             w: &lw.input_norm,
             eps: p.eps,
         };
-        let residual = (l > 0).then_some(&ws.proj);
         let mut qkv_unfolded = false;
         if p.fused {
             let rows = ResidualRows {
                 x: &ws.x,
-                residual,
+                residual: pending.residual(&ws.proj).map(|(r, _)| r),
                 x_out: &mut ws.x2,
                 m: p.t,
                 k: p.hidden,
@@ -192,9 +254,16 @@ impl DeviceModel {
             };
             dev.norm_gemv(&mut ws.qkv, rows, norm, weights, p.gemv_in)?;
         } else {
-            let residual = residual.map(|r| (r, proj_unfolded));
+            let residual = pending.residual(&ws.proj);
             let (normed, x) = (&mut ws.normed, &mut ws.x);
             dev.rms_norm_split_residual(normed, x, residual, norm, p.t, p.split)?;
+            if p.epi.qkv16 {
+                // Read by qk_norm_rope_kv_in16 (no bias: the plan checked).
+                let qkv16 = &mut ws.qkv16;
+                return dev
+                    .matmul_t_16(&ws.normed, p.m, p.hidden, &lw.qkv, p.qkv_w, qkv16)
+                    .map(|_| false);
+            }
             dev.matmul_t(&ws.normed, p.m, p.hidden, &lw.qkv, p.qkv_w, &mut ws.qkv)?;
             // Folded by qk_norm_rope_kv, unless a bias comes first.
             if lw.qkv_bias.is_some() {
@@ -210,15 +279,15 @@ impl DeviceModel {
     }
 
     /// Layer `l`'s q/k norms and RoPE with the step's K and V written into the pool (one
-    /// launch), the attention and the o projection into `ws.proj` (and its bias). Returns
-    /// whether `proj` holds unfolded split halves (folded by the next norm).
+    /// launch), the attention and the o projection into `ws.proj` (and its bias), or added
+    /// into the stream by the plan. Returns where its output waits.
     fn attention_and_o_proj<A: DeviceElem>(
         &mut self,
         ws: &mut Workspace<A>,
         p: &StepPlan,
         l: usize,
         qkv_unfolded: bool,
-    ) -> Result<bool, EngineError> {
+    ) -> Result<Pending, EngineError> {
         let DeviceModel {
             dev,
             config,
@@ -247,7 +316,11 @@ impl DeviceModel {
             layer: l,
         };
         let qkv = &mut ws.qkv;
-        dev.qk_norm_rope_kv_split_input(qkv, qkv_unfolded, p.qkv_w, &heads, maps, kv)?;
+        if p.epi.qkv16 {
+            dev.qk_norm_rope_kv_in16(&ws.qkv16, qkv, p.qkv_w, &heads, maps, kv)?;
+        } else {
+            dev.qk_norm_rope_kv_split_input(qkv, qkv_unfolded, p.qkv_w, &heads, maps, kv)?;
+        }
         let a = AttentionInputs {
             qkv: &ws.qkv,
             row_stride: p.qkv_w,
@@ -263,6 +336,11 @@ impl DeviceModel {
         if p.f32_rows {
             dev.attention(&mut ws.attn_f32, &a, scratch, false)?;
             dev.matmul_t(&ws.attn_f32, t, p.q_dim, &lw.o_proj, h, &mut ws.proj)?;
+        } else if p.epi.add_in_gemm {
+            // No bias: the plan checked.
+            dev.attention(&mut ws.attn, &a, scratch, false)?;
+            dev.matmul_t_add(&ws.attn, t, p.q_dim, &lw.o_proj, h, &mut ws.x)?;
+            return Ok(Pending::Added);
         } else {
             dev.attention(&mut ws.attn, &a, scratch, p.split)?;
             dev.matmul_t(&ws.attn, p.m, p.q_dim, &lw.o_proj, h, &mut ws.proj)?;
@@ -276,19 +354,21 @@ impl DeviceModel {
         if let Some(b) = &lw.o_bias {
             dev.bias_add(&mut ws.proj, b, t)?;
         }
-        Ok(proj_unfolded)
+        Ok(Pending::Proj {
+            unfolded: proj_unfolded,
+        })
     }
 
-    /// Layer `l`'s post-attention norm (the attention output joining the residual stream),
-    /// gate_up GEMM, SiLU·mul and down GEMM into `ws.proj`. Returns whether `proj` holds
-    /// unfolded split halves.
+    /// Layer `l`'s post-attention norm (the attention output joining the residual stream,
+    /// where `pending`), gate_up GEMM, SiLU·mul and down GEMM into `ws.proj` (or added into
+    /// the stream by the plan). Returns where its output waits.
     fn mlp<A: DeviceElem>(
         &self,
         ws: &mut Workspace<A>,
         p: &StepPlan,
         l: usize,
-        proj_unfolded: bool,
-    ) -> Result<bool, EngineError> {
+        pending: Pending,
+    ) -> Result<Pending, EngineError> {
         let (dev, lw) = (&self.dev, &self.layers[l]);
         let (t, h, im) = (p.t, p.hidden, p.inter);
         let norm = Norm {
@@ -299,7 +379,7 @@ impl DeviceModel {
             // The stream back from `x2` into `x`.
             let rows = ResidualRows {
                 x: &ws.x2,
-                residual: Some(&ws.proj),
+                residual: pending.residual(&ws.proj).map(|(r, _)| r),
                 x_out: &mut ws.x,
                 m: t,
                 k: h,
@@ -312,49 +392,58 @@ impl DeviceModel {
             if p.f32_rows {
                 dev.norm_gemv(&mut ws.act_f32, rows, norm, weights, p.gemv_in)?;
                 dev.matmul_t(&ws.act_f32, t, im, &lw.down, h, &mut ws.proj)?;
-                return Ok(false);
+                return Ok(Pending::Proj { unfolded: false });
             }
             dev.norm_gemv(&mut ws.act, rows, norm, weights, p.gemv_in)?;
         } else {
-            let residual = Some((&ws.proj, proj_unfolded));
+            let residual = pending.residual(&ws.proj);
             let (normed, x) = (&mut ws.normed, &mut ws.x);
             dev.rms_norm_split_residual(normed, x, residual, norm, t, p.split)?;
-            dev.matmul_t(&ws.normed, p.m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
-            dev.silu_mul_split_input(&mut ws.act, &ws.gu, p.split, t, im, p.split)?;
+            if p.epi.gu16 {
+                dev.matmul_t_16(&ws.normed, p.m, h, &lw.gate_up, 2 * im, &mut ws.gu16)?;
+                dev.silu_mul_split_input(&mut ws.act, &ws.gu16, false, t, im, false)?;
+            } else {
+                dev.matmul_t(&ws.normed, p.m, h, &lw.gate_up, 2 * im, &mut ws.gu)?;
+                dev.silu_mul_split_input(&mut ws.act, &ws.gu, p.split, t, im, p.split)?;
+            }
+        }
+        if p.epi.add_in_gemm {
+            dev.matmul_t_add(&ws.act, p.m, im, &lw.down, h, &mut ws.x)?;
+            return Ok(Pending::Added);
         }
         dev.matmul_t(&ws.act, p.m, im, &lw.down, h, &mut ws.proj)?;
-        Ok(p.split)
+        Ok(Pending::Proj { unfolded: p.split })
     }
 
-    /// The final norm (with its fused add of the last MLP output) and the lm_head GEMM on the
-    /// wanted rows alone: all of them in place (r == t: rows are increasing, so every row in
-    /// order; decode steps), else gathered first.
+    /// The final norm (with its fused add of the last MLP output, where `pending`) and the
+    /// lm_head GEMM on the wanted rows alone: all of them in place (r == t: rows are
+    /// increasing, so every row in order; decode steps), else gathered first.
     fn final_norm_and_lm_head<A: DeviceElem>(
         &self,
         ws: &mut Workspace<A>,
         p: &StepPlan,
         r: usize,
-        mut proj_unfolded: bool,
+        mut pending: Pending,
     ) -> Result<(), EngineError> {
         let (dev, t, h) = (&self.dev, p.t, p.hidden);
         let v = self.config.vocab_size;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        if proj_unfolded && r < t {
+        if matches!(pending, Pending::Proj { unfolded: true }) && r < t {
             p.fold(dev, &mut ws.proj, t * h)?;
-            proj_unfolded = false;
+            pending = Pending::Proj { unfolded: false };
         }
-        let layers = !self.layers.is_empty();
         let (stream, mlp_out) = if r == t {
-            (&mut ws.x, layers.then_some(&ws.proj))
+            (&mut ws.x, pending.residual(&ws.proj))
         } else {
             let rows = self.inputs.maps.row_list();
             dev.gather_rows_dev(&mut ws.sel_x, &ws.x, t, rows, h, false)?;
-            if layers {
+            if let Pending::Proj { unfolded } = pending {
                 dev.gather_rows_dev(&mut ws.sel_res, &ws.proj, t, rows, h, false)?;
+                (&mut ws.sel_x, Some((&ws.sel_res, unfolded)))
+            } else {
+                (&mut ws.sel_x, None)
             }
-            (&mut ws.sel_x, layers.then_some(&ws.sel_res))
         };
-        let mlp_out = mlp_out.map(|o| (o, proj_unfolded));
         let norm = Norm {
             w: &self.norm,
             eps: p.eps,

@@ -20,43 +20,122 @@ impl CudaDevice {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), EngineError> {
-        let (w_type, w_len) = match w {
-            DeviceMatrix::F32(s) => (f32::cuda_type(self.e16), s.len()),
-            DeviceMatrix::Bf16(s) => (u16::cuda_type(self.e16), s.len()),
-        };
-        let x_type = X::cuda_type(self.e16);
-        let input = if X::SUFFIX == "f32" {
-            GemvInput::F32
-        } else {
-            GemvInput::Bf16
-        };
+        let input = gemv_input::<X>();
         let route = self.gemm_route(m, n, k, w, input);
         // f32 rows over bf16 weights: the bf16x2 precision's single-row GEMVs.
-        if w_type != x_type && !matches!(route, GemmRoute::Gemv { .. }) {
-            return Err(EngineError::Backend(format!(
-                "GEMM of {} activations with {} weights is not supported",
-                X::SUFFIX,
-                w.elem_name()
-            )));
+        if !matches!(route, GemmRoute::Gemv { .. }) {
+            check_same_types::<X>(w)?;
         }
         if m == 0 || n == 0 {
             return Ok(());
         }
-        check_len("matmul x", x.len(), m * k)?;
-        check_len("matmul w", w_len, n * k)?;
-        check_len("matmul out", out.len(), m * n)?;
+        check_gemm_lengths(x.len(), w, out.len(), (m, n, k))?;
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
         match (w, route) {
             (DeviceMatrix::Bf16(ws), GemmRoute::Gemv { rows, input }) => {
-                return self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki));
+                self.gemv_bf16(x, ws, out, rows, input, (mi, ni, ki))
             }
             (DeviceMatrix::Bf16(ws), GemmRoute::Skinny { cols }) => {
-                return self.gemm_skinny(x, ws, out, cols, (mi, ni, ki));
+                self.gemm_skinny(x, ws, out, cols, (mi, ni, ki))
             }
-            _ => {}
+            _ => self.cublas_gemm(x, w, out, (mi, ni, ki), Accumulate::No),
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        self.count_launch(|| format!("gemm n={n} k={k}"));
+    }
+
+    /// [`Self::matmul_t`] writing its output rounded to the program's 16-bit element (still
+    /// accumulated in f32): for GEMMs cuBLAS runs ([`Self::gemm_writes_16`]), whose consumers
+    /// then read half the bytes; any other route is an error.
+    pub fn matmul_t_16<X: DeviceElem>(
+        &self,
+        x: &CudaSlice<X>,
+        m: usize,
+        k: usize,
+        w: &DeviceMatrix,
+        n: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), EngineError> {
+        let dims =
+            self.cublas_16_dims::<X>("a 16-bit GEMM output", x.len(), w, out.len(), (m, n, k))?;
+        self.cublas_gemm(x, w, out, dims, Accumulate::No)
+    }
+
+    /// `out[m, n] += x[m, k] · w[n, k]ᵀ` (f32, the sum in cuBLAS's epilogue): a projection
+    /// joining the residual stream without a separate add. Only where cuBLAS runs the GEMM
+    /// with 16-bit operands ([`Self::gemm_writes_16`]); anything else is an error.
+    pub fn matmul_t_add<X: DeviceElem>(
+        &self,
+        x: &CudaSlice<X>,
+        m: usize,
+        k: usize,
+        w: &DeviceMatrix,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), EngineError> {
+        let what = "a GEMM adding into its output";
+        let dims = self.cublas_16_dims::<X>(what, x.len(), w, out.len(), (m, n, k))?;
+        self.cublas_gemm(x, w, out, dims, Accumulate::Yes)
+    }
+
+    /// The checked dimensions of a GEMM that only cuBLAS with 16-bit operands may run
+    /// (`what` names it in the error otherwise).
+    fn cublas_16_dims<X: DeviceElem>(
+        &self,
+        what: &str,
+        x_len: usize,
+        w: &DeviceMatrix,
+        out_len: usize,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<(i32, i32, i32), EngineError> {
+        if !self.gemm_writes_16::<X>(m, n, k, w) {
+            return Err(EngineError::Backend(format!(
+                "{what} needs cuBLAS and 16-bit operands; this GEMM of {m} {} rows over {} \
+                 weights runs {:?}",
+                X::SUFFIX,
+                w.elem_name(),
+                self.gemm_route(m, n, k, w, gemv_input::<X>())
+            )));
+        }
+        check_gemm_lengths(x_len, w, out_len, (m, n, k))?;
+        Ok((to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?))
+    }
+
+    /// Whether [`Self::matmul_t_16`] takes `m` rows of `X` and `k` over `w` into `n` columns:
+    /// 16-bit operands on cuBLAS's route.
+    pub fn gemm_writes_16<X: DeviceElem>(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        w: &DeviceMatrix,
+    ) -> bool {
+        X::SUFFIX != "f32"
+            && matches!(w, DeviceMatrix::Bf16(_))
+            && self.gemm_route(m, n, k, w, gemv_input::<X>()) == GemmRoute::Cublas
+    }
+
+    /// Whether steps round their qkv and gate_up GEMM outputs to 16 bits and add their o and
+    /// down projections into the residual stream where [`Self::gemm_writes_16`] allows
+    /// ([`super::switches::GEMM_EPILOGUE_ENV`]).
+    pub fn gemm_epilogue(&self) -> bool {
+        self.gemm_epilogue
+    }
+
+    /// `cublasGemmEx` of checked operands into `out` (f32, or the 16-bit element), f32
+    /// accumulation; added to what `out` holds with [`Accumulate::Yes`].
+    fn cublas_gemm<X: DeviceElem, O: DeviceElem>(
+        &self,
+        x: &CudaSlice<X>,
+        w: &DeviceMatrix,
+        out: &mut CudaSlice<O>,
+        (mi, ni, ki): (i32, i32, i32),
+        acc: Accumulate,
+    ) -> Result<(), EngineError> {
+        let alpha = 1.0f32;
+        let beta = match acc {
+            Accumulate::No => 0.0f32,
+            Accumulate::Yes => 1.0f32,
+        };
+        self.count_launch(|| format!("gemm n={ni} k={ki}"));
         let stream = &self.stream;
         let (x_ptr, _gx) = x.device_ptr(stream);
         let (w_ptr, _gw) = match w {
@@ -64,9 +143,11 @@ impl CudaDevice {
             DeviceMatrix::Bf16(s) => s.device_ptr(stream),
         };
         let (o_ptr, _go) = out.device_ptr_mut(stream);
+        let x_type = X::cuda_type(self.e16);
         // Column-major view: outᵀ (n×m) = w (k×n col-major, transposed) · xᵀ (k×m col-major).
-        // SAFETY: the pointers are live device buffers of the sizes checked above, on the
-        // handle's stream; alpha/beta are f32 as CUBLAS_COMPUTE_32F requires.
+        // SAFETY: the pointers are live device buffers of the sizes the callers checked, on
+        // the handle's stream; w has x's element type (checked); alpha/beta are f32 as
+        // CUBLAS_COMPUTE_32F requires.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
@@ -77,14 +158,14 @@ impl CudaDevice {
                 ki,
                 (&alpha) as *const f32 as *const _,
                 w_ptr as *const _,
-                w_type,
+                x_type,
                 ki,
                 x_ptr as *const _,
                 x_type,
                 ki,
                 (&beta) as *const f32 as *const _,
                 o_ptr as *mut _,
-                f32::cuda_type(self.e16),
+                O::cuda_type(self.e16),
                 ni,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -93,6 +174,55 @@ impl CudaDevice {
         .map_err(|e| EngineError::Backend(format!("cuBLAS GemmEx: {e:?}")))?;
         Ok(())
     }
+}
+
+/// Whether a cuBLAS GEMM overwrites its output (beta 0) or adds to it (beta 1).
+#[derive(Clone, Copy)]
+enum Accumulate {
+    No,
+    Yes,
+}
+
+/// How the GEMVs see rows of `X`.
+fn gemv_input<X: DeviceElem>() -> GemvInput {
+    if X::SUFFIX == "f32" {
+        GemvInput::F32
+    } else {
+        GemvInput::Bf16
+    }
+}
+
+/// cuBLAS and the skinny GEMM take activations of the weights' element type only.
+fn check_same_types<X: DeviceElem>(w: &DeviceMatrix) -> Result<(), EngineError> {
+    let same = match w {
+        DeviceMatrix::F32(_) => X::SUFFIX == "f32",
+        DeviceMatrix::Bf16(_) => X::SUFFIX != "f32",
+    };
+    if same {
+        Ok(())
+    } else {
+        Err(EngineError::Backend(format!(
+            "GEMM of {} activations with {} weights is not supported",
+            X::SUFFIX,
+            w.elem_name()
+        )))
+    }
+}
+
+/// x holds m rows of k, w n rows of k, out m rows of n.
+fn check_gemm_lengths(
+    x: usize,
+    w: &DeviceMatrix,
+    out: usize,
+    (m, n, k): (usize, usize, usize),
+) -> Result<(), EngineError> {
+    let w_len = match w {
+        DeviceMatrix::F32(s) => s.len(),
+        DeviceMatrix::Bf16(s) => s.len(),
+    };
+    check_len("matmul x", x, m * k)?;
+    check_len("matmul w", w_len, n * k)?;
+    check_len("matmul out", out, m * n)
 }
 
 /// What a `gemv.cu` GEMV reads its activation rows as.

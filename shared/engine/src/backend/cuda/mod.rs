@@ -322,6 +322,9 @@ pub struct CudaDevice {
     small_m_gemv: bool,
     /// 16-bit GEMMs of up to 16 rows on `gemm_skinny.cu` ([`switches::SKINNY_GEMM_ENV`]).
     skinny_gemm: bool,
+    /// What cuBLAS's GEMMs do past the product in the 16-bit precisions
+    /// ([`switches::GEMM_EPILOGUE_ENV`]).
+    gemm_epilogue: bool,
     /// Programmatic dependent launch works here: compute capability 9.0 or later (the
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
@@ -407,6 +410,7 @@ impl CudaDevice {
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
             skinny_gemm: switches::skinny_gemm()?,
+            gemm_epilogue: switches::gemm_epilogue()?,
             pdl_capable,
             cluster_capable,
             prefill_wgmma,

@@ -220,11 +220,12 @@ impl CudaDevice {
     }
 
     /// [`Self::silu_mul`] over a split GEMM's unfolded output when `unfolded` (hi rows, then
-    /// as many lo rows), folded as it is read.
-    pub fn silu_mul_split_input<O: DeviceElem>(
+    /// as many lo rows), folded as it is read; `gu` in f32 or (a GEMM's output rounded by
+    /// [`Self::matmul_t_16`]) in the 16-bit element.
+    pub fn silu_mul_split_input<O: DeviceElem, I: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
-        gu: &CudaSlice<f32>,
+        gu: &CudaSlice<I>,
         unfolded: bool,
         rows: usize,
         im: usize,
@@ -249,7 +250,8 @@ impl CudaDevice {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = self.func(&format!("silu_mul_{}", O::SUFFIX))?;
+        let input = if I::SUFFIX == "f32" { "" } else { "in16_" };
+        let f = self.func(&format!("silu_mul_{input}{}", O::SUFFIX))?;
         let mut b = self.stream.launch_builder(f);
         b.arg(out).arg(gu).arg(&r).arg(&i).arg(&lo_off).arg(&in_lo);
         // SAFETY: signature matches; shapes checked above (gu twice its rows when unfolded).

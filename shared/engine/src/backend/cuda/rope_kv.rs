@@ -90,6 +90,66 @@ impl CudaDevice {
         self.qk_norm_rope_into(qkv, row_stride, heads, maps, Some((kv, in_lo)))
     }
 
+    /// Whether [`Self::qk_norm_rope_kv_in16`] takes a step of `tokens` tokens into `pool`: the
+    /// warp-per-head form over a pool of the 16-bit element.
+    pub fn rope_reads_16(&self, tokens: usize, pool: &KvPool) -> bool {
+        RopeForm::of(tokens, false) == RopeForm::WarpPerHead && matches!(pool, KvPool::Bf16(_))
+    }
+
+    /// [`Self::qk_norm_rope_kv`] reading the rows from `src`, the qkv GEMM's output rounded to
+    /// the 16-bit element ([`Self::matmul_t_16`]): the rotated q heads are written to the f32
+    /// rows of `qkv` (the attention's input; the k and v heads go to the pool only). Steps
+    /// [`Self::rope_reads_16`] takes; anything else is an error.
+    pub fn qk_norm_rope_kv_in16(
+        &self,
+        src: &CudaSlice<u16>,
+        qkv: &mut CudaSlice<f32>,
+        row_stride: usize,
+        heads: &HeadNorms<'_>,
+        maps: &TokenMaps,
+        kv: KvTarget<'_>,
+    ) -> Result<(), EngineError> {
+        let t = maps.tokens;
+        if !self.rope_reads_16(t, kv.pool) {
+            return Err(bad(format!(
+                "qk_norm_rope: 16-bit rows need {WARP_PER_HEAD_TOKENS}+ tokens (not {t}) and \
+                 a pool of the 16-bit element"
+            )));
+        }
+        heads.check_pool("qk_norm_rope_kv", row_stride, kv.pool, kv.shape, kv.layer)?;
+        check_rope_rows(qkv.len(), row_stride, heads, t)?;
+        check_rope_rows(src.len(), row_stride, heads, t)?;
+        let heads_per_row = heads.nq + 2 * heads.nkv;
+        let ints = rope_ints(row_stride, heads, heads_per_row)?;
+        let tail = kv.ints()?;
+        let cfg = RopeForm::WarpPerHead.launch(t, heads_per_row, heads.head_dim);
+        let f = self.func("qk_norm_rope_kv_tokens_in16_bf16")?;
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(src).arg(qkv);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&maps.positions).arg(heads.inv_freq);
+        for n in [heads.q_norm, heads.k_norm] {
+            match n {
+                Some(n) => b.arg(n),
+                None => b.arg(&null),
+            };
+        }
+        b.arg(&heads.eps);
+        kv.push_pool(&mut b);
+        b.arg(&maps.token_block)
+            .arg(&tail[0])
+            .arg(&tail[1])
+            .arg(&tail[2]);
+        // SAFETY: signature matches; src and qkv hold t rows of the stride (checked); the pool
+        // holds the whole shape and the block ids come from tables the caller validated
+        // against `shape.num_blocks`.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching qk_norm_rope (16-bit rows)"))?;
+        Ok(())
+    }
+
     /// One `qk_norm_rope.cu` launch: the plain kernel, or with `kv` (and the offset of the lo
     /// rows, 0 for folded input) the one that also writes K and V.
     fn qk_norm_rope_into(
@@ -104,16 +164,10 @@ impl CudaDevice {
         if t == 0 {
             return Ok(());
         }
-        check_rope_rows(qkv, row_stride, heads, t)?;
+        check_rope_rows(qkv.len(), row_stride, heads, t)?;
         let (nq, nkv, head_dim) = (heads.nq, heads.nkv, heads.head_dim);
         let heads_per_row = if kv.is_some() { nq + 2 * nkv } else { nq + nkv };
-        let ints = [
-            to_i32("row stride", row_stride)?,
-            to_i32("nq", nq)?,
-            to_i32("nkv", nkv)?,
-            to_i32("heads", heads_per_row)?,
-            to_i32("head_dim", head_dim)?,
-        ];
+        let ints = rope_ints(row_stride, heads, heads_per_row)?;
         let fp8 = matches!(&kv, Some((k, _)) if matches!(&*k.pool, KvPool::Fp8(_)));
         let form = RopeForm::of(t, fp8);
         let cfg = form.launch(t, heads_per_row, head_dim);
@@ -284,10 +338,25 @@ impl RopeForm {
     }
 }
 
-/// The heads fit `t` rows of `qkv` (`row_stride` apart, even head_dim), and the frequencies
-/// and norm weights are long enough.
+/// The kernels' row stride, nq, nkv, heads per row and head_dim.
+fn rope_ints(
+    row_stride: usize,
+    heads: &HeadNorms<'_>,
+    heads_per_row: usize,
+) -> Result<[i32; 5], EngineError> {
+    Ok([
+        to_i32("row stride", row_stride)?,
+        to_i32("nq", heads.nq)?,
+        to_i32("nkv", heads.nkv)?,
+        to_i32("heads", heads_per_row)?,
+        to_i32("head_dim", heads.head_dim)?,
+    ])
+}
+
+/// The heads fit `t` rows of `qkv` (`qkv_len` elements, rows `row_stride` apart, even
+/// head_dim), and the frequencies and norm weights are long enough.
 fn check_rope_rows(
-    qkv: &CudaSlice<f32>,
+    qkv_len: usize,
     row_stride: usize,
     heads: &HeadNorms<'_>,
     t: usize,
@@ -300,7 +369,7 @@ fn check_rope_rows(
              heads, row stride {row_stride}"
         )));
     }
-    check_len("qk_norm_rope qkv", qkv.len(), t * row_stride)?;
+    check_len("qk_norm_rope qkv", qkv_len, t * row_stride)?;
     heads.check_lengths("qk_norm_rope")
 }
 

@@ -1,7 +1,7 @@
 //! Environment switches of the CUDA backend, for comparisons on a GPU (each refuses unknown
 //! values): which attention kernels serve prefill chunks and decode rows, how the decode
-//! attention is split and staged, which GEMM serves steps of one or two rows, and whether
-//! decode graphs use programmatic dependent launch. Variants that measured slower and had no
+//! attention is split and staged, which GEMM serves steps of one or two rows, what cuBLAS's
+//! GEMMs do past the product, and whether decode graphs use programmatic dependent launch. Variants that measured slower and had no
 //! other use are gone (git history keeps their code and A/Bs: the decode-step fusions of
 //! `TANDEM_CUDA_DECODE_FUSION`, the two-row early GEMV weights, `TANDEM_CUDA_L2_PREFETCH`);
 //! each kept non-default value says why it stays.
@@ -187,6 +187,22 @@ pub const SKINNY_GEMM_ENV: &str = "TANDEM_CUDA_SKINNY_GEMM";
 
 pub(super) fn skinny_gemm() -> Result<bool, EngineError> {
     choice(SKINNY_GEMM_ENV, &[("on", true), ("off", false)])
+}
+
+/// `TANDEM_CUDA_GEMM_EPILOGUE`: what cuBLAS's GEMMs do past the product in the bf16 and f16
+/// precisions, where cuBLAS runs them (17 rows and more). `on` (the default): the qkv and
+/// gate_up GEMMs write their outputs rounded to the 16-bit element, as transformers' 16-bit
+/// linear layers do, for the q/k norm + RoPE and SiLU·mul kernels to read half the bytes, and
+/// the o and down projections add themselves into the residual stream (beta = 1) instead of
+/// leaving the add to the next RMSNorm (H100, bf16 2k prefill 7.58 → 6.95 ms: rounding alone
+/// 7.12, adding alone 7.48). `off`: f32 outputs. `off` stays as the reference of accuracy
+/// comparisons (bf16's logits 4.0e-2 of f32 with it, 4.5e-2 without).
+pub const GEMM_EPILOGUE_ENV: &str = "TANDEM_CUDA_GEMM_EPILOGUE";
+
+/// See [`GEMM_EPILOGUE_ENV`]: whether the qkv and gate_up outputs are rounded to 16 bits and
+/// the o and down outputs added into the residual stream.
+pub(super) fn gemm_epilogue() -> Result<bool, EngineError> {
+    choice(GEMM_EPILOGUE_ENV, &[("on", true), ("off", false)])
 }
 
 /// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the

@@ -21,6 +21,11 @@ pub(super) struct Workspace<A: DeviceElem> {
     pub(super) qkv: CudaSlice<f32>,
     pub(super) proj: CudaSlice<f32>,
     pub(super) gu: CudaSlice<f32>,
+    /// The qkv and gate_up GEMMs' outputs rounded to the 16-bit element, for steps whose
+    /// GEMMs cuBLAS runs in the bf16 and f16 precisions (`StepPlan::qkv16` / `gu16`): their
+    /// readers then move half the bytes. One element each in the other precisions.
+    pub(super) qkv16: CudaSlice<u16>,
+    pub(super) gu16: CudaSlice<u16>,
     pub(super) normed: CudaSlice<A>,
     pub(super) attn: CudaSlice<A>,
     pub(super) act: CudaSlice<A>,
@@ -52,6 +57,8 @@ impl<A: DeviceElem> Workspace<A> {
         let (t, r) = (tokens.max(1), rows.max(1));
         // Split mode: GEMM inputs and outputs hold twice the rows (hi and lo halves).
         let m = if split { 2 } else { 1 };
+        let rounded = !split && A::SUFFIX != "f32";
+        let rounded_len = |n: usize| if rounded { t * n } else { 1 };
         Ok(Workspace {
             tokens: t,
             generation: 0,
@@ -61,6 +68,8 @@ impl<A: DeviceElem> Workspace<A> {
             qkv: dev.zeros(m * t * (qd + 2 * kvd))?,
             proj: dev.zeros(m * t * h)?,
             gu: dev.zeros(m * t * 2 * im)?,
+            qkv16: dev.zeros(rounded_len(qd + 2 * kvd))?,
+            gu16: dev.zeros(rounded_len(2 * im))?,
             normed: dev.zeros(m * t * h)?,
             attn: dev.zeros(m * t * qd)?,
             act: dev.zeros(m * t * im)?,

@@ -120,8 +120,20 @@ QK_NORM_ROPE_KV(qk_norm_rope_kv_fp8, f8_t)
 // stores). Grid (tokens), a block of W warps per token (the launcher's 8); warp w takes heads
 // w, w + W, .... Lane l holds the pairs j = l + 32 i (i < QR_PAIRS: head_dim at most 256) and
 // computes their sin and cos once for the token; the norm is a warp reduction, no block
-// barriers.
+// barriers. qk_norm_rope_kv_tokens_in16_*: the qkv rows in the program's 16-bit element (a GEMM
+// that wrote its output rounded: the bf16 and f16 precisions' prefill chunks), `src`; the
+// rotated q heads go to the f32 rows of `qkv` (the attention's input, same row stride), the
+// k and v heads to the pool only.
 #define QR_PAIRS 4
+
+// Reads of a head's elements through L2, from f32 or 16-bit rows.
+__device__ __forceinline__ float4 load_head4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ float4 load_head4(const e16_t* p) {
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p));
+    return make_float4(e16_lo(v.x), e16_hi(v.x), e16_lo(v.y), e16_hi(v.y));
+}
+__device__ __forceinline__ float load_head1(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ float load_head1(const e16_t* p) { return e16_to_f32(__ldcg(p)); }
 
 // Stores a head's row (lane's pairs x[i], y[i] at j, j + half) at `at` of the pool.
 template <typename T>
@@ -140,12 +152,15 @@ __device__ __forceinline__ void store_kv_head(T* pool, long long at, int lane, i
 // offset multiples of 4): lane l holds elements 4l .. 4l + 3 of a head as one float4, the
 // first half's lanes (l < 16) the rotation's x values and the second half's its y values; a
 // lane's partner values (64 elements away) come from lane l ^ 16 by shuffle. One load and one
-// store of each head per lane, against four of each in the general form.
-template <typename T>
-__device__ void qk_norm_rope_tokens_hd128(float* row, int t, int nq, int nkv, int heads, const float* inv_freq,
-                                          const float* q_norm, const float* k_norm, float eps, T* pool,
-                                          const int* token_block, const int* positions, int block_size,
+// store of each head per lane, against four of each in the general form. `src` is the row read
+// (`row` itself, or its 16-bit form); the rotated heads are written to `row`, the k heads only
+// when it is also the row read.
+template <typename T, typename I>
+__device__ void qk_norm_rope_tokens_hd128(const I* src, float* row, int t, int nq, int nkv, int heads,
+                                          const float* inv_freq, const float* q_norm, const float* k_norm, float eps,
+                                          T* pool, const int* token_block, const int* positions, int block_size,
                                           int layer, int num_layers, long long in_lo) {
+    const bool in_place = (const void*)src == (const void*)row;
     const int lane = threadIdx.x & 31;
     const int e = 4 * lane;
     // sin and cos of this lane's four rotation angles (j = e mod 64), once for the token.
@@ -158,9 +173,10 @@ __device__ void qk_norm_rope_tokens_hd128(float* row, int t, int nq, int nkv, in
     const int warps = blockDim.x >> 5;
     for (int h = threadIdx.x >> 5; h < heads; h += warps) {
         float* v = row + (long long)h * 128;
-        float4 q = __ldcg(reinterpret_cast<const float4*>(v + e));
+        const I* sv = src + (long long)h * 128;
+        float4 q = load_head4(sv + e);
         if (in_lo != 0) {
-            const float4 l = __ldcg(reinterpret_cast<const float4*>(v + in_lo + e));
+            const float4 l = load_head4(sv + in_lo + e);
             q.x += l.x;
             q.y += l.y;
             q.z += l.z;
@@ -182,7 +198,7 @@ __device__ void qk_norm_rope_tokens_hd128(float* row, int t, int nq, int nkv, in
                 const float partner = __shfl_xor_sync(0xffffffffu, o[i], 16);
                 o[i] = o[i] * cs[i] + sign * partner * sn[i];
             }
-            *reinterpret_cast<float4*>(v + e) = make_float4(o[0], o[1], o[2], o[3]);
+            if (h < nq || in_place) *reinterpret_cast<float4*>(v + e) = make_float4(o[0], o[1], o[2], o[3]);
         }
         if (pool != nullptr && h >= nq) {  // a k or v head: its row in the pool
             const KvHeadAt kv = kv_head_at<T>(token_block, positions, t, h - nq, nkv, 128, block_size, layer, num_layers);
@@ -192,15 +208,18 @@ __device__ void qk_norm_rope_tokens_hd128(float* row, int t, int nq, int nkv, in
     }
 }
 
-template <typename T>
-__device__ void qk_norm_rope_tokens_impl(float* qkv, int row_stride, int nq, int nkv, int heads, int head_dim,
-                                  const int* positions, const float* inv_freq, const float* q_norm,
-                                  const float* k_norm, float eps, T* pool, const int* token_block, int block_size,
-                                  int layer, int num_layers, long long in_lo) {
+template <typename T, typename I>
+__device__ void qk_norm_rope_tokens_impl(const I* src, float* qkv, int row_stride, int nq, int nkv, int heads,
+                                         int head_dim, const int* positions, const float* inv_freq,
+                                         const float* q_norm, const float* k_norm, float eps, T* pool,
+                                         const int* token_block, int block_size, int layer, int num_layers,
+                                         long long in_lo) {
     const int t = blockIdx.x;
+    const bool in_place = (const void*)src == (const void*)qkv;
     if (head_dim == 128 && row_stride % 4 == 0 && in_lo % 4 == 0) {
-        qk_norm_rope_tokens_hd128<T>(qkv + (long long)t * row_stride, t, nq, nkv, heads, inv_freq, q_norm, k_norm,
-                                     eps, pool, token_block, positions, block_size, layer, num_layers, in_lo);
+        qk_norm_rope_tokens_hd128<T, I>(src + (long long)t * row_stride, qkv + (long long)t * row_stride, t, nq,
+                                        nkv, heads, inv_freq, q_norm, k_norm, eps, pool, token_block, positions,
+                                        block_size, layer, num_layers, in_lo);
         return;
     }
     const int lane = threadIdx.x & 31;
@@ -219,8 +238,12 @@ __device__ void qk_norm_rope_tokens_impl(float* qkv, int row_stride, int nq, int
     const int warps = blockDim.x >> 5;
     for (int h = threadIdx.x >> 5; h < heads; h += warps) {
         float* v = row + (long long)h * head_dim;
+        const I* sv = src + (long long)t * row_stride + (long long)h * head_dim;
         // Element i of the head, folded.
-        auto load = [&](int i) { return in_lo != 0 ? __ldcg(v + i) + __ldcg(v + in_lo + i) : __ldcg(v + i); };
+        auto load = [&](int i) {
+            return in_lo != 0 ? load_head1(sv + i) + load_head1(sv + in_lo + i) : load_head1(sv + i);
+        };
+        const bool write_back = h < nq || in_place;  // uniform over the warp
         float x[QR_PAIRS], y[QR_PAIRS];
 #pragma unroll
         for (int i = 0; i < QR_PAIRS; ++i) {
@@ -249,8 +272,10 @@ __device__ void qk_norm_rope_tokens_impl(float* qkv, int row_stride, int nq, int
                     }
                     x[i] = a * cs[i] - b * sn[i];
                     y[i] = b * cs[i] + a * sn[i];
-                    v[j] = x[i];
-                    v[j + half] = y[i];
+                    if (write_back) {
+                        v[j] = x[i];
+                        v[j + half] = y[i];
+                    }
                 }
             }
         }
@@ -267,8 +292,8 @@ extern "C" __global__ void qk_norm_rope_tokens_f32(float* qkv, int row_stride, i
                                             const float* q_norm, const float* k_norm, float eps) {
     GRID_DEPENDENCY_SYNC();
     // No pool: every head past the q heads is a k head.
-    qk_norm_rope_tokens_impl<float>(qkv, row_stride, nq, 0, heads, head_dim, positions, inv_freq, q_norm, k_norm, eps,
-                             nullptr, nullptr, 0, 0, 0, 0);
+    qk_norm_rope_tokens_impl<float, float>(qkv, qkv, row_stride, nq, 0, heads, head_dim, positions, inv_freq, q_norm,
+                                           k_norm, eps, nullptr, nullptr, 0, 0, 0, 0);
 }
 
 #define QK_NORM_ROPE_KV_TOKENS(NAME, T)                                                                              \
@@ -277,10 +302,24 @@ extern "C" __global__ void qk_norm_rope_tokens_f32(float* qkv, int row_stride, i
                                     const float* k_norm, float eps, T* pool, const int* token_block,          \
                                     int block_size, int layer, int num_layers, long long in_lo) {             \
         GRID_DEPENDENCY_SYNC();                                                                               \
-        qk_norm_rope_tokens_impl<T>(qkv, row_stride, nq, nkv, heads, head_dim, positions, inv_freq, q_norm, k_norm,  \
-                             eps, pool, token_block, block_size, layer, num_layers, in_lo);                   \
+        qk_norm_rope_tokens_impl<T, float>(qkv, qkv, row_stride, nq, nkv, heads, head_dim, positions, inv_freq,      \
+                                           q_norm, k_norm, eps, pool, token_block, block_size, layer, num_layers,    \
+                                           in_lo);                                                                   \
     }
 
 QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_f32, float)
 QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_bf16, e16_t)
 QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_h16, h16_t)
+
+// 16-bit rows in (`src`, never split), the q heads out to the f32 rows of `qkv`, K and V into a
+// pool of the program's 16-bit element.
+extern "C" __global__ void qk_norm_rope_kv_tokens_in16_bf16(const e16_t* src, float* qkv, int row_stride, int nq,
+                                                            int nkv, int heads, int head_dim, const int* positions,
+                                                            const float* inv_freq, const float* q_norm,
+                                                            const float* k_norm, float eps, e16_t* pool,
+                                                            const int* token_block, int block_size, int layer,
+                                                            int num_layers) {
+    GRID_DEPENDENCY_SYNC();
+    qk_norm_rope_tokens_impl<e16_t, e16_t>(src, qkv, row_stride, nq, nkv, heads, head_dim, positions, inv_freq,
+                                           q_norm, k_norm, eps, pool, token_block, block_size, layer, num_layers, 0);
+}
