@@ -109,6 +109,9 @@ pub(crate) fn norms_and_embedding(cx: &mut Ctx) -> Result<(), EngineError> {
             // (the float4 path) and an odd one (the strided loop).
             split_norm(dev, rep, rng, t, HIDDEN)?;
             split_norm(dev, rep, rng, 5, 1030)?;
+            // A prefill-sized step: the warp-per-row form (1,024 rows and more).
+            split_norm(dev, rep, rng, 1100, HIDDEN)?;
+            warp_norm(dev, rep, rng, 1100)?;
             // The fold of a split GEMM output: first half += second half.
             let a = rng.vec(2 * HIDDEN);
             let want_f: Vec<f32> = (0..HIDDEN).map(|i| a[i] + a[HIDDEN + i]).collect();
@@ -178,6 +181,36 @@ fn split_norm(
         &sum,
         &xs,
         1e-6,
+    );
+    Ok(())
+}
+
+/// RMSNorm with the residual add over `rows` rows of the model's width into f32, against the
+/// CPU (the warp-per-row form from 1,024 rows on).
+fn warp_norm(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    rng: &mut Rng,
+    rows: usize,
+) -> Result<(), EngineError> {
+    let n = rows * HIDDEN;
+    let (w, x0, res) = (rng.vec(HIDDEN), rng.vec(n), rng.vec(n));
+    let xs: Vec<f32> = x0.iter().zip(&res).map(|(a, b)| a + b).collect();
+    let mut want = vec![0.0f32; n];
+    rms_norm_rows(&xs, &w, EPS, &mut want);
+    let dw = dev.upload(&w)?;
+    let (mut dx, dres) = (dev.upload(&x0)?, dev.upload(&res)?);
+    let mut out = dev.zeros::<f32>(n)?;
+    dev.rms_norm(&mut out, &mut dx, Some(&dres), norm(&dw), rows, false)?;
+    let case = format!("residual add + norm, {rows} rows");
+    rep.add("rms_norm", &case, &dev.download(&out)?, &want, 1e-5);
+    let sum = dev.download(&dx)?;
+    rep.add(
+        "rms_norm",
+        &format!("{case}: sum written back"),
+        &sum,
+        &xs,
+        0.0,
     );
     Ok(())
 }

@@ -63,6 +63,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "bias_add_f32",
     "rms_norm_f32",
     "rms_norm_bf16",
+    "rms_norm_rows_f32",
+    "rms_norm_rows_bf16",
     "qk_norm_rope_f32",
     "qk_norm_rope_kv_f32",
     "qk_norm_rope_kv_bf16",

@@ -185,23 +185,45 @@ impl CudaDevice {
             }
         }
         let residual = residual.map(|(r, _)| r);
-        let d = to_i32("dim", dim)?;
+        let (r, d) = (to_i32("rows", rows)?, to_i32("dim", dim)?);
         let null = 0u64;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (threads_for(dim).min(256), 1, 1),
-            shared_mem_bytes: 0,
+        let warp_form = rms_norm_warp_form(rows, dim, lo_off, res_lo);
+        let (name, cfg) = if warp_form {
+            let blocks = rows.div_ceil(RMS_WARP_ROWS_PER_BLOCK) as u32;
+            let threads = (32 * RMS_WARP_ROWS_PER_BLOCK) as u32;
+            (
+                "rms_norm_rows",
+                LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
+        } else {
+            (
+                "rms_norm",
+                LaunchConfig {
+                    grid_dim: (rows as u32, 1, 1),
+                    block_dim: (threads_for(dim).min(256), 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
         };
-        let f = self.func(&format!("rms_norm_{}", O::SUFFIX))?;
+        let f = self.func(&format!("{name}_{}", O::SUFFIX))?;
         let mut b = self.stream.launch_builder(f);
         b.arg(out).arg(x);
         match residual {
             Some(r) => b.arg(r),
             None => b.arg(&null),
         };
-        b.arg(w).arg(&d).arg(&eps).arg(&lo_off).arg(&res_lo);
-        // SAFETY: signature matches; every buffer holds rows*dim (checked; out twice that when
-        // split, the residual twice that when unfolded), w holds dim.
+        b.arg(w);
+        if warp_form {
+            b.arg(&r);
+        }
+        b.arg(&d).arg(&eps).arg(&lo_off).arg(&res_lo);
+        // SAFETY: signature matches (the warp form's takes the row count after w); every buffer
+        // holds rows*dim (checked; out twice that when split, the residual twice that when
+        // unfolded), w holds dim.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching rms_norm"))?;
         Ok(())
     }
@@ -239,8 +261,9 @@ impl CudaDevice {
         check_len("silu_mul gu", gu.len(), halves * rows * 2 * im)?;
         let in_lo = if unfolded { (rows * 2 * im) as i64 } else { 0 };
         let (r, i) = (to_i32("rows", rows)?, to_i32("im", im)?);
-        // silu_mul.cu: x over a row's columns (pairs of them when im is even), y over rows.
-        let per_thread = if im.is_multiple_of(2) { 2 } else { 1 };
+        // silu_mul.cu: x over a row's columns (four or two per thread where im allows), y
+        // over rows.
+        let per_thread = silu_mul_columns(im);
         let cfg = LaunchConfig {
             grid_dim: (
                 (im / per_thread).div_ceil(256) as u32,
@@ -431,4 +454,55 @@ pub(super) fn lo_offset<O: DeviceElem>(
     }
     check_len(what, len, if split { 2 * elems } else { elems })?;
     Ok(if split { elems as i64 } else { 0 })
+}
+
+/// Columns of a row each `silu_mul.cu` thread takes: four where `im` is a multiple of 4, two
+/// where it is even, else one (the kernel picks the same way).
+fn silu_mul_columns(im: usize) -> usize {
+    if im.is_multiple_of(4) {
+        4
+    } else if im.is_multiple_of(2) {
+        2
+    } else {
+        1
+    }
+}
+
+/// Rows from which an RMSNorm runs its warp-per-row form (`rms_norm_rows_*`): prefill chunks.
+/// Below it a block per row keeps more SMs busy on the few rows of a decode step.
+const RMS_WARP_ROWS: usize = 1024;
+/// The warp form's largest row (32 lanes × RMS_WARP_CHUNKS float4).
+const RMS_WARP_MAX_DIM: usize = 1024;
+/// Rows per block of the warp form (its warps).
+const RMS_WARP_ROWS_PER_BLOCK: usize = 8;
+
+/// Whether an RMSNorm of `rows` rows of `dim` (with the lo offsets of a split output and an
+/// unfolded residual) takes the warp-per-row form.
+fn rms_norm_warp_form(rows: usize, dim: usize, lo_off: i64, res_lo: i64) -> bool {
+    rows >= RMS_WARP_ROWS
+        && dim <= RMS_WARP_MAX_DIM
+        && dim.is_multiple_of(4)
+        && lo_off % 4 == 0
+        && res_lo % 4 == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{rms_norm_warp_form, silu_mul_columns};
+
+    #[test]
+    fn silu_mul_takes_four_two_or_one_columns_per_thread() {
+        assert_eq!(silu_mul_columns(3072), 4);
+        assert_eq!(silu_mul_columns(6), 2);
+        assert_eq!(silu_mul_columns(7), 1);
+    }
+
+    #[test]
+    fn long_steps_of_narrow_aligned_rows_take_the_warp_form() {
+        assert!(rms_norm_warp_form(2048, 1024, 2048 * 1024, 0));
+        assert!(!rms_norm_warp_form(64, 1024, 0, 0));
+        assert!(!rms_norm_warp_form(2048, 2048, 0, 0));
+        assert!(!rms_norm_warp_form(2048, 1030, 0, 0));
+        assert!(!rms_norm_warp_form(2048, 1024, 6, 0));
+    }
 }
