@@ -1,11 +1,12 @@
 //! Embedding, norms, RoPE, SiLU·mul, gathers against the CPU code.
 
+use cudarc::driver::CudaSlice;
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{
     bf16_to_f32, rms_norm_rows, rms_norm_rows_inplace, rope_apply, silu_mul, Matrix,
 };
 use tandem_engine::backend::cuda::ops::HeadNorms;
-use tandem_engine::backend::cuda::{CudaDevice, DeviceMatrix, KvPool, TokenMaps};
+use tandem_engine::backend::cuda::{CudaDevice, DeviceElem, DeviceMatrix, KvPool, TokenMaps};
 use tandem_engine::error::EngineError;
 
 use super::common::*;
@@ -451,27 +452,9 @@ fn silu_mul_case(
         .collect();
     let dgu = dev.upload(&gu_interleaved)?;
     let case = format!("{rows}x{im}");
-    let mut dout = dev.zeros::<f32>(rows * im)?;
-    dev.silu_mul(&mut dout, &dgu, rows, im, false)?;
-    rep.add(
-        "silu_mul",
-        &format!("{case}, f32"),
-        &dev.download(&dout)?,
-        &want,
-        1e-5,
-    );
-    if im == IM {
-        let mut dout = dev.zeros::<u16>(rows * im)?;
-        dev.silu_mul(&mut dout, &dgu, rows, im, false)?;
-        let got = widen(&dev.download(&dout)?);
-        rep.add(
-            "silu_mul",
-            &format!("{case}, bf16 out"),
-            &got,
-            &want,
-            bf16_tol(&want),
-        );
-    }
+    let bf16_case = (im == IM).then(|| format!("{case}, bf16 out"));
+    let cases = (format!("{case}, f32"), bf16_case);
+    silu_outputs(dev, rep, &dgu, (rows, im), &want, cases)?;
     if im.is_multiple_of(2) {
         silu_mul_in16(dev, rep, &gu_interleaved, rows, im)?;
     }
@@ -498,19 +481,31 @@ fn silu_mul_in16(
     }
     let dgu = dev.upload(&gu16)?;
     let case = format!("{rows}x{im}, bf16 in");
-    let mut dout = dev.zeros::<f32>(rows * im)?;
-    dev.silu_mul_split_input(&mut dout, &dgu, false, rows, im, false)?;
-    let got = dev.download(&dout)?;
-    rep.add("silu_mul", &format!("{case}, f32 out"), &got, &want, 1e-5);
-    let mut dout = dev.zeros::<u16>(rows * im)?;
-    dev.silu_mul_split_input(&mut dout, &dgu, false, rows, im, false)?;
-    let got = widen(&dev.download(&dout)?);
-    rep.add(
-        "silu_mul",
-        &format!("{case}, bf16 out"),
-        &got,
-        &want,
-        bf16_tol(&want),
+    let cases = (
+        format!("{case}, f32 out"),
+        Some(format!("{case}, bf16 out")),
     );
+    silu_outputs(dev, rep, &dgu, (rows, im), &want, cases)
+}
+
+/// SiLU·mul of `gu` (rows × 2·im, gate and up interleaved) into f32 against `want` as case
+/// `cases.0`, and into bf16 as `cases.1` where given.
+fn silu_outputs<I: DeviceElem>(
+    dev: &CudaDevice,
+    rep: &mut Report,
+    gu: &CudaSlice<I>,
+    (rows, im): (usize, usize),
+    want: &[f32],
+    cases: (String, Option<String>),
+) -> Result<(), EngineError> {
+    let mut dout = dev.zeros::<f32>(rows * im)?;
+    dev.silu_mul_split_input(&mut dout, gu, false, rows, im, false)?;
+    rep.add("silu_mul", &cases.0, &dev.download(&dout)?, want, 1e-5);
+    if let Some(case) = cases.1 {
+        let mut dout = dev.zeros::<u16>(rows * im)?;
+        dev.silu_mul_split_input(&mut dout, gu, false, rows, im, false)?;
+        let got = widen(&dev.download(&dout)?);
+        rep.add("silu_mul", &case, &got, want, bf16_tol(want));
+    }
     Ok(())
 }
