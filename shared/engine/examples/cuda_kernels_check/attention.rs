@@ -3,7 +3,8 @@
 use cudarc::driver::CudaSlice;
 use tandem_engine::backend::cpu_ops::bf16_to_f32;
 use tandem_engine::backend::cuda::{
-    AttentionInputs, AttentionScratch, CudaDevice, DecodeLaunch, DeviceElem, KvPool, TokenMaps,
+    AttentionInputs, AttentionScratch, Balance, CudaDevice, DecodeLaunch, DeviceElem, KvPool,
+    PieceSchedule, TokenMaps,
 };
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::layout::{KvDtype, KvLayout, KvPart, LAYOUT_VERSION};
@@ -146,6 +147,7 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     let mut maps_t = dev.token_maps(&seq_refs, BS, window)?;
                     maps_t.tile_tokens = n;
                     maps_t.decode_tc_min = decode_tc_min;
+                    maps_t.pieces = dev.prefill_piece_schedule(HD, NKV)?;
                     dev.fill_token_maps(&mut maps_t, &seq_refs, BS, window)?;
                     let mut tiled = dev.zeros::<f32>(t * NQ * HD)?;
                     Att::new(&dqkv, &pool, &maps_t, layer).any(
@@ -355,6 +357,98 @@ pub(crate) fn kv_and_attention(cx: &mut Ctx) -> Result<(), EngineError> {
                     vmax / 256.0 + bf16_tol(&want_d),
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// The warpgroup prefill's piece schedules (`prefill_schedule.rs`) on a fresh 300-token
+/// prefill over a bf16 pool (tiles of 1 to 5 runs of keys, a block table of 19 permuted ids):
+/// the device's own schedule, a block per tile, and forced cuts — a run per piece (a 5-run
+/// tile in 5 parts), 40 blocks with a 2-run floor, 45 blocks with a piece's own cost — and
+/// fewer blocks than tiles (a block per tile again), each launched twice (the second after
+/// the first's merges reset the counters) against the decoder's attention.
+pub(crate) fn prefill_pieces(cx: &mut Ctx) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    let Some(schedule) = dev.prefill_piece_schedule(HD, NKV)? else {
+        eprintln!("piece schedules: not checked (no warpgroup prefill on this device)");
+        return Ok(());
+    };
+    let Some(tile_tokens) = CudaDevice::prefill_tile_tokens(true, HD, NQ / NKV) else {
+        return Ok(());
+    };
+    let table: Vec<u32> = (0..19).map(|i| (i * 7 + 3) % 20).collect();
+    let seqs = vec![(table, 0..300)];
+    let (seq_refs, tokens) = step_tokens(&seqs);
+    let qkv = rng.vec(tokens.len() * ROW);
+    let dqkv = dev.upload(&qkv)?;
+    let host: Vec<f32> = rng
+        .vec(POOL_SHAPE.elems())
+        .into_iter()
+        .map(|v| bf16_to_f32(bf16(v)))
+        .collect();
+    let pool = KvPool::Bf16(dev.upload(&host.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?);
+    let layout = KvLayout {
+        version: LAYOUT_VERSION,
+        model_id: "check".into(),
+        dtype: KvDtype::Bf16,
+        block_size: BS,
+        num_layers: LAYERS,
+        num_kv_heads: NKV,
+        head_dim: HD,
+    };
+    let layer = 1;
+    let want = reference_attention(
+        &seqs,
+        &tokens,
+        &qkv,
+        usize::MAX,
+        |block, slot, part, kvh| {
+            let at = layout.token_offset(block, layer, part, slot, kvh) / 2;
+            &host[at..at + HD]
+        },
+    );
+    let vmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let forced = |blocks, min_runs, piece_runs| PieceSchedule {
+        balance: Some(Balance {
+            blocks,
+            min_runs,
+            piece_runs,
+        }),
+        ..schedule
+    };
+    let mut scratch = AttentionScratch::new(dev)?;
+    for (name, pieces) in [
+        ("the device's schedule", schedule),
+        (
+            "a block per tile",
+            PieceSchedule {
+                balance: None,
+                ..schedule
+            },
+        ),
+        ("a run per piece", forced(1000, 1, 0)),
+        ("40 blocks, pieces of 2+ runs", forced(40, 2, 0)),
+        ("45 blocks, a piece costing 3 runs", forced(45, 1, 3)),
+        ("12 blocks: one per tile past a wave", forced(12, 1, 0)),
+    ] {
+        let mut maps = dev.token_maps(&seq_refs, BS, usize::MAX)?;
+        maps.tile_tokens = tile_tokens;
+        maps.pieces = Some(pieces);
+        dev.fill_token_maps(&mut maps, &seq_refs, BS, usize::MAX)?;
+        for launch in ["first", "second"] {
+            let mut got = dev.zeros::<f32>(tokens.len() * NQ * HD)?;
+            Att::new(&dqkv, &pool, &maps, layer).any(dev, &mut got, &mut scratch, false)?;
+            rep.add(
+                "attention_prefill",
+                &format!(
+                    "bf16 pool, 300-token prefill, {name} ({} blocks, {} state slots), {launch} launch",
+                    maps.piece_blocks, maps.state_slots
+                ),
+                &dev.download(&got)?,
+                &want,
+                vmax / 256.0,
+            );
         }
     }
     Ok(())

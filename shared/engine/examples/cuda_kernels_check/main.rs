@@ -60,6 +60,7 @@ fn run() -> Result<bool, tandem_engine::error::EngineError> {
     elementwise::norms_and_embedding(&mut cx)?;
     elementwise::rope_and_silu(&mut cx)?;
     attention::kv_and_attention(&mut cx)?;
+    attention::prefill_pieces(&mut cx)?;
     fp8::fp8_kv_and_attention(&mut cx)?;
     gemm::gemms(&mut cx)?;
     gemm::gemvs_without_skinny(&mut cx)?;

@@ -7,8 +7,8 @@ use super::attention_scratch::AttentionScratch;
 use super::cluster_launch::RawParams;
 use super::kernels::{AttentionInstance, KvProgram};
 use super::{
-    bad, check_len, cuda_err, to_i32, CudaDevice, DevAddr, DeviceElem, KvPool, PoolShape,
-    TileSlots, TokenMaps,
+    bad, check_len, cuda_err, to_i32, Balance, CudaDevice, DevAddr, DeviceElem, KvPool,
+    PieceSchedule, PoolShape, TileSlots, TokenMaps,
 };
 use crate::error::EngineError;
 
@@ -58,7 +58,7 @@ impl CudaDevice {
             return self.attention_fast(out, a, scratch, split);
         }
         if maps.n_tiles > 0 {
-            self.attention_prefill(out, a, split)?;
+            self.attention_prefill(out, a, scratch, split)?;
         }
         if maps.n_singles == 0 {
             return Ok(());
@@ -121,12 +121,48 @@ impl CudaDevice {
         }
     }
 
+    /// Whether the prefill tiles at `head_dim` (over an FP8 pool or not) go to the warpgroup
+    /// kernel, which takes them as a [`super::PieceSchedule`] (see [`TokenMaps::pieces`]).
+    pub fn prefill_takes_pieces(&self, head_dim: usize, fp8: bool) -> bool {
+        self.prefill_kernel(head_dim, fp8).0 == "wg_"
+    }
+
+    /// [`TokenMaps::pieces`] for prefill tiles at `head_dim` over `nkv` KV heads of a 16-bit
+    /// pool where the warpgroup kernel takes them (else none): balanced over every block the
+    /// GPU holds at once, unless [`super::switches::PREFILL_SCHEDULE_ENV`] asks otherwise.
+    pub fn prefill_piece_schedule(
+        &self,
+        head_dim: usize,
+        nkv: usize,
+    ) -> Result<Option<PieceSchedule>, EngineError> {
+        if !self.prefill_takes_pieces(head_dim, false) {
+            return Ok(None);
+        }
+        let balance = match super::switches::prefill_piece_costs()? {
+            Some((min_runs, piece_runs)) => {
+                let slots = self.prefill_tile_slots(head_dim, nkv, false)?;
+                Some(Balance {
+                    blocks: slots.per_sm.max(1) * self.sm_count(),
+                    min_runs,
+                    piece_runs,
+                })
+            }
+            None => None,
+        };
+        Ok(Some(PieceSchedule {
+            heads: nkv,
+            balance,
+        }))
+    }
+
     /// Causal attention of the tiles of `a.maps` (`attention_prefill.cu`: tensor cores, Q and
-    /// P rounded to the program's 16-bit type, f32 accumulation), over a 16-bit pool.
+    /// P rounded to the program's 16-bit type, f32 accumulation), over a 16-bit pool; the
+    /// warpgroup kernel's cut tiles keep their partial states in `scratch`.
     pub fn attention_prefill<O: DeviceElem>(
         &self,
         out: &mut CudaSlice<O>,
         a: &AttentionInputs<'_>,
+        scratch: &mut AttentionScratch,
         split: bool,
     ) -> Result<(), EngineError> {
         let (maps, nq) = (a.maps, a.nq);
@@ -146,12 +182,30 @@ impl CudaDevice {
         check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
-        // The warpgroup kernel takes the same arguments and tiles.
+        // The warpgroup kernel takes the same arguments, its schedule for the tiles and its
+        // scratch.
         let (kind, smem) = self.prefill_kernel(hd, tc.fp8());
+        let pieces = kind == "wg_";
+        if pieces != maps.pieces.is_some_and(|p| p.heads == nkv) {
+            return Err(bad(format!(
+                "attention_prefill: the {} kernel over tiles laid out {} for {nkv} KV heads",
+                if pieces { "warpgroup" } else { "mma.sync" },
+                match maps.pieces {
+                    Some(p) => format!("as a piece schedule of {} heads", p.heads),
+                    None => "as pairs".to_string(),
+                }
+            )));
+        }
         let name = tc.kernel(&format!("attention_prefill_{kind}{}_hd{hd}", O::SUFFIX));
         let f = self.func(&name)?;
+        let grid_dim = if pieces {
+            scratch.ensure_prefill(self, maps.state_slots)?;
+            (maps.piece_blocks as u32, 1, 1)
+        } else {
+            (maps.n_tiles as u32, nkv as u32, 1)
+        };
         let cfg = LaunchConfig {
-            grid_dim: (maps.n_tiles as u32, nkv as u32, 1),
+            grid_dim,
             block_dim: (128, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -159,9 +213,13 @@ impl CudaDevice {
         b.arg(out);
         tc.push_args(&mut b, a, &maps.tiles);
         b.arg(&lo_off);
+        if pieces {
+            b.arg(&scratch.prefill_states).arg(&scratch.prefill_counts);
+        }
         // SAFETY: signature matches; shapes checked above; the tiles were built with the
-        // token maps (each within one sequence, tokens in range); block ids were validated by
-        // the caller.
+        // token maps (each within one sequence, tokens in range; the schedule's pieces cover
+        // them, its state slots within the scratch ensured above); block ids were validated
+        // by the caller.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching attention_prefill"))?;
         Ok(())
     }

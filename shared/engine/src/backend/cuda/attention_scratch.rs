@@ -43,6 +43,12 @@ pub struct AttentionScratch {
     pub(super) part_acc: CudaSlice<f32>,
     pub(super) part_ml: CudaSlice<f32>,
     pub(super) counters: CudaSlice<u32>,
+    /// The warpgroup prefill's partial states of cut tiles
+    /// ([`super::prefill_schedule::STATE_FLOATS`] a slot) and their counters (zeroed once; the
+    /// merging block resets its counter). Prefill steps run eagerly, so growing them leaves
+    /// captured graphs valid.
+    pub(super) prefill_states: CudaSlice<f32>,
+    pub(super) prefill_counts: CudaSlice<i32>,
     sms: usize,
     /// Blocks of `attention_decode.cu` resident at once on the whole GPU (occupancy × SMs)
     /// with one and two shared-memory stages, found on first use.
@@ -71,6 +77,8 @@ impl AttentionScratch {
             part_acc: dev.zeros(1)?,
             part_ml: dev.zeros(1)?,
             counters: dev.zeros(1)?,
+            prefill_states: dev.zeros(1)?,
+            prefill_counts: dev.zeros(1)?,
             sms: dev.sm_count(),
             decode_slots: [None; 2],
             decode_stages: super::switches::decode_stages()?,
@@ -209,6 +217,25 @@ impl AttentionScratch {
         if self.counters.len() < pairs {
             self.counters = dev.zeros(pairs)?;
             self.generation += 1;
+        }
+        Ok(())
+    }
+}
+
+impl AttentionScratch {
+    /// Room for `slots` partial states of the warpgroup prefill and their counters (grown by
+    /// doubling).
+    pub(super) fn ensure_prefill(
+        &mut self,
+        dev: &CudaDevice,
+        slots: usize,
+    ) -> Result<(), EngineError> {
+        let floats = slots * super::prefill_schedule::STATE_FLOATS;
+        if self.prefill_states.len() < floats {
+            self.prefill_states = dev.zeros(floats.next_power_of_two())?;
+        }
+        if self.prefill_counts.len() < slots {
+            self.prefill_counts = dev.zeros(slots.next_power_of_two())?;
         }
         Ok(())
     }

@@ -702,6 +702,8 @@ fn attention_setup(
         if let Some(n) = CudaDevice::prefill_tile_tokens(pool16, config.head_dim, group) {
             inputs.maps.tile_tokens = n;
             inputs.maps.tile_slots = tile_slots(dev, config, false)?;
+            inputs.maps.pieces =
+                dev.prefill_piece_schedule(config.head_dim, config.num_key_value_heads)?;
             // attention_decode.cu holds a group in one 16-row fragment.
             if group <= 16 {
                 inputs.maps.decode_tc_min = decode_tc_min()?;

@@ -83,6 +83,23 @@ pub(super) fn paired_tile_order() -> Result<bool, EngineError> {
     )
 }
 
+/// `TANDEM_CUDA_PREFILL_SCHEDULE`: how the warpgroup prefill attention's blocks take the
+/// tiles: `balanced` (the default: where the tiles fit one wave, as many blocks as the GPU
+/// holds at once, each about the same cost — a piece its key runs and 3 more — long tiles cut
+/// into pieces of at least 2 runs; see `prefill_schedule.rs`; a 2,048-token prefill's
+/// attention 2.21 → 1.96 ms on an H100) or `per-tile` (one block per tile and KV head in the
+/// order of [`PREFILL_TILE_ORDER_ENV`], the launch before the schedule: for comparisons).
+pub const PREFILL_SCHEDULE_ENV: &str = "TANDEM_CUDA_PREFILL_SCHEDULE";
+
+/// The fewest key runs of a cut piece and a piece's own cost in runs
+/// ([`PREFILL_SCHEDULE_ENV`]; `None`: one block per tile).
+pub(super) fn prefill_piece_costs() -> Result<Option<(usize, usize)>, EngineError> {
+    choice(
+        PREFILL_SCHEDULE_ENV,
+        &[("balanced", Some((2, 3))), ("per-tile", None)],
+    )
+}
+
 /// `TANDEM_CUDA_DECODE_ATTENTION`: `tiled` (the default: the decode rows of a 16-bit step
 /// through the tensor-core decode kernel, measured faster on an H200 from one row on: batch 1
 /// 893 against 822 tok/s) or `split` (the CUDA-core split kernel, for comparisons).

@@ -6,6 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
 use super::attention::FA_KEYS;
+use super::prefill_schedule::{schedule, Job, PieceSchedule};
 use super::{bad, cuda_err, to_i32, CudaDevice};
 use crate::error::EngineError;
 
@@ -82,10 +83,17 @@ pub struct TokenMaps {
     /// first slots go longest first and the rest, which share those SMs, shortest first, so
     /// that each SM's tiles add up to about the same number of key runs. Set by the owner.
     pub tile_slots: Option<TileSlots>,
+    /// How the warpgroup prefill attention's blocks take the tiles (none: the tiles as
+    /// (first token, tokens) pairs, one block per tile and KV head, for the other tile
+    /// kernels). Set by the owner.
+    pub pieces: Option<PieceSchedule>,
     /// (first token, tokens) per tile, each within one sequence, in launch order (see
-    /// `tile_slots`).
+    /// `tile_slots`); with `pieces`, the schedule of `prefill_schedule.rs` instead.
     pub tiles: DevAddr,
     pub n_tiles: usize,
+    /// With `pieces`: the blocks of the launch and the partial-state slots its cut tiles use.
+    pub piece_blocks: usize,
+    pub state_slots: usize,
     /// The tokens of single-token sequences (decode rows) when tiles are on.
     pub singles: DevAddr,
     pub n_singles: usize,
@@ -115,8 +123,11 @@ impl TokenMaps {
             tile_tokens: 0,
             decode_tc_min: usize::MAX,
             tile_slots: None,
+            pieces: None,
             tiles: base,
             n_tiles: 0,
+            piece_blocks: 0,
+            state_slots: 0,
             singles: base,
             n_singles: 0,
             decode_tc: false,
@@ -182,6 +193,7 @@ impl CudaDevice {
         let tiling = Tiling {
             tokens: maps.tile_tokens,
             slots: maps.tile_slots,
+            pieces: maps.pieces,
             window,
         };
         let l = write_image(&mut maps.host, ids, rows, seqs, block_size, tiling)?;
@@ -209,6 +221,8 @@ impl CudaDevice {
         maps.tables = at(l.tables_at);
         maps.tokens = t;
         maps.n_tiles = l.n_tiles;
+        maps.piece_blocks = l.piece_blocks;
+        maps.state_slots = l.state_slots;
         maps.n_singles = l.n_singles;
         maps.decode_tc = l.n_singles >= maps.decode_tc_min;
         Ok(())
@@ -221,6 +235,8 @@ struct ImageLayout {
     tokens: usize,
     tiles_at: usize,
     n_tiles: usize,
+    piece_blocks: usize,
+    state_slots: usize,
     n_singles: usize,
     tables_at: usize,
     total: usize,
@@ -235,19 +251,21 @@ pub struct TileSlots {
 }
 
 /// How a step's multi-token sequences are cut into prefill attention tiles: `tokens` per tile
-/// (0: no tiles), ordered for `slots` (see [`TokenMaps::tile_slots`]), each token seeing the
-/// `window` positions up to its own.
+/// (0: no tiles), ordered for `slots` (see [`TokenMaps::tile_slots`]) and laid out as pairs
+/// or as `pieces` (see [`TokenMaps::pieces`]), each token seeing the `window` positions up to
+/// its own.
 #[derive(Clone, Copy, Debug)]
 struct Tiling {
     tokens: usize,
     slots: Option<TileSlots>,
+    pieces: Option<PieceSchedule>,
     window: usize,
 }
 
 /// Writes the host image of a step's [`TokenMaps`] buffer into `host`: ids, rows, table
 /// starts, positions, window starts, blocks and single rows (`tokens` slots each), then the
-/// tiles ((first token, tokens) pairs in launch order, with `tiling.tokens > 0`), then the
-/// block tables.
+/// tiles ((first token, tokens) pairs in launch order, or their piece schedule, with
+/// `tiling.tokens > 0`), then the block tables.
 fn write_image(
     host: &mut Vec<i32>,
     ids: &[u32],
@@ -260,6 +278,8 @@ fn write_image(
     let t: usize = seqs.iter().map(|(_, r)| r.len()).sum();
     check_image_inputs(ids, rows, t, block_size)?;
     let (tiles, singles) = tiles_and_singles(seqs, tiling)?;
+    let n_tiles = tiles.len();
+    let (tiles, piece_blocks, state_slots) = tile_ints(&tiles, tiling.pieces)?;
     let n_tables: usize = seqs.iter().map(|(table, _)| table.len()).sum();
     let (tiles_at, tables_at) = (7 * t, 7 * t + tiles.len());
     let total = tables_at + n_tables;
@@ -297,7 +317,9 @@ fn write_image(
     Ok(ImageLayout {
         tokens: t,
         tiles_at,
-        n_tiles: tiles.len() / 2,
+        n_tiles,
+        piece_blocks,
+        state_slots,
         n_singles: singles.len(),
         tables_at,
         total,
@@ -336,13 +358,14 @@ struct Tile {
     runs: usize,
 }
 
-/// With tiles of `tiling.tokens` (0: none), the (first token, tokens) pairs of the tiles that
-/// cover each sequence of several tokens, in launch order ([`order_tiles`]), and the tokens
-/// of the single-token sequences (decode rows).
+/// With tiles of `tiling.tokens` (0: none), the tiles that cover each sequence of several
+/// tokens, in launch order ([`order_tiles`]; longest first alone for a balanced piece
+/// schedule, which does its own placing), and the tokens of the single-token sequences
+/// (decode rows).
 fn tiles_and_singles(
     seqs: &[(&[u32], std::ops::Range<usize>)],
     tiling: Tiling,
-) -> Result<(Vec<i32>, Vec<i32>), EngineError> {
+) -> Result<(Vec<Tile>, Vec<i32>), EngineError> {
     let mut tiles = Vec::new();
     let mut singles = Vec::new();
     let mut first = 0;
@@ -365,13 +388,38 @@ fn tiles_and_singles(
         }
         first += range.len();
     }
-    order_tiles(&mut tiles, tiling.slots);
-    let mut pairs = Vec::with_capacity(2 * tiles.len());
-    for t in &tiles {
-        pairs.push(to_i32("token", t.tok0)?);
-        pairs.push(to_i32("tile tokens", t.ntok)?);
+    let balanced = tiling.pieces.is_some_and(|p| p.balance.is_some());
+    order_tiles(&mut tiles, if balanced { None } else { tiling.slots });
+    Ok((tiles, singles))
+}
+
+/// The tile area's ints: (first token, tokens) per tile, or with `pieces` the schedule of
+/// one job per tile and KV head; with the schedule's blocks and state slots.
+fn tile_ints(
+    tiles: &[Tile],
+    pieces: Option<PieceSchedule>,
+) -> Result<(Vec<i32>, usize, usize), EngineError> {
+    let Some(how) = pieces else {
+        let mut pairs = Vec::with_capacity(2 * tiles.len());
+        for t in tiles {
+            pairs.push(to_i32("token", t.tok0)?);
+            pairs.push(to_i32("tile tokens", t.ntok)?);
+        }
+        return Ok((pairs, 0, 0));
+    };
+    let mut jobs = Vec::with_capacity(tiles.len() * how.heads);
+    for t in tiles {
+        for head in 0..how.heads {
+            jobs.push(Job {
+                tok0: t.tok0,
+                ntok: t.ntok,
+                head,
+                runs: t.runs,
+            });
+        }
     }
-    Ok((pairs, singles))
+    let s = schedule(&jobs, how)?;
+    Ok((s.ints, s.blocks, s.state_slots))
 }
 
 /// The launch order of `tiles`: longest first (the blocks the GPU starts last are short
@@ -397,6 +445,7 @@ mod tests {
         Tiling {
             tokens,
             slots: None,
+            pieces: None,
             window,
         }
     }
@@ -414,6 +463,8 @@ mod tests {
                 tokens: 4,
                 tiles_at: 28,
                 n_tiles: 2,
+                piece_blocks: 0,
+                state_slots: 0,
                 n_singles: 1,
                 tables_at: 32,
                 total: 35
@@ -493,10 +544,14 @@ mod tests {
         let t = Tiling {
             tokens: 64,
             slots,
+            pieces: None,
             window: usize::MAX,
         };
         let (tiles, _) = tiles_and_singles(&seqs, t).unwrap();
-        tiles.chunks_exact(2).map(|p| (p[0], p[1])).collect()
+        tiles
+            .iter()
+            .map(|t| (t.tok0 as i32, t.ntok as i32))
+            .collect()
     }
 
     #[test]
@@ -529,5 +584,31 @@ mod tests {
             let order = launch_order(2048, Some(slots));
             assert_eq!(order, launch_order(2048, None));
         }
+    }
+
+    #[test]
+    fn a_piece_schedule_takes_the_tile_area() {
+        // A prefill of 130 tokens (tiles of 64: 1, 2 and 3 runs) over 2 KV heads, a run per
+        // block: the schedule's offsets and pieces where the pairs were, the tables after.
+        let table = [0u32; 9];
+        let seqs: Vec<(&[u32], std::ops::Range<usize>)> = vec![(&table, 0..130)];
+        let mut t = tiling(64, usize::MAX);
+        t.pieces = Some(PieceSchedule {
+            heads: 2,
+            balance: Some(super::super::prefill_schedule::Balance {
+                blocks: 100,
+                min_runs: 1,
+                piece_runs: 0,
+            }),
+        });
+        let mut host = Vec::new();
+        let l = write_image(&mut host, &[], &[], &seqs, 16, t).unwrap();
+        assert_eq!((l.n_tiles, l.piece_blocks, l.state_slots), (3, 12, 10));
+        let pieces = l.tables_at - l.tiles_at - (l.piece_blocks + 1);
+        assert_eq!(pieces, 12 * super::super::prefill_schedule::PIECE_INTS);
+        // The first piece: the last tile (tokens 128..130, 3 runs) for head 0, run 0.
+        let p = &host[l.tiles_at + l.piece_blocks + 1..][..8];
+        assert_eq!(p, &[128, 2, 0, 0, 1, 0, 0, 3]);
+        assert_eq!(host.len() - l.tables_at, 9);
     }
 }

@@ -405,8 +405,9 @@ struct TileOut {
 
 // Row r of a finished tile: the lane's half `i` of accumulators o (its columns 2·qc, 2·qc + 1
 // of every n8 tile) divided by the row's sum (the lane's part `l`, summed over the quad), into
-// token tok0 + r / group, q head g·group + r % group. Every lane of the warp calls it (the
-// sum is a warp shuffle); a row that is not `live` stores nothing.
+// token tok0 + r / group, q head g·group + r % group, each pair of columns as one store. Every
+// lane of the warp calls it (the sum is a warp shuffle); a row that is not `live` stores
+// nothing.
 template <typename O, int HD>
 __device__ __forceinline__ void store_tile_row(O* out, const TileOut& t, const float (&o)[HD / 8][4], float l, int i,
                                                int r, bool live) {
@@ -417,10 +418,7 @@ __device__ __forceinline__ void store_tile_row(O* out, const TileOut& t, const f
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const long long at = ((long long)(t.tok0 + r / t.group) * t.nq + t.g * t.group + r % t.group) * HD + 2 * qc;
 #pragma unroll
-    for (int dn = 0; dn < HD / 8; ++dn) {
-        store_in(out, at + dn * 8, o[dn][2 * i] * inv, t.lo_off);
-        store_in(out, at + dn * 8 + 1, o[dn][2 * i + 1] * inv, t.lo_off);
-    }
+    for (int dn = 0; dn < HD / 8; ++dn) store_in2(out, at + dn * 8, o[dn][2 * i] * inv, o[dn][2 * i + 1] * inv, t.lo_off);
 }
 
 // The (KV head, tokens) of this block's tile. Blocks in launch order take the tiles in the

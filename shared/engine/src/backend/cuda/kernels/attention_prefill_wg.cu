@@ -1,7 +1,9 @@
 // The prefill attention of attention_prefill.cu on Hopper's warpgroup tensor-core instructions
 // (wgmma, compiled only for sm_90a; head_dim 128): the same tiles, masks, online softmax and
 // outputs, with both products issued by the whole block (one warpgroup of 4 warps) straight
-// from shared memory instead of per-warp mma.sync fed by ldmatrix.
+// from shared memory instead of per-warp mma.sync fed by ldmatrix. Blocks take their tiles
+// from a host-built schedule (prefill_schedule.rs) instead of one tile each: every block about
+// the same number of key runs, long tiles cut into pieces whose last merges the others.
 //
 // A tile's WG_ROWS = 128 rows are two m64 blocks: warp w holds rows 16w .. 16w + 15 of each
 // (the accumulator layout of wgmma m64nN: per n8 column tile the m16n8 fragment of
@@ -90,34 +92,53 @@ __device__ __forceinline__ int wg_chunk_at(int r, int c) {
     return (c >> 3) * (ROWS * 128) + (r << 7) + (((c ^ r) & 7) << 4);
 }
 
-// The tile's Q rows, rounded to the 16-bit type, into `sq`: thread t converts chunks t,
-// t + 128, ... (chunk i: row i / (HD / 8), columns from (i % (HD / 8))·8). Row r is token r /
-// group (rows past the tile's tokens repeat its last; nothing reads their results), q head
-// g·group + r % group.
+// The tile's Q rows, rounded to the 16-bit type, into `sq`, in WG_Q_BATCHES batches of loads
+// that each stay in flight while other work goes on (wg_load_q, then wg_store_q): thread t
+// converts chunks t, t + 128, ... (chunk i: row i / (HD / 8), columns from (i % (HD / 8))·8).
+// Row r is token r / group (rows past the tile's tokens repeat its last; nothing reads their
+// results), q head g·group + r % group.
+#define WG_Q_BATCHES 2
 template <int HD>
-__device__ __forceinline__ void wg_stage_q(unsigned char* sq, const float* qkv, int row_stride, int tok0, int ntok,
-                                           int g, int group) {
+struct WgQBatch {
+    static constexpr int N = WG_ROWS * (HD / 8) / 128 / WG_Q_BATCHES;
+    float4 v[N][2];
+};
+
+template <int HD>
+__device__ __forceinline__ void wg_load_q(WgQBatch<HD>& q, int batch, const float* qkv, int row_stride, int tok0,
+                                          int ntok, int g, int group) {
     constexpr int CH = HD / 8;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < WG_ROWS * CH; i += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < WgQBatch<HD>::N; ++j) {
+        const int i = threadIdx.x + (batch * WgQBatch<HD>::N + j) * 128;
         const int r = i / CH;
-        const int c = i % CH;
         const int ti = min(r / group, ntok - 1);
-        const float* q = qkv + (long long)(tok0 + ti) * row_stride + (long long)(g * group + r % group) * HD + c * 8;
-        const float4 a = *reinterpret_cast<const float4*>(q);
-        const float4 b = *reinterpret_cast<const float4*>(q + 4);
-        *reinterpret_cast<uint4*>(sq + wg_chunk_at<WG_ROWS>(r, c)) =
+        const float* row = qkv + (long long)(tok0 + ti) * row_stride + (long long)(g * group + r % group) * HD;
+        const float4* at = reinterpret_cast<const float4*>(row + (i % CH) * 8);
+        q.v[j][0] = at[0];
+        q.v[j][1] = at[1];
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void wg_store_q(unsigned char* sq, const WgQBatch<HD>& q, int batch) {
+    constexpr int CH = HD / 8;
+#pragma unroll
+    for (int j = 0; j < WgQBatch<HD>::N; ++j) {
+        const int i = threadIdx.x + (batch * WgQBatch<HD>::N + j) * 128;
+        const float4 a = q.v[j][0], b = q.v[j][1];
+        *reinterpret_cast<uint4*>(sq + wg_chunk_at<WG_ROWS>(i / CH, i % CH)) =
             make_uint4(pack_e16(a.x, a.y), pack_e16(a.z, a.w), pack_e16(b.x, b.y), pack_e16(b.z, b.w));
     }
 }
 
-// The pool element offsets of keys k0 .. k0 + FA_BK (-1 past `end`) at column `col` of each
-// key's row (the layer's K part, KV head g): one per thread of the first FA_BK, so that
-// staging a run costs its copies and no table walk.
+// The pool element offsets of keys k0 .. k0 + n·FA_BK (-1 past `end`) at column `col` of each
+// key's row (the layer's K part, KV head g): one per thread of the first n·FA_BK (key_at's runs
+// are consecutive), so that staging a run costs its copies and no table walk.
 __device__ __forceinline__ void wg_key_offsets(long long* key_at, const int* table, int k0, int end, int block_size,
-                                               long long block_e, long long col, long long kvd) {
+                                               long long block_e, long long col, long long kvd, int n = 1) {
     const int t = threadIdx.x;
-    if (t >= FA_BK) return;
+    if (t >= n * FA_BK) return;
     const int p = k0 + t;
     long long at = -1;
     if (p < end) {
@@ -189,28 +210,130 @@ __device__ __forceinline__ void wg_pv(float (&o)[HD / 8][4], const float (&s)[FA
     wg_commit();
 }
 
+// A block's share of the launch: pieces of the schedule of prefill_schedule.rs (one tile's
+// rows for one KV head, runs r0 .. r1 of the tile's keys; a tile cut into `parts` pieces
+// keeps its partial states in slots slot0 .. slot0 + parts - 1, and its counter at slot0).
+#define WG_PIECE_INTS 8
+struct WgPiece {
+    int tok0, ntok, g, r0, r1, slot0, part, parts;
+};
+
+// What every piece of a launch shares: the kernel's parameters.
+template <typename O>
+struct WgArgs {
+    O* out;
+    const float* qkv;
+    const e16_t* pool;
+    const int *tables, *table_start, *positions, *lo_pos;
+    int row_stride, nq, nkv, group, block_size, layer, num_layers;
+    float scale;
+    long long lo_off;
+    float* states;
+    int* counts;
+};
+
+// A partial state in its slot: per thread of the block, its accumulators (float4 k = b · HD / 8
+// + dn at k · 128 + thread), then its rows' maxima and its part of their sums, so that each
+// store and load of the block is one coalesced 2 KiB line (head_dim 128: 34 float4s a thread;
+// prefill_schedule.rs sizes the slots alike).
+#define WG_STATE_F4 34
+
+__device__ __forceinline__ float4* wg_state(float* states, int slot) {
+    return reinterpret_cast<float4*>(states) + (long long)slot * WG_STATE_F4 * 128;
+}
+
+template <int HD>
+__device__ __forceinline__ void wg_save_state(float4* st, const float (&o)[2][HD / 8][4], const float (&m)[2][2],
+                                              const float (&l)[2][2]) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) {
+            __stcg(st + (b * (HD / 8) + dn) * 128 + t, make_float4(o[b][dn][0], o[b][dn][1], o[b][dn][2], o[b][dn][3]));
+        }
+    }
+    __stcg(st + 2 * (HD / 8) * 128 + t, make_float4(m[0][0], m[0][1], m[1][0], m[1][1]));
+    __stcg(st + (2 * (HD / 8) + 1) * 128 + t, make_float4(l[0][0], l[0][1], l[1][0], l[1][1]));
+}
+
+// Folds a sibling piece's saved state into this thread's (its keys are other runs of the same
+// rows): both rescaled to the larger maximum (log2 units; a row empty in one part takes the
+// other's), sums and accumulators added.
+template <int HD>
+__device__ __forceinline__ void wg_merge_state(const float4* st, float (&o)[2][HD / 8][4], float (&m)[2][2],
+                                               float (&l)[2][2]) {
+    const int t = threadIdx.x;
+    const float4 sm = __ldcg(st + 2 * (HD / 8) * 128 + t);
+    const float4 sl = __ldcg(st + (2 * (HD / 8) + 1) * 128 + t);
+    const float om[4] = {sm.x, sm.y, sm.z, sm.w};
+    const float ol[4] = {sl.x, sl.y, sl.z, sl.w};
+    float fa[4], fb[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float& mine = m[k >> 1][k & 1];
+        const float big = fmaxf(mine, om[k]);
+        fa[k] = mine == NEG_INF ? 0.0f : fast_exp2(mine - big);
+        fb[k] = om[k] == NEG_INF ? 0.0f : fast_exp2(om[k] - big);
+        mine = big;
+        l[k >> 1][k & 1] = l[k >> 1][k & 1] * fa[k] + ol[k] * fb[k];
+    }
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) {
+            const float4 v = __ldcg(st + (b * (HD / 8) + dn) * 128 + t);
+            o[b][dn][0] = o[b][dn][0] * fa[2 * b] + v.x * fb[2 * b];
+            o[b][dn][1] = o[b][dn][1] * fa[2 * b] + v.y * fb[2 * b];
+            o[b][dn][2] = o[b][dn][2] * fa[2 * b + 1] + v.z * fb[2 * b + 1];
+            o[b][dn][3] = o[b][dn][3] * fa[2 * b + 1] + v.w * fb[2 * b + 1];
+        }
+    }
+}
+
+// The end of a cut tile's piece: its state saved, then the tile's counter counts it; the
+// piece that finds every other part counted merges their states into its own and returns
+// true (it stores the rows), the others return false. Nothing waits: the last to arrive
+// merges. It resets the counter for the next launch.
 template <typename O, int HD>
-__device__ void attention_prefill_wg_impl(O* out, const float* qkv, int row_stride, const e16_t* pool,
-                                          const int* tables, const int* table_start, const int* positions,
-                                          const int* lo_pos, const int* tiles, int nq, int nkv, int group,
-                                          int block_size, int layer, int num_layers, float scale, long long lo_off) {
+__device__ bool wg_finish_part(const WgArgs<O>& a, const WgPiece& pc, float (&o)[2][HD / 8][4], float (&m)[2][2],
+                               float (&l)[2][2]) {
+    __shared__ int wg_last;
+    wg_save_state<HD>(wg_state(a.states, pc.slot0 + pc.part), o, m, l);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const bool last = atomicAdd(a.counts + pc.slot0, 1) == pc.parts - 1;
+        if (last) {
+            atomicExch(a.counts + pc.slot0, 0);
+            __threadfence();
+        }
+        wg_last = last;
+    }
+    __syncthreads();
+    if (!wg_last) return false;
+    for (int q = 0; q < pc.parts; ++q) {
+        if (q != pc.part) wg_merge_state<HD>(wg_state(a.states, pc.slot0 + q), o, m, l);
+    }
+    return true;
+}
+
+// One piece: the tile's Q rows staged, its runs r0 .. r1 of keys through the online softmax,
+// then the rows stored (a whole tile, or the last part of a cut one to arrive) or the state
+// saved for that last part.
+template <typename O, int HD>
+__device__ void wg_piece(const WgArgs<O>& a, const WgPiece& pc, unsigned char* sq, unsigned char* skv) {
     static_assert(HD == 128, "the warpgroup prefill serves head_dim 128 (P·V is one m64n128 per k16)");
     constexpr int NT = FA_BK / 8;
     constexpr int RUN_BYTES = FA_BK * HD * 2;
-    extern __shared__ __align__(128) unsigned char wg_smem[];
-    // [WG_ROWS][HD] of Q, then [stage][K or V][FA_BK][HD], swizzled, from a 1024-byte boundary
-    // (the swizzle is of address bits; the launch adds 1024 bytes for the rounding).
-    unsigned char* sq = wg_smem + ((1024u - ((unsigned)__cvta_generic_to_shared(wg_smem) & 1023u)) & 1023u);
-    unsigned char* skv = sq + WG_ROWS * HD * 2;
-    const PrefillTile pt = prefill_tile(tiles);
-    const int g = pt.g, tok0 = pt.tok0, ntok = pt.ntok;
+    const int g = pc.g, tok0 = pc.tok0, ntok = pc.ntok, group = a.group;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int qr = lane >> 2;
-    const long long kvd = (long long)nkv * HD;
-    const long long part_e = kv_part_e<e16_t>(block_size, kvd, nkv);
+    const long long kvd = (long long)a.nkv * HD;
+    const long long part_e = kv_part_e<e16_t>(a.block_size, kvd, a.nkv);
     const long long layer_e = 2 * part_e;
-    const long long block_e = (long long)num_layers * layer_e;
+    const long long block_e = (long long)a.num_layers * layer_e;
 
     // This thread's four rows: qr and qr + 8 of its warp's 16 in each m64 block.
     int row_pos[2][2], row_lo[2][2];
@@ -220,28 +343,36 @@ __device__ void attention_prefill_wg_impl(O* out, const float* qkv, int row_stri
         for (int i = 0; i < 2; ++i) {
             const int ti = (b * 64 + warp * 16 + qr + 8 * i) / group;
             const int t = tok0 + min(ti, ntok - 1);
-            row_pos[b][i] = ti < ntok ? positions[t] : -1;
-            row_lo[b][i] = lo_pos[t];
+            row_pos[b][i] = ti < ntok ? a.positions[t] : -1;
+            row_lo[b][i] = a.lo_pos[t];
         }
     }
 
-    const int* table = tables + table_start[tok0];
-    const int kbeg = lo_pos[tok0];
-    const int kend = positions[tok0 + ntok - 1] + 1;
-    const long long col = (long long)layer * layer_e + (long long)g * HD;
+    const int* table = a.tables + a.table_start[tok0];
+    const int tile_beg = a.lo_pos[tok0];
+    const int kbeg = tile_beg + pc.r0 * FA_BK;
+    const int kend = min(tile_beg + pc.r1 * FA_BK, a.positions[tok0 + ntok - 1] + 1);
+    const long long col = (long long)a.layer * layer_e + (long long)g * HD;
     // The key offsets of the next two runs (run j's in key_at[j % 2]), each computed a run
-    // ahead of its copies and published by the barrier between.
+    // ahead of its copies and published by the barrier between. The prologue takes about three
+    // round trips: Q's first batch of loads beside the block table's two (the first two runs'
+    // key offsets, one thread per key), then Q's second batch beside the first run's copies;
+    // its barrier also keeps this piece's staging behind every warp's last products of the
+    // piece before.
     __shared__ long long key_at[2][FA_BK];
-    wg_key_offsets(key_at[0], table, kbeg, kend, block_size, block_e, col, kvd);
+    WgQBatch<HD> q;
+    wg_load_q<HD>(q, 0, a.qkv, a.row_stride, tok0, ntok, g, group);
+    wg_key_offsets(key_at[0], table, kbeg, kend, a.block_size, block_e, col, kvd, 2);
     __syncthreads();
-    wg_stage_kv<HD>(skv, pool, key_at[0], part_e);
-    wg_key_offsets(key_at[1], table, kbeg + FA_BK, kend, block_size, block_e, col, kvd);
-    wg_stage_q<HD>(sq, qkv, row_stride, tok0, ntok, g, group);
+    wg_stage_kv<HD>(skv, a.pool, key_at[0], part_e);
+    wg_store_q<HD>(sq, q, 0);
+    wg_load_q<HD>(q, 1, a.qkv, a.row_stride, tok0, ntok, g, group);
+    wg_store_q<HD>(sq, q, 1);
 
     float o[2][HD / 8][4];
     float m[2][2], l[2][2];  // log2 units
     clear_online_softmax<HD>(o, m, l);
-    const float scale_log2 = scale * LOG2E_F;
+    const float scale_log2 = a.scale * LOG2E_F;
     int st = 0;
     for (int k0 = kbeg; k0 < kend; k0 += FA_BK, st ^= 1) {
         cp_async_wait<0>();
@@ -250,8 +381,8 @@ __device__ void attention_prefill_wg_impl(O* out, const float* qkv, int row_stri
         // every warp is past the last run's products, so its stage may be refilled.
         __syncthreads();
         if (k0 + FA_BK < kend) {
-            wg_stage_kv<HD>(skv + (st ^ 1) * 2 * RUN_BYTES, pool, key_at[st ^ 1], part_e);
-            wg_key_offsets(key_at[st], table, k0 + 2 * FA_BK, kend, block_size, block_e, col, kvd);
+            wg_stage_kv<HD>(skv + (st ^ 1) * 2 * RUN_BYTES, a.pool, key_at[st ^ 1], part_e);
+            wg_key_offsets(key_at[st], table, k0 + 2 * FA_BK, kend, a.block_size, block_e, col, kvd);
         }
         const unsigned char* sk = skv + st * 2 * RUN_BYTES;
         const unsigned char* sv = sk + RUN_BYTES;
@@ -275,25 +406,47 @@ __device__ void attention_prefill_wg_impl(O* out, const float* qkv, int row_stri
         wg_touch(o[0]);
         wg_touch(o[1]);
     }
+    if (pc.parts > 1 && !wg_finish_part<O, HD>(a, pc, o, m, l)) return;
 
-    const TileOut dst{tok0, g, group, nq, lo_off};
+    const TileOut dst{tok0, g, group, a.nq, a.lo_off};
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            store_tile_row<O, HD>(out, dst, o[b], l[b][i], i, b * 64 + warp * 16 + qr + 8 * i, row_pos[b][i] >= 0);
+            store_tile_row<O, HD>(a.out, dst, o[b], l[b][i], i, b * 64 + warp * 16 + qr + 8 * i, row_pos[b][i] >= 0);
         }
     }
 }
 
-#define ATTENTION_PREFILL_WG(NAME, O, HD)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128, 2) NAME(                                                \
-        O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                   \
-        const int* table_start, const int* positions, const int* lo_pos, const int* tiles, int nq, int nkv, \
-        int group, int block_size, int layer, int num_layers, float scale, long long lo_off) {              \
-        GRID_DEPENDENCY_SYNC();                                                                               \
-        attention_prefill_wg_impl<O, HD>(out, qkv, row_stride, pool, tables, table_start, positions, lo_pos, \
-                                         tiles, nq, nkv, group, block_size, layer, num_layers, scale, lo_off); \
+// The launch: block b takes pieces sched[b] .. sched[b + 1] of the pieces after the gridDim.x + 1
+// offsets.
+template <typename O, int HD>
+__device__ void attention_prefill_wg_impl(const WgArgs<O>& a, const int* sched) {
+    extern __shared__ __align__(128) unsigned char wg_smem[];
+    // [WG_ROWS][HD] of Q, then [stage][K or V][FA_BK][HD], swizzled, from a 1024-byte boundary
+    // (the swizzle is of address bits; the launch adds 1024 bytes for the rounding).
+    unsigned char* sq = wg_smem + ((1024u - ((unsigned)__cvta_generic_to_shared(wg_smem) & 1023u)) & 1023u);
+    unsigned char* skv = sq + WG_ROWS * HD * 2;
+    const int* pieces = sched + gridDim.x + 1;
+    const int end = sched[blockIdx.x + 1];
+    for (int i = sched[blockIdx.x]; i < end; ++i) {
+        const int* p = pieces + (long long)i * WG_PIECE_INTS;
+        const WgPiece pc{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+        wg_piece<O, HD>(a, pc, sq, skv);
+    }
+}
+
+#define ATTENTION_PREFILL_WG(NAME, O, HD)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, 2)                                                       \
+        NAME(O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                   \
+             const int* table_start, const int* positions, const int* lo_pos, const int* sched, int nq, int nkv, \
+             int group, int block_size, int layer, int num_layers, float scale, long long lo_off, float* states, \
+             int* counts) {                                                                                    \
+        GRID_DEPENDENCY_SYNC();                                                                                \
+        const WgArgs<O> a{out,   qkv,        pool,       tables, table_start, positions, lo_pos, row_stride, \
+                          nq,    nkv,        group,      block_size, layer, num_layers, scale, lo_off,      \
+                          states, counts};                                                                     \
+        attention_prefill_wg_impl<O, HD>(a, sched);                                                            \
     }
 
 // head_dim 128 only so far (the shape the GPU checks cover); head_dim 64 keeps mma.sync.

@@ -78,6 +78,20 @@ __device__ __forceinline__ void store_in(e16_t* p, long long i, float v, long lo
     if (lo_off != 0) p[i + lo_off] = f32_to_e16(v - e16_to_f32(hi));
 }
 
+// Two consecutive GEMM inputs (i and lo_off even): one 8-byte store for f32, one 4-byte store
+// of the two 16-bit values and, with lo_off != 0, one of their remainders.
+__device__ __forceinline__ void store_in2(float* p, long long i, float v0, float v1, long long lo_off) {
+    *reinterpret_cast<float2*>(p + i) = make_float2(v0, v1);
+}
+__device__ __forceinline__ void store_in2(e16_t* p, long long i, float v0, float v1, long long lo_off) {
+    const e16_t h0 = f32_to_e16(v0), h1 = f32_to_e16(v1);
+    *reinterpret_cast<unsigned int*>(p + i) = (unsigned int)h0 | ((unsigned int)h1 << 16);
+    if (lo_off != 0) {
+        *reinterpret_cast<unsigned int*>(p + i + lo_off) =
+            (unsigned int)f32_to_e16(v0 - e16_to_f32(h0)) | ((unsigned int)f32_to_e16(v1 - e16_to_f32(h1)) << 16);
+    }
+}
+
 // Four consecutive GEMM inputs (i a multiple of 4, lo_off too): one 16-byte store for f32, one
 // 8-byte store of the four 16-bit values and, with lo_off != 0, one of their remainders.
 __device__ __forceinline__ void store_in4(float* p, long long i, float4 v, long long lo_off) {
@@ -107,6 +121,14 @@ __device__ __forceinline__ void store_in(b16_t* p, long long i, float v, long lo
     const unsigned short hi = f32_to_bf16_bits(v);
     p[i].bits = hi;
     if (lo_off != 0) p[i + lo_off].bits = f32_to_bf16_bits(v - bf16_bits_to_f32(hi));
+}
+__device__ __forceinline__ void store_in2(b16_t* p, long long i, float v0, float v1, long long lo_off) {
+    const unsigned short h0 = f32_to_bf16_bits(v0), h1 = f32_to_bf16_bits(v1);
+    *reinterpret_cast<unsigned int*>(p + i) = (unsigned int)h0 | ((unsigned int)h1 << 16);
+    if (lo_off != 0) {
+        *reinterpret_cast<unsigned int*>(p + i + lo_off) = (unsigned int)f32_to_bf16_bits(v0 - bf16_bits_to_f32(h0)) |
+                                                           ((unsigned int)f32_to_bf16_bits(v1 - bf16_bits_to_f32(h1)) << 16);
+    }
 }
 
 // FP8 e4m3 (kv/fp8.rs): the codes of an FP8 KV pool (`f8_t`, a type of its own so that the
