@@ -382,6 +382,7 @@ pub(crate) fn prefill_pieces(cx: &mut Ctx) -> Result<(), EngineError> {
     let (seq_refs, tokens) = step_tokens(&seqs);
     let qkv = rng.vec(tokens.len() * ROW);
     let dqkv = dev.upload(&qkv)?;
+    let q16 = dev.upload(&qkv.iter().map(|v| bf16(*v)).collect::<Vec<_>>())?;
     let host: Vec<f32> = rng
         .vec(POOL_SHAPE.elems())
         .into_iter()
@@ -450,6 +451,29 @@ pub(crate) fn prefill_pieces(cx: &mut Ctx) -> Result<(), EngineError> {
                 vmax / 256.0,
             );
         }
+        // Q from 16-bit rows (the q/k norm kernel's rounding of the same values), bf16 out:
+        // against the reference, and bit-equal to f32 q rows where no tile is cut (a cut
+        // tile's merge order follows its pieces' finishing order).
+        let mut att = Att::new(&dqkv, &pool, &maps, layer);
+        let mut from_f32 = dev.zeros::<u16>(tokens.len() * NQ * HD)?;
+        att.any(dev, &mut from_f32, &mut scratch, false)?;
+        att.q16 = Some(&q16);
+        let mut from_16 = dev.zeros::<u16>(tokens.len() * NQ * HD)?;
+        att.any(dev, &mut from_16, &mut scratch, false)?;
+        let got = widen(&dev.download(&from_16)?);
+        let case = format!("bf16 pool, 300-token prefill, {name}, 16-bit q rows, bf16 out");
+        rep.add(
+            "attention_prefill",
+            &case,
+            &got,
+            &want,
+            vmax / 256.0 + bf16_tol(&want),
+        );
+        if maps.state_slots == 0 {
+            let f32_rows = widen(&dev.download(&from_f32)?);
+            let case = format!("{case}: equal to f32 q rows");
+            rep.add("attention_prefill", &case, &got, &f32_rows, 0.0);
+        }
     }
     Ok(())
 }
@@ -458,6 +482,7 @@ pub(crate) fn prefill_pieces(cx: &mut Ctx) -> Result<(), EngineError> {
 /// shape, q heads, row stride, scale): the rows' qkv, the pool, the token maps and the layer.
 struct Att<'a> {
     qkv: &'a CudaSlice<f32>,
+    q16: Option<&'a CudaSlice<u16>>,
     pool: &'a KvPool,
     maps: &'a TokenMaps,
     layer: usize,
@@ -467,6 +492,7 @@ impl<'a> Att<'a> {
     fn new(qkv: &'a CudaSlice<f32>, pool: &'a KvPool, maps: &'a TokenMaps, layer: usize) -> Self {
         Att {
             qkv,
+            q16: None,
             pool,
             maps,
             layer,
@@ -477,6 +503,7 @@ impl<'a> Att<'a> {
     fn inputs(&self) -> AttentionInputs<'a> {
         AttentionInputs {
             qkv: self.qkv,
+            q16: self.q16,
             row_stride: ROW,
             nq: NQ,
             pool: self.pool,

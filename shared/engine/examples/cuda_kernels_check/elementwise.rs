@@ -290,10 +290,8 @@ fn rope_in16(
             .flat_map(|r| r[..NQ * HD].to_vec())
             .collect()
     };
-    let (got, want) = (
-        q_heads(dev.download(&got_q)?),
-        q_heads(dev.download(&want_q)?),
-    );
+    let want_rows = dev.download(&want_q)?;
+    let (got, want) = (q_heads(dev.download(&got_q)?), q_heads(want_rows.clone()));
     let case = "bf16 rows in, 300 tokens";
     rep.add(
         "qk_norm_rope_kv (16-bit in)",
@@ -305,6 +303,37 @@ fn rope_in16(
     let (got, want) = (download_pool(dev, &p2)?, download_pool(dev, &p1)?);
     rep.add(
         "qk_norm_rope_kv (16-bit in)",
+        &format!("{case}: bf16 pool"),
+        &got,
+        &want,
+        0.0,
+    );
+    // The q heads rounded back into the 16-bit rows themselves (`qk_norm_rope_kv_q16`, what
+    // the warpgroup prefill reads): each the f32 form's value rounded to bf16, the k and v
+    // heads left as they were, the pool bit-equal.
+    let mut rows = dev.upload(&rows16)?;
+    let mut p3 = KvPool::Bf16(dev.upload(&zeros)?);
+    dev.qk_norm_rope_kv_q16(&mut rows, ROW, heads, maps, kv_at(&mut p3, 1))?;
+    let want16: Vec<f32> = want_rows
+        .chunks_exact(ROW)
+        .zip(rows16.chunks_exact(ROW))
+        .flat_map(|(w, r)| {
+            let q = w[..NQ * HD].iter().map(|v| bf16_to_f32(bf16(*v)));
+            q.chain(widen(&r[NQ * HD..])).collect::<Vec<_>>()
+        })
+        .collect();
+    let case = "bf16 rows in place, 300 tokens";
+    let got16 = widen(&dev.download(&rows)?);
+    rep.add(
+        "qk_norm_rope_kv (16-bit q out)",
+        &format!("{case}: rows"),
+        &got16,
+        &want16,
+        0.0,
+    );
+    let (got, want) = (download_pool(dev, &p3)?, download_pool(dev, &p1)?);
+    rep.add(
+        "qk_norm_rope_kv (16-bit q out)",
         &format!("{case}: bf16 pool"),
         &got,
         &want,

@@ -344,6 +344,7 @@ fn inputs<'a>(
 ) -> AttentionInputs<'a> {
     AttentionInputs {
         qkv,
+        q16: None,
         row_stride: ROW,
         nq: NQ,
         pool,

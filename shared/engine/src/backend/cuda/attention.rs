@@ -18,6 +18,10 @@ use crate::error::EngineError;
 #[derive(Clone, Copy)]
 pub struct AttentionInputs<'a> {
     pub qkv: &'a CudaSlice<f32>,
+    /// The q heads in 16-bit rows of the same stride instead
+    /// ([`CudaDevice::qk_norm_rope_kv_q16`]): read by the warpgroup prefill tiles, for steps
+    /// of prefill tiles alone.
+    pub q16: Option<&'a CudaSlice<u16>>,
     pub row_stride: usize,
     pub nq: usize,
     pub pool: &'a KvPool,
@@ -56,6 +60,13 @@ impl CudaDevice {
         let maps = a.maps;
         if maps.tile_tokens == 0 {
             return self.attention_fast(out, a, scratch, split);
+        }
+        if a.q16.is_some() && (maps.n_singles > 0 || maps.pieces.is_none()) {
+            return Err(bad(
+                "attention: 16-bit q rows are read only by the warpgroup prefill tiles (a step \
+                 without decode rows)"
+                    .into(),
+            ));
         }
         if maps.n_tiles > 0 {
             self.attention_prefill(out, a, scratch, split)?;
@@ -180,6 +191,9 @@ impl CudaDevice {
             )));
         }
         check_len("attention qkv", a.qkv.len(), maps.tokens * a.row_stride)?;
+        if let Some(q) = a.q16 {
+            check_len("attention q16", q.len(), maps.tokens * a.row_stride)?;
+        }
         let lo_off =
             super::ops::lo_offset::<O>("attention out", out.len(), maps.tokens * nq * hd, split)?;
         // The warpgroup kernel takes the same arguments, its schedule for the tiles and its
@@ -196,7 +210,13 @@ impl CudaDevice {
                 }
             )));
         }
-        let name = tc.kernel(&format!("attention_prefill_{kind}{}_hd{hd}", O::SUFFIX));
+        if a.q16.is_some() && !pieces {
+            return Err(bad(
+                "attention_prefill: 16-bit q rows are read only by the warpgroup kernel".into(),
+            ));
+        }
+        let q = if a.q16.is_some() { "q16_" } else { "" };
+        let name = tc.kernel(&format!("attention_prefill_{kind}{q}{}_hd{hd}", O::SUFFIX));
         let f = self.func(&name)?;
         let grid_dim = if pieces {
             scratch.ensure_prefill(self, maps.state_slots)?;
@@ -240,6 +260,11 @@ impl CudaDevice {
         if matches!(a.pool, KvPool::Fp8(_)) {
             return Err(bad(
                 "attention_fast: an fp8 pool is read only by the tensor-core kernels".into(),
+            ));
+        }
+        if a.q16.is_some() {
+            return Err(bad(
+                "attention_fast: reads the f32 q rows (16-bit ones are the prefill tiles')".into(),
             ));
         }
         let group = fast_group(a)?;
@@ -434,7 +459,12 @@ impl<'a> TcShape<'a> {
         list: &'b DevAddr,
     ) {
         let maps = a.maps;
-        b.arg(a.qkv).arg(&self.ints[0]);
+        // 16-bit q rows only reach the warpgroup prefill tiles (`CudaDevice::attention`).
+        match a.q16 {
+            Some(q) => b.arg(q),
+            None => b.arg(a.qkv),
+        };
+        b.arg(&self.ints[0]);
         match self.pool {
             PoolArg::Wide(p) => b.arg(p),
             PoolArg::Fp8(p) => b.arg(p),

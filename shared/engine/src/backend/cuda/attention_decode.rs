@@ -26,6 +26,12 @@ impl CudaDevice {
     ) -> Result<(), EngineError> {
         let tc = TcShape::check("attention_decode", a)?;
         check_decode_launch::<O>(&tc, a.nq, launch)?;
+        if a.q16.is_some() {
+            return Err(bad(
+                "attention_decode: reads the f32 q rows (16-bit ones are the prefill tiles')"
+                    .into(),
+            ));
+        }
         let maps = a.maps;
         if maps.n_singles == 0 {
             return Ok(());

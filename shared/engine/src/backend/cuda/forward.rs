@@ -100,6 +100,9 @@ struct Epilogues {
     /// The qkv GEMM writes 16-bit rows (`ws.qkv16`) that the q/k norm + RoPE reads (its
     /// warp-per-head form, over a 16-bit pool; no qkv bias).
     qkv16: bool,
+    /// With `qkv16`: the q/k norm + RoPE writes the rotated q heads back into `ws.qkv16` for
+    /// the warpgroup prefill attention to read (a step of prefill tiles alone, head_dim 128).
+    q16: bool,
     /// The gate_up GEMM writes 16-bit rows (`ws.gu16`) that SiLU·mul reads.
     gu16: bool,
     /// The o and down GEMMs add their outputs into the residual stream `ws.x` (cuBLAS's
@@ -116,11 +119,20 @@ impl Epilogues {
         let switch = dev.gemm_epilogue();
         let cublas =
             |w: &super::DeviceMatrix, n: usize, k: usize| dev.gemm_writes_16::<A>(t, n, k, w);
+        let qkv16 = switch
+            && cublas(&lw.qkv, q_dim + 2 * kv_dim, hidden)
+            && lw.qkv_bias.is_none()
+            && dev.rope_reads_16(t, &model.pool);
+        let maps = &model.inputs.maps;
         Epilogues {
-            qkv16: switch
-                && cublas(&lw.qkv, q_dim + 2 * kv_dim, hidden)
-                && lw.qkv_bias.is_none()
-                && dev.rope_reads_16(t, &model.pool),
+            qkv16,
+            q16: qkv16
+                && dev.prefill_q16()
+                && maps.n_tiles > 0
+                && maps.n_singles == 0
+                && maps.pieces.is_some()
+                && cfg.head_dim == 128
+                && (q_dim + 2 * kv_dim).is_multiple_of(4),
             gu16: switch && cublas(&lw.gate_up, 2 * inter, hidden),
             add_in_gemm: switch
                 && cublas(&lw.o_proj, hidden, q_dim)
@@ -316,13 +328,16 @@ impl DeviceModel {
             layer: l,
         };
         let qkv = &mut ws.qkv;
-        if p.epi.qkv16 {
+        if p.epi.q16 {
+            dev.qk_norm_rope_kv_q16(&mut ws.qkv16, p.qkv_w, &heads, maps, kv)?;
+        } else if p.epi.qkv16 {
             dev.qk_norm_rope_kv_in16(&ws.qkv16, qkv, p.qkv_w, &heads, maps, kv)?;
         } else {
             dev.qk_norm_rope_kv_split_input(qkv, qkv_unfolded, p.qkv_w, &heads, maps, kv)?;
         }
         let a = AttentionInputs {
             qkv: &ws.qkv,
+            q16: p.epi.q16.then_some(&ws.qkv16),
             row_stride: p.qkv_w,
             nq: heads.nq,
             pool,

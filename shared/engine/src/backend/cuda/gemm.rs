@@ -120,6 +120,13 @@ impl CudaDevice {
         self.gemm_epilogue
     }
 
+    /// Whether a step of prefill tiles alone whose qkv GEMM writes 16-bit rows has the q/k
+    /// norm write its q heads back into them for the attention
+    /// ([`super::switches::PREFILL_Q16_ENV`]).
+    pub fn prefill_q16(&self) -> bool {
+        self.prefill_q16
+    }
+
     /// `cublasGemmEx` of checked operands into `out` (f32, or the 16-bit element), f32
     /// accumulation; added to what `out` holds with [`Accumulate::Yes`].
     fn cublas_gemm<X: DeviceElem, O: DeviceElem>(

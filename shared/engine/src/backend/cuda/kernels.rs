@@ -75,6 +75,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "qk_norm_rope_kv_tokens_bf16",
     "qk_norm_rope_kv_tokens_h16",
     "qk_norm_rope_kv_tokens_in16_bf16",
+    "qk_norm_rope_kv_tokens_q16_bf16",
     "silu_mul_f32",
     "silu_mul_bf16",
     "silu_mul_in16_f32",
@@ -168,6 +169,7 @@ pub const HALF_KV_KERNEL_NAMES: &[&str] = &[
 pub const WG_KERNEL_NAMES: &[&str] = &[
     "attention_prefill_wg_f32_hd128",
     "attention_prefill_wg_bf16_hd128",
+    "attention_prefill_wg_q16_bf16_hd128",
 ];
 
 /// The same in the half-KV program ([`KvProgram::HalfKv`]; the FP8 program has none).

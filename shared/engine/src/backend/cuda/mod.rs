@@ -327,6 +327,9 @@ pub struct CudaDevice {
     /// What cuBLAS's GEMMs do past the product in the 16-bit precisions
     /// ([`switches::GEMM_EPILOGUE_ENV`]).
     gemm_epilogue: bool,
+    /// Prefill steps of tiles alone hand the attention its q heads in 16 bits
+    /// ([`switches::PREFILL_Q16_ENV`]).
+    prefill_q16: bool,
     /// Programmatic dependent launch works here: compute capability 9.0 or later (the
     /// kernels' griddepcontrol instructions) and a driver of CUDA 12.3 or later (the graph
     /// edge API graphs.rs uses; cudarc would panic on a missing symbol).
@@ -413,6 +416,7 @@ impl CudaDevice {
             small_m_gemv: switches::small_m_gemv_from_env()?,
             skinny_gemm: switches::skinny_gemm()?,
             gemm_epilogue: switches::gemm_epilogue()?,
+            prefill_q16: switches::prefill_q16()?,
             pdl_capable,
             cluster_capable,
             prefill_wgmma,

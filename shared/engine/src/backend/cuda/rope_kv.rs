@@ -109,6 +109,45 @@ impl CudaDevice {
         maps: &TokenMaps,
         kv: KvTarget<'_>,
     ) -> Result<(), EngineError> {
+        check_rope_rows(qkv.len(), row_stride, heads, maps.tokens)?;
+        self.rope_16(src, Some(qkv), row_stride, heads, maps, kv)
+    }
+
+    /// [`Self::qk_norm_rope_kv_in16`] with the rotated q heads rounded back into the 16-bit
+    /// rows of `qkv16` themselves (`qk_norm_rope_kv_tokens_q16_bf16`), for the warpgroup
+    /// prefill attention to read as they are ([`AttentionInputs::q16`]); head_dim 128 and a
+    /// row stride that is a multiple of 4 only.
+    ///
+    /// [`AttentionInputs::q16`]: super::AttentionInputs::q16
+    pub fn qk_norm_rope_kv_q16(
+        &self,
+        qkv16: &mut CudaSlice<u16>,
+        row_stride: usize,
+        heads: &HeadNorms<'_>,
+        maps: &TokenMaps,
+        kv: KvTarget<'_>,
+    ) -> Result<(), EngineError> {
+        if heads.head_dim != 128 || !row_stride.is_multiple_of(4) {
+            return Err(bad(format!(
+                "qk_norm_rope: 16-bit q heads out need head_dim 128 (not {}) and a row stride \
+                 that is a multiple of 4 (not {row_stride})",
+                heads.head_dim
+            )));
+        }
+        self.rope_16(qkv16, None, row_stride, heads, maps, kv)
+    }
+
+    /// The launch of both 16-bit-row forms: q heads to the f32 rows of `out`, or (none) back
+    /// into `src`.
+    fn rope_16(
+        &self,
+        src: &CudaSlice<u16>,
+        out: Option<&mut CudaSlice<f32>>,
+        row_stride: usize,
+        heads: &HeadNorms<'_>,
+        maps: &TokenMaps,
+        kv: KvTarget<'_>,
+    ) -> Result<(), EngineError> {
         let t = maps.tokens;
         if !self.rope_reads_16(t, kv.pool) {
             return Err(bad(format!(
@@ -117,16 +156,24 @@ impl CudaDevice {
             )));
         }
         heads.check_pool("qk_norm_rope_kv", row_stride, kv.pool, kv.shape, kv.layer)?;
-        check_rope_rows(qkv.len(), row_stride, heads, t)?;
         check_rope_rows(src.len(), row_stride, heads, t)?;
         let heads_per_row = heads.nq + 2 * heads.nkv;
         let ints = rope_ints(row_stride, heads, heads_per_row)?;
         let tail = kv.ints()?;
         let cfg = RopeForm::WarpPerHead.launch(t, heads_per_row, heads.head_dim);
-        let f = self.func("qk_norm_rope_kv_tokens_in16_bf16")?;
+        let name = if out.is_some() {
+            "qk_norm_rope_kv_tokens_in16_bf16"
+        } else {
+            "qk_norm_rope_kv_tokens_q16_bf16"
+        };
+        let f = self.func(name)?;
         let null = 0u64;
         let mut b = self.stream.launch_builder(f);
-        b.arg(src).arg(qkv);
+        b.arg(src);
+        match out.as_deref() {
+            Some(q) => b.arg(q),
+            None => b.arg(src),
+        };
         for i in &ints {
             b.arg(i);
         }
@@ -143,9 +190,9 @@ impl CudaDevice {
             .arg(&tail[0])
             .arg(&tail[1])
             .arg(&tail[2]);
-        // SAFETY: signature matches; src and qkv hold t rows of the stride (checked); the pool
-        // holds the whole shape and the block ids come from tables the caller validated
-        // against `shape.num_blocks`.
+        // SAFETY: signature matches; src (and out) hold t rows of the stride (checked); the
+        // pool holds the whole shape and the block ids come from tables the caller validated
+        // against `shape.num_blocks`. In place, each warp reads a head before writing it back.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching qk_norm_rope (16-bit rows)"))?;
         Ok(())
     }

@@ -222,6 +222,18 @@ pub(super) fn gemm_epilogue() -> Result<bool, EngineError> {
     choice(GEMM_EPILOGUE_ENV, &[("on", true), ("off", false)])
 }
 
+/// `TANDEM_CUDA_PREFILL_Q16`: in the bf16 and f16 precisions, where a step holds prefill tiles
+/// and no decode rows and its qkv GEMM writes 16-bit rows ([`GEMM_EPILOGUE_ENV`]), `on` (the
+/// default): the q/k norm + RoPE writes the rotated q heads back into those rows, rounded as
+/// the attention rounds them anyway, and the warpgroup prefill attention copies its Q tiles
+/// from there (no f32 q rows written and read back); `off`: q heads in f32 rows (for
+/// comparisons; what steps with decode rows do).
+pub const PREFILL_Q16_ENV: &str = "TANDEM_CUDA_PREFILL_Q16";
+
+pub(super) fn prefill_q16() -> Result<bool, EngineError> {
+    choice(PREFILL_Q16_ENV, &[("on", true), ("off", false)])
+}
+
 /// `TANDEM_CUDA_PDL`: `on` (the default: in decode-step graphs, the edges between the
 /// program's kernels are programmatic, so each kernel launches while the one before it runs)
 /// or `off` (plain edges, for comparisons). `off` stays: plain edges are what a GPU below

@@ -218,11 +218,12 @@ struct WgPiece {
     int tok0, ntok, g, r0, r1, slot0, part, parts;
 };
 
-// What every piece of a launch shares: the kernel's parameters.
-template <typename O>
+// What every piece of a launch shares: the kernel's parameters (Q from the f32 rows of qkv,
+// or from 16-bit rows already rounded: QT).
+template <typename O, typename QT>
 struct WgArgs {
     O* out;
-    const float* qkv;
+    const QT* qkv;
     const e16_t* pool;
     const int *tables, *table_start, *positions, *lo_pos;
     int row_stride, nq, nkv, group, block_size, layer, num_layers;
@@ -295,8 +296,8 @@ __device__ __forceinline__ void wg_merge_state(const float4* st, float (&o)[2][H
 // piece that finds every other part counted merges their states into its own and returns
 // true (it stores the rows), the others return false. Nothing waits: the last to arrive
 // merges. It resets the counter for the next launch.
-template <typename O, int HD>
-__device__ bool wg_finish_part(const WgArgs<O>& a, const WgPiece& pc, float (&o)[2][HD / 8][4], float (&m)[2][2],
+template <typename A, int HD>
+__device__ bool wg_finish_part(const A& a, const WgPiece& pc, float (&o)[2][HD / 8][4], float (&m)[2][2],
                                float (&l)[2][2]) {
     __shared__ int wg_last;
     wg_save_state<HD>(wg_state(a.states, pc.slot0 + pc.part), o, m, l);
@@ -318,11 +319,58 @@ __device__ bool wg_finish_part(const WgArgs<O>& a, const WgPiece& pc, float (&o)
     return true;
 }
 
+// What a piece's prologue needs: where its first two runs' key offsets go and the block table,
+// its keys, the pool's layout, and where its Q rows are.
+struct WgPrologue {
+    long long* key_at;
+    const int* table;
+    const e16_t* pool;
+    int kbeg, kend, block_size, row_stride, tok0, ntok, g, group;
+    long long block_e, col, kvd, part_e;
+};
+
+// The prologue over f32 Q rows, in about three round trips: Q's first batch of loads beside the
+// block table's two (the first two runs' key offsets, one thread per key), then Q's second
+// batch beside the first run's copies. Its barrier also keeps the piece's staging behind every
+// warp's last products of the piece before.
+template <int HD>
+__device__ __forceinline__ void wg_prologue(unsigned char* sq, unsigned char* skv, const float* qkv,
+                                            const WgPrologue& p) {
+    WgQBatch<HD> q;
+    wg_load_q<HD>(q, 0, qkv, p.row_stride, p.tok0, p.ntok, p.g, p.group);
+    wg_key_offsets(p.key_at, p.table, p.kbeg, p.kend, p.block_size, p.block_e, p.col, p.kvd, 2);
+    __syncthreads();
+    wg_stage_kv<HD>(skv, p.pool, p.key_at, p.part_e);
+    wg_store_q<HD>(sq, q, 0);
+    wg_load_q<HD>(q, 1, qkv, p.row_stride, p.tok0, p.ntok, p.g, p.group);
+    wg_store_q<HD>(sq, q, 1);
+}
+
+// The prologue over 16-bit Q rows (rounded by the q/k norm kernel as the f32 form rounds them
+// here): after the key offsets, Q's chunks go straight into the swizzled tile by cp.async
+// beside the first run's, one more commit group.
+template <int HD>
+__device__ __forceinline__ void wg_prologue(unsigned char* sq, unsigned char* skv, const e16_t* q16,
+                                            const WgPrologue& p) {
+    constexpr int CH = HD / 8;
+    wg_key_offsets(p.key_at, p.table, p.kbeg, p.kend, p.block_size, p.block_e, p.col, p.kvd, 2);
+    __syncthreads();
+    wg_stage_kv<HD>(skv, p.pool, p.key_at, p.part_e);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < WG_ROWS * CH; i += 128) {
+        const int r = i / CH;
+        const int ti = min(r / p.group, p.ntok - 1);
+        const e16_t* row = q16 + (long long)(p.tok0 + ti) * p.row_stride + (long long)(p.g * p.group + r % p.group) * HD;
+        cp_async16(sq + wg_chunk_at<WG_ROWS>(r, i % CH), row + (i % CH) * 8, true);
+    }
+    cp_async_commit();
+}
+
 // One piece: the tile's Q rows staged, its runs r0 .. r1 of keys through the online softmax,
 // then the rows stored (a whole tile, or the last part of a cut one to arrive) or the state
 // saved for that last part.
-template <typename O, int HD>
-__device__ void wg_piece(const WgArgs<O>& a, const WgPiece& pc, unsigned char* sq, unsigned char* skv) {
+template <typename O, typename QT, int HD>
+__device__ void wg_piece(const WgArgs<O, QT>& a, const WgPiece& pc, unsigned char* sq, unsigned char* skv) {
     static_assert(HD == 128, "the warpgroup prefill serves head_dim 128 (P·V is one m64n128 per k16)");
     constexpr int NT = FA_BK / 8;
     constexpr int RUN_BYTES = FA_BK * HD * 2;
@@ -354,20 +402,12 @@ __device__ void wg_piece(const WgArgs<O>& a, const WgPiece& pc, unsigned char* s
     const int kend = min(tile_beg + pc.r1 * FA_BK, a.positions[tok0 + ntok - 1] + 1);
     const long long col = (long long)a.layer * layer_e + (long long)g * HD;
     // The key offsets of the next two runs (run j's in key_at[j % 2]), each computed a run
-    // ahead of its copies and published by the barrier between. The prologue takes about three
-    // round trips: Q's first batch of loads beside the block table's two (the first two runs'
-    // key offsets, one thread per key), then Q's second batch beside the first run's copies;
-    // its barrier also keeps this piece's staging behind every warp's last products of the
-    // piece before.
+    // ahead of its copies and published by the barrier between.
     __shared__ long long key_at[2][FA_BK];
-    WgQBatch<HD> q;
-    wg_load_q<HD>(q, 0, a.qkv, a.row_stride, tok0, ntok, g, group);
-    wg_key_offsets(key_at[0], table, kbeg, kend, a.block_size, block_e, col, kvd, 2);
-    __syncthreads();
-    wg_stage_kv<HD>(skv, a.pool, key_at[0], part_e);
-    wg_store_q<HD>(sq, q, 0);
-    wg_load_q<HD>(q, 1, a.qkv, a.row_stride, tok0, ntok, g, group);
-    wg_store_q<HD>(sq, q, 1);
+    const WgPrologue pro{key_at[0], table,   a.pool, kbeg,   kend,    a.block_size, a.row_stride,
+                         tok0,      ntok,    g,      group,  block_e, col,          kvd,
+                         part_e};
+    wg_prologue<HD>(sq, skv, a.qkv, pro);
 
     float o[2][HD / 8][4];
     float m[2][2], l[2][2];  // log2 units
@@ -406,7 +446,7 @@ __device__ void wg_piece(const WgArgs<O>& a, const WgPiece& pc, unsigned char* s
         wg_touch(o[0]);
         wg_touch(o[1]);
     }
-    if (pc.parts > 1 && !wg_finish_part<O, HD>(a, pc, o, m, l)) return;
+    if (pc.parts > 1 && !wg_finish_part<WgArgs<O, QT>, HD>(a, pc, o, m, l)) return;
 
     const TileOut dst{tok0, g, group, a.nq, a.lo_off};
 #pragma unroll
@@ -420,8 +460,8 @@ __device__ void wg_piece(const WgArgs<O>& a, const WgPiece& pc, unsigned char* s
 
 // The launch: block b takes pieces sched[b] .. sched[b + 1] of the pieces after the gridDim.x + 1
 // offsets.
-template <typename O, int HD>
-__device__ void attention_prefill_wg_impl(const WgArgs<O>& a, const int* sched) {
+template <typename O, typename QT, int HD>
+__device__ void attention_prefill_wg_impl(const WgArgs<O, QT>& a, const int* sched) {
     extern __shared__ __align__(128) unsigned char wg_smem[];
     // [WG_ROWS][HD] of Q, then [stage][K or V][FA_BK][HD], swizzled, from a 1024-byte boundary
     // (the swizzle is of address bits; the launch adds 1024 bytes for the rounding).
@@ -432,28 +472,31 @@ __device__ void attention_prefill_wg_impl(const WgArgs<O>& a, const int* sched) 
     for (int i = sched[blockIdx.x]; i < end; ++i) {
         const int* p = pieces + (long long)i * WG_PIECE_INTS;
         const WgPiece pc{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
-        wg_piece<O, HD>(a, pc, sq, skv);
+        wg_piece<O, QT, HD>(a, pc, sq, skv);
     }
 }
 
-#define ATTENTION_PREFILL_WG(NAME, O, HD)                                                                       \
+#define ATTENTION_PREFILL_WG(NAME, O, QT, HD)                                                                   \
     extern "C" __global__ void __launch_bounds__(128, 2)                                                       \
-        NAME(O* out, const float* qkv, int row_stride, const e16_t* pool, const int* tables,                   \
+        NAME(O* out, const QT* qkv, int row_stride, const e16_t* pool, const int* tables,                      \
              const int* table_start, const int* positions, const int* lo_pos, const int* sched, int nq, int nkv, \
              int group, int block_size, int layer, int num_layers, float scale, long long lo_off, float* states, \
              int* counts) {                                                                                    \
         GRID_DEPENDENCY_SYNC();                                                                                \
-        const WgArgs<O> a{out,   qkv,        pool,       tables, table_start, positions, lo_pos, row_stride, \
-                          nq,    nkv,        group,      block_size, layer, num_layers, scale, lo_off,      \
-                          states, counts};                                                                     \
-        attention_prefill_wg_impl<O, HD>(a, sched);                                                            \
+        const WgArgs<O, QT> a{out,   qkv,        pool,       tables, table_start, positions, lo_pos, row_stride, \
+                              nq,    nkv,        group,      block_size, layer, num_layers, scale, lo_off,      \
+                              states, counts};                                                                 \
+        attention_prefill_wg_impl<O, QT, HD>(a, sched);                                                        \
     }
 
 // head_dim 128 only so far (the shape the GPU checks cover); head_dim 64 keeps mma.sync.
-ATTENTION_PREFILL_WG(attention_prefill_wg_f32_hd128, float, 128)
-ATTENTION_PREFILL_WG(attention_prefill_wg_bf16_hd128, e16_t, 128)
+ATTENTION_PREFILL_WG(attention_prefill_wg_f32_hd128, float, float, 128)
+ATTENTION_PREFILL_WG(attention_prefill_wg_bf16_hd128, e16_t, float, 128)
 #ifdef TANDEM_HALF_KV
-ATTENTION_PREFILL_WG(attention_prefill_wg_b16_hd128, b16_t, 128)
+ATTENTION_PREFILL_WG(attention_prefill_wg_b16_hd128, b16_t, float, 128)
+#else
+// Q from the 16-bit rows of qk_norm_rope_kv_tokens_q16_bf16 (prefill steps without decode rows).
+ATTENTION_PREFILL_WG(attention_prefill_wg_q16_bf16_hd128, e16_t, e16_t, 128)
 #endif
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL && !TANDEM_FP8_KV

@@ -155,12 +155,24 @@ __device__ __forceinline__ void store_kv_head(T* pool, long long at, int lane, i
 // store of each head per lane, against four of each in the general form. `src` is the row read
 // (`row` itself, or its 16-bit form); the rotated heads are written to `row`, the k heads only
 // when it is also the row read.
-template <typename T, typename I>
-__device__ void qk_norm_rope_tokens_hd128(const I* src, float* row, int t, int nq, int nkv, int heads,
+// A rotated head's four values of a lane into its row: f32, or rounded to the 16-bit element.
+__device__ __forceinline__ void store_head4(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+__device__ __forceinline__ void store_head4(e16_t* p, float a, float b, float c, float d) {
+    const e16_t h0 = f32_to_e16(a), h1 = f32_to_e16(b), h2 = f32_to_e16(c), h3 = f32_to_e16(d);
+    *reinterpret_cast<uint2*>(p) =
+        make_uint2((unsigned int)h0 | ((unsigned int)h1 << 16), (unsigned int)h2 | ((unsigned int)h3 << 16));
+}
+
+template <typename T, typename I, typename R>
+__device__ void qk_norm_rope_tokens_hd128(const I* src, R* row, int t, int nq, int nkv, int heads,
                                           const float* inv_freq, const float* q_norm, const float* k_norm, float eps,
                                           T* pool, const int* token_block, const int* positions, int block_size,
                                           int layer, int num_layers, long long in_lo) {
-    const bool in_place = (const void*)src == (const void*)row;
+    // 16-bit rows written in place take the q heads back alone (the k and v heads live in the
+    // pool); f32 rows in place take the k heads too.
+    const bool k_back = (const void*)src == (const void*)row && sizeof(R) == sizeof(float);
     const int lane = threadIdx.x & 31;
     const int e = 4 * lane;
     // sin and cos of this lane's four rotation angles (j = e mod 64), once for the token.
@@ -172,7 +184,7 @@ __device__ void qk_norm_rope_tokens_hd128(const I* src, float* row, int t, int n
     const float sign = lane < 16 ? -1.0f : 1.0f;
     const int warps = blockDim.x >> 5;
     for (int h = threadIdx.x >> 5; h < heads; h += warps) {
-        float* v = row + (long long)h * 128;
+        R* v = row + (long long)h * 128;
         const I* sv = src + (long long)h * 128;
         float4 q = load_head4(sv + e);
         if (in_lo != 0) {
@@ -198,7 +210,7 @@ __device__ void qk_norm_rope_tokens_hd128(const I* src, float* row, int t, int n
                 const float partner = __shfl_xor_sync(0xffffffffu, o[i], 16);
                 o[i] = o[i] * cs[i] + sign * partner * sn[i];
             }
-            if (h < nq || in_place) *reinterpret_cast<float4*>(v + e) = make_float4(o[0], o[1], o[2], o[3]);
+            if (h < nq || k_back) store_head4(v + e, o[0], o[1], o[2], o[3]);
         }
         if (pool != nullptr && h >= nq) {  // a k or v head: its row in the pool
             const KvHeadAt kv = kv_head_at<T>(token_block, positions, t, h - nq, nkv, 128, block_size, layer, num_layers);
@@ -217,7 +229,7 @@ __device__ void qk_norm_rope_tokens_impl(const I* src, float* qkv, int row_strid
     const int t = blockIdx.x;
     const bool in_place = (const void*)src == (const void*)qkv;
     if (head_dim == 128 && row_stride % 4 == 0 && in_lo % 4 == 0) {
-        qk_norm_rope_tokens_hd128<T, I>(src + (long long)t * row_stride, qkv + (long long)t * row_stride, t, nq,
+        qk_norm_rope_tokens_hd128<T, I, float>(src + (long long)t * row_stride, qkv + (long long)t * row_stride, t, nq,
                                         nkv, heads, inv_freq, q_norm, k_norm, eps, pool, token_block, positions,
                                         block_size, layer, num_layers, in_lo);
         return;
@@ -310,6 +322,22 @@ extern "C" __global__ void qk_norm_rope_tokens_f32(float* qkv, int row_stride, i
 QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_f32, float)
 QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_bf16, e16_t)
 QK_NORM_ROPE_KV_TOKENS(qk_norm_rope_kv_tokens_h16, h16_t)
+
+// qk_norm_rope_kv_tokens_q16_bf16: the same at head_dim 128 (row strides a multiple of 4), the
+// rotated q heads rounded back into 16-bit rows (`q16`: the launcher passes `src` itself) that
+// the warpgroup prefill attention reads its Q tiles from as they are.
+extern "C" __global__ void qk_norm_rope_kv_tokens_q16_bf16(const e16_t* src, e16_t* q16, int row_stride, int nq,
+                                                           int nkv, int heads, int head_dim, const int* positions,
+                                                           const float* inv_freq, const float* q_norm,
+                                                           const float* k_norm, float eps, e16_t* pool,
+                                                           const int* token_block, int block_size, int layer,
+                                                           int num_layers) {
+    GRID_DEPENDENCY_SYNC();
+    const long long at = (long long)blockIdx.x * row_stride;
+    qk_norm_rope_tokens_hd128<e16_t, e16_t, e16_t>(src + at, q16 + at, blockIdx.x, nq, nkv, heads, inv_freq, q_norm,
+                                                   k_norm, eps, pool, token_block, positions, block_size, layer,
+                                                   num_layers, 0);
+}
 
 // 16-bit rows in (`src`, never split), the q heads out to the f32 rows of `qkv`, K and V into a
 // pool of the program's 16-bit element.
