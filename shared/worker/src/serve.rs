@@ -222,7 +222,8 @@ pub async fn run_with_transfer(
     if let Err(e) = registration.deregister().await {
         tracing::warn!("deregistration failed (the entry will expire by TTL): {e}");
     }
-    drain(&cfg, &built, &sides).await;
+    let deregistered = Instant::now();
+    drain(&cfg, &built, &sides, deregistered).await;
     server_shutdown.trigger();
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     built.engine.shutdown();
@@ -506,24 +507,44 @@ pub(crate) fn spawn_server(
     Ok((server_shutdown, server))
 }
 
+/// How long a draining worker keeps its server up after deregistering, refusing new requests
+/// with UNAVAILABLE (which routers retry on another worker): routers learn of the
+/// deregistration through their discovery watch, and a request one of them sent before that
+/// must meet a refusal, not a connection closing under it (a compose scale-down under load lost
+/// one request in 199 that way).
+const DEREGISTRATION_GRACE: Duration = Duration::from_secs(1);
+
 /// Waits until the engine has no request left and no hand-off is in flight (nothing may be
-/// left writing into a pool that goes away), or the drain deadline passes.
-async fn drain(cfg: &WorkerConfig, built: &BuiltEngine, sides: &DisaggSides) {
+/// left writing into a pool that goes away) and [`DEREGISTRATION_GRACE`] has passed since
+/// `deregistered`, or the drain deadline passes.
+async fn drain(
+    cfg: &WorkerConfig,
+    built: &BuiltEngine,
+    sides: &DisaggSides,
+    deregistered: Instant,
+) {
     let deadline = Instant::now() + Duration::from_secs(cfg.runtime.drain_timeout_secs.into());
+    let grace_ends = deregistered + DEREGISTRATION_GRACE;
     loop {
         let handoffs = sides.handoffs();
-        match built.engine.stats().await {
-            Ok(s) if s.running + s.waiting == 0 && !handoffs => break,
-            Ok(s) if Instant::now() >= deadline => {
+        let Ok(s) = built.engine.stats().await else {
+            break;
+        };
+        let idle = s.running + s.waiting == 0 && !handoffs;
+        let now = Instant::now();
+        if idle && now >= grace_ends {
+            break;
+        }
+        if now >= deadline {
+            if !idle {
                 tracing::warn!(
                     running = s.running,
                     waiting = s.waiting,
                     "drain deadline passed; aborting the rest"
                 );
-                break;
             }
-            Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            Err(_) => break,
+            break;
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
