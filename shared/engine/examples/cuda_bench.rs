@@ -9,11 +9,15 @@
 //!   bandwidth limit: (weights + KV bytes read per step) / bandwidth over the step time;
 //!   kernel launches (ours + cuBLAS calls) per step;
 //! - prefill: the time of one sequence of n tokens, and its fraction of the GEMM limit
-//!   (the step's FLOPs, attention included, over the measured GEMM rate).
+//!   (the step's FLOPs, attention included, over the measured GEMM rate);
+//! - mixed steps (`--mixed 64,512`): each decode batch's step with one new sequence's prefill
+//!   chunk of that many tokens beside its rows (what a serving step that admits a prompt
+//!   runs), against the decode step alone at the same context: what a chunk adds to the
+//!   inter-token gap of every decoding sequence.
 //!
 //! `cuda_bench --model DIR [--batches 1,8,64,256] [--context 1024] [--prefill 512,2048,8192]
 //!  [--steps 32] [--mode bf16|f16|bf16x2] [--kv-dtype bf16|f16|f32] [--graphs 256]
-//!  [--profile 1]` prints one JSON object (the KV cache in the mode's own 16-bit type unless
+//!  [--profile 1] [--mixed 64,512]` prints one JSON object (the KV cache in the mode's own 16-bit type unless
 //!  `--kv-dtype` says otherwise;
 //!  `--graphs 0`: no CUDA graphs; `--profile 1`: one more step of each case run eagerly with
 //!  an event per launch, its GPU time per kernel reported as `breakdown`).
@@ -133,6 +137,61 @@ mod bench {
             .collect())
     }
 
+    /// Median of 3 timed calls of `f` after one warm-up.
+    fn median_time(mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+        f()?;
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            f()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[1])
+    }
+
+    /// The decode step `decode` with a new sequence's prefill chunk of each of `chunks` tokens
+    /// beside it (its KV in blocks from `first_block` on, rewritten by every repeat), against
+    /// the decode step alone: the time each chunk adds to every decoding sequence's gap.
+    /// With `profile`, each row carries its step's GPU time per kernel.
+    fn mixed_steps(
+        gpu: &mut CudaBackend,
+        decode: &[SeqInput<'_>],
+        chunks: &[usize],
+        first_block: usize,
+        token: &dyn Fn(usize) -> u32,
+        profile: bool,
+    ) -> Res<Vec<Value>> {
+        let alone = median_time(|| gpu.forward_greedy(decode).map(|_| ()).map_err(e))?;
+        let mut rows = Vec::new();
+        for &n in chunks {
+            let tokens: Vec<u32> = (0..n).map(|p| token(p * 13 + 3)).collect();
+            let table: Vec<u32> =
+                (first_block as u32..(first_block + n.div_ceil(BLOCK)) as u32).collect();
+            let mut batch = decode.to_vec();
+            batch.push(SeqInput {
+                tokens: &tokens,
+                start_pos: 0,
+                block_table: &table,
+                logits: LogitsMode::Last,
+                media: Default::default(),
+            });
+            let with = median_time(|| gpu.forward_greedy(&batch).map(|_| ()).map_err(e))?;
+            let breakdown = if profile {
+                profiled(gpu, |g| g.forward_greedy(&batch).map(|_| ()).map_err(e))?
+            } else {
+                Value::Null
+            };
+            rows.push(json!({
+                "breakdown": breakdown,
+                "chunk_tokens": n, "step_ms": with * 1e3, "decode_alone_ms": alone * 1e3,
+                "added_ms": (with - alone) * 1e3,
+                "added_us_per_chunk_token": (with - alone) * 1e6 / n.max(1) as f64,
+            }));
+        }
+        Ok(rows)
+    }
+
     pub fn run() -> Res<()> {
         let mut model_dir = None;
         let mut mode = ComputeMode::Bf16;
@@ -146,6 +205,7 @@ mod bench {
             vec![512, 2048, 8192],
             32usize,
         );
+        let mut mixed: Vec<usize> = Vec::new();
         let mut a = std::env::args().skip(1);
         while let Some(k) = a.next() {
             let v = a.next().ok_or(format!("{k} needs a value"))?;
@@ -154,6 +214,7 @@ mod bench {
                 "--batches" => batches = list(&v)?,
                 "--context" => context = v.parse().map_err(|_| "--context: a number")?,
                 "--prefill" => prefills = list(&v)?,
+                "--mixed" => mixed = list(&v)?,
                 "--steps" => steps = v.parse().map_err(|_| "--steps: a number")?,
                 "--graphs" => graphs = v.parse().map_err(|_| "--graphs: a number")?,
                 "--profile" => profile = v != "0",
@@ -177,7 +238,15 @@ mod bench {
         let max_b = batches.iter().copied().max().unwrap_or(1);
         let per_seq = (context + steps + 8).div_ceil(BLOCK);
         let longest_prefill = prefills.iter().copied().max().unwrap_or(0);
-        let blocks = (max_b * per_seq).max(longest_prefill.div_ceil(BLOCK));
+        let longest_mixed = mixed.iter().copied().max().unwrap_or(0);
+        if longest_mixed + max_b > MAX_STEP_TOKENS {
+            return Err(format!(
+                "--mixed: a chunk of {longest_mixed} beside {max_b} decode rows exceeds a step's {MAX_STEP_TOKENS} tokens"
+            ));
+        }
+        // The mixed steps' chunk writes its KV after the decode sequences' blocks.
+        let blocks =
+            (max_b * per_seq + longest_mixed.div_ceil(BLOCK)).max(longest_prefill.div_ceil(BLOCK));
         let opts = CudaOptions {
             ordinal: 0,
             mode,
@@ -275,6 +344,8 @@ mod bench {
             } else {
                 Value::Null
             };
+            let mixed_rows =
+                mixed_steps(&mut gpu, &batch, &mixed, max_b * per_seq, &token, profile)?;
             let gs = gpu.graph_stats();
             let row = json!({
                 "graphs": {"captured": gs.captured, "refused": gs.refused, "replays": gs.replays,
@@ -287,6 +358,7 @@ mod bench {
                 "fraction_of_bandwidth_limit": limit_s / step_s,
                 "launches_per_step": launches,
                 "breakdown": breakdown,
+                "mixed": mixed_rows,
             });
             eprintln!("decode {row}");
             decode.push(row);
