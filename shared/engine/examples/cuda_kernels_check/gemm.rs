@@ -3,7 +3,7 @@
 use cudarc::driver::CudaSlice;
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
-use tandem_engine::backend::cuda::switches::SKINNY_GEMM_ENV;
+use tandem_engine::backend::cuda::switches::{GEMM_TUNING_ENV, SKINNY_GEMM_ENV};
 use tandem_engine::backend::cuda::{
     CudaDevice, DeviceMatrix, GemmRoute, GemvInput, GemvWeights, ResidualRows,
 };
@@ -13,25 +13,7 @@ use super::common::*;
 
 /// cuBLAS sgemm and bf16 GEMMs, the GEMV kernels and their fused norm / SiLU forms, and a refused type mix.
 pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
-    let Ctx { dev, rep, rng } = cx;
-    // GEMM (cuBLAS sgemm, the f32 mode) at decode and prefill row counts.
-    for (m, k, nn) in [(1, HIDDEN, ROW), (37, HIDDEN, 2 * IM), (37, IM, HIDDEN)] {
-        let x = rng.vec(m * k);
-        let wv = rng.vec(nn * k);
-        let mut want = vec![0.0f32; m * nn];
-        matmul_t(&x, m, k, MatRef::F32(&wv), nn, &mut want);
-        let dx = dev.upload(&x)?;
-        let dwm = DeviceMatrix::F32(dev.upload(&wv)?);
-        let mut dout = dev.zeros::<f32>(m * nn)?;
-        dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
-        rep.add(
-            "gemm_sgemm",
-            &format!("{m}x{k}x{nn}"),
-            &dev.download(&dout)?,
-            &want,
-            1e-3,
-        );
-    }
+    sgemms(cx, "")?;
     bf16_gemms(cx, ALL_ON)?;
     fused_gemvs(cx, ALL_ON)?;
     gemvs_f32_rows(cx, ALL_ON)?;
@@ -45,6 +27,46 @@ pub(crate) fn gemms(cx: &mut Ctx) -> Result<(), EngineError> {
         rep.flag("gemm", "mixed dtypes refused", refused, json!(refused));
     }
     Ok(())
+}
+
+/// GEMMs of f32 rows (cuBLAS sgemm, the f32 mode) at decode and prefill row counts.
+fn sgemms(cx: &mut Ctx, tag: &str) -> Result<(), EngineError> {
+    let Ctx { dev, rep, rng } = cx;
+    for (m, k, nn) in [(1, HIDDEN, ROW), (37, HIDDEN, 2 * IM), (37, IM, HIDDEN)] {
+        let x = rng.vec(m * k);
+        let wv = rng.vec(nn * k);
+        let mut want = vec![0.0f32; m * nn];
+        matmul_t(&x, m, k, MatRef::F32(&wv), nn, &mut want);
+        let dx = dev.upload(&x)?;
+        let dwm = DeviceMatrix::F32(dev.upload(&wv)?);
+        let mut dout = dev.zeros::<f32>(m * nn)?;
+        dev.matmul_t(&dx, m, k, &dwm, nn, &mut dout)?;
+        rep.add(
+            "gemm_sgemm",
+            &format!("{m}x{k}x{nn}{tag}"),
+            &dev.download(&dout)?,
+            &want,
+            1e-3,
+        );
+    }
+    Ok(())
+}
+
+/// The cuBLAS GEMMs again on a device that tunes them (`TANDEM_CUDA_GEMM_TUNING=on`: each
+/// shape class on the fastest of cublasGemmEx and cuBLASLt's candidates), their 16-bit and
+/// accumulating forms included; each case twice, bit-equal the second time.
+pub(crate) fn gemms_tuned(cx: &mut Ctx) -> Result<(), EngineError> {
+    std::env::set_var(GEMM_TUNING_ENV, "on");
+    let dev = CudaDevice::new(0);
+    std::env::remove_var(GEMM_TUNING_ENV);
+    let first = std::mem::replace(&mut cx.dev, dev?);
+    let pass = Pass {
+        tag: ", tuned",
+        gemvs_only: false,
+    };
+    let run = sgemms(cx, pass.tag).and_then(|()| bf16_gemms(cx, pass));
+    cx.dev = first;
+    run
 }
 
 /// Which device a pass of the small-row checks runs on.
@@ -106,7 +128,11 @@ fn bf16_gemms(cx: &mut Ctx, pass: Pass) -> Result<(), EngineError> {
         (13, 2048, 1001),
         (32, HIDDEN, 2 * IM),
         (64, HIDDEN, 2 * IM),
+        // Shapes of the classes just tuned (rows up to the same power of two): cuBLASLt's
+        // algorithm measured on 64 or 300 rows, checked for these.
+        (48, HIDDEN, 2 * IM),
         (300, IM, HIDDEN),
+        (260, IM, HIDDEN),
         (1100, 256, 96),
     ] {
         if pass.gemvs_only && m > 2 {

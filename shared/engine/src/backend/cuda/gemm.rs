@@ -4,6 +4,7 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use super::gemm_lt::{LtChoice, LtOperands, LtShape};
 use super::ops::Norm;
 use super::{check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix};
 use crate::error::EngineError;
@@ -127,8 +128,9 @@ impl CudaDevice {
         self.prefill_q16
     }
 
-    /// `cublasGemmEx` of checked operands into `out` (f32, or the 16-bit element), f32
-    /// accumulation; added to what `out` holds with [`Accumulate::Yes`].
+    /// A GEMM of checked operands into `out` (f32, or the 16-bit element), f32
+    /// accumulation; added to what `out` holds with [`Accumulate::Yes`]. Runs on cuBLASLt
+    /// where its shape measured faster there (`gemm_lt.rs`), else on `cublasGemmEx`.
     fn cublas_gemm<X: DeviceElem, O: DeviceElem>(
         &self,
         x: &CudaSlice<X>,
@@ -151,35 +153,86 @@ impl CudaDevice {
         };
         let (o_ptr, _go) = out.device_ptr_mut(stream);
         let x_type = X::cuda_type(self.e16);
+        let o_type = O::cuda_type(self.e16);
         // Column-major view: outᵀ (n×m) = w (k×n col-major, transposed) · xᵀ (k×m col-major).
-        // SAFETY: the pointers are live device buffers of the sizes the callers checked, on
-        // the handle's stream; w has x's element type (checked); alpha/beta are f32 as
-        // CUBLAS_COMPUTE_32F requires.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                ni,
-                mi,
-                ki,
-                (&alpha) as *const f32 as *const _,
-                w_ptr as *const _,
-                x_type,
-                ki,
-                x_ptr as *const _,
-                x_type,
-                ki,
-                (&beta) as *const f32 as *const _,
-                o_ptr as *mut _,
-                O::cuda_type(self.e16),
-                ni,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        let mut gemm_ex = || -> Result<(), EngineError> {
+            // SAFETY: the pointers are live device buffers of the sizes the callers checked,
+            // on the handle's stream; w has x's element type (checked); alpha/beta are f32 as
+            // CUBLAS_COMPUTE_32F requires.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    ni,
+                    mi,
+                    ki,
+                    (&alpha) as *const f32 as *const _,
+                    w_ptr as *const _,
+                    x_type,
+                    ki,
+                    x_ptr as *const _,
+                    x_type,
+                    ki,
+                    (&beta) as *const f32 as *const _,
+                    o_ptr as *mut _,
+                    o_type,
+                    ni,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| EngineError::Backend(format!("cuBLAS GemmEx: {e:?}")))
+        };
+        let accumulate = matches!(acc, Accumulate::Yes);
+        if let (Some(x_lt), Some(o_lt)) = (lt_type(x_type), lt_type(o_type)) {
+            let shape = LtShape {
+                m: mi,
+                n: ni,
+                k: ki,
+                x_type: x_lt,
+                out_type: o_lt,
+                accumulate,
+            };
+            if self.gemm_tuned(&shape, (w_ptr, x_ptr, o_ptr), &mut gemm_ex)? {
+                return Ok(());
+            }
         }
-        .map_err(|e| EngineError::Backend(format!("cuBLAS GemmEx: {e:?}")))?;
-        Ok(())
+        gemm_ex()
+    }
+
+    /// Runs a GEMM of `shape` over the (weights, rows, output) addresses on cuBLASLt where
+    /// its tuned plan says so (true); false where `cublasGemmEx` is the plan or tuning is off.
+    fn gemm_tuned(
+        &self,
+        shape: &LtShape,
+        (w, x, out): (u64, u64, u64),
+        gemm_ex: &mut dyn FnMut() -> Result<(), EngineError>,
+    ) -> Result<bool, EngineError> {
+        let Some(tuner) = &self.lt else {
+            return Ok(false);
+        };
+        let (workspace, _guard) = self.blas_workspace.device_ptr(&self.stream);
+        let operands = LtOperands {
+            w,
+            x,
+            out,
+            workspace,
+            workspace_bytes: super::BLAS_WORKSPACE_BYTES,
+        };
+        Ok(tuner.gemm(shape, &operands, &self.stream, gemm_ex)? == LtChoice::Lt)
+    }
+}
+
+/// cuBLASLt's name for a cuBLAS data type the backend's GEMMs use (None: another).
+fn lt_type(t: cudarc::cublas::sys::cudaDataType) -> Option<cudarc::cublaslt::sys::cudaDataType> {
+    use cudarc::cublas::sys::cudaDataType as B;
+    use cudarc::cublaslt::sys::cudaDataType as L;
+    match t {
+        B::CUDA_R_32F => Some(L::CUDA_R_32F),
+        B::CUDA_R_16BF => Some(L::CUDA_R_16BF),
+        B::CUDA_R_16F => Some(L::CUDA_R_16F),
+        _ => None,
     }
 }
 

@@ -29,6 +29,7 @@ pub mod backend;
 mod cluster_launch;
 mod forward;
 mod gemm;
+mod gemm_lt;
 mod graphs;
 pub mod kernels;
 pub mod ops;
@@ -88,6 +89,7 @@ pub fn check_libraries() -> Result<(), EngineError> {
             ("libcuda (driver)", cudarc::driver::sys::is_culib_present()),
             ("libnvrtc", cudarc::nvrtc::sys::is_culib_present()),
             ("libcublas", cudarc::cublas::sys::is_culib_present()),
+            ("libcublasLt", cudarc::cublaslt::sys::is_culib_present()),
         ]
     };
     let missing: Vec<&str> = present
@@ -305,8 +307,11 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    /// cuBLAS's workspace (see BLAS_WORKSPACE_BYTES); dropped after `blas` (field order).
-    #[allow(dead_code)]
+    /// cuBLASLt and the GEMM algorithms measured per shape ([`switches::GEMM_TUNING_ENV`]);
+    /// None keeps `cublasGemmEx`. Dropped before the workspace it uses (field order).
+    lt: Option<gemm_lt::LtTuner>,
+    /// cuBLAS's workspace (see BLAS_WORKSPACE_BYTES), also cuBLASLt's; dropped after `blas`
+    /// and `lt` (field order).
     blas_workspace: CudaSlice<u8>,
     funcs: HashMap<String, CudaFunction>,
     /// Attention instances compiled on first use (see kernels::AttentionInstance).
@@ -401,10 +406,16 @@ impl CudaDevice {
         // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let (blas, blas_workspace) = blas_with_workspace(&stream)?;
+        let lt = if switches::gemm_tuning()? {
+            Some(gemm_lt::LtTuner::new()?)
+        } else {
+            None
+        };
         Ok(CudaDevice {
             ctx,
             stream,
             blas,
+            lt,
             blas_workspace,
             funcs,
             lazy_funcs: std::sync::Mutex::new(HashMap::new()),

@@ -1,7 +1,8 @@
 //! Environment switches of the CUDA backend, for comparisons on a GPU (each refuses unknown
 //! values): which attention kernels serve prefill chunks and decode rows, how the decode
 //! attention is split and staged, which GEMM serves steps of one or two rows, what cuBLAS's
-//! GEMMs do past the product, and whether decode graphs use programmatic dependent launch. Variants that measured slower and had no
+//! GEMMs do past the product and whether their algorithms are tuned per shape, and whether
+//! decode graphs use programmatic dependent launch. Variants that measured slower and had no
 //! other use are gone (git history keeps their code and A/Bs: the decode-step fusions of
 //! `TANDEM_CUDA_DECODE_FUSION`, the two-row early GEMV weights, `TANDEM_CUDA_L2_PREFETCH`);
 //! each kept non-default value says why it stays.
@@ -204,6 +205,19 @@ pub const SKINNY_GEMM_ENV: &str = "TANDEM_CUDA_SKINNY_GEMM";
 
 pub(super) fn skinny_gemm() -> Result<bool, EngineError> {
     choice(SKINNY_GEMM_ENV, &[("on", true), ("off", false)])
+}
+
+/// `TANDEM_CUDA_GEMM_TUNING`: `off` (the default: every GEMM cuBLAS serves runs
+/// `cublasGemmEx`, cuBLAS's first heuristic choice) or `on` (each such GEMM shape class is
+/// timed once on `cublasGemmEx` and on cuBLASLt's heuristic candidates, and runs on the
+/// fastest; see `gemm_lt.rs`). `on` is not the default because it has not been measured on a
+/// GPU yet: it was written in a session that was lent none; `cuda_kernels_check` runs the
+/// GEMM checks on a tuning device too, and the A/B is `TANDEM_CUDA_GEMM_TUNING=off|on
+/// cuda_bench`.
+pub const GEMM_TUNING_ENV: &str = "TANDEM_CUDA_GEMM_TUNING";
+
+pub(super) fn gemm_tuning() -> Result<bool, EngineError> {
+    choice(GEMM_TUNING_ENV, &[("off", false), ("on", true)])
 }
 
 /// `TANDEM_CUDA_GEMM_EPILOGUE`: what cuBLAS's GEMMs do past the product in the bf16 and f16
