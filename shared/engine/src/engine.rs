@@ -176,6 +176,15 @@ pub struct EngineStats {
     /// emitting — during which the backend's device is idle.
     #[serde(default)]
     pub forward_micros: u64,
+    /// The part of `step_micros` in marking the step's pieces computed, sampling on the host
+    /// and emitting the tokens (the rest outside `forward_micros` is scheduling and preparing
+    /// the backend's inputs and sampling plans).
+    #[serde(default)]
+    pub apply_micros: u64,
+    /// Time on the engine thread between steps while it had work (the commands it handled
+    /// there, such as admitting requests): outside `step_micros`, and the device idles too.
+    #[serde(default)]
+    pub between_steps_micros: u64,
 }
 
 pub struct Engine;

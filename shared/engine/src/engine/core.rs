@@ -4,7 +4,7 @@
 
 use std::sync::mpsc::TryRecvError;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -107,9 +107,16 @@ pub(super) struct Counters {
     preemptions: u64,
     /// Tokens at prompt positions that went through a forward pass, ever.
     prompt_tokens_computed: u64,
-    /// Time in steps that ran a forward pass, and in the backend's calls of those steps.
+    /// Time in steps that ran a forward pass, in the backend's calls of those steps, and in
+    /// their `apply` (marking pieces computed, sampling on the host, emitting).
     step_time: Duration,
     forward_time: Duration,
+    apply_time: Duration,
+    /// Time on the engine thread between one step's end and the next one's start while it
+    /// had work (commands handled between steps), and when the last step ended (None once
+    /// the thread has waited idle).
+    between_time: Duration,
+    last_step_end: Option<Instant>,
 }
 
 impl Counters {
@@ -137,6 +144,29 @@ impl Counters {
     /// The backend's forward call (with its sampling, when on the device) took `d`.
     pub(super) fn forward_took(&mut self, d: Duration) {
         self.forward_time += d;
+    }
+
+    /// A step's `apply` took `d`.
+    pub(super) fn apply_took(&mut self, d: Duration) {
+        self.apply_time += d;
+    }
+
+    /// A step starts at `now`: the time since the previous one ended counts as between
+    /// steps, unless the thread waited idle since.
+    pub(super) fn step_starts(&mut self, now: Instant) {
+        if let Some(end) = self.last_step_end.take() {
+            self.between_time += now.saturating_duration_since(end);
+        }
+    }
+
+    /// A step ended at `now`.
+    pub(super) fn step_ended(&mut self, now: Instant) {
+        self.last_step_end = Some(now);
+    }
+
+    /// The thread is about to wait for a command with nothing to do.
+    pub(super) fn idle(&mut self) {
+        self.last_step_end = None;
     }
 }
 
@@ -276,6 +306,7 @@ impl Core {
         loop {
             // Block while idle; otherwise take what has arrived and go on stepping.
             if self.sched.is_idle() {
+                self.counters.idle();
                 match rx.recv() {
                     Ok(cmd) => {
                         if !self.handle(cmd) {
@@ -305,6 +336,7 @@ impl Core {
             if !self.sched.is_idle() && !self.step() {
                 // Work exists but nothing can be scheduled (cannot happen with admission
                 // checks, but never spin): wait for a command to change the situation.
+                self.counters.idle();
                 match rx.recv() {
                     Ok(cmd) => {
                         if !self.handle(cmd) {
@@ -409,6 +441,8 @@ impl Core {
             queued_kv_tokens: queued.kv_tokens,
             step_micros: micros(self.counters.step_time),
             forward_micros: micros(self.counters.forward_time),
+            apply_micros: micros(self.counters.apply_time),
+            between_steps_micros: micros(self.counters.between_time),
         }
     }
 

@@ -34,6 +34,7 @@ impl Core {
     /// One step. Returns false when nothing could be scheduled.
     pub(super) fn step(&mut self) -> bool {
         let started = Instant::now();
+        self.counters.step_starts(started);
         let sch = self.sched.schedule();
         self.counters.scheduled(&sch);
         if sch.seqs.is_empty() {
@@ -57,11 +58,16 @@ impl Core {
         match self.forward_preparing_masks(&pieces) {
             Ok(result) => {
                 self.counters.prompt_tokens(prompt_tokens);
+                let applying = Instant::now();
                 self.apply(&pieces, &result);
+                self.counters.apply_took(applying.elapsed());
             }
             Err(e) => self.fail_step(&pieces, &e),
         }
-        self.counters.step_took(started.elapsed());
+        let ended = Instant::now();
+        self.counters
+            .step_took(ended.saturating_duration_since(started));
+        self.counters.step_ended(ended);
         true
     }
 

@@ -101,6 +101,11 @@ async fn stats_split_step_time_into_forward_and_the_engine_own() {
     assert_eq!(s.steps, 5);
     assert!(s.forward_micros >= 5 * 2_000, "{s:?}");
     assert!(s.step_micros >= s.forward_micros, "{s:?}");
+    // `apply` is part of the step outside the forward pass; a step's stop and the next
+    // one's start are not (one request alone: back to back, no waiting in between).
+    assert!(s.apply_micros > 0, "{s:?}");
+    assert!(s.step_micros >= s.forward_micros + s.apply_micros, "{s:?}");
+    assert!(s.between_steps_micros < s.forward_micros, "{s:?}");
 }
 
 #[tokio::test]
