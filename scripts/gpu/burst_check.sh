@@ -30,7 +30,7 @@ done
 engine_counters() { # file: the worker's tandem_engine_* counters, once they stop moving
     local prev= cur=
     for _ in $(seq 1 20); do
-        cur=$(curl -s "$wurl/metrics" | grep -E '^tandem_engine_(steps|step_microseconds|forward_microseconds|apply_microseconds|between_steps_microseconds)_total')
+        cur=$(curl -s "$wurl/metrics" | grep -E '^tandem_engine_(steps|step_microseconds|forward_microseconds|apply_microseconds|schedule_microseconds|between_steps_microseconds)_total')
         [ -n "$cur" ] && [ "$cur" = "$prev" ] && break
         prev=$cur
         sleep 0.6
@@ -67,7 +67,8 @@ if steps > 0:
     print(f"{sys.argv[2]}: engine {steps:.0f} steps, {step / steps / 1e3:.2f} ms per step, of which "
           f"forward {fwd / steps / 1e3:.2f} ms and the engine thread's own {(step - fwd) / steps / 1e3:.3f} ms "
           f"({(step - fwd) / step:.1%}): apply {d.get('tandem_engine_apply_microseconds_total', 0) / steps / 1e3:.3f} ms, "
-          f"scheduling and inputs {(step - fwd - d.get('tandem_engine_apply_microseconds_total', 0)) / steps / 1e3:.3f} ms; "
+          f"schedule {d.get('tandem_engine_schedule_microseconds_total', 0) / steps / 1e3:.3f} ms, "
+          f"other (inputs, plans) {(step - fwd - d.get('tandem_engine_apply_microseconds_total', 0) - d.get('tandem_engine_schedule_microseconds_total', 0)) / steps / 1e3:.3f} ms; "
           f"between steps {d.get('tandem_engine_between_steps_microseconds_total', 0) / steps / 1e3:.3f} ms")
 s, n = m.get("tandem_router_queue_wait_seconds_sum", 0), m.get("tandem_router_queue_wait_seconds_count", 0)
 ok = r["failed"] == 0 and r["succeeded"] == r["requests"] > 0

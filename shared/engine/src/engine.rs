@@ -181,6 +181,10 @@ pub struct EngineStats {
     /// the backend's inputs and sampling plans).
     #[serde(default)]
     pub apply_micros: u64,
+    /// The part of `step_micros` in the scheduler's `schedule` (the rest of the time before
+    /// the forward pass prepares the backend's inputs and sampling plans).
+    #[serde(default)]
+    pub schedule_micros: u64,
     /// Time on the engine thread between steps while it had work (the commands it handled
     /// there, such as admitting requests): outside `step_micros`, and the device idles too.
     #[serde(default)]

@@ -16,10 +16,12 @@ pub const PREEMPTIONS: &str = "dynamo_component_preemptions_total";
 pub const ENGINE_STEPS: &str = "tandem_engine_steps_total";
 pub const ENGINE_STEP_MICROS: &str = "tandem_engine_step_microseconds_total";
 pub const ENGINE_FORWARD_MICROS: &str = "tandem_engine_forward_microseconds_total";
-/// The steps' `apply` (marking pieces computed, host sampling, emitting) and the engine
-/// thread's time between busy steps (see `EngineStats::apply_micros`,
+/// The steps' `apply` (marking pieces computed, host sampling, emitting), their
+/// scheduling, and the engine thread's time between busy steps (see
+/// `EngineStats::apply_micros`, `EngineStats::schedule_micros`,
 /// `EngineStats::between_steps_micros`).
 pub const ENGINE_APPLY_MICROS: &str = "tandem_engine_apply_microseconds_total";
+pub const ENGINE_SCHEDULE_MICROS: &str = "tandem_engine_schedule_microseconds_total";
 pub const ENGINE_BETWEEN_STEPS_MICROS: &str = "tandem_engine_between_steps_microseconds_total";
 // The load report the planner scales on: its names live with the other component names.
 pub use tandem_runtime::metrics::names::component::{
@@ -68,6 +70,7 @@ pub fn spawn_gauges(engine: EngineHandle, instance_id: u64, shutdown: ShutdownTo
             metrics::counter!(ENGINE_STEP_MICROS, &label).absolute(s.step_micros);
             metrics::counter!(ENGINE_FORWARD_MICROS, &label).absolute(s.forward_micros);
             metrics::counter!(ENGINE_APPLY_MICROS, &label).absolute(s.apply_micros);
+            metrics::counter!(ENGINE_SCHEDULE_MICROS, &label).absolute(s.schedule_micros);
             metrics::counter!(ENGINE_BETWEEN_STEPS_MICROS, &label).absolute(s.between_steps_micros);
             let bs = s.block_size as f64;
             metrics::gauge!(QUEUED_PREFILL_TOKENS, &label).set(s.queued_prefill_tokens as f64);

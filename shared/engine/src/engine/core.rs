@@ -112,6 +112,8 @@ pub(super) struct Counters {
     step_time: Duration,
     forward_time: Duration,
     apply_time: Duration,
+    /// The part of `step_time` in the scheduler's `schedule`.
+    schedule_time: Duration,
     /// Time on the engine thread between one step's end and the next one's start while it
     /// had work (commands handled between steps), and when the last step ended (None once
     /// the thread has waited idle).
@@ -144,6 +146,11 @@ impl Counters {
     /// The backend's forward call (with its sampling, when on the device) took `d`.
     pub(super) fn forward_took(&mut self, d: Duration) {
         self.forward_time += d;
+    }
+
+    /// A step's schedule took `d`.
+    pub(super) fn schedule_took(&mut self, d: Duration) {
+        self.schedule_time += d;
     }
 
     /// A step's `apply` took `d`.
@@ -442,6 +449,7 @@ impl Core {
             step_micros: micros(self.counters.step_time),
             forward_micros: micros(self.counters.forward_time),
             apply_micros: micros(self.counters.apply_time),
+            schedule_micros: micros(self.counters.schedule_time),
             between_steps_micros: micros(self.counters.between_time),
         }
     }

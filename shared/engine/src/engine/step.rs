@@ -36,6 +36,7 @@ impl Core {
         let started = Instant::now();
         self.counters.step_starts(started);
         let sch = self.sched.schedule();
+        self.counters.schedule_took(started.elapsed());
         self.counters.scheduled(&sch);
         if sch.seqs.is_empty() {
             // A step that only preempted made room: the next one makes progress.

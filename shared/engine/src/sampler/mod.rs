@@ -75,10 +75,31 @@ impl SamplerState {
         *self.output_counts.entry(token).or_insert(0) += 1;
     }
 
-    /// Tokens sampled since the request (or its replay) started.
+    /// Tokens sampled since the request (or its replay) started. Walks the output counts:
+    /// where only a bound matters, [`SamplerState::generated_below`] stops early.
     pub fn num_generated(&self) -> usize {
         let all: usize = self.output_counts.values().map(|&c| c as usize).sum();
         all - self.replayed.min(all)
+    }
+
+    /// Whether fewer than `n` tokens were sampled since the request (or its replay) started:
+    /// `num_generated() < n`, reading at most `n + replayed` entries of the output counts
+    /// (none for `n == 0`), not all of them. Sampling asks this of every sequence at every
+    /// step (`min_tokens`); summing a long output's counts each time cost ~1 ms a step at 256
+    /// sequences.
+    pub fn generated_below(&self, n: usize) -> bool {
+        if n == 0 {
+            return false;
+        }
+        let bound = n.saturating_add(self.replayed);
+        let mut all = 0usize;
+        for &c in self.output_counts.values() {
+            all += c as usize;
+            if all >= bound {
+                return false;
+            }
+        }
+        true
     }
 }
 

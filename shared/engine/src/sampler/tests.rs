@@ -302,3 +302,24 @@ fn tiny_temperature_is_greedy_not_overflow() {
         assert_eq!(sample(&[1.0, 30.0, 2.0], &p, &mut st, &ctx).token, 1);
     }
 }
+
+/// `generated_below(n)` is `num_generated() < n` for every bound, with repeated tokens and
+/// with a replayed prefix that does not count.
+#[test]
+fn generated_below_agrees_with_num_generated() {
+    let greedy = SamplingParams::greedy();
+    let output = [5, 5, 9, 1, 5, 7, 9, 9, 2];
+    for replayed in [0, 3] {
+        let mut st = SamplerState::replayed(7, 0, &greedy, &output[..replayed]);
+        for &t in &output[replayed..] {
+            for n in 0..=output.len() + 2 {
+                assert_eq!(
+                    st.generated_below(n),
+                    st.num_generated() < n,
+                    "n {n}, replayed {replayed}, {st:?}"
+                );
+            }
+            st.record(t);
+        }
+    }
+}
