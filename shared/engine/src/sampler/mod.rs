@@ -35,23 +35,52 @@ pub use stop::{StopFeed, StopMatcher};
 /// The mutable per-sequence sampling state, exported with a request so another engine can
 /// continue it exactly.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "SamplerStateParts")]
 pub struct SamplerState {
     pub rng: Rng,
     /// How often each token occurs in the output (for frequency / presence penalties).
+    /// Change it through [`SamplerState::record`], which keeps the total in step.
     pub output_counts: BTreeMap<u32, u32>,
     /// Output tokens of those that an earlier engine generated (a migrated request's
     /// replay): penalised like the rest, not counted toward `min_tokens`, which (like
     /// `max_tokens`) then counts the tokens still to come.
     #[serde(default)]
     pub replayed: usize,
+    /// The sum of `output_counts`, kept by `record`: sampling asks how many tokens were
+    /// generated at every step of every sequence (`min_tokens`), and summing a long
+    /// output's counts each time cost ~1 ms a step at 256 sequences.
+    #[serde(skip)]
+    recorded: usize,
+}
+
+/// [`SamplerState`] as serialized: the total is recounted when read.
+#[derive(Deserialize)]
+struct SamplerStateParts {
+    rng: Rng,
+    output_counts: BTreeMap<u32, u32>,
+    #[serde(default)]
+    replayed: usize,
+}
+
+impl From<SamplerStateParts> for SamplerState {
+    fn from(p: SamplerStateParts) -> Self {
+        Self::from_parts(p.rng, p.output_counts, p.replayed)
+    }
 }
 
 impl SamplerState {
     pub fn new(seed: u64, index: u64) -> Self {
+        Self::from_parts(Rng::for_stream(seed, index), BTreeMap::new(), 0)
+    }
+
+    /// A state from its parts (another engine's export).
+    pub fn from_parts(rng: Rng, output_counts: BTreeMap<u32, u32>, replayed: usize) -> Self {
+        let recorded = output_counts.values().map(|&c| c as usize).sum();
         Self {
-            rng: Rng::for_stream(seed, index),
-            output_counts: BTreeMap::new(),
-            replayed: 0,
+            rng,
+            output_counts,
+            replayed,
+            recorded,
         }
     }
 
@@ -73,33 +102,12 @@ impl SamplerState {
 
     pub fn record(&mut self, token: u32) {
         *self.output_counts.entry(token).or_insert(0) += 1;
+        self.recorded += 1;
     }
 
-    /// Tokens sampled since the request (or its replay) started. Walks the output counts:
-    /// where only a bound matters, [`SamplerState::generated_below`] stops early.
+    /// Tokens sampled since the request (or its replay) started.
     pub fn num_generated(&self) -> usize {
-        let all: usize = self.output_counts.values().map(|&c| c as usize).sum();
-        all - self.replayed.min(all)
-    }
-
-    /// Whether fewer than `n` tokens were sampled since the request (or its replay) started:
-    /// `num_generated() < n`, reading at most `n + replayed` entries of the output counts
-    /// (none for `n == 0`), not all of them. Sampling asks this of every sequence at every
-    /// step (`min_tokens`); summing a long output's counts each time cost ~1 ms a step at 256
-    /// sequences.
-    pub fn generated_below(&self, n: usize) -> bool {
-        if n == 0 {
-            return false;
-        }
-        let bound = n.saturating_add(self.replayed);
-        let mut all = 0usize;
-        for &c in self.output_counts.values() {
-            all += c as usize;
-            if all >= bound {
-                return false;
-            }
-        }
-        true
+        self.recorded - self.replayed.min(self.recorded)
     }
 }
 

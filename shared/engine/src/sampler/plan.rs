@@ -165,7 +165,7 @@ pub(super) fn masked_ids<'a>(
     state: &SamplerState,
     ctx: &SampleContext<'a>,
 ) -> impl Iterator<Item = u32> + 'a {
-    let active = state.generated_below(params.min_tokens);
+    let active = state.num_generated() < params.min_tokens;
     let (eos, stop): (&[u32], &[u32]) = if active {
         (ctx.eos_token_ids, &params.stop_token_ids)
     } else {

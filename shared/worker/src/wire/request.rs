@@ -92,11 +92,11 @@ impl EngineIntoWire for SamplerState {
 impl EngineTryFromWire<pb::SamplerState> for SamplerState {
     fn try_from_wire(s: pb::SamplerState) -> Result<Self, WireError> {
         let rng = required(s.rng, "rng")?;
-        Ok(SamplerState {
-            rng: Rng::from_state([rng.s0, rng.s1, rng.s2, rng.s3]),
-            output_counts: s.output_counts.into_iter().collect(),
-            replayed: to_usize(s.replayed, "sampler.replayed")?,
-        })
+        Ok(SamplerState::from_parts(
+            Rng::from_state([rng.s0, rng.s1, rng.s2, rng.s3]),
+            s.output_counts.into_iter().collect(),
+            to_usize(s.replayed, "sampler.replayed")?,
+        ))
     }
 }
 
