@@ -34,6 +34,7 @@ mod lease;
 #[cfg(test)]
 mod media_tests;
 mod migrate;
+mod outbox;
 mod prefill;
 mod queue;
 mod requests;

@@ -494,7 +494,7 @@ impl Core {
             None => g.final_outputs(rid, self.tokenizer.as_deref(), &self.cfg.eos_token_ids),
         };
         for o in outputs {
-            let _ = tx.send(o);
+            self.outbox.push(tx, o);
         }
     }
 }

@@ -10,6 +10,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use super::beam::BeamGroups;
 use super::lease::{Leases, Reservation};
+use super::outbox::Outbox;
 use super::prefill::{BlockExport, PrefillCursors, PrefillEvent};
 use super::queue::{CommandQueue, CommandReceiver};
 use super::requests::{Entry, Requests, Sink};
@@ -194,6 +195,8 @@ pub(crate) struct Core {
     /// Beam groups by request id (see `beam.rs`).
     pub(super) beams: BeamGroups,
     pub(super) counters: Counters,
+    /// Outputs on their way to the requests' streams (see `outbox.rs`).
+    pub(super) outbox: Outbox,
 }
 
 pub(super) fn output(request_id: &str, index: usize) -> RequestOutput {
@@ -306,11 +309,14 @@ impl Core {
             prefills: PrefillCursors::new(),
             beams: BeamGroups::new(),
             counters: Counters::default(),
+            outbox: Outbox::new(),
         }
     }
 
     pub(crate) fn run(mut self, rx: CommandReceiver) {
         loop {
+            // What the last commands and step made goes to the streams now.
+            self.outbox.flush();
             // Block while idle; otherwise take what has arrived and go on stepping.
             if self.sched.is_idle() {
                 self.counters.idle();
@@ -340,9 +346,12 @@ impl Core {
                     }
                 }
             }
+            // (An abort's last output, before the step.)
+            self.outbox.flush();
             if !self.sched.is_idle() && !self.step() {
                 // Work exists but nothing can be scheduled (cannot happen with admission
                 // checks, but never spin): wait for a command to change the situation.
+                self.outbox.flush();
                 self.counters.idle();
                 match rx.recv() {
                     Ok(cmd) => {
@@ -557,7 +566,7 @@ impl Core {
         }
         match (self.requests.get(&rid).map(Entry::sink), &seq) {
             (Some(Sink::Stream(tx)), _) => {
-                let _ = tx.send(last);
+                self.outbox.push(tx, last);
             }
             (Some(Sink::Prefill(tx)), Some(seq)) => {
                 let _ = tx.send(PrefillEvent::Done {

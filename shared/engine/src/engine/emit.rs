@@ -84,7 +84,11 @@ impl Core {
             }
             None => {
                 let rid = o.request_id.clone();
-                if !self.requests.send_output(&rid, o) {
+                let sent = self
+                    .requests
+                    .stream_of(&rid)
+                    .is_some_and(|tx| self.outbox.push(tx, o));
+                if !sent {
                     // Nobody listens any more: stop spending compute on it.
                     self.abort(&rid);
                 }

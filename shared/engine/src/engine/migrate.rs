@@ -55,7 +55,7 @@ impl Core {
             let mut o = output(request_id, seq.index);
             o.finish_reason = Some(FinishReason::Migrated);
             o.usage = Some(usage(&seq));
-            let _ = tx.send(o);
+            self.outbox.push(tx, o);
         }
         Ok(RequestSnapshot {
             layout: self.backend.layout().clone(),

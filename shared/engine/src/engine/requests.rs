@@ -150,10 +150,15 @@ impl Requests {
 
     /// Sends an output on request `request_id`'s stream; false when it has none, or nobody
     /// listens any more.
-    pub(super) fn send_output(&self, request_id: &str, o: RequestOutput) -> bool {
+    /// The output stream of request `request_id` (None for a prefill-only request, or when
+    /// it is gone).
+    pub(super) fn stream_of(
+        &self,
+        request_id: &str,
+    ) -> Option<&tmpsc::UnboundedSender<RequestOutput>> {
         match self.by_id.get(request_id).map(Entry::sink) {
-            Some(Sink::Stream(tx)) => tx.send(o).is_ok(),
-            _ => false,
+            Some(Sink::Stream(tx)) => Some(tx),
+            _ => None,
         }
     }
 }
