@@ -3,6 +3,12 @@
 
 use tandem_config::{entry, Role};
 
+/// mimalloc: the engine thread allocates per sequence per step (outputs, detokenized text,
+/// step plans), and glibc's malloc spent a fifth of its time consolidating small freed
+/// chunks before each larger allocation (docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tandem_config::entry::init_logging();

@@ -4,6 +4,12 @@ use anyhow::Context;
 use clap::Parser;
 use tandem_mocker::args::{split, MockerArgs};
 
+/// mimalloc: the engine thread allocates per sequence per step (outputs, detokenized text,
+/// step plans), and glibc's malloc spent a fifth of its time consolidating small freed
+/// chunks before each larger allocation (docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The i-th of N consecutive ports, or 0 (ephemeral) for all.
 fn nth_port(base: u16, i: usize) -> anyhow::Result<u16> {
     if base == 0 {
