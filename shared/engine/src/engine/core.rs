@@ -383,8 +383,14 @@ impl Core {
                     self.abort(&id);
                 }
             }
+            // Answered once this engine's outputs so far have reached their streams: a
+            // caller that asks for stats after a step finds the step's outputs there (the
+            // mocker's virtual-clock replay relies on it).
             Command::Stats(reply) => {
-                let _ = reply.send(self.stats());
+                let stats = self.stats();
+                self.outbox.then(move || {
+                    let _ = reply.send(stats);
+                });
             }
             Command::Export { request_id, reply } => {
                 let _ = reply.send(self.export(&request_id));

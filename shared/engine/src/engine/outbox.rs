@@ -15,7 +15,14 @@ use tokio::sync::mpsc as tmpsc;
 use crate::request::RequestOutput;
 
 type Stream = tmpsc::UnboundedSender<RequestOutput>;
-type Batch = Vec<(Stream, RequestOutput)>;
+type Batch = Vec<Item>;
+
+/// An output for its stream, or work (a command's reply) that must happen after the outputs
+/// queued before it.
+enum Item {
+    Output(Stream, RequestOutput),
+    Then(Box<dyn FnOnce() + Send>),
+}
 
 pub(super) struct Outbox {
     pending: Batch,
@@ -58,8 +65,14 @@ impl Outbox {
         if stream.is_closed() {
             return false;
         }
-        self.pending.push((stream.clone(), o));
+        self.pending.push(Item::Output(stream.clone(), o));
         true
+    }
+
+    /// Runs `f` once every output queued so far has been sent (a reply that promises its
+    /// caller the outputs made before it, as `stats` does).
+    pub(super) fn then(&mut self, f: impl FnOnce() + Send + 'static) {
+        self.pending.push(Item::Then(Box::new(f)));
     }
 
     /// Hands what is queued to the sending thread (sends it here when that thread is gone).
@@ -100,18 +113,23 @@ impl Drop for Outbox {
 
 fn send_batches(batches: &mpsc::Receiver<Batch>, give_back: &mpsc::Sender<Batch>) {
     for mut batch in batches {
-        for (stream, o) in batch.drain(..) {
-            // A stream whose reader left meanwhile: the engine aborts it when it next sees
-            // the stream closed.
-            let _ = stream.send(o);
-        }
+        batch.drain(..).for_each(deliver);
         let _ = give_back.send(batch);
     }
 }
 
 fn send_all(batch: Batch) {
-    for (stream, o) in batch {
-        let _ = stream.send(o);
+    batch.into_iter().for_each(deliver);
+}
+
+fn deliver(item: Item) {
+    match item {
+        // A stream whose reader left meanwhile: the engine aborts it when it next sees the
+        // stream closed.
+        Item::Output(stream, o) => {
+            let _ = stream.send(o);
+        }
+        Item::Then(f) => f(),
     }
 }
 
@@ -144,6 +162,30 @@ mod tests {
         assert_eq!(seen, (0..50).collect::<Vec<_>>());
         for step in 0..50u32 {
             assert_eq!(b_rx.try_recv().map(|o| o.token_ids[0]), Ok(step));
+        }
+    }
+
+    #[test]
+    fn work_queued_after_outputs_runs_once_they_are_sent() {
+        let (tx, mut rx) = tmpsc::unbounded_channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let mut outbox = Outbox::new();
+        for step in 0..20u32 {
+            let mut o = output("a", 0);
+            o.token_ids.push(step);
+            assert!(outbox.push(&tx, o));
+            outbox.then({
+                let done_tx = done_tx.clone();
+                move || {
+                    let _ = done_tx.send(step);
+                }
+            });
+            outbox.flush();
+        }
+        for step in 0..20u32 {
+            assert_eq!(done_rx.recv().ok(), Some(step));
+            // The step's output was sent before the work ran.
+            assert_eq!(rx.try_recv().map(|o| o.token_ids[0]), Ok(step));
         }
     }
 
