@@ -26,37 +26,40 @@ enum Item {
 
 pub(super) struct Outbox {
     pending: Batch,
-    /// The sending thread's queue (None once closed, or when the thread could not start:
-    /// outputs are then sent here).
-    to_sender: Option<mpsc::Sender<Batch>>,
-    sender: Option<JoinHandle<()>>,
-    /// Emptied batches the sending thread gives back, so a step's queue reuses its memory.
-    spare: Option<mpsc::Receiver<Batch>>,
+    /// The sending thread (None once closed, or when it could not start: outputs are then
+    /// sent here).
+    sender: Option<SenderThread>,
+}
+
+/// The thread that sends the batches, its queue, and the emptied batches it gives back so a
+/// step's queue reuses their memory.
+struct SenderThread {
+    queue: mpsc::Sender<Batch>,
+    handle: JoinHandle<()>,
+    spare: mpsc::Receiver<Batch>,
 }
 
 impl Outbox {
     pub(super) fn new() -> Self {
-        let (to_sender, batches) = mpsc::channel::<Batch>();
+        let (queue, batches) = mpsc::channel::<Batch>();
         let (give_back, spare) = mpsc::channel::<Batch>();
-        let sender = std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("tandem-engine-out".into())
             .spawn(move || send_batches(&batches, &give_back));
-        match sender {
-            Ok(handle) => Self {
-                pending: Vec::new(),
-                to_sender: Some(to_sender),
-                sender: Some(handle),
-                spare: Some(spare),
-            },
+        let sender = match spawned {
+            Ok(handle) => Some(SenderThread {
+                queue,
+                handle,
+                spare,
+            }),
             Err(e) => {
                 tracing::warn!("cannot start the engine's output thread ({e}): the engine thread sends its outputs itself");
-                Self {
-                    pending: Vec::new(),
-                    to_sender: None,
-                    sender: None,
-                    spare: None,
-                }
+                None
             }
+        };
+        Self {
+            pending: Vec::new(),
+            sender,
         }
     }
 
@@ -81,13 +84,13 @@ impl Outbox {
             return;
         }
         let next = self
-            .spare
+            .sender
             .as_ref()
-            .and_then(|s| s.try_recv().ok())
+            .and_then(|s| s.spare.try_recv().ok())
             .unwrap_or_default();
         let batch = std::mem::replace(&mut self.pending, next);
-        let batch = match &self.to_sender {
-            Some(tx) => match tx.send(batch) {
+        let batch = match &self.sender {
+            Some(s) => match s.queue.send(batch) {
                 Ok(()) => return,
                 Err(mpsc::SendError(batch)) => batch,
             },
@@ -102,8 +105,8 @@ impl Drop for Outbox {
     /// engine has stopped, every output it made has reached its stream.
     fn drop(&mut self) {
         self.flush();
-        self.to_sender = None;
-        if let Some(handle) = self.sender.take() {
+        if let Some(SenderThread { queue, handle, .. }) = self.sender.take() {
+            drop(queue);
             if handle.join().is_err() {
                 tracing::error!("the engine's output thread panicked");
             }
