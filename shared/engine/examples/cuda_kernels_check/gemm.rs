@@ -3,7 +3,7 @@
 use cudarc::driver::CudaSlice;
 use serde_json::json;
 use tandem_engine::backend::cpu_ops::{bf16_to_f32, matmul_t, MatRef};
-use tandem_engine::backend::cuda::switches::{GEMM_TUNING_ENV, MID_GEMM_ENV, SKINNY_GEMM_ENV};
+use tandem_engine::backend::cuda::switches::{GEMM_TUNING_ENV, SKINNY_GEMM_ENV};
 use tandem_engine::backend::cuda::{
     CudaDevice, DeviceMatrix, GemmRoute, GemvInput, GemvWeights, ResidualRows,
 };
@@ -69,35 +69,6 @@ pub(crate) fn gemms_tuned(cx: &mut Ctx) -> Result<(), EngineError> {
     run
 }
 
-/// The bf16 GEMMs again on a device with `gemm_mid.cu` on (`TANDEM_CUDA_MID_GEMM=on`): 17–128
-/// rows, k split over clusters of up to 8 blocks, with its 16-bit and accumulating outputs;
-/// each case twice, bit-equal the second time. On a GPU with clusters the decode shapes must
-/// take it.
-pub(crate) fn gemms_mid(cx: &mut Ctx) -> Result<(), EngineError> {
-    std::env::set_var(MID_GEMM_ENV, "on");
-    let dev = CudaDevice::new(0);
-    std::env::remove_var(MID_GEMM_ENV);
-    let first = std::mem::replace(&mut cx.dev, dev?);
-    if cx.dev.cluster_capable() {
-        let w = DeviceMatrix::Bf16(cx.dev.zeros::<u16>(HIDDEN * 2048)?);
-        let route = cx.dev.gemm_route(128, HIDDEN, 2048, &w, GemvInput::Bf16);
-        let taken = matches!(route, GemmRoute::Mid { splits: 8 });
-        cx.rep.flag(
-            "gemm_bf16 (mid)",
-            "128x2048x1024 routed with 8 splits",
-            taken,
-            json!(format!("{route:?}")),
-        );
-    }
-    let pass = Pass {
-        tag: ", mid on",
-        gemvs_only: false,
-    };
-    let run = bf16_gemms(cx, pass);
-    cx.dev = first;
-    run
-}
-
 /// Which device a pass of the small-row checks runs on.
 #[derive(Clone, Copy)]
 pub(crate) struct Pass {
@@ -157,13 +128,6 @@ fn bf16_gemms(cx: &mut Ctx, pass: Pass) -> Result<(), EngineError> {
         (13, 2048, 1001),
         (32, HIDDEN, 2 * IM),
         (64, HIDDEN, 2 * IM),
-        // The decode projections of 64 sequences in bf16x2 (gemm_mid.cu where it is on: o and
-        // down split 8 ways, qkv 2), and ragged rows and columns.
-        (128, 2048, HIDDEN),
-        (128, IM, HIDDEN),
-        (128, HIDDEN, 4096),
-        (100, HIDDEN, 1001),
-        (17, 192, ROW),
         // Shapes of the classes just tuned (rows up to the same power of two): cuBLASLt's
         // algorithm measured on 64 or 300 rows, checked for these.
         (48, HIDDEN, 2 * IM),
@@ -193,7 +157,6 @@ fn bf16_gemms(cx: &mut Ctx, pass: Pass) -> Result<(), EngineError> {
         let label = match dev.gemm_route(m, nn, k, &dwm, GemvInput::Bf16) {
             GemmRoute::Gemv { .. } => "gemm_bf16 (gemv)",
             GemmRoute::Skinny { .. } => "gemm_bf16 (skinny)",
-            GemmRoute::Mid { .. } => "gemm_bf16 (mid)",
             GemmRoute::Cublas => "gemm_bf16",
         };
         if label != "gemm_bf16 (gemv)" {

@@ -65,7 +65,6 @@ fn run() -> Result<bool, tandem_engine::error::EngineError> {
     gemm::gemms(&mut cx)?;
     gemm::gemvs_without_skinny(&mut cx)?;
     gemm::gemms_tuned(&mut cx)?;
-    gemm::gemms_mid(&mut cx)?;
     split_inputs::split_inputs(&mut cx)?;
     elementwise::gather_and_bias(&mut cx)?;
     sampling::argmax_and_sampling(&mut cx)?;

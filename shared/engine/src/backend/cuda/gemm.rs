@@ -4,7 +4,6 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::cluster_launch::{ClusterConfig, RawParams};
 use super::gemm_lt::{LtChoice, LtOperands, LtShape};
 use super::ops::Norm;
 use super::{check_len, cuda_err, to_i32, CudaDevice, DeviceElem, DeviceMatrix};
@@ -40,16 +39,13 @@ impl CudaDevice {
             (DeviceMatrix::Bf16(ws), GemmRoute::Skinny { cols }) => {
                 self.gemm_skinny(x, ws, out, cols, (mi, ni, ki))
             }
-            (DeviceMatrix::Bf16(ws), GemmRoute::Mid { splits }) => {
-                self.gemm_mid(x, ws, out, MidOut::F32, splits, (mi, ni, ki))
-            }
             _ => self.cublas_gemm(x, w, out, (mi, ni, ki), Accumulate::No),
         }
     }
 
     /// [`Self::matmul_t`] writing its output rounded to the program's 16-bit element (still
-    /// accumulated in f32): for GEMMs cuBLAS or `gemm_mid.cu` runs ([`Self::gemm_writes_16`]),
-    /// whose consumers then read half the bytes; any other route is an error.
+    /// accumulated in f32): for GEMMs cuBLAS runs ([`Self::gemm_writes_16`]), whose consumers
+    /// then read half the bytes; any other route is an error.
     pub fn matmul_t_16<X: DeviceElem>(
         &self,
         x: &CudaSlice<X>,
@@ -61,18 +57,12 @@ impl CudaDevice {
     ) -> Result<(), EngineError> {
         let dims =
             self.cublas_16_dims::<X>("a 16-bit GEMM output", x.len(), w, out.len(), (m, n, k))?;
-        match (w, self.gemm_route(m, n, k, w, gemv_input::<X>())) {
-            (DeviceMatrix::Bf16(ws), GemmRoute::Mid { splits }) => {
-                self.gemm_mid(x, ws, out, MidOut::E16, splits, dims)
-            }
-            _ => self.cublas_gemm(x, w, out, dims, Accumulate::No),
-        }
+        self.cublas_gemm(x, w, out, dims, Accumulate::No)
     }
 
-    /// `out[m, n] += x[m, k] · w[n, k]ᵀ` (f32, the sum in the GEMM's epilogue): a projection
-    /// joining the residual stream without a separate add. Only where cuBLAS or `gemm_mid.cu`
-    /// runs the GEMM with 16-bit operands ([`Self::gemm_writes_16`]); anything else is an
-    /// error.
+    /// `out[m, n] += x[m, k] · w[n, k]ᵀ` (f32, the sum in cuBLAS's epilogue): a projection
+    /// joining the residual stream without a separate add. Only where cuBLAS runs the GEMM
+    /// with 16-bit operands ([`Self::gemm_writes_16`]); anything else is an error.
     pub fn matmul_t_add<X: DeviceElem>(
         &self,
         x: &CudaSlice<X>,
@@ -84,12 +74,7 @@ impl CudaDevice {
     ) -> Result<(), EngineError> {
         let what = "a GEMM adding into its output";
         let dims = self.cublas_16_dims::<X>(what, x.len(), w, out.len(), (m, n, k))?;
-        match (w, self.gemm_route(m, n, k, w, gemv_input::<X>())) {
-            (DeviceMatrix::Bf16(ws), GemmRoute::Mid { splits }) => {
-                self.gemm_mid(x, ws, out, MidOut::AddF32, splits, dims)
-            }
-            _ => self.cublas_gemm(x, w, out, dims, Accumulate::Yes),
-        }
+        self.cublas_gemm(x, w, out, dims, Accumulate::Yes)
     }
 
     /// The checked dimensions of a GEMM that only cuBLAS with 16-bit operands may run
@@ -104,7 +89,7 @@ impl CudaDevice {
     ) -> Result<(i32, i32, i32), EngineError> {
         if !self.gemm_writes_16::<X>(m, n, k, w) {
             return Err(EngineError::Backend(format!(
-                "{what} needs cuBLAS or gemm_mid and 16-bit operands; this GEMM of {m} {} rows over {} \
+                "{what} needs cuBLAS and 16-bit operands; this GEMM of {m} {} rows over {} \
                  weights runs {:?}",
                 X::SUFFIX,
                 w.elem_name(),
@@ -116,7 +101,7 @@ impl CudaDevice {
     }
 
     /// Whether [`Self::matmul_t_16`] takes `m` rows of `X` and `k` over `w` into `n` columns:
-    /// 16-bit operands on cuBLAS's route or `gemm_mid.cu`'s.
+    /// 16-bit operands on cuBLAS's route.
     pub fn gemm_writes_16<X: DeviceElem>(
         &self,
         m: usize,
@@ -126,10 +111,7 @@ impl CudaDevice {
     ) -> bool {
         X::SUFFIX != "f32"
             && matches!(w, DeviceMatrix::Bf16(_))
-            && matches!(
-                self.gemm_route(m, n, k, w, gemv_input::<X>()),
-                GemmRoute::Cublas | GemmRoute::Mid { .. }
-            )
+            && self.gemm_route(m, n, k, w, gemv_input::<X>()) == GemmRoute::Cublas
     }
 
     /// Whether steps round their qkv and gate_up GEMM outputs to 16 bits and add their o and
@@ -338,8 +320,6 @@ pub enum GemmRoute {
     Gemv { rows: usize, input: GemvInput },
     /// `gemm_skinny.cu`'s tensor-core GEMM with `cols` output columns per block.
     Skinny { cols: usize },
-    /// `gemm_mid.cu`'s tiled tensor-core GEMM, k split over clusters of `splits` blocks.
-    Mid { splits: usize },
     /// cuBLAS.
     Cublas,
 }
@@ -385,15 +365,9 @@ impl CudaDevice {
         if let Some(rows) = self.gemv_rows(m, k, input) {
             return GemmRoute::Gemv { rows, input };
         }
-        if input != GemvInput::Bf16 {
-            return GemmRoute::Cublas;
-        }
-        if let Some(cols) = self.skinny_cols(m, n, k) {
-            return GemmRoute::Skinny { cols };
-        }
-        match self.mid_splits(m, n, k) {
-            Some(splits) => GemmRoute::Mid { splits },
-            None => GemmRoute::Cublas,
+        match (input, self.skinny_cols(m, n, k)) {
+            (GemvInput::Bf16, Some(cols)) => GemmRoute::Skinny { cols },
+            _ => GemmRoute::Cublas,
         }
     }
 
@@ -501,116 +475,6 @@ impl CudaDevice {
         // are not stored.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching gemm_skinny"))?;
         Ok(())
-    }
-}
-
-/// Rows `gemm_mid.cu` takes: past the skinny GEMM's 16, up to one 128-row tile (decode of
-/// up to 64 sequences in bf16x2, 128 in bf16); larger steps stay on cuBLAS's larger tiles.
-const MID_ROWS: std::ops::RangeInclusive<usize> = (SKINNY_MAX_ROWS + 1)..=128;
-
-/// Output columns per `gemm_mid.cu` block (its MG_BN) and the k of one staged chunk (MG_BK).
-const MID_COLS: usize = 64;
-const MID_CHUNK: usize = 64;
-
-/// Widest output `gemm_mid.cu` takes: the decoder's projections; the lm_head (151,936 columns
-/// at the 0.6B shape: thousands of tiles, no room for splitting k) stays on cuBLAS.
-const MID_MAX_N: usize = 16_384;
-
-/// Most blocks of one tile's cluster (the portable cluster size).
-const MID_MAX_SPLITS: usize = 8;
-
-/// Threads per `gemm_mid.cu` block (MG_THREADS).
-const MID_THREADS: u32 = 256;
-
-/// Dynamic shared memory of a `gemm_mid.cu` block: a ring of 4 stages of a 128 × 64 tile of x
-/// and a 64 × 64 tile of weights, 16-bit (it later holds the block's partial f32 tile).
-pub(super) const MID_SMEM_BYTES: usize = 4 * (128 + MID_COLS) * MID_CHUNK * 2;
-
-/// The k split of `gemm_mid.cu` for `m` rows of `k` into `n` columns, if it takes the shape:
-/// the smallest power of two (at most 8, each slice whole chunks) whose blocks cover three
-/// quarters of the `sms` SMs — the o and down projections' 16 tiles split 8 ways, qkv's 64
-/// and gate_up's 96 two ways.
-fn mid_splits(m: usize, n: usize, k: usize, sms: usize, max: usize) -> Option<usize> {
-    if !MID_ROWS.contains(&m) || n > MID_MAX_N || !k.is_multiple_of(MID_CHUNK) {
-        return None;
-    }
-    let tiles = n.div_ceil(MID_COLS);
-    let mut splits = 1;
-    while splits < max.min(MID_MAX_SPLITS)
-        && tiles * splits * 4 < sms * 3
-        && k.is_multiple_of(MID_CHUNK * splits * 2)
-    {
-        splits *= 2;
-    }
-    Some(splits)
-}
-
-/// What a `gemm_mid.cu` launch does with its sums.
-#[derive(Clone, Copy)]
-enum MidOut {
-    /// Writes them, f32.
-    F32,
-    /// Adds them into the f32 output (the residual stream).
-    AddF32,
-    /// Writes them rounded to the program's 16-bit element.
-    E16,
-}
-
-impl MidOut {
-    fn kernel(self) -> &'static str {
-        match self {
-            MidOut::F32 => "gemm_mid_f32",
-            MidOut::AddF32 => "gemm_mid_add_f32",
-            MidOut::E16 => "gemm_mid_e16",
-        }
-    }
-}
-
-impl CudaDevice {
-    fn mid_splits(&self, m: usize, n: usize, k: usize) -> Option<usize> {
-        (self.mid_gemm && self.cluster_capable)
-            .then(|| mid_splits(m, n, k, self.sms, self.mid_max_splits))
-            .flatten()
-    }
-
-    /// `out[m, n] (=, +=) x[m, k] · w[n, k]ᵀ` by `gemm_mid.cu` (16-bit x and w; `O` is f32,
-    /// or the 16-bit element for [`MidOut::E16`]) with k split over clusters of `splits`
-    /// blocks; shapes checked by the caller.
-    fn gemm_mid<X: DeviceElem, O>(
-        &self,
-        x: &CudaSlice<X>,
-        w: &CudaSlice<u16>,
-        out: &mut CudaSlice<O>,
-        kind: MidOut,
-        splits: usize,
-        (m, n, k): (i32, i32, i32),
-    ) -> Result<(), EngineError> {
-        // Counted with its shape (the profile's breakdown tells the projections apart).
-        self.count_launch(|| format!("{} n={n} k={k} splits={splits}", kind.kernel()));
-        let f = self.loaded(kind.kernel())?;
-        let tiles = (n as usize).div_ceil(MID_COLS) as u32;
-        let row_tiles = (m as usize).div_ceil(128) as u32;
-        let cfg = ClusterConfig {
-            grid: (tiles, row_tiles, splits as u32),
-            block: MID_THREADS,
-            shared_mem_bytes: MID_SMEM_BYTES as u32,
-            cluster: (1, 1, splits as u32),
-        };
-        let kslice = k / splits as i32;
-        let mut p = RawParams::new();
-        p.slice(self, out)
-            .slice(self, x)
-            .slice(self, w)
-            .int(m)
-            .int(n)
-            .int(k)
-            .int(kslice);
-        // SAFETY: the parameters match gemm_mid_*'s (out, x, w, m, n, k, kslice); x holds
-        // m·k 16-bit elements, w n·k and out m·n of the kernel's output type (checked by the
-        // callers), k is a multiple of 64 · splits (mid_splits), so every 16-byte load of a
-        // chunk stays in its row; rows past m and columns past n are zero-filled and never
-        // stored; the cluster spans the grid's z, one block per slice of k.
-        unsafe { self.launch_clustered(f, &cfg, &mut p) }
     }
 }
 
@@ -756,30 +620,7 @@ fn check_norm_gemv_output<O: DeviceElem>(silu: bool, input: GemvInput) -> Result
 
 #[cfg(test)]
 mod tests {
-    use super::{gemv_rows, mid_splits, skinny_cols, GemvInput};
-
-    #[test]
-    fn mid_gemm_takes_17_to_128_rows_and_splits_k_to_fill_the_sms() {
-        // 132 SMs: o / down (16 tiles) split 8 ways, qkv (64) and gate_up (96) two ways.
-        assert_eq!(mid_splits(128, 1024, 2048, 132, 8), Some(8));
-        assert_eq!(mid_splits(128, 1024, 3072, 132, 8), Some(8));
-        assert_eq!(mid_splits(64, 4096, 1024, 132, 8), Some(2));
-        assert_eq!(mid_splits(17, 6144, 1024, 132, 8), Some(2));
-        // Enough tiles: no split; k of one chunk cannot split.
-        assert_eq!(mid_splits(128, 8192, 1024, 132, 8), Some(1));
-        assert_eq!(mid_splits(128, 1024, 64, 132, 8), Some(1));
-        // k of 3 chunks: no power-of-two split of whole chunks.
-        assert_eq!(mid_splits(128, 1024, 192, 132, 8), Some(1));
-        // Outside: 16 rows or fewer (the skinny GEMM), over 128, k not whole chunks, the
-        // lm_head's width.
-        assert_eq!(mid_splits(16, 1024, 1024, 132, 8), None);
-        assert_eq!(mid_splits(129, 1024, 1024, 132, 8), None);
-        assert_eq!(mid_splits(64, 1024, 1000, 132, 8), None);
-        assert_eq!(mid_splits(64, 151_936, 1024, 132, 8), None);
-        // A smaller cap (TANDEM_CUDA_MID_SPLITS).
-        assert_eq!(mid_splits(128, 1024, 2048, 132, 2), Some(2));
-        assert_eq!(mid_splits(128, 1024, 2048, 132, 1), Some(1));
-    }
+    use super::{gemv_rows, skinny_cols, GemvInput};
 
     #[test]
     fn skinny_gemm_takes_up_to_16_rows_of_whole_k_slices() {

@@ -50,7 +50,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("gemm_skinny.cu", include_str!("kernels/gemm_skinny.cu")),
-    ("gemm_mid.cu", include_str!("kernels/gemm_mid.cu")),
     ("vision.cu", include_str!("kernels/vision.cu")),
 ];
 
@@ -119,9 +118,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_norm_silu_early_xf32_m1",
     "gemm_skinny_n8",
     "gemm_skinny_n16",
-    "gemm_mid_f32",
-    "gemm_mid_add_f32",
-    "gemm_mid_e16",
     "vision_patches_f32",
     "vision_embed_f32",
     "layer_norm_f32",

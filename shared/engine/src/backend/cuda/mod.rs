@@ -329,10 +329,6 @@ pub struct CudaDevice {
     small_m_gemv: bool,
     /// 16-bit GEMMs of up to 16 rows on `gemm_skinny.cu` ([`switches::SKINNY_GEMM_ENV`]).
     skinny_gemm: bool,
-    /// 16-bit GEMMs of 17–128 rows on `gemm_mid.cu` ([`switches::MID_GEMM_ENV`]).
-    mid_gemm: bool,
-    /// The most blocks `gemm_mid.cu` splits k over ([`switches::MID_SPLITS_ENV`]).
-    mid_max_splits: usize,
     /// What cuBLAS's GEMMs do past the product in the 16-bit precisions
     /// ([`switches::GEMM_EPILOGUE_ENV`]).
     gemm_epilogue: bool,
@@ -430,8 +426,6 @@ impl CudaDevice {
             profile: std::sync::Mutex::new(None),
             small_m_gemv: switches::small_m_gemv_from_env()?,
             skinny_gemm: switches::skinny_gemm()?,
-            mid_gemm: switches::mid_gemm()?,
-            mid_max_splits: switches::mid_max_splits()?,
             gemm_epilogue: switches::gemm_epilogue()?,
             prefill_q16: switches::prefill_q16()?,
             pdl_capable,
@@ -729,13 +723,6 @@ fn load_functions(
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem_bytes(hd) as i32,
-            )
-            .map_err(cuda_err(&format!("sizing the shared memory of {name}")))?;
-        }
-        if name.starts_with("gemm_mid_") {
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                gemm::MID_SMEM_BYTES as i32,
             )
             .map_err(cuda_err(&format!("sizing the shared memory of {name}")))?;
         }

@@ -207,27 +207,6 @@ pub(super) fn skinny_gemm() -> Result<bool, EngineError> {
     choice(SKINNY_GEMM_ENV, &[("on", true), ("off", false)])
 }
 
-/// `TANDEM_CUDA_MID_GEMM`: `off` (the default) or `on`: 16-bit GEMMs of 17–128 rows (decode
-/// of 9–64 sequences in bf16x2, 17–128 in bf16) whose k splits in slices of 64 run
-/// `gemm_mid.cu` (a 128 × 64 tile per block, k split over a thread-block cluster, the first
-/// weights loaded before the PDL wait) instead of cuBLAS, on GPUs with clusters (sm_90+).
-pub const MID_GEMM_ENV: &str = "TANDEM_CUDA_MID_GEMM";
-
-pub(super) fn mid_gemm() -> Result<bool, EngineError> {
-    choice(MID_GEMM_ENV, &[("off", false), ("on", true)])
-}
-
-/// `TANDEM_CUDA_MID_SPLITS`: the most blocks `gemm_mid.cu` splits a tile's k over, `auto`
-/// (the default: 8, the portable cluster size) or 1, 2, 4 or 8 (for comparisons).
-pub const MID_SPLITS_ENV: &str = "TANDEM_CUDA_MID_SPLITS";
-
-pub(super) fn mid_max_splits() -> Result<usize, EngineError> {
-    choice(
-        MID_SPLITS_ENV,
-        &[("auto", 8), ("1", 1), ("2", 2), ("4", 4), ("8", 8)],
-    )
-}
-
 /// `TANDEM_CUDA_GEMM_TUNING`: `off` (the default: every GEMM cuBLAS serves runs
 /// `cublasGemmEx`, cuBLAS's first heuristic choice) or `on` (each such GEMM shape class is
 /// timed once on `cublasGemmEx` and on cuBLASLt's heuristic candidates, and runs on the
